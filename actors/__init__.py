@@ -1,0 +1,59 @@
+"""actors: a Monarch-style actor runtime on ZeroMQ, msgpack and asyncio.
+
+Actors subclass :class:`Actor` and expose ``@endpoint`` methods; each lives in
+its own process. ``this_host().spawn_procs(...)`` starts processes,
+``ProcMesh.spawn`` places actors on them, and endpoints are invoked with
+``call``, ``call_one``, ``choose``, ``broadcast`` or :func:`send`. Typed
+:class:`Port` channels carry streams between actors.
+"""
+
+from ._actor import Actor, Endpoint, current_rank, current_size, endpoint
+from ._errors import (
+    ActorDied,
+    ActorError,
+    ActorsError,
+    CallTimeout,
+    CodecError,
+    DecodeError,
+    EncodeError,
+    PortClosed,
+    SpawnError,
+)
+from ._future import Future
+from ._host import HostMesh, this_host
+from ._mesh import ActorMesh, MeshEndpoint, ProcMesh, send
+from ._port import Channel, Port, PortReceiver
+from ._supervision import Failure, add_failure_handler, remove_failure_handler
+from ._value_mesh import Point, ValueMesh
+
+__all__ = [
+    "Actor",
+    "ActorDied",
+    "ActorError",
+    "ActorMesh",
+    "ActorsError",
+    "CallTimeout",
+    "Channel",
+    "CodecError",
+    "DecodeError",
+    "EncodeError",
+    "Endpoint",
+    "Failure",
+    "Future",
+    "HostMesh",
+    "MeshEndpoint",
+    "Point",
+    "Port",
+    "PortClosed",
+    "PortReceiver",
+    "ProcMesh",
+    "SpawnError",
+    "ValueMesh",
+    "add_failure_handler",
+    "current_rank",
+    "current_size",
+    "endpoint",
+    "remove_failure_handler",
+    "send",
+    "this_host",
+]

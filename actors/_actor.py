@@ -1,0 +1,110 @@
+"""``Actor`` and ``@endpoint``: the user's side of an actor class.
+
+An actor is a plain class deriving from :class:`Actor`; its ``@endpoint``
+methods can be invoked from any process through an ``ActorMesh``. Async
+endpoints run as tasks on the actor's event loop (so several run
+concurrently); plain ``def`` endpoints run on a worker thread so they never
+freeze the process's message pump.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import inspect
+import types
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar, overload
+
+from ._value_mesh import Point
+
+__all__ = ["Actor", "Endpoint", "current_rank", "current_size", "endpoint"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Actor:
+    """Base class of actors. Override ``__cleanup__`` to release what the actor owns."""
+
+    async def __cleanup__(self, exc: BaseException | None) -> None:
+        """Called once when the actor stops (``exc`` is None for a normal stop)."""
+
+
+class Endpoint(Generic[F]):
+    """A method marked with ``@endpoint``: callable remotely through a mesh."""
+
+    def __init__(self, fn: F) -> None:
+        if not callable(fn):
+            raise TypeError("@endpoint decorates a method")
+        self.fn = fn
+        self.name = fn.__name__
+        self.is_async = inspect.iscoroutinefunction(fn)
+        self.__doc__ = fn.__doc__
+        self.__wrapped__ = fn
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> Endpoint[F]: ...
+    @overload
+    def __get__(self, obj: object, owner: type) -> F: ...
+    def __get__(self, obj: object | None, owner: type) -> Any:
+        if obj is None:
+            return self
+        return types.MethodType(self.fn, obj)
+
+
+@overload
+def endpoint(fn: F) -> Endpoint[F]: ...
+@overload
+def endpoint(fn: None = None, **options: Any) -> Callable[[F], Endpoint[F]]: ...
+def endpoint(fn: F | None = None, **options: Any) -> Any:
+    """Mark an actor method as an endpoint (``@endpoint`` or ``@endpoint(...)``)."""
+    unknown = set(options) - {"propagate", "explicit_response_port"}
+    if unknown:
+        raise TypeError(f"unknown endpoint option(s): {', '.join(sorted(unknown))}")
+    if options.get("explicit_response_port"):
+        raise NotImplementedError("explicit_response_port endpoints are not supported")
+    if fn is None:
+        return lambda f: Endpoint(f)
+    return Endpoint(fn)
+
+
+def endpoints_of(cls: type) -> dict[str, Endpoint[Any]]:
+    """Every endpoint an actor class defines or inherits, by name."""
+    found: dict[str, Endpoint[Any]] = {}
+    for klass in reversed(cls.__mro__):
+        for name, value in vars(klass).items():
+            if isinstance(value, Endpoint):
+                found[name] = value
+            elif name in found:
+                del found[name]
+    return found
+
+
+class ActorContext:
+    """Where the running code is: which actor, which rank, in which mesh shape."""
+
+    __slots__ = ("name", "rank", "extent")
+
+    def __init__(self, name: str, rank: int, extent: dict[str, int]) -> None:
+        self.name = name
+        self.rank = rank
+        self.extent = extent
+
+
+_context: contextvars.ContextVar[ActorContext | None] = contextvars.ContextVar("actors_context", default=None)
+
+
+def current_rank() -> Point:
+    """The rank of the actor whose code is running (rank 0 in the controller)."""
+    ctx = _context.get()
+    if ctx is None:
+        return Point(0, {"procs": 1})
+    return Point(ctx.rank, ctx.extent)
+
+
+def current_size() -> dict[str, int]:
+    """The extent of the mesh of the running actor (``{}`` in the controller)."""
+    ctx = _context.get()
+    return dict(ctx.extent) if ctx is not None else {}

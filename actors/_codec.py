@@ -1,0 +1,400 @@
+"""msgpack encoding of messages: plain values, tensors, dataclasses and handles.
+
+Decoding builds only plain values, tensors, registered handles (ports, meshes)
+and instances of dataclasses whose class is already loaded in this process. It
+never imports a module and never unpickles. Every decode is bounded in size and
+depth. Large tensors travel as separate zero-copy frames; small ones inline.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import msgpack
+
+# torch warns at import when NumPy is absent; the runtime never needs NumPy.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+import torch  # noqa: E402
+
+from . import _refs
+from ._errors import DecodeError, EncodeError
+
+__all__ = ["Decoder", "Encoder", "register_handle"]
+
+EXT_TUPLE = 1
+EXT_TENSOR = 2
+EXT_DATACLASS = 3
+EXT_HANDLE = 4
+EXT_DTYPE = 5
+
+#: Tensors at most this many bytes travel inside the payload rather than as a frame.
+INLINE_TENSOR_BYTES = 4096
+#: Deepest nesting of tuples, dataclasses and handles inside one message.
+MAX_DEPTH = 64
+#: Largest payload frame a receiver accepts.
+MAX_PAYLOAD_BYTES = 1 << 30
+
+# Tensors rebuilt over received frames are read-only memory from the socket's
+# point of view; torch warns about that once per process. The receiver owns
+# the frame, so the warning carries no information here.
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(dt).removeprefix("torch."): dt
+    for dt in (
+        torch.float64, torch.float32, torch.float16, torch.bfloat16,
+        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
+        torch.bool, torch.complex64, torch.complex128,
+    )
+}
+_DTYPE_NAMES = {dt: name for name, dt in _DTYPES.items()}
+
+
+class _Handle:
+    __slots__ = ("kind", "cls", "to_state", "from_state")
+
+    def __init__(self, kind: str, cls: type, to_state: Callable[[Any], Any], from_state: Callable[[Any], Any]):
+        self.kind, self.cls, self.to_state, self.from_state = kind, cls, to_state, from_state
+
+
+_handles_by_type: dict[type, _Handle] = {}
+_handles_by_kind: dict[str, _Handle] = {}
+
+
+def register_handle(
+    kind: str, cls: type, to_state: Callable[[Any], Any], from_state: Callable[[Any], Any]
+) -> None:
+    """Let instances of ``cls`` travel as ``to_state(obj)``, rebuilt by ``from_state``."""
+    handle = _Handle(kind, cls, to_state, from_state)
+    _handles_by_type[cls] = handle
+    _handles_by_kind[kind] = handle
+
+
+class _TensorBuffer:
+    """A zero-copy buffer over a contiguous CPU tensor that keeps it alive."""
+
+    @staticmethod
+    def of(tensor: torch.Tensor, nbytes: int) -> memoryview:
+        array = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
+        array._owner = tensor  # type: ignore[attr-defined]  # keep the storage alive
+        return memoryview(array).cast("B")
+
+
+def tensor_buffer(tensor: torch.Tensor) -> memoryview:
+    """A byte view over a contiguous CPU tensor's memory, keeping the tensor alive."""
+    return _TensorBuffer.of(tensor, tensor.numel() * tensor.element_size())
+
+
+class Encoder:
+    """Encodes values; collects out-of-band tensor frames and encoded handles.
+
+    One encoder per process is reused: call :meth:`reset` between messages
+    that go into different zmq messages.
+    """
+
+    def __init__(self) -> None:
+        self.frames: list[Any] = []
+        self.handles: list[Any] = []
+        self._depth = 0
+        self._packers: list[msgpack.Packer] = []
+        self._dataclass_refs: dict[type, tuple[str, tuple[str, ...]]] = {}
+
+    def reset(self) -> None:
+        self.frames = []
+        self.handles = []
+
+    def _packer(self) -> msgpack.Packer:
+        while len(self._packers) <= self._depth:
+            self._packers.append(
+                msgpack.Packer(default=self._default, use_bin_type=True, strict_types=True)
+            )
+        return self._packers[self._depth]
+
+    def encode(self, obj: Any) -> bytes:
+        """Pack ``obj``; tensor frames and handles accumulate on this encoder."""
+        depth = self._depth
+        try:
+            return self._packer().pack(obj)  # type: ignore[no-any-return]
+        except EncodeError:
+            raise
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise EncodeError(f"cannot encode value: {exc}") from exc
+        finally:
+            self._depth = depth
+
+    def _nested(self, obj: Any) -> bytes:
+        if self._depth >= MAX_DEPTH:
+            raise EncodeError(f"value nests deeper than {MAX_DEPTH} levels")
+        self._depth += 1
+        try:
+            return self._packer().pack(obj)  # type: ignore[no-any-return]
+        finally:
+            self._depth -= 1
+
+    def _default(self, obj: Any) -> Any:
+        cls = type(obj)
+        if cls is tuple:
+            return msgpack.ExtType(EXT_TUPLE, self._nested(list(obj)))
+        if isinstance(obj, torch.Tensor):
+            return msgpack.ExtType(EXT_TENSOR, self._nested(self._tensor(obj)))
+        handle = _handles_by_type.get(cls)
+        if handle is not None:
+            self.handles.append(obj)
+            return msgpack.ExtType(EXT_HANDLE, self._nested([handle.kind, handle.to_state(obj)]))
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            return msgpack.ExtType(EXT_DATACLASS, self._nested(self._dataclass(obj)))
+        if isinstance(obj, torch.dtype):
+            return msgpack.ExtType(EXT_DTYPE, _DTYPE_NAMES[obj].encode())
+        # Subclasses of plain containers (OrderedDict state_dicts, torch.Size,
+        # named tuples) travel as their base type.
+        if isinstance(obj, tuple):
+            return msgpack.ExtType(EXT_TUPLE, self._nested(list(obj)))
+        if isinstance(obj, dict):
+            return dict(obj)
+        if isinstance(obj, list):
+            return list(obj)
+        if isinstance(obj, bool):
+            return bool(obj)
+        if isinstance(obj, int):
+            return int(obj)
+        if isinstance(obj, float):
+            return float(obj)
+        if isinstance(obj, str):
+            return str(obj)
+        raise EncodeError(
+            f"cannot send a value of type {cls.__module__}.{cls.__qualname__}: "
+            "use plain values, tensors, dataclasses, ports or actor meshes"
+        )
+
+    def _dataclass(self, obj: Any) -> list[Any]:
+        cls = type(obj)
+        info = self._dataclass_refs.get(cls)
+        if info is None:
+            try:
+                ref = _refs.qualified_name(cls)
+            except TypeError as exc:
+                raise EncodeError(str(exc)) from None
+            if "<locals>" in ref:
+                raise EncodeError(f"dataclass {ref} is defined inside a function; receivers cannot find it")
+            names = tuple(f.name for f in dataclasses.fields(obj) if f.init)
+            info = self._dataclass_refs[cls] = (ref, names)
+        ref, names = info
+        return [ref, [getattr(obj, name) for name in names]]
+
+    def _tensor(self, tensor: torch.Tensor) -> list[Any]:
+        if tensor.device.type != "cpu":
+            raise EncodeError(
+                f"a {tensor.device.type} tensor cannot travel through a socket; "
+                "move it to the CPU or publish it with actors.weights"
+            )
+        if tensor.layout != torch.strided or tensor.is_quantized:
+            raise EncodeError(f"tensors with layout {tensor.layout} are not supported")
+        dtype = _DTYPE_NAMES.get(tensor.dtype)
+        if dtype is None:
+            raise EncodeError(f"tensor dtype {tensor.dtype} is not supported")
+        tensor = tensor.detach()
+        if tensor.is_conj():
+            tensor = tensor.resolve_conj()
+        if not tensor.is_contiguous():
+            tensor = tensor.contiguous()
+        shape = list(tensor.shape)
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes <= INLINE_TENSOR_BYTES:
+            data: Any = ctypes.string_at(tensor.data_ptr(), nbytes) if nbytes else b""
+        else:
+            data = len(self.frames)
+            self.frames.append(_TensorBuffer.of(tensor, nbytes))
+        return [dtype, shape, data]
+
+
+class Decoder:
+    """Decodes payloads produced by :class:`Encoder`, within fixed limits."""
+
+    def __init__(self, max_payload: int = MAX_PAYLOAD_BYTES) -> None:
+        self.max_payload = max_payload
+        self._frames: list[Any] = []
+        self._depth = 0
+        self._classes: dict[str, type] = {}
+
+    def _unpacker(self, size: int) -> msgpack.Unpacker:
+        limit = max(size, 1)
+        return msgpack.Unpacker(
+            ext_hook=self._ext_hook,
+            raw=False,
+            strict_map_key=False,
+            max_buffer_size=limit,
+            max_str_len=limit,
+            max_bin_len=limit,
+            max_array_len=limit,
+            max_map_len=limit,
+            max_ext_len=limit,
+        )
+
+    def decode_stream(self, payload: Any, frames: list[Any] | None = None) -> Iterator[Any]:
+        """Yield every value packed back to back in ``payload``."""
+        size = len(payload) if not isinstance(payload, memoryview) else payload.nbytes
+        if size > self.max_payload:
+            raise DecodeError(f"payload of {size} bytes exceeds the {self.max_payload}-byte limit")
+        self._frames = frames or []
+        self._depth = 0
+        unpacker = self._unpacker(size)
+        try:
+            unpacker.feed(payload)
+            for value in unpacker:
+                yield value
+            if unpacker.tell() != size:
+                raise DecodeError(f"truncated payload: {size - unpacker.tell()} bytes left undecoded")
+        except DecodeError:
+            raise
+        except (ValueError, TypeError, KeyError, IndexError, OverflowError, MemoryError, LookupError) as exc:
+            raise DecodeError(f"malformed payload: {type(exc).__name__}: {exc}") from None
+        finally:
+            self._frames = []
+
+    def decode_batch(self, payload: Any, frames: list[Any]) -> Iterator[tuple[Any, list[Any], int]]:
+        """Yield ``(message, its frames, its size in bytes)`` for a batch payload.
+
+        The payload alternates a frame count and a message; each message's
+        tensors index into its own run of ``frames``.
+        """
+        size = payload.nbytes if isinstance(payload, memoryview) else len(payload)
+        if size > self.max_payload:
+            raise DecodeError(f"payload of {size} bytes exceeds the {self.max_payload}-byte limit")
+        unpacker = self._unpacker(size)
+        offset = 0
+        position = 0
+        try:
+            unpacker.feed(payload)
+            while position < size:
+                count = unpacker.unpack()
+                if type(count) is not int or not 0 <= count <= len(frames) - offset:
+                    raise DecodeError(f"bad frame count {count!r:.40}")
+                run = frames[offset : offset + count]
+                offset += count
+                self._frames = run
+                self._depth = 0
+                message = unpacker.unpack()
+                end = unpacker.tell()
+                nbytes = end - position
+                for frame in run:
+                    nbytes += len(frame)
+                position = end
+                yield message, run, nbytes
+            if offset != len(frames):
+                raise DecodeError(f"{len(frames) - offset} buffer frames left unclaimed")
+        except msgpack.OutOfData:
+            raise DecodeError("truncated payload") from None
+        except DecodeError:
+            raise
+        except (ValueError, TypeError, KeyError, IndexError, OverflowError, MemoryError, LookupError) as exc:
+            raise DecodeError(f"malformed payload: {type(exc).__name__}: {exc}") from None
+        finally:
+            self._frames = []
+
+    def decode(self, payload: Any, frames: list[Any] | None = None) -> Any:
+        """Decode exactly one value."""
+        values = list(self.decode_stream(payload, frames))
+        if len(values) != 1:
+            raise DecodeError(f"expected one value, found {len(values)}")
+        return values[0]
+
+    def _nested(self, data: bytes) -> Any:
+        if self._depth >= MAX_DEPTH:
+            raise DecodeError(f"value nests deeper than {MAX_DEPTH} levels")
+        self._depth += 1
+        try:
+            unpacker = self._unpacker(len(data))
+            unpacker.feed(data)
+            value = unpacker.unpack()
+            if unpacker.tell() != len(data):
+                raise DecodeError("trailing bytes inside an extension record")
+            return value
+        except msgpack.OutOfData:
+            raise DecodeError("truncated extension record") from None
+        finally:
+            self._depth -= 1
+
+    def _ext_hook(self, code: int, data: bytes) -> Any:
+        if code == EXT_TUPLE:
+            items = self._nested(data)
+            if type(items) is not list:
+                raise DecodeError("tuple record does not hold a list")
+            return tuple(items)
+        if code == EXT_TENSOR:
+            return self._tensor(self._nested(data))
+        if code == EXT_DATACLASS:
+            return self._dataclass(self._nested(data))
+        if code == EXT_HANDLE:
+            record = self._nested(data)
+            if type(record) is not list or len(record) != 2 or type(record[0]) is not str:
+                raise DecodeError("malformed handle record")
+            handle = _handles_by_kind.get(record[0])
+            if handle is None:
+                raise DecodeError(f"unknown handle kind {record[0]!r}")
+            try:
+                return handle.from_state(record[1])
+            except DecodeError:
+                raise
+            except Exception as exc:
+                raise DecodeError(f"malformed {record[0]} handle: {exc}") from None
+        if code == EXT_DTYPE:
+            dtype = _DTYPES.get(bytes(data).decode("ascii", "replace"))
+            if dtype is None:
+                raise DecodeError("unknown dtype")
+            return dtype
+        raise DecodeError(f"unknown extension type {code}")
+
+    def _tensor(self, record: Any) -> torch.Tensor:
+        if type(record) is not list or len(record) != 3:
+            raise DecodeError("malformed tensor record")
+        dtype_name, shape, data = record
+        dtype = _DTYPES.get(dtype_name) if type(dtype_name) is str else None
+        if dtype is None:
+            raise DecodeError(f"unknown tensor dtype {dtype_name!r}")
+        if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape) or len(shape) > 32:
+            raise DecodeError("malformed tensor shape")
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        itemsize = _ITEMSIZE[dtype]
+        nbytes = numel * itemsize
+        if type(data) is int:
+            if not 0 <= data < len(self._frames):
+                raise DecodeError(f"tensor refers to missing frame {data}")
+            buffer = self._frames[data]
+            buffer = buffer.buffer if hasattr(buffer, "buffer") else memoryview(buffer)
+        elif type(data) is bytes:
+            buffer = data
+        else:
+            raise DecodeError("malformed tensor data")
+        size = buffer.nbytes if isinstance(buffer, memoryview) else len(buffer)
+        if size != nbytes:
+            raise DecodeError(f"tensor of shape {shape} needs {nbytes} bytes, frame holds {size}")
+        if numel == 0:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)
+
+    def _dataclass(self, record: Any) -> Any:
+        if type(record) is not list or len(record) != 2 or type(record[0]) is not str or type(record[1]) is not list:
+            raise DecodeError("malformed dataclass record")
+        ref, values = record
+        cls = self._classes.get(ref)
+        if cls is None:
+            try:
+                found = _refs.resolve(ref, allow_import=False)
+            except LookupError as exc:
+                raise DecodeError(f"refusing to build {ref}: {exc}") from None
+            if not isinstance(found, type) or not dataclasses.is_dataclass(found):
+                raise DecodeError(f"refusing to build {ref}: not a dataclass")
+            cls = self._classes[ref] = found
+        try:
+            return cls(*values)
+        except TypeError as exc:
+            raise DecodeError(f"cannot build {ref}: {exc}") from None
+
+
+_ITEMSIZE = {dt: torch.empty((), dtype=dt).element_size() for dt in _DTYPES.values()}

@@ -1,0 +1,114 @@
+"""The exception tree of the ``actors`` runtime, in one place.
+
+Every error the runtime raises on purpose derives from :class:`ActorsError`::
+
+    ActorsError
+    ├── ActorError          an endpoint (or a constructor) raised in the remote actor;
+    │   │                   carries the original type name, message and remote traceback
+    │   └── SpawnError      the actor could not be constructed (class not found, __init__ raised)
+    ├── ActorDied           the process hosting the actor is gone (killed, crashed, stopped)
+    ├── CallTimeout         a wait ran past its deadline (also a ``TimeoutError``)
+    ├── PortClosed          a port cannot deliver: its receiver is gone, a once-port was
+    │                       already used, or every sender of a receiver has died
+    └── CodecError          a value could not cross the wire
+        ├── EncodeError     the sender tried to send something the codec refuses
+        │                   (also a ``TypeError``)
+        └── DecodeError     a frame was malformed, over a limit, or named a type the
+                            receiver refuses to build (also a ``ValueError``)
+
+``Port.send`` with a value of the wrong type raises the built-in ``TypeError``
+at the sender, as Python code expects.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ActorDied",
+    "ActorError",
+    "ActorsError",
+    "CallTimeout",
+    "CodecError",
+    "DecodeError",
+    "EncodeError",
+    "PortClosed",
+    "SpawnError",
+]
+
+
+class ActorsError(Exception):
+    """Base class of every error raised by the runtime."""
+
+
+class ActorError(ActorsError):
+    """An exception raised inside a remote actor, re-raised at the caller.
+
+    ``exception_type`` is the qualified name of the original exception class,
+    ``remote_traceback`` the formatted traceback from the actor's process.
+    """
+
+    def __init__(
+        self,
+        exception_type: str,
+        message: str,
+        remote_traceback: str = "",
+        *,
+        actor: str = "",
+        rank: int | None = None,
+    ) -> None:
+        self.exception_type = exception_type
+        self.message = message
+        self.remote_traceback = remote_traceback
+        self.actor = actor
+        self.rank = rank
+        where = f" in actor {actor!r}" if actor else ""
+        if rank is not None:
+            where += f" (rank {rank})"
+        text = f"{exception_type}: {message}{where}"
+        if remote_traceback:
+            text += "\n\nRemote traceback:\n" + remote_traceback.rstrip()
+        super().__init__(text)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (
+            _rebuild_actor_error,
+            (type(self), self.exception_type, self.message, self.remote_traceback, self.actor, self.rank),
+        )
+
+
+def _rebuild_actor_error(
+    cls: type[ActorError], etype: str, message: str, tb: str, actor: str, rank: int | None
+) -> ActorError:
+    return cls(etype, message, tb, actor=actor, rank=rank)
+
+
+class SpawnError(ActorError):
+    """The actor could not be constructed in its process."""
+
+
+class ActorDied(ActorsError):
+    """The process hosting an actor has exited; its calls can never complete."""
+
+    def __init__(self, message: str, *, pid: int | None = None, actor: str = "") -> None:
+        self.pid = pid
+        self.actor = actor
+        super().__init__(message)
+
+
+class CallTimeout(ActorsError, TimeoutError):
+    """A call or wait ran past its deadline."""
+
+
+class PortClosed(ActorsError):
+    """A port can no longer deliver messages."""
+
+
+class CodecError(ActorsError):
+    """A value could not be encoded or decoded."""
+
+
+class EncodeError(CodecError, TypeError):
+    """The value holds something the wire format refuses to carry."""
+
+
+class DecodeError(CodecError, ValueError):
+    """A frame is malformed, exceeds a limit, or names a refused type."""

@@ -1,0 +1,95 @@
+"""``this_host()``: the local machine as a place to spawn actor processes."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from . import _refs
+from ._forkserver import forkserver
+from ._mesh import ProcMesh
+from ._runtime import runtime
+from ._worker import LOADING_MAIN
+
+__all__ = ["HostMesh", "this_host"]
+
+_indices = itertools.count()
+_mesh_names = itertools.count()
+
+
+def _main_module() -> list[str] | None:
+    """How a worker can load the launching script's ``__main__`` module."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and getattr(spec, "name", None) and spec.name != "__main__":
+        return ["module", spec.name]
+    path = getattr(main, "__file__", None)
+    if path and path.endswith(".py") and os.path.exists(path):
+        return ["path", os.path.abspath(path)]
+    return None
+
+
+class HostMesh:
+    """The local host. ``spawn_procs`` starts processes forked from a warm forkserver."""
+
+    def spawn_procs(
+        self,
+        per_host: dict[str, int] | None = None,
+        bootstrap: Callable[[], None] | None = None,
+        name: str | None = None,
+        *,
+        threads: int = 1,
+    ) -> ProcMesh:
+        """Start ``prod(per_host.values())`` processes; returns at once.
+
+        ``per_host`` names the mesh's dimensions (``{"procs": 4}``,
+        ``{"gpus": 8}``). ``bootstrap`` is a module-level function run in each
+        process before it serves. ``threads`` sets torch's intra-op threads
+        per process (1 keeps many processes from fighting over few cores).
+        """
+        if LOADING_MAIN[0]:
+            raise RuntimeError(
+                "spawn_procs() ran while an actor process was importing the launching script; "
+                "guard the script's entry point with `if __name__ == \"__main__\":`"
+            )
+        extent = dict(per_host or {"procs": 1})
+        if not extent or any(type(n) is not int or n < 1 for n in extent.values()):
+            raise ValueError(f"per_host must map dimension names to positive sizes, not {per_host!r}")
+        boot = _refs.qualified_name(bootstrap) if bootstrap is not None else None
+        if boot is not None and "<locals>" in boot:
+            raise TypeError("bootstrap must be a module-level function")
+        rt = runtime()
+        server = forkserver(rt)
+        mesh_name = name or f"procs{next(_mesh_names)}"
+        procs = []
+        for rank in range(math.prod(extent.values())):
+            index = next(_indices)
+            address = f"ipc://{rt.dir}/w{index}.sock"
+            ref = rt.proc(address, None)
+            config: dict[str, Any] = {
+                "name": f"{mesh_name}.{rank}",
+                "address": address,
+                "owner_address": rt.address,
+                "owner_pid": rt.pid,
+                "rank": rank,
+                "sys_path": list(sys.path),
+                "cwd": os.getcwd(),
+                "main": _main_module(),
+                "bootstrap": boot,
+                "threads": threads,
+            }
+            server.spawn(index, config, ref)
+            procs.append(ref)
+        return ProcMesh(mesh_name, extent, procs)
+
+
+_host = HostMesh()
+
+
+def this_host() -> HostMesh:
+    """The host this program runs on."""
+    return _host

@@ -1,0 +1,86 @@
+"""Process liveness through Linux pidfds: a death is noticed the moment it happens.
+
+A pidfd becomes readable when its process exits, so dead peers are detected
+by the event loop (or the synchronous pump) without polling or heartbeats.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+
+class Watcher:
+    """Tracks pids and reports each one's death exactly once."""
+
+    def __init__(self, on_death: Callable[[int], None]) -> None:
+        self._on_death = on_death
+        self._fds: dict[int, int] = {}  # pid -> pidfd
+        self._pids: dict[int, int] = {}  # pidfd -> pid
+        self.dead: set[int] = set()
+        self._add_reader: Callable[[int, Callable[[], None]], None] | None = None
+        self._remove_reader: Callable[[int], None] | None = None
+
+    def bind(self, add_reader: Callable[..., None] | None, remove_reader: Callable[[int], None] | None) -> None:
+        """Register every pidfd with an event loop (or unregister with ``None``)."""
+        self._add_reader, self._remove_reader = add_reader, remove_reader
+        if add_reader is not None:
+            for fd in self._fds.values():
+                add_reader(fd, self._readable, fd)
+
+    def fds(self) -> list[int]:
+        return list(self._pids)
+
+    def watch(self, pid: int) -> bool:
+        """Start watching ``pid``; returns False if it is already known dead."""
+        if pid in self.dead:
+            return False
+        if pid in self._fds or pid == os.getpid():
+            return True
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self._died(pid)
+            return False
+        self._fds[pid] = fd
+        self._pids[fd] = pid
+        if self._add_reader is not None:
+            self._add_reader(fd, self._readable, fd)
+        return True
+
+    def alive(self, pid: int) -> bool:
+        return pid not in self.dead
+
+    def check(self, fd: int) -> None:
+        """Called when ``fd`` is readable: its process has exited."""
+        self._readable(fd)
+
+    def _readable(self, fd: int) -> None:
+        pid = self._pids.pop(fd, None)
+        if pid is None:
+            return
+        del self._fds[pid]
+        if self._remove_reader is not None:
+            try:
+                self._remove_reader(fd)
+            except (RuntimeError, ValueError):
+                pass
+        os.close(fd)
+        self._died(pid)
+
+    def _died(self, pid: int) -> None:
+        if pid in self.dead:
+            return
+        self.dead.add(pid)
+        self._on_death(pid)
+
+    def close(self) -> None:
+        for fd in list(self._pids):
+            if self._remove_reader is not None:
+                try:
+                    self._remove_reader(fd)
+                except (RuntimeError, ValueError):
+                    pass
+            os.close(fd)
+        self._fds.clear()
+        self._pids.clear()

@@ -1,0 +1,46 @@
+"""The message layouts that travel between processes.
+
+A ZeroMQ message is ``[header][payload][buffer 0..n]``. The header is msgpack
+``[PROTOCOL_VERSION, sender_address, sender_pid]``. The payload is a msgpack
+stream of ``frame_count, message`` pairs, so one ZeroMQ message can carry a
+batch; each message's tensors refer to its own run of buffer frames.
+
+Every message is a msgpack array whose first item is its kind:
+
+=========  =====================================================================
+kind       fields after the kind
+=========  =====================================================================
+CALL       call_id, actor, method, reply_address, reply_pid, rank, args_blob, reply_port
+REPLY      call_id, rank, ok, value (or an error record)
+PORT       port_id, value
+CREDIT     port_id, messages, bytes            (flow control for ports)
+ATTACH     port_id, pid                         (a process now holds a sender)
+CONTROL    op, argument                         (spawn, stop, ready, failure, ...)
+=========  =====================================================================
+
+``args_blob`` is itself an encoded ``[args, kwargs]``: it is decoded only once
+the target actor exists, so its dataclasses are loaded by then.
+An error record is ``[type_name, message, traceback, spawn_failed]``.
+"""
+
+from __future__ import annotations
+
+PROTOCOL_VERSION = 1
+
+CALL = 1
+REPLY = 2
+PORT = 3
+CREDIT = 4
+ATTACH = 5
+CONTROL = 6
+
+#: Number of fields (including the kind) for each message kind.
+ARITY = {CALL: 9, REPLY: 5, PORT: 3, CREDIT: 4, ATTACH: 3, CONTROL: 3}
+
+# Control operations.
+OP_SPAWN = "spawn"          # owner → worker: construct an actor
+OP_STOP_ACTOR = "stop_actor"  # owner → worker: run __cleanup__ and drop one actor
+OP_STOP = "stop"            # owner → worker: clean up every actor and exit
+OP_READY = "ready"          # worker → owner: the process is serving
+OP_STOPPED = "stopped"      # worker → owner: acknowledges a stop
+OP_FAILURE = "failure"      # worker → owner: a fire-and-forget endpoint raised

@@ -1,0 +1,134 @@
+"""ZeroMQ sockets: one PULL inbox per process, one cached PUSH link per peer.
+
+Outbound messages to a peer accumulate in its :class:`Link` and leave as one
+ZeroMQ message at the end of the current event-loop iteration (or at once when
+the batch is large, or when no loop drives this process). A full socket never
+drops a message: the sender waits for room while it keeps serving its inbox.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+import msgpack
+import zmq
+
+from ._protocol import PROTOCOL_VERSION
+
+#: ZeroMQ messages (each possibly a batch) queued per peer before a send waits.
+SNDHWM = 2000
+RCVHWM = 2000
+#: A batch is flushed at once when it holds this many bytes or messages.
+FLUSH_BYTES = 256 * 1024
+FLUSH_MESSAGES = 512
+#: How long a closing socket may keep flushing queued messages.
+LINGER_MS = 2000
+
+_COUNT_PREFIX = [msgpack.packb(n) for n in range(128)]
+
+
+def count_prefix(n: int) -> bytes:
+    return _COUNT_PREFIX[n] if n < 128 else msgpack.packb(n)  # type: ignore[no-any-return]
+
+
+def make_header(address: str, pid: int) -> bytes:
+    return msgpack.packb([PROTOCOL_VERSION, address, pid])  # type: ignore[no-any-return]
+
+
+def parse_header(data: bytes) -> tuple[str, int]:
+    """Return ``(sender_address, sender_pid)``; raise ValueError if malformed."""
+    if len(data) > 4096:
+        raise ValueError("oversized header")
+    header = msgpack.unpackb(data, raw=False)
+    if (
+        type(header) is not list
+        or len(header) != 3
+        or header[0] != PROTOCOL_VERSION
+        or type(header[1]) is not str
+        or type(header[2]) is not int
+    ):
+        raise ValueError(f"bad header {header!r:.80}")
+    return header[1], header[2]
+
+
+def frame_size(frame: Any) -> int:
+    return frame.nbytes if isinstance(frame, memoryview) else len(frame)
+
+
+def make_runtime_dir() -> str:
+    """A private (0700) directory for this session's socket files."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    if not base or not os.access(base, os.W_OK):
+        base = tempfile.gettempdir()
+    path = tempfile.mkdtemp(prefix="actors-", dir=base)
+    os.chmod(path, 0o700)
+    return path
+
+
+def bind_inbox(ctx: zmq.Context[Any], address: str) -> zmq.Socket[Any]:
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.RCVHWM, RCVHWM)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(address)
+    return sock
+
+
+class Link:
+    """The outbound side of one peer: a PUSH socket plus the batch being built."""
+
+    __slots__ = ("address", "pid", "sock", "parts", "frames", "nbytes", "scheduled", "dead", "inflight")
+
+    def __init__(self, ctx: zmq.Context[Any], address: str, pid: int | None) -> None:
+        self.address = address
+        self.pid = pid
+        self.sock = ctx.socket(zmq.PUSH)
+        self.sock.setsockopt(zmq.SNDHWM, SNDHWM)
+        self.sock.setsockopt(zmq.LINGER, LINGER_MS)
+        self.sock.connect(address)
+        self.parts: list[bytes] = []
+        self.frames: list[Any] = []
+        self.nbytes = 0
+        self.scheduled = False
+        self.dead = False
+        #: port_id -> [messages, bytes] sent to that port and not yet credited back.
+        self.inflight: dict[int, list[int]] = {}
+
+    def append(self, data: bytes, frames: list[Any]) -> None:
+        self.parts.append(count_prefix(len(frames)))
+        self.parts.append(data)
+        self.nbytes += len(data)
+        if frames:
+            self.frames.extend(frames)
+            for frame in frames:
+                self.nbytes += frame_size(frame)
+
+    def full(self) -> bool:
+        return self.nbytes >= FLUSH_BYTES or len(self.parts) >= 2 * FLUSH_MESSAGES
+
+    def try_send(self, header: bytes) -> bool:
+        """Send the pending batch without blocking; False if the peer's queue is full."""
+        if not self.parts:
+            return True
+        try:
+            self.sock.send(header, zmq.NOBLOCK | zmq.SNDMORE)
+        except zmq.Again:
+            return False
+        payload = b"".join(self.parts)
+        frames = self.frames
+        self.parts, self.frames, self.nbytes = [], [], 0
+        if not frames:
+            self.sock.send(payload)
+            return True
+        self.sock.send(payload, zmq.SNDMORE)
+        last = len(frames) - 1
+        for i, frame in enumerate(frames):
+            self.sock.send(frame, 0 if i == last else zmq.SNDMORE, copy=False)
+        return True
+
+    def close(self, linger: int | None = None) -> None:
+        if linger is not None:
+            self.sock.setsockopt(zmq.LINGER, linger)
+        self.sock.close()
+        self.parts, self.frames, self.nbytes = [], [], 0

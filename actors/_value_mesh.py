@@ -1,0 +1,101 @@
+"""``ValueMesh`` and ``Point``: results laid out over a mesh's shape.
+
+A mesh has an *extent*: named dimensions with sizes, e.g. ``{"gpus": 4}``;
+ranks number its points in row-major order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any, Generic, TypeVar
+
+R = TypeVar("R")
+
+__all__ = ["Point", "ValueMesh"]
+
+
+def coordinates(rank: int, extent: Mapping[str, int]) -> dict[str, int]:
+    """Row-major coordinates of ``rank`` within ``extent``."""
+    coords: dict[str, int] = {}
+    for dim, size in reversed(list(extent.items())):
+        coords[dim] = rank % size
+        rank //= size
+    return dict(reversed(list(coords.items())))
+
+
+def rank_of(coords: Mapping[str, int], extent: Mapping[str, int]) -> int:
+    rank = 0
+    for dim, size in extent.items():
+        index = coords[dim]
+        if not 0 <= index < size:
+            raise IndexError(f"{dim}={index} is outside 0..{size - 1}")
+        rank = rank * size + index
+    return rank
+
+
+class Point(Mapping[str, int]):
+    """One position in a mesh: its ``rank`` and its coordinates by dimension."""
+
+    __slots__ = ("rank", "extent", "_coords")
+
+    def __init__(self, rank: int, extent: Mapping[str, int]) -> None:
+        self.rank = rank
+        self.extent = dict(extent)
+        self._coords = coordinates(rank, self.extent)
+
+    def __getitem__(self, dim: str) -> int:
+        return self._coords[dim]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._coords)
+
+    def __len__(self) -> int:
+        return len(self._coords)
+
+    def __repr__(self) -> str:
+        return f"Point(rank={self.rank}, {self._coords})"
+
+
+class ValueMesh(Generic[R]):
+    """One value per actor of a mesh, e.g. the results of ``endpoint.call()``."""
+
+    __slots__ = ("_extent", "_values")
+
+    def __init__(self, extent: Mapping[str, int], values: list[R]) -> None:
+        self._extent = dict(extent)
+        self._values = values
+
+    @property
+    def extent(self) -> dict[str, int]:
+        return dict(self._extent)
+
+    def item(self, **coords: int) -> R:
+        """The value at ``coords`` (no coordinates needed for a mesh of one)."""
+        if not coords:
+            if len(self._values) != 1:
+                raise ValueError(f"item() without coordinates needs a mesh of one, not {len(self._values)}")
+            return self._values[0]
+        missing = set(self._extent) - set(coords)
+        extra = set(coords) - set(self._extent)
+        if missing or extra:
+            raise KeyError(f"expected coordinates for {sorted(self._extent)}, got {sorted(coords)}")
+        return self._values[rank_of(coords, self._extent)]
+
+    def items(self) -> Iterator[tuple[Point, R]]:
+        for rank, value in enumerate(self._values):
+            yield Point(rank, self._extent), value
+
+    def values(self) -> Iterator[R]:
+        return iter(self._values)
+
+    def __iter__(self) -> Iterator[tuple[Point, R]]:
+        return self.items()
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __getitem__(self, rank: int) -> R:
+        return self._values[rank]
+
+    def __repr__(self) -> str:
+        return f"ValueMesh({self._extent}, {self._values!r})"
