@@ -694,17 +694,27 @@ _lock = threading.Lock()
 
 
 def runtime() -> Runtime:
-    """This process's runtime, created on first use (again after a fork)."""
+    """This process's runtime, created on first use (again after a fork).
+
+    It follows the caller's event loop: called from a different running loop
+    than before (a new ``asyncio.run``), it rebinds to that loop.
+    """
     global _runtime
     rt = _runtime
-    if rt is not None and rt.pid == os.getpid() and not rt.closed:
-        return rt
-    with _lock:
-        rt = _runtime
-        if rt is None or rt.pid != os.getpid() or rt.closed:
-            rt = _runtime = Runtime()
-            atexit.register(_close_at_exit)
-        return rt
+    if rt is None or rt.pid != os.getpid() or rt.closed:
+        with _lock:
+            rt = _runtime
+            if rt is None or rt.pid != os.getpid() or rt.closed:
+                rt = _runtime = Runtime()
+                atexit.register(_close_at_exit)
+    loop = rt.loop
+    if loop is not None and loop.is_closed():
+        rt._unbind(loop)
+        loop = None
+    running = asyncio._get_running_loop()
+    if running is not None and running is not loop:
+        rt.ensure_loop()
+    return rt
 
 
 def install_runtime(rt: Runtime) -> None:

@@ -189,6 +189,7 @@ class ActorHost:
         self.owner = rt.proc(config["owner_address"], config["owner_pid"])
         self._stopping = False
         self._host_tasks: set[asyncio.Task[Any]] = set()
+        self.stopped: set[str] = set()
         rt.on_call = self.on_call
         rt.death_callbacks.append(self._on_death)
 
@@ -203,7 +204,9 @@ class ActorHost:
             self._spawn_task(self._host_call(inv))
             return
         slot = self.actors.get(actor)
-        if slot is None:
+        if slot is None and actor in self.stopped:
+            self._fail(None, actor, inv, ["LookupError", f"actor {actor!r} was stopped", "", False])
+        elif slot is None:
             self.waiting.setdefault(actor, []).append(inv)
             self.loop.call_later(SPAWN_WAIT, self._expire, actor, inv)
         elif slot.instance is None and slot.error is None:
@@ -310,6 +313,7 @@ class ActorHost:
     def _spawn(self, inv: _Invocation, name: str, class_ref: str, extent: dict[str, int], ctor: bytes) -> Any:
         if name in self.actors:
             raise ValueError(f"an actor named {name!r} already exists in this process")
+        self.stopped.discard(name)
         slot = _Slot(name, inv.rank, dict(extent))
         slot.backlog = self.waiting.pop(name, [])
         self.actors[name] = slot
@@ -344,6 +348,7 @@ class ActorHost:
 
     async def _stop_actor(self, name: str, timeout: float = CLEANUP_TIMEOUT) -> None:
         slot = self.actors.pop(name, None)
+        self.stopped.add(name)
         if slot is not None:
             await self._stop_slot(slot, None, timeout)
             self._retitle()

@@ -1,0 +1,183 @@
+"""Actor classes and helpers shared by the tests (importable by worker processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from actors import Actor, ActorMesh, Channel, Port, current_rank, current_size, endpoint
+
+
+@dataclass
+class Item:
+    seq: int
+    payload: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Triple:
+    a: torch.Tensor
+    b: torch.Tensor
+    c: torch.Tensor
+
+
+class Echo(Actor):
+    def __init__(self, offset: int = 0, blob: object = None) -> None:
+        self.offset = offset
+        self.blob = blob
+        self.event = asyncio.Event()
+
+    @endpoint
+    async def add(self, x: int) -> int:
+        return x + self.offset
+
+    @endpoint
+    async def echo(self, value: object) -> object:
+        return value
+
+    @endpoint
+    async def get_blob(self) -> object:
+        return self.blob
+
+    @endpoint
+    async def whoami(self) -> tuple[int, int, dict[str, int]]:
+        return os.getpid(), current_rank().rank, current_size()
+
+    @endpoint
+    async def fail(self, message: str) -> None:
+        raise ValueError(message)
+
+    @endpoint
+    def blocking(self, seconds: float) -> str:
+        time.sleep(seconds)
+        return "slept"
+
+    @endpoint
+    def sync_add(self, x: int) -> int:
+        return x + self.offset
+
+    @endpoint
+    async def wait_event(self) -> str:
+        await self.event.wait()
+        return "released"
+
+    @endpoint
+    async def set_event(self) -> None:
+        self.event.set()
+
+    @endpoint
+    async def sleep(self, seconds: float) -> str:
+        await asyncio.sleep(seconds)
+        return "done"
+
+    @endpoint
+    async def send_to(self, port: Port, values: list) -> None:
+        for value in values:
+            port.send(value)
+
+    @endpoint
+    async def emit(self, port: Port, count: int, size: int = 4) -> None:
+        for seq in range(count):
+            port.send(Item(seq, torch.full((size,), float(seq))))
+        port.send(None)
+
+    @endpoint
+    async def call_other(self, other: ActorMesh, x: int) -> int:
+        return await other.add.call_one(x)
+
+    @endpoint
+    async def hold(self, port: Port) -> None:
+        self.held = port
+
+    @endpoint
+    async def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint
+    async def say(self, text: str) -> None:
+        print(text, flush=True)
+
+
+class Relay(Actor):
+    """Receives on its own port and forwards to ``out``; ends on ``None``."""
+
+    def __init__(self) -> None:
+        self.port, self.inbox = Channel.open(Item)
+
+    @endpoint
+    async def inlet(self) -> Port:
+        return self.port
+
+    @endpoint
+    async def run(self, out: Port, delay: float = 0.0) -> int:
+        n = 0
+        while (item := await self.inbox.recv()) is not None:
+            if delay:
+                await asyncio.sleep(delay)
+            out.send(item)
+            n += 1
+        out.send(None)
+        return n
+
+
+class Cleanup(Actor):
+    def __init__(self, port: Port) -> None:
+        self.port = port
+
+    @endpoint
+    async def ping(self) -> str:
+        return "pong"
+
+    async def __cleanup__(self, exc: BaseException | None) -> None:
+        self.port.send(f"cleanup {current_rank().rank}")
+
+
+class BadInit(Actor):
+    def __init__(self) -> None:
+        raise RuntimeError("constructor exploded")
+
+    @endpoint
+    async def ping(self) -> str:
+        return "unreachable"
+
+
+class Fire(Actor):
+    @endpoint
+    async def explode(self, message: str) -> None:
+        raise KeyError(message)
+
+    @endpoint
+    async def ok(self) -> str:
+        return "ok"
+
+
+def actor_pids() -> set[int]:
+    """Pids of live actor worker processes of this user (named ``actors[...]``)."""
+    pids = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read()
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if cmd.startswith(b"actors[") and state != b"Z":
+            pids.add(int(entry))
+    return pids
+
+
+def wait_for(condition, timeout: float = 5.0, interval: float = 0.02) -> bool:
+    """Poll ``condition`` until true or ``timeout``; for checking external state only."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(interval)
+    return condition()

@@ -1,0 +1,202 @@
+"""The wire codec: round trips, zero-copy tensors, and refusal of hostile input."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import OrderedDict
+
+import msgpack
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from actors import DecodeError, EncodeError
+from actors._codec import EXT_DATACLASS, EXT_TENSOR, EXT_TUPLE, MAX_DEPTH, Decoder, Encoder
+from support import Item, Triple
+
+
+def roundtrip(value):
+    enc = Encoder()
+    data = enc.encode(value)
+    frames = [bytes(f) for f in enc.frames]
+    return Decoder().decode(data, frames)
+
+
+plain = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**64 - 1)
+    | st.floats(allow_nan=False)
+    | st.text()
+    | st.binary(),
+    lambda children: st.lists(children, max_size=5)
+    | st.tuples(children, children)
+    | st.dictionaries(st.text() | st.integers(min_value=-1000, max_value=1000), children, max_size=5),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(plain)
+def test_plain_values_roundtrip_exactly(value):
+    assert roundtrip(value) == value
+    assert type(roundtrip(value)) is type(value)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.sampled_from([torch.float32, torch.float64, torch.int64, torch.int8, torch.uint8, torch.bool, torch.bfloat16, torch.float16]),
+    st.lists(st.integers(min_value=0, max_value=40), min_size=0, max_size=3),
+)
+def test_tensor_roundtrip_any_dtype_and_shape(dtype, shape):
+    t = (torch.rand(shape) * 100).to(dtype)
+    out = roundtrip(t)
+    assert out.dtype == t.dtype and out.shape == t.shape
+    assert torch.equal(out, t)
+
+
+def test_nan_float_roundtrips():
+    assert math.isnan(roundtrip(float("nan")))
+
+
+def test_large_tensor_travels_as_zero_copy_frame():
+    t = torch.arange(100_000, dtype=torch.float32)
+    enc = Encoder()
+    data = enc.encode({"w": t})
+    assert len(data) < 200, "large tensor bytes must not be inside the payload"
+    assert len(enc.frames) == 1 and enc.frames[0].nbytes == t.numel() * 4
+    frame = bytearray(enc.frames[0])
+    out = Decoder().decode(data, [frame])["w"]
+    assert torch.equal(out, t)
+    frame[0:4] = b"\x00\x00\x80\x3f"  # 1.0f: the tensor is a view over the frame, not a copy
+    assert out[0].item() == 1.0
+
+
+def test_noncontiguous_and_views_are_sent_by_value():
+    base = torch.arange(24.0).reshape(4, 6)
+    for t in (base.t(), base[:, 1::2], base[2:], base.expand(2, 4, 6)):
+        assert torch.equal(roundtrip(t), t)
+
+
+def test_state_dict_and_module_types():
+    sd = torch.nn.Linear(3, 2).state_dict()
+    assert isinstance(sd, OrderedDict)
+    out = roundtrip(sd)
+    assert list(out) == list(sd) and all(torch.equal(out[k], sd[k]) for k in sd)
+    assert roundtrip(torch.Size([2, 3])) == (2, 3)
+    assert roundtrip(torch.float16) is torch.float16
+
+
+def test_tensor_with_grad_is_detached():
+    t = torch.ones(3, requires_grad=True) * 2
+    out = roundtrip(t)
+    assert not out.requires_grad and torch.equal(out, t.detach())
+
+
+def test_dataclasses_rebuilt_as_real_instances():
+    item = Item(7, torch.ones(3))
+    out = roundtrip([item, Triple(torch.zeros(1), torch.ones(2), torch.arange(3))])
+    assert isinstance(out[0], Item) and out[0].seq == 7 and torch.equal(out[0].payload, item.payload)
+    assert isinstance(out[1], Triple) and torch.equal(out[1].c, torch.arange(3))
+
+
+def test_unsupported_values_raise_encode_error():
+    with pytest.raises(EncodeError, match="object"):
+        Encoder().encode(object())
+    with pytest.raises(EncodeError):
+        Encoder().encode({1, 2})
+    with pytest.raises(EncodeError):
+        Encoder().encode(2**70)
+    with pytest.raises(TypeError):  # EncodeError is a TypeError too
+        Encoder().encode(lambda: 1)
+
+
+def test_local_dataclass_refused_at_sender():
+    @dataclasses.dataclass
+    class Local:
+        x: int
+
+    with pytest.raises(EncodeError, match="inside a function"):
+        Encoder().encode(Local(1))
+
+
+def test_encode_depth_limit():
+    value: object = 1
+    for _ in range(MAX_DEPTH + 5):
+        value = (value,)
+    with pytest.raises(EncodeError, match="deeper"):
+        Encoder().encode(value)
+
+
+def _ext(code, inner):
+    return msgpack.ExtType(code, msgpack.packb(inner, use_bin_type=True))
+
+
+def test_dataclass_of_unloaded_module_is_refused_without_import():
+    import sys
+
+    data = msgpack.packb(_ext(EXT_DATACLASS, ["surely_not_loaded_mod:Thing", [1]]))
+    with pytest.raises(DecodeError, match="not loaded"):
+        Decoder().decode(data)
+    assert "surely_not_loaded_mod" not in sys.modules
+
+
+@pytest.mark.parametrize(
+    "ref",
+    ["os:system", "builtins:eval", "subprocess:Popen", "collections:OrderedDict", "support:Echo", "malformed"],
+)
+def test_non_dataclass_types_are_refused(ref):
+    data = msgpack.packb(_ext(EXT_DATACLASS, [ref, ["echo pwned"]]))
+    with pytest.raises(DecodeError, match="refusing|malformed"):
+        Decoder().decode(data)
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        msgpack.packb(_ext(EXT_TENSOR, ["float32", [10], 0])),  # refers to a missing frame
+        msgpack.packb(_ext(EXT_TENSOR, ["float32", [10], b"\x00" * 8])),  # truncated bytes
+        msgpack.packb(_ext(EXT_TENSOR, ["pickle", [1], b"\x00"])),  # unknown dtype
+        msgpack.packb(_ext(EXT_TENSOR, ["float32", [-1], b""])),  # negative dim
+        msgpack.packb(_ext(EXT_TENSOR, ["float32", [2**40, 2**40], 0])),  # absurd size
+        msgpack.packb(_ext(EXT_TUPLE, {"not": "a list"})),
+        msgpack.packb(msgpack.ExtType(99, b"")),  # unknown ext type
+        msgpack.packb(msgpack.ExtType(EXT_TUPLE, b"\xc1")),  # invalid msgpack inside an ext
+        msgpack.packb([1, 2, 3])[:-1],  # truncated payload
+        b"\xdd\xff\xff\xff\xff",  # array declaring 4 billion items
+        b"\xdb\xff\xff\xff\xff",  # string declaring 4 GiB
+        b"\x91" * 5000 + b"\xc0",  # nesting far beyond any limit
+        msgpack.packb(1) + b"\xc1",  # trailing garbage
+    ],
+)
+def test_malformed_payloads_raise_decode_error(payload):
+    with pytest.raises(DecodeError):
+        Decoder().decode(payload)
+
+
+def test_nested_ext_depth_is_bounded():
+    value = msgpack.packb(1)
+    for _ in range(MAX_DEPTH + 2):
+        value = msgpack.packb(msgpack.ExtType(EXT_TUPLE, b"\x91" + value))
+    with pytest.raises(DecodeError, match="deeper|malformed"):
+        Decoder().decode(value)
+
+
+def test_payload_size_limit():
+    with pytest.raises(DecodeError, match="limit"):
+        Decoder(max_payload=16).decode(msgpack.packb("x" * 100))
+
+
+def test_frame_size_mismatch_is_refused():
+    enc = Encoder()
+    data = enc.encode(torch.zeros(10_000))
+    with pytest.raises(DecodeError, match="needs"):
+        Decoder().decode(data, [b"\x00" * 10])
+
+
+def test_cuda_tensors_are_refused_with_advice():
+    fake = torch.empty(0, device="meta")
+    with pytest.raises(EncodeError, match="socket"):
+        Encoder().encode(fake)

@@ -1,0 +1,207 @@
+"""Failure behaviour: dead actors, hostile frames, and a controller that dies."""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from actors import ActorDied, ProcMesh, this_host
+from actors._protocol import PROTOCOL_VERSION
+from support import Echo, actor_pids, wait_for
+
+
+@pytest.fixture
+async def procs(sockets_dir):
+    mesh = this_host().spawn_procs(per_host={"procs": 2})
+    yield mesh
+    await mesh.stop()
+
+
+async def test_kill_9_fails_pending_and_later_calls_promptly(procs: ProcMesh):
+    echo = procs.spawn("echo", Echo)
+    victim = echo.slice(procs=0)
+    pid = await victim.pid.call_one()
+    pending = [victim.sleep.call_one(60) for _ in range(3)]
+    whole = echo.sleep.call(60)
+    start = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    for fut in [*pending, whole]:
+        with pytest.raises(ActorDied, match="died"):
+            await asyncio.wait_for(fut, 5)
+    assert time.monotonic() - start < 1.5
+    start = time.monotonic()
+    with pytest.raises(ActorDied):
+        await victim.add.call_one(1)
+    assert time.monotonic() - start < 0.1, "calls to a known-dead actor fail at once"
+    assert await echo.slice(procs=1).add.call_one(1) == 1, "the other actor is unaffected"
+    assert any(f.exception_type == "ActorDied" and f.pid == pid for f in procs.failures)
+
+
+async def test_stop_of_a_dead_mesh_returns(sockets_dir):
+    procs = this_host().spawn_procs(per_host={"procs": 2})
+    echo = procs.spawn("echo", Echo)
+    pids = [pid for pid, _, _ in (await echo.whoami.call()).values()]
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    await asyncio.wait_for(procs.stop(), 10)
+    await asyncio.wait_for(procs.stop(), 10)  # twice is fine
+
+
+async def test_stop_runs_cleanup_and_ends_processes(sockets_dir):
+    from actors import Channel
+    from support import Cleanup
+
+    port, recv = Channel.open(str)
+    procs = this_host().spawn_procs(per_host={"procs": 2})
+    mesh = procs.spawn("c", Cleanup, port)
+    await mesh.ping.call()
+    pids = set(procs.pids)
+    await procs.stop()
+    assert sorted([await recv.recv(), await recv.recv()]) == ["cleanup 0", "cleanup 1"]
+    assert not (pids & actor_pids())
+    with pytest.raises(RuntimeError, match="stopped"):
+        procs.spawn("again", Echo)
+
+
+def _inject(address: str, frames: list[bytes]) -> None:
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(address)
+    sock.send_multipart(frames)
+    sock.close()
+
+
+async def test_malformed_frames_are_dropped_and_the_worker_keeps_serving(procs: ProcMesh):
+    echo = procs.spawn("echo", Echo).slice(procs=0)
+    assert await echo.add.call_one(1) == 1
+    address = procs._procs[0].address
+    header = msgpack.packb([PROTOCOL_VERSION, "ipc:///nowhere", 1])
+    garbage = [
+        [b"only one frame"],
+        [b"\xc1", b""],
+        [msgpack.packb([99, "x", 1]), b""],
+        [header, b"\xc1\xc1"],
+        [header, msgpack.packb(0) + msgpack.packb([1, 2])],  # CALL with the wrong arity
+        [header, msgpack.packb(5) + msgpack.packb([3, 1, None])],  # claims frames it lacks
+        [header, msgpack.packb(0) + msgpack.packb([6, "no-such-op", None])],
+        [header, msgpack.packb(0) + b"\xdd\xff\xff\xff\xff"],
+    ]
+    for frames in garbage:
+        _inject(address, frames)
+    assert await echo.add.call_one(41) == 41
+
+
+def _run_script(tmp_path, body: str) -> subprocess.Popen[str]:
+    script = tmp_path / "controller.py"
+    script.write_text(textwrap.dedent(body))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]))
+    return subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+
+
+CONTROLLER = """
+    import asyncio, os, sys
+    from actors import this_host
+    from actors._runtime import runtime
+    from support import Echo
+
+    async def main():
+        procs = this_host().spawn_procs(per_host={"procs": 3})
+        echo = procs.spawn("echo", Echo)
+        pids = [p for p, _, _ in (await echo.whoami.call()).values()]
+        print("READY", runtime().dir, *pids, flush=True)
+        await asyncio.sleep(600)
+
+    if __name__ == "__main__":
+        asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT, signal.SIGTERM])
+def test_controller_death_ends_every_actor_process(tmp_path, sig):
+    proc = _run_script(tmp_path, CONTROLLER)
+    try:
+        assert proc.stdout is not None
+        line = ""
+        while not line.startswith("READY"):
+            line = proc.stdout.readline()
+            assert line, "controller exited early"
+        _, rundir, *pids = line.split()
+        workers = {int(p) for p in pids}
+        assert workers <= actor_pids()
+        start = time.monotonic()
+        proc.send_signal(sig)
+        assert wait_for(lambda: not (workers & actor_pids()), timeout=5)
+        elapsed = time.monotonic() - start
+        assert elapsed < 2.0, f"workers outlived the controller by {elapsed:.2f}s"
+        assert wait_for(lambda: not os.path.exists(rundir), timeout=3), "socket directory left behind"
+        assert not glob.glob(f"/dev/shm/{os.path.basename(rundir)}-*")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+MAIN_SCRIPT = """
+    import asyncio
+    from dataclasses import dataclass
+    from actors import Actor, Channel, endpoint, this_host
+
+    @dataclass
+    class Note:
+        text: str
+
+    class Speaker(Actor):
+        @endpoint
+        async def speak(self, port, text: str) -> Note:
+            print("hello from", text, flush=True)
+            port.send(Note(text.upper()))
+            return Note(text)
+
+    async def main():
+        procs = this_host().spawn_procs(per_host={"procs": 1}, name="talk")
+        s = procs.spawn("speaker", Speaker)
+        port, recv = Channel.open(Note)
+        note = await s.speak.call_one(port, "worker")
+        got = await recv.recv()
+        print("RESULT", type(note).__name__, note.text, got.text, flush=True)
+        await procs.stop()
+
+    if __name__ == "__main__":
+        asyncio.run(main())
+"""
+
+
+def test_actor_classes_in_main_prints_prefixed_and_clean_exit(tmp_path):
+    proc = _run_script(tmp_path, MAIN_SCRIPT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert "RESULT Note worker WORKER" in out
+    assert "[speaker[0]] hello from worker" in out
+
+
+def test_unguarded_script_gets_a_clear_error(tmp_path):
+    body = MAIN_SCRIPT.replace('if __name__ == "__main__":\n        asyncio.run(main())', "asyncio.run(main())")
+    proc = _run_script(tmp_path, body)
+    out, _ = proc.communicate(timeout=60)
+    assert 'if __name__ == \\"__main__\\"' in out or 'if __name__ == "__main__"' in out
+
+
+async def test_processes_are_named_for_ps(procs: ProcMesh):
+    procs.spawn("namer", Echo)
+    await procs.spawn("other", Echo).pid.call()
+    for pid in procs.pids:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            title = f.read().decode()
+        assert title.startswith("actors[") and "namer" in title and "other" in title

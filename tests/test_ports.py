@@ -1,0 +1,185 @@
+"""Ports: typing, end of stream, fan-in, once-ports, flow control, dead peers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+import torch
+
+from actors import ActorDied, ActorError, Channel, Port, PortClosed, ProcMesh, this_host
+from actors._runtime import PORT_WINDOW, runtime
+from support import Echo, Item, Relay
+
+
+@pytest.fixture
+async def procs(sockets_dir):
+    mesh = this_host().spawn_procs(per_host={"procs": 2})
+    yield mesh
+    await mesh.stop()
+
+
+async def test_typed_port_refuses_wrong_type_at_sender():
+    port, recv = Channel.open(Item)
+    with pytest.raises(TypeError, match="carries support.Item"):
+        port.send("not an item")
+    port.send(Item(1, torch.ones(2)))
+    port.send(None)
+    got = await recv.recv()
+    assert isinstance(got, Item) and got.seq == 1
+    assert await recv.recv() is None
+
+
+async def test_typed_port_checks_remote_senders(procs: ProcMesh):
+    port, recv = Channel.open(int)
+    echo = procs.spawn("echo", Echo).slice(procs=0)
+    with pytest.raises(ActorError, match="TypeError: this port carries builtins.int") as info:
+        await echo.send_to.call_one(port, [1, "two"])
+    assert info.value.exception_type == "TypeError"
+    assert await recv.recv() == 1
+    assert recv.qsize() == 0
+
+
+async def test_fan_in_many_senders_with_sentinels(procs: ProcMesh):
+    port, recv = Channel.open(Item)
+    echo = procs.spawn("echo", Echo)
+    done = echo.emit.call(port, 500)
+    seen: dict[int, int] = {}
+    sentinels = 0
+    while sentinels < 2:
+        item = await recv.recv()
+        if item is None:
+            sentinels += 1
+            continue
+        seen[item.seq] = seen.get(item.seq, 0) + 1
+        assert torch.equal(item.payload, torch.full((4,), float(item.seq)))
+    await done
+    assert seen == {seq: 2 for seq in range(500)}
+
+
+async def test_per_sender_order_is_preserved(procs: ProcMesh):
+    port, recv = Channel.open(Item)
+    echo = procs.spawn("echo", Echo).slice(procs=0)
+    fut = echo.emit.call_one(port, 3 * PORT_WINDOW, 1)
+    seqs = []
+    while (item := await recv.recv()) is not None:
+        seqs.append(item.seq)
+    await fut
+    assert seqs == list(range(3 * PORT_WINDOW))
+
+
+async def test_once_port_delivers_a_single_message():
+    port, recv = Channel.open(once=True)
+    port.send(7)
+    with pytest.raises(PortClosed, match="once"):
+        port.send(8)
+    assert await recv.recv() == 7
+    with pytest.raises(PortClosed):
+        await recv.recv()
+
+
+async def test_once_port_from_an_actor(procs: ProcMesh):
+    port, recv = Channel.open(once=True)
+    echo = procs.spawn("echo", Echo).slice(procs=1)
+    await echo.send_to.call_one(port, ["done"])
+    assert await recv.recv() == "done"
+
+
+async def test_sender_waits_when_the_window_is_full(procs: ProcMesh):
+    """A slow receiver throttles the sender: the in-flight count never exceeds the window."""
+    relay = procs.spawn("relay", Relay).slice(procs=0)
+    inlet: Port = await relay.inlet.call_one()
+    out, out_recv = Channel.open(Item)
+    run = relay.run.call_one(out, 0.0)
+    rt = runtime()
+    total = 3 * PORT_WINDOW
+    peak = 0
+    payload = torch.zeros(1)
+    consumer_count = 0
+
+    async def consume() -> None:
+        nonlocal consumer_count
+        while (item := await out_recv.recv()) is not None:
+            assert item.seq == consumer_count
+            consumer_count += 1
+
+    consumer = asyncio.create_task(consume())
+    for seq in range(total):
+        inlet.send(Item(seq, payload))
+        link = rt.links[inlet._address]
+        peak = max(peak, link.inflight[inlet._id][0])
+        if seq % 1000 == 0:
+            await asyncio.sleep(0)
+    inlet.send(None)
+    await asyncio.wait_for(consumer, 60)
+    assert await run == total
+    assert consumer_count == total
+    assert peak <= PORT_WINDOW
+
+
+async def test_recv_raises_when_every_sender_died(procs: ProcMesh):
+    port, recv = Channel.open(str)
+    echo = procs.spawn("echo", Echo).slice(procs=0)
+    await echo.hold.call_one(port)
+    assert recv.senders_alive
+    pid = await echo.pid.call_one()
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(PortClosed, match="every process"):
+        await asyncio.wait_for(recv.recv(), 5)
+    assert not recv.senders_alive
+
+
+async def test_messages_queued_before_sender_death_are_still_received(procs: ProcMesh):
+    port, recv = Channel.open(str)
+    echo = procs.spawn("echo", Echo).slice(procs=0)
+    await echo.send_to.call_one(port, ["last words"])
+    os.kill(await echo.pid.call_one(), signal.SIGKILL)
+    with pytest.raises(ActorDied):
+        await asyncio.wait_for(echo.pid.call_one(), 5)
+    assert await recv.recv() == "last words"
+    with pytest.raises(PortClosed):
+        await asyncio.wait_for(recv.recv(), 5)
+
+
+async def test_send_to_a_dead_receiver_raises(procs: ProcMesh):
+    relay = procs.spawn("relay", Relay).slice(procs=1)
+    inlet: Port = await relay.inlet.call_one()
+    pid = procs.pids[1]
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(ActorDied):
+        await asyncio.wait_for(relay.inlet.call_one(), 5)
+    with pytest.raises(PortClosed, match="exited"):
+        inlet.send(Item(0, torch.zeros(1)))
+
+
+async def test_closed_receiver_refuses_local_sends():
+    port, recv = Channel.open()
+    recv.close()
+    with pytest.raises(PortClosed):
+        port.send(1)
+    with pytest.raises(PortClosed):
+        await recv.recv()
+
+
+def test_channel_open_once_must_be_keyword():
+    with pytest.raises(TypeError, match="keyword"):
+        Channel.open(True)
+
+
+def test_sync_recv_without_an_event_loop(sockets_dir):
+    procs = this_host().spawn_procs(per_host={"procs": 1})
+    try:
+        port, recv = Channel.open(int)
+        echo = procs.spawn("echo", Echo)
+        echo.send_to.call_one(port, [5, 6]).get(timeout=30)
+        assert recv.recv().get(timeout=10) == 5
+        assert recv.recv().get(timeout=10) == 6
+        from actors import CallTimeout
+
+        with pytest.raises(CallTimeout):
+            recv.recv().get(timeout=0.2)
+    finally:
+        procs.stop().get()
