@@ -43,6 +43,11 @@ MAX_PAYLOAD_BYTES = 1 << 30
 # the frame, so the warning carries no information here.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
+def _ext(code: int, data: bytes) -> msgpack.ExtType:
+    """An ExtType without its validating Python-level constructor (our codes are valid)."""
+    return tuple.__new__(msgpack.ExtType, (code, data))  # type: ignore[no-any-return]
+
+
 _DTYPES: dict[str, torch.dtype] = {
     str(dt).removeprefix("torch."): dt
     for dt in (
@@ -102,10 +107,15 @@ class Encoder:
         self._depth = 0
         self._packers: list[msgpack.Packer] = []
         self._dataclass_refs: dict[type, tuple[str, tuple[str, ...]]] = {}
+        self._top = self._packer()
+        self._packers.append(msgpack.Packer(default=self._default, use_bin_type=True, strict_types=True))
 
     def reset(self) -> None:
-        self.frames = []
-        self.handles = []
+        # Fresh lists only when used: callers keep the previous message's lists.
+        if self.frames:
+            self.frames = []
+        if self.handles:
+            self.handles = []
 
     def _packer(self) -> msgpack.Packer:
         while len(self._packers) <= self._depth:
@@ -118,13 +128,13 @@ class Encoder:
         """Pack ``obj``; tensor frames and handles accumulate on this encoder."""
         depth = self._depth
         try:
-            return self._packer().pack(obj)  # type: ignore[no-any-return]
+            return self._packer().pack(obj) if depth else self._top.pack(obj)  # type: ignore[no-any-return]
         except EncodeError:
+            self._depth = depth
             raise
         except (TypeError, ValueError, OverflowError) as exc:
-            raise EncodeError(f"cannot encode value: {exc}") from exc
-        finally:
             self._depth = depth
+            raise EncodeError(f"cannot encode value: {exc}") from exc
 
     def _nested(self, obj: Any) -> bytes:
         if self._depth >= MAX_DEPTH:
@@ -137,22 +147,29 @@ class Encoder:
 
     def _default(self, obj: Any) -> Any:
         cls = type(obj)
-        if cls is tuple:
-            return msgpack.ExtType(EXT_TUPLE, self._nested(list(obj)))
+        if cls is tuple:  # the hot path: small tuples in port messages
+            depth = self._depth + 1
+            if depth < len(self._packers) and depth <= MAX_DEPTH:
+                self._depth = depth
+                try:
+                    return _ext(EXT_TUPLE, self._packers[depth].pack(list(obj)))
+                finally:
+                    self._depth = depth - 1
+            return _ext(EXT_TUPLE, self._nested(list(obj)))
         if isinstance(obj, torch.Tensor):
-            return msgpack.ExtType(EXT_TENSOR, self._nested(self._tensor(obj)))
+            return _ext(EXT_TENSOR, self._nested(self._tensor(obj)))
         handle = _handles_by_type.get(cls)
         if handle is not None:
             self.handles.append(obj)
-            return msgpack.ExtType(EXT_HANDLE, self._nested([handle.kind, handle.to_state(obj)]))
+            return _ext(EXT_HANDLE, self._nested([handle.kind, handle.to_state(obj)]))
         if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-            return msgpack.ExtType(EXT_DATACLASS, self._nested(self._dataclass(obj)))
+            return _ext(EXT_DATACLASS, self._nested(self._dataclass(obj)))
         if isinstance(obj, torch.dtype):
-            return msgpack.ExtType(EXT_DTYPE, _DTYPE_NAMES[obj].encode())
+            return _ext(EXT_DTYPE, _DTYPE_NAMES[obj].encode())
         # Subclasses of plain containers (OrderedDict state_dicts, torch.Size,
         # named tuples) travel as their base type.
         if isinstance(obj, tuple):
-            return msgpack.ExtType(EXT_TUPLE, self._nested(list(obj)))
+            return _ext(EXT_TUPLE, self._nested(list(obj)))
         if isinstance(obj, dict):
             return dict(obj)
         if isinstance(obj, list):
@@ -273,15 +290,21 @@ class Decoder:
                 count = unpacker.unpack()
                 if type(count) is not int or not 0 <= count <= len(frames) - offset:
                     raise DecodeError(f"bad frame count {count!r:.40}")
-                run = frames[offset : offset + count]
-                offset += count
-                self._frames = run
-                self._depth = 0
-                message = unpacker.unpack()
-                end = unpacker.tell()
-                nbytes = end - position
-                for frame in run:
-                    nbytes += len(frame)
+                if count:
+                    run = frames[offset : offset + count]
+                    offset += count
+                    self._frames = run
+                    self._depth = 0
+                    message = unpacker.unpack()
+                    end = unpacker.tell()
+                    nbytes = end - position
+                    for frame in run:
+                        nbytes += len(frame)
+                else:
+                    run = _NO_FRAMES
+                    message = unpacker.unpack()
+                    end = unpacker.tell()
+                    nbytes = end - position
                 position = end
                 yield message, run, nbytes
             if offset != len(frames):
@@ -307,12 +330,10 @@ class Decoder:
             raise DecodeError(f"value nests deeper than {MAX_DEPTH} levels")
         self._depth += 1
         try:
-            unpacker = self._unpacker(len(data))
-            unpacker.feed(data)
-            value = unpacker.unpack()
-            if unpacker.tell() != len(data):
-                raise DecodeError("trailing bytes inside an extension record")
-            return value
+            # unpackb bounds every length by len(data), like the stream unpacker.
+            return msgpack.unpackb(data, ext_hook=self._ext_hook, raw=False, strict_map_key=False)
+        except msgpack.ExtraData:
+            raise DecodeError("trailing bytes inside an extension record") from None
         except msgpack.OutOfData:
             raise DecodeError("truncated extension record") from None
         finally:
@@ -397,4 +418,5 @@ class Decoder:
             raise DecodeError(f"cannot build {ref}: {exc}") from None
 
 
+_NO_FRAMES: list[Any] = []
 _ITEMSIZE = {dt: torch.empty((), dtype=dt).element_size() for dt in _DTYPES.values()}

@@ -14,10 +14,12 @@ import asyncio
 import contextlib
 import typing
 from collections import deque
+from collections.abc import Generator
 from typing import Any, Generic, TypeVar
 
 from . import _protocol as P
 from . import _refs
+from . import _runtime as _runtime_module
 from ._codec import register_handle
 from ._errors import ActorDied, CallTimeout, DecodeError, PortClosed
 from ._future import Future
@@ -110,7 +112,7 @@ class _ReceiverState:
 class Port(Generic[T]):
     """The sending end of a channel; copy it freely into other processes."""
 
-    __slots__ = ("_address", "_pid", "_id", "_type", "_once", "_used", "__weakref__")
+    __slots__ = ("_address", "_pid", "_id", "_type", "_once", "_used", "_route", "__weakref__")
 
     def __init__(self, address: str, pid: int, port_id: int, type_ref: str | None, once: bool) -> None:
         self._address = address
@@ -119,6 +121,7 @@ class Port(Generic[T]):
         self._type = type_ref
         self._once = once
         self._used = False
+        self._route: tuple[Runtime, Any, bytes] | None = None
 
     def __repr__(self) -> str:
         kind = self._type or "untyped"
@@ -140,6 +143,10 @@ class Port(Generic[T]):
             if self._used:
                 raise PortClosed("a once-port can be sent to only once")
             self._used = True
+        route = self._route
+        if route is not None and route[0] is _runtime_module._runtime and route[0].loop_active():
+            self._send(route[0], value)  # fast path: same runtime, on its running loop
+            return
         rt = runtime()
         if rt.on_runtime_thread():
             self._send(rt, value)
@@ -147,17 +154,24 @@ class Port(Generic[T]):
             rt.on_thread(lambda: self._send(rt, value))
 
     def _send(self, rt: Runtime, value: Any) -> None:
-        if self._address == rt.address:
+        route = self._route
+        if route is None or route[0] is not rt:
+            if self._address == rt.address:
+                route = (rt, None, b"")
+            else:
+                route = (rt, rt.proc(self._address, self._pid), P.port_prefix(self._id))
+            self._route = route
+        ref = route[1]
+        if ref is None:
             state = rt.receivers.get(self._id)
             if state is None or (state.closed is not None and not state.once):
                 raise PortClosed(f"port {self._id} has no receiver in this process")
             state.deliver(value, None, 0)
             return
-        ref = rt.proc(self._address, self._pid)
         if ref.dead:
             raise PortClosed(f"the receiver of port {self._id} (pid {self._pid}) has exited")
         try:
-            rt.port_send(ref, self._id, value)
+            rt.port_send(ref, self._id, value, route[2])
         except ActorDied as exc:
             raise PortClosed(f"the receiver of port {self._id} (pid {self._pid}) has exited") from exc
 
@@ -218,9 +232,9 @@ class PortReceiver(Generic[T]):
         Raises :class:`PortClosed` when nothing is queued and every other
         process that held a sender for this port has exited.
         """
-        return Future(self._recv, self._recv_sync)
+        return _Recv(self)
 
-    async def _recv(self) -> T:
+    def _wait(self) -> Generator[Any, None, T]:
         state = self._state
         queue = state.queue
         if not queue:
@@ -230,10 +244,10 @@ class PortReceiver(Generic[T]):
                 waiter = loop.create_future()
                 state.waiter = waiter
                 try:
-                    await waiter
+                    yield from waiter.__await__()
                 finally:
                     state.waiter = None
-        return self._take()
+        return self._take()  # type: ignore[no-any-return]
 
     def _recv_sync(self, timeout: float | None) -> T:
         state = self._state
@@ -244,11 +258,8 @@ class PortReceiver(Generic[T]):
                 return False
             return True
 
-        try:
-            self._rt.wait(ready, timeout=timeout, what=f"a message on port {state.port_id}")
-        except CallTimeout:
-            raise
-        return self._take()
+        self._rt.wait(ready, timeout=timeout, what=f"a message on port {state.port_id}")
+        return self._take()  # type: ignore[no-any-return]
 
     def _check_open(self) -> None:
         state = self._state
@@ -291,6 +302,38 @@ class PortReceiver(Generic[T]):
         state.closed = "the receiver was closed"
         self._rt.receivers.pop(state.port_id, None)
         state._wake()
+
+
+class _Recv(Future[T]):
+    """``PortReceiver.recv()``: returns at once, without a coroutine, when a message is queued."""
+
+    __slots__ = ("_receiver",)
+
+    def __init__(self, receiver: PortReceiver[T]) -> None:
+        self._receiver = receiver
+        self._make = self._coroutine
+        self._wait_sync = receiver._recv_sync
+        self._done = False
+        self._value = None
+        self._error = None
+
+    async def _coroutine(self) -> T:
+        return await self
+
+    def __await__(self) -> Generator[Any, None, T]:
+        if self._done:
+            return self._result()
+        receiver = self._receiver
+        try:
+            if receiver._state.queue:
+                value = receiver._take()
+            else:
+                value = yield from receiver._wait()
+        except PortClosed as exc:
+            self._done, self._error = True, exc
+            raise
+        self._done, self._value = True, value
+        return value  # type: ignore[no-any-return]
 
 
 class Channel(Generic[T]):

@@ -44,3 +44,10 @@ OP_STOP = "stop"            # owner → worker: clean up every actor and exit
 OP_READY = "ready"          # worker → owner: the process is serving
 OP_STOPPED = "stopped"      # worker → owner: acknowledges a stop
 OP_FAILURE = "failure"      # worker → owner: a fire-and-forget endpoint raised
+
+
+def port_prefix(port_id: int) -> bytes:
+    """The packed start of a PORT message for ``port_id``; the value is packed after it."""
+    import msgpack
+
+    return b"\x93" + msgpack.packb(PORT) + msgpack.packb(port_id)  # type: ignore[no-any-return]

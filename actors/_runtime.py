@@ -28,7 +28,17 @@ from . import _protocol as P
 from ._codec import Decoder, Encoder
 from ._errors import ActorDied, ActorError, CallTimeout, DecodeError, EncodeError, PortClosed, SpawnError
 from ._liveness import Watcher
-from ._transport import Link, bind_inbox, frame_size, make_header, make_runtime_dir, parse_header
+from ._transport import (
+    FLUSH_BYTES,
+    FLUSH_MESSAGES,
+    Link,
+    bind_inbox,
+    count_prefix,
+    frame_size,
+    make_header,
+    make_runtime_dir,
+    parse_header,
+)
 
 log = logging.getLogger("actors")
 
@@ -39,6 +49,10 @@ PORT_WINDOW_BYTES = 64 * 1024 * 1024
 SEND_TIMEOUT = 300.0
 
 SESSION_ENV = "ACTORS_SESSION_DIR"
+_NO_FRAMES = count_prefix(0)
+_ARITY = P.ARITY
+assert P.PORT == 3
+FLUSH_PARTS = 2 * FLUSH_MESSAGES
 
 
 class ProcRef:
@@ -334,8 +348,13 @@ class Runtime:
 
     def post(self, link: Link, data: bytes, frames: list[Any], urgent: bool) -> None:
         """Queue one encoded message on ``link``; flush now or at the end of this loop turn."""
-        link.append(data, frames)
-        if urgent or link.full() or not self.loop_active():
+        if frames:
+            link.append(data, frames)
+        else:
+            link.parts.append(_NO_FRAMES)
+            link.parts.append(data)
+            link.nbytes += len(data)
+        if urgent or link.nbytes >= FLUSH_BYTES or len(link.parts) >= FLUSH_PARTS or not self.loop_active():
             self.flush(link)
         elif not link.scheduled:
             link.scheduled = True
@@ -570,6 +589,8 @@ class Runtime:
         except Exception as exc:
             log.error("dropped a message with a malformed header: %s", exc)
             return
+        if address not in self.procs and address != self.address:
+            self.proc(address, pid)  # know every sender: port credits and replies go back to it
         self._dispatching = True
         try:
             for message, run, size in self.decoder.decode_batch(frames[1].buffer, frames[2:]):
@@ -585,10 +606,10 @@ class Runtime:
             self._dispatching = False
 
     def _dispatch(self, message: Any, frames: list[Any], address: str, pid: int, size: int) -> None:
-        if type(message) is not list or not message or P.ARITY.get(message[0]) != len(message):
+        if type(message) is not list or not message or _ARITY.get(message[0]) != len(message):
             raise DecodeError(f"not a valid message: {message!r:.80}")
         kind = message[0]
-        if kind == P.PORT:
+        if kind == 3:  # PORT, the hot path
             receiver = self.receivers.get(message[1])
             if receiver is None:
                 log.error("dropped a message for port %r: no such receiver in this process", message[1])
@@ -634,9 +655,12 @@ class Runtime:
 
     # ------------------------------------------------------------------ ports
 
-    def port_send(self, ref: ProcRef, port_id: int, value: Any) -> None:
-        """Send ``value`` to a port owned by another process, within its window."""
-        link = self.link(ref)
+    def port_send(self, ref: ProcRef, port_id: int, value: Any, prefix: bytes) -> None:
+        """Send ``value`` to a port owned by another process, within its window.
+
+        ``prefix`` is the packed ``[PORT, port_id,`` start of the message.
+        """
+        link = self.links.get(ref.address) or self.link(ref)
         inflight = link.inflight.get(port_id)
         if inflight is None:
             inflight = link.inflight[port_id] = [0, 0]
@@ -648,9 +672,12 @@ class Runtime:
                 link=link,
                 what=f"the receiver of port {port_id} at {ref.address} to consume",
             )
-        data, frames, handles = self.encode([P.PORT, port_id, value])
-        if handles:
-            self.note_handles(handles, ref)
+        enc = self.encoder
+        enc.reset()
+        data = prefix + enc.encode(value)
+        frames = enc.frames
+        if enc.handles:
+            self.note_handles(enc.handles, ref)
         size = len(data)
         for frame in frames:
             size += frame_size(frame)
@@ -662,8 +689,10 @@ class Runtime:
         ref = self.procs.get(address)
         if ref is None or ref.dead:
             return
+        # Urgent: a consumer that always finds messages queued never yields to
+        # the loop, and a credit held back until then would stall the sender.
         with contextlib.suppress(ActorDied):
-            self.send_message(ref, [P.CREDIT, port_id, messages, nbytes], urgent=False)
+            self.send_message(ref, [P.CREDIT, port_id, messages, nbytes], urgent=True)
 
     # ------------------------------------------------------------------ shutdown
 
@@ -701,20 +730,24 @@ def runtime() -> Runtime:
     """
     global _runtime
     rt = _runtime
-    if rt is None or rt.pid != os.getpid() or rt.closed:
+    if rt is None or rt.pid != _pid[0] or rt.closed:
         with _lock:
             rt = _runtime
             if rt is None or rt.pid != os.getpid() or rt.closed:
                 rt = _runtime = Runtime()
                 atexit.register(_close_at_exit)
     loop = rt.loop
-    if loop is not None and loop.is_closed():
-        rt._unbind(loop)
-        loop = None
     running = asyncio._get_running_loop()
-    if running is not None and running is not loop:
-        rt.ensure_loop()
+    if running is not loop and (running is not None or (loop is not None and loop.is_closed())):
+        if loop is not None and loop.is_closed():
+            rt._unbind(loop)
+        if running is not None:
+            rt.ensure_loop()
     return rt
+
+
+_pid = [os.getpid()]
+os.register_at_fork(after_in_child=lambda: _pid.__setitem__(0, os.getpid()))
 
 
 def install_runtime(rt: Runtime) -> None:
@@ -725,7 +758,7 @@ def install_runtime(rt: Runtime) -> None:
 
 def current_runtime() -> Runtime | None:
     rt = _runtime
-    return rt if rt is not None and rt.pid == os.getpid() and not rt.closed else None
+    return rt if rt is not None and rt.pid == _pid[0] and not rt.closed else None
 
 
 def _close_at_exit() -> None:

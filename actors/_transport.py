@@ -104,9 +104,6 @@ class Link:
             for frame in frames:
                 self.nbytes += frame_size(frame)
 
-    def full(self) -> bool:
-        return self.nbytes >= FLUSH_BYTES or len(self.parts) >= 2 * FLUSH_MESSAGES
-
     def try_send(self, header: bytes) -> bool:
         """Send the pending batch without blocking; False if the peer's queue is full."""
         if not self.parts:
