@@ -85,7 +85,7 @@ def endpoints_of(cls: type) -> dict[str, Endpoint[Any]]:
 class ActorContext:
     """Where the running code is: which actor, which rank, in which mesh shape."""
 
-    __slots__ = ("name", "rank", "extent")
+    __slots__ = ("extent", "name", "rank")
 
     def __init__(self, name: str, rank: int, extent: dict[str, int]) -> None:
         self.name = name

@@ -16,12 +16,12 @@ from typing import Any
 
 import msgpack
 
+from . import _refs
+from ._errors import DecodeError, EncodeError
+
 # torch warns at import when NumPy is absent; the runtime never needs NumPy.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 import torch  # noqa: E402
-
-from . import _refs
-from ._errors import DecodeError, EncodeError
 
 __all__ = ["Decoder", "Encoder", "register_handle"]
 
@@ -43,6 +43,7 @@ MAX_PAYLOAD_BYTES = 1 << 30
 # the frame, so the warning carries no information here.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
+
 def _ext(code: int, data: bytes) -> msgpack.ExtType:
     """An ExtType without its validating Python-level constructor (our codes are valid)."""
     return tuple.__new__(msgpack.ExtType, (code, data))  # type: ignore[no-any-return]
@@ -51,16 +52,25 @@ def _ext(code: int, data: bytes) -> msgpack.ExtType:
 _DTYPES: dict[str, torch.dtype] = {
     str(dt).removeprefix("torch."): dt
     for dt in (
-        torch.float64, torch.float32, torch.float16, torch.bfloat16,
-        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
-        torch.bool, torch.complex64, torch.complex128,
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.complex64,
+        torch.complex128,
     )
 }
 _DTYPE_NAMES = {dt: name for name, dt in _DTYPES.items()}
 
 
 class _Handle:
-    __slots__ = ("kind", "cls", "to_state", "from_state")
+    __slots__ = ("cls", "from_state", "kind", "to_state")
 
     def __init__(self, kind: str, cls: type, to_state: Callable[[Any], Any], from_state: Callable[[Any], Any]):
         self.kind, self.cls, self.to_state, self.from_state = kind, cls, to_state, from_state
@@ -70,9 +80,7 @@ _handles_by_type: dict[type, _Handle] = {}
 _handles_by_kind: dict[str, _Handle] = {}
 
 
-def register_handle(
-    kind: str, cls: type, to_state: Callable[[Any], Any], from_state: Callable[[Any], Any]
-) -> None:
+def register_handle(kind: str, cls: type, to_state: Callable[[Any], Any], from_state: Callable[[Any], Any]) -> None:
     """Let instances of ``cls`` travel as ``to_state(obj)``, rebuilt by ``from_state``."""
     handle = _Handle(kind, cls, to_state, from_state)
     _handles_by_type[cls] = handle
@@ -119,9 +127,7 @@ class Encoder:
 
     def _packer(self) -> msgpack.Packer:
         while len(self._packers) <= self._depth:
-            self._packers.append(
-                msgpack.Packer(default=self._default, use_bin_type=True, strict_types=True)
-            )
+            self._packers.append(msgpack.Packer(default=self._default, use_bin_type=True, strict_types=True))
         return self._packers[self._depth]
 
     def encode(self, obj: Any) -> bytes:
@@ -261,8 +267,7 @@ class Decoder:
         unpacker = self._unpacker(size)
         try:
             unpacker.feed(payload)
-            for value in unpacker:
-                yield value
+            yield from unpacker
             if unpacker.tell() != size:
                 raise DecodeError(f"truncated payload: {size - unpacker.tell()} bytes left undecoded")
         except DecodeError:

@@ -41,7 +41,7 @@ _BOOT = "from actors._forkserver import main; main()"
 
 
 def _frame(obj: Any) -> bytes:
-    data = msgpack.packb(obj)
+    data: bytes = msgpack.packb(obj)
     return struct.pack(">I", len(data)) + data
 
 

@@ -21,7 +21,7 @@ __all__ = ["Future"]
 class Future(Generic[R]):
     """A result that will arrive; awaitable, or ``get()`` synchronously."""
 
-    __slots__ = ("_make", "_wait_sync", "_done", "_value", "_error")
+    __slots__ = ("_done", "_error", "_make", "_value", "_wait_sync")
 
     def __init__(
         self,

@@ -54,7 +54,7 @@ class HostMesh:
         if LOADING_MAIN[0]:
             raise RuntimeError(
                 "spawn_procs() ran while an actor process was importing the launching script; "
-                "guard the script's entry point with `if __name__ == \"__main__\":`"
+                'guard the script\'s entry point with `if __name__ == "__main__":`'
             )
         extent = dict(per_host or {"procs": 1})
         if not extent or any(type(n) is not int or n < 1 for n in extent.values()):

@@ -18,10 +18,10 @@ class Watcher:
         self._fds: dict[int, int] = {}  # pid -> pidfd
         self._pids: dict[int, int] = {}  # pidfd -> pid
         self.dead: set[int] = set()
-        self._add_reader: Callable[[int, Callable[[], None]], None] | None = None
-        self._remove_reader: Callable[[int], None] | None = None
+        self._add_reader: Callable[..., object] | None = None
+        self._remove_reader: Callable[[int], object] | None = None
 
-    def bind(self, add_reader: Callable[..., None] | None, remove_reader: Callable[[int], None] | None) -> None:
+    def bind(self, add_reader: Callable[..., object] | None, remove_reader: Callable[[int], object] | None) -> None:
         """Register every pidfd with an event loop (or unregister with ``None``)."""
         self._add_reader, self._remove_reader = add_reader, remove_reader
         if add_reader is not None:

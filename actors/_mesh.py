@@ -57,9 +57,7 @@ class MeshEndpoint(Generic[R]):
 
     def _invoke(self, targets: list[tuple[int, ProcRef]], args: tuple[Any, ...], kwargs: dict[str, Any]) -> PendingCall:
         rt = runtime()
-        pending = rt.on_thread(
-            lambda: rt.call(targets, self._mesh._name, self._name, args, kwargs, want_reply=True)
-        )
+        pending = rt.on_thread(lambda: rt.call(targets, self._mesh._name, self._name, args, kwargs, want_reply=True))
         assert pending is not None
         return pending  # type: ignore[no-any-return]
 
@@ -70,7 +68,9 @@ class MeshEndpoint(Generic[R]):
         pending = self._invoke(targets, args, kwargs)
         extent = mesh._extent
         return _pending_future(
-            runtime(), pending, lambda results: ValueMesh(extent, [results[r] for r, _ in targets]),
+            runtime(),
+            pending,
+            lambda results: ValueMesh(extent, [results[r] for r, _ in targets]),
             f"{mesh._name}.{self._name}.call()",
         )
 
@@ -91,7 +91,9 @@ class MeshEndpoint(Generic[R]):
     def _one(self, target: tuple[int, ProcRef], args: tuple[Any, ...], kwargs: dict[str, Any], how: str) -> Future[R]:
         pending = self._invoke([target], args, kwargs)
         rank = target[0]
-        return _pending_future(runtime(), pending, lambda results: results[rank], f"{self._mesh._name}.{self._name}.{how}()")
+        return _pending_future(
+            runtime(), pending, lambda results: results[rank], f"{self._mesh._name}.{self._name}.{how}()"
+        )
 
     def broadcast(self, *args: Any, **kwargs: Any) -> None:
         """Invoke on every actor without waiting for (or receiving) results."""
@@ -101,7 +103,9 @@ class MeshEndpoint(Generic[R]):
         raise TypeError(f"call endpoints through call(), call_one(), choose() or broadcast(): {self!r}")
 
 
-def _send_now(ep: MeshEndpoint[Any], targets: list[tuple[int, ProcRef]], args: tuple[Any, ...], kwargs: dict[str, Any], port: Any) -> None:
+def _send_now(
+    ep: MeshEndpoint[Any], targets: list[tuple[int, ProcRef]], args: tuple[Any, ...], kwargs: dict[str, Any], port: Any
+) -> None:
     rt = runtime()
     rt.on_thread(lambda: rt.call(targets, ep._mesh._name, ep._name, args, kwargs, want_reply=False, port=port))
 
@@ -201,7 +205,9 @@ class ActorMesh(Generic[A]):
             point = coordinates(index, self._extent)
             if all(point[dim] in ranges[dim] for dim in self._extent):
                 keep.append(target)
-        return ActorMesh(self._name, self._class_ref, self._endpoints, extent or {"procs": len(keep)}, keep, self._ready)
+        return ActorMesh(
+            self._name, self._class_ref, self._endpoints, extent or {"procs": len(keep)}, keep, self._ready
+        )
 
     def stop(self) -> Future[None]:
         """Run ``__cleanup__`` on these actors and remove them (their processes stay)."""

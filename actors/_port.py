@@ -21,7 +21,7 @@ from . import _protocol as P
 from . import _refs
 from . import _runtime as _runtime_module
 from ._codec import register_handle
-from ._errors import ActorDied, CallTimeout, DecodeError, PortClosed
+from ._errors import ActorDied, DecodeError, PortClosed
 from ._future import Future
 from ._runtime import PORT_WINDOW, PORT_WINDOW_BYTES, Runtime, runtime
 
@@ -50,9 +50,7 @@ def _is_instance(value: Any, ref: str) -> bool:
     key = (type(value), ref)
     hit = _matches.get(key)
     if hit is None:
-        hit = _matches[key] = any(
-            _safe_name(cls) == ref for cls in type(value).__mro__
-        )
+        hit = _matches[key] = any(_safe_name(cls) == ref for cls in type(value).__mro__)
     return hit
 
 
@@ -66,7 +64,7 @@ def _safe_name(cls: type) -> str | None:
 class _ReceiverState:
     """What the owning process keeps for one open port."""
 
-    __slots__ = ("port_id", "queue", "waiter", "holders", "attached", "closed", "once", "unacked")
+    __slots__ = ("attached", "closed", "holders", "once", "port_id", "queue", "unacked", "waiter")
 
     def __init__(self, port_id: int, once: bool) -> None:
         self.port_id = port_id
@@ -112,7 +110,7 @@ class _ReceiverState:
 class Port(Generic[T]):
     """The sending end of a channel; copy it freely into other processes."""
 
-    __slots__ = ("_address", "_pid", "_id", "_type", "_once", "_used", "_route", "__weakref__")
+    __slots__ = ("__weakref__", "_address", "_id", "_once", "_pid", "_route", "_type", "_used")
 
     def __init__(self, address: str, pid: int, port_id: int, type_ref: str | None, once: bool) -> None:
         self._address = address
@@ -136,9 +134,7 @@ class Port(Generic[T]):
         ref = self._type
         if value is not None and ref is not None and not _is_instance(value, ref):
             cls = type(value)
-            raise TypeError(
-                f"this port carries {ref.replace(':', '.')}, not {cls.__module__}.{cls.__qualname__}"
-            )
+            raise TypeError(f"this port carries {ref.replace(':', '.')}, not {cls.__module__}.{cls.__qualname__}")
         if self._once:
             if self._used:
                 raise PortClosed("a once-port can be sent to only once")

@@ -38,12 +38,12 @@ CONTROL = 6
 ARITY = {CALL: 9, REPLY: 5, PORT: 3, CREDIT: 4, ATTACH: 3, CONTROL: 3}
 
 # Control operations.
-OP_SPAWN = "spawn"          # owner → worker: construct an actor
+OP_SPAWN = "spawn"  # owner → worker: construct an actor
 OP_STOP_ACTOR = "stop_actor"  # owner → worker: run __cleanup__ and drop one actor
-OP_STOP = "stop"            # owner → worker: clean up every actor and exit
-OP_READY = "ready"          # worker → owner: the process is serving
-OP_STOPPED = "stopped"      # worker → owner: acknowledges a stop
-OP_FAILURE = "failure"      # worker → owner: a fire-and-forget endpoint raised
+OP_STOP = "stop"  # owner → worker: clean up every actor and exit
+OP_READY = "ready"  # worker → owner: the process is serving
+OP_STOPPED = "stopped"  # worker → owner: acknowledges a stop
+OP_FAILURE = "failure"  # worker → owner: a fire-and-forget endpoint raised
 
 
 def port_prefix(port_id: int) -> bytes:

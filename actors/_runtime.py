@@ -26,7 +26,7 @@ import zmq
 
 from . import _protocol as P
 from ._codec import Decoder, Encoder
-from ._errors import ActorDied, ActorError, CallTimeout, DecodeError, EncodeError, PortClosed, SpawnError
+from ._errors import ActorDied, ActorError, CallTimeout, DecodeError, EncodeError, SpawnError
 from ._liveness import Watcher
 from ._transport import (
     FLUSH_BYTES,
@@ -58,7 +58,7 @@ FLUSH_PARTS = 2 * FLUSH_MESSAGES
 class ProcRef:
     """A process this one talks to: its inbox address and, once known, its pid."""
 
-    __slots__ = ("address", "pid", "dead", "exit_reason")
+    __slots__ = ("address", "dead", "exit_reason", "pid")
 
     def __init__(self, address: str, pid: int | None) -> None:
         self.address = address
@@ -73,7 +73,7 @@ class ProcRef:
 class PendingCall:
     """Replies expected for one call, by rank; done at the last reply or first error."""
 
-    __slots__ = ("call_id", "actor", "procs", "remaining", "results", "error", "done", "waiters")
+    __slots__ = ("actor", "call_id", "done", "error", "procs", "remaining", "results", "waiters")
 
     def __init__(self, call_id: int, actor: str, procs: dict[int, ProcRef]) -> None:
         self.call_id = call_id
@@ -541,7 +541,7 @@ class Runtime:
                 poller.register(fd, zmq.POLLIN)
             for fd in self.extra_readers:
                 poller.register(fd, zmq.POLLIN)
-            events = dict(poller.poll(remaining * 1000))
+            events = dict(poller.poll(int(remaining * 1000) + 1))
             if self.inbox in events:
                 self.drain_inbox()
             for fd in pidfds:
@@ -625,7 +625,11 @@ class Runtime:
         elif kind == P.CALL:
             if self.on_call is None:
                 self.reply(
-                    address, pid, message[1], message[6], False,
+                    address,
+                    pid,
+                    message[1],
+                    message[6],
+                    False,
                     ["LookupError", "this process hosts no actors", "", False],
                 )
             else:

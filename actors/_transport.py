@@ -68,7 +68,7 @@ def make_runtime_dir() -> str:
 
 
 def bind_inbox(ctx: zmq.Context[Any], address: str) -> zmq.Socket[Any]:
-    sock = ctx.socket(zmq.PULL)
+    sock: zmq.Socket[Any] = ctx.socket(zmq.PULL)
     sock.setsockopt(zmq.RCVHWM, RCVHWM)
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind(address)
@@ -78,7 +78,7 @@ def bind_inbox(ctx: zmq.Context[Any], address: str) -> zmq.Socket[Any]:
 class Link:
     """The outbound side of one peer: a PUSH socket plus the batch being built."""
 
-    __slots__ = ("address", "pid", "sock", "parts", "frames", "nbytes", "scheduled", "dead", "inflight")
+    __slots__ = ("address", "dead", "frames", "inflight", "nbytes", "parts", "pid", "scheduled", "sock")
 
     def __init__(self, ctx: zmq.Context[Any], address: str, pid: int | None) -> None:
         self.address = address

@@ -7,7 +7,7 @@ ranks number its points in row-major order.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 R = TypeVar("R")
 
@@ -36,7 +36,7 @@ def rank_of(coords: Mapping[str, int], extent: Mapping[str, int]) -> int:
 class Point(Mapping[str, int]):
     """One position in a mesh: its ``rank`` and its coordinates by dimension."""
 
-    __slots__ = ("rank", "extent", "_coords")
+    __slots__ = ("_coords", "extent", "rank")
 
     def __init__(self, rank: int, extent: Mapping[str, int]) -> None:
         self.rank = rank

@@ -261,7 +261,9 @@ class ActorHost:
         slot.tasks.add(task)
         task.add_done_callback(slot.tasks.discard)
 
-    async def _invoke(self, slot: _Slot, ep: Endpoint[Any], args: list[Any], kwargs: dict[str, Any], inv: _Invocation) -> None:
+    async def _invoke(
+        self, slot: _Slot, ep: Endpoint[Any], args: list[Any], kwargs: dict[str, Any], inv: _Invocation
+    ) -> None:
         try:
             if ep.is_async:
                 result = await ep.fn(slot.instance, *args, **kwargs)
@@ -269,7 +271,13 @@ class ActorHost:
                 call = functools.partial(ep.fn, slot.instance, *args, **kwargs)
                 result = await self.loop.run_in_executor(self.executor, contextvars.copy_context().run, call)
         except asyncio.CancelledError:
-            self._fail(slot, slot.name, inv, ["CancelledError", f"actor {slot.name!r} stopped before the call finished", "", False], report=False)
+            self._fail(
+                slot,
+                slot.name,
+                inv,
+                ["CancelledError", f"actor {slot.name!r} stopped before the call finished", "", False],
+                report=False,
+            )
         except BaseException as exc:
             self._fail(slot, slot.name, inv, error_record(exc, traceback.format_exc()))
         else:
@@ -290,7 +298,12 @@ class ActorHost:
         rank = slot.rank if slot is not None else inv.rank
         log.error(
             "fire-and-forget call %s[%d].%s failed: %s: %s\n%s",
-            actor, rank, inv.method, record[0], record[1], str(record[2]).rstrip(),
+            actor,
+            rank,
+            inv.method,
+            record[0],
+            record[1],
+            str(record[2]).rstrip(),
         )
         failure = [actor, rank, os.getpid(), inv.method, record[0], record[1], record[2]]
         if not self.owner.dead:
@@ -312,9 +325,11 @@ class ActorHost:
             if inv.method == "spawn":
                 result = self._spawn(inv, *args)
             elif inv.method == "stop_actor":
-                result = await self._stop_actor(*args)
+                await self._stop_actor(*args)
+                result = None
             elif inv.method == "stop":
-                result = await self._stop_all(*args)
+                await self._stop_all(*args)
+                result = None
             else:
                 raise AttributeError(f"unknown host operation {inv.method!r}")
         except BaseException as exc:

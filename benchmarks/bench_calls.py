@@ -59,11 +59,21 @@ def main() -> None:
         print(f"call_one p50 {ours[-1]:7.1f} us  p99 {p99:7.1f} us | raw DEALER/ROUTER p50 {raw[-1]:6.1f} us")
     ours_med, raw_med = statistics.median(ours), statistics.median(raw)
     ratio = ours_med / raw_med
-    print(f"median over {args.repeat} runs: call_one {ours_med:.1f} us, raw {raw_med:.1f} us, ratio {ratio:.2f} (target <= 4)")
-    print(json.dumps({
-        "bench": "call_one_rtt", "loop": args.loop, "call_one_p50_us": round(ours_med, 1),
-        "raw_dealer_router_p50_us": round(raw_med, 1), "ratio": round(ratio, 2), "target": "<= 4",
-    }))
+    print(
+        f"median over {args.repeat} runs: call_one {ours_med:.1f} us, raw {raw_med:.1f} us, ratio {ratio:.2f} (target <= 4)"
+    )
+    print(
+        json.dumps(
+            {
+                "bench": "call_one_rtt",
+                "loop": args.loop,
+                "call_one_p50_us": round(ours_med, 1),
+                "raw_dealer_router_p50_us": round(raw_med, 1),
+                "ratio": round(ratio, 2),
+                "target": "<= 4",
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -98,11 +98,19 @@ def main() -> None:
         f"median over {args.repeat} runs: tuple {ours:,.0f} msg/s = {ratio:.2f} x raw {raw:,.0f} (target >= 0.25); "
         f"3-tensor dataclass {tensors:,.0f} msg/s (target >= 20,000)"
     )
-    print(json.dumps({
-        "bench": "port_throughput", "tuple_msgs_per_s": round(ours), "raw_push_pull_msgs_per_s": round(raw),
-        "ratio": round(ratio, 3), "tensor_dataclass_msgs_per_s": round(tensors), "target_ratio": ">= 0.25",
-        "target_tensor_dataclass": ">= 20000",
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "port_throughput",
+                "tuple_msgs_per_s": round(ours),
+                "raw_push_pull_msgs_per_s": round(raw),
+                "ratio": round(ratio, 3),
+                "tensor_dataclass_msgs_per_s": round(tensors),
+                "target_ratio": ">= 0.25",
+                "target_tensor_dataclass": ">= 20000",
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

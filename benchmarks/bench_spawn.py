@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -65,16 +65,29 @@ def main() -> None:
         colds.append(cold)
         warms.append(warm)
         stops.append(stop)
-        print(f"{args.actors} actors ready: cold {cold:.2f} s, warm {warm * 1000:.0f} ms; stop {stop * 1000:.0f} ms | "
-              f"raw python+torch start {torch_starts[-1]:.2f} s")
+        print(
+            f"{args.actors} actors ready: cold {cold:.2f} s, warm {warm * 1000:.0f} ms; stop {stop * 1000:.0f} ms | "
+            f"raw python+torch start {torch_starts[-1]:.2f} s"
+        )
     cold, warm, stop, raw = (statistics.median(x) for x in (colds, warms, stops, torch_starts))
-    print(f"median: cold {cold:.2f} s (target <= 3 s), warm {warm * 1000:.0f} ms, stop {stop * 1000:.0f} ms; "
-          f"ratio cold / one torch process start = {cold / raw:.2f}")
-    print(json.dumps({
-        "bench": "spawn", "actors": args.actors, "cold_s": round(cold, 3), "warm_s": round(warm, 3),
-        "stop_s": round(stop, 3), "raw_torch_process_start_s": round(raw, 3), "ratio": round(cold / raw, 2),
-        "target_cold_s": "<= 3",
-    }))
+    print(
+        f"median: cold {cold:.2f} s (target <= 3 s), warm {warm * 1000:.0f} ms, stop {stop * 1000:.0f} ms; "
+        f"ratio cold / one torch process start = {cold / raw:.2f}"
+    )
+    print(
+        json.dumps(
+            {
+                "bench": "spawn",
+                "actors": args.actors,
+                "cold_s": round(cold, 3),
+                "warm_s": round(warm, 3),
+                "stop_s": round(stop, 3),
+                "raw_torch_process_start_s": round(raw, 3),
+                "ratio": round(cold / raw, 2),
+                "target_cold_s": "<= 3",
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Ping-pong: two actors in two processes bounce a counter through each other.
 
-    python examples/ping_pong.py
+python examples/ping_pong.py
 """
 
 from __future__ import annotations

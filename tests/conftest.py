@@ -4,7 +4,6 @@ import glob
 import os
 
 import pytest
-
 from support import actor_pids, wait_for
 
 

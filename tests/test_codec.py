@@ -11,10 +11,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import Item, Triple
 
 from actors import DecodeError, EncodeError
 from actors._codec import EXT_DATACLASS, EXT_TENSOR, EXT_TUPLE, MAX_DEPTH, Decoder, Encoder
-from support import Item, Triple
 
 
 def roundtrip(value):
@@ -31,9 +31,11 @@ plain = st.recursive(
     | st.floats(allow_nan=False)
     | st.text()
     | st.binary(),
-    lambda children: st.lists(children, max_size=5)
-    | st.tuples(children, children)
-    | st.dictionaries(st.text() | st.integers(min_value=-1000, max_value=1000), children, max_size=5),
+    lambda children: (
+        st.lists(children, max_size=5)
+        | st.tuples(children, children)
+        | st.dictionaries(st.text() | st.integers(min_value=-1000, max_value=1000), children, max_size=5)
+    ),
     max_leaves=30,
 )
 
@@ -47,7 +49,9 @@ def test_plain_values_roundtrip_exactly(value):
 
 @settings(max_examples=100, deadline=None)
 @given(
-    st.sampled_from([torch.float32, torch.float64, torch.int64, torch.int8, torch.uint8, torch.bool, torch.bfloat16, torch.float16]),
+    st.sampled_from(
+        [torch.float32, torch.float64, torch.int64, torch.int8, torch.uint8, torch.bool, torch.bfloat16, torch.float16]
+    ),
     st.lists(st.integers(min_value=0, max_value=40), min_size=0, max_size=3),
 )
 def test_tensor_roundtrip_any_dtype_and_shape(dtype, shape):
@@ -149,7 +153,7 @@ def test_dataclass_of_unloaded_module_is_refused_without_import():
 )
 def test_non_dataclass_types_are_refused(ref):
     data = msgpack.packb(_ext(EXT_DATACLASS, [ref, ["echo pwned"]]))
-    with pytest.raises(DecodeError, match="refusing|malformed"):
+    with pytest.raises(DecodeError, match=r"refusing|malformed"):
         Decoder().decode(data)
 
 
@@ -180,7 +184,7 @@ def test_nested_ext_depth_is_bounded():
     value = msgpack.packb(1)
     for _ in range(MAX_DEPTH + 2):
         value = msgpack.packb(msgpack.ExtType(EXT_TUPLE, b"\x91" + value))
-    with pytest.raises(DecodeError, match="deeper|malformed"):
+    with pytest.raises(DecodeError, match=r"deeper|malformed"):
         Decoder().decode(value)
 
 

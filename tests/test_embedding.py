@@ -6,9 +6,9 @@ import asyncio
 
 import anyio
 import uvloop
+from support import Echo
 
 from actors import Channel, this_host
-from support import Echo
 
 
 async def _exercise() -> list[object]:

@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from support import BadInit, Echo, Fire, Relay
 
 from actors import (
     ActorError,
@@ -20,7 +21,6 @@ from actors import (
     send,
     this_host,
 )
-from support import BadInit, Echo, Fire, Relay
 
 
 @pytest.fixture

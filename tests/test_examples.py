@@ -16,14 +16,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     [
         ("ping_pong.py", ["pong (pid", "1000 actor-to-actor round trips"]),
         ("fan_in_pipeline.py", ["producer 2: total 39600", "expected per producer: 39600"]),
-        ("custom_actor.py", ["plain: [3, 3]", "skip: [115, 115]", "skip after reset: [5, 5]", "SkipCounter stopping at 5"]),
+        (
+            "custom_actor.py",
+            ["plain: [3, 3]", "skip: [115, 115]", "skip after reset: [5, 5]", "SkipCounter stopping at 5"],
+        ),
         ("embed_tcp_service.py", ["serving on 127.0.0.1:", "scored 'request 4'"]),
     ],
 )
 def test_example_runs(script, expected):
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "examples", script)],
-        capture_output=True, text=True, timeout=90, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for text in expected:

@@ -14,10 +14,10 @@ import time
 import msgpack
 import pytest
 import zmq
+from support import Echo, actor_pids, wait_for
 
 from actors import ActorDied, ProcMesh, this_host
 from actors._protocol import PROTOCOL_VERSION
-from support import Echo, actor_pids, wait_for
 
 
 @pytest.fixture
@@ -58,8 +58,9 @@ async def test_stop_of_a_dead_mesh_returns(sockets_dir):
 
 
 async def test_stop_runs_cleanup_and_ends_processes(sockets_dir):
-    from actors import Channel
     from support import Cleanup
+
+    from actors import Channel
 
     port, recv = Channel.open(str)
     procs = this_host().spawn_procs(per_host={"procs": 2})

@@ -8,10 +8,10 @@ import signal
 
 import pytest
 import torch
+from support import Echo, Item, Relay
 
 from actors import ActorDied, ActorError, Channel, Port, PortClosed, ProcMesh, this_host
 from actors._runtime import PORT_WINDOW, runtime
-from support import Echo, Item, Relay
 
 
 @pytest.fixture
@@ -23,7 +23,7 @@ async def procs(sockets_dir):
 
 async def test_typed_port_refuses_wrong_type_at_sender():
     port, recv = Channel.open(Item)
-    with pytest.raises(TypeError, match="carries support.Item"):
+    with pytest.raises(TypeError, match=r"carries support\.Item"):
         port.send("not an item")
     port.send(Item(1, torch.ones(2)))
     port.send(None)
@@ -35,7 +35,7 @@ async def test_typed_port_refuses_wrong_type_at_sender():
 async def test_typed_port_checks_remote_senders(procs: ProcMesh):
     port, recv = Channel.open(int)
     echo = procs.spawn("echo", Echo).slice(procs=0)
-    with pytest.raises(ActorError, match="TypeError: this port carries builtins.int") as info:
+    with pytest.raises(ActorError, match=r"TypeError: this port carries builtins\.int") as info:
         await echo.send_to.call_one(port, [1, "two"])
     assert info.value.exception_type == "TypeError"
     assert await recv.recv() == 1
