@@ -13,6 +13,7 @@ from . import _refs
 from ._forkserver import forkserver
 from ._mesh import ProcMesh
 from ._runtime import runtime
+from ._transport import inbox_address
 from ._worker import LOADING_MAIN
 
 __all__ = ["HostMesh", "this_host"]
@@ -68,7 +69,7 @@ class HostMesh:
         procs = []
         for rank in range(math.prod(extent.values())):
             index = next(_indices)
-            address = f"ipc://{rt.dir}/w{index}.sock"
+            address = inbox_address(rt.dir, f"w{index}")
             ref = rt.proc(address, None)
             config: dict[str, Any] = {
                 "name": f"{mesh_name}.{rank}",

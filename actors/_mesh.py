@@ -21,6 +21,7 @@ from ._errors import ActorDied, CallTimeout, DecodeError
 from ._future import Future
 from ._runtime import PendingCall, ProcRef, Runtime, runtime
 from ._supervision import Failure, FailureHandler, report
+from ._transport import remove_socket_file
 from ._value_mesh import ValueMesh, coordinates
 from ._worker import CLEANUP_TIMEOUT, HOST
 
@@ -369,11 +370,7 @@ class ProcMesh:
                     pass
         yield all_dead, 2.0
         for ref in procs:
-            path = ref.address.removeprefix("ipc://")
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+            remove_socket_file(ref.address)
         self._stopped = True
 
     async def __aenter__(self) -> ProcMesh:

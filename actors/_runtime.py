@@ -35,9 +35,11 @@ from ._transport import (
     bind_inbox,
     count_prefix,
     frame_size,
+    inbox_address,
     make_header,
     make_runtime_dir,
     parse_header,
+    remove_socket_file,
 )
 
 log = logging.getLogger("actors")
@@ -140,7 +142,7 @@ class Runtime:
             self.owns_dir = True
         self.session = os.path.basename(self.dir)
         self.ctx: zmq.Context[Any] = zmq.Context()
-        self.address = address or f"ipc://{self.dir}/c{self.pid}.sock"
+        self.address = address or inbox_address(self.dir, f"c{self.pid}")
         self.inbox = bind_inbox(self.ctx, self.address)
         self.header = make_header(self.address, self.pid)
         self.encoder = Encoder()
@@ -715,9 +717,7 @@ class Runtime:
         self.links.clear()
         self.inbox.close(linger=0)
         self.ctx.term()
-        path = self.address.removeprefix("ipc://")
-        with contextlib.suppress(OSError):
-            os.unlink(path)
+        remove_socket_file(self.address)
         if self.owns_dir:
             shutil.rmtree(self.dir, ignore_errors=True)
 

@@ -8,7 +8,9 @@ drops a message: the sender waits for room while it keeps serving its inbox.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import tempfile
 from typing import Any
 
@@ -55,6 +57,37 @@ def parse_header(data: bytes) -> tuple[str, int]:
 
 def frame_size(frame: Any) -> int:
     return frame.nbytes if isinstance(frame, memoryview) else len(frame)
+
+
+#: Environment switch for the transport: ``ipc`` (default, one host) or ``tcp``.
+TRANSPORT_ENV = "ACTORS_TRANSPORT"
+#: Interface tcp inboxes bind to; loopback unless explicitly widened.
+TCP_HOST_ENV = "ACTORS_TCP_HOST"
+
+
+def transport_kind() -> str:
+    kind = os.environ.get(TRANSPORT_ENV, "ipc").lower()
+    if kind not in ("ipc", "tcp"):
+        raise ValueError(f"{TRANSPORT_ENV} must be 'ipc' or 'tcp', not {kind!r}")
+    return kind
+
+
+def inbox_address(runtime_dir: str, name: str) -> str:
+    """A fresh inbox address: a socket file in the private directory, or a loopback tcp port."""
+    if transport_kind() == "ipc":
+        return f"ipc://{runtime_dir}/{name}.sock"
+    host = os.environ.get(TCP_HOST_ENV, "127.0.0.1")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        port = probe.getsockname()[1]
+    return f"tcp://{host}:{port}"
+
+
+def remove_socket_file(address: str) -> None:
+    """Delete an ipc address's socket file (nothing to do for tcp)."""
+    if address.startswith("ipc://"):
+        with contextlib.suppress(OSError):
+            os.unlink(address.removeprefix("ipc://"))
 
 
 def make_runtime_dir() -> str:

@@ -48,3 +48,52 @@ def test_synchronous_program_uses_get(sockets_dir):
         assert echo.slice(procs=0).fail.call_one("x").exception(timeout=30) is not None
     finally:
         procs.stop().get()
+
+
+def test_tcp_transport_binds_loopback(tmp_path):
+    """ACTORS_TRANSPORT=tcp switches every inbox to tcp on 127.0.0.1."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "tcp_controller.py"
+    script.write_text(
+        "import asyncio\n"
+        "from actors import Channel, this_host\n"
+        "from actors._runtime import runtime\n"
+        "from support import Echo\n"
+        "async def main():\n"
+        "    procs = this_host().spawn_procs(per_host={'procs': 2})\n"
+        "    echo = procs.spawn('echo', Echo, 1)\n"
+        "    port, recv = Channel.open(int)\n"
+        "    await echo.send_to.call(port, [7])\n"
+        "    got = [await recv.recv(), await recv.recv()]\n"
+        "    print('ADDR', runtime().address, *[r.address for r in procs._procs])\n"
+        "    print('RESULT', list((await echo.add.call(1)).values()), got)\n"
+        "    await procs.stop()\n"
+        "if __name__ == '__main__':\n"
+        "    asyncio.run(main())\n"
+    )
+    env = dict(os.environ, ACTORS_TRANSPORT="tcp", PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    addresses = next(line for line in out.stdout.splitlines() if line.startswith("ADDR")).split()[1:]
+    assert len(addresses) == 3 and all(a.startswith("tcp://127.0.0.1:") for a in addresses)
+    assert "RESULT [2, 2] [7, 7]" in out.stdout
+
+
+def test_runtime_dir_is_private(sockets_dir):
+    import os
+    import stat
+
+    assert stat.S_IMODE(os.stat(sockets_dir).st_mode) == 0o700
+
+
+async def test_async_with_stops_the_mesh(sockets_dir):
+    from support import actor_pids, wait_for
+
+    async with this_host().spawn_procs(per_host={"procs": 1}) as procs:
+        echo = procs.spawn("echo", Echo)
+        pid = await echo.pid.call_one()
+        assert pid in actor_pids()
+    assert wait_for(lambda: pid not in actor_pids(), timeout=5)
