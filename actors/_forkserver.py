@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import gc
 import glob
 import os
 import select
@@ -180,6 +181,10 @@ def _serve(status_fd: int, session_dir: str, session: str) -> None:
 
     from . import _worker  # noqa: F401
 
+    # Collect once here, not in every worker: children inherit a frozen heap
+    # (cheap collections for them, and pages that stay shared after fork).
+    gc.collect()
+    gc.freeze()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))

@@ -134,8 +134,7 @@ def _tune_gc() -> None:
     collector's view, and young collections run less often: messages queued
     in ports otherwise make every collection walk a large, long-lived heap.
     """
-    gc.collect()
-    gc.freeze()
+    gc.freeze()  # the forkserver already collected and froze torch's heap before forking
     gc.set_threshold(GC_THRESHOLD, 20, 50)
 
 
