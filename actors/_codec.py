@@ -278,48 +278,57 @@ class Decoder:
             self._frames = []
 
     def decode_batch(self, payload: Any, frames: list[Any]) -> Iterator[tuple[Any, list[Any], int]]:
-        """Yield ``(message, its frames, its size in bytes)`` for a batch payload.
+        """Yield ``(message, its frames, its size in bytes)`` for each message of a batch.
 
-        The payload alternates a frame count and a message; each message's
-        tensors index into its own run of ``frames``.
+        Each message is preceded by its frame count and byte length, so one
+        that cannot be decoded is yielded as a :class:`DecodeError` instance
+        and the rest of the batch still arrives. Broken framing raises.
         """
-        size = payload.nbytes if isinstance(payload, memoryview) else len(payload)
+        view = payload if isinstance(payload, memoryview) else memoryview(payload)
+        size = view.nbytes
         if size > self.max_payload:
             raise DecodeError(f"payload of {size} bytes exceeds the {self.max_payload}-byte limit")
-        unpacker = self._unpacker(size)
-        offset = 0
         position = 0
+        offset = 0
         try:
-            unpacker.feed(payload)
             while position < size:
-                count = unpacker.unpack()
-                if type(count) is not int or not 0 <= count <= len(frames) - offset:
-                    raise DecodeError(f"bad frame count {count!r:.40}")
+                count, position = _read_uint(view, position)
+                length, position = _read_uint(view, position)
+                end = position + length
+                if end > size or count > len(frames) - offset:
+                    raise DecodeError("batch framing runs past the end of the message")
                 if count:
                     run = frames[offset : offset + count]
                     offset += count
-                    self._frames = run
-                    self._depth = 0
-                    message = unpacker.unpack()
-                    end = unpacker.tell()
-                    nbytes = end - position
+                    nbytes = length
                     for frame in run:
                         nbytes += len(frame)
                 else:
                     run = _NO_FRAMES
-                    message = unpacker.unpack()
-                    end = unpacker.tell()
-                    nbytes = end - position
+                    nbytes = length
+                self._frames = run
+                self._depth = 0
+                try:
+                    message = msgpack.unpackb(
+                        view[position:end], ext_hook=self._ext_hook, raw=False, strict_map_key=False
+                    )
+                except DecodeError as exc:
+                    message = exc
+                except (
+                    msgpack.UnpackException,
+                    ValueError,
+                    TypeError,
+                    KeyError,
+                    IndexError,
+                    OverflowError,
+                    MemoryError,
+                    LookupError,
+                ) as exc:
+                    message = DecodeError(f"malformed message: {type(exc).__name__}: {exc}")
                 position = end
                 yield message, run, nbytes
             if offset != len(frames):
                 raise DecodeError(f"{len(frames) - offset} buffer frames left unclaimed")
-        except msgpack.OutOfData:
-            raise DecodeError("truncated payload") from None
-        except DecodeError:
-            raise
-        except (ValueError, TypeError, KeyError, IndexError, OverflowError, MemoryError, LookupError) as exc:
-            raise DecodeError(f"malformed payload: {type(exc).__name__}: {exc}") from None
         finally:
             self._frames = []
 
@@ -424,4 +433,23 @@ class Decoder:
 
 
 _NO_FRAMES: list[Any] = []
+
+
+def _read_uint(view: memoryview, position: int) -> tuple[int, int]:
+    """Read one msgpack unsigned integer (fixint, uint8/16/32) at ``position``."""
+    try:
+        first = view[position]
+        if first < 0x80:
+            return first, position + 1
+        if first == 0xCC:
+            return view[position + 1], position + 2
+        if first == 0xCD:
+            return int.from_bytes(view[position + 1 : position + 3], "big"), position + 3
+        if first == 0xCE:
+            return int.from_bytes(view[position + 1 : position + 5], "big"), position + 5
+    except IndexError:
+        raise DecodeError("truncated batch framing") from None
+    raise DecodeError(f"bad batch framing byte 0x{first:02x}")
+
+
 _ITEMSIZE = {dt: torch.empty((), dtype=dt).element_size() for dt in _DTYPES.values()}

@@ -33,7 +33,8 @@ from typing import Any
 
 import msgpack
 
-from ._runtime import SESSION_ENV, ProcRef, Runtime, at_runtime_exit
+from ._liveness import ProcRef
+from ._runtime import SESSION_ENV, Runtime, at_runtime_exit
 
 #: Grace period between SIGTERM and SIGKILL when tearing workers down.
 TERM_GRACE = 1.0

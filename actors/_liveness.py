@@ -84,3 +84,18 @@ class Watcher:
             os.close(fd)
         self._fds.clear()
         self._pids.clear()
+
+
+class ProcRef:
+    """A process this one talks to: its inbox address and, once known, its pid."""
+
+    __slots__ = ("address", "dead", "exit_reason", "pid")
+
+    def __init__(self, address: str, pid: int | None) -> None:
+        self.address = address
+        self.pid = pid
+        self.dead = False
+        self.exit_reason = ""
+
+    def __repr__(self) -> str:
+        return f"ProcRef({self.address!r}, pid={self.pid})"

@@ -16,10 +16,12 @@ from typing import Any, Generic, TypeVar
 from . import _protocol as P
 from . import _refs
 from ._actor import Actor, endpoints_of
+from ._calls import PendingCall
 from ._codec import register_handle
 from ._errors import ActorDied, CallTimeout, DecodeError
 from ._future import Future
-from ._runtime import PendingCall, ProcRef, Runtime, runtime
+from ._liveness import ProcRef
+from ._runtime import Runtime, runtime
 from ._supervision import Failure, FailureHandler, report
 from ._transport import remove_socket_file
 from ._value_mesh import ValueMesh, coordinates
@@ -328,6 +330,9 @@ class ProcMesh:
         """Run every actor's ``__cleanup__`` and end the processes (a no-op if already stopped)."""
         rt = runtime()
         plan = self._stop_plan(rt, timeout)
+        first = next(plan, None)  # eager: the stop request leaves now
+        if first is not None:
+            plan = itertools.chain([first], plan)
 
         async def run() -> None:
             for condition, limit in plan:

@@ -23,7 +23,9 @@ from . import _runtime as _runtime_module
 from ._codec import register_handle
 from ._errors import ActorDied, DecodeError, PortClosed
 from ._future import Future
-from ._runtime import PORT_WINDOW, PORT_WINDOW_BYTES, Runtime, runtime
+from ._liveness import ProcRef
+from ._runtime import SEND_TIMEOUT, Runtime, runtime
+from ._transport import frame_size
 
 T = TypeVar("T")
 
@@ -59,6 +61,56 @@ def _safe_name(cls: type) -> str | None:
         return _refs.qualified_name(cls)
     except TypeError:
         return None
+
+
+#: Messages and bytes one sending process may have in flight to one port before it waits.
+PORT_WINDOW = 4096
+PORT_WINDOW_BYTES = 64 * 1024 * 1024
+
+
+def _send_remote(rt: Runtime, ref: ProcRef, port_id: int, value: Any, prefix: bytes) -> None:
+    """Send ``value`` to a port owned by another process, within the port's window.
+
+    ``prefix`` is the packed ``[PORT, port_id,`` start of the message. A full
+    window makes the sender wait, still serving its own inbox, for credit.
+    """
+    link = rt.links.get(ref.address) or rt.link(ref)
+    inflight = link.inflight.get(port_id)
+    if inflight is None:
+        inflight = link.inflight[port_id] = [0, 0]
+    if inflight[0] >= PORT_WINDOW or (inflight[1] >= PORT_WINDOW_BYTES and inflight[0] > 0):
+        rt.flush(link)
+        rt.wait(
+            lambda: inflight[0] < PORT_WINDOW and (inflight[1] < PORT_WINDOW_BYTES or inflight[0] == 0),
+            timeout=SEND_TIMEOUT,
+            link=link,
+            what=f"the receiver of port {port_id} at {ref.address} to consume",
+        )
+    enc = rt.encoder
+    enc.reset()
+    data = prefix + enc.encode(value)
+    frames = enc.frames
+    if enc.handles:
+        rt.note_handles(enc.handles, ref)
+    size = len(data)
+    for frame in frames:
+        size += frame_size(frame)
+    inflight[0] += 1
+    inflight[1] += size
+    rt.post(link, data, frames, urgent=False)
+
+
+def _send_credit(rt: Runtime, address: str, port_id: int, messages: int, nbytes: int) -> None:
+    """Return window credit to the process at ``address``.
+
+    Urgent: a consumer that always finds messages queued never yields to the
+    loop, and a credit held back until then would stall the sender.
+    """
+    ref = rt.procs.get(address)
+    if ref is None or ref.dead:
+        return
+    with contextlib.suppress(ActorDied):
+        rt.send_message(ref, [P.CREDIT, port_id, messages, nbytes], urgent=True)
 
 
 class _ReceiverState:
@@ -167,7 +219,7 @@ class Port(Generic[T]):
         if ref.dead:
             raise PortClosed(f"the receiver of port {self._id} (pid {self._pid}) has exited")
         try:
-            rt.port_send(ref, self._id, value, route[2])
+            _send_remote(rt, ref, self._id, value, route[2])
         except ActorDied as exc:
             raise PortClosed(f"the receiver of port {self._id} (pid {self._pid}) has exited") from exc
 
@@ -276,7 +328,7 @@ class PortReceiver(Generic[T]):
             unacked[0] += 1
             unacked[1] += size
             if unacked[0] >= PORT_WINDOW // 4 or unacked[1] >= PORT_WINDOW_BYTES // 4:
-                self._rt.credit(address, state.port_id, unacked[0], unacked[1])
+                _send_credit(self._rt, address, state.port_id, unacked[0], unacked[1])
                 unacked[0] = unacked[1] = 0
         if state.once:
             state.closed = "a once-port delivers a single message"

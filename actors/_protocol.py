@@ -1,9 +1,10 @@
 """The message layouts that travel between processes.
 
 A ZeroMQ message is ``[header][payload][buffer 0..n]``. The header is msgpack
-``[PROTOCOL_VERSION, sender_address, sender_pid]``. The payload is a msgpack
-stream of ``frame_count, message`` pairs, so one ZeroMQ message can carry a
-batch; each message's tensors refer to its own run of buffer frames.
+``[PROTOCOL_VERSION, sender_address, sender_pid]``. The payload is a batch:
+for each message, its frame count and byte length (msgpack uints), then the
+message itself. Each message's tensors refer to its own run of buffer frames,
+and a message that cannot be decoded is dropped alone.
 
 Every message is a msgpack array whose first item is its kind:
 
@@ -15,11 +16,12 @@ REPLY      call_id, rank, ok, value (or an error record)
 PORT       port_id, value
 CREDIT     port_id, messages, bytes            (flow control for ports)
 ATTACH     port_id, pid                         (a process now holds a sender)
-CONTROL    op, argument                         (spawn, stop, ready, failure, ...)
+CONTROL    op, argument                         (worker → owner: failure reports)
 =========  =====================================================================
 
 ``args_blob`` is itself an encoded ``[args, kwargs]``: it is decoded only once
-the target actor exists, so its dataclasses are loaded by then.
+the target actor exists, so its dataclasses are loaded by then. Spawning and
+stopping actors are calls to the reserved actor ``__host__`` of a process.
 An error record is ``[type_name, message, traceback, spawn_failed]``.
 """
 
@@ -38,11 +40,6 @@ CONTROL = 6
 ARITY = {CALL: 9, REPLY: 5, PORT: 3, CREDIT: 4, ATTACH: 3, CONTROL: 3}
 
 # Control operations.
-OP_SPAWN = "spawn"  # owner → worker: construct an actor
-OP_STOP_ACTOR = "stop_actor"  # owner → worker: run __cleanup__ and drop one actor
-OP_STOP = "stop"  # owner → worker: clean up every actor and exit
-OP_READY = "ready"  # worker → owner: the process is serving
-OP_STOPPED = "stopped"  # worker → owner: acknowledges a stop
 OP_FAILURE = "failure"  # worker → owner: a fire-and-forget endpoint raised
 
 

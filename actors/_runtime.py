@@ -25,107 +25,32 @@ from typing import Any
 import zmq
 
 from . import _protocol as P
+from ._calls import PendingCall, error_record
 from ._codec import Decoder, Encoder
-from ._errors import ActorDied, ActorError, CallTimeout, DecodeError, EncodeError, SpawnError
-from ._liveness import Watcher
+from ._errors import ActorDied, CallTimeout, DecodeError, EncodeError
+from ._liveness import ProcRef, Watcher
 from ._transport import (
     FLUSH_BYTES,
     FLUSH_MESSAGES,
     Link,
     bind_inbox,
-    count_prefix,
-    frame_size,
     inbox_address,
     make_header,
     make_runtime_dir,
+    message_prefix,
     parse_header,
     remove_socket_file,
 )
 
 log = logging.getLogger("actors")
 
-#: Messages and bytes a sender may have in flight to one port before it waits.
-PORT_WINDOW = 4096
-PORT_WINDOW_BYTES = 64 * 1024 * 1024
 #: How long a sender waits for room (socket or port window) before giving up.
 SEND_TIMEOUT = 300.0
 
 SESSION_ENV = "ACTORS_SESSION_DIR"
-_NO_FRAMES = count_prefix(0)
 _ARITY = P.ARITY
 assert P.PORT == 3
 FLUSH_PARTS = 2 * FLUSH_MESSAGES
-
-
-class ProcRef:
-    """A process this one talks to: its inbox address and, once known, its pid."""
-
-    __slots__ = ("address", "dead", "exit_reason", "pid")
-
-    def __init__(self, address: str, pid: int | None) -> None:
-        self.address = address
-        self.pid = pid
-        self.dead = False
-        self.exit_reason = ""
-
-    def __repr__(self) -> str:
-        return f"ProcRef({self.address!r}, pid={self.pid})"
-
-
-class PendingCall:
-    """Replies expected for one call, by rank; done at the last reply or first error."""
-
-    __slots__ = ("actor", "call_id", "done", "error", "procs", "remaining", "results", "waiters")
-
-    def __init__(self, call_id: int, actor: str, procs: dict[int, ProcRef]) -> None:
-        self.call_id = call_id
-        self.actor = actor
-        self.procs = procs
-        self.remaining = set(procs)
-        self.results: dict[int, Any] = {}
-        self.error: BaseException | None = None
-        self.done = not procs
-        self.waiters: list[asyncio.Future[None]] = []
-
-    def deliver(self, rank: int, ok: bool, value: Any) -> None:
-        if self.done or rank not in self.remaining:
-            return
-        if ok:
-            self.results[rank] = value
-            self.remaining.discard(rank)
-            if not self.remaining:
-                self.finish()
-        else:
-            self.fail(error_from_record(value, self.actor, rank))
-
-    def fail(self, error: BaseException) -> None:
-        if not self.done:
-            self.error = error
-            self.finish()
-
-    def finish(self) -> None:
-        self.done = True
-        for waiter in self.waiters:
-            if not waiter.done():
-                with contextlib.suppress(RuntimeError):  # its loop may be closed
-                    waiter.set_result(None)
-        self.waiters.clear()
-
-
-def error_record(exc: BaseException, tb: str, spawn_failed: bool = False) -> list[Any]:
-    if isinstance(exc, ActorError):
-        return [exc.exception_type, exc.message, exc.remote_traceback or tb, spawn_failed]
-    cls = type(exc)
-    name = cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
-    return [name, str(exc), tb, spawn_failed]
-
-
-def error_from_record(record: Any, actor: str, rank: int | None) -> ActorError:
-    if type(record) is not list or len(record) != 4:
-        return ActorError("DecodeError", f"malformed error record {record!r:.80}", actor=actor, rank=rank)
-    etype, message, tb, spawn_failed = record
-    cls = SpawnError if spawn_failed else ActorError
-    return cls(str(etype), str(message), str(tb), actor=actor, rank=rank)
 
 
 class Runtime:
@@ -353,7 +278,7 @@ class Runtime:
         if frames:
             link.append(data, frames)
         else:
-            link.parts.append(_NO_FRAMES)
+            link.parts.append(message_prefix(0, len(data)))
             link.parts.append(data)
             link.nbytes += len(data)
         if urgent or link.nbytes >= FLUSH_BYTES or len(link.parts) >= FLUSH_PARTS or not self.loop_active():
@@ -597,13 +522,15 @@ class Runtime:
         try:
             for message, run, size in self.decoder.decode_batch(frames[1].buffer, frames[2:]):
                 try:
+                    if type(message) is DecodeError:
+                        raise message
                     self._dispatch(message, run, address, pid, size)
                 except DecodeError as exc:
                     log.error("dropped a malformed message from %s: %s", address, exc)
                 except Exception:
                     log.exception("error while handling a message from %s", address)
         except DecodeError as exc:
-            log.error("dropped a malformed message from %s: %s", address, exc)
+            log.error("dropped the rest of a malformed batch from %s: %s", address, exc)
         finally:
             self._dispatching = False
 
@@ -658,47 +585,6 @@ class Runtime:
         if type(blob) is not bytes:
             raise DecodeError("expected an encoded argument blob")
         return self.decoder.decode(blob, frames)
-
-    # ------------------------------------------------------------------ ports
-
-    def port_send(self, ref: ProcRef, port_id: int, value: Any, prefix: bytes) -> None:
-        """Send ``value`` to a port owned by another process, within its window.
-
-        ``prefix`` is the packed ``[PORT, port_id,`` start of the message.
-        """
-        link = self.links.get(ref.address) or self.link(ref)
-        inflight = link.inflight.get(port_id)
-        if inflight is None:
-            inflight = link.inflight[port_id] = [0, 0]
-        if inflight[0] >= PORT_WINDOW or (inflight[1] >= PORT_WINDOW_BYTES and inflight[0] > 0):
-            self.flush(link)
-            self.wait(
-                lambda: inflight[0] < PORT_WINDOW and (inflight[1] < PORT_WINDOW_BYTES or inflight[0] == 0),
-                timeout=SEND_TIMEOUT,
-                link=link,
-                what=f"the receiver of port {port_id} at {ref.address} to consume",
-            )
-        enc = self.encoder
-        enc.reset()
-        data = prefix + enc.encode(value)
-        frames = enc.frames
-        if enc.handles:
-            self.note_handles(enc.handles, ref)
-        size = len(data)
-        for frame in frames:
-            size += frame_size(frame)
-        inflight[0] += 1
-        inflight[1] += size
-        self.post(link, data, frames, urgent=False)
-
-    def credit(self, address: str, port_id: int, messages: int, nbytes: int) -> None:
-        ref = self.procs.get(address)
-        if ref is None or ref.dead:
-            return
-        # Urgent: a consumer that always finds messages queued never yields to
-        # the loop, and a credit held back until then would stall the sender.
-        with contextlib.suppress(ActorDied):
-            self.send_message(ref, [P.CREDIT, port_id, messages, nbytes], urgent=True)
 
     # ------------------------------------------------------------------ shutdown
 

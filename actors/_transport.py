@@ -28,11 +28,14 @@ FLUSH_MESSAGES = 512
 #: How long a closing socket may keep flushing queued messages.
 LINGER_MS = 2000
 
-_COUNT_PREFIX = [msgpack.packb(n) for n in range(128)]
+_SHORT_PREFIX = [bytes([0, n]) for n in range(128)]
 
 
-def count_prefix(n: int) -> bytes:
-    return _COUNT_PREFIX[n] if n < 128 else msgpack.packb(n)  # type: ignore[no-any-return]
+def message_prefix(frame_count: int, length: int) -> bytes:
+    """The ``frame_count, length`` pair (two msgpack uints) that precedes each message of a batch."""
+    if frame_count == 0 and length < 128:
+        return _SHORT_PREFIX[length]
+    return msgpack.packb(frame_count) + msgpack.packb(length)  # type: ignore[no-any-return]
 
 
 def make_header(address: str, pid: int) -> bytes:
@@ -129,7 +132,7 @@ class Link:
         self.inflight: dict[int, list[int]] = {}
 
     def append(self, data: bytes, frames: list[Any]) -> None:
-        self.parts.append(count_prefix(len(frames)))
+        self.parts.append(message_prefix(len(frames), len(data)))
         self.parts.append(data)
         self.nbytes += len(data)
         if frames:

@@ -29,8 +29,9 @@ from typing import Any, TextIO
 from . import _protocol as P
 from . import _refs
 from ._actor import Actor, ActorContext, Endpoint, _context, endpoints_of
+from ._calls import error_record
 from ._errors import DecodeError
-from ._runtime import Runtime, error_record, install_runtime, log
+from ._runtime import Runtime, install_runtime, log
 
 #: Reserved actor name for calls addressed to the process itself.
 HOST = "__host__"

@@ -74,6 +74,32 @@ async def test_stop_runs_cleanup_and_ends_processes(sockets_dir):
         procs.spawn("again", Echo)
 
 
+def batch(*messages: object, frames: int = 0) -> bytes:
+    """A batch payload as the runtime frames it: frame count, byte length, message."""
+    out = b""
+    for message in messages:
+        data = message if isinstance(message, bytes) else msgpack.packb(message)
+        out += msgpack.packb(frames) + msgpack.packb(len(data)) + data
+    return out
+
+
+async def test_a_bad_message_does_not_cost_the_rest_of_its_batch():
+    from actors import Channel
+    from actors._codec import EXT_DATACLASS
+    from actors._protocol import PORT
+    from actors._runtime import runtime
+
+    port, recv = Channel.open()
+    unknown = msgpack.ExtType(EXT_DATACLASS, msgpack.packb(["not_loaded_module:Thing", [1]]))
+    header = msgpack.packb([PROTOCOL_VERSION, "ipc:///nowhere", 1])
+    payload = batch(
+        [PORT, port._id, "first"], msgpack.packb([PORT, port._id, unknown]), b"\xc1", [PORT, port._id, "last"]
+    )
+    _inject(runtime().address, [header, payload])
+    assert await asyncio.wait_for(recv.recv(), 5) == "first"
+    assert await asyncio.wait_for(recv.recv(), 5) == "last"
+
+
 def _inject(address: str, frames: list[bytes]) -> None:
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.PUSH)
@@ -93,10 +119,11 @@ async def test_malformed_frames_are_dropped_and_the_worker_keeps_serving(procs: 
         [b"\xc1", b""],
         [msgpack.packb([99, "x", 1]), b""],
         [header, b"\xc1\xc1"],
-        [header, msgpack.packb(0) + msgpack.packb([1, 2])],  # CALL with the wrong arity
-        [header, msgpack.packb(5) + msgpack.packb([3, 1, None])],  # claims frames it lacks
-        [header, msgpack.packb(0) + msgpack.packb([6, "no-such-op", None])],
-        [header, msgpack.packb(0) + b"\xdd\xff\xff\xff\xff"],
+        [header, batch([1, 2])],  # CALL with the wrong arity
+        [header, batch([3, 1, None], frames=5)],  # claims frames it lacks
+        [header, batch([6, "no-such-op", None])],
+        [header, msgpack.packb(0) + msgpack.packb(5) + b"\xdd\xff\xff\xff\xff"],  # declares 4G items
+        [header, msgpack.packb(0) + msgpack.packb(1000) + b"\x01"],  # length past the end
     ]
     for frames in garbage:
         _inject(address, frames)
@@ -206,3 +233,12 @@ async def test_processes_are_named_for_ps(procs: ProcMesh):
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             title = f.read().decode()
         assert title.startswith("actors[") and "namer" in title and "other" in title
+
+
+async def test_stop_is_eager(sockets_dir):
+    procs = this_host().spawn_procs(per_host={"procs": 2})
+    await procs.spawn("echo", Echo).pid.call()
+    pids = set(procs.pids)
+    stopping = procs.stop()  # not awaited yet: the request is already on the wire
+    assert wait_for(lambda: not (pids & actor_pids()), timeout=10)
+    await stopping

@@ -11,7 +11,8 @@ import torch
 from support import Echo, Item, Relay
 
 from actors import ActorDied, ActorError, Channel, Port, PortClosed, ProcMesh, this_host
-from actors._runtime import PORT_WINDOW, runtime
+from actors._port import PORT_WINDOW
+from actors._runtime import runtime
 
 
 @pytest.fixture
