@@ -4,7 +4,9 @@ Actors subclass :class:`Actor` and expose ``@endpoint`` methods; each lives in
 its own process. ``this_host().spawn_procs(...)`` starts processes,
 ``ProcMesh.spawn`` places actors on them, and endpoints are invoked with
 ``call``, ``call_one``, ``choose``, ``broadcast`` or :func:`send`. Typed
-:class:`Port` channels carry streams between actors.
+:class:`Port` channels carry streams between actors. :mod:`actors.weights`
+moves model weights between processes as versioned manifests over shared
+memory or CUDA IPC.
 """
 
 from ._actor import Actor, Endpoint, current_rank, current_size, endpoint
@@ -13,11 +15,17 @@ from ._errors import (
     ActorError,
     ActorsError,
     CallTimeout,
+    ChecksumError,
     CodecError,
     DecodeError,
     EncodeError,
+    LifecycleError,
     PortClosed,
     SpawnError,
+    StaleUpdateError,
+    TransportBlocked,
+    VersionError,
+    WeightSyncError,
 )
 from ._future import Future
 from ._host import HostMesh, this_host
@@ -25,6 +33,14 @@ from ._mesh import ActorMesh, MeshEndpoint, ProcMesh, send
 from ._port import Channel, Port, PortReceiver
 from ._supervision import Failure, add_failure_handler, remove_failure_handler
 from ._value_mesh import Point, ValueMesh
+from .weights import (
+    ReceivesWeights,
+    WeightConsumer,
+    WeightInbox,
+    WeightManifest,
+    WeightPublisher,
+    available_transports,
+)
 
 __all__ = [
     "Actor",
@@ -34,6 +50,7 @@ __all__ = [
     "ActorsError",
     "CallTimeout",
     "Channel",
+    "ChecksumError",
     "CodecError",
     "DecodeError",
     "EncodeError",
@@ -41,15 +58,26 @@ __all__ = [
     "Failure",
     "Future",
     "HostMesh",
+    "LifecycleError",
     "MeshEndpoint",
     "Point",
     "Port",
     "PortClosed",
     "PortReceiver",
     "ProcMesh",
+    "ReceivesWeights",
     "SpawnError",
+    "StaleUpdateError",
+    "TransportBlocked",
     "ValueMesh",
+    "VersionError",
+    "WeightConsumer",
+    "WeightInbox",
+    "WeightManifest",
+    "WeightPublisher",
+    "WeightSyncError",
     "add_failure_handler",
+    "available_transports",
     "current_rank",
     "current_size",
     "endpoint",

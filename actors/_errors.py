@@ -10,11 +10,18 @@ Every error the runtime raises on purpose derives from :class:`ActorsError`::
     ├── CallTimeout         a wait ran past its deadline (also a ``TimeoutError``)
     ├── PortClosed          a port cannot deliver: its receiver is gone, a once-port was
     │                       already used, or every sender of a receiver has died
-    └── CodecError          a value could not cross the wire
-        ├── EncodeError     the sender tried to send something the codec refuses
-        │                   (also a ``TypeError``)
-        └── DecodeError     a frame was malformed, over a limit, or named a type the
-                            receiver refuses to build (also a ``ValueError``)
+    ├── CodecError          a value could not cross the wire
+    │   ├── EncodeError     the sender tried to send something the codec refuses
+    │   │                   (also a ``TypeError``)
+    │   └── DecodeError     a frame was malformed, over a limit, or named a type the
+    │                       receiver refuses to build (also a ``ValueError``)
+    └── WeightSyncError     a weight update could not be published, imported or installed
+        ├── VersionError    a publisher was given a version not above its last one
+        ├── LifecycleError  an update was used out of order: acknowledged before import,
+        │                   imported after release or rejection, or unknown
+        ├── ChecksumError   an imported tensor does not match its published checksum
+        ├── StaleUpdateError the update's storage was reused for a newer version
+        └── TransportBlocked the transport cannot run here (e.g. no CUDA); says why
 
 ``Port.send`` with a value of the wrong type raises the built-in ``TypeError``
 at the sender, as Python code expects.
@@ -27,11 +34,17 @@ __all__ = [
     "ActorError",
     "ActorsError",
     "CallTimeout",
+    "ChecksumError",
     "CodecError",
     "DecodeError",
     "EncodeError",
+    "LifecycleError",
     "PortClosed",
     "SpawnError",
+    "StaleUpdateError",
+    "TransportBlocked",
+    "VersionError",
+    "WeightSyncError",
 ]
 
 
@@ -112,3 +125,32 @@ class EncodeError(CodecError, TypeError):
 
 class DecodeError(CodecError, ValueError):
     """A frame is malformed, exceeds a limit, or names a refused type."""
+
+
+class WeightSyncError(ActorsError):
+    """A weight update could not be published, imported or installed."""
+
+
+class VersionError(WeightSyncError):
+    """Versions must strictly increase per publisher."""
+
+
+class LifecycleError(WeightSyncError):
+    """An update was used out of order (e.g. acknowledged before it was imported)."""
+
+
+class ChecksumError(WeightSyncError):
+    """Imported bytes differ from what the publisher wrote."""
+
+
+class StaleUpdateError(WeightSyncError):
+    """The update's storage now holds a newer version; take the newer manifest."""
+
+
+class TransportBlocked(WeightSyncError):
+    """The transport cannot run on this machine; ``reason`` says why."""
+
+    def __init__(self, transport: str, reason: str) -> None:
+        self.transport = transport
+        self.reason = reason
+        super().__init__(f"transport {transport!r} is blocked: {reason}")

@@ -26,6 +26,7 @@ from ._supervision import Failure, FailureHandler, report
 from ._transport import remove_socket_file
 from ._value_mesh import ValueMesh, coordinates
 from ._worker import CLEANUP_TIMEOUT, HOST
+from .tensors.shm import remove_segments
 
 A = TypeVar("A", bound=Actor)
 R = TypeVar("R")
@@ -408,6 +409,8 @@ def _install_owner_handlers(rt: Runtime) -> None:
     def on_death(ref: ProcRef) -> None:
         mesh = _meshes_by_address.get(ref.address)
         if mesh is not None:
+            if ref.pid is not None:  # weights it published die with it
+                remove_segments(rt.session, ref.pid)
             mesh._on_death(ref)
 
     rt.control_handlers[P.OP_FAILURE] = on_failure

@@ -542,6 +542,7 @@ class Runtime:
             receiver = self.receivers.get(message[1])
             if receiver is None:
                 log.error("dropped a message for port %r: no such receiver in this process", message[1])
+                self._credit_dropped(address, message[1], size)
                 return
             receiver.deliver(message[2], address, size)
         elif kind == P.REPLY:
@@ -580,6 +581,13 @@ class Runtime:
                 log.error("dropped unknown control message %r from %s", message[1], address)
                 return
             handler(message[2], frames, address, pid)
+
+    def _credit_dropped(self, address: str, port_id: Any, size: int) -> None:
+        """A message to a port that is gone still returns its window credit to the sender."""
+        ref = self.procs.get(address)
+        if ref is not None and not ref.dead and type(port_id) is int:
+            with contextlib.suppress(ActorDied):
+                self.send_message(ref, [P.CREDIT, port_id, 1, size], urgent=False)
 
     def decode_blob(self, blob: Any, frames: list[Any]) -> Any:
         if type(blob) is not bytes:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from actors import Actor, ActorMesh, Channel, Port, current_rank, current_size, endpoint
+from actors.weights import ReceivesWeights, WeightManifest, WeightPublisher
 
 
 @dataclass
@@ -181,3 +182,67 @@ def wait_for(condition, timeout: float = 5.0, interval: float = 0.02) -> bool:
             return True
         time.sleep(interval)
     return condition()
+
+
+# ---------------------------------------------------------------- weight sync
+
+
+def filled_model(value: float, width: int = 64) -> torch.nn.Module:
+    """A small model whose every parameter equals ``value`` (so a mix of versions is visible)."""
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, 8))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(value)
+    return model
+
+
+class WeightSink(ReceivesWeights):
+    """Installs the newest manifest on demand and reports what it holds."""
+
+    def __init__(self, width: int = 64) -> None:
+        self.model = filled_model(0.0, width)
+        self.installs = 0
+
+    @endpoint
+    async def install_pending(self) -> int | None:
+        manifest = self.weight_inbox.install_newest(self.model)
+        if manifest is None:
+            return None
+        self.installs += 1
+        values = {float(v) for p in self.model.parameters() for v in p.detach().flatten().unique()}
+        if values != {float(manifest.version)}:
+            raise AssertionError(f"mixed weights after installing version {manifest.version}: {sorted(values)}")
+        return manifest.version
+
+    @endpoint
+    async def install_until(self, version: int) -> int:
+        """Install whatever arrives until ``version`` is in; checks each install is whole."""
+        while True:
+            got = await self.install_pending()
+            if got is not None and got >= version:
+                return self.installs
+            await asyncio.sleep(0.001)
+
+    @endpoint
+    async def hold(self, manifest: WeightManifest) -> int:
+        """Import and keep holding (never release): simulates a consumer mid-update."""
+        self.held = self.weight_inbox.consumer.import_update(manifest)
+        return os.getpid()
+
+    @endpoint
+    async def inbox_stats(self) -> tuple[int, int]:
+        return len(self.weight_inbox), self.weight_inbox.superseded
+
+
+class WeightSource(Actor):
+    """Publishes from inside an actor process (for publisher-death cleanup)."""
+
+    def __init__(self) -> None:
+        self.publisher = WeightPublisher("shm")
+
+    @endpoint
+    async def publish(self, version: int) -> WeightManifest:
+        return self.publisher.publish(filled_model(float(version)), version)
+
+    async def __cleanup__(self, exc: BaseException | None) -> None:
+        self.publisher.close()

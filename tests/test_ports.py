@@ -184,3 +184,16 @@ def test_sync_recv_without_an_event_loop(sockets_dir):
             recv.recv().get(timeout=0.2)
     finally:
         procs.stop().get()
+
+
+async def test_messages_to_a_closed_receiver_do_not_exhaust_the_window(procs: ProcMesh):
+    """Dropped messages are credited back: a sender to a closed port never stalls."""
+    relay = procs.spawn("relay", Relay).slice(procs=0)
+    inlet: Port = await relay.inlet.call_one()
+    out, out_recv = Channel.open(Item)
+    echo = procs.spawn("echo", Echo).slice(procs=1)
+    port, recv = Channel.open(Item)
+    recv.close()
+    # The actor sends 3 windows' worth to a port whose receiver is closed; it must finish.
+    await asyncio.wait_for(echo.emit.call_one(port, 3 * PORT_WINDOW, 1), 60)
+    assert inlet is not None and out is not None and out_recv.qsize() == 0

@@ -1,0 +1,289 @@
+"""Weight sync: manifests, lifecycle rules, shm slots, and installs across processes."""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import os
+import signal
+import struct
+
+import pytest
+import torch
+from support import WeightSink, WeightSource, actor_pids, filled_model, wait_for
+
+from actors import (
+    ChecksumError,
+    LifecycleError,
+    StaleUpdateError,
+    TransportBlocked,
+    VersionError,
+    WeightConsumer,
+    WeightInbox,
+    WeightManifest,
+    WeightPublisher,
+    WeightSyncError,
+    available_transports,
+    send,
+    this_host,
+)
+from actors._codec import Decoder, Encoder
+from actors.tensors.shm import HEADER_BYTES, SHM_DIR
+
+
+def models_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+
+
+@pytest.fixture
+def shm_publisher():
+    publisher = WeightPublisher("shm", slots=2, lock_timeout=0.3)
+    yield publisher
+    publisher.close()
+
+
+def test_transport_probe_reports_pass_or_reason():
+    status = available_transports()
+    assert status["local"] == "pass" and status["shm"] == "pass"
+    if torch.cuda.is_available():
+        assert status["cuda-ipc"] == "pass"
+    else:
+        assert status["cuda-ipc"].startswith("blocked: ") and "CUDA" in status["cuda-ipc"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the blocked path")
+def test_cuda_ipc_is_blocked_without_cuda_never_a_fallback():
+    with pytest.raises(TransportBlocked, match="no CUDA device") as info:
+        WeightPublisher("cuda-ipc")
+    assert info.value.transport == "cuda-ipc"
+    with pytest.raises(ValueError, match="unknown transport"):
+        WeightPublisher("carrier-pigeon")
+
+
+@pytest.mark.parametrize("transport", ["local", "shm"])
+def test_publish_install_roundtrip(transport):
+    source, target = filled_model(3.0), filled_model(0.0)
+    with WeightPublisher(transport, checksums=True) as publisher:
+        consumer = WeightConsumer()
+        manifest = publisher.publish(source, 1, {"step": 10})
+        assert manifest.version == 1 and manifest.metadata == {"step": 10} and manifest.transport == transport
+        assert manifest.total_nbytes == sum(p.numel() * 4 for p in source.parameters())
+        assert all(spec.checksum is not None for spec in manifest.tensors)
+        consumer.install(manifest, target)
+        assert consumer.state(manifest.update_id) == "acknowledged" and consumer.installed_version == 1
+        consumer.release(manifest.update_id)
+        assert models_equal(source, target)
+        consumer.close()
+
+
+def test_manifest_is_small_and_travels_through_the_codec(shm_publisher):
+    manifest = shm_publisher.publish(filled_model(1.0, width=256), 1, {"note": "x"})
+    enc = Encoder()
+    data = enc.encode(manifest)
+    assert not enc.frames and len(data) < 1024, "only the manifest crosses the wire, never the weights"
+    again = Decoder().decode(data)
+    assert isinstance(again, WeightManifest) and again == manifest
+
+
+def test_versions_must_strictly_increase(shm_publisher):
+    shm_publisher.publish(filled_model(1.0), 5)
+    for bad in (5, 4):
+        with pytest.raises(VersionError, match="does not increase"):
+            shm_publisher.publish(filled_model(1.0), bad)
+    with pytest.raises(TypeError):
+        shm_publisher.publish(filled_model(1.0), 6.0)  # type: ignore[arg-type]
+    assert shm_publisher.publish(filled_model(1.0), 6).version == 6
+
+
+def test_lifecycle_errors_are_distinct(shm_publisher):
+    consumer = WeightConsumer()
+    manifest = shm_publisher.publish(filled_model(1.0), 1)
+    with pytest.raises(LifecycleError, match="before it is imported"):
+        consumer.acknowledge(manifest.update_id)
+    consumer.import_update(manifest)
+    consumer.acknowledge(manifest.update_id)
+    with pytest.raises(LifecycleError, match="acknowledged"):
+        consumer.reject(manifest.update_id, "too late")
+    consumer.release(manifest.update_id)
+    consumer.release(manifest.update_id)  # idempotent
+    with pytest.raises(LifecycleError, match="released"):
+        consumer.import_update(manifest)
+    rejected = shm_publisher.publish(filled_model(2.0), 2)
+    consumer.reject(rejected.update_id, "not wanted")
+    assert consumer.rejection_reason(rejected.update_id) == "not wanted"
+    with pytest.raises(LifecycleError, match="rejected"):
+        consumer.import_update(rejected)
+    with pytest.raises(LifecycleError, match="not published"):
+        shm_publisher.release("no-such-update")
+    shm_publisher.release(rejected.update_id)
+    with pytest.raises(LifecycleError):
+        shm_publisher.release(rejected.update_id)
+    consumer.close()
+
+
+def test_tampered_bytes_fail_the_checksum():
+    with WeightPublisher("shm", checksums=True) as publisher:
+        manifest = publisher.publish(filled_model(1.0), 1)
+        with open(os.path.join(SHM_DIR, manifest.handle), "r+b") as segment:
+            segment.seek(HEADER_BYTES + manifest.tensors[0].offset)
+            segment.write(b"\x13\x37")
+        consumer = WeightConsumer()
+        with pytest.raises(ChecksumError, match=manifest.tensors[0].name):
+            consumer.install(manifest, filled_model(0.0))
+        assert consumer.state(manifest.update_id) == "rejected"
+        consumer.close()
+        assert WeightConsumer(verify_checksums=False).import_update(manifest)
+
+
+def test_import_is_zero_copy_over_the_slot(shm_publisher):
+    manifest = shm_publisher.publish(filled_model(1.0), 1)
+    consumer = WeightConsumer()
+    tensors = consumer.import_update(manifest)
+    first = manifest.tensors[0]
+    with open(os.path.join(SHM_DIR, manifest.handle), "r+b") as segment:
+        segment.seek(HEADER_BYTES + first.offset)
+        segment.write(struct.pack("<f", 42.0))
+    assert tensors[first.name].flatten()[0].item() == 42.0, "the imported tensor is a view of the segment"
+    consumer.close()
+
+
+def test_consumer_never_sees_a_mix_while_the_publisher_moves_on(shm_publisher):
+    consumer = WeightConsumer()
+    held = shm_publisher.publish(filled_model(1.0), 1)
+    tensors = consumer.import_update(held)
+    for version in range(2, 8):  # every later version goes to the other slot
+        shm_publisher.publish(filled_model(float(version)), version)
+    assert all(bool((t == 1.0).all()) for t in tensors.values())
+    assert len(shm_publisher._writer.segment_names) == 2
+    consumer.close()
+
+
+def test_single_slot_waits_for_the_reader_then_reuses_it():
+    with WeightPublisher("shm", slots=1, lock_timeout=0.2) as publisher:
+        consumer = WeightConsumer()
+        manifest = publisher.publish(filled_model(1.0), 1)
+        consumer.import_update(manifest)
+        with pytest.raises(WeightSyncError, match="held by consumers"):
+            publisher.publish(filled_model(2.0), 2)
+        consumer.release(manifest.update_id)
+        second = publisher.publish(filled_model(3.0), 3)
+        assert second.handle == manifest.handle, "the slot is reused once released"
+        consumer.close()
+
+
+def test_stale_manifest_is_refused(shm_publisher):
+    consumer = WeightConsumer()
+    old = shm_publisher.publish(filled_model(1.0), 1)
+    shm_publisher.publish(filled_model(2.0), 2)
+    shm_publisher.publish(filled_model(3.0), 3)  # reuses version 1's slot
+    with pytest.raises(StaleUpdateError, match="replaced"):
+        consumer.import_update(old)
+    assert old.update_id not in shm_publisher.unreleased, "a reclaimed update is released on the publisher side"
+    consumer.close()
+
+
+def test_inbox_installs_newest_and_releases_the_rest(shm_publisher):
+    inbox = WeightInbox()
+    manifests = [shm_publisher.publish(filled_model(float(v)), v) for v in (1, 2)]
+    for manifest in manifests:
+        inbox.put(manifest)
+    target = filled_model(0.0)
+    installed = inbox.install_newest(target)
+    assert installed is not None and installed.version == 2 and inbox.superseded == 1
+    assert models_equal(target, filled_model(2.0))
+    assert {inbox.consumer.state(m.update_id) for m in manifests} == {"released"}
+    assert inbox.install_newest(target) is None
+    inbox.put(manifests[0])
+    assert inbox.install_newest(target) is None, "an older version than installed is dropped"
+    with pytest.raises(TypeError):
+        inbox.put("not a manifest")  # type: ignore[arg-type]
+    inbox.close()
+
+
+def test_local_publisher_keeps_a_bounded_history():
+    with WeightPublisher("local", keep=2) as publisher:
+        for version in range(1, 6):
+            publisher.publish(filled_model(float(version)), version)
+        assert len(publisher.unreleased) == 2
+
+
+def test_local_updates_stay_in_their_process():
+    with WeightPublisher("local") as publisher:
+        manifest = publisher.publish(filled_model(1.0), 1)
+        foreign = WeightManifest(manifest.update_id, 1, "local", manifest.tensors, manifest.handle + 1, 1)
+        with pytest.raises(WeightSyncError, match="process that published"):
+            WeightConsumer().import_update(foreign)
+
+
+def test_a_thousand_updates_keep_segments_and_memory_flat():
+    def rss_kib() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+
+    model, target = filled_model(0.0, width=256), filled_model(0.0, width=256)
+    inbox = WeightInbox()
+    with WeightPublisher("shm", slots=2) as publisher:
+        prefix = publisher._writer._prefix
+        baseline = None
+        for version in range(1, 1001):
+            inbox.put(publisher.publish(model, version))
+            assert inbox.install_newest(target) is not None
+            if version == 50:
+                baseline = rss_kib()
+            assert len(glob.glob(f"{SHM_DIR}/{prefix}*")) <= 2
+        assert baseline is not None and rss_kib() - baseline < 16 * 1024, "RSS grew over 1,000 updates"
+    inbox.close()
+
+
+@pytest.fixture
+async def procs(sockets_dir):
+    mesh = this_host().spawn_procs(per_host={"procs": 2})
+    yield mesh
+    await mesh.stop()
+
+
+async def test_cross_process_install_via_fire_and_forget(procs):
+    sinks = procs.spawn("sink", WeightSink)
+    with WeightPublisher("shm", slots=3) as publisher:
+        for version in range(1, 4):
+            send(sinks.update_weights, (publisher.publish(filled_model(float(version)), version),), selection="choose")
+        # "choose" alternates: one actor got versions 1 and 3 (installs 3, drops 1), the other got 2.
+        assert sorted((await sinks.install_pending.call()).values()) == [2, 3]
+        assert sorted(s for _, s in (await sinks.inbox_stats.call()).values()) == [0, 1]
+        # everyone gets the newest directly
+        newest = publisher.publish(filled_model(9.0), 9)
+        sinks.update_weights.broadcast(newest)
+        assert list((await sinks.install_pending.call()).values()) == [9, 9]
+
+
+async def test_concurrent_publish_and_install_never_mixes(procs):
+    sink = procs.spawn("sink", WeightSink, 128).slice(procs=0)
+    with WeightPublisher("shm", slots=2) as publisher:
+        final = 200
+        done = sink.install_until.call_one(final)
+        for version in range(1, final + 1):
+            send(sink.update_weights, (publisher.publish(filled_model(float(version), 128), version),))
+            await asyncio.sleep(0)
+        installs = await asyncio.wait_for(done, 60)
+        assert 1 <= installs <= final
+
+
+async def test_dead_consumer_frees_its_slot(procs):
+    sink = procs.spawn("sink", WeightSink).slice(procs=0)
+    with WeightPublisher("shm", slots=1, lock_timeout=10) as publisher:
+        manifest = publisher.publish(filled_model(1.0), 1)
+        pid = await sink.hold.call_one(manifest)
+        os.kill(pid, signal.SIGKILL)
+        assert publisher.publish(filled_model(2.0), 2).handle == manifest.handle
+
+
+async def test_dead_publisher_segments_are_removed(procs):
+    source = procs.spawn("source", WeightSource).slice(procs=1)
+    manifest = await source.publish.call_one(1)
+    path = os.path.join(SHM_DIR, manifest.handle)
+    assert os.path.exists(path)
+    os.kill(manifest.publisher_pid, signal.SIGKILL)
+    assert wait_for(lambda: manifest.publisher_pid not in actor_pids(), timeout=5)
+    with pytest.raises(Exception):  # noqa: B017 - the call fails once the death is noticed
+        await asyncio.wait_for(source.publish.call_one(2), 5)
+    assert not os.path.exists(path)
