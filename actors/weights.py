@@ -225,6 +225,7 @@ class WeightConsumer:
         self._reasons: dict[str, str] = {}
         self._tensors: dict[str, dict[str, torch.Tensor]] = {}
         self._history = history
+        self._aliased: str | None = None  # the update a module's parameters currently view
         self.installed_version: int | None = None
 
     def state(self, update_id: str) -> str | None:
@@ -252,18 +253,37 @@ class WeightConsumer:
         self._tensors[update_id] = tensors
         return dict(tensors)
 
-    def install(self, manifest: WeightManifest, model: torch.nn.Module, *, strict: bool = True) -> None:
-        """Import, copy into ``model`` (one copy), and acknowledge; reject on any failure."""
+    def install(
+        self, manifest: WeightManifest, model: torch.nn.Module, *, strict: bool = True, alias: bool = False
+    ) -> None:
+        """Import, load into ``model`` and acknowledge; reject on any failure.
+
+        By default the tensors are copied into the module (one copy) and the
+        caller releases the update afterwards. With ``alias=True`` nothing is
+        copied: the module's parameters become views of the update's storage
+        (read-only shared memory for ``shm``), so the module must only be
+        read. The update then stays held until the next install replaces it
+        (do not release it yourself); publishers need one more slot than
+        aliasing consumers.
+        """
+        previous = self._aliased
         try:
             tensors = self.import_update(manifest)
             with torch.no_grad():
-                model.load_state_dict(tensors, strict=strict)
+                model.load_state_dict(tensors, strict=strict, assign=alias)
         except BaseException as exc:
             if self._state.get(manifest.update_id) not in (_RELEASED, _REJECTED):
                 self.reject(manifest.update_id, f"{type(exc).__name__}: {exc}")
             raise
         self.acknowledge(manifest.update_id)
         self.installed_version = manifest.version
+        self._aliased = manifest.update_id if alias else None
+        if previous is not None and previous != manifest.update_id:
+            self.release(previous)
+
+    def holds_alias(self, update_id: str) -> bool:
+        """True while a module's parameters are views of ``update_id``'s storage."""
+        return self._aliased == update_id
 
     def acknowledge(self, update_id: str) -> None:
         """The update is fully installed."""
@@ -289,6 +309,8 @@ class WeightConsumer:
         """Drop the update's storage; its tensors must not be used afterwards."""
         if self._state.get(update_id) == _RELEASED:
             return
+        if self._aliased == update_id:
+            self._aliased = None
         self._tensors.pop(update_id, None)
         for name, reader in self._readers.items():
             if transport is None or name == transport:
@@ -355,21 +377,23 @@ class WeightInbox:
             self.consumer.reject(manifest.update_id, reason)
         self.consumer.release(manifest.update_id, manifest.transport)
 
-    def install_newest(self, model: torch.nn.Module) -> WeightManifest | None:
+    def install_newest(self, model: torch.nn.Module, *, alias: bool = False) -> WeightManifest | None:
         """Install the newest waiting update into ``model``; None if there was none usable.
 
         A stale update (its storage already reused for a newer version) is
         rejected and skipped; any other failure is raised after release.
+        With ``alias=True`` see :meth:`WeightConsumer.install`.
         """
         manifest = self.take_newest()
         if manifest is None:
             return None
         try:
-            self.consumer.install(manifest, model)
+            self.consumer.install(manifest, model, alias=alias)
         except StaleUpdateError:
             return None
         finally:
-            self.consumer.release(manifest.update_id, manifest.transport)
+            if not self.consumer.holds_alias(manifest.update_id):
+                self.consumer.release(manifest.update_id, manifest.transport)
         return manifest
 
     def close(self) -> None:

@@ -287,3 +287,28 @@ async def test_dead_publisher_segments_are_removed(procs):
     with pytest.raises(Exception):  # noqa: B017 - the call fails once the death is noticed
         await asyncio.wait_for(source.publish.call_one(2), 5)
     assert not os.path.exists(path)
+
+
+def test_alias_install_is_zero_copy_and_holds_the_slot_until_replaced():
+    with WeightPublisher("shm", slots=2, lock_timeout=0.2) as publisher:
+        inbox = WeightInbox()
+        model = filled_model(0.0)
+        first = publisher.publish(filled_model(1.0), 1)
+        inbox.put(first)
+        assert inbox.install_newest(model, alias=True) is first
+        assert inbox.consumer.holds_alias(first.update_id) and inbox.consumer.state(first.update_id) == "acknowledged"
+        weight = next(model.parameters())
+        with open(os.path.join(SHM_DIR, first.handle), "r+b") as segment:
+            segment.seek(HEADER_BYTES + first.tensors[0].offset)
+            segment.write(struct.pack("<f", 7.0))
+        assert weight.flatten()[0].item() == 7.0, "the parameters view the shared slot"
+        # The aliased slot is held: later versions go to the other slot, never under the model.
+        for version in (2, 3):
+            publisher.publish(filled_model(float(version)), version)
+        assert weight.flatten()[1].item() == 1.0
+        second = publisher.publish(filled_model(4.0), 4)
+        inbox.put(second)
+        inbox.install_newest(model, alias=True)
+        assert inbox.consumer.state(first.update_id) == "released", "the replaced alias is released"
+        assert all(bool((p == 4.0).all()) for p in model.parameters())
+        inbox.close()
