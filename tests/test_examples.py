@@ -34,3 +34,48 @@ def test_example_runs(script, expected):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for text in expected:
         assert text in proc.stdout, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(
+    "transport, mode", [("shm", "copy"), ("shm", "alias"), ("local", "copy"), ("cuda-ipc", "copy")]
+)
+def test_weights_benchmark_prints_its_json_line(transport, mode):
+    import json
+
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "bench_weights.py"),
+            "--transport",
+            transport,
+            "--mb",
+            "8",
+            "--updates",
+            "2",
+            "--install",
+            mode,
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert row["transport"] == transport and row["status"] in ("pass", "blocked")
+    if row["status"] == "pass":
+        for key in (
+            "tensor_count",
+            "total_nbytes",
+            "publish_ms",
+            "import_ms",
+            "install_ms",
+            "ack_ms",
+            "release_ms",
+            "memcpy_ms",
+            "ratio",
+        ):
+            assert key in row and row[key] >= 0
+    else:
+        assert row["reason"]
