@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import os
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,6 +148,8 @@ class WeightPublisher:
         self._version: int | None = None
         self._published: dict[str, int] = {}  # update_id -> version, until released
         self.closed = False
+        # Storage is freed when the publisher is collected or the interpreter exits (Ctrl-C too).
+        self._finalizer = weakref.finalize(self, self._writer.close)
 
     @property
     def version(self) -> int | None:
@@ -193,20 +196,13 @@ class WeightPublisher:
         if not self.closed:
             self.closed = True
             self._published.clear()
-            self._writer.close()
+            self._finalizer()
 
     def __enter__(self) -> WeightPublisher:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        if not getattr(self, "closed", True):
-            try:
-                self.close()
-            except Exception:
-                pass
 
 
 _IMPORTED, _ACKNOWLEDGED, _REJECTED, _RELEASED = "imported", "acknowledged", "rejected", "released"

@@ -230,6 +230,17 @@ class WeightSink(ReceivesWeights):
         return os.getpid()
 
     @endpoint
+    async def manifest_inlet(self) -> Port:
+        self.manifests_port, self.manifests = Channel.open(WeightManifest)
+        return self.manifests_port
+
+    @endpoint
+    async def install_from_port(self) -> int | None:
+        """Take one manifest from this actor's typed port and install it."""
+        self.weight_inbox.put(await self.manifests.recv())
+        return await self.install_pending()
+
+    @endpoint
     async def inbox_stats(self) -> tuple[int, int]:
         return len(self.weight_inbox), self.weight_inbox.superseded
 

@@ -312,3 +312,35 @@ def test_alias_install_is_zero_copy_and_holds_the_slot_until_replaced():
         assert inbox.consumer.state(first.update_id) == "released", "the replaced alias is released"
         assert all(bool((p == 4.0).all()) for p in model.parameters())
         inbox.close()
+
+
+async def test_manifests_travel_through_a_typed_port(procs):
+    sink = procs.spawn("sink", WeightSink).slice(procs=0)
+    inlet = await sink.manifest_inlet.call_one()
+    with WeightPublisher("shm") as publisher:
+        with pytest.raises(TypeError, match="WeightManifest"):
+            inlet.send({"not": "a manifest"})
+        inlet.send(publisher.publish(filled_model(5.0), 5))
+        assert await sink.install_from_port.call_one() == 5
+
+
+def test_publisher_segments_are_freed_at_interpreter_exit(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "publisher.py"
+    script.write_text(
+        "import os, signal, sys\n"
+        "from actors import WeightPublisher\n"
+        "from support import filled_model\n"
+        "p = WeightPublisher('shm')\n"
+        "m = p.publish(filled_model(1.0), 1)\n"
+        "print(m.handle, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"  # Ctrl-C: KeyboardInterrupt, then normal exit
+        "signal.pause()\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=env)
+    handle = out.stdout.split()[0]
+    assert "KeyboardInterrupt" in out.stderr
+    assert not os.path.exists(os.path.join(SHM_DIR, handle))
