@@ -22,6 +22,7 @@ import signal
 import sys
 import traceback
 import types
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TextIO
@@ -91,10 +92,13 @@ def _load_main(main: list[str] | None) -> None:
     sys.modules["__mp_main__"] = module
     LOADING_MAIN[0] = True
     try:
-        if kind == "module":
-            namespace = runpy.run_module(target, run_name="__mp_main__", alter_sys=True)
-        else:
-            namespace = runpy.run_path(target, run_name="__mp_main__")
+        with warnings.catch_warnings():
+            # runpy warns when the main module's package already imported it; harmless here.
+            warnings.filterwarnings("ignore", category=RuntimeWarning, module="runpy")
+            if kind == "module":
+                namespace = runpy.run_module(target, run_name="__mp_main__", alter_sys=True)
+            else:
+                namespace = runpy.run_path(target, run_name="__mp_main__")
     finally:
         LOADING_MAIN[0] = False
     module.__dict__.update(namespace)

@@ -356,11 +356,12 @@ class WeightInbox:
         """The newest waiting manifest; every older one is rejected and released."""
         if not self._queue:
             return None
-        newest = max(self._queue, key=lambda m: m.version)
-        for manifest in self._queue:
+        unique = {m.update_id: m for m in self._queue}  # the same update delivered twice is one update
+        self._queue.clear()
+        newest = max(unique.values(), key=lambda m: m.version)
+        for manifest in unique.values():
             if manifest is not newest:
                 self._drop(manifest, f"superseded by version {newest.version}")
-        self._queue.clear()
         installed = self.consumer.installed_version
         if installed is not None and newest.version <= installed:
             self._drop(newest, f"not newer than installed version {installed}")

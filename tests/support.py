@@ -257,3 +257,43 @@ class WeightSource(Actor):
 
     async def __cleanup__(self, exc: BaseException | None) -> None:
         self.publisher.close()
+
+
+# ---------------------------------------------------------------- pipeline roles for tests
+
+from pipeline import BanditTask, Generator, Scorer  # noqa: E402
+
+
+class WideBandit(BanditTask):
+    """A custom task by subclassing: six actions, a bigger group."""
+
+    action_dim = 6
+    group_size = 12
+
+
+class FailingScorer(Scorer):
+    """Raises on its 20th rollout: the run must stop with an error naming the scorer."""
+
+    def score(self, rollout):  # type: ignore[no-untyped-def]
+        self.seen = getattr(self, "seen", 0) + 1
+        if self.seen == 20:
+            raise RuntimeError("scorer exploded on purpose")
+        return super().score(rollout)
+
+
+class HookedGenerator(Generator):
+    """Counts rollouts with hooks; the post hook raises once ``limit`` is reached."""
+
+    def __init__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.seen_pre = 0
+        self.register_pre_collect_hook(self._pre)
+        self.register_post_collect_hook(self._post)
+
+    def _pre(self, generator):  # type: ignore[no-untyped-def]
+        self.seen_pre += 1
+
+    def _post(self, generator, rollout):  # type: ignore[no-untyped-def]
+        assert rollout.generator == self.id and rollout.version == self.version
+        if self.seen_pre >= self.config.extra.get("hook_limit", 10**9):
+            raise ValueError(f"hook stopped generator {self.id} after {self.seen_pre} rollouts")

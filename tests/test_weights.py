@@ -344,3 +344,25 @@ def test_publisher_segments_are_freed_at_interpreter_exit(tmp_path):
     handle = out.stdout.split()[0]
     assert "KeyboardInterrupt" in out.stderr
     assert not os.path.exists(os.path.join(SHM_DIR, handle))
+
+
+def test_two_publishers_in_one_process_do_not_collide():
+    with WeightPublisher("shm") as first, WeightPublisher("shm") as second:
+        a = first.publish(filled_model(1.0), 1)
+        b = second.publish(filled_model(2.0), 1)
+        assert a.handle != b.handle
+        consumer = WeightConsumer()
+        assert all(bool((t == 2.0).all()) for t in consumer.import_update(b).values())
+        consumer.close()
+
+
+def test_inbox_treats_a_repeated_manifest_as_one_update(shm_publisher):
+    inbox = WeightInbox()
+    manifest = shm_publisher.publish(filled_model(2.0), 1)
+    inbox.put(manifest)
+    inbox.put(manifest)
+    target = filled_model(0.0)
+    assert inbox.install_newest(target) is manifest and inbox.superseded == 0
+    inbox.put(manifest)  # delivered again after installing: dropped quietly
+    assert inbox.install_newest(target) is None
+    inbox.close()

@@ -53,17 +53,37 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise TypeError(f"tensors of dtype {dtype} cannot be published") from None
 
 
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride = []
+    step = 1
+    for dim in reversed(shape):
+        stride.append(step)
+        step *= max(dim, 1)
+    return tuple(reversed(stride))
+
+
+_layouts: dict[tuple[Any, ...], tuple[list[TensorSpec], int]] = {}
+
+
 def layout(tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[TensorSpec], int]:
-    """Contiguous, aligned placement of ``tensors`` in one buffer: specs and total bytes."""
+    """Contiguous, aligned placement of ``tensors`` in one buffer: specs and total bytes.
+
+    Cached per (names, shapes, dtypes): a publisher sends the same layout every step.
+    """
+    key = tuple((name, tuple(t.shape), t.dtype) for name, t in tensors)
+    cached = _layouts.get(key)
+    if cached is not None:
+        return list(cached[0]), cached[1]
     specs = []
     offset = 0
     for name, tensor in tensors:
         nbytes = tensor.numel() * tensor.element_size()
         shape = tuple(tensor.shape)
-        stride = tuple(torch.empty(shape, device="meta").stride()) if shape else ()
-        specs.append(TensorSpec(name, dtype_name(tensor.dtype), shape, stride, nbytes, offset))
+        specs.append(TensorSpec(name, dtype_name(tensor.dtype), shape, _contiguous_stride(shape), nbytes, offset))
         offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
-    return specs, offset
+    if len(_layouts) < 64:
+        _layouts[key] = (specs, offset)
+    return list(specs), offset
 
 
 def checksum(tensor: torch.Tensor) -> int:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import itertools
 import mmap
 import os
 import struct
@@ -42,6 +43,8 @@ _MAGIC = b"ACTWGT01"
 _EMPTY, _WRITING, _READY = 0, 1, 2
 #: How long a writer waits for a free slot, and a reader for a slot being written.
 LOCK_TIMEOUT = 30.0
+#: Segment numbers are unique per process, across all its publishers.
+_segment_numbers = itertools.count()
 
 
 def probe() -> str | None:
@@ -107,7 +110,6 @@ class ShmWriter:
         self.lock_timeout = lock_timeout
         self._prefix = f"{runtime().session}-w{os.getpid()}-"
         self._slots: list[_Slot] = []
-        self._counter = 0
         self._newest: str | None = None
         self._reclaimed: list[str] = []
 
@@ -180,8 +182,7 @@ class ShmWriter:
         return self._create(size)
 
     def _create(self, size: int) -> _Slot:
-        name = f"{self._prefix}{self._counter}"
-        self._counter += 1
+        name = f"{self._prefix}{next(_segment_numbers)}"
         path = os.path.join(SHM_DIR, name)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:

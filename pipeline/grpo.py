@@ -1,0 +1,248 @@
+"""``python -m pipeline.grpo``: the asynchronous GRPO pipeline, end to end.
+
+Spawns N generators, a scorer, a reference model and a trainer, each in its
+own process, wires them with typed ports, and trains until ``--steps`` (or
+``--target-score``). Progress is shown live; the run folder gets
+``config.json``, ``metrics.jsonl``, ``learning_curve.png`` and
+``checkpoint.pt`` (``--resume DIR`` continues from it, versions included).
+Exit status: 0 on success, 1 when a role fails (the error names it), 130
+on Ctrl-C (after a final checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvloop
+
+from actors import ActorError, ActorsError, Channel, ProcMesh, this_host
+
+from . import checkpoint
+from .messages import Config, StepReport
+from .metrics import MetricsLog, Progress, plot
+from .roles import Generator, RefModel, Scorer, Trainer
+
+__all__ = ["PipelineError", "Roles", "RunResult", "main", "parse_args", "run_pipeline"]
+
+
+class PipelineError(RuntimeError):
+    """A role failed; the message names it."""
+
+
+@dataclass
+class Roles:
+    """The actor classes to run: subclass any of them to change its behaviour."""
+
+    generator: type[Generator] = Generator
+    scorer: type[Scorer] = Scorer
+    ref: type[RefModel] = RefModel
+    trainer: type[Trainer] = Trainer
+
+
+@dataclass
+class RunResult:
+    steps: int
+    version: int
+    score: float | None
+    dropped: int
+    seconds: float
+    run_dir: str
+    startup_seconds: float = 0.0
+    stop_seconds: float = 0.0
+    rollouts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def steps_per_second(self) -> float:
+        return self.steps / self.seconds if self.seconds else 0.0
+
+
+def _default_run_dir() -> str:
+    return os.path.join("runs", time.strftime("grpo-%Y%m%d-%H%M%S"))
+
+
+async def _first_failure(tasks: dict[str, asyncio.Task[Any]], until: asyncio.Task[Any]) -> None:
+    """Wait for ``until``; raise PipelineError naming the first role that fails before it."""
+    pending = {until, *tasks.values()}
+    while not until.done():
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            if task is until:
+                continue
+            role = next(name for name, t in tasks.items() if t is task)
+            exc = task.exception()
+            if exc is not None:
+                raise PipelineError(f"the {role} failed: {exc}") from exc
+    for role, task in tasks.items():  # a role that failed just as the run ended
+        if task.done() and task.exception() is not None:
+            raise PipelineError(f"the {role} failed: {task.exception()}") from task.exception()
+
+
+async def run_pipeline(
+    config: Config, *, resume: bool = False, quiet: bool = False, roles: Roles | None = None
+) -> RunResult:
+    """Run the pipeline described by ``config``; raises PipelineError if a role fails."""
+    roles = roles or Roles()
+    if config.mode not in ("async", "sync"):
+        raise ValueError("mode must be 'async' or 'sync'")
+    if config.generators < 1:
+        raise ValueError("at least one generator is needed")
+    os.makedirs(config.run_dir, exist_ok=True)
+    if resume and not checkpoint.exists(config.run_dir):
+        raise FileNotFoundError(f"no checkpoint in {config.run_dir!r} to resume from")
+    if not resume:
+        for stale in ("metrics.jsonl", checkpoint.FILENAME):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(config.run_dir, stale))
+    with open(os.path.join(config.run_dir, "config.json"), "w") as f:
+        json.dump(config.to_dict(), f, indent=2)
+
+    started = time.perf_counter()
+    meshes: list[ProcMesh] = []
+    log = MetricsLog(config.run_dir)
+    progress = Progress(config.steps, quiet)
+    reports_port, reports = Channel.open(StepReport)
+    tasks: dict[str, asyncio.Task[Any]] = {}
+    consumer: asyncio.Future[None] | None = None
+    trainer = None
+    try:
+        trainer_procs = this_host().spawn_procs(per_host={"procs": 1}, name="trainer")
+        scorer_procs = this_host().spawn_procs(per_host={"procs": 1}, name="scorer")
+        ref_procs = this_host().spawn_procs(per_host={"procs": 1}, name="ref")
+        gen_procs = this_host().spawn_procs(per_host={"procs": config.generators}, name="generators")
+        meshes = [gen_procs, scorer_procs, ref_procs, trainer_procs]
+
+        trainer = trainer_procs.spawn("trainer", roles.trainer, config, reports_port, resume)
+        scorer = scorer_procs.spawn("scorer", roles.scorer, config)
+        policy_manifest, ref_manifest = await trainer.initial_manifests.call_one()
+        rollouts_in = await scorer.inlet.call_one()
+        gens = gen_procs.spawn("generator", roles.generator, config, rollouts_in, policy_manifest)
+        ref = ref_procs.spawn("ref", roles.ref, config, ref_manifest)
+        scored_in = await ref.inlet.call_one()
+        ref_scored_in = await trainer.inlet.call_one()
+        grants = list((await gens.grant_inlet.call()).values())
+        startup = time.perf_counter() - started
+
+        tasks = {
+            "generators": asyncio.ensure_future(gens.run.call()),
+            "scorer": asyncio.ensure_future(scorer.run.call_one(scored_in)),
+            "reference model": asyncio.ensure_future(ref.run.call_one(ref_scored_in)),
+            "trainer": asyncio.ensure_future(trainer.run.call_one(gens, grants)),
+        }
+        training_started = time.perf_counter()
+
+        async def consume_reports() -> None:
+            while (report := await reports.recv()) is not None:
+                log.write(report)
+                progress.update(report, force=report.step == config.steps)
+
+        consumer = asyncio.ensure_future(consume_reports())
+        await _first_failure(tasks, consumer)
+        summary = await tasks["trainer"]
+        seconds = time.perf_counter() - training_started
+        progress.done()
+        await gens.drain.call()
+        produced = await tasks["generators"]
+        await asyncio.wait_for(asyncio.gather(tasks["scorer"], tasks["reference model"]), 10)
+        stop_started = time.perf_counter()
+        for mesh in meshes:
+            await mesh.stop(timeout=2)
+        result = RunResult(
+            steps=summary["steps"],
+            version=summary["version"],
+            score=summary["score"],
+            dropped=summary["dropped"],
+            seconds=seconds,
+            run_dir=config.run_dir,
+            startup_seconds=startup,
+            stop_seconds=time.perf_counter() - stop_started,
+            rollouts={f"generator {rank}": n for rank, n in enumerate(produced.values())},
+        )
+        return result
+    except asyncio.CancelledError:  # Ctrl-C: leave a checkpoint, then stop fast
+        if trainer is not None and not tasks.get("trainer", asyncio.Future()).done():
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(trainer.checkpoint.call_one(), 0.5)
+        raise
+    except ActorError as exc:
+        raise PipelineError(f"a role failed: {exc}") from exc
+    finally:
+        for task in [*tasks.values(), *([consumer] if consumer is not None else [])]:
+            task.cancel()
+            if task.done() and not task.cancelled():
+                task.exception()  # retrieved: the failure was already reported
+        progress.done()
+        log.close()
+        for mesh in meshes:
+            with contextlib.suppress(ActorsError, asyncio.TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(mesh.stop(timeout=0.5)), 2)
+        with contextlib.suppress(Exception):
+            plot(config.run_dir)
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.grpo", description=__doc__.splitlines()[0])
+    parser.add_argument("--generators", type=int, default=2, help="generator actors (default 2)")
+    parser.add_argument("--steps", type=int, default=2000, help="trainer steps (default 2000)")
+    parser.add_argument("--mode", choices=["async", "sync"], default="async", help="async (default) or lock-step sync")
+    parser.add_argument("--max-staleness", type=int, default=8, help="drop rollouts more than K versions old")
+    parser.add_argument("--transport", choices=["shm", "cuda-ipc", "local"], default="shm", help="weight transport")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--run-dir", help="where outputs go (default runs/grpo-<time>)")
+    parser.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last checkpoint")
+    parser.add_argument("--target-score", type=float, help="stop once the normalized score reaches this")
+    parser.add_argument("--task", default="pipeline.task:BanditTask", help="task class, module:Class")
+    parser.add_argument("--quiet", action="store_true", help="no live progress line")
+    args = parser.parse_args(argv)
+    if args.resume:
+        with open(os.path.join(args.resume, "config.json")) as f:
+            saved = json.load(f)
+        config = Config(**{k: v for k, v in saved.items() if k in {f.name for f in dataclasses.fields(Config)}})
+        config.run_dir = args.resume
+        for flag, attr in (("--steps", "steps"), ("--target-score", "target_score")):
+            if flag in (argv if argv is not None else sys.argv):
+                setattr(config, attr, getattr(args, attr))
+        return config, args
+    config = Config(
+        steps=args.steps,
+        generators=args.generators,
+        mode=args.mode,
+        max_staleness=args.max_staleness,
+        transport=args.transport,
+        seed=args.seed,
+        target_score=args.target_score,
+        task=args.task,
+        run_dir=args.run_dir or _default_run_dir(),
+    )
+    return config, args
+
+
+def main(argv: list[str] | None = None) -> int:
+    config, args = parse_args(argv)
+    try:
+        result = uvloop.run(run_pipeline(config, resume=bool(args.resume), quiet=args.quiet))
+    except KeyboardInterrupt:
+        print(f"\ninterrupted; the last checkpoint is in {config.run_dir} (resume with --resume {config.run_dir})")
+        return 130
+    except (PipelineError, FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    score = "n/a" if result.score is None else f"{result.score:.3f}"
+    print(
+        f"done: {result.steps} steps in {result.seconds:.1f}s ({result.steps_per_second:.0f} steps/s), "
+        f"normalized score {score}, {result.dropped} stale rollouts dropped, policy version {result.version}\n"
+        f"outputs in {result.run_dir}: config.json, metrics.jsonl, learning_curve.png, checkpoint.pt"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

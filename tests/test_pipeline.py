@@ -1,0 +1,144 @@
+"""The GRPO pipeline: a real run, its outputs, its modes, resume, failures and Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from support import FailingScorer, HookedGenerator, actor_pids, wait_for
+
+from pipeline import Config, PipelineError, Roles, run_pipeline
+from pipeline.checkpoint import load as load_checkpoint
+from pipeline.metrics import read_rows
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIELDS = {
+    "step",
+    "time",
+    "reward_mean",
+    "score",
+    "loss",
+    "kl",
+    "version_lag",
+    "dropped_stale",
+    "trainer_queue",
+    "scorer_queue",
+    "ref_queue",
+    "weight_sync_ms",
+    "version",
+    "generator",
+}
+
+
+def cli(*args: str, **kwargs) -> subprocess.Popen[str]:  # type: ignore[no-untyped-def]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), ROOT]))
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipeline.grpo", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        **kwargs,
+    )
+
+
+def test_cli_run_writes_metrics_plot_and_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = cli("--steps", "80", "--run-dir", str(run_dir), "--quiet")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out + err
+    assert "done: 80 steps" in out
+    rows = read_rows(str(run_dir))
+    assert [r["step"] for r in rows] == list(range(1, 81))
+    assert all(FIELDS <= set(r) for r in rows)
+    assert rows[-1]["score"] is not None and rows[-1]["version"] == 80
+    assert (run_dir / "learning_curve.png").stat().st_size > 10_000
+    assert json.loads((run_dir / "config.json").read_text())["steps"] == 80
+    state = load_checkpoint(str(run_dir))
+    assert state["step"] == 80 and state["version"] == 80
+
+
+async def test_sync_mode_is_on_policy(tmp_path, sockets_dir):
+    result = await run_pipeline(Config(steps=40, mode="sync", generators=2, run_dir=str(tmp_path)), quiet=True)
+    rows = read_rows(str(tmp_path))
+    assert result.steps == 40 and len(rows) == 40
+    assert {r["version_lag"] for r in rows} == {0} and result.dropped == 0
+    assert {r["generator"] for r in rows} == {0, 1}, "sync mode takes turns over the generators"
+
+
+async def test_staleness_bound_is_enforced(tmp_path, sockets_dir):
+    config = Config(steps=60, generators=2, max_staleness=0, max_inflight=3, run_dir=str(tmp_path))
+    result = await run_pipeline(config, quiet=True)
+    rows = read_rows(str(tmp_path))
+    assert all(r["version_lag"] <= 0 for r in rows), "no rollout older than the bound is trained on"
+    assert result.dropped > 0 and rows[-1]["dropped_stale"] == result.dropped
+
+
+async def test_resume_continues_steps_and_versions(tmp_path, sockets_dir):
+    config = Config(steps=30, run_dir=str(tmp_path), checkpoint_every=10)
+    await run_pipeline(config, quiet=True)
+    before = load_checkpoint(str(tmp_path))
+    config.steps = 50
+    result = await run_pipeline(config, resume=True, quiet=True)
+    rows = read_rows(str(tmp_path))
+    assert [r["step"] for r in rows] == list(range(1, 51))
+    assert rows[30]["version"] == before["version"] + 1, "versions continue monotonically"
+    assert result.steps == 50 and load_checkpoint(str(tmp_path))["version"] == 50
+    assert torch.equal(load_checkpoint(str(tmp_path))["ref"]["0.weight"], before["ref"]["0.weight"])
+
+
+def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"steps": 10}))
+    proc = cli("--resume", str(tmp_path))
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and "no checkpoint" in err
+
+
+async def test_custom_task_by_subclassing(tmp_path, sockets_dir):
+    config = Config(steps=30, task="support:WideBandit", run_dir=str(tmp_path))
+    result = await run_pipeline(config, quiet=True)
+    assert result.steps == 30
+    state = load_checkpoint(str(tmp_path))
+    assert state["policy"]["2.weight"].shape[0] == 6, "the policy was built by the custom task"
+
+
+async def test_a_failing_role_stops_the_run_with_its_name(tmp_path, sockets_dir):
+    started = time.monotonic()
+    with pytest.raises(PipelineError, match="scorer exploded on purpose"):
+        await run_pipeline(Config(steps=500, run_dir=str(tmp_path)), quiet=True, roles=Roles(scorer=FailingScorer))
+    assert time.monotonic() - started < 30
+
+
+async def test_generator_hooks_run_in_the_worker_and_their_errors_propagate(tmp_path, sockets_dir):
+    config = Config(steps=500, run_dir=str(tmp_path), extra={"hook_limit": 15})
+    with pytest.raises(PipelineError, match="generators failed.*hook stopped generator"):
+        await run_pipeline(config, quiet=True, roles=Roles(generator=HookedGenerator))
+
+
+def test_ctrl_c_stops_within_2s_and_leaves_a_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = cli("--steps", "200000", "--run-dir", str(run_dir), "--quiet")
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        assert wait_for(lambda: metrics.exists() and metrics.stat().st_size > 5000, timeout=60)
+        workers = actor_pids()
+        start = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=10)
+        elapsed = time.monotonic() - start
+        assert proc.returncode == 130, out + err
+        assert elapsed < 2.5, f"stopping took {elapsed:.2f}s"
+        assert "--resume" in out
+        assert wait_for(lambda: not (workers & actor_pids()), timeout=3)
+        state = load_checkpoint(str(run_dir))
+        assert state["step"] > 0 and state["version"] == state["step"]
+    finally:
+        proc.kill()
+        proc.wait()
