@@ -97,7 +97,7 @@ async def test_resume_continues_steps_and_versions(tmp_path, sockets_dir):
 def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"steps": 10}))
     proc = cli("--resume", str(tmp_path))
-    out, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1 and "no checkpoint" in err
 
 
@@ -118,7 +118,7 @@ async def test_a_failing_role_stops_the_run_with_its_name(tmp_path, sockets_dir)
 
 async def test_generator_hooks_run_in_the_worker_and_their_errors_propagate(tmp_path, sockets_dir):
     config = Config(steps=500, run_dir=str(tmp_path), extra={"hook_limit": 15})
-    with pytest.raises(PipelineError, match="generators failed.*hook stopped generator"):
+    with pytest.raises(PipelineError, match=r"generators failed.*hook stopped generator"):
         await run_pipeline(config, quiet=True, roles=Roles(generator=HookedGenerator))
 
 
