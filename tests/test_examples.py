@@ -21,6 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
             ["plain: [3, 3]", "skip: [115, 115]", "skip after reset: [5, 5]", "SkipCounter stopping at 5"],
         ),
         ("embed_tcp_service.py", ["serving on 127.0.0.1:", "scored 'request 4'"]),
+        ("grpo_ports.py", ["step  60", "drained generators [0, 1, 2, 3]", "training finished at step 60"]),
+        ("custom_task.py", ["custom task: 1500 steps, normalized score"]),
     ],
 )
 def test_example_runs(script, expected):
