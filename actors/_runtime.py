@@ -44,6 +44,8 @@ from ._transport import (
 
 log = logging.getLogger("actors")
 
+#: How long closing a process's links may keep trying to deliver what is queued.
+CLOSE_LINGER_MS = 200
 #: How long a sender waits for room (socket or port window) before giving up.
 SEND_TIMEOUT = 300.0
 
@@ -607,7 +609,9 @@ class Runtime:
             self._unbind(self.loop)
         self.watcher.close()
         for link in self.links.values():
-            link.close()
+            # Queued messages to a live peer leave in milliseconds over ipc; a peer
+            # that just exited would otherwise hold the exit for the full linger.
+            link.close(linger=CLOSE_LINGER_MS)
         self.links.clear()
         self.inbox.close(linger=0)
         self.ctx.term()
