@@ -28,3 +28,26 @@ def sockets_dir():
     own = os.path.basename(rt.address.removeprefix("ipc://"))
     leftovers = set(os.listdir(rt.dir)) - {own}
     assert not leftovers, f"socket files left behind: {leftovers}"
+
+
+@pytest.fixture
+async def spawn(sockets_dir):
+    """``spawn(**per_host)`` starts a proc mesh that is stopped when the test ends."""
+    from actors import this_host
+
+    meshes = []
+
+    def make(**per_host: int):
+        mesh = this_host().spawn_procs(per_host=per_host or {"procs": 2})
+        meshes.append(mesh)
+        return mesh
+
+    yield make
+    for mesh in meshes:
+        await mesh.stop()
+
+
+@pytest.fixture
+def procs(spawn):
+    """Two actor processes, stopped after the test."""
+    return spawn(procs=2)

@@ -24,10 +24,8 @@ from actors import (
 
 
 @pytest.fixture
-async def procs(sockets_dir):
-    mesh = this_host().spawn_procs(per_host={"gpus": 2})
-    yield mesh
-    await mesh.stop()
+def procs(spawn):
+    return spawn(gpus=2)  # any dimension name works, as in Monarch
 
 
 async def test_call_returns_value_mesh_by_rank(procs: ProcMesh):

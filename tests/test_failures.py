@@ -20,13 +20,6 @@ from actors import ActorDied, ProcMesh, this_host
 from actors._protocol import PROTOCOL_VERSION
 
 
-@pytest.fixture
-async def procs(sockets_dir):
-    mesh = this_host().spawn_procs(per_host={"procs": 2})
-    yield mesh
-    await mesh.stop()
-
-
 async def test_kill_9_fails_pending_and_later_calls_promptly(procs: ProcMesh):
     echo = procs.spawn("echo", Echo)
     victim = echo.slice(procs=0)

@@ -15,13 +15,6 @@ from actors._port import PORT_WINDOW
 from actors._runtime import runtime
 
 
-@pytest.fixture
-async def procs(sockets_dir):
-    mesh = this_host().spawn_procs(per_host={"procs": 2})
-    yield mesh
-    await mesh.stop()
-
-
 async def test_typed_port_refuses_wrong_type_at_sender():
     port, recv = Channel.open(Item)
     with pytest.raises(TypeError, match=r"carries support\.Item"):

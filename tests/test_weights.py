@@ -25,7 +25,6 @@ from actors import (
     WeightSyncError,
     available_transports,
     send,
-    this_host,
 )
 from actors._codec import Decoder, Encoder
 from actors.tensors.shm import HEADER_BYTES, SHM_DIR
@@ -233,13 +232,6 @@ def test_a_thousand_updates_keep_segments_and_memory_flat():
             assert len(glob.glob(f"{SHM_DIR}/{prefix}*")) <= 2
         assert baseline is not None and rss_kib() - baseline < 16 * 1024, "RSS grew over 1,000 updates"
     inbox.close()
-
-
-@pytest.fixture
-async def procs(sockets_dir):
-    mesh = this_host().spawn_procs(per_host={"procs": 2})
-    yield mesh
-    await mesh.stop()
 
 
 async def test_cross_process_install_via_fire_and_forget(procs):
