@@ -40,10 +40,14 @@ from ._transport import (
     message_prefix,
     parse_header,
     remove_socket_file,
+    valid_peer_address,
 )
 
 log = logging.getLogger("actors")
 
+#: Dropped-message logs: at most this many per window, then one summary line.
+DROP_LOG_BURST = 10
+DROP_LOG_WINDOW = 10.0
 #: How long closing a process's links may keep trying to deliver what is queued.
 CLOSE_LINGER_MS = 200
 #: How long a sender waits for room (socket or port window) before giving up.
@@ -93,6 +97,11 @@ class Runtime:
         self._port_ids = itertools.count(1)
         self._dispatching = False
         self._pid_waiters: dict[str, list[Callable[[], None]]] = {}
+        #: Messages dropped as malformed or undeliverable since start (logged, rate-limited).
+        self.dropped_messages = 0
+        self._drop_window = 0.0
+        self._drop_logged = 0
+        self._drop_suppressed = 0
         self._progress: list[asyncio.Future[None]] = []
 
     # ------------------------------------------------------------------ loop binding
@@ -308,6 +317,12 @@ class Runtime:
     def flush(self, link: Link) -> None:
         if link.try_send(self.header):
             return
+        if self._dispatching and self.loop_active():
+            # Handling incoming messages must never block on a peer that does not
+            # read (it may not exist at all): keep the batch and retry shortly.
+            assert self.loop is not None
+            self.loop.call_later(0.05, self._retry_flush, link)
+            return
         self.wait(
             lambda: link.try_send(self.header),
             timeout=SEND_TIMEOUT,
@@ -315,6 +330,13 @@ class Runtime:
             writable=link.sock,
             what=f"room in the queue of {link.address}",
         )
+
+    def _retry_flush(self, link: Link) -> None:
+        if link.dead or self.closed or not link.parts:
+            return
+        if not link.try_send(self.header):
+            assert self.loop is not None
+            self.loop.call_later(0.05, self._retry_flush, link)
 
     def flush_all(self) -> None:
         for link in list(self.links.values()):
@@ -511,12 +533,14 @@ class Runtime:
 
     def _handle(self, frames: list[Any]) -> None:
         if len(frames) < 2:
-            log.error("dropped a malformed message: %d frame(s), need at least 2", len(frames))
+            self._dropped("a malformed message: %d frame(s), need at least 2", len(frames))
             return
         try:
             address, pid = parse_header(frames[0].bytes)
+            if not valid_peer_address(address, self.dir) or pid <= 0:
+                raise ValueError(f"sender address {address!r:.80} (pid {pid}) is not a peer of this session")
         except Exception as exc:
-            log.error("dropped a message with a malformed header: %s", exc)
+            self._dropped("a message with a malformed header: %s", exc)
             return
         if address not in self.procs and address != self.address:
             self.proc(address, pid)  # know every sender: port credits and replies go back to it
@@ -528,13 +552,27 @@ class Runtime:
                         raise message
                     self._dispatch(message, run, address, pid, size)
                 except DecodeError as exc:
-                    log.error("dropped a malformed message from %s: %s", address, exc)
+                    self._dropped("a malformed message from %s: %s", address, exc)
                 except Exception:
                     log.exception("error while handling a message from %s", address)
         except DecodeError as exc:
-            log.error("dropped the rest of a malformed batch from %s: %s", address, exc)
+            self._dropped("the rest of a malformed batch from %s: %s", address, exc)
         finally:
             self._dispatching = False
+
+    def _dropped(self, what: str, *args: Any) -> None:
+        """Log a dropped message; at most DROP_LOG_BURST per DROP_LOG_WINDOW, then a count."""
+        now = time.monotonic()
+        if now - self._drop_window >= DROP_LOG_WINDOW:
+            if self._drop_suppressed:
+                log.error("... and %d more dropped messages in the last %.0fs", self._drop_suppressed, DROP_LOG_WINDOW)
+            self._drop_window, self._drop_logged, self._drop_suppressed = now, 0, 0
+        self.dropped_messages += 1
+        if self._drop_logged < DROP_LOG_BURST:
+            self._drop_logged += 1
+            log.error("dropped " + what, *args)
+        else:
+            self._drop_suppressed += 1
 
     def _dispatch(self, message: Any, frames: list[Any], address: str, pid: int, size: int) -> None:
         if type(message) is not list or not message or _ARITY.get(message[0]) != len(message):
@@ -543,7 +581,7 @@ class Runtime:
         if kind == 3:  # PORT, the hot path
             receiver = self.receivers.get(message[1])
             if receiver is None:
-                log.error("dropped a message for port %r: no such receiver in this process", message[1])
+                self._dropped("a message for port %r: no such receiver in this process", message[1])
                 self._credit_dropped(address, message[1], size)
                 return
             receiver.deliver(message[2], address, size)
@@ -580,7 +618,7 @@ class Runtime:
         elif kind == P.CONTROL:
             handler = self.control_handlers.get(message[1])
             if handler is None:
-                log.error("dropped unknown control message %r from %s", message[1], address)
+                self._dropped("unknown control message %r from %s", message[1], address)
                 return
             handler(message[2], frames, address, pid)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import tempfile
 from typing import Any
@@ -40,6 +41,21 @@ def message_prefix(frame_count: int, length: int) -> bytes:
 
 def make_header(address: str, pid: int) -> bytes:
     return msgpack.packb([PROTOCOL_VERSION, address, pid])  # type: ignore[no-any-return]
+
+
+_TCP_ADDRESS = re.compile(r"tcp://[A-Za-z0-9.\-]+:[0-9]{1,5}")
+
+
+def valid_peer_address(address: str, runtime_dir: str) -> bool:
+    """Only addresses this session could own: an ipc socket in its private directory, or tcp host:port.
+
+    A header is attacker-controlled input; its address decides where replies
+    and credits go, so it must never point anywhere else.
+    """
+    if address.startswith("ipc://"):
+        path = address[len("ipc://") :]
+        return os.path.dirname(path) == runtime_dir and path.endswith(".sock") and ".." not in path
+    return _TCP_ADDRESS.fullmatch(address) is not None
 
 
 def parse_header(data: bytes) -> tuple[str, int]:

@@ -253,9 +253,12 @@ class ActorHost:
             self._fail(slot, slot.name, inv, ["AttributeError", f"{cls} has no endpoint {inv.method!r}", "", False])
             return
         try:
-            args, kwargs = self.rt.decode_blob(inv.blob, inv.frames)
+            args, kwargs = self._arguments(inv)
         except DecodeError as exc:
-            self._fail(slot, slot.name, inv, error_record(exc, ""))
+            if inv.call_id:
+                self._fail(slot, slot.name, inv, error_record(exc, ""))
+            else:  # nobody to answer: a malformed message, dropped with a log
+                self.rt._dropped("a malformed call to %s.%s: %s", slot.name, inv.method, exc)
             return
         token = _context.set(slot.context)
         try:
@@ -264,6 +267,19 @@ class ActorHost:
             _context.reset(token)
         slot.tasks.add(task)
         task.add_done_callback(slot.tasks.discard)
+
+    def _arguments(self, inv: _Invocation) -> tuple[list[Any], dict[str, Any]]:
+        """Decode a call's ``[args, kwargs]``, refusing anything of another shape."""
+        decoded = self.rt.decode_blob(inv.blob, inv.frames)
+        if (
+            type(decoded) is not list
+            or len(decoded) != 2
+            or type(decoded[0]) is not list
+            or type(decoded[1]) is not dict
+            or not all(type(key) is str for key in decoded[1])
+        ):
+            raise DecodeError("call arguments must be [list, dict with string keys]")
+        return decoded[0], decoded[1]
 
     async def _invoke(
         self, slot: _Slot, ep: Endpoint[Any], args: list[Any], kwargs: dict[str, Any], inv: _Invocation
@@ -325,7 +341,7 @@ class ActorHost:
 
     async def _host_call(self, inv: _Invocation) -> None:
         try:
-            args, _kwargs = self.rt.decode_blob(inv.blob, inv.frames)
+            args, _kwargs = self._arguments(inv)
             if inv.method == "spawn":
                 result = self._spawn(inv, *args)
             elif inv.method == "stop_actor":

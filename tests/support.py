@@ -297,3 +297,21 @@ class HookedGenerator(Generator):
         assert rollout.generator == self.id and rollout.version == self.version
         if self.seen_pre >= self.config.extra.get("hook_limit", 10**9):
             raise ValueError(f"hook stopped generator {self.id} after {self.seen_pre} rollouts")
+
+
+class Pinger(Actor):
+    """A target with nothing to abuse: fuzzed calls can only ever reach ``ping``."""
+
+    @endpoint
+    async def ping(self, value: int = 0) -> int:
+        return value
+
+    @endpoint
+    async def mark(self, port: Port) -> None:
+        port.send("processed")
+
+    @endpoint
+    async def dropped(self) -> int:
+        from actors._runtime import runtime
+
+        return runtime().dropped_messages

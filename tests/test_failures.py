@@ -84,13 +84,35 @@ async def test_a_bad_message_does_not_cost_the_rest_of_its_batch():
 
     port, recv = Channel.open()
     unknown = msgpack.ExtType(EXT_DATACLASS, msgpack.packb(["not_loaded_module:Thing", [1]]))
-    header = msgpack.packb([PROTOCOL_VERSION, "ipc:///nowhere", 1])
+    header = msgpack.packb([PROTOCOL_VERSION, f"ipc://{runtime().dir}/nowhere.sock", 1])
     payload = batch(
         [PORT, port._id, "first"], msgpack.packb([PORT, port._id, unknown]), b"\xc1", [PORT, port._id, "last"]
     )
     _inject(runtime().address, [header, payload])
     assert await asyncio.wait_for(recv.recv(), 5) == "first"
     assert await asyncio.wait_for(recv.recv(), 5) == "last"
+
+
+async def test_a_header_naming_a_foreign_address_is_refused():
+    """Replies and credits go to the header's address, so it must belong to this session."""
+    from actors import Channel
+    from actors._protocol import PORT
+    from actors._runtime import runtime
+
+    port, recv = Channel.open()
+    for address in (
+        "ipc:///tmp/elsewhere.sock",
+        "tcp://evil.example:notaport",
+        "inproc://x",
+        f"ipc://{runtime().dir}/../x.sock",
+    ):
+        header = msgpack.packb([PROTOCOL_VERSION, address, 1])
+        _inject(runtime().address, [header, batch([PORT, port._id, "smuggled"])])
+    good = msgpack.packb([PROTOCOL_VERSION, f"ipc://{runtime().dir}/peer.sock", 1])
+    _inject(runtime().address, [good, batch([PORT, port._id, "delivered"])])
+    assert await asyncio.wait_for(recv.recv(), 5) == "delivered"
+    assert recv.qsize() == 0
+    assert not any(a.startswith(("ipc:///tmp/elsewhere", "tcp://evil")) for a in runtime().links)
 
 
 def _inject(address: str, frames: list[bytes]) -> None:
@@ -106,7 +128,9 @@ async def test_malformed_frames_are_dropped_and_the_worker_keeps_serving(procs: 
     echo = procs.spawn("echo", Echo).slice(procs=0)
     assert await echo.add.call_one(1) == 1
     address = procs._procs[0].address
-    header = msgpack.packb([PROTOCOL_VERSION, "ipc:///nowhere", 1])
+    from actors._runtime import runtime
+
+    header = msgpack.packb([PROTOCOL_VERSION, f"ipc://{runtime().dir}/nowhere.sock", 1])
     garbage = [
         [b"only one frame"],
         [b"\xc1", b""],

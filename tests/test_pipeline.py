@@ -142,3 +142,33 @@ def test_ctrl_c_stops_within_2s_and_leaves_a_checkpoint(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.parametrize("role, title", [("trainer", "trainer"), ("scorer", "scorer"), ("ref", "reference model")])
+def test_kill_9_of_a_role_stops_the_run_naming_it(tmp_path, role, title):
+    run_dir = tmp_path / "run"
+    proc = cli("--steps", "200000", "--run-dir", str(run_dir), "--quiet")
+    try:
+        assert wait_for(lambda: (run_dir / "checkpoint.pt").exists(), timeout=60)
+        victim = next(pid for pid in actor_pids() if _title(pid).startswith(f"actors[{role}."))
+        before = actor_pids()
+        start = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        out, err = proc.communicate(timeout=15)
+        elapsed = time.monotonic() - start
+        assert proc.returncode == 1, out + err
+        assert f"the {title} failed" in err and "died" in err
+        assert elapsed < 2.0, f"the run took {elapsed:.2f}s to stop after the {role} died"
+        assert wait_for(lambda: not (before & actor_pids()), timeout=3)
+        assert load_checkpoint(str(run_dir))["step"] > 0, "the last checkpoint stays usable"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _title(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""

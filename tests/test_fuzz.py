@@ -1,0 +1,129 @@
+"""Hostile input: a live worker takes 100,000+ random and mutated frames and keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import msgpack
+import zmq
+from support import Pinger
+
+from actors import Channel
+from actors._codec import EXT_DATACLASS, EXT_HANDLE, EXT_TENSOR, EXT_TUPLE, Encoder
+from actors._protocol import CALL, CREDIT, PORT, PROTOCOL_VERSION, REPLY
+from actors._transport import message_prefix
+
+FRAMES = int(__import__("os").environ.get("FUZZ_FRAMES", 100_000))
+
+
+def _seeds(rng: random.Random) -> list[tuple[bytes, list[bytes]]]:
+    """Real messages the runtime would send, as (payload, buffer frames)."""
+    enc = Encoder()
+    out = []
+    for message in (
+        [PORT, 7, {"x": [1, 2.5, "three"]}],
+        [PORT, 9, ("a", b"bytes", None, True)],
+        [REPLY, 12345, 0, True, [1, 2, 3]],
+        [CREDIT, 3, 10, 1000],
+        [CALL, 0, "pinger", "ping", "ipc:///nowhere", 1, 0, enc.encode([[5], {}]), None],
+    ):
+        enc.reset()
+        data = enc.encode(message)
+        out.append((message_prefix(len(enc.frames), len(data)) + data, [bytes(f) for f in enc.frames]))
+    import torch
+
+    enc.reset()
+    data = enc.encode([PORT, 7, torch.arange(5000, dtype=torch.float32)])
+    out.append((message_prefix(len(enc.frames), len(data)) + data, [bytes(f) for f in enc.frames]))
+    return out
+
+
+def _hostile(rng: random.Random) -> list[bytes]:
+    """Payload bodies aimed at the decoder's limits."""
+    ext = msgpack.ExtType
+    bodies = [
+        msgpack.packb([PORT, 7, ext(EXT_TENSOR, msgpack.packb(["float32", [1 << 30], 0]))]),  # huge, missing frame
+        msgpack.packb([PORT, 7, ext(EXT_TENSOR, msgpack.packb(["float32", [10], b"\0" * 3]))]),  # truncated
+        msgpack.packb([PORT, 7, ext(EXT_DATACLASS, msgpack.packb(["os:system", ["rm -rf /"]]))]),
+        msgpack.packb([PORT, 7, ext(EXT_DATACLASS, msgpack.packb(["not_loaded:X", []]))]),
+        msgpack.packb([PORT, 7, ext(EXT_HANDLE, msgpack.packb(["no-such-handle", None]))]),
+        msgpack.packb([PORT, 7, ext(rng.randrange(6, 128), b"\x01\x02")]),  # wrong ext types
+        msgpack.packb([PORT, 7, ext(EXT_TUPLE, b"\xdd\xff\xff\xff\xff")]),
+        b"\xdd\xff\xff\xff\xff",  # declares 4 billion items
+        b"\xdb\xff\xff\xff\xf0" + b"x" * 10,  # declares a 4 GiB string
+        b"\x91" * rng.randrange(100, 3000) + b"\xc0",  # deep nesting
+    ]
+    return bodies
+
+
+def _mutate(rng: random.Random, data: bytes) -> bytes:
+    raw = bytearray(data)
+    for _ in range(rng.randrange(1, 4)):
+        choice = rng.random()
+        if choice < 0.4 and raw:
+            raw[rng.randrange(len(raw))] = rng.randrange(256)
+        elif choice < 0.7 and raw:
+            del raw[rng.randrange(len(raw)) :]
+        else:
+            raw[rng.randrange(len(raw) + 1) : 0] = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 8)))
+    return bytes(raw)
+
+
+async def test_worker_survives_100k_hostile_frames(procs):
+    target = procs.spawn("pinger", Pinger).slice(procs=0)
+    assert await target.ping.call_one(1) == 1
+    rng = random.Random(1234)
+    seeds = _seeds(rng)
+    hostile = _hostile(rng)
+    # A plausible sender (inside the session's directory) that never reads: the worst peer.
+    from actors._runtime import runtime
+
+    header = msgpack.packb([PROTOCOL_VERSION, f"ipc://{runtime().dir}/fuzzer.sock", 1])
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    try:
+        await _fuzz(sock, procs, target, rng, seeds, hostile, header)
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+async def _fuzz(sock, procs, target, rng, seeds, hostile, header) -> None:  # type: ignore[no-untyped-def]
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.LINGER, 5000)
+    sock.connect(procs._procs[0].address)
+    sent = 0
+    for i in range(FRAMES):
+        kind = i % 5
+        if kind == 0:  # random bytes, random frame counts
+            frames = [
+                bytes(rng.randrange(256) for _ in range(rng.randrange(0, 40))) for _ in range(rng.randrange(1, 4))
+            ]
+        elif kind == 1:  # valid header, corrupted payload
+            payload, bufs = rng.choice(seeds)
+            frames = [header, _mutate(rng, payload), *bufs]
+        elif kind == 2:  # valid framing around a hostile body
+            body = rng.choice(hostile)
+            frames = [header, message_prefix(0, len(body)) + body]
+        elif kind == 3:  # a valid message whose tensor frame is cut short or missing
+            payload, bufs = seeds[-1]
+            frames = [header, payload, *[b[: rng.randrange(len(b))] for b in bufs][: rng.randrange(2)]]
+        else:  # a mutated header
+            payload, bufs = rng.choice(seeds)
+            frames = [_mutate(rng, header), payload, *bufs]
+        sock.send_multipart(frames)
+        sent += 1
+    assert sent >= 100_000
+    # A last, valid call on the same socket: when it answers, every frame before it was handled.
+    port, processed = Channel.open(str)
+    enc = Encoder()
+    blob = enc.encode([[port], {}])
+    enc.reset()
+    call = enc.encode([CALL, 0, "pinger", "mark", "ipc://x/fuzzer.sock", 1, 0, blob, None])
+    sock.send_multipart([header, message_prefix(0, len(call)) + call])
+    assert await asyncio.wait_for(processed.recv(), 120) == "processed"
+    # The worker still serves, and it saw (and dropped) the garbage.
+    assert await target.ping.call_one(41) == 41
+    dropped = await target.dropped.call_one()
+    assert dropped > FRAMES // 2
