@@ -315,3 +315,45 @@ class Pinger(Actor):
         from actors._runtime import runtime
 
         return runtime().dropped_messages
+
+
+class Counter(Actor):
+    """Streams 0..n-1 then None; reports its own resident memory."""
+
+    @endpoint
+    async def count_to(self, port: Port, n: int) -> None:
+        for i in range(n):
+            port.send(i)
+        port.send(None)
+
+    @endpoint
+    async def rss_mib(self) -> float:
+        with open("/proc/self/status") as f:
+            line = next(x for x in f if x.startswith("VmRSS"))
+        return int(line.split()[1]) / 1024
+
+
+class Forwarder(Counter):
+    """Receives on its own untyped port and forwards everything, sentinel included."""
+
+    def __init__(self) -> None:
+        self.port, self.inbox = Channel.open()
+        self.peak_queue = 0
+
+    @endpoint
+    async def inlet(self) -> Port:
+        return self.port
+
+    @endpoint
+    async def run(self, out: Port) -> int:
+        n = 0
+        while (item := await self.inbox.recv()) is not None:
+            self.peak_queue = max(self.peak_queue, self.inbox.qsize())
+            out.send(item)
+            n += 1
+        out.send(None)
+        return n
+
+    @endpoint
+    async def peak(self) -> int:
+        return self.peak_queue
