@@ -325,7 +325,7 @@ class ProcMesh:
             return
         rank = self._procs.index(ref)
         names = ",".join(self._actors) or "(no actors)"
-        self._report(Failure(names, rank, ref.pid or 0, "", "ActorDied", f"process exited: {ref.exit_reason}"))
+        self._report(Failure(names, rank, ref.pid or 0, "", "ActorDied", ref.exit_reason or "process exited"))
 
     def stop(self, timeout: float = CLEANUP_TIMEOUT) -> Future[None]:
         """Run every actor's ``__cleanup__`` and end the processes (a no-op if already stopped)."""
