@@ -40,6 +40,7 @@ from ._transport import (
     message_prefix,
     parse_header,
     remove_socket_file,
+    session_keys,
     valid_peer_address,
 )
 
@@ -74,7 +75,8 @@ class Runtime:
         self.session = os.path.basename(self.dir)
         self.ctx: zmq.Context[Any] = zmq.Context()
         self.address = address or inbox_address(self.dir, f"c{self.pid}")
-        self.inbox = bind_inbox(self.ctx, self.address)
+        self.keys = session_keys()
+        self.inbox = bind_inbox(self.ctx, self.address, self.keys)
         self.header = make_header(self.address, self.pid)
         self.encoder = Encoder()
         self.decoder = Decoder()
@@ -278,7 +280,7 @@ class Runtime:
             raise ActorDied(f"process {ref.address} (pid {ref.pid}) is dead: {ref.exit_reason}", pid=ref.pid)
         link = self.links.get(ref.address)
         if link is None:
-            link = self.links[ref.address] = Link(self.ctx, ref.address, ref.pid)
+            link = self.links[ref.address] = Link(self.ctx, ref.address, ref.pid, self.keys)
             self.watch(ref)
         return link
 

@@ -109,6 +109,32 @@ def remove_socket_file(address: str) -> None:
             os.unlink(address.removeprefix("ipc://"))
 
 
+#: Session key pair for CURVE on tcp (z85); set by the first process, inherited by its workers.
+CURVE_PUBLIC_ENV = "ACTORS_CURVE_PUBLIC"
+CURVE_SECRET_ENV = "ACTORS_CURVE_SECRET"
+#: ``ACTORS_CURVE=0`` turns tcp authentication off (not recommended beyond loopback).
+CURVE_ENV = "ACTORS_CURVE"
+
+
+def session_keys() -> tuple[bytes, bytes] | None:
+    """The session's CURVE key pair for tcp, created on first use; None for ipc or when disabled.
+
+    Every inbox is a CURVE server and every link a CURVE client with this one
+    key: a peer that does not hold it cannot complete the handshake, so its
+    messages are never delivered.
+    """
+    if transport_kind() != "tcp" or os.environ.get(CURVE_ENV, "1") == "0":
+        return None
+    if not zmq.has("curve"):
+        raise RuntimeError("this libzmq has no CURVE support; set ACTORS_CURVE=0 to run tcp unauthenticated")
+    public, secret = os.environ.get(CURVE_PUBLIC_ENV), os.environ.get(CURVE_SECRET_ENV)
+    if not public or not secret:
+        pub, sec = zmq.curve_keypair()
+        public, secret = pub.decode(), sec.decode()
+        os.environ[CURVE_PUBLIC_ENV], os.environ[CURVE_SECRET_ENV] = public, secret
+    return public.encode(), secret.encode()
+
+
 def make_runtime_dir() -> str:
     """A private (0700) directory for this session's socket files."""
     base = os.environ.get("XDG_RUNTIME_DIR")
@@ -119,8 +145,11 @@ def make_runtime_dir() -> str:
     return path
 
 
-def bind_inbox(ctx: zmq.Context[Any], address: str) -> zmq.Socket[Any]:
+def bind_inbox(ctx: zmq.Context[Any], address: str, keys: tuple[bytes, bytes] | None = None) -> zmq.Socket[Any]:
     sock: zmq.Socket[Any] = ctx.socket(zmq.PULL)
+    if keys is not None:
+        sock.curve_server = True
+        sock.curve_publickey, sock.curve_secretkey = keys
     sock.setsockopt(zmq.RCVHWM, RCVHWM)
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind(address)
@@ -132,10 +161,15 @@ class Link:
 
     __slots__ = ("address", "dead", "frames", "inflight", "nbytes", "parts", "pid", "scheduled", "sock")
 
-    def __init__(self, ctx: zmq.Context[Any], address: str, pid: int | None) -> None:
+    def __init__(
+        self, ctx: zmq.Context[Any], address: str, pid: int | None, keys: tuple[bytes, bytes] | None = None
+    ) -> None:
         self.address = address
         self.pid = pid
         self.sock = ctx.socket(zmq.PUSH)
+        if keys is not None:
+            self.sock.curve_serverkey = keys[0]
+            self.sock.curve_publickey, self.sock.curve_secretkey = keys
         self.sock.setsockopt(zmq.SNDHWM, SNDHWM)
         self.sock.setsockopt(zmq.LINGER, LINGER_MS)
         self.sock.connect(address)

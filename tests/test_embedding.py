@@ -97,3 +97,62 @@ async def test_async_with_stops_the_mesh(sockets_dir):
         pid = await echo.pid.call_one()
         assert pid in actor_pids()
     assert wait_for(lambda: pid not in actor_pids(), timeout=5)
+
+
+CURVE_SCRIPT = """
+import asyncio, os, sys
+import msgpack, zmq
+from actors import Channel, this_host
+from actors._protocol import PORT, PROTOCOL_VERSION
+from actors._runtime import runtime
+from actors._transport import message_prefix
+from support import Echo
+
+def push(address, text, keys):
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    if keys:
+        public, secret = os.environ["ACTORS_CURVE_PUBLIC"].encode(), os.environ["ACTORS_CURVE_SECRET"].encode()
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = public, public, secret
+    sock.connect(address)
+    body = msgpack.packb([PORT, PORT_ID, text])
+    sock.send_multipart([msgpack.packb([PROTOCOL_VERSION, "tcp://127.0.0.1:9", 1]), message_prefix(0, len(body)) + body])
+    return ctx, sock
+
+async def main():
+    global PORT_ID
+    rt = runtime()
+    port, recv = Channel.open(str)
+    PORT_ID = port._id
+    procs = this_host().spawn_procs(per_host={"procs": 1})
+    echo = procs.spawn("echo", Echo)
+    await echo.send_to.call_one(port, ["from a worker"])  # workers hold the session key
+    print("WORKER", await recv.recv())
+    keep = [push(rt.address, "intruder", keys=False)]
+    await asyncio.sleep(1.0)  # give the intruder every chance to get through
+    print("INTRUDER_QUEUED", recv.qsize())
+    keep.append(push(rt.address, "friend", keys=True))
+    print("FRIEND", await asyncio.wait_for(recv.recv(), 10))
+    await procs.stop()
+
+if __name__ == "__main__":
+    asyncio.run(main())
+"""
+
+
+def test_tcp_inboxes_refuse_peers_without_the_session_key(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "curve.py"
+    script.write_text(CURVE_SCRIPT)
+    env = dict(os.environ, ACTORS_TRANSPORT="tcp", PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]))
+    env.pop("ACTORS_CURVE_PUBLIC", None)
+    env.pop("ACTORS_CURVE_SECRET", None)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "WORKER from a worker" in out.stdout
+    assert "INTRUDER_QUEUED 0" in out.stdout, "a peer without the key must not deliver"
+    assert "FRIEND friend" in out.stdout

@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import time
 
+from support import Counter, Forwarder
+
 from actors import Channel
 from actors._port import PORT_WINDOW
-from support import Counter, Forwarder
 
 TOTAL = 1_000_000
 
