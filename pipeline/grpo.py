@@ -24,7 +24,7 @@ from typing import Any
 
 import uvloop
 
-from actors import ActorError, ActorsError, Channel, ProcMesh, this_host
+from actors import ActorsError, Channel, ProcMesh, this_host
 
 from . import checkpoint
 from .messages import Config, StepReport
@@ -70,20 +70,33 @@ def _default_run_dir() -> str:
 
 
 async def _first_failure(tasks: dict[str, asyncio.Task[Any]], until: asyncio.Task[Any]) -> None:
-    """Wait for ``until``; raise PipelineError naming the first role that fails before it."""
+    """Wait for ``until``; raise PipelineError naming the first role that fails before it.
+
+    If ``until`` itself fails (the trainer's report stream ended because the
+    trainer died), give the roles a moment to report which of them failed.
+    """
     pending = {until, *tasks.values()}
     while not until.done():
         done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
         for task in done:
-            if task is until:
-                continue
-            role = next(name for name, t in tasks.items() if t is task)
-            exc = task.exception()
-            if exc is not None:
-                raise PipelineError(f"the {role} failed: {exc}") from exc
-    for role, task in tasks.items():  # a role that failed just as the run ended
-        if task.done() and task.exception() is not None:
-            raise PipelineError(f"the {role} failed: {task.exception()}") from task.exception()
+            if task is not until:
+                _raise_if_failed(tasks, task)
+    if until.exception() is not None:
+        await asyncio.wait(list(tasks.values()), timeout=2.0, return_when=asyncio.FIRST_EXCEPTION)
+        for task in tasks.values():
+            if task.done():
+                _raise_if_failed(tasks, task)
+        raise PipelineError(f"the trainer stopped reporting: {until.exception()}") from until.exception()
+    for task in tasks.values():  # a role that failed just as the run ended
+        if task.done():
+            _raise_if_failed(tasks, task)
+
+
+def _raise_if_failed(tasks: dict[str, asyncio.Task[Any]], task: asyncio.Task[Any]) -> None:
+    exc = task.exception()
+    if exc is not None:
+        role = next(name for name, t in tasks.items() if t is task)
+        raise PipelineError(f"the {role} failed: {exc}") from exc
 
 
 async def run_pipeline(
@@ -172,7 +185,7 @@ async def run_pipeline(
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(trainer.checkpoint.call_one(), 0.5)
         raise
-    except ActorError as exc:
+    except ActorsError as exc:  # a role failed outside the watched tasks (e.g. at startup)
         raise PipelineError(f"a role failed: {exc}") from exc
     finally:
         for task in [*tasks.values(), *([consumer] if consumer is not None else [])]:
