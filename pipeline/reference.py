@@ -40,12 +40,11 @@ def train_one_process(config: Config) -> ReferenceResult:
     start = time.perf_counter()
     for _ in range(config.steps):
         state = task.sample_state(rng)
+        actions, logps = task.sample_group(policy, state, rng)
+        rewards = task.rewards(reward_net, state, actions)
         with torch.no_grad():
-            logps_all = torch.log_softmax(policy(state), dim=-1)
-            actions = torch.multinomial(logps_all.exp(), task.group_size, replacement=True, generator=rng)
-            rewards = task.rewards(reward_net, state, actions)
             ref_logps = torch.log_softmax(ref(state), dim=-1)[actions]
-        out = grpo_loss(policy, state, actions, logps_all[actions], rewards, ref_logps, config.clip, config.kl_coeff)
+        out = grpo_loss(policy, state, actions, logps, rewards, ref_logps, config.clip, config.kl_coeff)
         optim.zero_grad()
         out.loss.backward()  # type: ignore[no-untyped-call]
         optim.step()

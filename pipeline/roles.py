@@ -106,11 +106,8 @@ class Generator(ReceivesWeights):
     def collect(self) -> Rollout:
         """One group: a state and G actions sampled from the current policy."""
         state = self.task.sample_state(self.rng)
-        with torch.no_grad():
-            logps_all = torch.log_softmax(self.policy(state), dim=-1)
-        actions = torch.multinomial(logps_all.exp(), self.task.group_size, replacement=True, generator=self.rng)
-        rollout = Rollout(self.id, self.produced, self.version, state, actions, logps_all[actions])
-        return rollout
+        actions, logps = self.task.sample_group(self.policy, state, self.rng)
+        return Rollout(self.id, self.produced, self.version, state, actions, logps)
 
     @endpoint
     async def run(self) -> int:
@@ -228,9 +225,7 @@ class Trainer(Actor):
         self.port, self.inbox = Channel.open(RefScoredRollout)
         self.reward_net = self.task.build_reward()
         states = self.task.eval_states(config.eval_states)
-        self.eval_table = torch.stack(
-            [self.task.rewards(self.reward_net, s, torch.arange(self.task.action_dim)) for s in states]
-        )
+        self.eval_table = self.task.reward_table(self.reward_net, states)
         self.eval_inputs = states
         self.publisher = WeightPublisher(config.transport, slots=config.generators + 3)
         self.ref_publisher = WeightPublisher(config.transport, slots=1)
@@ -251,12 +246,7 @@ class Trainer(Actor):
 
     def evaluate(self) -> float:
         """Normalized score on the fixed evaluation states (1 optimal, 0 random)."""
-        with torch.no_grad():
-            probs = torch.softmax(self.policy(self.eval_inputs), dim=-1)
-            table = self.eval_table
-            mean = table.mean(-1)
-            score = ((probs * table).sum(-1) - mean) / (table.max(-1).values - mean).clamp_min(1e-6)
-        return float(score.mean())
+        return self.task.score(self.policy, self.eval_inputs, self.eval_table)
 
     def train_step(self, item: RefScoredRollout) -> tuple[float, float]:
         r = item.rollout

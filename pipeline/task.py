@@ -70,17 +70,32 @@ class BanditTask:
         generator = torch.Generator().manual_seed(20_000 + self.seed)
         return torch.stack([self.sample_state(generator) for _ in range(count)])
 
-    def normalized_score(self, policy: torch.nn.Module, reward_net: torch.nn.Module, states: torch.Tensor) -> float:
+    def sample_group(
+        self, policy: torch.nn.Module, state: torch.Tensor, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A group of ``group_size`` actions sampled from ``policy`` in ``state``, with their log-probs."""
+        with torch.no_grad():
+            logps = torch.log_softmax(policy(state), dim=-1)
+        actions = torch.multinomial(logps.exp(), self.group_size, replacement=True, generator=generator)
+        return actions, logps[actions]
+
+    def reward_table(self, reward_net: torch.nn.Module, states: torch.Tensor) -> torch.Tensor:
+        """Reward of every action in every state: ``[B, action_dim]``."""
+        actions = torch.arange(self.action_dim)
+        return torch.stack([self.rewards(reward_net, s, actions) for s in states])
+
+    @staticmethod
+    def score(policy: torch.nn.Module, states: torch.Tensor, table: torch.Tensor) -> float:
         """(expected reward - mean over actions) / (best - mean), averaged: 1 optimal, 0 random."""
         with torch.no_grad():
-            probs = torch.softmax(policy(states), dim=-1)  # [B, A]
-            actions = torch.arange(self.action_dim)
-            table = torch.stack([self.rewards(reward_net, s, actions) for s in states])  # [B, A]
-            expected = (probs * table).sum(-1)
+            probs = torch.softmax(policy(states), dim=-1)
             mean = table.mean(-1)
-            best = table.max(-1).values
-            score = (expected - mean) / (best - mean).clamp_min(1e-6)
+            score = ((probs * table).sum(-1) - mean) / (table.max(-1).values - mean).clamp_min(1e-6)
         return float(score.mean())
+
+    def normalized_score(self, policy: torch.nn.Module, reward_net: torch.nn.Module, states: torch.Tensor) -> float:
+        """:meth:`score` on ``states``, building their reward table first."""
+        return self.score(policy, states, self.reward_table(reward_net, states))
 
 
 @dataclass
