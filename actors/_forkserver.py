@@ -6,7 +6,9 @@ starts a thread or a ZeroMQ context, and forks a worker for each request.
 It talks to the controller over two pipes (length-prefixed msgpack):
 
 * requests on its stdin: ``["spawn", index, config]``;
-* reports on a status pipe: ``["spawned", index, pid]``, ``["exited", pid, code]``.
+* reports on a status pipe: ``["spawned", index, pid]`` or ``["failed", index, why]``.
+
+Deaths are not reported here: every process watches its peers' pidfds.
 
 When its stdin closes (the controller exited, cleanly or by ``kill -9``) it
 terminates every worker, removes the session's socket directory and its
@@ -84,7 +86,6 @@ class Forkserver:
         os.set_blocking(read_fd, False)
         self._buffer = bytearray()
         self._refs: dict[int, ProcRef] = {}
-        self.exit_codes: dict[int, int] = {}
         self.closed = False
         rt.add_reader(read_fd, self._on_status)
         at_runtime_exit(self.close)
@@ -128,8 +129,6 @@ class Forkserver:
                 ref = self._refs.pop(report[1], None)
                 if ref is not None:
                     self.rt.set_pid(ref, report[2])
-            elif kind == "exited":
-                self.exit_codes[report[1]] = report[2]
             elif kind == "failed":
                 ref = self._refs.pop(report[1], None)
                 if ref is not None:
@@ -199,14 +198,13 @@ def _serve(status_fd: int, session_dir: str, session: str) -> None:
     def reap() -> None:
         while children:
             try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
+                pid, _ = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 children.clear()
                 return
             if pid == 0:
                 return
             children.pop(pid, None)
-            report(["exited", pid, os.waitstatus_to_exitcode(status)])
 
     while not stopping:
         try:

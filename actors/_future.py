@@ -91,12 +91,3 @@ class Future(Generic[R]):
         except Exception as exc:
             return exc
         return None
-
-
-def completed(value: R) -> Future[R]:
-    """A future that already holds ``value``."""
-
-    async def make() -> R:
-        return value
-
-    return Future(make, lambda timeout: value)

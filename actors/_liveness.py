@@ -48,9 +48,6 @@ class Watcher:
             self._add_reader(fd, self._readable, fd)
         return True
 
-    def alive(self, pid: int) -> bool:
-        return pid not in self.dead
-
     def check(self, fd: int) -> None:
         """Called when ``fd`` is readable: its process has exited."""
         self._readable(fd)

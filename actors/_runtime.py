@@ -427,9 +427,6 @@ class Runtime:
     def control(self, ref: ProcRef, op: str, arg: Any, *, urgent: bool = True) -> None:
         self.send_message(ref, [P.CONTROL, op, arg], urgent=urgent)
 
-    def new_call_id(self) -> int:
-        return next(self._call_ids)
-
     def new_port_id(self) -> int:
         return next(self._port_ids)
 
