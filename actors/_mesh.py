@@ -386,14 +386,10 @@ class ProcMesh:
         await self.stop()
 
 
-_owner_handlers_installed: set[int] = set()
-
-
 def _install_owner_handlers(rt: Runtime) -> None:
-    """Receive failure reports and deaths of processes this process spawned."""
-    if id(rt) in _owner_handlers_installed:
+    """Receive failure reports and deaths of processes this process spawned (once per runtime)."""
+    if P.OP_FAILURE in rt.control_handlers:
         return
-    _owner_handlers_installed.add(id(rt))
 
     def on_failure(arg: Any, frames: list[Any], address: str, pid: int) -> None:
         if type(arg) is not list or len(arg) != 7:
