@@ -1,7 +1,5 @@
 """``python -m pipeline`` runs the GRPO pipeline (same as ``python -m pipeline.grpo``)."""
 
-import sys
+from .grpo import exit_now, main
 
-from .grpo import main
-
-sys.exit(main())
+exit_now(main())
