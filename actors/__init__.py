@@ -23,6 +23,7 @@ from ._errors import (
     PortClosed,
     SpawnError,
     StaleUpdateError,
+    SupervisionError,
     TransportBlocked,
     VersionError,
     WeightSyncError,
@@ -31,7 +32,7 @@ from ._future import Future
 from ._host import HostMesh, this_host
 from ._mesh import ActorMesh, MeshEndpoint, ProcMesh, send
 from ._port import Channel, Port, PortReceiver
-from ._supervision import Failure, add_failure_handler, remove_failure_handler
+from ._supervision import Failure, add_failure_handler, remove_failure_handler, unhandled_fault_hook
 from ._value_mesh import Point, ValueMesh
 from .weights import (
     ReceivesWeights,
@@ -68,6 +69,7 @@ __all__ = [
     "ReceivesWeights",
     "SpawnError",
     "StaleUpdateError",
+    "SupervisionError",
     "TransportBlocked",
     "ValueMesh",
     "VersionError",
@@ -84,4 +86,5 @@ __all__ = [
     "remove_failure_handler",
     "send",
     "this_host",
+    "unhandled_fault_hook",
 ]

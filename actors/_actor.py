@@ -13,9 +13,12 @@ import contextvars
 import inspect
 import types
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 from ._value_mesh import Point
+
+if TYPE_CHECKING:
+    from ._supervision import Failure
 
 __all__ = ["Actor", "Endpoint", "current_rank", "current_size", "endpoint"]
 
@@ -28,14 +31,26 @@ class Actor:
     async def __cleanup__(self, exc: BaseException | None) -> None:
         """Called once when the actor stops (``exc`` is None for a normal stop)."""
 
+    def __supervise__(self, failure: Failure) -> bool:
+        """Called when an actor this one spawned fails; return True once handled.
+
+        The default handles nothing: the failure escalates to this actor's
+        own owner, reported as a failure of this actor.
+        """
+        return False
+
 
 class Endpoint(Generic[F]):
     """A method marked with ``@endpoint``: callable remotely through a mesh."""
 
-    def __init__(self, fn: F) -> None:
+    def __init__(self, fn: F, timeout: float | None = None) -> None:
         if not callable(fn):
             raise TypeError("@endpoint decorates a method")
+        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(f"an endpoint's timeout must be a positive number of seconds, not {timeout!r}")
         self.fn = fn
+        #: Default deadline (seconds) of calls to this endpoint; None waits as long as the actor lives.
+        self.timeout = None if timeout is None else float(timeout)
         self.name = fn.__name__
         self.is_async = inspect.iscoroutinefunction(fn)
         self.__doc__ = fn.__doc__
@@ -59,15 +74,20 @@ def endpoint(fn: F) -> Endpoint[F]: ...
 @overload
 def endpoint(fn: None = None, **options: Any) -> Callable[[F], Endpoint[F]]: ...
 def endpoint(fn: F | None = None, **options: Any) -> Any:
-    """Mark an actor method as an endpoint (``@endpoint`` or ``@endpoint(...)``)."""
-    unknown = set(options) - {"propagate", "explicit_response_port"}
+    """Mark an actor method as an endpoint (``@endpoint`` or ``@endpoint(...)``).
+
+    ``@endpoint(timeout=seconds)`` gives every call to it a deadline: a caller
+    waiting longer gets :class:`CallTimeout` (see ``MeshEndpoint.with_timeout``).
+    """
+    unknown = set(options) - {"propagate", "explicit_response_port", "timeout"}
     if unknown:
         raise TypeError(f"unknown endpoint option(s): {', '.join(sorted(unknown))}")
     if options.get("explicit_response_port"):
         raise NotImplementedError("explicit_response_port endpoints are not supported")
+    timeout = options.get("timeout")
     if fn is None:
-        return lambda f: Endpoint(f)
-    return Endpoint(fn)
+        return lambda f: Endpoint(f, timeout)
+    return Endpoint(fn, timeout)
 
 
 def endpoints_of(cls: type) -> dict[str, Endpoint[Any]]:

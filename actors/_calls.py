@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import Any
 
 from ._errors import ActorError, SpawnError
@@ -19,11 +20,29 @@ from ._liveness import ProcRef
 class PendingCall:
     """Replies expected for one call, by rank; done at the last reply or first error."""
 
-    __slots__ = ("actor", "call_id", "done", "error", "procs", "remaining", "results", "waiters")
+    __slots__ = (
+        "actor",
+        "call_id",
+        "deadline",
+        "done",
+        "error",
+        "method",
+        "procs",
+        "remaining",
+        "results",
+        "timeout",
+        "waiters",
+    )
 
-    def __init__(self, call_id: int, actor: str, procs: dict[int, ProcRef]) -> None:
+    def __init__(
+        self, call_id: int, actor: str, procs: dict[int, ProcRef], method: str = "", timeout: float | None = None
+    ) -> None:
         self.call_id = call_id
         self.actor = actor
+        self.method = method
+        self.timeout = timeout
+        #: ``time.monotonic()`` after which a waiting caller gets CallTimeout (None: no deadline).
+        self.deadline = None if timeout is None else time.monotonic() + timeout
         self.procs = procs
         self.remaining = set(procs)
         self.results: dict[int, Any] = {}

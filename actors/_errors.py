@@ -7,7 +7,10 @@ Every error the runtime raises on purpose derives from :class:`ActorsError`::
     │   │                   carries the original type name, message and remote traceback
     │   └── SpawnError      the actor could not be constructed (class not found, __init__ raised)
     ├── ActorDied           the process hosting the actor is gone (killed, crashed, stopped)
-    ├── CallTimeout         a wait ran past its deadline (also a ``TimeoutError``)
+    ├── SupervisionError    an actor of a mesh failed and no supervisor handled it: later
+    │                       calls to that mesh raise it; carries the ``Failure``
+    ├── CallTimeout         a call's deadline or a wait's timeout passed (also a
+    │                       ``TimeoutError``); the actor is alive but busy or blocked
     ├── PortClosed          a port cannot deliver: its receiver is gone, a once-port was
     │                       already used, or every sender of a receiver has died
     ├── CodecError          a value could not cross the wire
@@ -42,6 +45,7 @@ __all__ = [
     "PortClosed",
     "SpawnError",
     "StaleUpdateError",
+    "SupervisionError",
     "TransportBlocked",
     "VersionError",
     "WeightSyncError",
@@ -104,6 +108,19 @@ class ActorDied(ActorsError):
     def __init__(self, message: str, *, pid: int | None = None, actor: str = "") -> None:
         self.pid = pid
         self.actor = actor
+        super().__init__(message)
+
+
+class SupervisionError(ActorsError):
+    """An actor failed and nothing handled it (no handler, ``__supervise__`` or restart).
+
+    ``failure`` is the :class:`~actors.Failure` record: actor, rank, pid,
+    cause and remote traceback. The mesh stays faulted: later calls to it
+    raise this error again.
+    """
+
+    def __init__(self, message: str, failure: object = None) -> None:
+        self.failure = failure
         super().__init__(message)
 
 

@@ -75,7 +75,7 @@ class Forkserver:
         package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _BOOT, str(write_fd), rt.dir, rt.session],
+            [sys.executable, "-c", _BOOT, str(write_fd), rt.dir, rt.session, "1" if rt.owns_dir else "0"],
             stdin=subprocess.PIPE,
             pass_fds=(write_fd,),
             env=env,
@@ -173,7 +173,7 @@ def forkserver(rt: Runtime) -> Forkserver:
 # ---------------------------------------------------------------------- forkserver side
 
 
-def _serve(status_fd: int, session_dir: str, session: str) -> None:
+def _serve(status_fd: int, session_dir: str, session: str, owns_session: bool) -> None:
     # Import everything a worker needs once, before any fork.
     import torch  # noqa: F401
     import uvloop  # noqa: F401
@@ -189,6 +189,7 @@ def _serve(status_fd: int, session_dir: str, session: str) -> None:
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     children: dict[int, int] = {}  # pid -> index
+    addresses: dict[int, str] = {}  # pid -> inbox address
     buffer = bytearray()
 
     def report(obj: Any) -> None:
@@ -230,8 +231,9 @@ def _serve(status_fd: int, session_dir: str, session: str) -> None:
             if pid == 0:
                 _child(config, status_fd)
             children[pid] = index
+            addresses[pid] = config["address"]
             report(["spawned", index, pid])
-    _teardown(children, session_dir, session)
+    _teardown(children, session_dir, session, addresses if not owns_session else None)
 
 
 def _child(config: dict[str, Any], status_fd: int) -> None:
@@ -262,7 +264,12 @@ def _child(config: dict[str, Any], status_fd: int) -> None:
         os._exit(code)
 
 
-def _teardown(children: dict[int, int], session_dir: str, session: str) -> None:
+def _teardown(children: dict[int, int], session_dir: str, session: str, only: dict[int, str] | None) -> None:
+    """End every child; remove the session's files (``only``: just those of these children).
+
+    A forkserver started by an actor (a nested mesh) shares its session with
+    the controller, so it must not remove the session directory.
+    """
     for pid in children:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
@@ -282,6 +289,14 @@ def _teardown(children: dict[int, int], session_dir: str, session: str) -> None:
     for pid in list(children):
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, 0)
+    if only is not None:
+        from ._transport import remove_socket_file
+        from .tensors.shm import remove_segments
+
+        for pid, address in only.items():
+            remove_socket_file(address)
+            remove_segments(session, pid)
+        return
     shutil.rmtree(session_dir, ignore_errors=True)
     for path in glob.glob(f"/dev/shm/{session}-*"):
         with contextlib.suppress(OSError):
@@ -289,9 +304,9 @@ def _teardown(children: dict[int, int], session_dir: str, session: str) -> None:
 
 
 def main() -> None:
-    status_fd, session_dir, session = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    status_fd, session_dir, session, owns = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
     try:
-        _serve(status_fd, session_dir, session)
+        _serve(status_fd, session_dir, session, owns == "1")
     except OSError as exc:
         if exc.errno != errno.EPIPE:
             raise

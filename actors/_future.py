@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable, Coroutine, Generator
 from typing import Any, Generic, TypeVar
 
+from ._errors import CallTimeout
 from ._runtime import runtime
 
 R = TypeVar("R")
@@ -74,6 +75,8 @@ class Future(Generic[R]):
             raise RuntimeError("this Future can only be awaited")
         try:
             self._value = self._wait_sync(timeout)
+        except CallTimeout:
+            raise  # not an outcome: the answer may still come (an expired call keeps its error itself)
         except BaseException as exc:
             self._done, self._error = True, exc
             raise

@@ -9,23 +9,24 @@ from __future__ import annotations
 import itertools
 import os
 import signal
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 from . import _protocol as P
 from . import _refs
-from ._actor import Actor, endpoints_of
+from ._actor import Actor, _context, endpoints_of
 from ._calls import PendingCall
 from ._codec import register_handle
-from ._errors import ActorDied, CallTimeout, DecodeError
+from ._errors import ActorDied, CallTimeout, DecodeError, SupervisionError
 from ._future import Future
 from ._liveness import ProcRef
 from ._runtime import Runtime, runtime
-from ._supervision import Failure, FailureHandler, report
+from ._supervision import Failure, FailureHandler, escalate_to_controller, offer
 from ._transport import remove_socket_file
 from ._value_mesh import ValueMesh, coordinates
-from ._worker import CLEANUP_TIMEOUT, HOST
+from ._worker import CLEANUP_TIMEOUT, HOST, escalate, supervise
 from .tensors.shm import remove_segments
 
 A = TypeVar("A", bound=Actor)
@@ -39,7 +40,16 @@ def _pending_future(rt: Runtime, pending: PendingCall, build: Callable[[dict[int
         return build(await rt.wait_pending(pending))
 
     def wait_sync(timeout: float | None) -> R:
-        rt.wait(lambda: pending.done, timeout=timeout, what=what)
+        limit = timeout
+        if pending.deadline is not None:
+            left = max(0.0, pending.deadline - time.monotonic())
+            limit = left if timeout is None else min(timeout, left)
+        try:
+            rt.wait(lambda: pending.done, timeout=limit, what=what)
+        except CallTimeout:
+            if pending.deadline is None or time.monotonic() < pending.deadline:
+                raise  # the caller's own get(timeout) ran out; the call itself may still finish
+            rt.expire_call(pending)
         if pending.error is not None:
             raise pending.error
         return build(pending.results)
@@ -50,18 +60,30 @@ def _pending_future(rt: Runtime, pending: PendingCall, build: Callable[[dict[int
 class MeshEndpoint(Generic[R]):
     """One endpoint of an actor mesh: ``call``, ``call_one``, ``choose``, ``broadcast``."""
 
-    __slots__ = ("_mesh", "_name")
+    __slots__ = ("_mesh", "_name", "_timeout")
 
-    def __init__(self, mesh: ActorMesh[Any], name: str) -> None:
+    def __init__(self, mesh: ActorMesh[Any], name: str, timeout: float | None = None) -> None:
         self._mesh = mesh
         self._name = name
+        self._timeout = timeout
+
+    def with_timeout(self, seconds: float | None) -> MeshEndpoint[R]:
+        """This endpoint with a deadline on every call: waiting longer raises :class:`CallTimeout`.
+
+        Overrides the endpoint's declared ``@endpoint(timeout=...)``; ``None`` removes it.
+        """
+        if seconds is not None and not seconds > 0:
+            raise ValueError(f"a call's timeout must be positive, not {seconds!r}")
+        return MeshEndpoint(self._mesh, self._name, seconds)
 
     def __repr__(self) -> str:
         return f"<endpoint {self._mesh._name}.{self._name}>"
 
     def _invoke(self, targets: list[tuple[int, ProcRef]], args: tuple[Any, ...], kwargs: dict[str, Any]) -> PendingCall:
         rt = runtime()
-        pending = rt.on_thread(lambda: rt.call(targets, self._mesh._name, self._name, args, kwargs, want_reply=True))
+        pending = rt.on_thread(
+            lambda: rt.call(targets, self._mesh._name, self._name, args, kwargs, want_reply=True, timeout=self._timeout)
+        )
         assert pending is not None
         return pending  # type: ignore[no-any-return]
 
@@ -145,12 +167,14 @@ class ActorMesh(Generic[A]):
         self,
         name: str,
         class_ref: str,
-        endpoints: tuple[str, ...],
+        endpoints: dict[str, float | None],
         extent: dict[str, int],
         targets: list[tuple[int, ProcRef]],
         ready: PendingCall | None = None,
+        proc_mesh: ProcMesh | None = None,
     ) -> None:
         self._name = name
+        self._proc_mesh = proc_mesh  # set where the mesh was spawned: its faults are checked here
         self._class_ref = class_ref
         self._endpoints = endpoints
         self._extent = extent
@@ -159,8 +183,9 @@ class ActorMesh(Generic[A]):
         self._next = itertools.count()
 
     def __getattr__(self, name: str) -> MeshEndpoint[Any]:
-        if not name.startswith("__") and name in self.__dict__.get("_endpoints", ()):
-            return MeshEndpoint(self, name)
+        endpoints = self.__dict__.get("_endpoints", {})
+        if not name.startswith("__") and name in endpoints:
+            return MeshEndpoint(self, name, endpoints[name])
         raise AttributeError(f"actor mesh {self.__dict__.get('_name')!r} has no endpoint {name!r}")
 
     def __repr__(self) -> str:
@@ -177,11 +202,13 @@ class ActorMesh(Generic[A]):
         return len(self._targets_list)
 
     def _targets(self) -> list[tuple[int, ProcRef]]:
+        if self._proc_mesh is not None and self._proc_mesh._fault is not None:
+            raise self._proc_mesh._fault
         return self._targets_list
 
     def _choose(self) -> tuple[int, ProcRef]:
         """Round-robin over the actors whose process is still alive."""
-        targets = self._targets_list
+        targets = self._targets()
         for _ in range(len(targets)):
             target = targets[next(self._next) % len(targets)]
             if not target[1].dead:
@@ -210,7 +237,13 @@ class ActorMesh(Generic[A]):
             if all(point[dim] in ranges[dim] for dim in self._extent):
                 keep.append(target)
         return ActorMesh(
-            self._name, self._class_ref, self._endpoints, extent or {"procs": len(keep)}, keep, self._ready
+            self._name,
+            self._class_ref,
+            self._endpoints,
+            extent or {"procs": len(keep)},
+            keep,
+            self._ready,
+            self._proc_mesh,
         )
 
     def stop(self) -> Future[None]:
@@ -224,7 +257,7 @@ class ActorMesh(Generic[A]):
 def _mesh_state(mesh: ActorMesh[Any]) -> list[Any]:
     rt = runtime()
     procs = [[rank, ref.address, rt.pid_of(ref)] for rank, ref in mesh._targets_list]
-    return [mesh._name, mesh._class_ref, list(mesh._endpoints), list(mesh._extent.items()), procs]
+    return [mesh._name, mesh._class_ref, list(mesh._endpoints.items()), list(mesh._extent.items()), procs]
 
 
 def _mesh_from_state(state: Any) -> ActorMesh[Any]:
@@ -233,6 +266,13 @@ def _mesh_from_state(state: Any) -> ActorMesh[Any]:
     name, class_ref, endpoints, extent, procs = state
     if type(name) is not str or type(class_ref) is not str or type(endpoints) is not list:
         raise DecodeError("malformed actor mesh")
+    timeouts: dict[str, float | None] = {}
+    for entry in endpoints:
+        if type(entry) is not tuple or len(entry) != 2 or type(entry[0]) is not str:
+            raise DecodeError("malformed actor mesh endpoint")
+        if entry[1] is not None and type(entry[1]) is not float:
+            raise DecodeError("malformed actor mesh endpoint timeout")
+        timeouts[entry[0]] = entry[1]
     rt = runtime()
     targets = []
     for rank, address, pid in procs:
@@ -240,7 +280,7 @@ def _mesh_from_state(state: Any) -> ActorMesh[Any]:
             raise DecodeError("malformed actor mesh process")
         targets.append((rank, rt.proc(address, pid)))
     dims = {str(dim): int(size) for dim, size in extent}
-    return ActorMesh(name, class_ref, tuple(str(e) for e in endpoints), dims, targets)
+    return ActorMesh(name, class_ref, timeouts, dims, targets)
 
 
 register_handle("actor_mesh", ActorMesh, _mesh_state, _mesh_from_state)
@@ -261,6 +301,10 @@ class ProcMesh:
         self._stopped = False
         self._handlers: list[FailureHandler] = []
         self.failures: list[Failure] = []
+        #: The actor that spawned this mesh (None in the controller): its ``__supervise__`` is asked.
+        context = _context.get()
+        self._owner_actor = context.name if context is not None else None
+        self._fault: SupervisionError | None = None
         rt = runtime()
         for ref in procs:
             _meshes_by_address[ref.address] = self
@@ -297,6 +341,7 @@ class ProcMesh:
             raise ValueError(f"an actor named {name!r} already lives on this proc mesh")
         rt = runtime()
         targets = list(enumerate(self._procs))
+        endpoint_timeouts = {ep_name: ep.timeout for ep_name, ep in endpoints_of(actor_class).items()}
 
         def dispatch() -> PendingCall | None:
             enc = rt.encoder
@@ -306,19 +351,31 @@ class ProcMesh:
             return rt.call(targets, HOST, "spawn", want_reply=True, encoded=(blob, enc.frames, enc.handles))
 
         pending = rt.on_thread(dispatch)
-        mesh: ActorMesh[A] = ActorMesh(
-            name, class_ref, tuple(endpoints_of(actor_class)), self._extent, targets, pending
-        )
+        mesh: ActorMesh[A] = ActorMesh(name, class_ref, endpoint_timeouts, self._extent, targets, pending, self)
         self._actors[name] = mesh
         return mesh
 
     def add_failure_handler(self, handler: FailureHandler) -> None:
-        """Call ``handler(failure)`` for each failure reported by this mesh's actors."""
+        """Offer ``handler(failure)`` each failure of this mesh's actors; a true return handles it."""
         self._handlers.append(handler)
 
-    def _report(self, failure: Failure) -> None:
+    @property
+    def fault(self) -> SupervisionError | None:
+        """The unhandled failure that faulted this mesh, if any (later calls raise it)."""
+        return self._fault
+
+    def _report(self, failure: Failure, handled: bool = False) -> None:
+        """Offer ``failure`` to every supervisor; escalate it if none handled it."""
         self.failures.append(failure)
-        report(failure, self._handlers)
+        handled = offer(failure, self._handlers) or handled
+        if self._owner_actor is not None:
+            handled = supervise(self._owner_actor, failure) or handled
+        if handled or self._stopping:
+            return
+        if self._owner_actor is not None:
+            escalate(self._owner_actor, failure)
+        elif self._fault is None:
+            self._fault = escalate_to_controller(failure)
 
     def _on_death(self, ref: ProcRef) -> None:
         if self._stopping:
@@ -400,7 +457,7 @@ def _install_owner_handlers(rt: Runtime) -> None:
         if mesh is not None:
             mesh._report(failure)
         else:
-            report(failure, [])
+            offer(failure, [])
 
     def on_death(ref: ProcRef) -> None:
         mesh = _meshes_by_address.get(ref.address)

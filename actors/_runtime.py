@@ -389,10 +389,12 @@ class Runtime:
         want_reply: bool,
         port: Any = None,
         encoded: tuple[bytes, list[Any], list[Any]] | None = None,
+        timeout: float | None = None,
     ) -> PendingCall | None:
         """Send one endpoint invocation to each ``(rank, process)``; eager.
 
-        ``encoded`` is an already encoded ``(args_blob, frames, handles)``.
+        ``encoded`` is an already encoded ``(args_blob, frames, handles)``;
+        ``timeout`` is the call's deadline in seconds from now.
         """
         enc = self.encoder
         if encoded is None:
@@ -404,7 +406,7 @@ class Runtime:
         call_id = next(self._call_ids) if want_reply else 0
         pending: PendingCall | None = None
         if want_reply:
-            pending = PendingCall(call_id, actor, dict(targets))
+            pending = PendingCall(call_id, actor, dict(targets), method, timeout)
             self.pending[call_id] = pending
         for rank, ref in targets:
             if ref.dead:
@@ -455,10 +457,34 @@ class Runtime:
         while not pending.done:
             waiter = loop.create_future()
             pending.waiters.append(waiter)
-            await waiter
+            if pending.deadline is None:
+                await waiter
+                continue
+            timer = loop.call_at(loop.time() + pending.deadline - time.monotonic(), self.expire_call, pending)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
         if pending.error is not None:
             raise pending.error
         return pending.results
+
+    def expire_call(self, pending: PendingCall) -> None:
+        """Fail ``pending`` with CallTimeout: its deadline passed before every reply came.
+
+        A late reply is then dropped. The actor is alive (a dead one fails the
+        call at once), so it is busy or its event loop is blocked.
+        """
+        if pending.done:
+            return
+        late = ", ".join(f"rank {rank} (pid {pending.procs[rank].pid})" for rank in sorted(pending.remaining))
+        pending.fail(
+            CallTimeout(
+                f"{pending.actor}.{pending.method}() got no answer from {late} within {pending.timeout:g}s; "
+                "the actor is alive but busy, or its event loop is blocked by synchronous code"
+            )
+        )
+        self.pending.pop(pending.call_id, None)
 
     def wait(
         self,

@@ -1,20 +1,30 @@
-"""Failure records and the hooks that receive them.
+"""Failure records, who handles them, and what happens when nobody does.
 
 When a fire-and-forget endpoint raises, or a process an owner spawned dies,
-the owner is told with a :class:`Failure`. Handlers registered on a
-``ProcMesh`` (or globally) receive it; with none registered it is logged
-as an error, never dropped silently.
+the owner is told with a :class:`Failure`. It is offered, in order, to the
+proc mesh's handlers (``ProcMesh.add_failure_handler``), the process-wide
+handlers (:func:`add_failure_handler`) and, when the mesh was spawned by an
+actor, that actor's ``__supervise__``. Any of them returning a true value
+handles it; a restart policy that restarts the process handles it too.
+
+An unhandled failure escalates, never silently: an owning actor reports it
+to *its* owner as a failure of its own; in the controller it reaches
+:func:`unhandled_fault_hook`, which by default faults the mesh so that every
+later call to it raises :class:`~actors.SupervisionError`.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ._errors import SupervisionError
+
 log = logging.getLogger("actors.supervision")
 
-__all__ = ["Failure"]
+__all__ = ["Failure", "add_failure_handler", "remove_failure_handler", "unhandled_fault_hook"]
 
 
 @dataclass(frozen=True)
@@ -34,14 +44,20 @@ class Failure:
         what = f".{self.endpoint}" if self.endpoint else ""
         return f"{where}{what} failed: {self.exception_type}: {self.message}"
 
+    def report(self) -> str:
+        """The failure with its remote traceback, for logs."""
+        tb = self.traceback.rstrip()
+        return f"{self}\n{tb}" if tb else str(self)
 
-FailureHandler = Callable[[Failure], None]
+
+#: A handler returns True (or any true value) when it has dealt with the failure.
+FailureHandler = Callable[[Failure], object]
 
 _global_handlers: list[FailureHandler] = []
 
 
 def add_failure_handler(handler: FailureHandler) -> None:
-    """Receive every failure reported to this process."""
+    """Offer every failure reported to this process to ``handler`` (true return: handled)."""
     _global_handlers.append(handler)
 
 
@@ -49,11 +65,39 @@ def remove_failure_handler(handler: FailureHandler) -> None:
     _global_handlers.remove(handler)
 
 
-def report(failure: Failure, handlers: list[FailureHandler]) -> None:
-    """Deliver ``failure`` to ``handlers`` and the global ones; log if nobody listens."""
-    log.error("%s\n%s", failure, failure.traceback.rstrip())
+def offer(failure: Failure, handlers: list[FailureHandler]) -> bool:
+    """Log ``failure`` and give it to ``handlers`` and the global ones; True if one handled it."""
+    log.error("%s", failure.report())
+    handled = False
     for handler in [*handlers, *_global_handlers]:
         try:
-            handler(failure)
+            handled = bool(handler(failure)) or handled
         except Exception:
             log.exception("failure handler %r raised", handler)
+    return handled
+
+
+def unhandled_fault_hook(failure: Failure) -> None:
+    """Called in the controller with each failure nobody handled.
+
+    The default raises :class:`SupervisionError`, which faults the failed
+    actor's proc mesh: later calls to its actors raise that error. Replace it
+    (``actors.unhandled_fault_hook = my_hook``) to exit, alert or ignore; a
+    hook that returns normally drops the failure.
+    """
+    raise SupervisionError(f"unhandled actor failure: {failure}", failure)
+
+
+def escalate_to_controller(failure: Failure) -> SupervisionError | None:
+    """Run the (possibly user-replaced) ``actors.unhandled_fault_hook``; the error to fault with, if any."""
+    package = sys.modules.get("actors")
+    hook = getattr(package, "unhandled_fault_hook", unhandled_fault_hook)
+    try:
+        hook(failure)
+    except SupervisionError as exc:
+        return exc
+    except Exception as exc:
+        error = SupervisionError(f"unhandled actor failure: {failure} (the fault hook raised {exc!r})", failure)
+        error.__cause__ = exc
+        return error
+    return None

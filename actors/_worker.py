@@ -212,6 +212,7 @@ class ActorHost:
         self.stopped: set[str] = set()
         rt.on_call = self.on_call
         rt.death_callbacks.append(self._on_death)
+        _host[:] = [self]
 
     # -------------------------------------------------------------- dispatch
 
@@ -225,7 +226,7 @@ class ActorHost:
             return
         slot = self.actors.get(actor)
         if slot is None and actor in self.stopped:
-            self._fail(None, actor, inv, ["LookupError", f"actor {actor!r} was stopped", "", False])
+            self._refuse(actor, inv, ["LookupError", f"actor {actor!r} was stopped", "", False])
         elif slot is None:
             self.waiting.setdefault(actor, []).append(inv)
             self.loop.call_later(SPAWN_WAIT, self._expire, actor, inv)
@@ -238,27 +239,24 @@ class ActorHost:
         waiting = self.waiting.get(actor)
         if waiting and inv in waiting:
             waiting.remove(inv)
-            self._fail(None, actor, inv, ["LookupError", f"no actor named {actor!r} in this process", "", False])
+            self._refuse(actor, inv, ["LookupError", f"no actor named {actor!r} in this process", "", False])
 
     def _start(self, slot: _Slot, inv: _Invocation) -> None:
         if slot.error is not None:
-            self._fail(slot, slot.name, inv, slot.error)
+            self._refuse(slot.name, inv, slot.error)
             return
         if slot.stopping:
-            self._fail(slot, slot.name, inv, ["RuntimeError", f"actor {slot.name!r} is stopping", "", False])
+            self._refuse(slot.name, inv, ["RuntimeError", f"actor {slot.name!r} is stopping", "", False])
             return
         ep = slot.endpoints.get(inv.method)
         if ep is None:
             cls = type(slot.instance).__qualname__
-            self._fail(slot, slot.name, inv, ["AttributeError", f"{cls} has no endpoint {inv.method!r}", "", False])
+            self._refuse(slot.name, inv, ["AttributeError", f"{cls} has no endpoint {inv.method!r}", "", False])
             return
         try:
             args, kwargs = self._arguments(inv)
         except DecodeError as exc:
-            if inv.call_id:
-                self._fail(slot, slot.name, inv, error_record(exc, ""))
-            else:  # nobody to answer: a malformed message, dropped with a log
-                self.rt._dropped("a malformed call to %s.%s: %s", slot.name, inv.method, exc)
+            self._refuse(slot.name, inv, error_record(exc, ""))
             return
         token = _context.set(slot.context)
         try:
@@ -309,6 +307,17 @@ class ActorHost:
                 except Exception:
                     log.exception("could not send the result of %s.%s to its port", slot.name, inv.method)
 
+    def _refuse(self, actor: str, inv: _Invocation, record: list[Any]) -> None:
+        """A call that never ran (no such actor or endpoint, bad arguments): an error reply.
+
+        Fire-and-forget, it is a bad message rather than an actor failure:
+        dropped with a rate-limited log, never reported to the owner.
+        """
+        if inv.call_id:
+            self.rt.reply(inv.reply_address, inv.reply_pid, inv.call_id, inv.rank, False, record)
+        else:
+            self.rt._dropped("a fire-and-forget call to %s.%s: %s: %s", actor, inv.method, record[0], record[1])
+
     def _fail(self, slot: _Slot | None, actor: str, inv: _Invocation, record: list[Any], report: bool = True) -> None:
         if inv.call_id:
             self.rt.reply(inv.reply_address, inv.reply_pid, inv.call_id, inv.rank, False, record)
@@ -325,7 +334,11 @@ class ActorHost:
             record[1],
             str(record[2]).rstrip(),
         )
-        failure = [actor, rank, os.getpid(), inv.method, record[0], record[1], record[2]]
+        self.report_failure(actor, rank, inv.method, record)
+
+    def report_failure(self, actor: str, rank: int, method: str, record: list[Any]) -> None:
+        """Send a failure of ``actor`` to the owner of this process (its supervisor)."""
+        failure = [actor, rank, os.getpid(), method, record[0], record[1], record[2]]
         if not self.owner.dead:
             try:
                 self.rt.control(self.owner, P.OP_FAILURE, failure)
@@ -449,3 +462,30 @@ class ActorHost:
 
 
 _DEFERRED = object()
+_host: list[ActorHost] = []  # this worker's host, once serving
+
+
+def supervise(actor: str, failure: Any) -> bool:
+    """Offer ``failure`` to the ``__supervise__`` of ``actor`` (hosted here); True if handled."""
+    slot = _host[0].actors.get(actor) if _host else None
+    if slot is None or slot.instance is None:
+        return False
+    token = _context.set(slot.context)
+    try:
+        return bool(slot.instance.__supervise__(failure))
+    except Exception:
+        log.exception("__supervise__ of %s[%d] raised; the failure stays unhandled", slot.name, slot.rank)
+        return False
+    finally:
+        _context.reset(token)
+
+
+def escalate(actor: str, failure: Any) -> None:
+    """Report an unhandled ``failure`` to this process's owner as a failure of ``actor``."""
+    if not _host:
+        return
+    host = _host[0]
+    slot = host.actors.get(actor)
+    rank = slot.rank if slot is not None else 0
+    record = ["SupervisionError", f"unhandled failure of an actor it spawned: {failure}", failure.traceback, False]
+    host.report_failure(actor, rank, "__supervise__", record)

@@ -9,7 +9,19 @@ from dataclasses import dataclass
 
 import torch
 
-from actors import Actor, ActorMesh, Channel, Port, current_rank, current_size, endpoint
+from actors import (
+    Actor,
+    ActorMesh,
+    Channel,
+    Failure,
+    Port,
+    ProcMesh,
+    current_rank,
+    current_size,
+    endpoint,
+    send,
+    this_host,
+)
 from actors.weights import ReceivesWeights, WeightManifest, WeightPublisher
 
 
@@ -357,3 +369,50 @@ class Forwarder(Counter):
     @endpoint
     async def peak(self) -> int:
         return self.peak_queue
+
+
+class Blocker(Actor):
+    """Freezes its own event loop with a synchronous sleep (the classic mistake in an async endpoint)."""
+
+    @endpoint
+    async def freeze(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    @endpoint
+    async def ping(self, value: int = 0) -> int:
+        return value
+
+    @endpoint(timeout=0.5)
+    async def guarded_ping(self) -> str:
+        return "pong"
+
+
+class Supervisor(Actor):
+    """Spawns a child mesh of its own and supervises it: ``__supervise__`` reports to ``port``."""
+
+    def __init__(self, port: Port, handle: bool) -> None:
+        self.port = port
+        self.handle = handle
+        self.procs: ProcMesh | None = None
+
+    @endpoint
+    async def start_child(self) -> None:
+        self.procs = this_host().spawn_procs(per_host={"procs": 1}, name="children")
+        self.child = self.procs.spawn("child", Fire)
+        await self.child.ok.call_one()
+
+    @endpoint
+    async def fail_child(self) -> None:
+        send(self.child.explode, ("from the child",))
+
+    @endpoint
+    async def ping(self) -> str:
+        return "alive"
+
+    def __supervise__(self, failure: Failure) -> bool:
+        self.port.send(str(failure))
+        return self.handle
+
+    async def __cleanup__(self, exc: BaseException | None) -> None:
+        if self.procs is not None:
+            await self.procs.stop()

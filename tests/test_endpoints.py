@@ -171,7 +171,7 @@ async def test_future_get_from_a_worker_thread(procs: ProcMesh):
 
 async def test_fire_and_forget_failures_reach_the_owner(procs: ProcMesh):
     seen: asyncio.Queue = asyncio.Queue()
-    procs.add_failure_handler(seen.put_nowait)
+    procs.add_failure_handler(lambda failure: seen.put_nowait(failure) or True)  # True: handled
     fire = procs.spawn("fire", Fire)
     send(fire.explode, ("lost key",), selection="choose")
     failure = await asyncio.wait_for(seen.get(), 10)

@@ -21,6 +21,7 @@ from actors._protocol import PROTOCOL_VERSION
 
 
 async def test_kill_9_fails_pending_and_later_calls_promptly(procs: ProcMesh):
+    procs.add_failure_handler(lambda failure: failure.exception_type == "ActorDied")  # handled: contained
     echo = procs.spawn("echo", Echo)
     victim = echo.slice(procs=0)
     pid = await victim.pid.call_one()

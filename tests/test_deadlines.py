@@ -1,0 +1,67 @@
+"""Call deadlines: an actor that blocks its event loop makes its callers time out, nobody else."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from support import Blocker, Pinger
+
+from actors import CallTimeout, ProcMesh, endpoint, send, this_host
+
+FREEZE = 3.0
+
+
+async def test_calls_to_a_blocked_actor_time_out_and_other_actors_answer(spawn):
+    blocked_procs: ProcMesh = spawn(procs=1)
+    other_procs: ProcMesh = spawn(procs=1)
+    blocker = blocked_procs.spawn("blocker", Blocker)
+    pinger = other_procs.spawn("pinger", Pinger)
+    assert await blocker.ping.call_one(1) == 1
+    send(blocker.freeze, (FREEZE,))
+    started = time.monotonic()
+    with pytest.raises(CallTimeout, match=r"blocker\.ping\(\) got no answer from rank 0 .* within 0\.5s.*blocked"):
+        await blocker.ping.with_timeout(0.5).call_one(2)
+    waited = time.monotonic() - started
+    assert 0.5 <= waited < FREEZE, f"timed out after {waited:.2f}s"
+    assert await pinger.ping.with_timeout(1.0).call_one(3) == 3, "other actors are unaffected"
+    with pytest.raises(CallTimeout, match=r"guarded_ping\(\).*within 0\.5s"):
+        await blocker.guarded_ping.call_one()  # the endpoint's declared deadline
+    assert time.monotonic() - started < FREEZE
+    # once the loop is free again, the same actor answers, and late replies of expired calls are ignored
+    assert await blocker.ping.with_timeout(FREEZE + 5).call_one(4) == 4
+    assert await blocker.guarded_ping.call_one() == "pong"
+
+
+def test_synchronous_get_honours_the_call_deadline(sockets_dir):
+    procs = this_host().spawn_procs(per_host={"procs": 1})
+    try:
+        blocker = procs.spawn("blocker", Blocker)
+        assert blocker.ping.call_one(1).get(timeout=30) == 1
+        send(blocker.freeze, (FREEZE,))
+        started = time.monotonic()
+        future = blocker.ping.with_timeout(0.5).call_one(2)
+        with pytest.raises(CallTimeout, match=r"within 0\.5s"):
+            future.get(timeout=30)
+        assert time.monotonic() - started < FREEZE
+        with pytest.raises(CallTimeout, match=r"within 0\.5s"):
+            future.get()  # the outcome is kept
+        # a shorter get(timeout) is the caller's own limit: the call itself is not failed by it
+        slow = blocker.ping.with_timeout(FREEZE + 5).call_one(3)
+        with pytest.raises(CallTimeout, match=r"gave up after 0\.2s"):
+            slow.get(timeout=0.2)
+        assert slow.get(timeout=FREEZE + 5) == 3
+    finally:
+        procs.stop().get()
+
+
+def test_timeouts_must_be_positive():
+    with pytest.raises(ValueError, match="positive"):
+
+        @endpoint(timeout=0)
+        async def nothing(self) -> None: ...
+
+    with pytest.raises(ValueError, match="positive"):
+        from actors._mesh import MeshEndpoint
+
+        MeshEndpoint(None, "ping").with_timeout(-1)  # type: ignore[arg-type]

@@ -1,0 +1,83 @@
+"""Supervision: failures reach their owner; handled ones are contained, unhandled ones escalate."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+from support import Echo, Fire, Supervisor
+
+import actors
+from actors import Channel, Failure, ProcMesh, SupervisionError, send
+
+
+async def test_an_unhandled_failure_faults_the_mesh(procs: ProcMesh):
+    reported = asyncio.Event()
+    procs.add_failure_handler(lambda failure: reported.set())  # observes, returns None: not handled
+    fire = procs.spawn("fire", Fire)
+    assert await fire.ok.call() is not None
+    send(fire.explode, ("nobody handles this",), selection="choose")
+    await asyncio.wait_for(reported.wait(), 30)
+    with pytest.raises(SupervisionError, match=r"fire.*explode failed: KeyError: 'nobody handles this'") as info:
+        await fire.ok.call()
+    failure = info.value.failure
+    assert isinstance(failure, Failure) and failure.pid in procs.pids and "raise KeyError" in failure.traceback
+    assert procs.fault is info.value
+    with pytest.raises(SupervisionError):
+        send(fire.ok, (), selection="choose")
+    with pytest.raises(SupervisionError):
+        fire.slice(procs=1).ok.call_one()
+
+
+async def test_kill_9_without_a_handler_faults_the_mesh(procs: ProcMesh):
+    echo = procs.spawn("echo", Echo)
+    pid = (await echo.slice(procs=0).whoami.call_one())[0]
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(actors.ActorDied):
+        await asyncio.wait_for(echo.slice(procs=0).sleep.call_one(60), 10)
+    with pytest.raises(SupervisionError, match=f"pid {pid}.*ActorDied"):
+        await echo.slice(procs=1).add.call_one(1)
+
+
+async def test_a_replaced_fault_hook_decides(procs: ProcMesh, monkeypatch):
+    seen: list[Failure] = []
+    dropped = asyncio.Event()
+
+    def hook(failure: Failure) -> None:  # returns normally: the failure is dropped
+        seen.append(failure)
+        dropped.set()
+
+    monkeypatch.setattr(actors, "unhandled_fault_hook", hook)
+    fire = procs.spawn("fire", Fire)
+    send(fire.explode, ("dropped by the hook",), selection="choose")
+    await asyncio.wait_for(dropped.wait(), 30)
+    assert seen[0].exception_type == "KeyError" and procs.fault is None
+    assert await fire.ok.call() is not None
+
+
+async def test_owning_actor_supervises_its_children(procs: ProcMesh):
+    port, reports = Channel.open(str)
+    sup = procs.spawn("sup", Supervisor, port, True).slice(procs=0)
+    await sup.start_child.call_one()
+    await sup.fail_child.call_one()
+    report = await asyncio.wait_for(reports.recv(), 30)
+    assert "child[0]" in report and "KeyError" in report and "from the child" in report
+    assert await sup.ping.call_one() == "alive"
+    assert procs.fault is None and procs.failures == [], "handled by the owning actor: nothing escalates"
+
+
+async def test_an_actor_that_does_not_handle_escalates_to_its_owner(procs: ProcMesh):
+    port, reports = Channel.open(str)
+    escalated: asyncio.Queue[Failure] = asyncio.Queue()
+    procs.add_failure_handler(lambda failure: escalated.put_nowait(failure) or True)
+    sup = procs.spawn("sup", Supervisor, port, False).slice(procs=0)
+    await sup.start_child.call_one()
+    await sup.fail_child.call_one()
+    assert "from the child" in await asyncio.wait_for(reports.recv(), 30)
+    failure = await asyncio.wait_for(escalated.get(), 30)
+    assert failure.actor == "sup" and failure.endpoint == "__supervise__"
+    assert failure.exception_type == "SupervisionError"
+    assert "child[0]" in failure.message and "from the child" in failure.message
+    assert "raise KeyError" in failure.traceback, "the child's traceback travels up"
