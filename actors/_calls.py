@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ._errors import ActorError, SpawnError
@@ -23,6 +24,7 @@ class PendingCall:
     __slots__ = (
         "actor",
         "call_id",
+        "callbacks",
         "deadline",
         "done",
         "error",
@@ -49,6 +51,8 @@ class PendingCall:
         self.error: BaseException | None = None
         self.done = not procs
         self.waiters: list[asyncio.Future[None]] = []
+        #: Run once when the call is done (e.g. a restart's re-spawn reporting a failed constructor).
+        self.callbacks: list[Callable[[PendingCall], None]] = []
 
     def deliver(self, rank: int, ok: bool, value: Any) -> None:
         if self.done or rank not in self.remaining:
@@ -73,6 +77,9 @@ class PendingCall:
                 with contextlib.suppress(RuntimeError):  # its loop may be closed
                     waiter.set_result(None)
         self.waiters.clear()
+        callbacks, self.callbacks = self.callbacks, []
+        for callback in callbacks:
+            callback(self)
 
 
 def error_record(exc: BaseException, tb: str, spawn_failed: bool = False) -> list[Any]:

@@ -11,7 +11,8 @@ from typing import Any
 
 from . import _refs
 from ._forkserver import forkserver
-from ._mesh import ProcMesh
+from ._liveness import ProcRef
+from ._mesh import ProcMesh, RestartPolicy
 from ._runtime import runtime
 from ._transport import inbox_address
 from ._worker import LOADING_MAIN
@@ -44,6 +45,9 @@ class HostMesh:
         name: str | None = None,
         *,
         threads: int = 1,
+        restart: str = "never",
+        max_restarts: int = 3,
+        restart_period: float = 60.0,
     ) -> ProcMesh:
         """Start ``prod(per_host.values())`` processes; returns at once.
 
@@ -51,7 +55,12 @@ class HostMesh:
         ``{"gpus": 8}``). ``bootstrap`` is a module-level function run in each
         process before it serves. ``threads`` sets torch's intra-op threads
         per process (1 keeps many processes from fighting over few cores).
+        ``restart="on-failure"`` replaces a process that dies (at most
+        ``max_restarts`` times within ``restart_period`` seconds) with a new
+        one at the same address, its actors constructed again with their
+        original arguments.
         """
+        policy = RestartPolicy(restart, max_restarts, restart_period)
         if LOADING_MAIN[0]:
             raise RuntimeError(
                 "spawn_procs() ran while an actor process was importing the launching script; "
@@ -67,6 +76,7 @@ class HostMesh:
         server = forkserver(rt)
         mesh_name = name or f"procs{next(_mesh_names)}"
         procs = []
+        configs: list[dict[str, Any]] = []
         for rank in range(math.prod(extent.values())):
             index = next(_indices)
             address = inbox_address(rt.dir, f"w{index}")
@@ -85,7 +95,12 @@ class HostMesh:
             }
             server.spawn(index, config, ref)
             procs.append(ref)
-        return ProcMesh(mesh_name, extent, procs)
+            configs.append(config)
+
+        def respawn(rank: int, ref: ProcRef) -> None:
+            forkserver(rt).spawn(next(_indices), configs[rank], ref)
+
+        return ProcMesh(mesh_name, extent, procs, policy, respawn)
 
 
 _host = HostMesh()

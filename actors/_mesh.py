@@ -6,12 +6,16 @@ called; the returned :class:`Future` only waits for the answer.
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import functools
 import itertools
 import os
 import signal
 import time
 import weakref
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from . import _protocol as P
@@ -24,12 +28,33 @@ from ._future import Future
 from ._liveness import ProcRef
 from ._runtime import Runtime, runtime
 from ._supervision import Failure, FailureHandler, escalate_to_controller, offer
-from ._transport import remove_socket_file
+from ._transport import incarnation_path, remove_socket_file, write_incarnation
 from ._value_mesh import ValueMesh, coordinates
 from ._worker import CLEANUP_TIMEOUT, HOST, escalate, supervise
 from .tensors.shm import remove_segments
 
 A = TypeVar("A", bound=Actor)
+
+RESTART_MODES = ("never", "on-failure")
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """When a proc mesh restarts a dead process: ``on-failure``, at most ``max_restarts`` per ``period`` s."""
+
+    restart: str = "never"
+    max_restarts: int = 3
+    period: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.restart not in RESTART_MODES:
+            raise ValueError(f"restart must be one of {RESTART_MODES}, not {self.restart!r}")
+        if type(self.max_restarts) is not int or self.max_restarts < 1:
+            raise ValueError(f"max_restarts must be a positive int, not {self.max_restarts!r}")
+        if not self.period > 0:
+            raise ValueError(f"the restart period must be positive, not {self.period!r}")
+
+
 R = TypeVar("R")
 
 __all__ = ["ActorMesh", "MeshEndpoint", "ProcMesh", "send"]
@@ -292,8 +317,22 @@ _meshes_by_address: weakref.WeakValueDictionary[str, ProcMesh] = weakref.WeakVal
 class ProcMesh:
     """A group of actor processes; ``spawn`` actors on it, ``stop`` it when done."""
 
-    def __init__(self, name: str, extent: dict[str, int], procs: list[ProcRef]) -> None:
+    def __init__(
+        self,
+        name: str,
+        extent: dict[str, int],
+        procs: list[ProcRef],
+        restart: RestartPolicy | None = None,
+        respawn: Callable[[int, ProcRef], None] | None = None,
+    ) -> None:
         self._name = name
+        self._restart = restart or RestartPolicy()
+        self._respawn = respawn
+        self._restart_times: collections.deque[float] = collections.deque()
+        #: ``(name, class_ref, args, kwargs)`` of every spawn, replayed into a restarted process.
+        self._spawned: list[tuple[str, str, tuple[Any, ...], dict[str, Any]]] = []
+        #: How many times each rank's process has been restarted.
+        self.restarts = [0] * len(procs)
         self._extent = dict(extent)
         self._procs = procs
         self._actors: dict[str, ActorMesh[Any]] = {}
@@ -342,18 +381,26 @@ class ProcMesh:
         rt = runtime()
         targets = list(enumerate(self._procs))
         endpoint_timeouts = {ep_name: ep.timeout for ep_name, ep in endpoints_of(actor_class).items()}
-
-        def dispatch() -> PendingCall | None:
-            enc = rt.encoder
-            enc.reset()
-            ctor = enc.encode([list(args), kwargs])
-            blob = enc.encode([[name, class_ref, self._extent, ctor], {}])
-            return rt.call(targets, HOST, "spawn", want_reply=True, encoded=(blob, enc.frames, enc.handles))
-
-        pending = rt.on_thread(dispatch)
+        pending = rt.on_thread(lambda: self._send_spawn(rt, targets, name, class_ref, args, kwargs))
         mesh: ActorMesh[A] = ActorMesh(name, class_ref, endpoint_timeouts, self._extent, targets, pending, self)
         self._actors[name] = mesh
+        self._spawned.append((name, class_ref, args, kwargs))
         return mesh
+
+    def _send_spawn(
+        self,
+        rt: Runtime,
+        targets: list[tuple[int, ProcRef]],
+        name: str,
+        class_ref: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> PendingCall | None:
+        enc = rt.encoder
+        enc.reset()
+        ctor = enc.encode([list(args), kwargs])
+        blob = enc.encode([[name, class_ref, self._extent, ctor], {}])
+        return rt.call(targets, HOST, "spawn", want_reply=True, encoded=(blob, enc.frames, enc.handles))
 
     def add_failure_handler(self, handler: FailureHandler) -> None:
         """Offer ``handler(failure)`` each failure of this mesh's actors; a true return handles it."""
@@ -382,7 +429,57 @@ class ProcMesh:
             return
         rank = self._procs.index(ref)
         names = ",".join(self._actors) or "(no actors)"
-        self._report(Failure(names, rank, ref.pid or 0, "", "ActorDied", ref.exit_reason or "process exited"))
+        pid = ref.pid or 0
+        reason = ref.exit_reason or "process exited"
+        restarting = self._may_restart()
+        if restarting:
+            self._restart_rank(rank, ref)
+            reason += f"; restarted (restart {self.restarts[rank]} of rank {rank})"
+        elif self._restart.restart == "on-failure":
+            policy = self._restart
+            reason += f"; not restarted: {policy.max_restarts} restarts within {policy.period:g}s already"
+        self._report(Failure(names, rank, pid, "", "ActorDied", reason, restarted=restarting), handled=restarting)
+
+    def _may_restart(self) -> bool:
+        """Whether the policy allows one more restart now (and count it if so)."""
+        policy = self._restart
+        if policy.restart != "on-failure" or self._respawn is None:
+            return False
+        now = time.monotonic()
+        times = self._restart_times
+        while times and now - times[0] > policy.period:
+            times.popleft()
+        if len(times) >= policy.max_restarts:
+            return False
+        times.append(now)
+        return True
+
+    def _restart_rank(self, rank: int, ref: ProcRef) -> None:
+        """A new process at the dead one's address, with every actor constructed again.
+
+        In-flight calls already failed with ActorDied; calls made from now on
+        queue for the new process, which runs them once its actors exist.
+        """
+        assert self._respawn is not None
+        rt = runtime()
+        remove_socket_file(ref.address)
+        rt.revive(ref, None)
+        self.restarts[rank] += 1
+        self._respawn(rank, ref)
+        rt.when_pid_known(ref, lambda: write_incarnation(rt.dir, ref.address, rt.pid_of(ref)))
+        for name, class_ref, args, kwargs in self._spawned:
+            pending = self._send_spawn(rt, [(rank, ref)], name, class_ref, args, kwargs)
+            if pending is not None:
+                pending.callbacks.append(functools.partial(self._respawned, name=name, rank=rank, ref=ref))
+
+    def _respawned(self, call: PendingCall, name: str, rank: int, ref: ProcRef) -> None:
+        error = call.error
+        if error is None or isinstance(error, ActorDied):
+            return  # constructed (or the new process died too: that death is reported on its own)
+        etype = getattr(error, "exception_type", type(error).__name__)
+        message = getattr(error, "message", str(error))
+        tb = getattr(error, "remote_traceback", "")
+        self._report(Failure(name, rank, ref.pid or 0, "__init__", etype, f"after a restart: {message}", tb))
 
     def stop(self, timeout: float = CLEANUP_TIMEOUT) -> Future[None]:
         """Run every actor's ``__cleanup__`` and end the processes (a no-op if already stopped)."""
@@ -434,6 +531,8 @@ class ProcMesh:
         yield all_dead, 2.0
         for ref in procs:
             remove_socket_file(ref.address)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(incarnation_path(rt.dir, ref.address))
         self._stopped = True
 
     async def __aenter__(self) -> ProcMesh:

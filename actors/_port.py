@@ -216,8 +216,10 @@ class Port(Generic[T]):
                 raise PortClosed(f"port {self._id} has no receiver in this process")
             state.deliver(value, None, 0)
             return
-        if ref.dead:
+        if ref.dead and not rt.alive(ref):
             raise PortClosed(f"the receiver of port {self._id} (pid {self._pid}) has exited")
+        if ref.pid is not None and ref.pid != self._pid:
+            raise PortClosed(f"the receiver of port {self._id} (pid {self._pid}) has exited; pid {ref.pid} replaced it")
         try:
             _send_remote(rt, ref, self._id, value, route[2])
         except ActorDied as exc:

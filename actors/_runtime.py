@@ -35,6 +35,7 @@ from ._transport import (
     Link,
     bind_inbox,
     inbox_address,
+    incarnation_path,
     make_header,
     make_runtime_dir,
     message_prefix,
@@ -172,7 +173,36 @@ class Runtime:
                 self.watch(ref)
         elif ref.pid is None and pid is not None:
             self.set_pid(ref, pid)
+        elif ref.dead and pid is not None and pid != ref.pid and pid not in self.watcher.dead:
+            self.revive(ref, pid)  # a restarted process at the same address
         return ref
+
+    def revive(self, ref: ProcRef, pid: int | None) -> None:
+        """``ref``'s address is served again, by a restarted process (pid known now or later)."""
+        ref.dead = False
+        ref.exit_reason = ""
+        ref.pid = None
+        if pid is not None:
+            self.set_pid(ref, pid)
+
+    def alive(self, ref: ProcRef) -> bool:
+        """True unless ``ref`` is dead and no restarted process has replaced it.
+
+        An owner that restarts a process records the new pid in the session
+        directory (:func:`incarnation_path`); any process holding a handle to
+        the old one finds it there on its next call.
+        """
+        if not ref.dead:
+            return True
+        try:
+            with open(incarnation_path(self.dir, ref.address)) as f:
+                pid = int(f.read())
+        except (OSError, ValueError):
+            return False
+        if pid == ref.pid or pid in self.watcher.dead:
+            return False
+        self.revive(ref, pid)
+        return not ref.dead
 
     def set_pid(self, ref: ProcRef, pid: int) -> None:
         ref.pid = pid
@@ -276,7 +306,7 @@ class Runtime:
             receiver.holder_died(pid)
 
     def link(self, ref: ProcRef) -> Link:
-        if ref.dead:
+        if ref.dead and not self.alive(ref):
             raise ActorDied(f"process {ref.address} (pid {ref.pid}) is dead: {ref.exit_reason}", pid=ref.pid)
         link = self.links.get(ref.address)
         if link is None:
@@ -409,7 +439,7 @@ class Runtime:
             pending = PendingCall(call_id, actor, dict(targets), method, timeout)
             self.pending[call_id] = pending
         for rank, ref in targets:
-            if ref.dead:
+            if ref.dead and not self.alive(ref):
                 error = ActorDied(
                     f"actor {actor!r} (rank {rank}, pid {ref.pid}) is dead: {ref.exit_reason}", pid=ref.pid, actor=actor
                 )
@@ -567,8 +597,9 @@ class Runtime:
         except Exception as exc:
             self._dropped("a message with a malformed header: %s", exc)
             return
-        if address not in self.procs and address != self.address:
-            self.proc(address, pid)  # know every sender: port credits and replies go back to it
+        known = self.procs.get(address)
+        if (known is None and address != self.address) or (known is not None and known.pid != pid):
+            self.proc(address, pid)  # know every sender (credits and replies go back to it), and restarts
         self._dispatching = True
         try:
             for message, run, size in self.decoder.decode_batch(frames[1].buffer, frames[2:]):

@@ -38,6 +38,8 @@ class Failure:
     exception_type: str
     message: str
     traceback: str = ""
+    #: The process died and its proc mesh's restart policy started a new one.
+    restarted: bool = False
 
     def __str__(self) -> str:
         where = f"{self.actor}[{self.rank}] (pid {self.pid})"

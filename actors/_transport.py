@@ -9,6 +9,7 @@ drops a message: the sender waits for room while it keeps serving its inbox.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 import socket
@@ -215,3 +216,21 @@ class Link:
             self.sock.setsockopt(zmq.LINGER, linger)
         self.sock.close()
         self.parts, self.frames, self.nbytes = [], [], 0
+
+
+def incarnation_path(session_dir: str, address: str) -> str:
+    """The file where an owner records the pid of the process now serving ``address``.
+
+    Written (atomically) when a proc mesh restarts a process at its old address,
+    read by any process whose handle still names the dead one.
+    """
+    digest = hashlib.sha1(address.encode(), usedforsecurity=False).hexdigest()[:16]
+    return os.path.join(session_dir, f"pid-{digest}")
+
+
+def write_incarnation(session_dir: str, address: str, pid: int) -> None:
+    path = incarnation_path(session_dir, address)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(str(pid))
+    os.replace(tmp, path)

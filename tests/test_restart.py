@@ -1,0 +1,96 @@
+"""Restart policies: a dead process is replaced at its address, its actors built again."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+from support import BadInit, Echo
+
+from actors import ActorDied, Failure, SupervisionError, this_host
+
+
+@pytest.fixture
+async def restartable(sockets_dir):
+    meshes = []
+
+    def make(**options):
+        mesh = this_host().spawn_procs(per_host={"procs": 2}, restart="on-failure", **options)
+        meshes.append(mesh)
+        return mesh
+
+    yield make
+    for mesh in meshes:
+        await mesh.stop()
+
+
+async def test_a_killed_process_is_restarted_with_the_original_arguments(restartable, spawn):
+    procs = restartable(max_restarts=2)
+    seen: list[Failure] = []
+    procs.add_failure_handler(seen.append)
+    echo = procs.spawn("echo", Echo, 10)
+    victim = echo.slice(procs=0)
+    old_pid = await victim.pid.call_one()
+    in_flight = victim.sleep.call_one(60)
+    os.kill(old_pid, signal.SIGKILL)
+    with pytest.raises(ActorDied):
+        await asyncio.wait_for(in_flight, 10)
+    # later calls go to the new instance, built with offset=10 again
+    assert await asyncio.wait_for(victim.add.call_one(1), 30) == 11
+    new_pid = await victim.pid.call_one()
+    assert new_pid != old_pid and procs.pids[0] == new_pid and procs.restarts == [1, 0]
+    assert await echo.slice(procs=1).add.call_one(2) == 12, "the other rank was untouched"
+    assert [f.restarted for f in seen] == [True] and seen[0].pid == old_pid
+    assert procs.fault is None, "a restart handles the failure"
+    # another process holding a handle to the old instance finds the new one
+    caller = spawn(procs=1).spawn("caller", Echo)
+    assert await caller.call_other.call_one(victim, 5) == 15
+
+
+async def test_a_handle_in_another_process_sees_the_restart(restartable, spawn):
+    procs = restartable()
+    echo = procs.spawn("echo", Echo, 1).slice(procs=1)
+    caller = spawn(procs=1).spawn("caller", Echo)
+    assert await caller.call_other.call_one(echo, 1) == 2  # the caller now knows the first pid
+    old_pid = await echo.pid.call_one()
+    os.kill(old_pid, signal.SIGKILL)
+    with pytest.raises(ActorDied):
+        await asyncio.wait_for(echo.sleep.call_one(60), 10)
+    assert await echo.add.call_one(0) == 1  # restarted (and its pid recorded) before this answers
+    assert await caller.call_other.call_one(echo, 2) == 3
+
+
+async def test_restarts_beyond_the_budget_escalate(restartable):
+    procs = restartable(max_restarts=1, restart_period=600)
+    echo = procs.spawn("echo", Echo).slice(procs=0)
+    for _attempt in range(2):
+        pid = await asyncio.wait_for(echo.pid.call_one(), 30)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises((ActorDied, SupervisionError)):
+            await asyncio.wait_for(echo.sleep.call_one(60), 10)
+    assert procs.restarts == [1, 0]
+    with pytest.raises(SupervisionError, match="not restarted: 1 restarts within 600s"):
+        await echo.add.call_one(1)
+
+
+async def test_a_constructor_failing_after_a_restart_is_reported(restartable):
+    procs = restartable()
+    failures: asyncio.Queue[Failure] = asyncio.Queue()
+    procs.add_failure_handler(lambda failure: failures.put_nowait(failure) or True)
+    echo = procs.spawn("echo", Echo).slice(procs=0)
+    pid = await echo.pid.call_one()
+    procs.spawn("bad", BadInit)  # fails now, and again after the restart
+    os.kill(pid, signal.SIGKILL)
+    died = await asyncio.wait_for(failures.get(), 30)
+    assert died.restarted and died.pid == pid
+    again = await asyncio.wait_for(failures.get(), 30)
+    assert again.actor == "bad" and again.endpoint == "__init__" and "constructor exploded" in again.message
+
+
+def test_restart_options_are_checked():
+    with pytest.raises(ValueError, match="restart must be one of"):
+        this_host().spawn_procs(restart="always")
+    with pytest.raises(ValueError, match="max_restarts"):
+        this_host().spawn_procs(restart="on-failure", max_restarts=0)
