@@ -21,6 +21,7 @@ actor base class that provides exactly that endpoint.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import os
 import uuid
@@ -31,7 +32,15 @@ from typing import Any
 import torch
 
 from ._actor import Actor, endpoint
-from ._errors import ChecksumError, LifecycleError, StaleUpdateError, TransportBlocked, VersionError, WeightSyncError
+from ._errors import (
+    CallTimeout,
+    ChecksumError,
+    LifecycleError,
+    StaleUpdateError,
+    TransportBlocked,
+    VersionError,
+    WeightSyncError,
+)
 from .tensors import TRANSPORTS, Reader, TensorSpec, Writer, checksum, probe
 
 __all__ = [
@@ -343,11 +352,26 @@ class WeightInbox:
         self.consumer = consumer or WeightConsumer()
         self._queue: collections.deque[WeightManifest] = collections.deque()
         self.superseded = 0
+        self._arrived: asyncio.Event | None = None
 
     def put(self, manifest: WeightManifest) -> None:
         if not isinstance(manifest, WeightManifest):
             raise TypeError(f"expected a WeightManifest, got {type(manifest).__name__}")
         self._queue.append(manifest)
+        if self._arrived is not None:
+            self._arrived.set()
+
+    async def wait(self, timeout: float) -> None:
+        """Wait until an update is waiting (at once if one is); CallTimeout after ``timeout`` s."""
+        if self._queue:
+            return
+        if self._arrived is None:
+            self._arrived = asyncio.Event()
+        self._arrived.clear()
+        try:
+            await asyncio.wait_for(self._arrived.wait(), timeout)
+        except asyncio.TimeoutError:
+            raise CallTimeout(f"no weight update arrived within {timeout:g}s") from None
 
     def __len__(self) -> int:
         return len(self._queue)

@@ -5,8 +5,10 @@ own process, wires them with typed ports, and trains until ``--steps`` (or
 ``--target-score``). Progress is shown live; the run folder gets
 ``config.json``, ``metrics.jsonl``, ``learning_curve.png`` and
 ``checkpoint.pt`` (``--resume DIR`` continues from it, versions included).
-Exit status: 0 on success, 1 when a role fails (the error names it), 130
-on Ctrl-C (after a final checkpoint).
+A generator that dies is restarted (``--generator-restarts`` per minute)
+and installs the newest policy before it produces again. Exit status: 0 on
+success, 1 when a role fails (the error names it), 130 on Ctrl-C and 143 on
+SIGTERM (both after a final checkpoint).
 """
 
 from __future__ import annotations
@@ -18,14 +20,16 @@ import contextlib
 import dataclasses
 import json
 import os
+import signal
 import sys
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 import uvloop
 
-from actors import ActorsError, Channel, ProcMesh, this_host
+from actors import ActorsError, Channel, Failure, ProcMesh, this_host
 
 from . import checkpoint
 from .messages import Config, StepReport
@@ -60,6 +64,7 @@ class RunResult:
     startup_seconds: float = 0.0
     stop_seconds: float = 0.0
     rollouts: dict[str, int] = field(default_factory=dict)
+    restarts: dict[str, int] = field(default_factory=dict)  # generator -> times it was restarted
 
     @property
     def steps_per_second(self) -> float:
@@ -73,15 +78,24 @@ def _default_run_dir() -> str:
 async def _first_failure(tasks: dict[str, asyncio.Task[Any]], until: asyncio.Task[Any]) -> None:
     """Wait for ``until``; raise PipelineError naming the first role that fails before it.
 
-    If ``until`` itself fails (the trainer's report stream ended because the
-    trainer died), give the roles a moment to report which of them failed.
+    ``tasks`` may change while this waits (a restarted generator's new task
+    replaces the one that failed with its old process); a replaced task's
+    outcome is ignored. If ``until`` itself fails (the trainer's report stream
+    ended because the trainer died), give the roles a moment to report which
+    of them failed.
     """
-    pending = {until, *tasks.values()}
+    finished: set[asyncio.Task[Any]] = set()
     while not until.done():
-        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        watched = [until, *(task for task in tasks.values() if task not in finished)]
+        done, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
         for task in done:
-            if task is not until:
+            if task is until:
+                continue
+            finished.add(task)
+            if task in tasks.values():
                 _raise_if_failed(tasks, task)
+            elif not task.cancelled():
+                task.exception()  # replaced: its failure was the restart's cause, already handled
     if until.exception() is not None:
         await asyncio.wait(list(tasks.values()), timeout=2.0, return_when=asyncio.FIRST_EXCEPTION)
         for task in tasks.values():
@@ -125,13 +139,20 @@ async def run_pipeline(
     progress = Progress(config.steps, quiet)
     reports_port, reports = Channel.open(StepReport)
     tasks: dict[str, asyncio.Task[Any]] = {}
+    restarts: dict[str, int] = {}
     consumer: asyncio.Future[None] | None = None
     trainer = None
     try:
         trainer_procs = this_host().spawn_procs(per_host={"procs": 1}, name="trainer")
         scorer_procs = this_host().spawn_procs(per_host={"procs": 1}, name="scorer")
         ref_procs = this_host().spawn_procs(per_host={"procs": 1}, name="ref")
-        gen_procs = this_host().spawn_procs(per_host={"procs": config.generators}, name="generators")
+        gen_procs = this_host().spawn_procs(
+            per_host={"procs": config.generators},
+            name="generators",
+            restart="on-failure" if config.generator_restarts > 0 else "never",
+            max_restarts=max(1, config.generator_restarts),
+            restart_period=60.0,
+        )
         meshes = [gen_procs, scorer_procs, ref_procs, trainer_procs]
 
         trainer = trainer_procs.spawn("trainer", roles.trainer, config, reports_port, resume)
@@ -145,13 +166,37 @@ async def run_pipeline(
         grants = list((await gens.grant_inlet.call()).values())
         startup = time.perf_counter() - started
 
+        generator_names = [f"generator {rank}" for rank in range(config.generators)]
         tasks = {
-            "generators": asyncio.ensure_future(gens.run.call()),
+            **{
+                name: asyncio.ensure_future(gens.slice(procs=r).run.call_one())
+                for r, name in enumerate(generator_names)
+            },
             "scorer": asyncio.ensure_future(scorer.run.call_one(scored_in)),
             "reference model": asyncio.ensure_future(ref.run.call_one(ref_scored_in)),
             "trainer": asyncio.ensure_future(trainer.run.call_one(gens, grants)),
         }
         training_started = time.perf_counter()
+
+        async def rejoin(rank: int) -> int:
+            """Wire a restarted generator in again: new grant port, newest weights, then produce."""
+            gen = gens.slice(procs=rank)
+            grants_in = await gen.grant_inlet.call_one()
+            version = await trainer.generator_restarted.call_one(rank, grants_in)
+            progress.note(
+                f"generator {rank} restarted (pid {gen_procs.pids[rank]}); it starts from policy version {version}"
+            )
+            return await gen.run.call_one()  # type: ignore[no-any-return]
+
+        def on_generator_failure(failure: Failure) -> bool:
+            if not failure.restarted:
+                return False  # out of restarts: the run stops, naming the generator
+            progress.note(f"generator {failure.rank} died (pid {failure.pid}): {failure.message}")
+            tasks[generator_names[failure.rank]] = asyncio.ensure_future(rejoin(failure.rank))
+            restarts[generator_names[failure.rank]] = restarts.get(generator_names[failure.rank], 0) + 1
+            return True
+
+        gen_procs.add_failure_handler(on_generator_failure)
 
         async def consume_reports() -> None:
             while (report := await reports.recv()) is not None:
@@ -164,7 +209,7 @@ async def run_pipeline(
         seconds = time.perf_counter() - training_started
         progress.done()
         await gens.drain.call()
-        produced = await tasks["generators"]
+        produced = [await tasks[name] for name in generator_names]
         await asyncio.wait_for(asyncio.gather(tasks["scorer"], tasks["reference model"]), 10)
         stop_started = time.perf_counter()
         for mesh in meshes:
@@ -178,7 +223,8 @@ async def run_pipeline(
             run_dir=config.run_dir,
             startup_seconds=startup,
             stop_seconds=time.perf_counter() - stop_started,
-            rollouts={f"generator {rank}": n for rank, n in enumerate(produced.values())},
+            rollouts=dict(zip(generator_names, produced, strict=True)),
+            restarts=restarts,
         )
         return result
     except asyncio.CancelledError:  # Ctrl-C: leave a checkpoint, then stop fast
@@ -215,6 +261,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     parser.add_argument("--target-score", type=float, help="stop once the normalized score reaches this")
     parser.add_argument("--task", default="pipeline.task:BanditTask", help="task class, module:Class")
     parser.add_argument("--quiet", action="store_true", help="no live progress line")
+    parser.add_argument(
+        "--generator-restarts", type=int, default=3, help="restarts of a dead generator allowed per minute (0: none)"
+    )
     args = parser.parse_args(argv)
     if args.resume:
         with open(os.path.join(args.resume, "config.json")) as f:
@@ -234,18 +283,34 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
         seed=args.seed,
         target_score=args.target_score,
         task=args.task,
+        generator_restarts=args.generator_restarts,
         run_dir=args.run_dir or _default_run_dir(),
     )
     return config, args
 
 
+async def _until_terminated(run: Coroutine[Any, Any, RunResult]) -> RunResult:
+    """Run ``run``; SIGTERM cancels it like Ctrl-C does (final checkpoint, clean stop)."""
+    task = asyncio.ensure_future(run)
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    try:
+        return await task
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+
+
 def main(argv: list[str] | None = None) -> int:
     config, args = parse_args(argv)
+    resume_hint = f"the last checkpoint is in {config.run_dir} (resume with --resume {config.run_dir})"
     try:
-        result = uvloop.run(run_pipeline(config, resume=bool(args.resume), quiet=args.quiet))
+        result = uvloop.run(_until_terminated(run_pipeline(config, resume=bool(args.resume), quiet=args.quiet)))
     except KeyboardInterrupt:
-        print(f"\ninterrupted; the last checkpoint is in {config.run_dir} (resume with --resume {config.run_dir})")
+        print(f"\ninterrupted; {resume_hint}")
         return 130
+    except asyncio.CancelledError:
+        print(f"\nterminated; {resume_hint}")
+        return 143
     except (PipelineError, FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

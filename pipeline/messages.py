@@ -91,6 +91,7 @@ class Config:
     eval_every: int = 20
     eval_states: int = 256
     checkpoint_every: int = 200
+    generator_restarts: int = 3  # a dead generator is restarted at most this often per minute
     target_score: float | None = None
     task: str = "pipeline.task:BanditTask"
     run_dir: str = ""

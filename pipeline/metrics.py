@@ -76,6 +76,12 @@ class Progress:
         self.stream.write(("\r" + line) if self.tty else line + "\n")
         self.stream.flush()
 
+    def note(self, text: str) -> None:
+        """An event worth a line of its own (a generator restart), on stderr even when quiet."""
+        if self.tty and not self.quiet:
+            self.stream.write("\n")
+        print(text, file=sys.stderr, flush=True)
+
     def done(self) -> None:
         if self.tty and not self.quiet:
             self.stream.write("\n")

@@ -15,6 +15,7 @@ Every role is an ordinary subclassable actor: override ``collect`` (Generator),
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import importlib
 import time
@@ -25,9 +26,11 @@ import torch
 
 from actors import (
     Actor,
+    ActorDied,
     ActorMesh,
     Channel,
     Port,
+    PortClosed,
     ReceivesWeights,
     WeightConsumer,
     WeightManifest,
@@ -45,6 +48,8 @@ __all__ = ["Generator", "RefModel", "Scorer", "Trainer", "load_task"]
 
 #: Step reports the trainer gathers before sending them to the controller.
 REPORT_BATCH = 25
+#: How long a generator waits for the policy version a grant requires.
+WEIGHTS_TIMEOUT = 60.0
 
 
 def load_task(config: Config) -> BanditTask:
@@ -120,10 +125,7 @@ class Generator(ReceivesWeights):
                 self.credits += grant.count
                 if grant.manifest is not None:
                     self.weight_inbox.put(grant.manifest)
-                if grant.min_version > self.version:
-                    self.install_weights()
-                    if self.version < grant.min_version:
-                        raise RuntimeError(f"granted for version {grant.min_version} but only {self.version} installed")
+                await self.reach_version(grant.min_version)
             if self.stopping:
                 break
             self.install_weights()
@@ -138,6 +140,19 @@ class Generator(ReceivesWeights):
             await asyncio.sleep(0)  # let update_weights and drain land between rollouts
         self.rollouts.send(None)
         return self.produced
+
+    async def reach_version(self, version: int) -> None:
+        """Install weights until the policy is at least ``version`` (a grant's condition).
+
+        The granted update may already be stale (its slot reused by newer
+        versions); the trainer sends those newer versions to generators too,
+        so the next one to arrive here is installed instead.
+        """
+        while self.version < version:
+            self.install_weights()
+            if self.version >= version or self.stopping:
+                return
+            await self.weight_inbox.wait(WEIGHTS_TIMEOUT)
 
     @endpoint
     async def drain(self) -> None:
@@ -234,6 +249,7 @@ class Trainer(Actor):
         self.dropped = 0
         self.score: float | None = None
         self._reports: list[StepReport] = []
+        self.grants: list[Port[Grant]] = []
 
     @endpoint
     async def inlet(self) -> Port[RefScoredRollout]:
@@ -270,6 +286,7 @@ class Trainer(Actor):
         """Train until ``config.steps`` (or the target score); returns a summary."""
         config = self.config
         sync = config.mode == "sync"
+        self.grants = grants = list(grants)
         if sync:
             grants[self.step % len(grants)].send(Grant(1, self.version, self.manifest))
         else:
@@ -283,7 +300,7 @@ class Trainer(Actor):
             rollout = item.rollout
             lag = self.version - rollout.version
             if not sync:
-                grants[rollout.generator].send(Grant(1))  # consumed: the generator may produce one more
+                self.grant(rollout.generator, Grant(1))  # consumed: the generator may produce one more
             if lag > config.max_staleness:
                 self.dropped += 1
                 continue
@@ -293,9 +310,10 @@ class Trainer(Actor):
             t0 = time.perf_counter()
             self.manifest = self.publisher.publish(self.policy, self.version, {"step": self.step})
             if sync:
-                grants[self.step % len(grants)].send(Grant(1, self.version, self.manifest))
+                self.grant(self.step % len(grants), Grant(1, self.version, self.manifest))
             else:
-                send(generators.update_weights, (self.manifest,), selection="choose")
+                with contextlib.suppress(ActorDied):  # every generator is down; a restarted one gets a grant
+                    send(generators.update_weights, (self.manifest,), selection="choose")
             sync_ms = (time.perf_counter() - t0) * 1000
             final = self.step >= config.steps
             if self.step % config.eval_every == 0 or final:
@@ -328,6 +346,25 @@ class Trainer(Actor):
         self.save()
         self.reports.send(None)
         return {"steps": self.step, "version": self.version, "dropped": self.dropped, "score": self.score}
+
+    def grant(self, generator: int, grant: Grant) -> None:
+        """Send ``grant``; a generator that died loses it (its restart brings a fresh grant)."""
+        with contextlib.suppress(PortClosed):
+            self.grants[generator].send(grant)
+
+    @endpoint
+    async def generator_restarted(self, generator: int, grants: Port[Grant]) -> int:
+        """A restarted generator's new grant port: its credits, with the newest policy to install first.
+
+        Returns the policy version it must reach before producing.
+        """
+        self.grants[generator] = grants
+        sync = self.config.mode == "sync"
+        if not sync:
+            self.grant(generator, Grant(self.config.max_inflight, self.version, self.manifest))
+        elif self.step % len(self.grants) == generator:  # the lost lock-step grant was its turn
+            self.grant(generator, Grant(1, self.version, self.manifest))
+        return self.version
 
     def flush_reports(self) -> None:
         """Send the step reports gathered so far (batched: one wake-up of the controller each)."""

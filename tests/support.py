@@ -416,3 +416,18 @@ class Supervisor(Actor):
     async def __cleanup__(self, exc: BaseException | None) -> None:
         if self.procs is not None:
             await self.procs.stop()
+
+
+class ProbeGenerator(Generator):
+    """Appends ``rank pid version`` to ``<run_dir>/first_rollouts`` before its first rollout."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.register_pre_collect_hook(self._first)
+        self.first = True
+
+    def _first(self, generator) -> None:  # type: ignore[no-untyped-def]
+        if self.first:
+            self.first = False
+            with open(os.path.join(self.config.run_dir, "first_rollouts"), "a") as f:
+                f.write(f"{self.id} {os.getpid()} {self.version}\n")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -11,7 +12,7 @@ import time
 
 import pytest
 import torch
-from support import FailingScorer, HookedGenerator, actor_pids, wait_for
+from support import FailingScorer, HookedGenerator, ProbeGenerator, actor_pids, wait_for
 
 from pipeline import Config, PipelineError, Roles, run_pipeline
 from pipeline.checkpoint import load as load_checkpoint
@@ -118,7 +119,7 @@ async def test_a_failing_role_stops_the_run_with_its_name(tmp_path, sockets_dir)
 
 async def test_generator_hooks_run_in_the_worker_and_their_errors_propagate(tmp_path, sockets_dir):
     config = Config(steps=500, run_dir=str(tmp_path), extra={"hook_limit": 15})
-    with pytest.raises(PipelineError, match=r"generators failed.*hook stopped generator"):
+    with pytest.raises(PipelineError, match=r"generator \d failed.*hook stopped generator"):
         await run_pipeline(config, quiet=True, roles=Roles(generator=HookedGenerator))
 
 
@@ -172,3 +173,80 @@ def _title(pid: int) -> str:
             return f.read().decode(errors="replace")
     except OSError:
         return ""
+
+
+def _first_rollouts(run_dir: str) -> list[tuple[int, int, int]]:
+    """``(rank, pid, policy version)`` of each generator incarnation's first rollout."""
+    try:
+        with open(os.path.join(run_dir, "first_rollouts")) as f:
+            return [tuple(map(int, line.split())) for line in f if line.strip()]  # type: ignore[misc]
+    except FileNotFoundError:
+        return []
+
+
+async def _until(condition, timeout: float) -> None:  # type: ignore[no-untyped-def]
+    """Re-check ``condition`` every 20 ms for at most ``timeout`` s (a guard, not a synchronisation)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_killed_generator_is_restarted_with_the_newest_weights(tmp_path, sockets_dir, capfd):
+    run_dir = str(tmp_path)
+    config = Config(steps=1200, generators=2, run_dir=run_dir)
+    run = asyncio.ensure_future(run_pipeline(config, quiet=True, roles=Roles(generator=ProbeGenerator)))
+    await _until(lambda: (len(_first_rollouts(run_dir)) == 2 and checkpoint_step(run_dir) > 0) or run.done(), 60)
+    assert not run.done(), run.exception()
+    _, victim, _ = next(entry for entry in _first_rollouts(run_dir) if entry[0] == 1)
+    step_at_kill = checkpoint_step(run_dir)
+    os.kill(victim, signal.SIGKILL)
+    result = await asyncio.wait_for(run, 120)
+    assert result.steps == 1200 and result.restarts == {"generator 1": 1}
+    restarted = [entry for entry in _first_rollouts(run_dir) if entry[0] == 1 and entry[1] != victim]
+    assert len(restarted) == 1, _first_rollouts(run_dir)
+    _, new_pid, first_version = restarted[0]
+    assert first_version >= step_at_kill, "the new generator's first rollout used the newest weights"
+    assert result.rollouts["generator 1"] > 0, "the restarted generator produced until the end"
+    err = capfd.readouterr().err
+    assert f"generator 1 died (pid {victim})" in err and f"generator 1 restarted (pid {new_pid})" in err
+
+
+async def test_a_generator_out_of_restarts_stops_the_run_naming_it(tmp_path, sockets_dir):
+    run_dir = str(tmp_path)
+    config = Config(steps=100000, generators=2, run_dir=run_dir, generator_restarts=0)
+    run = asyncio.ensure_future(run_pipeline(config, quiet=True, roles=Roles(generator=ProbeGenerator)))
+    await _until(lambda: len(_first_rollouts(run_dir)) == 2 or run.done(), 60)
+    victim = next(entry[1] for entry in _first_rollouts(run_dir) if entry[0] == 0)
+    started = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    with pytest.raises(PipelineError, match=r"the generator 0 failed: .*died"):
+        await asyncio.wait_for(run, 30)
+    assert time.monotonic() - started < 2.0
+
+
+def test_sigterm_stops_within_2s_and_leaves_a_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = cli("--steps", "200000", "--run-dir", str(run_dir), "--quiet")
+    try:
+        assert wait_for(lambda: (run_dir / "checkpoint.pt").exists(), timeout=60)
+        workers = actor_pids()
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=10)
+        elapsed = time.monotonic() - start
+        assert proc.returncode == 143, out + err
+        assert elapsed < 2.0, f"stopping took {elapsed:.2f}s"
+        assert "terminated" in out and "--resume" in out
+        assert wait_for(lambda: not (workers & actor_pids()), timeout=3)
+        assert load_checkpoint(str(run_dir))["step"] > 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def checkpoint_step(run_dir: str) -> int:
+    try:
+        return int(load_checkpoint(run_dir)["step"])
+    except (FileNotFoundError, OSError, EOFError, RuntimeError):
+        return 0
