@@ -23,6 +23,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         ("embed_tcp_service.py", ["serving on 127.0.0.1:", "scored 'request 4'"]),
         ("grpo_ports.py", ["step  60", "drained generators [0, 1, 2, 3]", "training finished at step 60"]),
         ("custom_task.py", ["custom task: 1500 steps, normalized score"]),
+        (
+            "supervised_workers.py",
+            [
+                "restarted (restart 1 of rank 0)",
+                "in-flight call: ActorDied",
+                "restarts per rank: [1, 0]",
+                "within 0.5s",
+            ],
+        ),
     ],
 )
 def test_example_runs(script, expected):
