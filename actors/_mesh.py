@@ -232,11 +232,12 @@ class ActorMesh(Generic[A]):
         return self._targets_list
 
     def _choose(self) -> tuple[int, ProcRef]:
-        """Round-robin over the actors whose process is still alive."""
+        """Round-robin over the actors whose process is alive (or was restarted)."""
         targets = self._targets()
+        rt = runtime()
         for _ in range(len(targets)):
             target = targets[next(self._next) % len(targets)]
-            if not target[1].dead:
+            if rt.alive(target[1]):
                 return target
         return targets[next(self._next) % len(targets)]
 
