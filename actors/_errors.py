@@ -24,6 +24,10 @@ Every error the runtime raises on purpose derives from :class:`ActorsError`::
         │                   imported after release or rejection, or unknown
         ├── ChecksumError   an imported tensor does not match its published checksum
         ├── StaleUpdateError the update's storage was reused for a newer version
+        ├── ManifestError   a manifest is malformed (sizes, dtypes, offsets, handle) or
+        │                   does not fit the model it is installed into; nothing is installed
+        ├── PublisherDied   the process that published an update has exited; the consumer
+        │                   keeps the weights it last installed
         └── TransportBlocked the transport cannot run here (e.g. no CUDA); says why
 
 ``Port.send`` with a value of the wrong type raises the built-in ``TypeError``
@@ -42,7 +46,9 @@ __all__ = [
     "DecodeError",
     "EncodeError",
     "LifecycleError",
+    "ManifestError",
     "PortClosed",
+    "PublisherDied",
     "SpawnError",
     "StaleUpdateError",
     "SupervisionError",
@@ -162,6 +168,18 @@ class ChecksumError(WeightSyncError):
 
 class StaleUpdateError(WeightSyncError):
     """The update's storage now holds a newer version; take the newer manifest."""
+
+
+class ManifestError(WeightSyncError):
+    """A manifest cannot be used: malformed, or not matching the model it is installed into."""
+
+
+class PublisherDied(WeightSyncError):
+    """The publisher of an update has exited: its updates can no longer be imported."""
+
+    def __init__(self, message: str, *, pid: int) -> None:
+        self.pid = pid
+        super().__init__(message)
 
 
 class TransportBlocked(WeightSyncError):

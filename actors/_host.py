@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import _refs
+from ._devices import GPU_DIM, gpu_env, visible_gpus
 from ._forkserver import forkserver
 from ._liveness import ProcRef
 from ._mesh import ProcMesh, RestartPolicy
@@ -52,7 +53,8 @@ class HostMesh:
         """Start ``prod(per_host.values())`` processes; returns at once.
 
         ``per_host`` names the mesh's dimensions (``{"procs": 4}``,
-        ``{"gpus": 8}``). ``bootstrap`` is a module-level function run in each
+        ``{"gpus": 8}``); a ``gpus`` dimension gives each process its own GPU
+        as ``CUDA_VISIBLE_DEVICES`` (see :mod:`actors._devices`). ``bootstrap`` is a module-level function run in each
         process before it serves. ``threads`` sets torch's intra-op threads
         per process (1 keeps many processes from fighting over few cores).
         ``restart="on-failure"`` replaces a process that dies (at most
@@ -77,6 +79,7 @@ class HostMesh:
         mesh_name = name or f"procs{next(_mesh_names)}"
         procs = []
         configs: list[dict[str, Any]] = []
+        gpus = visible_gpus() if GPU_DIM in extent else []
         for rank in range(math.prod(extent.values())):
             index = next(_indices)
             address = inbox_address(rt.dir, f"w{index}")
@@ -92,6 +95,7 @@ class HostMesh:
                 "main": _main_module(),
                 "bootstrap": boot,
                 "threads": threads,
+                "env": gpu_env(extent, rank, gpus),
             }
             server.spawn(index, config, ref)
             procs.append(ref)

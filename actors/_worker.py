@@ -108,6 +108,7 @@ def _load_main(main: list[str] | None) -> None:
 def run(config: dict[str, Any]) -> int:
     """Entry point of a freshly forked worker; returns the exit code."""
     label = [config["name"]]
+    os.environ.update(config.get("env") or {})  # before anything here touches CUDA
     _set_title(config, [])
     sys.path[:] = config["sys_path"]
     os.chdir(config["cwd"])

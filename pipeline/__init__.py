@@ -5,11 +5,28 @@ process, linked by typed ports; fresh weights go to the generators as
 shared-memory manifests. Run it with ``python -m pipeline.grpo``.
 """
 
-from .grpo import PipelineError, Roles, RunResult, main, run_pipeline
+from typing import TYPE_CHECKING, Any
+
 from .messages import Config, Grant, RefScoredRollout, Rollout, ScoredRollout, StepReport
 from .reference import ReferenceResult, train_one_process
 from .roles import Generator, RefModel, Scorer, Trainer, load_task
 from .task import BanditTask, grpo_loss
+
+if TYPE_CHECKING:
+    from .grpo import PipelineError, Roles, RunResult, main, run_pipeline
+
+_LAUNCHER = {"PipelineError", "Roles", "RunResult", "main", "run_pipeline"}
+
+
+def __getattr__(name: str) -> Any:
+    # The launcher loads on first use, so ``python -m pipeline.grpo`` runs it
+    # as __main__ without the package having imported it first.
+    if name in _LAUNCHER:
+        from . import grpo
+
+        return getattr(grpo, name)
+    raise AttributeError(f"module 'pipeline' has no attribute {name!r}")
+
 
 __all__ = [
     "BanditTask",

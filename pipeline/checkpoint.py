@@ -2,7 +2,8 @@
 
 A checkpoint is replaced by rename, so a run killed at any moment (Ctrl-C,
 ``kill -9``) leaves the previous one intact and loadable. Loading uses
-``torch.load(weights_only=True)``: tensors and plain containers only.
+``torch.load(weights_only=True)``: tensors and plain containers only, onto
+the CPU (the roles move them to their devices), so a run resumes on any machine.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def load(run_dir: str) -> dict[str, Any]:
     target = path(run_dir)
     if not os.path.exists(target):
         raise FileNotFoundError(f"no checkpoint in {run_dir!r} to resume from")
-    state: dict[str, Any] = torch.load(target, weights_only=True)
+    state: dict[str, Any] = torch.load(target, weights_only=True, map_location="cpu")
     return state
 
 

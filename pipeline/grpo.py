@@ -34,6 +34,7 @@ from actors import ActorsError, Channel, Failure, ProcMesh, this_host
 from . import checkpoint
 from .messages import Config, StepReport
 from .metrics import MetricsLog, Progress, plot
+from .placement import ROLES, check_placement
 from .roles import Generator, RefModel, Scorer, Trainer
 
 __all__ = ["PipelineError", "Roles", "RunResult", "exit_now", "main", "parse_args", "run_pipeline"]
@@ -119,6 +120,7 @@ async def run_pipeline(
 ) -> RunResult:
     """Run the pipeline described by ``config``; raises PipelineError if a role fails."""
     roles = roles or Roles()
+    check_placement(config)  # before anything starts: a run that cannot place its roles starts nothing
     if config.mode not in ("async", "sync"):
         raise ValueError("mode must be 'async' or 'sync'")
     if config.generators < 1:
@@ -255,6 +257,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     parser.add_argument("--mode", choices=["async", "sync"], default="async", help="async (default) or lock-step sync")
     parser.add_argument("--max-staleness", type=int, default=8, help="drop rollouts more than K versions old")
     parser.add_argument("--transport", choices=["shm", "cuda-ipc", "local"], default="shm", help="weight transport")
+    parser.add_argument("--device", default="cpu", help="device of every role: cpu, cuda or cuda:N (default cpu)")
+    for role, name in zip(ROLES, ("trainer", "generators", "scorer", "reference model"), strict=True):
+        parser.add_argument(f"--{role}-device", metavar="DEVICE", help=f"device of the {name} (overrides --device)")
+    parser.add_argument(
+        "--weights-install",
+        choices=["copy", "alias"],
+        default="copy",
+        help="generators copy each update into their parameters (default) or alias them to it (zero-copy)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--run-dir", help="where outputs go (default runs/grpo-<time>)")
     parser.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last checkpoint")
@@ -270,9 +281,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
             saved = json.load(f)
         config = Config(**{k: v for k, v in saved.items() if k in {f.name for f in dataclasses.fields(Config)}})
         config.run_dir = args.resume
-        for flag, attr in (("--steps", "steps"), ("--target-score", "target_score")):
-            if flag in (argv if argv is not None else sys.argv):
+        given = argv if argv is not None else sys.argv
+        for flag, attr in (("--steps", "steps"), ("--target-score", "target_score"), ("--device", "device")):
+            if flag in given:
                 setattr(config, attr, getattr(args, attr))
+        config.devices.update(_role_devices(args))
         return config, args
     config = Config(
         steps=args.steps,
@@ -285,8 +298,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
         task=args.task,
         generator_restarts=args.generator_restarts,
         run_dir=args.run_dir or _default_run_dir(),
+        device=args.device,
+        devices=_role_devices(args),
+        install=args.weights_install,
     )
     return config, args
+
+
+def _role_devices(args: argparse.Namespace) -> dict[str, str]:
+    return {role: device for role in ROLES if (device := getattr(args, f"{role}_device")) is not None}
 
 
 async def _until_terminated(run: Coroutine[Any, Any, RunResult]) -> RunResult:

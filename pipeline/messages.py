@@ -95,7 +95,14 @@ class Config:
     target_score: float | None = None
     task: str = "pipeline.task:BanditTask"
     run_dir: str = ""
+    device: str = "cpu"  # every role's device, unless ``devices`` names one for it
+    devices: dict[str, str] = field(default_factory=dict)  # role -> device: trainer, generator, scorer, ref
+    install: str = "copy"  # how generators install weights: "copy" or "alias" (zero-copy, read-only)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def device_of(self, role: str) -> str:
+        """The device ``role`` runs on."""
+        return self.devices.get(role, self.device)

@@ -81,9 +81,11 @@ class Generator(ReceivesWeights):
         self.config = config
         self.task = load_task(config)
         self.id = current_rank().rank
-        self.policy = self.task.build_policy().requires_grad_(False)
+        self.device = torch.device(config.device_of("generator"))
+        self.policy = self.task.build_policy().to(self.device).requires_grad_(False)
         self.rollouts = rollouts
-        self.rng = torch.Generator().manual_seed(1_000_003 * (config.seed + 1) + 7_919 * (self.id + 1))
+        seed = 1_000_003 * (config.seed + 1) + 7_919 * (self.id + 1)
+        self.rng = torch.Generator(device=self.device).manual_seed(seed)
         self.grant_port, self.grants = Channel.open(Grant)
         self.weight_inbox.put(initial)
         self.version = -1
@@ -104,15 +106,15 @@ class Generator(ReceivesWeights):
         return self.grant_port
 
     def install_weights(self) -> None:
-        manifest = self.weight_inbox.install_newest(self.policy)
+        manifest = self.weight_inbox.install_newest(self.policy, alias=self.config.install == "alias")
         if manifest is not None:
             self.version = manifest.version
 
     def collect(self) -> Rollout:
-        """One group: a state and G actions sampled from the current policy."""
+        """One group: a state and G actions sampled from the current policy (sent as CPU tensors)."""
         state = self.task.sample_state(self.rng)
         actions, logps = self.task.sample_group(self.policy, state, self.rng)
-        return Rollout(self.id, self.produced, self.version, state, actions, logps)
+        return Rollout(self.id, self.produced, self.version, state.cpu(), actions.cpu(), logps.cpu())
 
     @endpoint
     async def run(self) -> int:
@@ -167,7 +169,8 @@ class Scorer(Actor):
     def __init__(self, config: Config) -> None:
         self.config = config
         self.task = load_task(config)
-        self.reward_net = self.task.build_reward()
+        self.device = torch.device(config.device_of("scorer"))
+        self.reward_net = self.task.build_reward().to(self.device)
         self.port, self.inbox = Channel.open(Rollout)
 
     @endpoint
@@ -175,7 +178,8 @@ class Scorer(Actor):
         return self.port
 
     def score(self, rollout: Rollout) -> torch.Tensor:
-        return self.task.rewards(self.reward_net, rollout.state, rollout.actions)
+        state, actions = rollout.state.to(self.device), rollout.actions.to(self.device)
+        return self.task.rewards(self.reward_net, state, actions).cpu()
 
     @endpoint
     async def run(self, out: Port[ScoredRollout]) -> int:
@@ -193,7 +197,8 @@ class RefModel(Actor):
     def __init__(self, config: Config, initial: WeightManifest) -> None:
         self.config = config
         self.task = load_task(config)
-        self.model = self.task.build_policy().requires_grad_(False).eval()
+        self.device = torch.device(config.device_of("ref"))
+        self.model = self.task.build_policy().to(self.device).requires_grad_(False).eval()
         consumer = WeightConsumer()
         consumer.install(initial, self.model)
         consumer.close()
@@ -205,7 +210,7 @@ class RefModel(Actor):
 
     def reference_logps(self, rollout: Rollout) -> torch.Tensor:
         with torch.no_grad():
-            return _logps(self.model, rollout.state, rollout.actions)
+            return _logps(self.model, rollout.state.to(self.device), rollout.actions.to(self.device)).cpu()
 
     @endpoint
     async def run(self, out: Port[RefScoredRollout]) -> int:
@@ -224,8 +229,9 @@ class Trainer(Actor):
     def __init__(self, config: Config, reports: Port[StepReport], resume: bool = False) -> None:
         self.config = config
         self.task = load_task(config)
+        self.device = torch.device(config.device_of("trainer"))
         torch.manual_seed(config.seed)
-        self.policy = self.task.build_policy()
+        self.policy = self.task.build_policy().to(self.device)
         self.optim = torch.optim.Adam(self.policy.parameters(), lr=config.lr)
         self.ref_state = copy.deepcopy(self.policy.state_dict())
         self.step = 0
@@ -238,12 +244,13 @@ class Trainer(Actor):
             self.step, self.version = int(state["step"]), int(state["version"])
         self.reports = reports
         self.port, self.inbox = Channel.open(RefScoredRollout)
-        self.reward_net = self.task.build_reward()
-        states = self.task.eval_states(config.eval_states)
+        self.reward_net = self.task.build_reward().to(self.device)
+        states = self.task.eval_states(config.eval_states).to(self.device)
         self.eval_table = self.task.reward_table(self.reward_net, states)
         self.eval_inputs = states
-        self.publisher = WeightPublisher(config.transport, slots=config.generators + 3)
-        self.ref_publisher = WeightPublisher(config.transport, slots=1)
+        on_gpu: dict[str, Any] = {"device": self.device} if config.transport == "cuda-ipc" else {}
+        self.publisher = WeightPublisher(config.transport, slots=config.generators + 3, **on_gpu)
+        self.ref_publisher = WeightPublisher(config.transport, slots=1, **on_gpu)
         self.manifest = self.publisher.publish(self.policy, self.version, {"step": self.step})
         self.ref_manifest = self.ref_publisher.publish(self.ref_state, 1)
         self.dropped = 0
@@ -265,14 +272,14 @@ class Trainer(Actor):
         return self.task.score(self.policy, self.eval_inputs, self.eval_table)
 
     def train_step(self, item: RefScoredRollout) -> tuple[float, float]:
-        r = item.rollout
+        r, device = item.rollout, self.device
         out = grpo_loss(
             self.policy,
-            r.state,
-            r.actions,
-            r.logps,
-            item.rewards,
-            item.ref_logps,
+            r.state.to(device),
+            r.actions.to(device),
+            r.logps.to(device),
+            item.rewards.to(device),
+            item.ref_logps.to(device),
             self.config.clip,
             self.config.kl_coeff,
         )
@@ -308,7 +315,7 @@ class Trainer(Actor):
             self.step += 1
             self.version += 1
             t0 = time.perf_counter()
-            self.manifest = self.publisher.publish(self.policy, self.version, {"step": self.step})
+            self.manifest = await self.publisher.publish_async(self.policy, self.version, {"step": self.step})
             if sync:
                 self.grant(self.step % len(grants), Grant(1, self.version, self.manifest))
             else:

@@ -55,7 +55,8 @@ class BanditTask:
         return net.eval()
 
     def sample_state(self, generator: torch.Generator) -> torch.Tensor:
-        return torch.randn(self.state_dim, generator=generator)
+        """A random state on ``generator``'s device."""
+        return torch.randn(self.state_dim, generator=generator, device=generator.device)
 
     def rewards(self, reward_net: torch.nn.Module, state: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
         """Reward of each action in ``actions`` ([G] long) taken in ``state`` ([state_dim])."""
@@ -81,7 +82,7 @@ class BanditTask:
 
     def reward_table(self, reward_net: torch.nn.Module, states: torch.Tensor) -> torch.Tensor:
         """Reward of every action in every state: ``[B, action_dim]``."""
-        actions = torch.arange(self.action_dim)
+        actions = torch.arange(self.action_dim, device=states.device)
         return torch.stack([self.rewards(reward_net, s, actions) for s in states])
 
     @staticmethod

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -109,6 +110,10 @@ class Echo(Actor):
     @endpoint
     async def pid(self) -> int:
         return os.getpid()
+
+    @endpoint
+    async def getenv(self, name: str) -> str | None:
+        return os.environ.get(name)
 
     @endpoint
     async def say(self, text: str) -> None:
@@ -431,3 +436,92 @@ class ProbeGenerator(Generator):
             self.first = False
             with open(os.path.join(self.config.run_dir, "first_rollouts"), "a") as f:
                 f.write(f"{self.id} {os.getpid()} {self.version}\n")
+
+
+class Heartbeat:
+    """A beat every ``period`` s on the running event loop; ``worst`` is the longest gap seen (s).
+
+    ``async with Heartbeat() as beat: ...`` measures whether the code inside
+    ever keeps the loop from turning.
+    """
+
+    def __init__(self, period: float = 0.001) -> None:
+        self.period = period
+        self.worst = 0.0
+        self.beats = 0
+        self._task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        last = time.perf_counter()
+        while True:
+            await asyncio.sleep(self.period)
+            now = time.perf_counter()
+            self.worst = max(self.worst, now - last)
+            self.beats += 1
+            last = now
+
+    async def __aenter__(self) -> Heartbeat:
+        self._task = asyncio.ensure_future(self._run())
+        await asyncio.sleep(0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+
+class CudaSink(ReceivesWeights):
+    """Installs cuda-ipc updates into a model on its GPU and reports what it then holds."""
+
+    def __init__(self, width: int = 64, device: str = "cuda") -> None:
+        self.model = filled_model(0.0, width).to(device)
+
+    def report(self, version: int | None) -> dict:
+        torch.cuda.synchronize()
+        values = sorted({float(v) for p in self.model.parameters() for v in p.detach().flatten().unique().cpu()})
+        return {
+            "version": version,
+            "values": values,
+            "open_slots": self.weight_inbox.consumer.reader("cuda-ipc").open_slots,
+            "allocated": torch.cuda.memory_allocated(),
+            "device": str(next(self.model.parameters()).device),
+        }
+
+    @endpoint
+    async def install(self, manifest: WeightManifest, alias: bool = False) -> dict:
+        self.weight_inbox.put(manifest)
+        installed = self.weight_inbox.install_newest(self.model, alias=alias)
+        return self.report(None if installed is None else installed.version)
+
+    @endpoint
+    async def touch(self, manifest: WeightManifest) -> int:
+        """Import and release; returns how many device slots this process has open."""
+        consumer = self.weight_inbox.consumer
+        consumer.import_update(manifest)
+        consumer.release(manifest.update_id)
+        return consumer.reader("cuda-ipc").open_slots
+
+    @endpoint
+    async def close_inbox(self) -> int:
+        self.weight_inbox.close()
+        return self.weight_inbox.consumer.reader("cuda-ipc").open_slots
+
+
+class CudaSource(Actor):
+    """Publishes over cuda-ipc from its own process (for publisher-death tests)."""
+
+    def __init__(self, width: int = 64) -> None:
+        self.model = filled_model(0.0, width).cuda()
+        self.publisher = WeightPublisher("cuda-ipc", slots=2)
+
+    @endpoint
+    async def publish(self, version: int) -> WeightManifest:
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.fill_(float(version))
+        return await self.publisher.publish_async(self.model, version)
+
+    async def __cleanup__(self, exc: BaseException | None) -> None:
+        self.publisher.close()

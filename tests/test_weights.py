@@ -27,6 +27,7 @@ from actors import (
     send,
 )
 from actors._codec import Decoder, Encoder
+from actors.tensors._slots import segment_prefix
 from actors.tensors.shm import HEADER_BYTES, SHM_DIR
 
 
@@ -222,7 +223,7 @@ def test_a_thousand_updates_keep_segments_and_memory_flat():
     model, target = filled_model(0.0, width=256), filled_model(0.0, width=256)
     inbox = WeightInbox()
     with WeightPublisher("shm", slots=2) as publisher:
-        prefix = publisher._writer._prefix
+        prefix = segment_prefix()
         baseline = None
         for version in range(1, 1001):
             inbox.put(publisher.publish(model, version))
@@ -266,7 +267,8 @@ async def test_dead_consumer_frees_its_slot(procs):
         manifest = publisher.publish(filled_model(1.0), 1)
         pid = await sink.hold.call_one(manifest)
         os.kill(pid, signal.SIGKILL)
-        assert publisher.publish(filled_model(2.0), 2).handle == manifest.handle
+        again = await publisher.publish_async(filled_model(2.0), 2)  # waits, loop running, for the kernel to drop the lock
+        assert again.handle == manifest.handle
 
 
 async def test_dead_publisher_segments_are_removed(procs):

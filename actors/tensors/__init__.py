@@ -1,19 +1,26 @@
 """Tensor transports for weight updates: one interface, three ways to share storage.
 
-A transport has a *writer* (publisher side: place a set of named tensors
-somewhere a consumer can reach, keep it alive until released) and a *reader*
+A transport has a *writer* (publisher side: reserve storage, fill it with a
+set of named tensors, keep it alive until released) and a *reader*
 (consumer side: rebuild the tensors, zero-copy where the transport allows,
 until released). :func:`probe` says whether a transport can run here.
 
 ========  =====================================================================
 local     copies in this process's memory; for single-process tests
 shm       POSIX shared memory: a bounded pool of reused slots, zero-copy import
-cuda-ipc  PyTorch CUDA IPC handles; the writer keeps the storage alive
+cuda-ipc  device slots shared by CUDA IPC handles, filled on a side stream and
+          ordered for readers by an interprocess CUDA event
 ========  =====================================================================
+
+Publishing is three steps so that only the copy can take time: ``reserve``
+(never waits; ``None`` while every slot is held), ``fill`` (copies; touches
+only the reserved storage, so it may run off the event loop's thread) and
+``commit`` (makes the update visible to readers and returns its handle).
 """
 
 from __future__ import annotations
 
+import functools
 import zlib
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -21,8 +28,9 @@ from typing import Any, Protocol
 import torch
 
 from .._codec import _DTYPE_NAMES, _DTYPES, tensor_buffer
+from .._errors import ManifestError
 
-__all__ = ["TRANSPORTS", "Reader", "TensorSpec", "Writer", "probe"]
+__all__ = ["TRANSPORTS", "Reader", "TensorSpec", "Writer", "check_specs", "copy_all", "probe"]
 
 TRANSPORTS = ("local", "shm", "cuda-ipc")
 #: Byte alignment of each tensor inside a shared buffer.
@@ -62,7 +70,18 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-_layouts: dict[tuple[Any, ...], tuple[list[TensorSpec], int]] = {}
+@functools.lru_cache(maxsize=64)
+def _layout(key: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]) -> tuple[tuple[TensorSpec, ...], int]:
+    specs = []
+    offset = 0
+    for name, shape, dtype in key:
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        nbytes = numel * dtype.itemsize
+        specs.append(TensorSpec(name, dtype_name(dtype), shape, _contiguous_stride(shape), nbytes, offset))
+        offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
+    return tuple(specs), offset
 
 
 def layout(tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[TensorSpec], int]:
@@ -70,24 +89,49 @@ def layout(tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[TensorSpec], i
 
     Cached per (names, shapes, dtypes): a publisher sends the same layout every step.
     """
-    key = tuple((name, tuple(t.shape), t.dtype) for name, t in tensors)
-    cached = _layouts.get(key)
-    if cached is not None:
-        return list(cached[0]), cached[1]
-    specs = []
-    offset = 0
-    for name, tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        shape = tuple(tensor.shape)
-        specs.append(TensorSpec(name, dtype_name(tensor.dtype), shape, _contiguous_stride(shape), nbytes, offset))
-        offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
-    if len(_layouts) < 64:
-        _layouts[key] = (specs, offset)
-    return list(specs), offset
+    specs, total = _layout(tuple((name, tuple(t.shape), t.dtype) for name, t in tensors))
+    return list(specs), total
+
+
+def check_specs(specs: Any, capacity: int) -> tuple[TensorSpec, ...]:
+    """``specs`` if they describe tensors lying inside ``capacity`` bytes, else :class:`ManifestError`.
+
+    A reader runs this before it builds any view: a manifest with a wrong
+    size, dtype, shape, stride or offset is refused before a byte is read.
+    """
+    if type(specs) is not tuple:
+        raise ManifestError("a manifest's tensors must be a tuple of TensorSpec")
+    names = set()
+    for spec in specs:
+        if type(spec) is not TensorSpec:
+            raise ManifestError(f"not a TensorSpec: {type(spec).__name__}")
+        what = f"tensor {spec.name!r:.60}"
+        if type(spec.name) is not str or spec.name in names:
+            raise ManifestError(f"{what}: names must be distinct strings")
+        names.add(spec.name)
+        dtype = _DTYPES.get(spec.dtype) if type(spec.dtype) is str else None
+        if dtype is None:
+            raise ManifestError(f"{what}: unknown dtype {spec.dtype!r:.40}")
+        shape, stride = spec.shape, spec.stride
+        if type(shape) is not tuple or not all(type(d) is int and d >= 0 for d in shape):
+            raise ManifestError(f"{what}: shape must be a tuple of non-negative ints, not {shape!r:.60}")
+        if stride != _contiguous_stride(shape):
+            raise ManifestError(f"{what}: stride {stride!r:.60} is not the contiguous stride of shape {shape}")
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        if spec.nbytes != numel * dtype.itemsize:
+            raise ManifestError(f"{what}: {spec.nbytes!r} bytes cannot hold {numel} elements of {spec.dtype}")
+        offset = spec.offset
+        if type(offset) is not int or offset < 0 or offset % ALIGN or offset + spec.nbytes > capacity:
+            raise ManifestError(f"{what}: offset {offset!r} (+{spec.nbytes} bytes) is outside its slot of {capacity}")
+        if spec.checksum is not None and type(spec.checksum) is not int:
+            raise ManifestError(f"{what}: checksum must be an int")
+    return specs  # type: ignore[no-any-return]
 
 
 def checksum(tensor: torch.Tensor) -> int:
-    """CRC-32 of a contiguous CPU tensor's bytes (opt-in: costs a pass over memory)."""
+    """CRC-32 of a tensor's bytes (opt-in: costs a pass over memory, and a copy off a GPU)."""
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
     if not tensor.is_contiguous():
@@ -95,6 +139,20 @@ def checksum(tensor: torch.Tensor) -> int:
     if tensor.numel() == 0:
         return 0
     return zlib.crc32(tensor_buffer(tensor))
+
+
+def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for every i: one multi-tensor copy where devices agree."""
+    same = [(d, s) for d, s in zip(dst, src, strict=True) if d.device == s.device]
+    foreach = getattr(torch, "_foreach_copy_", None)
+    if foreach is not None and same and same[0][0].is_cuda:
+        foreach([d for d, _ in same], [s for _, s in same])
+    else:
+        for d, s in same:
+            d.copy_(s)
+    for d, s in zip(dst, src, strict=True):
+        if d.device != s.device:
+            d.copy_(s, non_blocking=d.is_cuda and s.is_cuda)
 
 
 def view(buffer: Any, spec: TensorSpec, base: int = 0) -> torch.Tensor:
@@ -109,10 +167,28 @@ def view(buffer: Any, spec: TensorSpec, base: int = 0) -> torch.Tensor:
 class Writer(Protocol):
     """Publisher side of a transport."""
 
-    def write(
-        self, update_id: str, version: int, tensors: list[tuple[str, torch.Tensor]], with_checksums: bool
-    ) -> tuple[Any, list[TensorSpec]]:
-        """Place ``tensors``; return the handle a reader needs and their specs."""
+    #: True when ``fill`` is a host memory copy, worth running off the event loop's thread.
+    host_copy: bool
+
+    def reserve(self, nbytes: int) -> Any | None:
+        """Storage for ``nbytes`` of payload, or None while consumers hold every slot. Never waits."""
+
+    async def reserve_async(self, nbytes: int, timeout: float) -> Any:
+        """Storage for ``nbytes``, awaiting a free slot up to ``timeout`` s."""
+
+    def reserve_blocking(self, nbytes: int, timeout: float) -> Any:
+        """Storage for ``nbytes``, blocking this thread up to ``timeout`` s (outside an event loop)."""
+
+    def fill(
+        self, reservation: Any, tensors: list[tuple[str, torch.Tensor]], specs: list[TensorSpec], with_checksums: bool
+    ) -> list[TensorSpec]:
+        """Copy ``tensors`` into the reservation at ``specs``; returns the specs (with checksums)."""
+
+    def commit(self, reservation: Any, update_id: str, version: int, nbytes: int) -> Any:
+        """Make the filled reservation visible to readers as ``update_id``; returns its handle."""
+
+    def abort(self, reservation: Any) -> None:
+        """Give back a reservation that will not be committed."""
 
     def release(self, update_id: str) -> None:
         """The publisher no longer needs ``update_id``; its storage may be reused."""

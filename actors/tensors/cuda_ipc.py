@@ -1,34 +1,46 @@
-"""The ``cuda-ipc`` transport: PyTorch CUDA IPC handles, no copy on the consumer side.
+"""The ``cuda-ipc`` transport: device slots shared by CUDA IPC, filled on a side stream.
 
-The writer copies each tensor into a device buffer it owns (so training can
-go on updating its own parameters) and exports the buffer's IPC handle; the
-manifest carries the handles as plain values. The buffers stay alive until
-the writer releases the update. The reader reopens each handle with
-PyTorch's own rebuild function; classes named in a handle are resolved from
-a fixed list, never imported.
+Writer: a pool of device buffers, one per slot, allocated once per layout
+size and reused across versions (the pool and its ``flock`` ownership rules
+are the ones ``shm`` uses, kept on a small control segment per slot). Each
+buffer is exported once (a CUDA IPC memory handle) together with an
+interprocess CUDA event. ``fill`` enqueues the copies on a side stream that
+first waits for the producer's current stream, records the slot's event,
+and makes the current stream wait on that event, so a later in-place update
+of the parameters cannot overtake the copy. The host never waits for the
+GPU: no stream or device synchronize on the publishing path.
 
-Without CUDA the transport reports itself blocked; it never falls back.
+Reader: opens a slot's memory and event once and caches them by slot name
+(a slot that must grow gets a new name, so a layout change is a reopen).
+For each update it makes its current stream wait on the slot's event, so
+its reads are ordered after the writer's copy, and builds the tensors as
+views of the slot. Before it releases an update it waits for its own
+stream's reads of the slot to finish, then drops the lock.
+
+GPUs are matched by UUID: a process that cannot see the publisher's GPU
+cannot map its memory and gets :class:`TransportBlocked` saying so. The
+transport never falls back to another one.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+import logging
+import os
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from torch.multiprocessing import reductions
 
-from .._codec import _DTYPE_NAMES, _DTYPES
-from .._errors import StaleUpdateError, TransportBlocked, WeightSyncError
-from . import TensorSpec, checksum, layout
+from .._errors import ManifestError, StaleUpdateError, TransportBlocked
+from . import TensorSpec, check_specs, checksum, copy_all
+from ._slots import LOCK_TIMEOUT, Slot, SlotHolds, SlotPool, check_segment_name
 
-_CLASSES: dict[str, Any] = {
-    "torch.Tensor": torch.Tensor,
-    "torch.nn.parameter.Parameter": torch.nn.Parameter,
-    "torch.storage.UntypedStorage": torch.storage.UntypedStorage,
-    "torch.UntypedStorage": torch.UntypedStorage,
-    "torch.storage.TypedStorage": torch.storage.TypedStorage,
-}
+__all__ = ["CudaIpcReader", "CudaIpcWriter", "SlotHandle", "parse_handle", "probe"]
+
+log = logging.getLogger("actors")
+
+#: Bytes in a CUDA IPC memory or event handle.
+IPC_HANDLE_BYTES = 64
 
 
 def probe() -> str | None:
@@ -37,101 +49,301 @@ def probe() -> str | None:
     return None
 
 
-def _class_name(cls: Any) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
+def device_uuid(device: torch.device) -> str:
+    """A GPU's identity across processes (indices differ with CUDA_VISIBLE_DEVICES)."""
+    return str(torch.cuda.get_device_properties(device).uuid)
 
 
-def _export(tensor: torch.Tensor) -> list[Any]:
-    """The rebuild arguments of a CUDA tensor as plain values."""
-    rebuild, args = reductions.reduce_tensor(tensor)  # type: ignore[no-untyped-call]
-    if rebuild is not reductions.rebuild_cuda_tensor:
-        raise WeightSyncError(f"tensor on {tensor.device} cannot be shared through CUDA IPC")
-    out: list[Any] = []
-    for arg in args:
-        if isinstance(arg, type):
-            out.append(["class", _class_name(arg)])
-        elif isinstance(arg, torch.dtype):
-            out.append(["dtype", _DTYPE_NAMES[arg]])
-        elif isinstance(arg, torch.Size):
-            out.append(["size", list(arg)])
-        elif isinstance(arg, tuple):
-            out.append(["tuple", list(arg)])
-        else:
-            out.append(["value", arg])
-    return out
+@dataclass(frozen=True)
+class SlotHandle:
+    """What a reader needs to open one device slot: sent, as a plain dict, in every manifest."""
+
+    slot: str  # control segment name (locks and the header)
+    capacity: int  # payload bytes of the device buffer
+    device: str  # UUID of the GPU holding it
+    mem: bytes  # CUDA IPC memory handle of the allocation
+    size: int  # bytes of the storage inside the allocation
+    offset: int  # where the storage starts inside the allocation
+    refcount: bytes  # torch's IPC reference-count file (released by the writer at export)
+    refcount_offset: int
+    ready: bytes | None  # torch's event for the buffer's allocation (waited once, at open)
+    ready_sync: bool
+    event: bytes  # the slot's interprocess event: recorded after every fill
+
+    def to_plain(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
 
 
-def _import(exported: list[Any]) -> torch.Tensor:
-    args: list[Any] = []
-    for kind, value in exported:
-        if kind == "class":
-            if value not in _CLASSES:
-                raise WeightSyncError(f"refusing to rebuild a CUDA tensor with class {value!r}")
-            args.append(_CLASSES[value])
-        elif kind == "dtype":
-            args.append(_DTYPES[value])
-        elif kind == "size":
-            args.append(torch.Size(value))
-        elif kind == "tuple":
-            args.append(tuple(value))
-        else:
-            args.append(value)
-    return reductions.rebuild_cuda_tensor(*args)  # type: ignore[no-untyped-call,no-any-return]
+_HANDLE_TYPES: dict[str, tuple[type, ...]] = {
+    "slot": (str,),
+    "capacity": (int,),
+    "device": (str,),
+    "mem": (bytes,),
+    "size": (int,),
+    "offset": (int,),
+    "refcount": (bytes,),
+    "refcount_offset": (int,),
+    "ready": (bytes, type(None)),
+    "ready_sync": (bool,),
+    "event": (bytes,),
+}
+
+
+def parse_handle(handle: Any) -> SlotHandle:
+    """The :class:`SlotHandle` a manifest carries, or :class:`ManifestError` if it is not one."""
+    if type(handle) is not dict or set(handle) != set(_HANDLE_TYPES):
+        raise ManifestError(f"not a cuda-ipc slot handle: {handle!r:.120}")
+    for key, types in _HANDLE_TYPES.items():
+        if type(handle[key]) not in types:
+            raise ManifestError(f"cuda-ipc handle field {key!r} is a {type(handle[key]).__name__}")
+    for key in ("mem", "event"):
+        if len(handle[key]) != IPC_HANDLE_BYTES:
+            raise ManifestError(f"cuda-ipc handle field {key!r} is not a {IPC_HANDLE_BYTES}-byte IPC handle")
+    if handle["ready"] is not None and len(handle["ready"]) != IPC_HANDLE_BYTES:
+        raise ManifestError("cuda-ipc handle field 'ready' is not an IPC event handle")
+    if min(handle["capacity"], handle["size"], handle["offset"], handle["refcount_offset"]) < 0:
+        raise ManifestError("cuda-ipc handle sizes and offsets must be non-negative")
+    if handle["capacity"] > handle["size"]:
+        raise ManifestError("cuda-ipc handle: the slot is larger than its storage")
+    check_segment_name(handle["slot"])
+    return SlotHandle(**handle)
+
+
+def _slot_view(base: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    if spec.nbytes == 0:
+        return torch.empty(spec.shape, dtype=spec.torch_dtype, device=base.device)
+    return base.narrow(0, spec.offset, spec.nbytes).view(spec.torch_dtype).view(spec.shape)
+
+
+@dataclass(eq=False)
+class _DeviceSlot:
+    buffer: torch.Tensor  # uint8 [capacity] on the writer's GPU
+    event: torch.cuda.Event  # interprocess; recorded after each fill
+    handle: SlotHandle
 
 
 class CudaIpcWriter:
-    """Publisher side: device buffers per update, shared by IPC handle until released."""
+    """Publisher side: a pool of device slots on ``device`` (default: the current GPU)."""
 
-    def __init__(self, device: int | str | torch.device | None = None) -> None:
+    host_copy = False
+
+    def __init__(
+        self, slots: int = 2, lock_timeout: float = LOCK_TIMEOUT, device: int | str | torch.device | None = None
+    ) -> None:
         reason = probe()
         if reason:
             raise TransportBlocked("cuda-ipc", reason)
-        self.device = torch.device(device if device is not None else f"cuda:{torch.cuda.current_device()}")
-        self._live: dict[str, list[torch.Tensor]] = {}
+        self.lock_timeout = lock_timeout
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        if self.device.type != "cuda":
+            raise ValueError(f"a cuda-ipc publisher needs a CUDA device, not {self.device}")
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._uuid = device_uuid(self.device)
+        self._stream: torch.cuda.Stream | None = None
+        self._pool = SlotPool(slots, kind="g", payload_in_segment=False, allocate=self._allocate, free=self._free)
 
-    def write(
-        self, update_id: str, version: int, tensors: list[tuple[str, torch.Tensor]], with_checksums: bool
-    ) -> tuple[Any, list[TensorSpec]]:
-        specs, _ = layout(tensors)
-        buffers = [t.detach().to(self.device, copy=True).contiguous() for _, t in tensors]
-        torch.cuda.current_stream(self.device).synchronize()
-        if with_checksums:
-            specs = [replace(spec, checksum=checksum(buf)) for spec, buf in zip(specs, buffers, strict=True)]
-        self._live[update_id] = buffers
-        return [_export(buf) for buf in buffers], specs
+    @property
+    def segment_names(self) -> list[str]:
+        return self._pool.names
+
+    def _allocate(self, slot: Slot) -> None:
+        device = self.device
+        with torch.cuda.device(device):
+            buffer = torch.empty(max(slot.capacity, 1), dtype=torch.uint8, device=device)
+            shared = buffer.untyped_storage()._share_cuda_()  # type: ignore[attr-defined,no-untyped-call]
+            _, mem, size, offset, refcount, refcount_offset, ready, ready_sync = shared
+            # Readers are ordered by this transport's locks and events, not by torch's
+            # per-send reference counts: give the export's count back at once, so the
+            # buffer is freed like any other when the pool drops it.
+            try:
+                torch.UntypedStorage._release_ipc_counter_cuda(refcount, refcount_offset)  # type: ignore[attr-defined]
+            except (AttributeError, RuntimeError, TypeError) as exc:
+                log.warning("cuda-ipc: could not return torch's IPC reference count (%s)", exc)
+            event = torch.cuda.Event(interprocess=True)  # type: ignore[no-untyped-call]
+            event.record(torch.cuda.current_stream(device))
+            handle = SlotHandle(
+                slot.name,
+                slot.capacity,
+                self._uuid,
+                bytes(mem),
+                int(size),
+                int(offset),
+                bytes(refcount),
+                int(refcount_offset),
+                None if ready is None else bytes(ready),
+                bool(ready_sync),
+                bytes(event.ipc_handle()),  # type: ignore[no-untyped-call]
+            )
+        slot.storage = _DeviceSlot(buffer, event, handle)
+
+    def _free(self, slot: Slot) -> None:
+        slot.storage = None
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
+        return self._stream
+
+    def reserve(self, nbytes: int) -> Slot | None:
+        return self._pool.try_acquire(nbytes)
+
+    async def reserve_async(self, nbytes: int, timeout: float) -> Slot:
+        return await self._pool.acquire_async(nbytes, timeout)
+
+    def reserve_blocking(self, nbytes: int, timeout: float) -> Slot:
+        return self._pool.acquire(nbytes, timeout)
+
+    def fill(
+        self, slot: Slot, tensors: list[tuple[str, torch.Tensor]], specs: list[TensorSpec], with_checksums: bool
+    ) -> list[TensorSpec]:
+        device = self.device
+        storage: _DeviceSlot = slot.storage
+        side = self._side_stream()
+        current = torch.cuda.current_stream(device)
+        side.wait_stream(current)  # the sources as they are now, e.g. after the optimizer step
+        for other in {t.device for _, t in tensors if t.is_cuda and t.device != device}:
+            side.wait_stream(torch.cuda.current_stream(other))
+        dst, src = [], []
+        for spec, (_, tensor) in zip(specs, tensors, strict=True):
+            if spec.nbytes:
+                dst.append(_slot_view(storage.buffer, spec))
+                src.append(tensor.detach())
+        with torch.cuda.device(device), torch.cuda.stream(side):
+            copy_all(dst, src)
+            storage.event.record(side)
+        for tensor in src:
+            if tensor.device == device:
+                tensor.record_stream(side)  # a caller freeing a temporary source cannot hand it out mid-copy
+        current.wait_event(storage.event)  # later in-place updates of the sources wait for the copy
+        if not with_checksums:
+            return specs
+        storage.event.synchronize()
+        return [replace(spec, checksum=checksum(_slot_view(storage.buffer, spec))) for spec in specs]
+
+    def commit(self, slot: Slot, update_id: str, version: int, nbytes: int) -> dict[str, Any]:
+        self._pool.commit(slot, update_id, version, nbytes)
+        return slot.storage.handle.to_plain()  # type: ignore[no-any-return]
+
+    def abort(self, slot: Slot) -> None:
+        self._pool.abort(slot)
 
     def release(self, update_id: str) -> None:
-        self._live.pop(update_id, None)
+        self._pool.release(update_id)
 
     def reclaimed(self) -> list[str]:
-        return []
+        return self._pool.reclaimed()
 
     def close(self) -> None:
-        self._live.clear()
-        torch.cuda.empty_cache()
+        if self._stream is not None:
+            self._stream.synchronize()  # copies still queued write into buffers about to be freed
+        self._pool.close()
+        self._stream = None
+
+
+@dataclass(eq=False)
+class _OpenSlot:
+    mem: bytes  # the memory handle it was opened from
+    base: torch.Tensor  # uint8 view of the whole slot, in this process
+    event: torch.cuda.Event
+    device: int  # this process's index of the slot's GPU
 
 
 class CudaIpcReader:
-    """Consumer side: tensors rebuilt over the publisher's device memory."""
+    """Consumer side: slots opened once and cached; reads ordered after the writer's event."""
 
     def __init__(self) -> None:
         reason = probe()
         if reason:
             raise TransportBlocked("cuda-ipc", reason)
-        self._held: dict[str, dict[str, torch.Tensor]] = {}
+        self._holds = SlotHolds(map_payload=False, on_forget=self._forget)
+        self._open: dict[str, _OpenSlot] = {}
+        self._held: dict[str, str] = {}  # update_id -> slot name
+        self._devices: dict[str, int] | None = None  # GPU UUID -> this process's index
+
+    @property
+    def open_slots(self) -> int:
+        """Device slots this reader has mapped (each is one open CUDA IPC memory handle)."""
+        return len(self._open)
 
     def read(self, update_id: str, version: int, handle: Any, specs: tuple[TensorSpec, ...]) -> dict[str, torch.Tensor]:
-        if type(handle) is not list or len(handle) != len(specs):
-            raise WeightSyncError("malformed cuda-ipc handle list")
+        parsed = parse_handle(handle)
+        _, nbytes = self._holds.hold(parsed.slot, update_id, version)
         try:
-            tensors = {spec.name: _import(exported) for spec, exported in zip(specs, handle, strict=True)}
-        except RuntimeError as exc:  # the publisher released the buffers or exited
-            raise StaleUpdateError(f"could not open the CUDA IPC handles of update {update_id}: {exc}") from exc
-        self._held[update_id] = tensors
-        return dict(tensors)
+            check_specs(specs, min(nbytes, parsed.capacity))
+            opened = self._opened(parsed)
+            torch.cuda.current_stream(opened.device).wait_event(opened.event)
+            tensors = {spec.name: _slot_view(opened.base, spec) for spec in specs}
+        except BaseException:
+            self._holds.unhold(parsed.slot)
+            raise
+        self._held[update_id] = parsed.slot
+        return tensors
+
+    def _local_device(self, uuid: str) -> int:
+        if self._devices is None:
+            self._devices = {
+                device_uuid(torch.device("cuda", index)): index for index in range(torch.cuda.device_count())
+            }
+        index = self._devices.get(uuid)
+        if index is None:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<all>")
+            raise TransportBlocked(
+                "cuda-ipc",
+                f"the publisher's GPU {uuid} is not visible in this process (CUDA_VISIBLE_DEVICES={visible}); "
+                "CUDA IPC shares memory only between processes that can both see the GPU",
+            )
+        return index
+
+    def _opened(self, handle: SlotHandle) -> _OpenSlot:
+        opened = self._open.get(handle.slot)
+        if opened is not None and opened.mem == handle.mem:
+            return opened
+        if opened is not None:
+            self._forget(handle.slot)
+        device = self._local_device(handle.device)
+        try:
+            with torch.cuda.device(device):
+                storage = torch.UntypedStorage._new_shared_cuda(  # type: ignore[attr-defined]
+                    device,
+                    handle.mem,
+                    handle.size,
+                    handle.offset,
+                    handle.refcount,
+                    handle.refcount_offset,
+                    handle.ready,
+                    handle.ready_sync,
+                )
+                base = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", device)).set_(storage)
+                event = torch.cuda.Event.from_ipc_handle(device, handle.event)  # type: ignore[no-untyped-call]
+        except RuntimeError as exc:  # the publisher freed the slot or exited
+            raise StaleUpdateError(f"could not open CUDA IPC slot {handle.slot}: {exc}") from exc
+        if base.numel() < handle.capacity:
+            raise ManifestError(f"CUDA IPC slot {handle.slot} is smaller than its handle says")
+        opened = self._open[handle.slot] = _OpenSlot(handle.mem, base, event, device)
+        return opened
+
+    def _forget(self, name: str) -> None:
+        self._open.pop(name, None)
 
     def release(self, update_id: str) -> None:
-        self._held.pop(update_id, None)
+        name = self._held.pop(update_id, None)
+        if name is None:
+            return
+        opened = self._open.get(name)
+        if opened is not None:
+            # The writer may rewrite the slot as soon as the lock drops: our reads
+            # of it (installs, or generation over aliased weights) finish first.
+            torch.cuda.current_stream(opened.device).synchronize()
+        self._holds.unhold(name)
 
     def close(self) -> None:
+        for update_id in list(self._held):
+            try:
+                self.release(update_id)
+            except RuntimeError as exc:  # a device error must not keep the locks
+                log.warning("cuda-ipc: releasing %s: %s", update_id, exc)
         self._held.clear()
+        self._holds.close()
+        self._open.clear()
+

@@ -12,23 +12,46 @@ from typing import Any
 
 import torch
 
-from .._errors import StaleUpdateError, WeightSyncError
-from . import TensorSpec, checksum, layout
+from .._errors import ManifestError, StaleUpdateError, WeightSyncError
+from . import TensorSpec, check_specs, checksum
 
-# update_id -> tensors, shared by every writer and reader of this process.
+# update_id -> tensors, shared by every writer and reader of this process: the
+# transport's whole point is that both ends live here.
 _store: dict[str, dict[str, torch.Tensor]] = {}
 
 
 class LocalWriter:
-    def write(
-        self, update_id: str, version: int, tensors: list[tuple[str, torch.Tensor]], with_checksums: bool
-    ) -> tuple[Any, list[TensorSpec]]:
-        copies = {name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in tensors}
-        specs, _ = layout(list(copies.items()))
+    host_copy = True
+    lock_timeout = 0.0
+
+    def reserve(self, nbytes: int) -> dict[str, torch.Tensor]:
+        return {}
+
+    async def reserve_async(self, nbytes: int, timeout: float) -> dict[str, torch.Tensor]:
+        return {}
+
+    def reserve_blocking(self, nbytes: int, timeout: float) -> dict[str, torch.Tensor]:
+        return {}
+
+    def fill(
+        self,
+        copies: dict[str, torch.Tensor],
+        tensors: list[tuple[str, torch.Tensor]],
+        specs: list[TensorSpec],
+        with_checksums: bool,
+    ) -> list[TensorSpec]:
+        for name, tensor in tensors:
+            copies[name] = tensor.detach().to("cpu", copy=True).contiguous()
         if with_checksums:
             specs = [replace(spec, checksum=checksum(copies[spec.name])) for spec in specs]
+        return specs
+
+    def commit(self, copies: dict[str, torch.Tensor], update_id: str, version: int, nbytes: int) -> int:
         _store[update_id] = copies
-        return os.getpid(), specs
+        return os.getpid()
+
+    def abort(self, copies: dict[str, torch.Tensor]) -> None:
+        copies.clear()
 
     def release(self, update_id: str) -> None:
         _store.pop(update_id, None)
@@ -45,6 +68,8 @@ class LocalReader:
         self._held: set[str] = set()
 
     def read(self, update_id: str, version: int, handle: Any, specs: tuple[TensorSpec, ...]) -> dict[str, torch.Tensor]:
+        if type(handle) is not int:
+            raise ManifestError(f"a 'local' handle is the publishing pid, not {handle!r:.60}")
         if handle != os.getpid():
             raise WeightSyncError(
                 f"a 'local' update can only be imported in the process that published it (pid {handle}); use 'shm'"
@@ -52,6 +77,11 @@ class LocalReader:
         tensors = _store.get(update_id)
         if tensors is None:
             raise StaleUpdateError(f"update {update_id} is no longer held by its publisher")
+        check_specs(specs, 1 << 62)  # the bytes are private tensors: only their shapes and dtypes must agree
+        for spec in specs:
+            tensor = tensors.get(spec.name)
+            if tensor is None or tuple(tensor.shape) != spec.shape or tensor.dtype != spec.torch_dtype:
+                raise ManifestError(f"tensor {spec.name!r} does not match what update {update_id} holds")
         self._held.add(update_id)
         return dict(tensors)
 

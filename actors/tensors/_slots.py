@@ -1,0 +1,376 @@
+"""Slots: reusable storage for weight updates, arbitrated by ``flock`` on a control segment.
+
+Both shared-memory transports keep a bounded pool of *slots*. A slot is a
+POSIX shared-memory segment (``/dev/shm/actors-<session>-w<pid>-<kind><n>``)
+whose first page is a header (version and update id of the bytes in the
+slot); its payload follows the header (``shm``) or lives elsewhere, on a GPU
+(``cuda-ipc``). Who may touch a slot is decided by ``flock`` on that segment:
+
+* the writer takes an exclusive lock while it fills a slot, and only on a
+  slot no reader holds: a slot is never written while a consumer may read it;
+* a reader takes a shared lock from import until release; the kernel drops
+  it if the reader dies, so the slot is reclaimed without any heartbeat.
+
+A reader checks the header under its lock: a manifest whose slot now holds
+another version is refused (:class:`StaleUpdateError`), never read as a mix.
+A slot that is locked exclusively is being rewritten, so its old update is
+stale too: readers never wait for a writer.
+
+:class:`SlotPool` is the writer's side, :class:`SlotHolds` the reader's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import itertools
+import mmap
+import os
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .._errors import ManifestError, StaleUpdateError, WeightSyncError
+from .._runtime import current_runtime
+
+__all__ = [
+    "HEADER_BYTES",
+    "LOCK_TIMEOUT",
+    "SHM_DIR",
+    "Slot",
+    "SlotHolds",
+    "SlotPool",
+    "remove_segments",
+    "segment_prefix",
+]
+
+SHM_DIR = "/dev/shm"
+#: Bytes reserved at the start of a segment for the header (one page keeps a payload aligned).
+HEADER_BYTES = 4096
+_HEADER = struct.Struct("<8sqq64sq")  # magic, state, version, update id, payload bytes
+_MAGIC = b"ACTWGT01"
+_EMPTY, _READY = 0, 2
+#: How long a writer waits for a free slot by default.
+LOCK_TIMEOUT = 30.0
+#: Segment numbers are unique per process, across all its publishers.
+_segment_numbers = itertools.count()
+
+
+def segment_prefix(pid: int | None = None) -> str:
+    """``actors-<session>-w<pid>-``: every segment process ``pid`` publishes starts with it.
+
+    The session is this process's runtime session when there is one (its
+    forkserver removes the session's segments at teardown); a process
+    without a runtime uses a session of its own.
+    """
+    pid = os.getpid() if pid is None else pid
+    rt = current_runtime()
+    session = rt.session if rt is not None else f"actors-solo{os.getpid()}"
+    return f"{session}-w{pid}-"
+
+
+def remove_segments(session: str, pid: int) -> list[str]:
+    """Unlink every segment published by process ``pid`` of ``session`` (it has exited)."""
+    removed = []
+    prefix = f"{session}-w{pid}-"
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(SHM_DIR):
+            if name.startswith(prefix):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(SHM_DIR, name))
+                    removed.append(name)
+    return removed
+
+
+def _try_lock(fd: int, kind: int) -> bool:
+    try:
+        fcntl.flock(fd, kind | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+@dataclass(eq=False)
+class Slot:
+    """One slot of a writer's pool: its control segment, payload capacity and contents."""
+
+    name: str
+    fd: int
+    mm: mmap.mmap
+    capacity: int  # payload bytes the slot holds
+    storage: Any = None  # the transport's payload storage, when it is not inside the segment
+    update_id: str | None = None
+    version: int = -1
+    released: bool = True
+
+
+class SlotPool:
+    """The writer's pool: at most ``max_slots`` slots, reused across versions.
+
+    ``payload_in_segment`` puts the payload after the header (``shm``);
+    otherwise ``allocate(slot)`` attaches storage of ``slot.capacity`` bytes
+    and ``free(slot)`` drops it (``cuda-ipc``).
+    """
+
+    def __init__(
+        self,
+        max_slots: int,
+        *,
+        kind: str = "",
+        payload_in_segment: bool = True,
+        allocate: Callable[[Slot], None] | None = None,
+        free: Callable[[Slot], None] | None = None,
+    ) -> None:
+        if type(max_slots) is not int or max_slots < 1:
+            raise ValueError(f"a publisher needs at least one slot, not {max_slots!r}")
+        self.max_slots = max_slots
+        self._prefix = segment_prefix() + kind
+        self._inline = payload_in_segment
+        self._allocate = allocate
+        self._free = free
+        self._slots: list[Slot] = []
+        self._newest: str | None = None
+        self._reclaimed: list[str] = []
+
+    @property
+    def names(self) -> list[str]:
+        return [slot.name for slot in self._slots]
+
+    def try_acquire(self, nbytes: int) -> Slot | None:
+        """An exclusively locked slot for ``nbytes`` of payload, or None while readers hold them all.
+
+        Preference keeps in-flight manifests importable as long as possible:
+        released slots, then a new slot while the pool has room, then
+        superseded updates (oldest first), and the newest update last.
+        """
+        released = [s for s in self._slots if s.released]
+        superseded = sorted(
+            (s for s in self._slots if not s.released and s.update_id != self._newest), key=lambda s: s.version
+        )
+        newest = [s for s in self._slots if not s.released and s.update_id == self._newest]
+        for group in (released, None, superseded, newest):
+            if group is None:
+                if len(self._slots) < self.max_slots:
+                    return self._create(nbytes)
+                continue
+            for slot in group:
+                if _try_lock(slot.fd, fcntl.LOCK_EX):  # no reader holds it
+                    return self._claim(slot, nbytes)
+        return None
+
+    def acquire(self, nbytes: int, timeout: float) -> Slot:
+        """:meth:`try_acquire`, blocking this thread up to ``timeout`` s (callers outside an event loop)."""
+        deadline = time.monotonic() + timeout
+        delay = 0.0005
+        while (slot := self.try_acquire(nbytes)) is None:
+            if time.monotonic() >= deadline:
+                raise self.exhausted(timeout)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
+        return slot
+
+    async def acquire_async(self, nbytes: int, timeout: float) -> Slot:
+        """:meth:`try_acquire`, awaiting up to ``timeout`` s; the event loop keeps running meanwhile."""
+        deadline = time.monotonic() + timeout
+        delay = 0.0005
+        while (slot := self.try_acquire(nbytes)) is None:
+            if time.monotonic() >= deadline:
+                raise self.exhausted(timeout)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.01)
+        return slot
+
+    def exhausted(self, timeout: float) -> WeightSyncError:
+        return WeightSyncError(
+            f"all {self.max_slots} weight slots stayed held by consumers for {timeout:g}s; "
+            "consumers must release imported updates, or publish with more slots"
+        )
+
+    def payload(self, slot: Slot) -> mmap.mmap:
+        """The mapping whose bytes from :data:`HEADER_BYTES` on are the slot's payload (``shm``)."""
+        return slot.mm
+
+    def commit(self, slot: Slot, update_id: str, version: int, nbytes: int) -> None:
+        """The payload is in place (or its copy is ordered before any read): readers may take it."""
+        _HEADER.pack_into(slot.mm, 0, _MAGIC, _READY, version, update_id.encode(), nbytes)
+        fcntl.flock(slot.fd, fcntl.LOCK_UN)
+        slot.update_id, slot.version, slot.released = update_id, version, False
+        self._newest = update_id
+
+    def abort(self, slot: Slot) -> None:
+        """Give back a slot that was acquired but not committed; it holds nothing now."""
+        with contextlib.suppress(ValueError, OSError):
+            _HEADER.pack_into(slot.mm, 0, _MAGIC, _EMPTY, -1, b"", 0)
+            fcntl.flock(slot.fd, fcntl.LOCK_UN)
+        slot.update_id, slot.version, slot.released = None, -1, True
+
+    def _claim(self, slot: Slot, nbytes: int) -> Slot:
+        """Take over a locked slot: its old update is reclaimed; replaced if too small."""
+        if slot.update_id is not None and not slot.released:
+            self._reclaimed.append(slot.update_id)
+        _HEADER.pack_into(slot.mm, 0, _MAGIC, _EMPTY, -1, b"", 0)  # its old bytes are going away
+        slot.update_id, slot.version, slot.released = None, -1, True
+        if slot.capacity >= nbytes:
+            return slot
+        self._slots.remove(slot)
+        self._destroy(slot)
+        return self._create(nbytes)
+
+    def _create(self, nbytes: int) -> Slot:
+        name = f"{self._prefix}{next(_segment_numbers)}"
+        path = os.path.join(SHM_DIR, name)
+        size = HEADER_BYTES + (nbytes if self._inline else 0)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            slot = Slot(name, fd, mm, nbytes)
+            if self._allocate is not None:
+                self._allocate(slot)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
+        self._slots.append(slot)
+        return slot
+
+    def _destroy(self, slot: Slot) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(SHM_DIR, slot.name))
+        if self._free is not None:
+            self._free(slot)
+        with contextlib.suppress(BufferError):
+            slot.mm.close()
+        os.close(slot.fd)
+
+    def release(self, update_id: str) -> None:
+        for slot in self._slots:
+            if slot.update_id == update_id:
+                slot.released = True
+
+    def reclaimed(self) -> list[str]:
+        """Updates whose slot was taken over for a newer one since the last call."""
+        out, self._reclaimed = self._reclaimed, []
+        return out
+
+    def close(self) -> None:
+        for slot in self._slots:
+            self._destroy(slot)
+        self._slots.clear()
+
+
+class Mapping:
+    """The reader's mapping of one control segment, and how many held updates use it."""
+
+    __slots__ = ("fd", "holders", "mm", "name")
+
+    def __init__(self, name: str, fd: int, mm: mmap.mmap) -> None:
+        self.name = name
+        self.fd = fd
+        self.mm = mm
+        self.holders = 0
+
+
+def check_segment_name(handle: Any) -> str:
+    """``handle`` if it can name one of our segments, else :class:`ManifestError`."""
+    if type(handle) is not str or "/" in handle or not handle.startswith("actors-") or len(handle) > 200:
+        raise ManifestError(f"not a weight slot name: {handle!r:.80}")
+    return handle
+
+
+class SlotHolds:
+    """The reader's side: segments mapped read-only, a shared lock while any update in them is held.
+
+    ``map_payload`` maps the whole segment (``shm``: the payload follows the
+    header) rather than its header page alone. ``on_forget(name)`` runs when
+    a segment that nobody here holds is found removed by its publisher.
+    """
+
+    def __init__(self, *, map_payload: bool = True, on_forget: Callable[[str], None] | None = None) -> None:
+        self._map_payload = map_payload
+        self._on_forget = on_forget
+        self._maps: dict[str, Mapping] = {}
+
+    @property
+    def mapped(self) -> list[str]:
+        return list(self._maps)
+
+    def hold(self, name: str, update_id: str, version: int) -> tuple[Mapping, int]:
+        """Lock segment ``name`` shared for ``update_id``; returns its mapping and payload size.
+
+        Raises :class:`StaleUpdateError` when the segment no longer holds that
+        version (reused, being rewritten, or removed with its publisher).
+        """
+        mapping = self._map(check_segment_name(name))
+        if mapping.holders == 0 and not _try_lock(mapping.fd, fcntl.LOCK_SH):
+            raise StaleUpdateError(f"update {update_id} (version {version}): its slot is being rewritten")
+        mapping.holders += 1
+        try:
+            magic, state, slot_version, slot_id, total = _HEADER.unpack_from(mapping.mm, 0)
+            if magic != _MAGIC or state != _READY or slot_version != version or slot_id.rstrip(b"\0") != update_id.encode():
+                raise StaleUpdateError(
+                    f"update {update_id} (version {version}) was replaced in its slot by version {slot_version}"
+                )
+            if self._map_payload and HEADER_BYTES + total > len(mapping.mm):
+                raise ManifestError(f"slot {name} is shorter than the update it claims to hold")
+        except BaseException:
+            self.unhold(name)
+            raise
+        return mapping, int(total)
+
+    def _map(self, name: str) -> Mapping:
+        mapping = self._maps.get(name)
+        if mapping is not None:
+            return mapping
+        self.forget_unlinked()
+        try:
+            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
+        except FileNotFoundError:
+            raise StaleUpdateError(f"slot {name} no longer exists: its publisher released it or exited") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size < HEADER_BYTES:
+                raise ManifestError(f"{name} is not a weight slot ({size} bytes)")
+            length = size if self._map_payload else HEADER_BYTES
+            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if self._map_payload else 0)
+            mm = mmap.mmap(fd, length, flags=flags, prot=mmap.PROT_READ)
+        except BaseException:
+            os.close(fd)
+            raise
+        mapping = self._maps[name] = Mapping(name, fd, mm)
+        return mapping
+
+    def forget_unlinked(self) -> None:
+        """Unmap segments nobody here holds whose publisher has removed them."""
+        for name, mapping in list(self._maps.items()):
+            if mapping.holders == 0 and not os.path.exists(os.path.join(SHM_DIR, name)):
+                self._unmap(mapping)
+
+    def _unmap(self, mapping: Mapping) -> None:
+        del self._maps[mapping.name]
+        if self._on_forget is not None:
+            self._on_forget(mapping.name)
+        with contextlib.suppress(BufferError):  # tensors still alive keep the pages mapped
+            mapping.mm.close()
+        os.close(mapping.fd)
+
+    def unhold(self, name: str) -> None:
+        mapping = self._maps.get(name)
+        if mapping is None or mapping.holders == 0:
+            return
+        mapping.holders -= 1
+        if mapping.holders == 0:
+            fcntl.flock(mapping.fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        for mapping in list(self._maps.values()):
+            if mapping.holders:
+                mapping.holders = 0
+                with contextlib.suppress(OSError):
+                    fcntl.flock(mapping.fd, fcntl.LOCK_UN)
+            self._unmap(mapping)

@@ -1,0 +1,277 @@
+"""The rollout side of weight sync: import, install, acknowledge or reject, release."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import os
+import select
+
+import torch
+
+from .._errors import ChecksumError, LifecycleError, ManifestError, PublisherDied, WeightSyncError
+from ..tensors import Reader, TensorSpec, checksum, copy_all, dtype_name
+from ._manifest import WeightManifest, make_reader
+
+__all__ = ["PublisherWatch", "WeightConsumer", "fit"]
+
+_IMPORTED, _ACKNOWLEDGED, _REJECTED, _RELEASED = "imported", "acknowledged", "rejected", "released"
+
+
+class PublisherWatch:
+    """Whether the processes that published updates are alive, through Linux pidfds.
+
+    A pidfd turns readable the moment its process exits, so a death is seen
+    without polling or heartbeats, and an event loop can wait for it.
+    """
+
+    def __init__(self) -> None:
+        self._fds: dict[int, int] = {}
+        self.dead: set[int] = set()
+
+    def alive(self, pid: int) -> bool:
+        if pid == os.getpid():
+            return True
+        fd = self._fd(pid)
+        if fd is None:
+            return False
+        if select.select([fd], [], [], 0)[0]:
+            self._died(pid)
+            return False
+        return True
+
+    def _fd(self, pid: int) -> int | None:
+        if pid in self.dead:
+            return None
+        fd = self._fds.get(pid)
+        if fd is None:
+            try:
+                fd = self._fds[pid] = os.pidfd_open(pid)
+            except ProcessLookupError:
+                self.dead.add(pid)
+                return None
+        return fd
+
+    def _died(self, pid: int) -> None:
+        self.dead.add(pid)
+        fd = self._fds.pop(pid, None)
+        if fd is not None:
+            os.close(fd)
+
+    async def death(self, pid: int) -> None:
+        """Return once ``pid`` has exited (at once if it already has)."""
+        if pid == os.getpid():
+            await asyncio.get_running_loop().create_future()  # never: this process is alive while it waits
+        fd = self._fd(pid)
+        if fd is None:
+            return
+        loop = asyncio.get_running_loop()
+        exited: asyncio.Future[None] = loop.create_future()
+
+        def readable() -> None:
+            if not exited.done():
+                exited.set_result(None)
+
+        loop.add_reader(fd, readable)
+        try:
+            await exited
+        finally:
+            loop.remove_reader(fd)
+        self._died(pid)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def fit(manifest: WeightManifest, model: torch.nn.Module, strict: bool = True) -> dict[str, torch.Tensor]:
+    """The model's tensors that ``manifest`` updates, once every name, shape and dtype agrees.
+
+    Checked before anything is imported or written: a manifest that does not
+    fit raises :class:`ManifestError` and the model stays as it was.
+    """
+    state = model.state_dict()
+    specs: dict[str, TensorSpec] = {}
+    for spec in manifest.tensors if type(manifest.tensors) is tuple else ():
+        if type(spec) is not TensorSpec or type(spec.name) is not str:
+            raise ManifestError(f"update {manifest.update_id} holds a malformed tensor spec")
+        specs[spec.name] = spec
+    if strict:
+        missing, unexpected = sorted(state.keys() - specs.keys()), sorted(specs.keys() - state.keys())
+        if missing or unexpected:
+            raise ManifestError(
+                f"update {manifest.update_id} does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
+    targets = {}
+    for name, spec in specs.items():
+        target = state.get(name)
+        if target is None:
+            continue
+        shape = tuple(target.shape)
+        if spec.dtype != dtype_name(target.dtype) or spec.shape != shape:
+            raise ManifestError(
+                f"update {manifest.update_id}: tensor {name!r} is {spec.dtype}{list(spec.shape)}, "
+                f"the model's is {dtype_name(target.dtype)}{list(shape)}"
+            )
+        targets[name] = target
+    return targets
+
+
+class WeightConsumer:
+    """Rollout side: imports, installs, acknowledges or rejects, and releases updates.
+
+    ``verify_checksums`` checks every tensor that carries a checksum at import.
+    An update whose publisher has exited is refused with :class:`PublisherDied`;
+    the model keeps the weights it last installed.
+    """
+
+    def __init__(self, *, verify_checksums: bool = True, history: int = 4096) -> None:
+        self.verify_checksums = verify_checksums
+        self._readers: dict[str, Reader] = {}
+        self._state: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._reasons: dict[str, str] = {}
+        self._tensors: dict[str, dict[str, torch.Tensor]] = {}
+        self._history = history
+        self._aliased: str | None = None  # the update a module's parameters currently view
+        self.publishers = PublisherWatch()
+        self.installed_version: int | None = None
+        #: Pid of the publisher of the last update installed.
+        self.installed_from: int | None = None
+
+    def state(self, update_id: str) -> str | None:
+        """``imported``, ``acknowledged``, ``rejected``, ``released`` or None if unknown."""
+        return self._state.get(update_id)
+
+    def reader(self, transport: str) -> Reader:
+        reader = self._readers.get(transport)
+        if reader is None:
+            reader = self._readers[transport] = make_reader(transport)
+        return reader
+
+    def import_update(self, manifest: WeightManifest) -> dict[str, torch.Tensor]:
+        """The update's tensors, valid until :meth:`release` (views, for ``shm`` and ``cuda-ipc``)."""
+        if not isinstance(manifest, WeightManifest):
+            raise TypeError(f"expected a WeightManifest, got {type(manifest).__name__}")
+        update_id = manifest.update_id
+        state = self._state.get(update_id)
+        if state in (_RELEASED, _REJECTED):
+            raise LifecycleError(f"update {update_id} was already {state}; it cannot be imported")
+        if state is not None:
+            return dict(self._tensors[update_id])
+        if not self.publishers.alive(manifest.publisher_pid):
+            self.reject(update_id, "its publisher exited")
+            raise PublisherDied(
+                f"update {update_id} (version {manifest.version}): its publisher (pid {manifest.publisher_pid}) "
+                f"has exited; the installed weights (version {self.installed_version}) stay",
+                pid=manifest.publisher_pid,
+            )
+        reader = self.reader(manifest.transport)
+        tensors = reader.read(update_id, manifest.version, manifest.handle, manifest.tensors)
+        if self.verify_checksums:
+            for spec in manifest.tensors:
+                if spec.checksum is not None and checksum(tensors[spec.name]) != spec.checksum:
+                    reader.release(update_id)
+                    raise ChecksumError(f"tensor {spec.name!r} of update {update_id} does not match its checksum")
+        self._set(update_id, _IMPORTED)
+        self._tensors[update_id] = tensors
+        return dict(tensors)
+
+    def install(
+        self, manifest: WeightManifest, model: torch.nn.Module, *, strict: bool = True, alias: bool = False
+    ) -> None:
+        """Check the update fits, import, load into ``model`` and acknowledge; reject on any failure.
+
+        By default the tensors are copied into the module (one copy; device
+        to device for ``cuda-ipc``) and the caller releases the update
+        afterwards. With ``alias=True`` nothing is copied: the module's
+        parameters become views of the update's storage (read-only shared
+        memory for ``shm``, the publisher's device slot for ``cuda-ipc``), so
+        the module must only be read, and must be on the update's device. The
+        update then stays held until the next install replaces it (do not
+        release it yourself); publishers need one more slot than aliasing
+        consumers. A failed install leaves the module as it was.
+        """
+        previous = self._aliased
+        try:
+            targets = fit(manifest, model, strict)
+            tensors = self.import_update(manifest)
+            with torch.no_grad():
+                if alias:
+                    for name, target in targets.items():
+                        if tensors[name].device != target.device:
+                            raise WeightSyncError(
+                                f"an aliasing install needs the update on the model's device: {name!r} is on "
+                                f"{tensors[name].device}, the model on {target.device} (install with alias=False)"
+                            )
+                    model.load_state_dict(tensors, strict=strict, assign=True)
+                else:
+                    names = list(targets)
+                    copy_all([targets[n] for n in names], [tensors[n] for n in names])
+        except BaseException as exc:
+            if self._state.get(manifest.update_id) not in (_RELEASED, _REJECTED):
+                self.reject(manifest.update_id, f"{type(exc).__name__}: {exc}")
+            raise
+        self.acknowledge(manifest.update_id)
+        self.installed_version = manifest.version
+        self.installed_from = manifest.publisher_pid
+        self._aliased = manifest.update_id if alias else None
+        if previous is not None and previous != manifest.update_id:
+            self.release(previous)
+
+    def holds_alias(self, update_id: str) -> bool:
+        """True while a module's parameters are views of ``update_id``'s storage."""
+        return self._aliased == update_id
+
+    def acknowledge(self, update_id: str) -> None:
+        """The update is fully installed."""
+        state = self._state.get(update_id)
+        if state != _IMPORTED:
+            raise LifecycleError(
+                f"cannot acknowledge update {update_id} before it is imported (it is {state or 'unknown'})"
+            )
+        self._set(update_id, _ACKNOWLEDGED)
+
+    def reject(self, update_id: str, reason: str) -> None:
+        """The update will not be used (failed install, stale, superseded)."""
+        state = self._state.get(update_id)
+        if state in (_ACKNOWLEDGED, _RELEASED):
+            raise LifecycleError(f"cannot reject update {update_id}: it is {state}")
+        self._reasons[update_id] = reason
+        self._set(update_id, _REJECTED)
+
+    def rejection_reason(self, update_id: str) -> str | None:
+        return self._reasons.get(update_id)
+
+    def release(self, update_id: str, transport: str | None = None) -> None:
+        """Drop the update's storage; its tensors must not be used afterwards."""
+        if self._state.get(update_id) == _RELEASED:
+            return
+        if self._aliased == update_id:
+            self._aliased = None
+        self._tensors.pop(update_id, None)
+        for name, reader in self._readers.items():
+            if transport is None or name == transport:
+                reader.release(update_id)
+        self._set(update_id, _RELEASED)
+
+    def _set(self, update_id: str, state: str) -> None:
+        self._state[update_id] = state
+        self._state.move_to_end(update_id)
+        while len(self._state) > self._history:
+            old, old_state = self._state.popitem(last=False)
+            if old_state != _RELEASED:  # never forget something still held
+                self._state[old] = old_state
+                break
+            self._reasons.pop(old, None)
+
+    def close(self) -> None:
+        for update_id, state in list(self._state.items()):
+            if state != _RELEASED:
+                with contextlib.suppress(Exception):
+                    self.release(update_id)
+        for reader in self._readers.values():
+            reader.close()
+        self._readers.clear()
+        self.publishers.close()

@@ -1,0 +1,150 @@
+"""The actor pattern: a queue-backed ``update_weights`` endpoint and a loop that installs the newest."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+
+import torch
+
+from .._actor import Actor, endpoint
+from .._errors import CallTimeout, PublisherDied, StaleUpdateError
+from ._consumer import WeightConsumer
+from ._manifest import WeightManifest
+
+__all__ = ["ReceivesWeights", "WeightInbox"]
+
+
+class WeightInbox:
+    """Manifests waiting to be installed; newest wins, the rest are released.
+
+    ``put`` is all an ``update_weights`` endpoint does; the actor's own loop
+    calls :meth:`install_newest` between steps.
+    """
+
+    def __init__(self, consumer: WeightConsumer | None = None) -> None:
+        self.consumer = consumer or WeightConsumer()
+        self._queue: collections.deque[WeightManifest] = collections.deque()
+        self.superseded = 0
+        self._arrived: asyncio.Event | None = None
+        #: Pid of the publisher of the newest update seen (the one whose death :meth:`wait` watches).
+        self.publisher: int | None = None
+
+    def put(self, manifest: WeightManifest) -> None:
+        if not isinstance(manifest, WeightManifest):
+            raise TypeError(f"expected a WeightManifest, got {type(manifest).__name__}")
+        self._queue.append(manifest)
+        self.publisher = manifest.publisher_pid
+        if self._arrived is not None:
+            self._arrived.set()
+
+    async def wait(self, timeout: float) -> None:
+        """Wait until an update is waiting (at once if one is).
+
+        Raises :class:`CallTimeout` after ``timeout`` s, and
+        :class:`PublisherDied` as soon as the publisher of the updates seen
+        so far exits: no update can come from it any more, and the installed
+        weights stay as they are.
+        """
+        if self._queue:
+            return
+        if self._arrived is None:
+            self._arrived = asyncio.Event()
+        self._arrived.clear()
+        publisher = self.publisher if self.publisher is not None else self.consumer.installed_from
+        waiters: list[asyncio.Future[object]] = [asyncio.ensure_future(self._arrived.wait())]
+        if publisher is not None:
+            waiters.append(asyncio.ensure_future(self.consumer.publishers.death(publisher)))
+        try:
+            done, _ = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+            for waiter in waiters:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await waiter
+        if self._queue:
+            return
+        if not done:
+            raise CallTimeout(f"no weight update arrived within {timeout:g}s")
+        assert publisher is not None
+        raise PublisherDied(
+            f"the weight publisher (pid {publisher}) exited; the installed weights "
+            f"(version {self.consumer.installed_version}) stay",
+            pid=publisher,
+        )
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def take_newest(self) -> WeightManifest | None:
+        """The newest waiting manifest; every older one is rejected and released."""
+        if not self._queue:
+            return None
+        unique = {m.update_id: m for m in self._queue}  # the same update delivered twice is one update
+        self._queue.clear()
+        newest = max(unique.values(), key=lambda m: m.version)
+        for manifest in unique.values():
+            if manifest is not newest:
+                self._drop(manifest, f"superseded by version {newest.version}")
+        installed = self.consumer.installed_version
+        if installed is not None and newest.version <= installed:
+            self._drop(newest, f"not newer than installed version {installed}")
+            return None
+        return newest
+
+    def _drop(self, manifest: WeightManifest, reason: str) -> None:
+        self.superseded += 1
+        if self.consumer.state(manifest.update_id) is None:
+            self.consumer.reject(manifest.update_id, reason)
+        self.consumer.release(manifest.update_id, manifest.transport)
+
+    def install_newest(self, model: torch.nn.Module, *, alias: bool = False) -> WeightManifest | None:
+        """Install the newest waiting update into ``model``; None if there was none usable.
+
+        A stale update (its storage already reused for a newer version) is
+        rejected and skipped; any other failure (a dead publisher, a manifest
+        that does not fit) is raised after release, with the model unchanged.
+        With ``alias=True`` see :meth:`WeightConsumer.install`.
+        """
+        manifest = self.take_newest()
+        if manifest is None:
+            return None
+        try:
+            self.consumer.install(manifest, model, alias=alias)
+        except StaleUpdateError:
+            return None
+        finally:
+            if not self.consumer.holds_alias(manifest.update_id):
+                self.consumer.release(manifest.update_id, manifest.transport)
+        return manifest
+
+    def close(self) -> None:
+        for manifest in self._queue:
+            self._drop(manifest, "inbox closed")
+        self._queue.clear()
+        self.consumer.close()
+
+
+class ReceivesWeights(Actor):
+    """An actor base with a queue-backed ``update_weights`` endpoint.
+
+    Subclasses call ``self.weight_inbox.install_newest(model)`` from their
+    own loop; ``update_weights`` only enqueues and returns, so it is safe to
+    invoke fire-and-forget (``send(..., selection="choose")``).
+    """
+
+    @property
+    def weight_inbox(self) -> WeightInbox:
+        inbox: WeightInbox | None = self.__dict__.get("_weight_inbox")
+        if inbox is None:
+            inbox = self.__dict__["_weight_inbox"] = WeightInbox()
+        return inbox
+
+    @endpoint
+    async def update_weights(self, manifest: WeightManifest) -> None:
+        self.weight_inbox.put(manifest)
+
+    async def __cleanup__(self, exc: BaseException | None) -> None:
+        self.weight_inbox.close()

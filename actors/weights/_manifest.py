@@ -1,0 +1,84 @@
+"""The weight-update manifest, and the transports that carry its bytes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._errors import TransportBlocked
+from ..tensors import TRANSPORTS, Reader, TensorSpec, Writer, probe
+
+__all__ = ["WeightManifest", "available_transports", "make_reader", "make_writer"]
+
+
+@dataclass(frozen=True)
+class WeightManifest:
+    """One complete weight update, small enough to send anywhere.
+
+    ``handle`` is what the transport's reader needs (a segment name for
+    ``shm``, a device slot's IPC handles for ``cuda-ipc``, the publishing
+    pid for ``local``): plain values only, so it decodes in any process.
+    """
+
+    update_id: str
+    version: int
+    transport: str
+    tensors: tuple[TensorSpec, ...]
+    handle: Any
+    publisher_pid: int
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def total_nbytes(self) -> int:
+        return sum(spec.nbytes for spec in self.tensors)
+
+    @property
+    def names(self) -> list[str]:
+        return [spec.name for spec in self.tensors]
+
+
+def available_transports() -> dict[str, str]:
+    """Each transport's status on this machine: ``"pass"`` or ``"blocked: <reason>"``."""
+    return {name: "pass" if (reason := probe(name)) is None else f"blocked: {reason}" for name in TRANSPORTS}
+
+
+def _check_transport(transport: str) -> None:
+    if transport not in TRANSPORTS:
+        raise ValueError(f"unknown transport {transport!r}; choose one of {', '.join(TRANSPORTS)}")
+    reason = probe(transport)
+    if reason is not None:
+        raise TransportBlocked(transport, reason)
+
+
+def make_writer(transport: str, options: dict[str, Any]) -> Writer:
+    """The publisher side of ``transport``; ``options`` go to its constructor."""
+    _check_transport(transport)
+    if transport == "shm":
+        from ..tensors.shm import ShmWriter
+
+        return ShmWriter(**options)
+    if transport == "cuda-ipc":
+        from ..tensors.cuda_ipc import CudaIpcWriter
+
+        return CudaIpcWriter(**options)
+    from ..tensors.local import LocalWriter
+
+    if options:
+        raise TypeError(f"the local transport takes no options, got {sorted(options)}")
+    return LocalWriter()
+
+
+def make_reader(transport: str) -> Reader:
+    """The consumer side of ``transport``."""
+    _check_transport(transport)
+    if transport == "shm":
+        from ..tensors.shm import ShmReader
+
+        return ShmReader()
+    if transport == "cuda-ipc":
+        from ..tensors.cuda_ipc import CudaIpcReader
+
+        return CudaIpcReader()
+    from ..tensors.local import LocalReader
+
+    return LocalReader()

@@ -1,0 +1,224 @@
+"""The trainer's side of weight sync: publish versioned updates, release them."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+import weakref
+from typing import Any
+
+import torch
+
+from .._errors import LifecycleError, VersionError, WeightSyncError
+from ..tensors import TensorSpec, layout
+from ._manifest import WeightManifest, make_writer
+
+__all__ = ["WeightPublisher"]
+
+#: Host copies at least this large run on a worker thread under ``publish_async``.
+OFFLOAD_BYTES = 1 << 20
+
+
+def _named_tensors(source: torch.nn.Module | dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    state = source.state_dict() if isinstance(source, torch.nn.Module) else source
+    if not isinstance(state, dict):
+        raise TypeError(f"publish() takes a module or a state_dict, not {type(source).__name__}")
+    tensors = []
+    for name, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"state_dict entry {name!r} is a {type(value).__name__}, not a tensor")
+        tensors.append((str(name), value))
+    return tensors
+
+
+def _in_running_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+async def _to_thread_to_the_end(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` on a worker thread; a cancelled caller still waits for it to finish.
+
+    The copy writes into a reserved slot: the slot can only be given back
+    once nothing writes into it any more.
+    """
+    future = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(future)
+            break
+        except asyncio.CancelledError:
+            if future.done():
+                break
+            cancelled = True
+    if cancelled:
+        future.exception()  # retrieved: the cancellation is what the caller sees
+        raise asyncio.CancelledError
+    return result
+
+
+class WeightPublisher:
+    """Trainer side: publishes versioned updates and releases them.
+
+    At most ``keep`` updates stay unreleased: publishing beyond that releases
+    the oldest. Options of ``shm`` and ``cuda-ipc``: ``slots`` (pool size,
+    default 2; also the default ``keep``) and ``lock_timeout`` (how long a
+    publish waits for a consumer to free a slot, default 30 s); ``cuda-ipc``
+    also takes ``device`` (default: the current GPU). A slot whose update is
+    superseded is reused once no consumer holds it.
+
+    Inside an event loop use :meth:`publish_async`: waiting for a slot and a
+    large host copy then leave the loop running. :meth:`publish` never waits
+    for a slot on a running loop's thread: it raises instead.
+    """
+
+    def __init__(
+        self, transport: str = "shm", *, checksums: bool = False, keep: int | None = None, **options: Any
+    ) -> None:
+        self.transport = transport
+        self.checksums = checksums
+        self.keep = keep if keep is not None else int(options.get("slots", 2))
+        if self.keep < 1:
+            raise ValueError("keep must be at least 1")
+        self._writer = make_writer(transport, options)
+        self.timeout = float(getattr(self._writer, "lock_timeout", 0.0))
+        self._version: int | None = None
+        self._published: dict[str, int] = {}  # update_id -> version, until released
+        self._publishing = False
+        self.closed = False
+        # Storage is freed when the publisher is collected or the interpreter exits (Ctrl-C too).
+        self._finalizer = weakref.finalize(self, self._writer.close)
+
+    @property
+    def version(self) -> int | None:
+        """The last version published."""
+        return self._version
+
+    def _prepare(
+        self, model: torch.nn.Module | dict[str, Any], version: int
+    ) -> tuple[list[tuple[str, torch.Tensor]], list[TensorSpec], int]:
+        if self.closed:
+            raise WeightSyncError("this publisher is closed")
+        if self._publishing:
+            raise WeightSyncError("another publish() of this publisher is still in progress")
+        if type(version) is not int:
+            raise TypeError("version must be an int")
+        if self._version is not None and version <= self._version:
+            raise VersionError(f"version {version} does not increase on the last published version {self._version}")
+        tensors = _named_tensors(model)
+        specs, total = layout(tensors)
+        return tensors, specs, total
+
+    def publish(
+        self,
+        model: torch.nn.Module | dict[str, Any],
+        version: int,
+        metadata: dict[str, Any] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> WeightManifest:
+        """Copy ``model``'s tensors into the transport and describe them in a manifest.
+
+        Outside an event loop, waits up to ``timeout`` s (default
+        ``lock_timeout``) for a free slot. On a running loop's thread it never
+        waits: with every slot held it raises (use :meth:`publish_async`).
+        """
+        tensors, specs, total = self._prepare(model, version)
+        writer = self._writer
+        reservation = writer.reserve(total)
+        if reservation is None:
+            if _in_running_loop():
+                raise WeightSyncError(
+                    "every weight slot is held by a consumer, and publish() will not block a running event loop: "
+                    "use `await publisher.publish_async(...)`, which waits for a slot while the loop runs"
+                )
+            reservation = writer.reserve_blocking(total, self.timeout if timeout is None else timeout)
+        try:
+            with torch.no_grad():
+                specs = writer.fill(reservation, tensors, specs, self.checksums)
+        except BaseException:
+            writer.abort(reservation)
+            raise
+        return self._commit(reservation, version, specs, total, metadata)
+
+    async def publish_async(
+        self,
+        model: torch.nn.Module | dict[str, Any],
+        version: int,
+        metadata: dict[str, Any] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> WeightManifest:
+        """:meth:`publish` for code on an event loop: nothing here blocks the loop.
+
+        Waiting for a free slot is awaited (``WeightSyncError`` after
+        ``timeout`` s), and a host copy of 1 MiB or more runs on a worker
+        thread. ``cuda-ipc`` only enqueues device copies, so it never waits
+        on the GPU either. The model must not change until this returns.
+        """
+        tensors, specs, total = self._prepare(model, version)
+        writer = self._writer
+        self._publishing = True
+        try:
+            reservation = writer.reserve(total)
+            if reservation is None:
+                reservation = await writer.reserve_async(total, self.timeout if timeout is None else timeout)
+            try:
+                if writer.host_copy and total >= OFFLOAD_BYTES:
+                    specs = await _to_thread_to_the_end(self._fill_no_grad, reservation, tensors, specs)
+                else:
+                    specs = self._fill_no_grad(reservation, tensors, specs)
+            except BaseException:
+                writer.abort(reservation)
+                raise
+        finally:
+            self._publishing = False
+        return self._commit(reservation, version, specs, total, metadata)
+
+    def _fill_no_grad(self, reservation: Any, tensors: list[tuple[str, torch.Tensor]], specs: list[TensorSpec]) -> Any:
+        with torch.no_grad():
+            return self._writer.fill(reservation, tensors, specs, self.checksums)
+
+    def _commit(
+        self, reservation: Any, version: int, specs: list[TensorSpec], total: int, metadata: dict[str, Any] | None
+    ) -> WeightManifest:
+        update_id = f"{os.getpid()}-{version}-{uuid.uuid4().hex[:12]}"
+        handle = self._writer.commit(reservation, update_id, version, total)
+        self._version = version
+        for reclaimed in self._writer.reclaimed():  # storage the transport reused: released here too
+            self._published.pop(reclaimed, None)
+        self._published[update_id] = version
+        while len(self._published) > self.keep:
+            self.release(next(iter(self._published)))
+        return WeightManifest(
+            update_id, version, self.transport, tuple(specs), handle, os.getpid(), dict(metadata or {})
+        )
+
+    def release(self, update_id: str) -> None:
+        """The publisher is done with ``update_id``; its storage may be reused."""
+        if update_id not in self._published:
+            raise LifecycleError(f"update {update_id} is not published by this publisher (or already released)")
+        del self._published[update_id]
+        self._writer.release(update_id)
+
+    @property
+    def unreleased(self) -> list[str]:
+        return list(self._published)
+
+    def close(self) -> None:
+        """Release every update and free the transport's storage."""
+        if not self.closed:
+            self.closed = True
+            self._published.clear()
+            self._finalizer()
+
+    def __enter__(self) -> WeightPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

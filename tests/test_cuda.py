@@ -1,0 +1,170 @@
+"""GPU to GPU over cuda-ipc, placement on GPUs, and the pipeline on CUDA (skipped without a GPU).
+
+Run on a GPU machine with ``python -m pytest -m gpu``. Every test here is
+marked ``gpu``; on a machine without CUDA each is skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from support import CudaSink, CudaSource, Echo, filled_model
+
+from actors import (
+    ActorError,
+    ManifestError,
+    PublisherDied,
+    WeightInbox,
+    WeightPublisher,
+)
+
+pytestmark = pytest.mark.gpu
+
+
+def fill(model: torch.nn.Module, value: float) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(value)
+
+
+@pytest.mark.parametrize("alias", [False, True], ids=["copy", "alias"])
+async def test_updates_go_gpu_to_gpu_into_another_process(procs, alias):
+    sink = procs.spawn("sink", CudaSink).slice(procs=0)
+    model = filled_model(0.0).cuda()
+    with WeightPublisher("cuda-ipc", slots=3) as publisher:
+        for version in range(1, 8):
+            fill(model, float(version))
+            manifest = publisher.publish(model, version)
+            fill(model, -1.0)  # the trainer moves on at once: the copy is ordered before this write
+            report = await sink.install.call_one(manifest, alias)
+            assert report["version"] == version and report["values"] == [float(version)], report
+            assert report["device"].startswith("cuda")
+        assert report["open_slots"] <= 3, "each slot is opened once, then reused"
+    assert await sink.close_inbox.call_one() == 0, "no IPC handle stays open"
+
+
+async def test_publish_never_synchronizes_the_device(procs, monkeypatch):
+    sink = procs.spawn("sink", CudaSink).slice(procs=0)
+    model = filled_model(1.0).cuda()
+    with WeightPublisher("cuda-ipc", slots=2) as publisher:
+        publisher.publish(model, 1)  # allocates the first slot (its setup may wait)
+        publisher.publish(model, 2)
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("publish waited for the GPU")
+
+        monkeypatch.setattr(torch.cuda, "synchronize", refuse)
+        monkeypatch.setattr(torch.cuda.Stream, "synchronize", refuse)
+        monkeypatch.setattr(torch.cuda.Event, "synchronize", refuse)
+        started = time.perf_counter()
+        manifests = [await publisher.publish_async(model, version) for version in range(3, 13)]
+        stall = (time.perf_counter() - started) / 10
+        monkeypatch.undo()
+        report = await sink.install.call_one(manifests[-1], False)
+        assert report["values"] == [1.0] and report["version"] == 12
+        assert stall < 0.01, f"publish stalled the trainer for {stall * 1000:.2f} ms"
+
+
+async def test_a_consumer_reopens_slots_only_when_the_layout_changes(procs):
+    sink = procs.spawn("sink", CudaSink).slice(procs=0)
+    with WeightPublisher("cuda-ipc", slots=2) as publisher:
+        small = filled_model(1.0).cuda()
+        opened = [await sink.touch.call_one(publisher.publish(small, v)) for v in range(1, 21)]
+        assert max(opened) == 2, opened
+        big = filled_model(1.0, width=512).cuda()  # larger than either slot: both are replaced
+        opened = [await sink.touch.call_one(publisher.publish(big, v)) for v in range(21, 41)]
+        assert opened[-1] == 2, "the old slots were forgotten, the new ones opened once each"
+    assert await sink.close_inbox.call_one() == 0
+
+
+async def test_a_thousand_updates_keep_gpu_memory_flat_on_both_sides(procs):
+    sink = procs.spawn("sink", CudaSink, 256).slice(procs=0)
+    model = filled_model(0.0, width=256).cuda()
+    before = torch.cuda.memory_allocated()
+    with WeightPublisher("cuda-ipc", slots=3) as publisher:
+        reports = []
+        for version in range(1, 1001):
+            fill(model, float(version % 7))
+            reports.append(await sink.install.call_one(await publisher.publish_async(model, version), version % 2 == 0))
+            if version == 20:
+                publisher_after_warmup = torch.cuda.memory_allocated()
+        assert torch.cuda.memory_allocated() == publisher_after_warmup, "the publisher allocates nothing per update"
+        assert reports[-1]["allocated"] == reports[19]["allocated"], "the consumer allocates nothing per update"
+        assert max(r["open_slots"] for r in reports) <= 3
+    assert torch.cuda.memory_allocated() == before, "closing the publisher frees its slots"
+    assert await sink.close_inbox.call_one() == 0
+
+
+async def test_a_dead_publisher_leaves_the_last_good_weights_installed(procs):
+    source = procs.spawn("source", CudaSource).slice(procs=1)
+    inbox = WeightInbox()
+    model = filled_model(0.0).cuda()
+    inbox.put(await source.publish.call_one(1))
+    assert inbox.install_newest(model) is not None
+    os.kill(inbox.publisher, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(PublisherDied):
+        await inbox.wait(30)
+    assert time.monotonic() - started < 1.0
+    assert all(bool((p == 1.0).all()) for p in model.parameters())
+    inbox.close()
+
+
+async def test_wrong_handles_and_invisible_gpus_are_refused(procs):
+    sink = procs.spawn("sink", CudaSink).slice(procs=0)
+    model = filled_model(3.0).cuda()
+    with WeightPublisher("cuda-ipc", slots=2) as publisher:
+        manifest = publisher.publish(model, 1)
+        elsewhere = dataclasses.replace(manifest, handle={**manifest.handle, "device": "GPU-not-here"})
+        with pytest.raises(ActorError) as info:
+            await sink.install.call_one(elsewhere, False)
+        assert info.value.exception_type.endswith("TransportBlocked") and "not visible" in info.value.message
+        broken = dataclasses.replace(manifest, handle={**manifest.handle, "mem": b"x"})
+        with pytest.raises(ActorError) as info:
+            await sink.install.call_one(broken, False)
+        assert info.value.exception_type.endswith("ManifestError")
+        report = await sink.install.call_one(manifest, False)
+        assert report["values"] == [3.0], "a refused manifest installs nothing; the good one still works"
+    consumer = WeightInbox().consumer
+    with pytest.raises(ManifestError):
+        consumer.import_update(dataclasses.replace(manifest, handle=[1]))
+    consumer.close()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+async def test_across_two_gpus_of_one_host(procs):
+    sink = procs.spawn("sink", CudaSink, 64, "cuda:0").slice(procs=0)
+    model = filled_model(4.0).to("cuda:1")
+    with WeightPublisher("cuda-ipc", slots=2, device="cuda:1") as publisher:
+        report = await sink.install.call_one(publisher.publish(model, 1), False)
+        assert report["values"] == [4.0] and report["device"] == "cuda:0"
+        with pytest.raises(ActorError, match="aliasing install needs the update on the model's device"):
+            await sink.install.call_one(publisher.publish(model, 2), True)
+
+
+async def test_a_gpus_mesh_gives_each_process_one_device(spawn):
+    mesh = spawn(gpus=1)
+    seen = await mesh.spawn("echo", Echo).getenv.call_one("CUDA_VISIBLE_DEVICES")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    assert seen == (visible.split(",")[0] if visible else "0")
+
+
+def test_the_pipeline_trains_on_the_gpu_over_cuda_ipc(tmp_path):
+    run_dir = tmp_path / "run"
+    flags = ["--device", "cuda", "--transport", "cuda-ipc", "--steps", "200", "--quiet", "--run-dir", str(run_dir)]
+    out = subprocess.run(
+        [sys.executable, "-m", "pipeline.grpo", *flags],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "done: 200 steps" in out.stdout
+    assert (run_dir / "metrics.jsonl").exists()

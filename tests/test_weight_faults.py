@@ -1,0 +1,187 @@
+"""Bad manifests and dead publishers: a clear error, and the model keeps its last good weights."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import time
+
+import pytest
+import torch
+from support import WeightSource, filled_model
+
+from actors import (
+    CallTimeout,
+    ManifestError,
+    PublisherDied,
+    StaleUpdateError,
+    WeightConsumer,
+    WeightInbox,
+    WeightPublisher,
+)
+from actors.tensors.cuda_ipc import IPC_HANDLE_BYTES, parse_handle
+
+
+def all_equal(model: torch.nn.Module, value: float) -> bool:
+    return all(bool((p == value).all()) for p in model.state_dict().values())
+
+
+@pytest.fixture
+def published():
+    with WeightPublisher("shm", slots=3) as publisher:
+        yield publisher.publish(filled_model(1.0), 1)
+
+
+def spec_changed(manifest, **changes):
+    first = dataclasses.replace(manifest.tensors[0], **changes)
+    return dataclasses.replace(manifest, tensors=(first, *manifest.tensors[1:]))
+
+
+@pytest.mark.parametrize(
+    ("target", "match"),
+    [
+        (lambda: filled_model(5.0, width=32), "does not fit|is float32"),  # other shapes
+        (lambda: filled_model(5.0).double(), "is float32.*float64"),  # other dtype
+        (lambda: torch.nn.Linear(64, 64), "missing|unexpected"),  # other names
+    ],
+)
+def test_a_manifest_that_does_not_fit_the_model_installs_nothing(published, target, match):
+    model = target()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    consumer = WeightConsumer()
+    with pytest.raises(ManifestError, match=match):
+        consumer.install(published, model)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()), "nothing was written"
+    assert consumer.state(published.update_id) == "rejected"
+    consumer.close()
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"nbytes": 4}, "bytes cannot hold"),
+        ({"offset": 1 << 40}, "outside its slot"),
+        ({"offset": 3}, "outside its slot"),
+        ({"stride": (1, 1)}, "contiguous stride"),
+        ({"checksum": "x"}, "checksum"),
+    ],
+)
+def test_a_malformed_spec_is_refused_before_a_byte_is_read(published, changes, match):
+    model = filled_model(5.0)
+    consumer = WeightConsumer()
+    with pytest.raises(ManifestError, match=match):
+        consumer.install(spec_changed(published, **changes), model)
+    assert all_equal(model, 5.0)
+    consumer.close()
+
+
+def test_bytes_of_one_dtype_described_as_another_are_refused(published):
+    model = filled_model(5.0).double()
+    lying = dataclasses.replace(
+        published, tensors=tuple(dataclasses.replace(spec, dtype="float64") for spec in published.tensors)
+    )
+    consumer = WeightConsumer()
+    with pytest.raises(ManifestError, match="bytes cannot hold"):
+        consumer.install(lying, model)
+    assert all_equal(model, 5.0)
+    consumer.close()
+
+
+@pytest.mark.parametrize(
+    ("handle", "error"),
+    [
+        (42, ManifestError),
+        ("../../etc/passwd", ManifestError),
+        ("actors-no-such-segment", StaleUpdateError),
+    ],
+)
+def test_a_wrong_handle_is_refused(published, handle, error):
+    model = filled_model(5.0)
+    consumer = WeightConsumer()
+    with pytest.raises(error):
+        consumer.install(dataclasses.replace(published, handle=handle), model)
+    assert all_equal(model, 5.0)
+    consumer.close()
+
+
+def test_a_handle_naming_another_update_slot_is_stale():
+    with WeightPublisher("shm", slots=3) as publisher:
+        first = publisher.publish(filled_model(1.0), 1)
+        second = publisher.publish(filled_model(2.0), 2)
+        model = filled_model(5.0)
+        consumer = WeightConsumer()
+        with pytest.raises(StaleUpdateError):
+            consumer.install(dataclasses.replace(first, handle=second.handle), model)
+        assert all_equal(model, 5.0)
+        consumer.close()
+
+
+def good_cuda_handle() -> dict:
+    return {
+        "slot": "actors-x-w1-g0",
+        "capacity": 128,
+        "device": "GPU-0",
+        "mem": bytes(IPC_HANDLE_BYTES),
+        "size": 256,
+        "offset": 0,
+        "refcount": b"/torch_1",
+        "refcount_offset": 0,
+        "ready": None,
+        "ready_sync": False,
+        "event": bytes(IPC_HANDLE_BYTES),
+    }
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"mem": b"short"},
+        {"event": None},
+        {"capacity": 512},
+        {"offset": -1},
+        {"slot": "/dev/shm/x"},
+        {"extra": 1},
+        {"ready": b"xx"},
+    ],
+)
+def test_malformed_cuda_ipc_handles_are_refused_without_a_gpu(change):
+    assert parse_handle(good_cuda_handle()).capacity == 128
+    with pytest.raises(ManifestError):
+        parse_handle({**good_cuda_handle(), **change})
+    with pytest.raises(ManifestError):
+        parse_handle([1, 2, 3])
+
+
+@pytest.mark.parametrize("alias", [False, True], ids=["copy", "alias"])
+async def test_a_dead_publisher_ends_the_wait_and_the_model_keeps_its_weights(procs, alias):
+    source = procs.spawn("source", WeightSource).slice(procs=0)
+    first = await source.publish.call_one(1)
+    second = await source.publish.call_one(2)
+    inbox = WeightInbox()
+    model = filled_model(0.0)
+    inbox.put(first)
+    assert inbox.install_newest(model, alias=alias) is first
+    assert all_equal(model, 1.0)
+    os.kill(first.publisher_pid, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(PublisherDied, match=f"pid {first.publisher_pid}"):
+        await inbox.wait(30)
+    assert time.monotonic() - started < 1.0, "the death is seen at once, not after the timeout"
+    assert all_equal(model, 1.0), "the last good weights stay"
+    inbox.put(second)  # published before the death, delivered after it
+    with pytest.raises(PublisherDied):
+        inbox.install_newest(model, alias=alias)
+    assert all_equal(model, 1.0)
+    assert inbox.consumer.installed_version == 1
+    inbox.close()
+
+
+async def test_waiting_for_an_update_still_times_out_while_the_publisher_lives(procs):
+    source = procs.spawn("source", WeightSource).slice(procs=0)
+    inbox = WeightInbox()
+    inbox.put(await source.publish.call_one(1))
+    inbox.install_newest(filled_model(0.0))
+    with pytest.raises(CallTimeout):
+        await inbox.wait(0.2)
+    inbox.close()

@@ -1,0 +1,101 @@
+"""Publishing never stalls the publisher's event loop: slot waits are awaited, big copies run off it."""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import time
+
+import pytest
+import torch
+from support import Heartbeat, filled_model
+
+from actors import WeightConsumer, WeightPublisher, WeightSyncError
+from actors.tensors.shm import SHM_DIR
+
+#: The contract: a 1 ms heartbeat on the publisher's loop never misses by this much.
+MAX_GAP = 0.1
+
+
+async def test_publish_async_waits_for_a_held_slot_while_the_loop_beats():
+    with WeightPublisher("shm", slots=1, lock_timeout=10) as publisher:
+        consumer = WeightConsumer()
+        held = publisher.publish(filled_model(1.0), 1)
+        consumer.import_update(held)  # the only slot is now held by a reader
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.3, consumer.release, held.update_id)
+        async with Heartbeat() as beat:
+            started = time.monotonic()
+            manifest = await publisher.publish_async(filled_model(2.0), 2)
+            waited = time.monotonic() - started
+        assert manifest.handle == held.handle, "the released slot is reused"
+        assert waited >= 0.25, "publish_async waited for the reader to release"
+        assert beat.worst < MAX_GAP, f"the loop stalled for {beat.worst * 1000:.0f} ms while publish waited"
+        assert beat.beats > 50
+        consumer.close()
+
+
+async def test_publish_async_gives_up_at_its_deadline_and_the_loop_keeps_beating():
+    with WeightPublisher("shm", slots=1) as publisher:
+        consumer = WeightConsumer()
+        consumer.import_update(publisher.publish(filled_model(1.0), 1))
+        async with Heartbeat() as beat:
+            started = time.monotonic()
+            with pytest.raises(WeightSyncError, match="held by consumers"):
+                await publisher.publish_async(filled_model(2.0), 2, timeout=0.3)
+            assert 0.25 <= time.monotonic() - started < 2.0
+        assert beat.worst < MAX_GAP
+        assert publisher.version == 1, "a publish that timed out publishes nothing"
+        consumer.close()
+        assert (await publisher.publish_async(filled_model(3.0), 3)).version == 3
+
+
+async def test_plain_publish_on_a_running_loop_refuses_to_wait():
+    with WeightPublisher("shm", slots=1, lock_timeout=30) as publisher:
+        consumer = WeightConsumer()
+        consumer.import_update(publisher.publish(filled_model(1.0), 1))
+        started = time.monotonic()
+        with pytest.raises(WeightSyncError, match="publish_async"):
+            publisher.publish(filled_model(2.0), 2)
+        assert time.monotonic() - started < 0.5, "it raised at once instead of blocking the loop"
+        consumer.close()
+
+
+async def test_a_large_host_copy_runs_off_the_loop():
+    state = {f"w{i}": torch.full((8 * 1024 * 1024,), float(i)) for i in range(8)}  # 256 MiB
+    with WeightPublisher("shm", slots=2) as publisher:
+        await publisher.publish_async(state, 1)  # first touch of the slot's pages, not measured
+        async with Heartbeat() as beat:
+            manifest = await publisher.publish_async(state, 2)
+        assert beat.worst < MAX_GAP, f"the loop stalled for {beat.worst * 1000:.0f} ms during a 256 MiB copy"
+        consumer = WeightConsumer()
+        tensors = consumer.import_update(manifest)
+        assert all(bool((tensors[f"w{i}"] == float(i)).all()) for i in range(8))
+        consumer.close()
+
+
+async def test_a_cancelled_publish_gives_its_slot_back():
+    state = {"w": torch.ones(16 * 1024 * 1024)}  # 64 MiB: copied on a worker thread
+    with WeightPublisher("shm", slots=1) as publisher:
+        task = asyncio.ensure_future(publisher.publish_async(state, 1))
+        await asyncio.sleep(0)  # the copy has started on its thread
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert publisher.version is None and not publisher.unreleased
+        manifest = await asyncio.wait_for(publisher.publish_async(state, 2), 10)
+        assert manifest.version == 2
+        consumer = WeightConsumer()
+        assert bool((consumer.import_update(manifest)["w"] == 1.0).all())
+        consumer.close()
+    assert not glob.glob(f"{SHM_DIR}/{manifest.handle}")
+
+
+async def test_concurrent_publishes_of_one_publisher_are_refused():
+    state = {"w": torch.ones(4 * 1024 * 1024)}
+    with WeightPublisher("shm", slots=2) as publisher:
+        first = asyncio.ensure_future(publisher.publish_async(state, 1))
+        await asyncio.sleep(0)
+        with pytest.raises(WeightSyncError, match="in progress"):
+            await publisher.publish_async(state, 2)
+        assert (await first).version == 1
