@@ -1,12 +1,15 @@
 """The GRPO pipeline against the same GRPO trained in one process, side by side.
 
     python benchmarks/bench_grpo.py [--steps 2000] [--seeds 0 1 2] [--mode async]
+    python benchmarks/bench_grpo.py --device cuda --transport cuda-ipc   # on a GPU
 
 For each seed, runs ``python -m pipeline.grpo``'s pipeline (default flags)
 and the one-process, on-policy loop with the same task and seed. Prints
 trainer steps/s of both and their ratio (target >= 0.4), the final
 normalized scores (target: pipeline mean >= 0.8 and within 0.05 of the
-one-process mean), startup and stop times, and one JSON line.
+one-process mean), startup and stop times, the weight-sync time per update
+(the trainer's publish plus the send of the manifest, median over steps),
+and one JSON line.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 import uvloop
 
 from pipeline import Config, run_pipeline, train_one_process
+from pipeline.metrics import read_rows
 
 
 def main() -> None:
@@ -28,9 +32,12 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--mode", choices=["async", "sync"], default="async")
     parser.add_argument("--generators", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="device of every role (cpu, cuda, cuda:N)")
+    parser.add_argument("--transport", default="shm", choices=["shm", "cuda-ipc"])
     args = parser.parse_args()
     torch.set_num_threads(1)  # the same single-threaded torch the actors use
     rows = []
+    sync_ms: list[float] = []
     for seed in args.seeds:
         config = Config(
             steps=args.steps,
@@ -38,13 +45,17 @@ def main() -> None:
             mode=args.mode,
             generators=args.generators,
             run_dir=tempfile.mkdtemp(prefix="bench-grpo-"),
+            device=args.device,
+            transport=args.transport,
         )
         one = train_one_process(config)
         result = uvloop.run(run_pipeline(config, quiet=True))
         rows.append((seed, result, one))
+        sync_ms.append(statistics.median(r["weight_sync_ms"] for r in read_rows(config.run_dir)))
         print(
             f"seed {seed}: pipeline {result.steps_per_second:6.0f} steps/s score {result.score:.3f} "
-            f"(dropped {result.dropped}, startup {result.startup_seconds:.2f}s, stop {result.stop_seconds:.2f}s) | "
+            f"(dropped {result.dropped}, startup {result.startup_seconds:.2f}s, stop {result.stop_seconds:.2f}s, "
+            f"weight sync {sync_ms[-1]:.3f} ms) | "
             f"one process {one.steps_per_second:6.0f} steps/s score {one.score:.3f}"
         )
     pipe_rate = statistics.median(r.steps_per_second for _, r, _ in rows)
@@ -62,6 +73,9 @@ def main() -> None:
             {
                 "bench": "grpo",
                 "mode": args.mode,
+                "device": args.device,
+                "transport": args.transport,
+                "weight_sync_ms": round(statistics.median(sync_ms), 3),
                 "generators": args.generators,
                 "steps": args.steps,
                 "seeds": args.seeds,

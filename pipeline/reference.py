@@ -29,14 +29,15 @@ class ReferenceResult:
 
 
 def train_one_process(config: Config) -> ReferenceResult:
-    """Generate, score, reference and train in one loop; returns the final normalized score."""
+    """Generate, score, reference and train in one loop on the trainer's device; returns the final score."""
     task = load_task(config)
+    device = torch.device(config.device_of("trainer"))
     torch.manual_seed(config.seed)
-    policy = task.build_policy()
+    policy = task.build_policy().to(device)
     ref = copy.deepcopy(policy).requires_grad_(False)
-    reward_net = task.build_reward()
+    reward_net = task.build_reward().to(device)
     optim = torch.optim.Adam(policy.parameters(), lr=config.lr)
-    rng = torch.Generator().manual_seed(1_000_003 * (config.seed + 1) + 7_919)
+    rng = torch.Generator(device=device).manual_seed(1_000_003 * (config.seed + 1) + 7_919)
     start = time.perf_counter()
     for _ in range(config.steps):
         state = task.sample_state(rng)
@@ -49,5 +50,5 @@ def train_one_process(config: Config) -> ReferenceResult:
         out.loss.backward()  # type: ignore[no-untyped-call]
         optim.step()
     seconds = time.perf_counter() - start
-    score = task.normalized_score(policy, reward_net, task.eval_states(config.eval_states))
+    score = task.normalized_score(policy, reward_net, task.eval_states(config.eval_states).to(device))
     return ReferenceResult(config.steps, seconds, score)

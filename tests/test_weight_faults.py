@@ -121,13 +121,12 @@ def good_cuda_handle() -> dict:
     return {
         "slot": "actors-x-w1-g0",
         "capacity": 128,
-        "device": "GPU-0",
-        "mem": bytes(IPC_HANDLE_BYTES),
+        "device": "8d0c-uuid",
+        "pid": 1234,
+        "mem": bytes(66),
         "size": 256,
         "offset": 0,
-        "refcount": b"/torch_1",
-        "refcount_offset": 0,
-        "ready": None,
+        "ready": bytes(IPC_HANDLE_BYTES),
         "ready_sync": False,
         "event": bytes(IPC_HANDLE_BYTES),
     }
@@ -136,8 +135,10 @@ def good_cuda_handle() -> dict:
 @pytest.mark.parametrize(
     "change",
     [
-        {"mem": b"short"},
+        {"mem": b"x"},
         {"event": None},
+        {"event": bytes(65)},
+        {"ready": None},
         {"capacity": 512},
         {"offset": -1},
         {"slot": "/dev/shm/x"},

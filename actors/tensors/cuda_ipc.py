@@ -39,8 +39,13 @@ __all__ = ["CudaIpcReader", "CudaIpcWriter", "SlotHandle", "parse_handle", "prob
 
 log = logging.getLogger("actors")
 
-#: Bytes in a CUDA IPC memory or event handle.
+#: Bytes in a CUDA IPC event handle.
 IPC_HANDLE_BYTES = 64
+#: torch frames a memory handle (a version and a type byte, then the handle: 66 bytes for
+#: cudaMalloc memory, more for expandable segments): any length up to this is accepted.
+MAX_MEM_HANDLE_BYTES = 1 << 20
+#: A reference-count file that cannot exist: see ``CudaIpcReader._opened``.
+_NO_REFCOUNT = b"/actors-cuda-ipc-no-refcount"
 
 
 def probe() -> str | None:
@@ -61,12 +66,11 @@ class SlotHandle:
     slot: str  # control segment name (locks and the header)
     capacity: int  # payload bytes of the device buffer
     device: str  # UUID of the GPU holding it
-    mem: bytes  # CUDA IPC memory handle of the allocation
+    pid: int  # the exporting process (CUDA cannot open a handle in the process that made it)
+    mem: bytes  # torch's CUDA IPC memory handle of the allocation
     size: int  # bytes of the storage inside the allocation
     offset: int  # where the storage starts inside the allocation
-    refcount: bytes  # torch's IPC reference-count file (released by the writer at export)
-    refcount_offset: int
-    ready: bytes | None  # torch's event for the buffer's allocation (waited once, at open)
+    ready: bytes  # torch's event for the buffer's allocation (waited once, at open)
     ready_sync: bool
     event: bytes  # the slot's interprocess event: recorded after every fill
 
@@ -78,12 +82,11 @@ _HANDLE_TYPES: dict[str, tuple[type, ...]] = {
     "slot": (str,),
     "capacity": (int,),
     "device": (str,),
+    "pid": (int,),
     "mem": (bytes,),
     "size": (int,),
     "offset": (int,),
-    "refcount": (bytes,),
-    "refcount_offset": (int,),
-    "ready": (bytes, type(None)),
+    "ready": (bytes,),
     "ready_sync": (bool,),
     "event": (bytes,),
 }
@@ -96,12 +99,12 @@ def parse_handle(handle: Any) -> SlotHandle:
     for key, types in _HANDLE_TYPES.items():
         if type(handle[key]) not in types:
             raise ManifestError(f"cuda-ipc handle field {key!r} is a {type(handle[key]).__name__}")
-    for key in ("mem", "event"):
+    for key in ("ready", "event"):
         if len(handle[key]) != IPC_HANDLE_BYTES:
-            raise ManifestError(f"cuda-ipc handle field {key!r} is not a {IPC_HANDLE_BYTES}-byte IPC handle")
-    if handle["ready"] is not None and len(handle["ready"]) != IPC_HANDLE_BYTES:
-        raise ManifestError("cuda-ipc handle field 'ready' is not an IPC event handle")
-    if min(handle["capacity"], handle["size"], handle["offset"], handle["refcount_offset"]) < 0:
+            raise ManifestError(f"cuda-ipc handle field {key!r} is not a {IPC_HANDLE_BYTES}-byte IPC event handle")
+    if not 2 <= len(handle["mem"]) <= MAX_MEM_HANDLE_BYTES:
+        raise ManifestError("cuda-ipc handle field 'mem' is not a CUDA IPC memory handle")
+    if min(handle["capacity"], handle["size"], handle["offset"], handle["pid"]) < 0:
         raise ManifestError("cuda-ipc handle sizes and offsets must be non-negative")
     if handle["capacity"] > handle["size"]:
         raise ManifestError("cuda-ipc handle: the slot is larger than its storage")
@@ -154,8 +157,8 @@ class CudaIpcWriter:
             shared = buffer.untyped_storage()._share_cuda_()  # type: ignore[attr-defined,no-untyped-call]
             _, mem, size, offset, refcount, refcount_offset, ready, ready_sync = shared
             # Readers are ordered by this transport's locks and events, not by torch's
-            # per-send reference counts: give the export's count back at once, so the
-            # buffer is freed like any other when the pool drops it.
+            # per-send reference counts: give the export's count back at once (1 -> 0),
+            # so the buffer is freed like any other when the pool drops it.
             try:
                 torch.UntypedStorage._release_ipc_counter_cuda(refcount, refcount_offset)  # type: ignore[attr-defined]
             except (AttributeError, RuntimeError, TypeError) as exc:
@@ -166,12 +169,11 @@ class CudaIpcWriter:
                 slot.name,
                 slot.capacity,
                 self._uuid,
+                os.getpid(),
                 bytes(mem),
                 int(size),
                 int(offset),
-                bytes(refcount),
-                int(refcount_offset),
-                None if ready is None else bytes(ready),
+                bytes(ready),
                 bool(ready_sync),
                 bytes(event.ipc_handle()),  # type: ignore[no-untyped-call]
             )
@@ -301,16 +303,25 @@ class CudaIpcReader:
             return opened
         if opened is not None:
             self._forget(handle.slot)
+        if handle.pid == os.getpid():
+            raise TransportBlocked(
+                "cuda-ipc",
+                "CUDA cannot open an IPC handle in the process that exported it: install in another process",
+            )
         device = self._local_device(handle.device)
         try:
             with torch.cuda.device(device):
+                # torch's deleter for this storage decrements the reference count it is
+                # given; the writer already returned the real one (a second decrement would
+                # wrap it and strand the buffer), so it is given a count that cannot exist,
+                # the path torch itself takes when the producer has gone.
                 storage = torch.UntypedStorage._new_shared_cuda(  # type: ignore[attr-defined]
                     device,
                     handle.mem,
                     handle.size,
                     handle.offset,
-                    handle.refcount,
-                    handle.refcount_offset,
+                    _NO_REFCOUNT,
+                    0,
                     handle.ready,
                     handle.ready_sync,
                 )
