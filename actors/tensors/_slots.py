@@ -38,6 +38,7 @@ from .._runtime import current_runtime
 
 __all__ = [
     "HEADER_BYTES",
+    "PooledWriter",
     "LOCK_TIMEOUT",
     "SHM_DIR",
     "Slot",
@@ -262,6 +263,39 @@ class SlotPool:
         for slot in self._slots:
             self._destroy(slot)
         self._slots.clear()
+
+
+class PooledWriter:
+    """A transport writer whose storage is a :class:`SlotPool`: reserving and releasing are the pool's."""
+
+    def __init__(self, pool: SlotPool, lock_timeout: float) -> None:
+        self._pool = pool
+        self.lock_timeout = lock_timeout
+
+    @property
+    def segment_names(self) -> list[str]:
+        return self._pool.names
+
+    def reserve(self, nbytes: int) -> Slot | None:
+        return self._pool.try_acquire(nbytes)
+
+    async def reserve_async(self, nbytes: int, timeout: float) -> Slot:
+        return await self._pool.acquire_async(nbytes, timeout)
+
+    def reserve_blocking(self, nbytes: int, timeout: float) -> Slot:
+        return self._pool.acquire(nbytes, timeout)
+
+    def abort(self, slot: Slot) -> None:
+        self._pool.abort(slot)
+
+    def release(self, update_id: str) -> None:
+        self._pool.release(update_id)
+
+    def reclaimed(self) -> list[str]:
+        return self._pool.reclaimed()
+
+    def close(self) -> None:
+        self._pool.close()
 
 
 class Mapping:

@@ -33,7 +33,7 @@ import torch
 
 from .._errors import ManifestError, StaleUpdateError, TransportBlocked
 from . import TensorSpec, check_specs, checksum, copy_all
-from ._slots import LOCK_TIMEOUT, Slot, SlotHolds, SlotPool, check_segment_name
+from ._slots import LOCK_TIMEOUT, PooledWriter, Slot, SlotHolds, SlotPool, check_segment_name
 
 __all__ = ["CudaIpcReader", "CudaIpcWriter", "SlotHandle", "parse_handle", "probe"]
 
@@ -125,7 +125,7 @@ class _DeviceSlot:
     handle: SlotHandle
 
 
-class CudaIpcWriter:
+class CudaIpcWriter(PooledWriter):
     """Publisher side: a pool of device slots on ``device`` (default: the current GPU)."""
 
     host_copy = False
@@ -136,7 +136,6 @@ class CudaIpcWriter:
         reason = probe()
         if reason:
             raise TransportBlocked("cuda-ipc", reason)
-        self.lock_timeout = lock_timeout
         self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
         if self.device.type != "cuda":
             raise ValueError(f"a cuda-ipc publisher needs a CUDA device, not {self.device}")
@@ -144,11 +143,8 @@ class CudaIpcWriter:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._uuid = device_uuid(self.device)
         self._stream: torch.cuda.Stream | None = None
-        self._pool = SlotPool(slots, kind="g", payload_in_segment=False, allocate=self._allocate, free=self._free)
-
-    @property
-    def segment_names(self) -> list[str]:
-        return self._pool.names
+        pool = SlotPool(slots, kind="g", payload_in_segment=False, allocate=self._allocate, free=self._free)
+        super().__init__(pool, lock_timeout)
 
     def _allocate(self, slot: Slot) -> None:
         device = self.device
@@ -187,15 +183,6 @@ class CudaIpcWriter:
             self._stream = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
         return self._stream
 
-    def reserve(self, nbytes: int) -> Slot | None:
-        return self._pool.try_acquire(nbytes)
-
-    async def reserve_async(self, nbytes: int, timeout: float) -> Slot:
-        return await self._pool.acquire_async(nbytes, timeout)
-
-    def reserve_blocking(self, nbytes: int, timeout: float) -> Slot:
-        return self._pool.acquire(nbytes, timeout)
-
     def fill(
         self, slot: Slot, tensors: list[tuple[str, torch.Tensor]], specs: list[TensorSpec], with_checksums: bool
     ) -> list[TensorSpec]:
@@ -227,19 +214,10 @@ class CudaIpcWriter:
         self._pool.commit(slot, update_id, version, nbytes)
         return slot.storage.handle.to_plain()  # type: ignore[no-any-return]
 
-    def abort(self, slot: Slot) -> None:
-        self._pool.abort(slot)
-
-    def release(self, update_id: str) -> None:
-        self._pool.release(update_id)
-
-    def reclaimed(self) -> list[str]:
-        return self._pool.reclaimed()
-
     def close(self) -> None:
         if self._stream is not None:
             self._stream.synchronize()  # copies still queued write into buffers about to be freed
-        self._pool.close()
+        super().close()
         self._stream = None
 
 

@@ -17,7 +17,7 @@ import torch
 
 from .._errors import TransportBlocked
 from . import TensorSpec, check_specs, checksum, view
-from ._slots import HEADER_BYTES, LOCK_TIMEOUT, SHM_DIR, Slot, SlotHolds, SlotPool, remove_segments
+from ._slots import HEADER_BYTES, LOCK_TIMEOUT, SHM_DIR, PooledWriter, Slot, SlotHolds, SlotPool, remove_segments
 
 __all__ = ["HEADER_BYTES", "SHM_DIR", "ShmReader", "ShmWriter", "probe", "remove_segments"]
 
@@ -28,7 +28,7 @@ def probe() -> str | None:
     return None
 
 
-class ShmWriter:
+class ShmWriter(PooledWriter):
     """Publisher side: writes each update into a free slot of its pool."""
 
     host_copy = True
@@ -37,21 +37,7 @@ class ShmWriter:
         reason = probe()
         if reason:
             raise TransportBlocked("shm", reason)
-        self.lock_timeout = lock_timeout
-        self._pool = SlotPool(slots)
-
-    @property
-    def segment_names(self) -> list[str]:
-        return self._pool.names
-
-    def reserve(self, nbytes: int) -> Slot | None:
-        return self._pool.try_acquire(nbytes)
-
-    async def reserve_async(self, nbytes: int, timeout: float) -> Slot:
-        return await self._pool.acquire_async(nbytes, timeout)
-
-    def reserve_blocking(self, nbytes: int, timeout: float) -> Slot:
-        return self._pool.acquire(nbytes, timeout)
+        super().__init__(SlotPool(slots), lock_timeout)
 
     def fill(
         self, slot: Slot, tensors: list[tuple[str, torch.Tensor]], specs: list[TensorSpec], with_checksums: bool
@@ -67,18 +53,6 @@ class ShmWriter:
     def commit(self, slot: Slot, update_id: str, version: int, nbytes: int) -> str:
         self._pool.commit(slot, update_id, version, nbytes)
         return slot.name
-
-    def abort(self, slot: Slot) -> None:
-        self._pool.abort(slot)
-
-    def release(self, update_id: str) -> None:
-        self._pool.release(update_id)
-
-    def reclaimed(self) -> list[str]:
-        return self._pool.reclaimed()
-
-    def close(self) -> None:
-        self._pool.close()
 
 
 class ShmReader:

@@ -139,8 +139,7 @@ class WeightPublisher:
                 )
             reservation = writer.reserve_blocking(total, self.timeout if timeout is None else timeout)
         try:
-            with torch.no_grad():
-                specs = writer.fill(reservation, tensors, specs, self.checksums)
+            specs = self._fill_no_grad(reservation, tensors, specs)
         except BaseException:
             writer.abort(reservation)
             raise
