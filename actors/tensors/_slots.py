@@ -38,9 +38,9 @@ from .._runtime import current_runtime
 
 __all__ = [
     "HEADER_BYTES",
-    "PooledWriter",
     "LOCK_TIMEOUT",
     "SHM_DIR",
+    "PooledWriter",
     "Slot",
     "SlotHolds",
     "SlotPool",
