@@ -10,10 +10,12 @@ memory or CUDA IPC.
 """
 
 from ._actor import Actor, Endpoint, current_rank, current_size, endpoint
+from ._actor_mesh import ActorMesh, MeshEndpoint, Selection, send
 from ._errors import (
     ActorDied,
     ActorError,
     ActorsError,
+    BufferFull,
     CallTimeout,
     ChecksumError,
     CodecError,
@@ -31,9 +33,10 @@ from ._errors import (
     WeightSyncError,
 )
 from ._future import Future
-from ._host import HostMesh, this_host
-from ._mesh import ActorMesh, MeshEndpoint, ProcMesh, send
+from ._host_mesh import HostMesh, this_host
 from ._port import Channel, Port, PortReceiver
+from ._proc_mesh import ProcMesh
+from ._restart import RestartMode, RestartPolicy
 from ._supervision import Failure, add_failure_handler, remove_failure_handler, unhandled_fault_hook
 from ._value_mesh import Point, ValueMesh
 from .weights import (
@@ -51,6 +54,7 @@ __all__ = [
     "ActorError",
     "ActorMesh",
     "ActorsError",
+    "BufferFull",
     "CallTimeout",
     "Channel",
     "ChecksumError",
@@ -71,6 +75,9 @@ __all__ = [
     "ProcMesh",
     "PublisherDied",
     "ReceivesWeights",
+    "RestartMode",
+    "RestartPolicy",
+    "Selection",
     "SpawnError",
     "StaleUpdateError",
     "SupervisionError",

@@ -1,10 +1,17 @@
 """``Actor`` and ``@endpoint``: the user's side of an actor class.
 
 An actor is a plain class deriving from :class:`Actor`; its ``@endpoint``
-methods can be invoked from any process through an ``ActorMesh``. Async
+methods can be invoked from any process through an actor mesh. Async
 endpoints run as tasks on the actor's event loop (so several run
 concurrently); plain ``def`` endpoints run on a worker thread so they never
 freeze the process's message pump.
+
+Typing follows Monarch: ``proc_mesh.spawn(name, Cls)`` is typed as ``Cls``,
+and an endpoint read from it is a ``MeshEndpoint[P, R]`` carrying the
+method's parameters and result, so ``await mesh.add.call_one(1, 2)`` is
+checked against ``add``'s signature. (At run time the mesh is an
+:class:`~actors.ActorMesh`; inside the actor, ``self.add`` is the plain
+bound method.)
 """
 
 from __future__ import annotations
@@ -12,17 +19,25 @@ from __future__ import annotations
 import contextvars
 import inspect
 import types
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Generic, Literal, ParamSpec, Protocol, TypeVar, overload
 
 from ._value_mesh import Point
 
 if TYPE_CHECKING:
+    from typing import Concatenate
+
+    from typing_extensions import Self
+
+    from ._actor_mesh import MeshEndpoint
+    from ._future import Future
     from ._supervision import Failure
 
 __all__ = ["Actor", "Endpoint", "current_rank", "current_size", "endpoint"]
 
-F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")
+R = TypeVar("R")
+R_co = TypeVar("R_co", covariant=True)
 
 
 class Actor:
@@ -39,11 +54,20 @@ class Actor:
         """
         return False
 
+    if TYPE_CHECKING:  # what a spawned mesh, typed as its actor class, offers (see ActorMesh)
 
-class Endpoint(Generic[F]):
+        def slice(self, **coords: int | slice) -> Self: ...
+        def stop(self) -> Future[None]: ...
+        def size(self) -> int: ...
+        def __len__(self) -> int: ...
+        @property
+        def extent(self) -> dict[str, int]: ...
+
+
+class Endpoint(Generic[P, R]):
     """A method marked with ``@endpoint``: callable remotely through a mesh."""
 
-    def __init__(self, fn: F, timeout: float | None = None) -> None:
+    def __init__(self, fn: Callable[..., Any], timeout: float | None = None) -> None:
         if not callable(fn):
             raise TypeError("@endpoint decorates a method")
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
@@ -60,20 +84,37 @@ class Endpoint(Generic[F]):
         self.name = name
 
     @overload
-    def __get__(self, obj: None, owner: type) -> Endpoint[F]: ...
+    def __get__(self, obj: None, owner: type) -> Endpoint[P, R]: ...
     @overload
-    def __get__(self, obj: object, owner: type) -> F: ...
+    def __get__(self, obj: object, owner: type) -> MeshEndpoint[P, R]: ...
     def __get__(self, obj: object | None, owner: type) -> Any:
         if obj is None:
             return self
-        return types.MethodType(self.fn, obj)
+        return types.MethodType(self.fn, obj)  # inside the actor: the plain method
+
+
+class _EndpointDecorator(Protocol):
+    """``@endpoint(...)`` with options: takes the method, gives the endpoint."""
+
+    @overload
+    def __call__(self, fn: Callable[Concatenate[Any, P], Awaitable[R_co]]) -> Endpoint[P, R_co]: ...
+    @overload
+    def __call__(self, fn: Callable[Concatenate[Any, P], R_co]) -> Endpoint[P, R_co]: ...
 
 
 @overload
-def endpoint(fn: F) -> Endpoint[F]: ...
+def endpoint(fn: Callable[Concatenate[Any, P], Awaitable[R]]) -> Endpoint[P, R]: ...
 @overload
-def endpoint(fn: None = None, **options: Any) -> Callable[[F], Endpoint[F]]: ...
-def endpoint(fn: F | None = None, **options: Any) -> Any:
+def endpoint(fn: Callable[Concatenate[Any, P], R]) -> Endpoint[P, R]: ...
+@overload
+def endpoint(
+    fn: None = None,
+    *,
+    timeout: float | None = None,
+    propagate: Any = None,
+    explicit_response_port: Literal[False] = False,
+) -> _EndpointDecorator: ...
+def endpoint(fn: Any = None, **options: Any) -> Any:
     """Mark an actor method as an endpoint (``@endpoint`` or ``@endpoint(...)``).
 
     ``@endpoint(timeout=seconds)`` gives every call to it a deadline: a caller
@@ -90,9 +131,9 @@ def endpoint(fn: F | None = None, **options: Any) -> Any:
     return Endpoint(fn, timeout)
 
 
-def endpoints_of(cls: type) -> dict[str, Endpoint[Any]]:
+def endpoints_of(cls: type) -> dict[str, Endpoint[Any, Any]]:
     """Every endpoint an actor class defines or inherits, by name."""
-    found: dict[str, Endpoint[Any]] = {}
+    found: dict[str, Endpoint[Any, Any]] = {}
     for klass in reversed(cls.__mro__):
         for name, value in vars(klass).items():
             if isinstance(value, Endpoint):

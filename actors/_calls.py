@@ -1,21 +1,25 @@
-"""Calls in flight: the replies a caller still expects, and remote error records.
+"""Calls in flight: the replies a caller still expects, their deadlines, and what ends them.
 
-A call to N actors is one :class:`PendingCall` keyed by its call id; it is
-done at the last reply, at the first error, or when a target process dies.
-An error crosses the wire as ``[type_name, message, traceback, spawn_failed]``
-and becomes an :class:`ActorError` (or :class:`SpawnError`) at the caller.
+A call to N actors is one :class:`PendingCall` keyed by its call id in the
+:class:`CallTable`. It is done at the last reply, at the first error
+reply, when a target's process dies (:class:`~actors.ActorDied`), or when
+its deadline passes (:class:`~actors.CallTimeout`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
 from collections.abc import Callable
 from typing import Any
 
-from ._errors import ActorError, SpawnError
+from ._errors import ActorDied, CallTimeout
 from ._liveness import ProcRef
+from ._wire import ErrorRecord, Reply
+
+__all__ = ["CallTable", "PendingCall"]
 
 
 class PendingCall:
@@ -63,7 +67,8 @@ class PendingCall:
             if not self.remaining:
                 self.finish()
         else:
-            self.fail(error_from_record(value, self.actor, rank))
+            record = value if isinstance(value, ErrorRecord) else ErrorRecord.from_wire(value)
+            self.fail(record.to_error(self.actor, rank))
 
     def fail(self, error: BaseException) -> None:
         if not self.done:
@@ -81,18 +86,77 @@ class PendingCall:
         for callback in callbacks:
             callback(self)
 
+    async def wait(self) -> dict[int, Any]:
+        """The results by rank, once every reply is in; raises the call's error."""
+        loop = asyncio.get_running_loop()
+        timer = None
+        if self.deadline is not None and not self.done:
+            timer = loop.call_at(loop.time() + self.deadline - time.monotonic(), self.expire)
+        try:
+            while not self.done:
+                waiter = loop.create_future()
+                self.waiters.append(waiter)
+                await waiter
+        finally:
+            if timer is not None:
+                timer.cancel()
+        if self.error is not None:
+            raise self.error
+        return self.results
 
-def error_record(exc: BaseException, tb: str, spawn_failed: bool = False) -> list[Any]:
-    if isinstance(exc, ActorError):
-        return [exc.exception_type, exc.message, exc.remote_traceback or tb, spawn_failed]
-    cls = type(exc)
-    name = cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
-    return [name, str(exc), tb, spawn_failed]
+    def expire(self) -> None:
+        """Fail with CallTimeout: the deadline passed before every reply came (a late reply is dropped).
+
+        The actor is alive (a dead one fails the call at once), so it is busy
+        or its event loop is blocked.
+        """
+        if self.done:
+            return
+        late = ", ".join(f"rank {rank} (pid {self.procs[rank].pid})" for rank in sorted(self.remaining))
+        self.fail(
+            CallTimeout(
+                f"{self.actor}.{self.method}() got no answer from {late} within {self.timeout:g}s; "
+                "the actor is alive but busy, or its event loop is blocked by synchronous code"
+            )
+        )
 
 
-def error_from_record(record: Any, actor: str, rank: int | None) -> ActorError:
-    if type(record) is not list or len(record) != 4:
-        return ActorError("DecodeError", f"malformed error record {record!r:.80}", actor=actor, rank=rank)
-    etype, message, tb, spawn_failed = record
-    cls = SpawnError if spawn_failed else ActorError
-    return cls(str(etype), str(message), str(tb), actor=actor, rank=rank)
+class CallTable:
+    """Every call of this process that still expects replies, by call id."""
+
+    def __init__(self) -> None:
+        self._pending: dict[int, PendingCall] = {}
+        self._ids = itertools.count(1)
+
+    def open(
+        self, actor: str, method: str, targets: list[tuple[int, ProcRef]], timeout: float | None = None
+    ) -> PendingCall:
+        call = PendingCall(next(self._ids), actor, dict(targets), method, timeout)
+        self._pending[call.call_id] = call
+        call.callbacks.append(self._forget)
+        return call
+
+    def _forget(self, call: PendingCall) -> None:
+        self._pending.pop(call.call_id, None)
+
+    def on_reply(self, reply: Reply) -> None:
+        call = self._pending.get(reply.call_id)
+        if call is not None:  # else it already failed or timed out
+            call.deliver(reply.rank, reply.ok, reply.value)
+
+    def on_death(self, ref: ProcRef) -> None:
+        """Fail every call still waiting on a rank hosted by ``ref``."""
+        for call in list(self._pending.values()):
+            for rank in call.remaining:
+                if call.procs[rank] is ref:
+                    call.fail(
+                        ActorDied(
+                            f"actor {call.actor!r} (rank {rank}, pid {ref.pid}) died: {ref.exit_reason}",
+                            pid=ref.pid,
+                            actor=call.actor,
+                        )
+                    )
+                    break
+
+    def __len__(self) -> int:
+        return len(self._pending)

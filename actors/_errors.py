@@ -13,6 +13,8 @@ Every error the runtime raises on purpose derives from :class:`ActorsError`::
     │                       ``TimeoutError``); the actor is alive but busy or blocked
     ├── PortClosed          a port cannot deliver: its receiver is gone, a once-port was
     │                       already used, or every sender of a receiver has died
+    ├── BufferFull          a bounded send buffer is full (a port's backlog, a peer's queue):
+    │                       the receiver is not keeping up; ``await port.drain()`` paces a sender
     ├── CodecError          a value could not cross the wire
     │   ├── EncodeError     the sender tried to send something the codec refuses
     │   │                   (also a ``TypeError``)
@@ -40,6 +42,7 @@ __all__ = [
     "ActorDied",
     "ActorError",
     "ActorsError",
+    "BufferFull",
     "CallTimeout",
     "ChecksumError",
     "CodecError",
@@ -136,6 +139,10 @@ class CallTimeout(ActorsError, TimeoutError):
 
 class PortClosed(ActorsError):
     """A port can no longer deliver messages."""
+
+
+class BufferFull(ActorsError):
+    """A bounded send buffer is full; nothing was queued. Await ``Port.drain()`` to pace the sender."""
 
 
 class CodecError(ActorsError):

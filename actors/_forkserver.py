@@ -5,10 +5,12 @@ first time it spawns processes. It imports torch and the runtime once, never
 starts a thread or a ZeroMQ context, and forks a worker for each request.
 It talks to the controller over two pipes (length-prefixed msgpack):
 
-* requests on its stdin: ``["spawn", index, config]``;
+* requests on its stdin: ``["spawn", index, config]`` (a :class:`WorkerConfig` as a dict);
 * reports on a status pipe: ``["spawned", index, pid]`` or ``["failed", index, why]``.
 
-Deaths are not reported here: every process watches its peers' pidfds.
+It also records each new process's pid under its address in the session
+directory, so any process can resolve it at once. Deaths are not reported
+here: every process watches its peers' pidfds.
 
 When its stdin closes (the controller exited, cleanly or by ``kill -9``) it
 terminates every worker, removes the session's socket directory and its
@@ -35,8 +37,10 @@ from typing import Any
 
 import msgpack
 
+from ._config import WorkerConfig
 from ._liveness import ProcRef
-from ._runtime import SESSION_ENV, Runtime, at_runtime_exit
+from ._runtime import Runtime, at_runtime_exit
+from ._session import SESSION_ENV, remove_socket_file, write_incarnation
 
 #: Grace period between SIGTERM and SIGKILL when tearing workers down.
 TERM_GRACE = 1.0
@@ -87,29 +91,19 @@ class Forkserver:
         self._buffer = bytearray()
         self._refs: dict[int, ProcRef] = {}
         self.closed = False
-        rt.add_reader(read_fd, self._on_status)
+        rt.driver.add_reader(read_fd, self._on_status)
         at_runtime_exit(self.close)
 
-    def spawn(self, index: int, config: dict[str, Any], ref: ProcRef) -> None:
+    def spawn(self, index: int, config: WorkerConfig, ref: ProcRef) -> None:
         if self.closed or self.proc.stdin is None:
             raise RuntimeError("the forkserver has exited")
         self._refs[index] = ref
         try:
-            self.proc.stdin.write(_frame(["spawn", index, config]))
+            self.proc.stdin.write(_frame(["spawn", index, config.to_wire()]))
             self.proc.stdin.flush()
         except BrokenPipeError:
             self._lost()
             raise RuntimeError("the forkserver has exited") from None
-
-    def resolve(self, ref: ProcRef, timeout: float = 60.0) -> None:
-        """Block until the forkserver reports ``ref``'s pid (or its failure)."""
-        deadline = time.monotonic() + timeout
-        while ref.pid is None and not ref.dead and not self.closed:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError("the forkserver did not report a new process in time")
-            select.select([self.status_fd], [], [], remaining)
-            self._on_status()
 
     def _on_status(self) -> None:
         while True:
@@ -127,20 +121,20 @@ class Forkserver:
             kind = report[0]
             if kind == "spawned":
                 ref = self._refs.pop(report[1], None)
-                if ref is not None:
-                    self.rt.set_pid(ref, report[2])
+                if ref is not None and ref.pid != report[2]:
+                    self.rt.registry.set_pid(ref, report[2])
             elif kind == "failed":
                 ref = self._refs.pop(report[1], None)
                 if ref is not None:
-                    self.rt.mark_dead(ref, f"could not start: {report[2]}")
+                    self.rt.registry.mark_dead(ref, f"could not start: {report[2]}")
 
     def _lost(self) -> None:
         if self.closed:
             return
         self.closed = True
-        self.rt.remove_reader(self.status_fd)
+        self.rt.driver.remove_reader(self.status_fd)
         for ref in self._refs.values():
-            self.rt.mark_dead(ref, "the forkserver exited before starting it")
+            self.rt.registry.mark_dead(ref, "the forkserver exited before starting it")
         self._refs.clear()
 
     def close(self) -> None:
@@ -158,16 +152,12 @@ class Forkserver:
             os.close(self.status_fd)
 
 
-_forkserver: Forkserver | None = None
-
-
 def forkserver(rt: Runtime) -> Forkserver:
     """This process's forkserver, started on first use."""
-    global _forkserver
-    if _forkserver is None or _forkserver.rt is not rt or _forkserver.closed:
-        _forkserver = Forkserver(rt)
-        rt.pid_resolvers.append(_forkserver.resolve)
-    return _forkserver
+    server: Forkserver | None = rt.forkserver
+    if server is None or server.closed:
+        server = rt.forkserver = Forkserver(rt)
+    return server
 
 
 # ---------------------------------------------------------------------- forkserver side
@@ -222,7 +212,7 @@ def _serve(status_fd: int, session_dir: str, session: str, owns_session: bool) -
         for request in _frames(buffer):
             if request[0] != "spawn":
                 continue
-            index, config = request[1], request[2]
+            index, config = request[1], WorkerConfig.from_wire(request[2])
             try:
                 pid = os.fork()
             except OSError as exc:
@@ -231,12 +221,14 @@ def _serve(status_fd: int, session_dir: str, session: str, owns_session: bool) -
             if pid == 0:
                 _child(config, status_fd)
             children[pid] = index
-            addresses[pid] = config["address"]
+            addresses[pid] = config.address
+            with contextlib.suppress(OSError):
+                write_incarnation(session_dir, config.address, pid)
             report(["spawned", index, pid])
     _teardown(children, session_dir, session, addresses if not owns_session else None)
 
 
-def _child(config: dict[str, Any], status_fd: int) -> None:
+def _child(config: WorkerConfig, status_fd: int) -> None:
     code = 1
     try:
         os.close(status_fd)
@@ -290,8 +282,7 @@ def _teardown(children: dict[int, int], session_dir: str, session: str, only: di
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, 0)
     if only is not None:
-        from ._transport import remove_socket_file
-        from .tensors.shm import remove_segments
+        from .tensors._slots import remove_segments
 
         for pid, address in only.items():
             remove_socket_file(address)

@@ -65,9 +65,9 @@ class Future(Generic[R]):
             pass
         else:
             raise RuntimeError("Future.get() would block the running event loop; use 'await' instead")
-        rt = runtime()
-        loop = rt.loop
-        if loop is not None and loop.is_running() and rt.thread != threading.get_ident():
+        driver = runtime().driver
+        loop = driver.loop
+        if loop is not None and loop.is_running() and driver.thread != threading.get_ident():
             # Another thread drives the runtime (e.g. a synchronous endpoint's worker thread).
             value = asyncio.run_coroutine_threadsafe(self._run(), loop).result(timeout)
             return value

@@ -3,29 +3,34 @@
 ``Channel.open(T)`` returns ``(Port[T], PortReceiver[T])``. The port is a small
 handle that can be copied into any process (as an argument, a return value or
 inside a message); the receiver stays where it was opened. ``None`` marks the
-end of a stream. Each sending process may have a bounded window of messages in
-flight to a port; a sender that fills it waits (serving its own inbox) until
-the receiver consumes.
+end of a stream.
+
+``Port.send`` never waits on an event loop's thread: past the port's
+flow-control window a record waits in the sender's backlog, and past the
+backlog's bound ``send`` raises :class:`~actors.BufferFull`.
+``await port.drain()`` paces a fast sender (asyncio's ``write()`` /
+``drain()`` convention); see :mod:`actors._flow`. Code without an event
+loop blocks in ``send`` instead, serving its inbox, up to a deadline.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import typing
-from collections import deque
 from collections.abc import Generator
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, overload
 
-from . import _protocol as P
-from . import _refs
-from . import _runtime as _runtime_module
+from . import _refs, _runtime
 from ._codec import register_handle
-from ._errors import ActorDied, DecodeError, PortClosed
+from ._errors import ActorDied, BufferFull, CallTimeout, DecodeError, PortClosed
+from ._flow import HIGH_WATER, SenderWindows
 from ._future import Future
 from ._liveness import ProcRef
-from ._runtime import SEND_TIMEOUT, Runtime, runtime
+from ._outbox import SEND_TIMEOUT
+from ._receivers import ReceiverState
+from ._runtime import Runtime, current_runtime, runtime
 from ._transport import frame_size
+from ._wire import Attach, port_prefix
 
 T = TypeVar("T")
 
@@ -44,7 +49,7 @@ def _type_ref(tp: Any) -> str | None:
     return _refs.qualified_name(tp)
 
 
-_matches: dict[tuple[type, str], bool] = {}
+_matches: dict[tuple[type, str], bool] = {}  # memo of _is_instance: (class, type name) -> answer
 
 
 def _is_instance(value: Any, ref: str) -> bool:
@@ -63,100 +68,16 @@ def _safe_name(cls: type) -> str | None:
         return None
 
 
-#: Messages and bytes one sending process may have in flight to one port before it waits.
-PORT_WINDOW = 4096
-PORT_WINDOW_BYTES = 64 * 1024 * 1024
+class _Ready:
+    """An awaitable that is already done (``drain()`` with nothing held back)."""
+
+    __slots__ = ()
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return iter(())  # type: ignore[return-value]
 
 
-def _send_remote(rt: Runtime, ref: ProcRef, port_id: int, value: Any, prefix: bytes) -> None:
-    """Send ``value`` to a port owned by another process, within the port's window.
-
-    ``prefix`` is the packed ``[PORT, port_id,`` start of the message. A full
-    window makes the sender wait, still serving its own inbox, for credit.
-    """
-    link = rt.links.get(ref.address) or rt.link(ref)
-    inflight = link.inflight.get(port_id)
-    if inflight is None:
-        inflight = link.inflight[port_id] = [0, 0]
-    if inflight[0] >= PORT_WINDOW or (inflight[1] >= PORT_WINDOW_BYTES and inflight[0] > 0):
-        rt.flush(link)
-        rt.wait(
-            lambda: inflight[0] < PORT_WINDOW and (inflight[1] < PORT_WINDOW_BYTES or inflight[0] == 0),
-            timeout=SEND_TIMEOUT,
-            link=link,
-            what=f"the receiver of port {port_id} at {ref.address} to consume",
-        )
-    enc = rt.encoder
-    enc.reset()
-    data = prefix + enc.encode(value)
-    frames = enc.frames
-    if enc.handles:
-        rt.note_handles(enc.handles, ref)
-    size = len(data)
-    for frame in frames:
-        size += frame_size(frame)
-    inflight[0] += 1
-    inflight[1] += size
-    rt.post(link, data, frames, urgent=False)
-
-
-def _send_credit(rt: Runtime, address: str, port_id: int, messages: int, nbytes: int) -> None:
-    """Return window credit to the process at ``address``.
-
-    Urgent: a consumer that always finds messages queued never yields to the
-    loop, and a credit held back until then would stall the sender.
-    """
-    ref = rt.procs.get(address)
-    if ref is None or ref.dead:
-        return
-    with contextlib.suppress(ActorDied):
-        rt.send_message(ref, [P.CREDIT, port_id, messages, nbytes], urgent=True)
-
-
-class _ReceiverState:
-    """What the owning process keeps for one open port."""
-
-    __slots__ = ("attached", "closed", "holders", "once", "port_id", "queue", "unacked", "waiter")
-
-    def __init__(self, port_id: int, once: bool) -> None:
-        self.port_id = port_id
-        self.queue: deque[tuple[Any, str | None, int]] = deque()
-        self.waiter: asyncio.Future[None] | None = None
-        self.holders: set[int] = set()
-        self.attached = False
-        self.closed: str | None = None
-        self.once = once
-        self.unacked: dict[str, list[int]] = {}
-
-    def deliver(self, value: Any, address: str | None, size: int) -> None:
-        if self.closed is not None and self.once:
-            return
-        self.queue.append((value, address, size))
-        self._wake()
-
-    def attach(self, rt: Runtime, pid: int) -> None:
-        if pid == rt.pid:
-            return
-        self.attached = True
-        if rt.watcher.watch(pid):
-            self.holders.add(pid)
-        else:
-            self._wake()
-
-    def holder_died(self, pid: int) -> None:
-        if pid in self.holders:
-            self.holders.discard(pid)
-            if not self.holders:
-                self._wake()
-
-    def senders_gone(self) -> bool:
-        return self.attached and not self.holders
-
-    def _wake(self) -> None:
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            with contextlib.suppress(RuntimeError):
-                waiter.set_result(None)
+_READY = _Ready()
 
 
 class Port(Generic[T]):
@@ -171,7 +92,8 @@ class Port(Generic[T]):
         self._type = type_ref
         self._once = once
         self._used = False
-        self._route: tuple[Runtime, Any, bytes] | None = None
+        #: (runtime, receiver's ProcRef or None if local, packed record prefix), per runtime.
+        self._route: tuple[Runtime, ProcRef | None, bytes] | None = None
 
     def __repr__(self) -> str:
         kind = self._type or "untyped"
@@ -180,8 +102,9 @@ class Port(Generic[T]):
     def send(self, value: T | None) -> None:
         """Deliver ``value`` (or the end-of-stream ``None``) to the receiver.
 
-        Raises ``TypeError`` for a value of the wrong type and
-        :class:`PortClosed` if the receiver's process is gone.
+        Raises ``TypeError`` for a value of the wrong type, :class:`PortClosed`
+        if the receiver's process is gone, and :class:`BufferFull` if the
+        receiver has fallen so far behind that this sender's backlog is full.
         """
         ref = self._type
         if value is not None and ref is not None and not _is_instance(value, ref):
@@ -192,56 +115,98 @@ class Port(Generic[T]):
                 raise PortClosed("a once-port can be sent to only once")
             self._used = True
         route = self._route
-        if route is not None and route[0] is _runtime_module._runtime and route[0].loop_active():
-            self._send(route[0], value)  # fast path: same runtime, on its running loop
+        if route is not None and route[0] is _runtime._process.runtime and route[0].driver.loop_active():
+            self._send(route[0], value)  # fast path: this process's runtime, on its running loop
             return
         rt = runtime()
-        if rt.on_runtime_thread():
+        if rt.driver.on_runtime_thread():
             self._send(rt, value)
         else:
-            rt.on_thread(lambda: self._send(rt, value))
+            rt.driver.on_thread(lambda: self._send(rt, value))
 
-    def _send(self, rt: Runtime, value: Any) -> None:
+    def _resolve(self, rt: Runtime) -> tuple[Runtime, ProcRef | None, bytes]:
         route = self._route
         if route is None or route[0] is not rt:
             if self._address == rt.address:
                 route = (rt, None, b"")
             else:
-                route = (rt, rt.proc(self._address, self._pid), P.port_prefix(self._id))
+                route = (rt, rt.registry.proc(self._address, self._pid), port_prefix(self._id))
             self._route = route
-        ref = route[1]
+        return route
+
+    def _send(self, rt: Runtime, value: Any) -> None:
+        _, ref, prefix = self._resolve(rt)
         if ref is None:
             state = rt.receivers.get(self._id)
             if state is None or (state.closed is not None and not state.once):
                 raise PortClosed(f"port {self._id} has no receiver in this process")
             state.deliver(value, None, 0)
             return
-        if ref.dead and not rt.alive(ref):
+        if ref.dead and not rt.registry.alive(ref):
             raise PortClosed(f"the receiver of port {self._id} (pid {self._pid}) has exited")
         if ref.pid is not None and ref.pid != self._pid:
             raise PortClosed(f"the receiver of port {self._id} (pid {self._pid}) has exited; pid {ref.pid} replaced it")
+        enc = rt.encoder
+        enc.reset()
+        data = prefix + enc.encode(value)
+        frames = enc.frames
+        if enc.handles:
+            rt.note_handles(enc.handles, ref)
+        size = len(data)
+        for frame in frames:
+            size += frame_size(frame)
         try:
-            _send_remote(rt, ref, self._id, value, route[2])
+            link = rt.link(ref)
         except ActorDied as exc:
             raise PortClosed(f"the receiver of port {self._id} (pid {self._pid}) has exited") from exc
+        windows = rt.windows
+        if not rt.driver.loop_active() and not windows.has_room(link, self._id):
+            self._wait_for_room(rt, windows, link)
+        windows.send(link, self._id, data, frames, size)
 
-    def _shipped_to(self, rt: Runtime, dest: Any) -> None:
+    def _wait_for_room(self, rt: Runtime, windows: SenderWindows, link: Any) -> None:
+        """A caller without an event loop blocks (serving its inbox) for window, up to a deadline."""
+        try:
+            rt.driver.wait(
+                lambda: link.dead or windows.has_room(link, self._id),
+                timeout=SEND_TIMEOUT,
+                what=f"the receiver of port {self._id} at {self._address} to consume",
+            )
+        except CallTimeout:
+            raise BufferFull(f"the receiver of port {self._id} consumed nothing for {SEND_TIMEOUT:g}s") from None
+        if link.dead:
+            raise PortClosed(f"the receiver of port {self._id} (pid {self._pid}) has exited")
+
+    def drain(self) -> Any:
+        """Awaitable: returns once nothing this process sent to the port waits in its backlog.
+
+        ``port.send(x); await port.drain()`` is the loop-friendly way to
+        send faster than the receiver may consume: the sender yields until
+        the receiver has caught up to within the port's window.
+        """
+        rt = current_runtime()
+        route = self._route
+        if rt is None or route is None or route[0] is not rt or route[1] is None:
+            return _READY
+        return rt.windows.drain(self._address, self._id)
+
+    def _shipped_to(self, rt: Runtime, dest: ProcRef) -> None:
         """Record that process ``dest`` now holds a copy of this port."""
         pid = dest.pid
         if pid is None:
-            rt.when_pid_known(dest, lambda: self._shipped_to(rt, dest))
+            rt.registry.when_pid_known(dest, lambda: self._shipped_to(rt, dest))
             return
         if pid == self._pid:
             return
         if self._address == rt.address:
             state = rt.receivers.get(self._id)
             if state is not None:
-                state.attach(rt, pid)
+                rt.receivers.attach(state, pid)
             return
-        owner = rt.proc(self._address, self._pid)
+        owner = rt.registry.proc(self._address, self._pid)
         if not owner.dead:
             with contextlib.suppress(ActorDied):
-                rt.send_message(owner, [P.ATTACH, self._id, pid], urgent=False)
+                rt.send(owner, Attach(self._id, pid), urgent=False)
 
 
 def _port_state(port: Port[Any]) -> list[Any]:
@@ -261,7 +226,7 @@ def _port_from_state(state: Any) -> Port[Any]:
     port: Port[Any] = Port(state[0], state[1], state[2], state[3], bool(state[4]))
     rt = runtime()
     if state[0] != rt.address:
-        rt.proc(state[0], state[1])  # watch the receiver's process
+        rt.registry.proc(state[0], state[1])  # watch the receiver's process
     return port
 
 
@@ -271,24 +236,30 @@ register_handle("port", Port, _port_state, _port_from_state)
 class PortReceiver(Generic[T]):
     """The receiving end of a channel; lives in the process that opened it."""
 
-    def __init__(self, rt: Runtime, state: _ReceiverState, type_ref: str | None) -> None:
+    def __init__(self, rt: Runtime, state: ReceiverState, type_ref: str | None) -> None:
         self._rt = rt
         self._state = state
         self._type = type_ref
+        self._windows = rt.windows
 
     def recv(self) -> Future[T]:
         """The next message (``None`` at end of stream).
 
         Raises :class:`PortClosed` when nothing is queued and every other
-        process that held a sender for this port has exited.
+        process that held a sender for this port has exited. While this
+        process holds back more than a window of outgoing messages (its own
+        receivers are slow), ``recv`` first waits for them to leave: a
+        forwarding actor slows down instead of piling messages up.
         """
         return _Recv(self)
 
     def _wait(self) -> Generator[Any, None, T]:
+        if self._windows.backlogged > HIGH_WATER:
+            yield from self._windows.uncongested().__await__()
         state = self._state
         queue = state.queue
         if not queue:
-            loop = self._rt.ensure_loop()
+            loop = self._rt.driver.ensure_loop()
             while not queue:
                 self._check_open()
                 waiter = loop.create_future()
@@ -308,7 +279,7 @@ class PortReceiver(Generic[T]):
                 return False
             return True
 
-        self._rt.wait(ready, timeout=timeout, what=f"a message on port {state.port_id}")
+        self._rt.driver.wait(ready, timeout=timeout, what=f"a message on port {state.port_id}")
         return self._take()  # type: ignore[no-any-return]
 
     def _check_open(self) -> None:
@@ -324,17 +295,9 @@ class PortReceiver(Generic[T]):
         state = self._state
         value, address, size = state.queue.popleft()
         if address is not None:
-            unacked = state.unacked.get(address)
-            if unacked is None:
-                unacked = state.unacked[address] = [0, 0]
-            unacked[0] += 1
-            unacked[1] += size
-            if unacked[0] >= PORT_WINDOW // 4 or unacked[1] >= PORT_WINDOW_BYTES // 4:
-                _send_credit(self._rt, address, state.port_id, unacked[0], unacked[1])
-                unacked[0] = unacked[1] = 0
+            self._rt.receivers.consumed(state, address, size)
         if state.once:
-            state.closed = "a once-port delivers a single message"
-            self._rt.receivers.pop(state.port_id, None)
+            self._rt.receivers.close(state, "a once-port delivers a single message")
         return value
 
     def qsize(self) -> int:
@@ -348,10 +311,7 @@ class PortReceiver(Generic[T]):
 
     def close(self) -> None:
         """Stop receiving: later messages to this port are refused with a log."""
-        state = self._state
-        state.closed = "the receiver was closed"
-        self._rt.receivers.pop(state.port_id, None)
-        state._wake()
+        self._rt.receivers.close(self._state, "the receiver was closed")
 
 
 class _Recv(Future[T]):
@@ -375,7 +335,7 @@ class _Recv(Future[T]):
             return self._result()
         receiver = self._receiver
         try:
-            if receiver._state.queue:
+            if receiver._state.queue and receiver._windows.backlogged <= HIGH_WATER:
                 value = receiver._take()
             else:
                 value = yield from receiver._wait()
@@ -389,6 +349,12 @@ class _Recv(Future[T]):
 class Channel(Generic[T]):
     """Opens ports: ``port, receiver = Channel.open(T)``."""
 
+    @overload
+    @staticmethod
+    def open(message_type: type[T], *, once: bool = False) -> tuple[Port[T], PortReceiver[T]]: ...
+    @overload
+    @staticmethod
+    def open(message_type: None = None, *, once: bool = False) -> tuple[Port[Any], PortReceiver[Any]]: ...
     @staticmethod
     def open(message_type: Any = None, *, once: bool = False) -> tuple[Port[Any], PortReceiver[Any]]:
         """A new ``(Port, PortReceiver)`` pair owned by this process.
@@ -400,7 +366,5 @@ class Channel(Generic[T]):
             raise TypeError("Channel.open(message_type, *, once=False): pass once as a keyword")
         rt = runtime()
         ref = _type_ref(message_type)
-        port_id = rt.new_port_id()
-        state = _ReceiverState(port_id, once)
-        rt.receivers[port_id] = state
-        return Port(rt.address, rt.pid, port_id, ref, once), PortReceiver(rt, state, ref)
+        state = rt.receivers.open(once)
+        return Port(rt.address, rt.pid, state.port_id, ref, once), PortReceiver(rt, state, ref)

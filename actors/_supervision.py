@@ -9,18 +9,27 @@ handles it; a restart policy that restarts the process handles it too.
 
 An unhandled failure escalates, never silently: an owning actor reports it
 to *its* owner as a failure of its own; in the controller it reaches
-:func:`unhandled_fault_hook`, which by default faults the mesh so that every
-later call to it raises :class:`~actors.SupervisionError`.
+``actors.unhandled_fault_hook``, which by default faults the mesh so that
+every later call to it raises :class:`~actors.SupervisionError`. As in
+Monarch, the hook is replaced by assigning the package attribute
+(``actors.unhandled_fault_hook = my_hook``), so it is looked up there each
+time.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from ._errors import SupervisionError
+from ._wire import FailureReport, Header
+
+if TYPE_CHECKING:
+    from ._liveness import ProcRef
+    from ._runtime import Runtime
 
 log = logging.getLogger("actors.supervision")
 
@@ -51,27 +60,33 @@ class Failure:
         tb = self.traceback.rstrip()
         return f"{self}\n{tb}" if tb else str(self)
 
+    @classmethod
+    def from_report(cls, report: FailureReport) -> Failure:
+        return cls(*report)
+
 
 #: A handler returns True (or any true value) when it has dealt with the failure.
 FailureHandler = Callable[[Failure], object]
 
-_global_handlers: list[FailureHandler] = []
-
 
 def add_failure_handler(handler: FailureHandler) -> None:
     """Offer every failure reported to this process to ``handler`` (true return: handled)."""
-    _global_handlers.append(handler)
+    from ._runtime import runtime
+
+    runtime().failure_handlers.append(handler)
 
 
 def remove_failure_handler(handler: FailureHandler) -> None:
-    _global_handlers.remove(handler)
+    from ._runtime import runtime
+
+    runtime().failure_handlers.remove(handler)
 
 
 def offer(failure: Failure, handlers: list[FailureHandler]) -> bool:
-    """Log ``failure`` and give it to ``handlers`` and the global ones; True if one handled it."""
+    """Log ``failure`` and give it to ``handlers``; True if one of them handled it."""
     log.error("%s", failure.report())
     handled = False
-    for handler in [*handlers, *_global_handlers]:
+    for handler in handlers:
         try:
             handled = bool(handler(failure)) or handled
         except Exception:
@@ -92,8 +107,7 @@ def unhandled_fault_hook(failure: Failure) -> None:
 
 def escalate_to_controller(failure: Failure) -> SupervisionError | None:
     """Run the (possibly user-replaced) ``actors.unhandled_fault_hook``; the error to fault with, if any."""
-    package = sys.modules.get("actors")
-    hook = getattr(package, "unhandled_fault_hook", unhandled_fault_hook)
+    hook = getattr(importlib.import_module("actors"), "unhandled_fault_hook", unhandled_fault_hook)
     try:
         hook(failure)
     except SupervisionError as exc:
@@ -103,3 +117,30 @@ def escalate_to_controller(failure: Failure) -> SupervisionError | None:
         error.__cause__ = exc
         return error
     return None
+
+
+def install_owner_handlers(rt: Runtime) -> None:
+    """Route failure reports and deaths of the processes this one spawned to their proc meshes (once)."""
+    if rt.owns_meshes:
+        return
+    rt.owns_meshes = True
+
+    def on_failure(report: FailureReport, frames: list[Any], sender: Header, size: int) -> None:
+        failure = Failure.from_report(report)
+        mesh = rt.meshes.get(sender.address)
+        if mesh is not None:
+            mesh.report(failure)
+        else:
+            offer(failure, rt.failure_handlers)
+
+    def on_death(ref: ProcRef) -> None:
+        mesh = rt.meshes.get(ref.address)
+        if mesh is not None:
+            if ref.pid is not None:  # the weights it published die with it
+                from .tensors._slots import remove_segments
+
+                remove_segments(rt.session, ref.pid)
+            mesh.on_death(ref)
+
+    rt.inbox.on(FailureReport, on_failure)
+    rt.registry.death_listeners.append(on_death)

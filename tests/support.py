@@ -331,7 +331,7 @@ class Pinger(Actor):
     async def dropped(self) -> int:
         from actors._runtime import runtime
 
-        return runtime().dropped_messages
+        return runtime().drops.count
 
 
 class Counter(Actor):
@@ -339,8 +339,10 @@ class Counter(Actor):
 
     @endpoint
     async def count_to(self, port: Port, n: int) -> None:
+        """A producer paced the asyncio way: send, then await drain (at once while the window has room)."""
         for i in range(n):
             port.send(i)
+            await port.drain()
         port.send(None)
 
     @endpoint

@@ -62,6 +62,6 @@ def test_timeouts_must_be_positive():
         async def nothing(self) -> None: ...
 
     with pytest.raises(ValueError, match="positive"):
-        from actors._mesh import MeshEndpoint
+        from actors import MeshEndpoint
 
         MeshEndpoint(None, "ping").with_timeout(-1)  # type: ignore[arg-type]

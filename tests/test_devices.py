@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from support import Echo
 
-from actors import _host
+from actors import _host_mesh as _host
 from actors._devices import gpu_env, visible_gpus
 
 

@@ -103,9 +103,9 @@ CURVE_SCRIPT = """
 import asyncio, os, sys
 import msgpack, zmq
 from actors import Channel, this_host
-from actors._protocol import PORT, PROTOCOL_VERSION
+from actors._wire import PROTOCOL_VERSION, Kind
 from actors._runtime import runtime
-from actors._transport import message_prefix
+from actors._wire import record_prefix as message_prefix
 from support import Echo
 
 def push(address, text, keys):
@@ -116,7 +116,7 @@ def push(address, text, keys):
         public, secret = os.environ["ACTORS_CURVE_PUBLIC"].encode(), os.environ["ACTORS_CURVE_SECRET"].encode()
         sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = public, public, secret
     sock.connect(address)
-    body = msgpack.packb([PORT, PORT_ID, text])
+    body = msgpack.packb([int(Kind.PORT), PORT_ID, text])
     sock.send_multipart([msgpack.packb([PROTOCOL_VERSION, "tcp://127.0.0.1:9", 1]), message_prefix(0, len(body)) + body])
     return ctx, sock
 

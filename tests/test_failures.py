@@ -17,7 +17,7 @@ import zmq
 from support import Echo, actor_pids, wait_for
 
 from actors import ActorDied, ProcMesh, this_host
-from actors._protocol import PROTOCOL_VERSION
+from actors._wire import PROTOCOL_VERSION, Kind
 
 
 async def test_kill_9_fails_pending_and_later_calls_promptly(procs: ProcMesh):
@@ -80,7 +80,7 @@ def batch(*messages: object, frames: int = 0) -> bytes:
 async def test_a_bad_message_does_not_cost_the_rest_of_its_batch():
     from actors import Channel
     from actors._codec import EXT_DATACLASS
-    from actors._protocol import PORT
+    PORT = int(Kind.PORT)
     from actors._runtime import runtime
 
     port, recv = Channel.open()
@@ -97,7 +97,7 @@ async def test_a_bad_message_does_not_cost_the_rest_of_its_batch():
 async def test_a_header_naming_a_foreign_address_is_refused():
     """Replies and credits go to the header's address, so it must belong to this session."""
     from actors import Channel
-    from actors._protocol import PORT
+    PORT = int(Kind.PORT)
     from actors._runtime import runtime
 
     port, recv = Channel.open()
@@ -113,7 +113,7 @@ async def test_a_header_naming_a_foreign_address_is_refused():
     _inject(runtime().address, [good, batch([PORT, port._id, "delivered"])])
     assert await asyncio.wait_for(recv.recv(), 5) == "delivered"
     assert recv.qsize() == 0
-    assert not any(a.startswith(("ipc:///tmp/elsewhere", "tcp://evil")) for a in runtime().links)
+    assert not any(a.startswith(("ipc:///tmp/elsewhere", "tcp://evil")) for a in runtime().outbox.links)
 
 
 def _inject(address: str, frames: list[bytes]) -> None:

@@ -8,7 +8,7 @@ import time
 from support import Counter, Forwarder
 
 from actors import Channel
-from actors._port import PORT_WINDOW
+from actors._flow import WINDOW as PORT_WINDOW
 
 TOTAL = 1_000_000
 

@@ -11,8 +11,10 @@ from support import Pinger
 
 from actors import Channel
 from actors._codec import EXT_DATACLASS, EXT_HANDLE, EXT_TENSOR, EXT_TUPLE, Encoder
-from actors._protocol import CALL, CREDIT, PORT, PROTOCOL_VERSION, REPLY
-from actors._transport import message_prefix
+from actors._wire import PROTOCOL_VERSION, Kind
+from actors._wire import record_prefix as message_prefix
+
+CALL, CREDIT, PORT, REPLY = int(Kind.CALL), int(Kind.CREDIT), int(Kind.PORT), int(Kind.REPLY)
 
 FRAMES = int(__import__("os").environ.get("FUZZ_FRAMES", 100_000))
 

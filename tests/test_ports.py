@@ -11,7 +11,7 @@ import torch
 from support import Echo, Item, Relay
 
 from actors import ActorDied, ActorError, Channel, Port, PortClosed, ProcMesh, this_host
-from actors._port import PORT_WINDOW
+from actors._flow import WINDOW as PORT_WINDOW
 from actors._runtime import runtime
 
 
@@ -102,8 +102,7 @@ async def test_sender_waits_when_the_window_is_full(procs: ProcMesh):
     consumer = asyncio.create_task(consume())
     for seq in range(total):
         inlet.send(Item(seq, payload))
-        link = rt.links[inlet._address]
-        peak = max(peak, link.inflight[inlet._id][0])
+        peak = max(peak, rt.windows.inflight(inlet._address, inlet._id))
         if seq % 1000 == 0:
             await asyncio.sleep(0)
     inlet.send(None)

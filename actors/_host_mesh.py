@@ -2,26 +2,23 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
 
 from . import _refs
+from ._config import WorkerConfig
 from ._devices import GPU_DIM, gpu_env, visible_gpus
 from ._forkserver import forkserver
 from ._liveness import ProcRef
-from ._mesh import ProcMesh, RestartPolicy
+from ._proc_mesh import ProcMesh
+from ._restart import RestartMode, RestartPolicy
 from ._runtime import runtime
-from ._transport import inbox_address
-from ._worker import LOADING_MAIN
+from ._session import inbox_address
+from ._worker import loading_main
 
 __all__ = ["HostMesh", "this_host"]
-
-_indices = itertools.count()
-_mesh_names = itertools.count()
 
 
 def _main_module() -> list[str] | None:
@@ -46,7 +43,7 @@ class HostMesh:
         name: str | None = None,
         *,
         threads: int = 1,
-        restart: str = "never",
+        restart: RestartMode = "never",
         max_restarts: int = 3,
         restart_period: float = 60.0,
     ) -> ProcMesh:
@@ -54,16 +51,16 @@ class HostMesh:
 
         ``per_host`` names the mesh's dimensions (``{"procs": 4}``,
         ``{"gpus": 8}``); a ``gpus`` dimension gives each process its own GPU
-        as ``CUDA_VISIBLE_DEVICES`` (see :mod:`actors._devices`). ``bootstrap`` is a module-level function run in each
-        process before it serves. ``threads`` sets torch's intra-op threads
-        per process (1 keeps many processes from fighting over few cores).
-        ``restart="on-failure"`` replaces a process that dies (at most
-        ``max_restarts`` times within ``restart_period`` seconds) with a new
-        one at the same address, its actors constructed again with their
-        original arguments.
+        as ``CUDA_VISIBLE_DEVICES`` (see :mod:`actors._devices`).
+        ``bootstrap`` is a module-level function run in each process before it
+        serves. ``threads`` sets torch's intra-op threads per process (1 keeps
+        many processes from fighting over few cores). ``restart="on-failure"``
+        replaces a process that dies (at most ``max_restarts`` times within
+        ``restart_period`` seconds) with a new one at the same address, its
+        actors constructed again with their original arguments.
         """
         policy = RestartPolicy(restart, max_restarts, restart_period)
-        if LOADING_MAIN[0]:
+        if loading_main.get():
             raise RuntimeError(
                 "spawn_procs() ran while an actor process was importing the launching script; "
                 'guard the script\'s entry point with `if __name__ == "__main__":`'
@@ -76,40 +73,38 @@ class HostMesh:
             raise TypeError("bootstrap must be a module-level function")
         rt = runtime()
         server = forkserver(rt)
-        mesh_name = name or f"procs{next(_mesh_names)}"
-        procs = []
-        configs: list[dict[str, Any]] = []
+        mesh_name = name or f"procs{rt.counter('mesh')}"
         gpus = visible_gpus() if GPU_DIM in extent else []
+        procs: list[ProcRef] = []
+        configs: list[WorkerConfig] = []
         for rank in range(math.prod(extent.values())):
-            index = next(_indices)
-            address = inbox_address(rt.dir, f"w{index}")
-            ref = rt.proc(address, None)
-            config: dict[str, Any] = {
-                "name": f"{mesh_name}.{rank}",
-                "address": address,
-                "owner_address": rt.address,
-                "owner_pid": rt.pid,
-                "rank": rank,
-                "sys_path": list(sys.path),
-                "cwd": os.getcwd(),
-                "main": _main_module(),
-                "bootstrap": boot,
-                "threads": threads,
-                "env": gpu_env(extent, rank, gpus),
-            }
+            index = rt.counter("worker")
+            address = inbox_address(rt.dir, f"w{rt.pid}-{index}")  # unique in the session, nested spawns too
+            config = WorkerConfig(
+                name=f"{mesh_name}.{rank}",
+                address=address,
+                owner_address=rt.address,
+                owner_pid=rt.pid,
+                rank=rank,
+                argv=list(sys.argv),
+                sys_path=list(sys.path),
+                cwd=os.getcwd(),
+                main=_main_module(),
+                bootstrap=boot,
+                threads=threads,
+                env=gpu_env(extent, rank, gpus),
+            )
+            ref = rt.registry.proc(address, None)
             server.spawn(index, config, ref)
             procs.append(ref)
             configs.append(config)
 
         def respawn(rank: int, ref: ProcRef) -> None:
-            forkserver(rt).spawn(next(_indices), configs[rank], ref)
+            forkserver(rt).spawn(rt.counter("worker"), configs[rank], ref)
 
         return ProcMesh(mesh_name, extent, procs, policy, respawn)
 
 
-_host = HostMesh()
-
-
 def this_host() -> HostMesh:
     """The host this program runs on."""
-    return _host
+    return HostMesh()

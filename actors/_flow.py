@@ -1,0 +1,189 @@
+"""Flow control for ports: a window per (sender, port), credits from the receiver, a bounded backlog.
+
+Each sending process may have :data:`WINDOW` records (or :data:`WINDOW_BYTES`)
+in flight to one port; the receiver gives window back with a
+:class:`~actors._wire.Credit` as its code consumes. A send that finds the
+window full does not wait: the record joins the sender's backlog for that
+port and leaves, in order, as credit returns. The backlog is bounded
+(:data:`BACKLOG`, :data:`BACKLOG_BYTES`); past it ``send`` raises
+:class:`~actors.BufferFull`.
+
+Pacing is awaitable, never a wait on the loop's thread:
+
+* ``await port.drain()`` returns once that port's backlog has left;
+* a process whose backlogs together exceed :data:`HIGH_WATER` records stops
+  taking messages from its own ports (``PortReceiver.recv`` awaits until
+  they fall under :data:`LOW_WATER`), so a chain of forwarding actors slows
+  down end to end instead of piling records up in the middle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from typing import Any
+
+from ._errors import BufferFull, PortClosed
+from ._outbox import Outbox
+from ._transport import Link
+
+__all__ = ["BACKLOG", "HIGH_WATER", "LOW_WATER", "WINDOW", "WINDOW_BYTES", "SenderWindows", "Unacked"]
+
+#: Records and bytes one sending process may have in flight to one port.
+WINDOW = 4096
+WINDOW_BYTES = 64 * 1024 * 1024
+#: Records and bytes a sender may hold back for one port once its window is full.
+BACKLOG = 262_144
+BACKLOG_BYTES = 256 * 1024 * 1024
+#: Backlogged records (all ports of a process) above which its receivers pause, and below which they go on.
+HIGH_WATER = 4096
+LOW_WATER = 1024
+
+
+class _Window:
+    __slots__ = ("backlog", "backlog_bytes", "inflight", "inflight_bytes", "link", "port_id", "waiters")
+
+    def __init__(self, link: Link, port_id: int) -> None:
+        self.link = link
+        self.port_id = port_id
+        self.inflight = 0
+        self.inflight_bytes = 0
+        self.backlog: deque[tuple[bytes, list[Any], int]] = deque()
+        self.backlog_bytes = 0
+        self.waiters: list[asyncio.Future[None]] = []
+
+    def has_room(self) -> bool:
+        return self.inflight < WINDOW and (self.inflight_bytes < WINDOW_BYTES or self.inflight == 0)
+
+
+def _wake(waiters: list[asyncio.Future[None]], error: BaseException | None = None) -> None:
+    for waiter in waiters:
+        if not waiter.done():
+            with contextlib.suppress(RuntimeError):  # its loop may be closed
+                if error is None:
+                    waiter.set_result(None)
+                else:
+                    waiter.set_exception(error)
+    waiters.clear()
+
+
+class SenderWindows:
+    """The sending side of every port this process sends to."""
+
+    def __init__(self, outbox: Outbox) -> None:
+        self._outbox = outbox
+        self._windows: dict[tuple[str, int], _Window] = {}
+        #: Records held back across every port (paces this process's receivers).
+        self.backlogged = 0
+        self._low_waiters: list[asyncio.Future[None]] = []
+
+    def inflight(self, address: str, port_id: int) -> int:
+        """Records sent to the port and not yet credited back."""
+        window = self._windows.get((address, port_id))
+        return 0 if window is None else window.inflight
+
+    def has_room(self, link: Link, port_id: int) -> bool:
+        window = self._windows.get((link.address, port_id))
+        return window is None or (not window.backlog and window.has_room())
+
+    def send(self, link: Link, port_id: int, data: bytes, frames: list[Any], size: int) -> None:
+        """Put one PORT record on the wire if the window has room, else in the backlog."""
+        key = (link.address, port_id)
+        window = self._windows.get(key)
+        if window is None:
+            window = self._windows[key] = _Window(link, port_id)
+        if not window.backlog and window.has_room():
+            window.inflight += 1
+            window.inflight_bytes += size
+            self._outbox.post(link, data, frames, urgent=False)
+            return
+        if len(window.backlog) >= BACKLOG or window.backlog_bytes >= BACKLOG_BYTES:
+            raise BufferFull(
+                f"port {port_id} at {link.address}: {len(window.backlog)} messages "
+                f"({window.backlog_bytes >> 20} MiB) already wait for its receiver to consume; "
+                "await port.drain() between sends to pace this sender"
+            )
+        window.backlog.append((data, frames, size))
+        window.backlog_bytes += size
+        self.backlogged += 1
+
+    def on_credit(self, address: str, port_id: int, messages: int, nbytes: int) -> None:
+        """The receiver consumed ``messages``: release backlog into the freed window."""
+        window = self._windows.get((address, port_id))
+        if window is None:
+            return
+        window.inflight = max(0, window.inflight - messages)
+        window.inflight_bytes = max(0, window.inflight_bytes - nbytes)
+        backlog = window.backlog
+        post = self._outbox.post
+        released = 0
+        while backlog and window.has_room():
+            data, frames, size = backlog.popleft()
+            window.backlog_bytes -= size
+            window.inflight += 1
+            window.inflight_bytes += size
+            released += 1
+            post(window.link, data, frames, False)
+        if released:
+            self._released(released)
+        if not backlog:
+            _wake(window.waiters)
+            if window.inflight == 0:
+                del self._windows[(address, port_id)]
+
+    def _released(self, count: int) -> None:
+        self.backlogged -= count
+        if self.backlogged < LOW_WATER and self._low_waiters:
+            _wake(self._low_waiters)
+
+    async def drain(self, address: str, port_id: int) -> None:
+        """Return once nothing is held back for this port (at once if nothing is)."""
+        window = self._windows.get((address, port_id))
+        if window is None or not window.backlog:
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        window.waiters.append(waiter)
+        await waiter
+
+    def congested(self) -> bool:
+        return self.backlogged > HIGH_WATER
+
+    async def uncongested(self) -> None:
+        """Return once this process's backlogs have fallen under :data:`LOW_WATER`."""
+        while self.backlogged >= LOW_WATER:
+            waiter = asyncio.get_running_loop().create_future()
+            self._low_waiters.append(waiter)
+            await waiter
+
+    def drop(self, address: str) -> None:
+        """The peer at ``address`` is gone: its windows and backlogs go, their waiters hear why."""
+        for key in [key for key in self._windows if key[0] == address]:
+            window = self._windows.pop(key)
+            dropped = len(window.backlog)
+            window.backlog.clear()
+            _wake(window.waiters, PortClosed(f"the receiver of port {key[1]} at {address} has exited"))
+            if dropped:
+                self._released(dropped)
+
+
+class Unacked:
+    """The receiving side: consumption per sender, given back as credit every quarter window."""
+
+    __slots__ = ("counts",)
+
+    def __init__(self) -> None:
+        self.counts: dict[str, list[int]] = {}
+
+    def consumed(self, address: str, size: int) -> tuple[int, int] | None:
+        """Count one consumed message from ``address``; the credit to return now, if it is due."""
+        counts = self.counts.get(address)
+        if counts is None:
+            counts = self.counts[address] = [0, 0]
+        counts[0] += 1
+        counts[1] += size
+        if counts[0] >= WINDOW // 4 or counts[1] >= WINDOW_BYTES // 4:
+            due = (counts[0], counts[1])
+            counts[0] = counts[1] = 0
+            return due
+        return None

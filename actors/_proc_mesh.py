@@ -1,0 +1,258 @@
+"""``ProcMesh``: a group of actor processes; spawn actors on it, restart them, stop them.
+
+The process that spawned a proc mesh is its *owner*: it hears of each of its
+processes' deaths and of each failure its actors report, and offers them to
+the supervisors (:mod:`actors._supervision`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import os
+import signal
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+from . import _refs
+from ._actor import Actor, _context, endpoints_of
+from ._actor_mesh import ActorMesh
+from ._calls import PendingCall
+from ._errors import ActorDied, CallTimeout, SupervisionError
+from ._future import Future
+from ._invoke import encode_arguments, send_call
+from ._liveness import ProcRef
+from ._restart import RestartBudget, RestartPolicy
+from ._runtime import Runtime, runtime
+from ._server import CLEANUP_TIMEOUT
+from ._session import incarnation_path, remove_socket_file
+from ._supervision import Failure, FailureHandler, escalate_to_controller, install_owner_handlers, offer
+from ._wire import PROCESS_ACTOR
+
+__all__ = ["ProcMesh"]
+
+A = TypeVar("A", bound=Actor)
+
+
+class ProcMesh:
+    """A group of actor processes; ``spawn`` actors on it, ``stop`` it when done."""
+
+    def __init__(
+        self,
+        name: str,
+        extent: dict[str, int],
+        procs: list[ProcRef],
+        restart: RestartPolicy | None = None,
+        respawn: Callable[[int, ProcRef], None] | None = None,
+    ) -> None:
+        self._name = name
+        self._budget = RestartBudget(restart or RestartPolicy())
+        self._respawn = respawn
+        #: ``(name, class_ref, args, kwargs)`` of every spawn, replayed into a restarted process.
+        self._spawned: list[tuple[str, str, tuple[Any, ...], dict[str, Any]]] = []
+        #: How many times each rank's process has been restarted.
+        self.restarts = [0] * len(procs)
+        self._extent = dict(extent)
+        self._procs = procs
+        self._actors: dict[str, ActorMesh[Any]] = {}
+        self._stopping = False
+        self._stopped = False
+        self._handlers: list[FailureHandler] = []
+        self.failures: list[Failure] = []
+        #: The actor that spawned this mesh (None in the controller): its ``__supervise__`` is asked.
+        context = _context.get()
+        self._owner_actor = context.name if context is not None else None
+        self._fault: SupervisionError | None = None
+        rt = runtime()
+        for ref in procs:
+            rt.meshes[ref.address] = self
+        install_owner_handlers(rt)
+
+    def __repr__(self) -> str:
+        return f"<ProcMesh {self._name} {self._extent}>"
+
+    @property
+    def extent(self) -> dict[str, int]:
+        return dict(self._extent)
+
+    def size(self) -> int:
+        return len(self._procs)
+
+    def __len__(self) -> int:
+        return len(self._procs)
+
+    @property
+    def pids(self) -> list[int | None]:
+        """The processes' pids (``None`` for one not started yet)."""
+        registry = runtime().registry
+        return [registry.resolve_pid(ref) for ref in self._procs]
+
+    def spawn(self, name: str, actor_class: type[A], *args: Any, **kwargs: Any) -> A:
+        """Construct ``actor_class(*args, **kwargs)`` in every process; returns at once.
+
+        The result is an :class:`ActorMesh`, typed as the actor class so that
+        its endpoints carry their signatures (as in Monarch).
+        """
+        if self._stopping:
+            raise RuntimeError(f"proc mesh {self._name!r} is stopped")
+        if not (isinstance(actor_class, type) and issubclass(actor_class, Actor)):
+            raise TypeError(f"spawn() needs an Actor subclass, not {actor_class!r}")
+        class_ref = _refs.qualified_name(actor_class)
+        if "<locals>" in class_ref:
+            raise TypeError(f"{class_ref} is defined inside a function; define actor classes at module level")
+        if name in self._actors or name == PROCESS_ACTOR:
+            raise ValueError(f"an actor named {name!r} already lives on this proc mesh")
+        rt = runtime()
+        targets = list(enumerate(self._procs))
+        endpoint_timeouts = {ep_name: ep.timeout for ep_name, ep in endpoints_of(actor_class).items()}
+        rt.driver.on_thread(lambda: self._send_spawn(rt, targets, name, class_ref, args, kwargs))
+        mesh: ActorMesh[A] = ActorMesh(name, class_ref, endpoint_timeouts, self._extent, targets, self)
+        self._actors[name] = mesh
+        self._spawned.append((name, class_ref, args, kwargs))
+        return mesh  # type: ignore[return-value]
+
+    def _send_spawn(
+        self,
+        rt: Runtime,
+        targets: list[tuple[int, ProcRef]],
+        name: str,
+        class_ref: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> PendingCall | None:
+        enc = rt.encoder
+        enc.reset()
+        ctor = enc.encode([list(args), kwargs])
+        frames, handles = enc.frames, enc.handles
+        enc.reset()
+        blob = enc.encode([[name, class_ref, self._extent, ctor], {}])
+        return send_call(rt, targets, PROCESS_ACTOR, "spawn", (blob, frames, handles), want_reply=True)
+
+    def add_failure_handler(self, handler: FailureHandler) -> None:
+        """Offer ``handler(failure)`` each failure of this mesh's actors; a true return handles it."""
+        self._handlers.append(handler)
+
+    @property
+    def fault(self) -> SupervisionError | None:
+        """The unhandled failure that faulted this mesh, if any (later calls raise it)."""
+        return self._fault
+
+    def report(self, failure: Failure, handled: bool = False) -> None:
+        """Offer ``failure`` to every supervisor; escalate it if none handled it."""
+        self.failures.append(failure)
+        rt = runtime()
+        handled = offer(failure, [*self._handlers, *rt.failure_handlers]) or handled
+        server = rt.server
+        if self._owner_actor is not None and server is not None:
+            handled = server.supervise(self._owner_actor, failure) or handled
+        if handled or self._stopping:
+            return
+        if self._owner_actor is not None and server is not None:
+            server.escalate(self._owner_actor, failure)
+        elif self._fault is None:
+            self._fault = escalate_to_controller(failure)
+
+    def on_death(self, ref: ProcRef) -> None:
+        """One of this mesh's processes died: restart it if the policy allows, and report it."""
+        if self._stopping:
+            return
+        rank = self._procs.index(ref)
+        names = ",".join(self._actors) or "(no actors)"
+        pid = ref.pid or 0
+        reason = ref.exit_reason or "process exited"
+        restarting = self._respawn is not None and self._budget.take()
+        if restarting:
+            self._restart_rank(rank, ref)
+            reason += f"; restarted (restart {self.restarts[rank]} of rank {rank})"
+        else:
+            reason += self._budget.refusal()
+        self.report(Failure(names, rank, pid, "", "ActorDied", reason, restarted=restarting), handled=restarting)
+
+    def _restart_rank(self, rank: int, ref: ProcRef) -> None:
+        """A new process at the dead one's address, with every actor constructed again.
+
+        In-flight calls already failed with ActorDied; calls made from now on
+        queue for the new process, which runs them once its actors exist.
+        """
+        assert self._respawn is not None
+        rt = runtime()
+        remove_socket_file(ref.address)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(incarnation_path(rt.dir, ref.address))  # the new pid is written when it forks
+        rt.registry.revive(ref, None)
+        self.restarts[rank] += 1
+        self._respawn(rank, ref)  # the forkserver records the new pid under the address
+        for name, class_ref, args, kwargs in self._spawned:
+            pending = self._send_spawn(rt, [(rank, ref)], name, class_ref, args, kwargs)
+            if pending is not None:
+                pending.callbacks.append(functools.partial(self._respawned, name=name, rank=rank, ref=ref))
+
+    def _respawned(self, call: PendingCall, name: str, rank: int, ref: ProcRef) -> None:
+        error = call.error
+        if error is None or isinstance(error, ActorDied):
+            return  # constructed (or the new process died too: that death is reported on its own)
+        etype = getattr(error, "exception_type", type(error).__name__)
+        message = getattr(error, "message", str(error))
+        tb = getattr(error, "remote_traceback", "")
+        self.report(Failure(name, rank, ref.pid or 0, "__init__", etype, f"after a restart: {message}", tb))
+
+    def stop(self, timeout: float = CLEANUP_TIMEOUT) -> Future[None]:
+        """Run every actor's ``__cleanup__`` and end the processes (a no-op if already stopped)."""
+        rt = runtime()
+        plan = self._stop_plan(rt, timeout)
+        first = next(plan, None)  # eager: the stop request leaves now
+        if first is not None:
+            plan = itertools.chain([first], plan)
+
+        async def run() -> None:
+            for condition, limit in plan:
+                await rt.driver.wait_until(condition, limit)
+
+        def run_sync(_timeout: float | None) -> None:
+            for condition, limit in plan:
+                with contextlib.suppress(CallTimeout):
+                    rt.driver.wait(condition, timeout=limit, what="processes to stop")
+
+        return Future(run, run_sync)
+
+    def _stop_plan(self, rt: Runtime, timeout: float) -> Iterator[tuple[Callable[[], bool], float]]:
+        """The stop sequence as (condition, time limit) steps, for async and sync waiting alike."""
+        if self._stopped:
+            return
+        self._stopping = True
+        procs = self._procs
+
+        def all_dead() -> bool:
+            return all(ref.dead for ref in procs)
+
+        alive = [(rank, ref) for rank, ref in enumerate(procs) if not ref.dead]
+        pending = None
+        if alive:
+            with contextlib.suppress(ActorDied):
+                pending = rt.driver.on_thread(
+                    lambda: send_call(
+                        rt, alive, PROCESS_ACTOR, "stop", encode_arguments(rt, (timeout,), {}), want_reply=True
+                    )
+                )
+        if pending is not None:
+            yield (lambda: pending.done or all_dead()), timeout + 2.0
+        yield all_dead, 3.0
+        registry = rt.registry
+        for ref in procs:
+            pid = registry.resolve_pid(ref)
+            if not ref.dead and pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        yield all_dead, 2.0
+        for ref in procs:
+            remove_socket_file(ref.address)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(incarnation_path(rt.dir, ref.address))
+        self._stopped = True
+
+    async def __aenter__(self) -> ProcMesh:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()

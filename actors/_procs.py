@@ -1,0 +1,130 @@
+"""The process registry: every peer of this process by inbox address, its pid, and whether it lives.
+
+A :class:`ProcRef` is interned per address. Its pid may be unknown for a
+moment (a process just forked); it is learned from the forkserver, from
+the first message the peer sends, or from the session directory, where
+each process's pid is recorded under its address (``incarnation_path``):
+the forkserver writes it when it forks, and an owner rewrites it when it
+restarts a process at the same address. Nothing here ever waits.
+
+Deaths come from :class:`~actors._liveness.Watcher` (pidfds) or from
+:meth:`Registry.mark_dead`; each is announced once to the listeners.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from ._liveness import ProcRef, Watcher
+from ._session import read_incarnation
+
+__all__ = ["Registry"]
+
+log = logging.getLogger("actors")
+
+
+class Registry:
+    """Peers by address; liveness through pidfds; death listeners."""
+
+    def __init__(self, session_dir: str, own_pid: int) -> None:
+        self.session_dir = session_dir
+        self.own_pid = own_pid
+        self.procs: dict[str, ProcRef] = {}
+        self._by_pid: dict[int, ProcRef] = {}
+        self.watcher = Watcher(self._pid_died)
+        #: Called with each ProcRef that dies (calls fail, links close, meshes hear of it).
+        self.death_listeners: list[Callable[[ProcRef], None]] = []
+        #: Called with every pid that dies, known ref or not (port holders are pids).
+        self.pid_listeners: list[Callable[[int], None]] = []
+        self._pid_waiters: dict[str, list[Callable[[], None]]] = {}
+
+    def proc(self, address: str, pid: int | None) -> ProcRef:
+        """The interned :class:`ProcRef` for ``address`` (learning or updating its pid)."""
+        ref = self.procs.get(address)
+        if ref is None:
+            ref = self.procs[address] = ProcRef(address, None)
+            if pid is not None:
+                self.set_pid(ref, pid)
+            else:
+                self.resolve_pid(ref)
+        elif ref.pid is None and pid is not None:
+            self.set_pid(ref, pid)
+        elif ref.dead and pid is not None and pid != ref.pid and pid not in self.watcher.dead:
+            self.revive(ref, pid)  # a restarted process at the same address
+        return ref
+
+    def set_pid(self, ref: ProcRef, pid: int) -> None:
+        ref.pid = pid
+        self._by_pid[pid] = ref
+        if pid != self.own_pid and not ref.dead:
+            self.watcher.watch(pid)  # a pid already gone is reported dead right here
+        for callback in self._pid_waiters.pop(ref.address, []):
+            try:
+                callback()
+            except Exception:
+                log.exception("pid callback failed")
+
+    def resolve_pid(self, ref: ProcRef) -> int | None:
+        """``ref``'s pid, from the session directory if not yet known (None if nobody wrote it yet)."""
+        if ref.pid is None:
+            pid = read_incarnation(self.session_dir, ref.address)
+            if pid is not None and pid not in self.watcher.dead:
+                self.set_pid(ref, pid)
+        return ref.pid
+
+    def when_pid_known(self, ref: ProcRef, callback: Callable[[], None]) -> None:
+        """Run ``callback`` once ``ref``'s pid is known (now, if it already is)."""
+        if self.resolve_pid(ref) is not None:
+            callback()
+        else:
+            self._pid_waiters.setdefault(ref.address, []).append(callback)
+
+    def revive(self, ref: ProcRef, pid: int | None) -> None:
+        """``ref``'s address is served again, by a restarted process (pid known now or later)."""
+        ref.dead = False
+        ref.exit_reason = ""
+        if ref.pid is not None and self._by_pid.get(ref.pid) is ref:
+            del self._by_pid[ref.pid]
+        ref.pid = None
+        if pid is not None:
+            self.set_pid(ref, pid)
+
+    def alive(self, ref: ProcRef) -> bool:
+        """True unless ``ref`` is dead and no restarted process has replaced it.
+
+        An owner that restarts a process records the new pid in the session
+        directory; any process holding a handle to the old one finds it there.
+        """
+        if not ref.dead:
+            return True
+        pid = read_incarnation(self.session_dir, ref.address)
+        if pid is None or pid == ref.pid or pid in self.watcher.dead:
+            return False
+        self.revive(ref, pid)
+        return not ref.dead
+
+    def mark_dead(self, ref: ProcRef, reason: str) -> None:
+        """Treat ``ref`` as gone and tell every listener, once."""
+        if ref.dead:
+            return
+        ref.dead = True
+        ref.exit_reason = reason
+        for listener in list(self.death_listeners):
+            try:
+                listener(ref)
+            except Exception:
+                log.exception("death listener failed")
+
+    def _pid_died(self, pid: int) -> None:
+        ref = self._by_pid.get(pid)
+        if ref is not None and ref.pid == pid:
+            self.mark_dead(ref, "process exited")
+        for listener in list(self.pid_listeners):
+            try:
+                listener(pid)
+            except Exception:
+                log.exception("pid death listener failed")
+
+    def close(self) -> None:
+        self.watcher.close()

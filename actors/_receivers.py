@@ -1,0 +1,126 @@
+"""The receiving side of ports: each open port's queue, who holds its senders, and the credit it owes.
+
+A :class:`ReceiverState` lives in the process that opened the port. It
+queues delivered values, wakes the one task waiting in ``recv``, knows
+which other processes hold a sender (so "every sender is gone" is
+observable), and counts consumption per sender for flow-control credit.
+:class:`Receivers` is the process's table of them, and handles the
+``PortMessage`` and ``Attach`` records addressed to them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from ._flow import Unacked
+from ._wire import Attach, Header, PortMessage
+
+__all__ = ["ReceiverState", "Receivers"]
+
+
+class ReceiverState:
+    """What the owning process keeps for one open port."""
+
+    __slots__ = ("attached", "closed", "holders", "once", "port_id", "queue", "unacked", "waiter")
+
+    def __init__(self, port_id: int, once: bool) -> None:
+        self.port_id = port_id
+        self.queue: deque[tuple[Any, str | None, int]] = deque()
+        self.waiter: asyncio.Future[None] | None = None
+        self.holders: set[int] = set()
+        self.attached = False
+        self.closed: str | None = None
+        self.once = once
+        self.unacked = Unacked()
+
+    def deliver(self, value: Any, address: str | None, size: int) -> None:
+        if self.closed is not None and self.once:
+            return
+        self.queue.append((value, address, size))
+        self.wake()
+
+    def attach(self, pid: int, alive: bool) -> None:
+        """Process ``pid`` holds a sender now (``alive``: it could be watched)."""
+        self.attached = True
+        if alive:
+            self.holders.add(pid)
+        else:
+            self.wake()
+
+    def holder_died(self, pid: int) -> None:
+        if pid in self.holders:
+            self.holders.discard(pid)
+            if not self.holders:
+                self.wake()
+
+    def senders_gone(self) -> bool:
+        return self.attached and not self.holders
+
+    def wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            with contextlib.suppress(RuntimeError):
+                waiter.set_result(None)
+
+
+class Receivers:
+    """Every port receiver open in this process, by port id."""
+
+    def __init__(
+        self,
+        own_pid: int,
+        watch: Callable[[int], bool],
+        credit: Callable[[str, int, int, int], None],
+        drops: Callable[..., None],
+    ) -> None:
+        self._own_pid = own_pid
+        self._watch = watch
+        self._credit = credit
+        self._drops = drops
+        self._states: dict[int, ReceiverState] = {}
+        self._ids = itertools.count(1)
+
+    def open(self, once: bool) -> ReceiverState:
+        state = ReceiverState(next(self._ids), once)
+        self._states[state.port_id] = state
+        return state
+
+    def get(self, port_id: int) -> ReceiverState | None:
+        return self._states.get(port_id)
+
+    def close(self, state: ReceiverState, reason: str) -> None:
+        state.closed = reason
+        self._states.pop(state.port_id, None)
+        state.wake()
+
+    def consumed(self, state: ReceiverState, address: str, size: int) -> None:
+        """One message from ``address`` was taken: give the sender its window back when due."""
+        due = state.unacked.consumed(address, size)
+        if due is not None:
+            self._credit(address, state.port_id, *due)
+
+    def attach(self, state: ReceiverState, pid: int) -> None:
+        if pid != self._own_pid:
+            state.attach(pid, self._watch(pid))
+
+    def on_port_message(self, record: PortMessage, frames: list[Any], sender: Header, size: int) -> None:
+        state = self._states.get(record.port_id)
+        if state is None:
+            self._drops("a message for port %r: no such receiver in this process", record.port_id)
+            self._credit(sender.address, record.port_id, 1, size)  # its window credit still goes back
+            return
+        state.deliver(record.value, sender.address, size)
+
+    def on_attach(self, record: Attach, frames: list[Any], sender: Header, size: int) -> None:
+        state = self._states.get(record.port_id)
+        if state is not None:
+            self.attach(state, record.pid)
+
+    def holder_died(self, pid: int) -> None:
+        for state in list(self._states.values()):
+            state.holder_died(pid)

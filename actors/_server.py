@@ -1,0 +1,324 @@
+"""The actor server of a worker process: constructs its actors, runs their calls, stops them.
+
+Calls arrive as :class:`~actors._wire.Call` records. A call to an actor that
+is not constructed yet waits (up to :data:`SPAWN_WAIT`) for it; every
+invocation of an async endpoint runs as its own task on the process's event
+loop, so endpoints of one actor interleave; a plain ``def`` endpoint runs
+on a worker thread so it never freezes the message pump. Calls to the
+reserved actor :data:`~actors._wire.PROCESS_ACTOR` spawn and stop actors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import inspect
+import logging
+import os
+import traceback
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import _refs
+from ._actor import Actor, ActorContext, Endpoint, _context, endpoints_of
+from ._config import WorkerConfig
+from ._errors import ActorDied, DecodeError
+from ._invocation import Invocation
+from ._liveness import ProcRef
+from ._runtime import Runtime
+from ._wire import PROCESS_ACTOR, Call, ErrorRecord, FailureReport, Header
+
+__all__ = ["CLEANUP_TIMEOUT", "ActorServer"]
+
+log = logging.getLogger("actors")
+
+#: How long a call may wait for an actor that has not been spawned here yet.
+SPAWN_WAIT = 30.0
+#: Default bound on an actor's ``__cleanup__`` when stopping.
+CLEANUP_TIMEOUT = 10.0
+
+
+@dataclass
+class ActorSlot:
+    """One actor hosted in this process."""
+
+    name: str
+    rank: int
+    extent: dict[str, int]
+    instance: Any = None
+    error: ErrorRecord | None = None
+    endpoints: dict[str, Endpoint[Any, Any]] = field(default_factory=dict)
+    tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+    backlog: list[Invocation] = field(default_factory=list)
+    stopping: bool = False
+
+    @property
+    def context(self) -> ActorContext:
+        return ActorContext(self.name, self.rank, self.extent)
+
+
+class ActorServer:
+    """Serves the actors of this worker process."""
+
+    def __init__(self, rt: Runtime, config: WorkerConfig, retitle: Callable[[list[str]], None]) -> None:
+        self.rt = rt
+        self.loop = asyncio.get_running_loop()
+        self.config = config
+        self._retitle_to = retitle
+        self.actors: dict[str, ActorSlot] = {}
+        self.waiting: dict[str, list[Invocation]] = {}
+        self.stopped: set[str] = set()
+        self.finished = asyncio.Event()
+        self.executor = ThreadPoolExecutor(thread_name_prefix="endpoint")
+        self.owner = rt.registry.proc(config.owner_address, config.owner_pid)
+        self._stopping = False
+        self._tasks: set[asyncio.Task[Any]] = set()
+        rt.inbox.on(Call, self.on_call)
+        rt.registry.death_listeners.append(self._on_death)
+        rt.server = self
+
+    # -------------------------------------------------------------- routing calls
+
+    def on_call(self, call: Call, frames: list[Any], sender: Header, size: int) -> None:
+        inv = Invocation(call, frames)
+        actor = call.actor
+        if actor == PROCESS_ACTOR:
+            self._spawn_task(self._process_call(inv))
+            return
+        slot = self.actors.get(actor)
+        if slot is None and actor in self.stopped:
+            self._refuse(inv, ErrorRecord("LookupError", f"actor {actor!r} was stopped"))
+        elif slot is None:
+            self.waiting.setdefault(actor, []).append(inv)
+            self.loop.call_later(SPAWN_WAIT, self._expire, actor, inv)
+        elif slot.instance is None and slot.error is None:
+            slot.backlog.append(inv)
+        else:
+            self._start(slot, inv)
+
+    def _expire(self, actor: str, inv: Invocation) -> None:
+        waiting = self.waiting.get(actor)
+        if waiting and inv in waiting:
+            waiting.remove(inv)
+            self._refuse(inv, ErrorRecord("LookupError", f"no actor named {actor!r} in this process"))
+
+    def _start(self, slot: ActorSlot, inv: Invocation) -> None:
+        if slot.error is not None:
+            self._refuse(inv, slot.error)
+            return
+        if slot.stopping:
+            self._refuse(inv, ErrorRecord("RuntimeError", f"actor {slot.name!r} is stopping"))
+            return
+        ep = slot.endpoints.get(inv.call.method)
+        if ep is None:
+            cls = type(slot.instance).__qualname__
+            self._refuse(inv, ErrorRecord("AttributeError", f"{cls} has no endpoint {inv.call.method!r}"))
+            return
+        try:
+            args, kwargs = inv.arguments(self.rt)
+        except DecodeError as exc:
+            self._refuse(inv, ErrorRecord.of(exc))
+            return
+        token = _context.set(slot.context)
+        try:
+            task = self.loop.create_task(self._invoke(slot, ep, args, kwargs, inv))
+        finally:
+            _context.reset(token)
+        slot.tasks.add(task)
+        task.add_done_callback(slot.tasks.discard)
+
+    async def _invoke(
+        self, slot: ActorSlot, ep: Endpoint[Any, Any], args: list[Any], kwargs: dict[str, Any], inv: Invocation
+    ) -> None:
+        try:
+            if ep.is_async:
+                result = await ep.fn(slot.instance, *args, **kwargs)
+            else:
+                call = functools.partial(ep.fn, slot.instance, *args, **kwargs)
+                result = await self.loop.run_in_executor(self.executor, contextvars.copy_context().run, call)
+        except asyncio.CancelledError:
+            self._fail(slot, inv, ErrorRecord("CancelledError", f"actor {slot.name!r} stopped first"), report=False)
+        except BaseException as exc:
+            self._fail(slot, inv, ErrorRecord.of(exc, traceback.format_exc()))
+        else:
+            if inv.wants_reply:
+                inv.reply(self.rt, True, result)
+            else:
+                inv.deliver_result(result)
+
+    def _refuse(self, inv: Invocation, record: ErrorRecord) -> None:
+        """A call that never ran (no such actor or endpoint, bad arguments): an error reply.
+
+        Fire-and-forget, it is a bad message rather than an actor failure:
+        dropped with a rate-limited log, never reported to the owner.
+        """
+        if inv.wants_reply:
+            inv.reply(self.rt, False, record)
+        else:
+            call = inv.call
+            self.rt.drops("a fire-and-forget call to %s.%s: %s: %s", call.actor, call.method, *record[:2])
+
+    def _fail(self, slot: ActorSlot | None, inv: Invocation, record: ErrorRecord, report: bool = True) -> None:
+        if inv.wants_reply:
+            inv.reply(self.rt, False, record)
+            return
+        if not report:
+            return
+        call = inv.call
+        rank = slot.rank if slot is not None else call.rank
+        log.error(
+            "fire-and-forget call %s[%d].%s failed: %s: %s\n%s",
+            call.actor,
+            rank,
+            call.method,
+            record.type_name,
+            record.message,
+            record.traceback.rstrip(),
+        )
+        self.report_failure(call.actor, rank, call.method, record)
+
+    def report_failure(self, actor: str, rank: int, method: str, record: ErrorRecord) -> None:
+        """Send a failure of ``actor`` to the owner of this process (its supervisor)."""
+        failure = FailureReport(actor, rank, os.getpid(), method, record.type_name, record.message, record.traceback)
+        if not self.owner.dead:
+            try:
+                self.rt.send(self.owner, failure, urgent=True)
+            except ActorDied:
+                pass
+            except Exception:
+                log.exception("could not report a failure to the owner")
+
+    def _spawn_task(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = self.loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -------------------------------------------------------------- spawning and stopping
+
+    async def _process_call(self, inv: Invocation) -> None:
+        method = inv.call.method
+        try:
+            args, _kwargs = inv.arguments(self.rt)
+            if method == "spawn":
+                self._spawn(inv, *args)
+                return  # the spawn answers for itself
+            if method == "stop_actor":
+                await self._stop_actor(*args)
+            elif method == "stop":
+                await self._stop_all(*args)
+            else:
+                raise AttributeError(f"unknown process operation {method!r}")
+        except BaseException as exc:
+            self._fail(None, inv, ErrorRecord.of(exc, traceback.format_exc(), spawn_failed=method == "spawn"))
+            return
+        inv.reply(self.rt, True, None)
+        if method == "stop":
+            self.rt.outbox.flush_all()
+            self.finished.set()
+
+    def _spawn(self, inv: Invocation, name: str, class_ref: str, extent: dict[str, int], ctor: bytes) -> None:
+        if name in self.actors:
+            raise ValueError(f"an actor named {name!r} already exists in this process")
+        self.stopped.discard(name)
+        slot = ActorSlot(name, inv.call.rank, dict(extent))
+        slot.backlog = self.waiting.pop(name, [])
+        self.actors[name] = slot
+        token = _context.set(slot.context)
+        try:
+            cls = _refs.resolve(class_ref, allow_import=True)
+            if not (isinstance(cls, type) and issubclass(cls, Actor)):
+                raise TypeError(f"{class_ref} is not an Actor subclass")
+            args, kwargs = self.rt.inbox.decoder.decode(ctor, inv.frames)
+            slot.instance = cls(*args, **kwargs)
+            slot.endpoints = endpoints_of(cls)
+        except BaseException as exc:
+            slot.error = ErrorRecord.of(exc, traceback.format_exc(), spawn_failed=True)
+            log.error("could not construct actor %s[%d]: %s: %s", name, slot.rank, *slot.error[:2])
+            inv.reply(self.rt, False, slot.error)
+        else:
+            inv.reply(self.rt, True, None)
+        finally:
+            _context.reset(token)
+        self._retitle()
+        backlog, slot.backlog = slot.backlog, []
+        for waiting in backlog:
+            self._start(slot, waiting)
+
+    def _retitle(self) -> None:
+        self._retitle_to([f"{name}[{slot.rank}]" for name, slot in self.actors.items()])
+
+    async def _stop_actor(self, name: str, timeout: float = CLEANUP_TIMEOUT) -> None:
+        slot = self.actors.pop(name, None)
+        self.stopped.add(name)
+        if slot is not None:
+            await self._stop_slot(slot, None, timeout)
+            self._retitle()
+
+    async def _stop_all(self, timeout: float = CLEANUP_TIMEOUT, exc: BaseException | None = None) -> None:
+        self._stopping = True
+        slots = list(self.actors.values())
+        self.actors.clear()
+        await asyncio.gather(*(self._stop_slot(slot, exc, timeout) for slot in slots))
+
+    async def _stop_slot(self, slot: ActorSlot, exc: BaseException | None, timeout: float) -> None:
+        slot.stopping = True
+        cleanup = getattr(slot.instance, "__cleanup__", None)
+        if cleanup is not None:
+            token = _context.set(slot.context)
+            try:
+                result = cleanup(exc)
+                if inspect.isawaitable(result):
+                    await asyncio.wait_for(result, timeout)
+            except Exception:
+                log.exception("__cleanup__ of %s[%d] failed", slot.name, slot.rank)
+            finally:
+                _context.reset(token)
+        for task in list(slot.tasks):
+            task.cancel()
+        if slot.tasks:
+            await asyncio.wait(list(slot.tasks), timeout=1.0)
+
+    def shutdown(self, reason: str) -> None:
+        """Stop every actor quickly and end the process (SIGTERM, owner death): an ordinary end, not logged loudly."""
+        if self._stopping:
+            return
+        self._stopping = True
+        log.info("stopping: %s", reason)
+
+        async def stop() -> None:
+            try:
+                await self._stop_all(timeout=0.5)
+            finally:
+                self.finished.set()
+
+        self._spawn_task(stop())
+
+    def _on_death(self, ref: ProcRef) -> None:
+        if ref is self.owner:
+            self.shutdown("the owning process exited")
+
+    # -------------------------------------------------------------- supervision of child meshes
+
+    def supervise(self, actor: str, failure: Any) -> bool:
+        """Offer ``failure`` to the ``__supervise__`` of ``actor`` (hosted here); True if handled."""
+        slot = self.actors.get(actor)
+        if slot is None or slot.instance is None:
+            return False
+        token = _context.set(slot.context)
+        try:
+            return bool(slot.instance.__supervise__(failure))
+        except Exception:
+            log.exception("__supervise__ of %s[%d] raised; the failure stays unhandled", slot.name, slot.rank)
+            return False
+        finally:
+            _context.reset(token)
+
+    def escalate(self, actor: str, failure: Any) -> None:
+        """Report an unhandled ``failure`` to this process's owner as a failure of ``actor``."""
+        slot = self.actors.get(actor)
+        rank = slot.rank if slot is not None else 0
+        record = ErrorRecord("SupervisionError", f"unhandled failure of an actor it spawned: {failure}", failure.traceback)
+        self.report_failure(actor, rank, "__supervise__", record)

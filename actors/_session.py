@@ -1,0 +1,138 @@
+"""A session: the private directory, addresses and keys that one controller and its workers share.
+
+The controller makes a 0700 runtime directory; its workers find it through
+``ACTORS_SESSION_DIR``. Inbox addresses are socket files in it (``ipc``) or
+loopback tcp ports (``ACTORS_TRANSPORT=tcp``), CURVE-authenticated with one
+session key pair. The directory also records which pid serves each address
+(an *incarnation* file), so any process can resolve a peer's pid without
+asking anyone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import socket
+import tempfile
+
+import zmq
+
+__all__ = [
+    "SESSION_ENV",
+    "inbox_address",
+    "incarnation_path",
+    "make_runtime_dir",
+    "read_incarnation",
+    "remove_socket_file",
+    "session_keys",
+    "transport_kind",
+    "valid_peer_address",
+    "write_incarnation",
+]
+
+#: Where workers find their session's directory.
+SESSION_ENV = "ACTORS_SESSION_DIR"
+#: Environment switch for the transport: ``ipc`` (default, one host) or ``tcp``.
+TRANSPORT_ENV = "ACTORS_TRANSPORT"
+#: Interface tcp inboxes bind to; loopback unless explicitly widened.
+TCP_HOST_ENV = "ACTORS_TCP_HOST"
+#: Session key pair for CURVE on tcp (z85); set by the first process, inherited by its workers.
+CURVE_PUBLIC_ENV = "ACTORS_CURVE_PUBLIC"
+CURVE_SECRET_ENV = "ACTORS_CURVE_SECRET"
+#: ``ACTORS_CURVE=0`` turns tcp authentication off (not recommended beyond loopback).
+CURVE_ENV = "ACTORS_CURVE"
+
+
+def transport_kind() -> str:
+    kind = os.environ.get(TRANSPORT_ENV, "ipc").lower()
+    if kind not in ("ipc", "tcp"):
+        raise ValueError(f"{TRANSPORT_ENV} must be 'ipc' or 'tcp', not {kind!r}")
+    return kind
+
+
+def make_runtime_dir() -> str:
+    """A private (0700) directory for this session's socket files."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    if not base or not os.access(base, os.W_OK):
+        base = tempfile.gettempdir()
+    path = tempfile.mkdtemp(prefix="actors-", dir=base)
+    os.chmod(path, 0o700)
+    return path
+
+
+def inbox_address(runtime_dir: str, name: str) -> str:
+    """A fresh inbox address: a socket file in the private directory, or a loopback tcp port."""
+    if transport_kind() == "ipc":
+        return f"ipc://{runtime_dir}/{name}.sock"
+    host = os.environ.get(TCP_HOST_ENV, "127.0.0.1")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        port = probe.getsockname()[1]
+    return f"tcp://{host}:{port}"
+
+
+_TCP_ADDRESS = re.compile(r"tcp://[A-Za-z0-9.\-]+:[0-9]{1,5}")
+
+
+def valid_peer_address(address: str, runtime_dir: str) -> bool:
+    """Only addresses this session could own: an ipc socket in its private directory, or tcp host:port.
+
+    A header is attacker-controlled input; its address decides where replies
+    and credits go, so it must never point anywhere else.
+    """
+    if address.startswith("ipc://"):
+        path = address[len("ipc://") :]
+        return os.path.dirname(path) == runtime_dir and path.endswith(".sock") and ".." not in path
+    return _TCP_ADDRESS.fullmatch(address) is not None
+
+
+def remove_socket_file(address: str) -> None:
+    """Delete an ipc address's socket file (nothing to do for tcp)."""
+    if address.startswith("ipc://"):
+        with contextlib.suppress(OSError):
+            os.unlink(address.removeprefix("ipc://"))
+
+
+def session_keys() -> tuple[bytes, bytes] | None:
+    """The session's CURVE key pair for tcp, created on first use; None for ipc or when disabled.
+
+    Every inbox is a CURVE server and every link a CURVE client with this one
+    key: a peer that does not hold it cannot complete the handshake, so its
+    messages are never delivered.
+    """
+    if transport_kind() != "tcp" or os.environ.get(CURVE_ENV, "1") == "0":
+        return None
+    if not zmq.has("curve"):
+        raise RuntimeError("this libzmq has no CURVE support; set ACTORS_CURVE=0 to run tcp unauthenticated")
+    public, secret = os.environ.get(CURVE_PUBLIC_ENV), os.environ.get(CURVE_SECRET_ENV)
+    if not public or not secret:
+        pub, sec = zmq.curve_keypair()
+        public, secret = pub.decode(), sec.decode()
+        os.environ[CURVE_PUBLIC_ENV], os.environ[CURVE_SECRET_ENV] = public, secret
+    return public.encode(), secret.encode()
+
+
+def incarnation_path(session_dir: str, address: str) -> str:
+    """The file that records the pid of the process serving ``address``."""
+    digest = hashlib.sha1(address.encode(), usedforsecurity=False).hexdigest()[:16]
+    return os.path.join(session_dir, f"pid-{digest}")
+
+
+def write_incarnation(session_dir: str, address: str, pid: int) -> None:
+    """Record (atomically) that ``pid`` now serves ``address``."""
+    path = incarnation_path(session_dir, address)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(str(pid))
+    os.replace(tmp, path)
+
+
+def read_incarnation(session_dir: str, address: str) -> int | None:
+    """The pid recorded for ``address``, or None if none is (yet)."""
+    try:
+        with open(incarnation_path(session_dir, address)) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,298 @@
+"""The records that travel between processes: one named type per kind, its encoding beside it.
+
+A ZeroMQ message is ``[header][payload][buffer 0..n]``. The header is a
+:class:`Header`. The payload is a batch: for each record, its buffer-frame
+count and byte length (two msgpack uints, :func:`record_prefix`), then the
+record itself, a msgpack array whose first item is its :class:`Kind`. A
+record's tensors refer to its own run of buffer frames, so a record that
+cannot be decoded is dropped alone.
+
+=========  ==================================================================
+kind       record
+=========  ==================================================================
+CALL       :class:`Call`: invoke ``actor.method`` (reply wanted if call_id)
+REPLY      :class:`Reply`: the result, or an :class:`ErrorRecord`
+PORT       :class:`PortMessage`: one value for a port (the hot path)
+CREDIT     :class:`Credit`: flow-control window given back to a port's sender
+ATTACH     :class:`Attach`: a process now holds a sender of a port
+FAILURE    :class:`FailureReport`: a worker tells its owner an actor failed
+=========  ==================================================================
+
+``Call.args`` is itself an encoded ``[args, kwargs]``: it is decoded only once
+the target actor exists, so its dataclasses are loaded by then. Spawning and
+stopping actors are calls to the reserved actor :data:`PROCESS_ACTOR`.
+Every ``from_wire`` checks arity and field types and raises
+:class:`~actors.DecodeError`; nothing here trusts its input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from enum import IntEnum
+from typing import Any, NamedTuple
+
+import msgpack
+
+from ._errors import ActorError, DecodeError, SpawnError
+
+__all__ = [
+    "PROCESS_ACTOR",
+    "PROTOCOL_VERSION",
+    "Attach",
+    "Call",
+    "Credit",
+    "ErrorRecord",
+    "FailureReport",
+    "Header",
+    "Kind",
+    "PortMessage",
+    "Reply",
+    "decode_record",
+    "port_prefix",
+    "record_prefix",
+]
+
+PROTOCOL_VERSION = 2
+#: The actor name that addresses a process itself (spawn, stop_actor, stop).
+PROCESS_ACTOR = "__process__"
+
+
+class Kind(IntEnum):
+    CALL = 1
+    REPLY = 2
+    PORT = 3
+    CREDIT = 4
+    ATTACH = 5
+    FAILURE = 6
+
+
+def _check(fields: Any, kind: Kind, arity: int) -> list[Any]:
+    if type(fields) is not list or len(fields) != arity or fields[0] != kind:
+        raise DecodeError(f"malformed {kind.name} record: {fields!r:.80}")
+    return fields
+
+
+class Header(NamedTuple):
+    """Who sent a ZeroMQ message: every record in it came from this process."""
+
+    address: str
+    pid: int
+
+    def encode(self) -> bytes:
+        return msgpack.packb([PROTOCOL_VERSION, self.address, self.pid])  # type: ignore[no-any-return]
+
+    @classmethod
+    def decode(cls, data: bytes) -> Header:
+        if len(data) > 4096:
+            raise DecodeError("oversized header")
+        try:
+            header = msgpack.unpackb(data, raw=False)
+        except (ValueError, msgpack.UnpackException) as exc:
+            raise DecodeError(f"undecodable header: {exc}") from None
+        if (
+            type(header) is not list
+            or len(header) != 3
+            or header[0] != PROTOCOL_VERSION
+            or type(header[1]) is not str
+            or type(header[2]) is not int
+            or header[2] <= 0
+        ):
+            raise DecodeError(f"bad header {header!r:.80}")
+        return cls(header[1], header[2])
+
+
+class ErrorRecord(NamedTuple):
+    """An exception as it crosses the wire; becomes :class:`ActorError` (or :class:`SpawnError`)."""
+
+    type_name: str
+    message: str
+    traceback: str = ""
+    spawn_failed: bool = False
+
+    @classmethod
+    def of(cls, exc: BaseException, tb: str = "", spawn_failed: bool = False) -> ErrorRecord:
+        if isinstance(exc, ActorError):
+            return cls(exc.exception_type, exc.message, exc.remote_traceback or tb, spawn_failed)
+        kind = type(exc)
+        name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+        return cls(name, str(exc), tb, spawn_failed)
+
+    def to_error(self, actor: str, rank: int | None) -> ActorError:
+        cls = SpawnError if self.spawn_failed else ActorError
+        return cls(self.type_name, self.message, self.traceback, actor=actor, rank=rank)
+
+    def to_wire(self) -> list[Any]:
+        return list(self)
+
+    @classmethod
+    def from_wire(cls, value: Any) -> ErrorRecord:
+        if (
+            type(value) is not list
+            or len(value) != 4
+            or type(value[0]) is not str
+            or type(value[1]) is not str
+            or type(value[2]) is not str
+            or type(value[3]) is not bool
+        ):
+            return cls("DecodeError", f"malformed error record {value!r:.80}")
+        return cls(*value)
+
+
+class Call(NamedTuple):
+    """Invoke ``actor.method`` with encoded ``args``; ``call_id`` 0 wants no reply."""
+
+    call_id: int
+    actor: str
+    method: str
+    reply_to: str  # the caller's inbox address
+    reply_pid: int
+    rank: int  # the target's rank in its mesh
+    args: bytes  # encoded [args, kwargs]
+    port: Any  # a Port that receives the result (fire-and-forget with a port), or None
+
+    def to_wire(self) -> list[Any]:
+        return [Kind.CALL, *self]
+
+    @classmethod
+    def from_wire(cls, fields: Any) -> Call:
+        f = _check(fields, Kind.CALL, 9)
+        if (
+            type(f[1]) is not int
+            or type(f[2]) is not str
+            or type(f[3]) is not str
+            or type(f[4]) is not str
+            or type(f[5]) is not int
+            or type(f[6]) is not int
+            or type(f[7]) is not bytes
+        ):
+            raise DecodeError(f"malformed CALL record: {fields!r:.80}")
+        return cls(*f[1:])
+
+
+class Reply(NamedTuple):
+    """The answer of one rank to a call: its value, or (``ok`` false) an :class:`ErrorRecord`."""
+
+    call_id: int
+    rank: int
+    ok: bool
+    value: Any
+
+    def to_wire(self) -> list[Any]:
+        value = self.value.to_wire() if isinstance(self.value, ErrorRecord) else self.value
+        return [Kind.REPLY, self.call_id, self.rank, self.ok, value]
+
+    @classmethod
+    def from_wire(cls, fields: Any) -> Reply:
+        f = _check(fields, Kind.REPLY, 5)
+        if type(f[1]) is not int or type(f[2]) is not int or type(f[3]) is not bool:
+            raise DecodeError(f"malformed REPLY record: {fields!r:.80}")
+        return cls(f[1], f[2], f[3], f[4] if f[3] else ErrorRecord.from_wire(f[4]))
+
+
+class PortMessage(NamedTuple):
+    """One value (or the end-of-stream ``None``) for port ``port_id`` of the receiving process."""
+
+    port_id: int
+    value: Any
+
+    @classmethod
+    def from_wire(cls, fields: Any) -> PortMessage:
+        f = _check(fields, Kind.PORT, 3)
+        if type(f[1]) is not int:
+            raise DecodeError("malformed PORT record")
+        return cls(f[1], f[2])
+
+
+def port_prefix(port_id: int) -> bytes:
+    """The packed start of a PORT record for ``port_id``; the value is packed right after it."""
+    return b"\x93" + msgpack.packb(int(Kind.PORT)) + msgpack.packb(port_id)  # type: ignore[no-any-return]
+
+
+class Credit(NamedTuple):
+    """The receiver of ``port_id`` consumed ``messages`` (``nbytes``) of the sender's window."""
+
+    port_id: int
+    messages: int
+    nbytes: int
+
+    def to_wire(self) -> list[Any]:
+        return [Kind.CREDIT, *self]
+
+    @classmethod
+    def from_wire(cls, fields: Any) -> Credit:
+        f = _check(fields, Kind.CREDIT, 4)
+        if type(f[1]) is not int or type(f[2]) is not int or type(f[3]) is not int or f[2] < 0 or f[3] < 0:
+            raise DecodeError("malformed CREDIT record")
+        return cls(f[1], f[2], f[3])
+
+
+class Attach(NamedTuple):
+    """Process ``pid`` now holds a sender of ``port_id`` (so the receiver watches it)."""
+
+    port_id: int
+    pid: int
+
+    def to_wire(self) -> list[Any]:
+        return [Kind.ATTACH, *self]
+
+    @classmethod
+    def from_wire(cls, fields: Any) -> Attach:
+        f = _check(fields, Kind.ATTACH, 3)
+        if type(f[1]) is not int or type(f[2]) is not int:
+            raise DecodeError("malformed ATTACH record")
+        return cls(f[1], f[2])
+
+
+class FailureReport(NamedTuple):
+    """An actor of the sending process failed (a fire-and-forget call raised, a supervisor escalated)."""
+
+    actor: str
+    rank: int
+    pid: int
+    endpoint: str
+    exception_type: str
+    message: str
+    traceback: str
+
+    def to_wire(self) -> list[Any]:
+        return [Kind.FAILURE, *self]
+
+    @classmethod
+    def from_wire(cls, fields: Any) -> FailureReport:
+        f = _check(fields, Kind.FAILURE, 8)
+        types = (str, int, int, str, str, str, str)
+        if any(type(value) is not expected for value, expected in zip(f[1:], types, strict=True)):
+            raise DecodeError("malformed FAILURE record")
+        return cls(*f[1:])
+
+
+Record = Call | Reply | PortMessage | Credit | Attach | FailureReport
+
+_DECODERS: dict[int, Callable[[Any], Record]] = {
+    Kind.CALL: Call.from_wire,
+    Kind.REPLY: Reply.from_wire,
+    Kind.PORT: PortMessage.from_wire,
+    Kind.CREDIT: Credit.from_wire,
+    Kind.ATTACH: Attach.from_wire,
+    Kind.FAILURE: FailureReport.from_wire,
+}
+
+
+def decode_record(fields: Any) -> Record:
+    """The record an undecoded msgpack array stands for; :class:`DecodeError` if none."""
+    if type(fields) is not list or not fields:
+        raise DecodeError(f"not a record: {fields!r:.80}")
+    decode = _DECODERS.get(fields[0])
+    if decode is None:
+        raise DecodeError(f"unknown record kind {fields[0]!r:.20}")
+    return decode(fields)
+
+
+_SHORT_PREFIX = [bytes([0, n]) for n in range(128)]
+
+
+def record_prefix(frame_count: int, length: int) -> bytes:
+    """The ``frame_count, length`` pair (two msgpack uints) that precedes each record of a batch."""
+    if frame_count == 0 and length < 128:
+        return _SHORT_PREFIX[length]
+    return msgpack.packb(frame_count) + msgpack.packb(length)  # type: ignore[no-any-return]
