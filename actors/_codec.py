@@ -10,18 +10,15 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgpack
+import torch
 
 from . import _refs
+from ._buffers import DTYPE_NAMES, DTYPES, ITEMSIZE, tensor_buffer, tensor_over
 from ._errors import DecodeError, EncodeError
-
-# torch warns at import when NumPy is absent; the runtime never needs NumPy.
-warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-import torch  # noqa: E402
 
 __all__ = ["Decoder", "Encoder", "register_handle"]
 
@@ -38,35 +35,10 @@ MAX_DEPTH = 64
 #: Largest payload frame a receiver accepts.
 MAX_PAYLOAD_BYTES = 1 << 30
 
-# Tensors rebuilt over received frames are read-only memory from the socket's
-# point of view; torch warns about that once per process. The receiver owns
-# the frame, so the warning carries no information here.
-warnings.filterwarnings("ignore", message="The given buffer is not writable")
-
 
 def _ext(code: int, data: bytes) -> msgpack.ExtType:
     """An ExtType without its validating Python-level constructor (our codes are valid)."""
     return tuple.__new__(msgpack.ExtType, (code, data))  # type: ignore[no-any-return]
-
-
-_DTYPES: dict[str, torch.dtype] = {
-    str(dt).removeprefix("torch."): dt
-    for dt in (
-        torch.float64,
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-        torch.complex64,
-        torch.complex128,
-    )
-}
-_DTYPE_NAMES = {dt: name for name, dt in _DTYPES.items()}
 
 
 class _Handle:
@@ -76,6 +48,7 @@ class _Handle:
         self.kind, self.cls, self.to_state, self.from_state = kind, cls, to_state, from_state
 
 
+# The handle types (ports, actor meshes) registered by the modules that define them.
 _handles_by_type: dict[type, _Handle] = {}
 _handles_by_kind: dict[str, _Handle] = {}
 
@@ -85,21 +58,6 @@ def register_handle(kind: str, cls: type, to_state: Callable[[Any], Any], from_s
     handle = _Handle(kind, cls, to_state, from_state)
     _handles_by_type[cls] = handle
     _handles_by_kind[kind] = handle
-
-
-class _TensorBuffer:
-    """A zero-copy buffer over a contiguous CPU tensor that keeps it alive."""
-
-    @staticmethod
-    def of(tensor: torch.Tensor, nbytes: int) -> memoryview:
-        array = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
-        array._owner = tensor  # type: ignore[attr-defined]  # keep the storage alive
-        return memoryview(array).cast("B")
-
-
-def tensor_buffer(tensor: torch.Tensor) -> memoryview:
-    """A byte view over a contiguous CPU tensor's memory, keeping the tensor alive."""
-    return _TensorBuffer.of(tensor, tensor.numel() * tensor.element_size())
 
 
 class Encoder:
@@ -171,7 +129,7 @@ class Encoder:
         if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
             return _ext(EXT_DATACLASS, self._nested(self._dataclass(obj)))
         if isinstance(obj, torch.dtype):
-            return _ext(EXT_DTYPE, _DTYPE_NAMES[obj].encode())
+            return _ext(EXT_DTYPE, DTYPE_NAMES[obj].encode())
         # Subclasses of plain containers (OrderedDict state_dicts, torch.Size,
         # named tuples) travel as their base type.
         if isinstance(obj, tuple):
@@ -216,7 +174,7 @@ class Encoder:
             )
         if tensor.layout != torch.strided or tensor.is_quantized:
             raise EncodeError(f"tensors with layout {tensor.layout} are not supported")
-        dtype = _DTYPE_NAMES.get(tensor.dtype)
+        dtype = DTYPE_NAMES.get(tensor.dtype)
         if dtype is None:
             raise EncodeError(f"tensor dtype {tensor.dtype} is not supported")
         tensor = tensor.detach()
@@ -230,7 +188,7 @@ class Encoder:
             data: Any = ctypes.string_at(tensor.data_ptr(), nbytes) if nbytes else b""
         else:
             data = len(self.frames)
-            self.frames.append(_TensorBuffer.of(tensor, nbytes))
+            self.frames.append(tensor_buffer(tensor, nbytes))
         return [dtype, shape, data]
 
 
@@ -377,7 +335,7 @@ class Decoder:
             except Exception as exc:
                 raise DecodeError(f"malformed {record[0]} handle: {exc}") from None
         if code == EXT_DTYPE:
-            dtype = _DTYPES.get(bytes(data).decode("ascii", "replace"))
+            dtype = DTYPES.get(bytes(data).decode("ascii", "replace"))
             if dtype is None:
                 raise DecodeError("unknown dtype")
             return dtype
@@ -387,7 +345,7 @@ class Decoder:
         if type(record) is not list or len(record) != 3:
             raise DecodeError("malformed tensor record")
         dtype_name, shape, data = record
-        dtype = _DTYPES.get(dtype_name) if type(dtype_name) is str else None
+        dtype = DTYPES.get(dtype_name) if type(dtype_name) is str else None
         if dtype is None:
             raise DecodeError(f"unknown tensor dtype {dtype_name!r}")
         if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape) or len(shape) > 32:
@@ -395,7 +353,7 @@ class Decoder:
         numel = 1
         for dim in shape:
             numel *= dim
-        itemsize = _ITEMSIZE[dtype]
+        itemsize = ITEMSIZE[dtype]
         nbytes = numel * itemsize
         if type(data) is int:
             if not 0 <= data < len(self._frames):
@@ -411,7 +369,7 @@ class Decoder:
             raise DecodeError(f"tensor of shape {shape} needs {nbytes} bytes, frame holds {size}")
         if numel == 0:
             return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)
+        return tensor_over(buffer, dtype, numel).view(shape)
 
     def _dataclass(self, record: Any) -> Any:
         if type(record) is not list or len(record) != 2 or type(record[0]) is not str or type(record[1]) is not list:
@@ -452,4 +410,3 @@ def _read_uint(view: memoryview, position: int) -> tuple[int, int]:
     raise DecodeError(f"bad batch framing byte 0x{first:02x}")
 
 
-_ITEMSIZE = {dt: torch.empty((), dtype=dt).element_size() for dt in _DTYPES.values()}

@@ -8,13 +8,13 @@ port and leaves, in order, as credit returns. The backlog is bounded
 (:data:`BACKLOG`, :data:`BACKLOG_BYTES`); past it ``send`` raises
 :class:`~actors.BufferFull`.
 
-Pacing is awaitable, never a wait on the loop's thread:
-
-* ``await port.drain()`` returns once that port's backlog has left;
-* a process whose backlogs together exceed :data:`HIGH_WATER` records stops
-  taking messages from its own ports (``PortReceiver.recv`` awaits until
-  they fall under :data:`LOW_WATER`), so a chain of forwarding actors slows
-  down end to end instead of piling records up in the middle.
+Pacing is awaitable, never a wait on the loop's thread: ``await
+port.drain()`` returns once that port's backlog has left. A producer that
+may outrun its receiver, and a forwarding actor whose downstream may stall,
+call it after ``send`` (asyncio's ``write()`` / ``drain()`` convention) and
+keep memory bounded end to end. Receiving is never paused on a process's
+behalf: a process that both feeds and drains a peer (a cycle) would then
+wait on itself.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from ._errors import BufferFull, PortClosed
 from ._outbox import Outbox
 from ._transport import Link
 
-__all__ = ["BACKLOG", "HIGH_WATER", "LOW_WATER", "WINDOW", "WINDOW_BYTES", "SenderWindows", "Unacked"]
+__all__ = ["BACKLOG", "BACKLOG_BYTES", "WINDOW", "WINDOW_BYTES", "SenderWindows", "Unacked"]
 
 #: Records and bytes one sending process may have in flight to one port.
 WINDOW = 4096
@@ -36,9 +36,6 @@ WINDOW_BYTES = 64 * 1024 * 1024
 #: Records and bytes a sender may hold back for one port once its window is full.
 BACKLOG = 262_144
 BACKLOG_BYTES = 256 * 1024 * 1024
-#: Backlogged records (all ports of a process) above which its receivers pause, and below which they go on.
-HIGH_WATER = 4096
-LOW_WATER = 1024
 
 
 class _Window:
@@ -74,9 +71,8 @@ class SenderWindows:
     def __init__(self, outbox: Outbox) -> None:
         self._outbox = outbox
         self._windows: dict[tuple[str, int], _Window] = {}
-        #: Records held back across every port (paces this process's receivers).
+        #: Records held back, across every port.
         self.backlogged = 0
-        self._low_waiters: list[asyncio.Future[None]] = []
 
     def inflight(self, address: str, port_id: int) -> int:
         """Records sent to the port and not yet credited back."""
@@ -125,17 +121,11 @@ class SenderWindows:
             window.inflight_bytes += size
             released += 1
             post(window.link, data, frames, False)
-        if released:
-            self._released(released)
+        self.backlogged -= released
         if not backlog:
             _wake(window.waiters)
             if window.inflight == 0:
                 del self._windows[(address, port_id)]
-
-    def _released(self, count: int) -> None:
-        self.backlogged -= count
-        if self.backlogged < LOW_WATER and self._low_waiters:
-            _wake(self._low_waiters)
 
     async def drain(self, address: str, port_id: int) -> None:
         """Return once nothing is held back for this port (at once if nothing is)."""
@@ -146,16 +136,6 @@ class SenderWindows:
         window.waiters.append(waiter)
         await waiter
 
-    def congested(self) -> bool:
-        return self.backlogged > HIGH_WATER
-
-    async def uncongested(self) -> None:
-        """Return once this process's backlogs have fallen under :data:`LOW_WATER`."""
-        while self.backlogged >= LOW_WATER:
-            waiter = asyncio.get_running_loop().create_future()
-            self._low_waiters.append(waiter)
-            await waiter
-
     def drop(self, address: str) -> None:
         """The peer at ``address`` is gone: its windows and backlogs go, their waiters hear why."""
         for key in [key for key in self._windows if key[0] == address]:
@@ -163,8 +143,7 @@ class SenderWindows:
             dropped = len(window.backlog)
             window.backlog.clear()
             _wake(window.waiters, PortClosed(f"the receiver of port {key[1]} at {address} has exited"))
-            if dropped:
-                self._released(dropped)
+            self.backlogged -= dropped
 
 
 class Unacked:

@@ -23,7 +23,7 @@ from typing import Any, Generic, TypeVar, overload
 from . import _refs, _runtime
 from ._codec import register_handle
 from ._errors import ActorDied, BufferFull, CallTimeout, DecodeError, PortClosed
-from ._flow import HIGH_WATER, SenderWindows
+from ._flow import SenderWindows
 from ._future import Future
 from ._liveness import ProcRef
 from ._outbox import SEND_TIMEOUT
@@ -240,22 +240,16 @@ class PortReceiver(Generic[T]):
         self._rt = rt
         self._state = state
         self._type = type_ref
-        self._windows = rt.windows
 
-    def recv(self) -> Future[T]:
+    def recv(self) -> Future[T | None]:
         """The next message (``None`` at end of stream).
 
         Raises :class:`PortClosed` when nothing is queued and every other
-        process that held a sender for this port has exited. While this
-        process holds back more than a window of outgoing messages (its own
-        receivers are slow), ``recv`` first waits for them to leave: a
-        forwarding actor slows down instead of piling messages up.
+        process that held a sender for this port has exited.
         """
         return _Recv(self)
 
-    def _wait(self) -> Generator[Any, None, T]:
-        if self._windows.backlogged > HIGH_WATER:
-            yield from self._windows.uncongested().__await__()
+    def _wait(self) -> Generator[Any, None, T | None]:
         state = self._state
         queue = state.queue
         if not queue:
@@ -270,7 +264,7 @@ class PortReceiver(Generic[T]):
                     state.waiter = None
         return self._take()  # type: ignore[no-any-return]
 
-    def _recv_sync(self, timeout: float | None) -> T:
+    def _recv_sync(self, timeout: float | None) -> T | None:
         state = self._state
 
         def ready() -> bool:
@@ -314,7 +308,7 @@ class PortReceiver(Generic[T]):
         self._rt.receivers.close(self._state, "the receiver was closed")
 
 
-class _Recv(Future[T]):
+class _Recv(Future["T | None"]):
     """``PortReceiver.recv()``: returns at once, without a coroutine, when a message is queued."""
 
     __slots__ = ("_receiver",)
@@ -327,15 +321,15 @@ class _Recv(Future[T]):
         self._value = None
         self._error = None
 
-    async def _coroutine(self) -> T:
+    async def _coroutine(self) -> T | None:
         return await self
 
-    def __await__(self) -> Generator[Any, None, T]:
+    def __await__(self) -> Generator[Any, None, T | None]:
         if self._done:
             return self._result()
         receiver = self._receiver
         try:
-            if receiver._state.queue and receiver._windows.backlogged <= HIGH_WATER:
+            if receiver._state.queue:
                 value = receiver._take()
             else:
                 value = yield from receiver._wait()

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from actors import WeightManifest
 
-__all__ = ["Config", "Grant", "RefScoredRollout", "Rollout", "ScoredRollout", "StepReport"]
+__all__ = ["Config", "Grant", "InstallMode", "Mode", "RefScoredRollout", "Rollout", "ScoredRollout", "StepReport"]
+
+#: ``async``: generators run ahead of the trainer (bounded); ``sync``: lock-step, on-policy.
+Mode = Literal["async", "sync"]
+#: How generators install weights: ``copy`` into their parameters, or ``alias`` the published slot.
+InstallMode = Literal["copy", "alias"]
 
 
 @dataclass
@@ -80,7 +85,7 @@ class Config:
 
     steps: int = 2000
     generators: int = 2
-    mode: str = "async"
+    mode: Mode = "async"
     max_staleness: int = 8
     transport: str = "shm"
     seed: int = 0
@@ -97,7 +102,7 @@ class Config:
     run_dir: str = ""
     device: str = "cpu"  # every role's device, unless ``devices`` names one for it
     devices: dict[str, str] = field(default_factory=dict)  # role -> device: trainer, generator, scorer, ref
-    install: str = "copy"  # how generators install weights: "copy" or "alias" (zero-copy, read-only)
+    install: InstallMode = "copy"  # "alias": zero-copy, read-only views of the published slot
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:

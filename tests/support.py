@@ -369,6 +369,7 @@ class Forwarder(Counter):
         while (item := await self.inbox.recv()) is not None:
             self.peak_queue = max(self.peak_queue, self.inbox.qsize())
             out.send(item)
+            await out.drain()  # a slow downstream slows this stage down too: memory stays bounded
             n += 1
         out.send(None)
         return n
@@ -527,3 +528,36 @@ class CudaSource(Actor):
 
     async def __cleanup__(self, exc: BaseException | None) -> None:
         self.publisher.close()
+
+
+class Flooder(Actor):
+    """Sends to a port as fast as it can in a background task, like a rollout loop (never waits)."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.task: asyncio.Task[None] | None = None
+        self.error: str | None = None
+
+    @endpoint
+    async def start(self, port: Port) -> None:
+        async def flood() -> None:
+            payload = torch.zeros(1)
+            try:
+                while True:
+                    port.send(Item(self.sent, payload))
+                    self.sent += 1
+                    await asyncio.sleep(0)
+            except Exception as exc:
+                self.error = f"{type(exc).__name__}: {exc}"
+
+        self.task = asyncio.ensure_future(flood())
+
+    @endpoint
+    async def status(self) -> tuple[int, str | None]:
+        return self.sent, self.error
+
+    @endpoint
+    async def stop_flood(self) -> int:
+        if self.task is not None:
+            self.task.cancel()
+        return self.sent

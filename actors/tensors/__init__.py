@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .._codec import _DTYPE_NAMES, _DTYPES, tensor_buffer
+from .._buffers import DTYPE_NAMES, DTYPES, tensor_buffer, tensor_over
 from .._errors import ManifestError
 
 __all__ = ["TRANSPORTS", "Reader", "TensorSpec", "Writer", "check_specs", "copy_all", "probe"]
@@ -51,12 +51,12 @@ class TensorSpec:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        return DTYPES[self.dtype]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     try:
-        return _DTYPE_NAMES[dtype]
+        return DTYPE_NAMES[dtype]
     except KeyError:
         raise TypeError(f"tensors of dtype {dtype} cannot be published") from None
 
@@ -109,7 +109,7 @@ def check_specs(specs: Any, capacity: int) -> tuple[TensorSpec, ...]:
         if type(spec.name) is not str or spec.name in names:
             raise ManifestError(f"{what}: names must be distinct strings")
         names.add(spec.name)
-        dtype = _DTYPES.get(spec.dtype) if type(spec.dtype) is str else None
+        dtype = DTYPES.get(spec.dtype) if type(spec.dtype) is str else None
         if dtype is None:
             raise ManifestError(f"{what}: unknown dtype {spec.dtype!r:.40}")
         shape, stride = spec.shape, spec.stride
@@ -160,7 +160,7 @@ def view(buffer: Any, spec: TensorSpec, base: int = 0) -> torch.Tensor:
     dtype = spec.torch_dtype
     if spec.nbytes == 0:
         return torch.empty(spec.shape, dtype=dtype)
-    flat = torch.frombuffer(buffer, dtype=torch.uint8, count=spec.nbytes, offset=base + spec.offset)
+    flat = tensor_over(buffer, torch.uint8, spec.nbytes, base + spec.offset)
     return flat.view(dtype).view(spec.shape)
 
 
