@@ -65,7 +65,7 @@ class _ReadOnlyWarning:
 
 def tensor_over(buffer: Any, dtype: torch.dtype, count: int, offset: int = 0) -> torch.Tensor:
     """A 1-d tensor over ``count`` elements of ``buffer`` from byte ``offset``, sharing its memory."""
-    if _ReadOnlyWarning.seen or not memoryview(buffer).readonly:
+    if _ReadOnlyWarning.seen or (type(buffer) is not bytes and not memoryview(buffer).readonly):
         return torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given buffer is not writable")

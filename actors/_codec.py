@@ -36,6 +36,18 @@ MAX_DEPTH = 64
 MAX_PAYLOAD_BYTES = 1 << 30
 
 
+def _ext_header(code: int, size: int) -> bytes:
+    """The msgpack ext header for ``size`` bytes of extension ``code`` (ext 8/16/32 forms)."""
+    if size < 1 << 8:
+        return bytes((0xC7, size, code))
+    if size < 1 << 16:
+        return b"\xc8" + size.to_bytes(2, "big") + bytes((code,))
+    return b"\xc9" + size.to_bytes(4, "big") + bytes((code,))
+
+
+_TUPLE_EXT8 = [_ext_header(1, size) for size in range(256)]
+
+
 def _ext(code: int, data: bytes) -> msgpack.ExtType:
     """An ExtType without its validating Python-level constructor (our codes are valid)."""
     return tuple.__new__(msgpack.ExtType, (code, data))  # type: ignore[no-any-return]
@@ -92,7 +104,15 @@ class Encoder:
         """Pack ``obj``; tensor frames and handles accumulate on this encoder."""
         depth = self._depth
         try:
-            return self._packer().pack(obj) if depth else self._top.pack(obj)  # type: ignore[no-any-return]
+            if depth:
+                return self._packer().pack(obj)  # type: ignore[no-any-return]
+            if type(obj) is tuple:  # a top-level tuple (the common port message): no round trip through default
+                self._depth = 1
+                inner = self._packers[1].pack(list(obj))
+                self._depth = 0
+                size = len(inner)
+                return (_TUPLE_EXT8[size] if size < 256 else _ext_header(EXT_TUPLE, size)) + inner  # type: ignore[no-any-return]
+            return self._top.pack(obj)  # type: ignore[no-any-return]
         except EncodeError:
             self._depth = depth
             raise
@@ -167,29 +187,32 @@ class Encoder:
         return [ref, [getattr(obj, name) for name in names]]
 
     def _tensor(self, tensor: torch.Tensor) -> list[Any]:
-        if tensor.device.type != "cpu":
-            raise EncodeError(
-                f"a {tensor.device.type} tensor cannot travel through a socket; "
-                "move it to the CPU or publish it with actors.weights"
-            )
-        if tensor.layout != torch.strided or tensor.is_quantized:
-            raise EncodeError(f"tensors with layout {tensor.layout} are not supported")
         dtype = DTYPE_NAMES.get(tensor.dtype)
-        if dtype is None:
-            raise EncodeError(f"tensor dtype {tensor.dtype} is not supported")
-        tensor = tensor.detach()
+        if not tensor.is_cpu or tensor.layout is not torch.strided or tensor.is_quantized or dtype is None:
+            raise EncodeError(_unsendable(tensor))
         if tensor.is_conj():
             tensor = tensor.resolve_conj()
         if not tensor.is_contiguous():
             tensor = tensor.contiguous()
-        shape = list(tensor.shape)
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = tensor.nbytes
         if nbytes <= INLINE_TENSOR_BYTES:
             data: Any = ctypes.string_at(tensor.data_ptr(), nbytes) if nbytes else b""
         else:
             data = len(self.frames)
-            self.frames.append(tensor_buffer(tensor, nbytes))
-        return [dtype, shape, data]
+            self.frames.append(tensor_buffer(tensor.detach(), nbytes))
+        return [dtype, list(tensor.shape), data]
+
+
+def _unsendable(tensor: torch.Tensor) -> str:
+    if not tensor.is_cpu:
+        kind = tensor.device.type
+        return f"a {kind} tensor cannot travel through a socket; move it to the CPU or publish it with actors.weights"
+    if tensor.layout is not torch.strided or tensor.is_quantized:
+        return f"tensors with layout {tensor.layout} are not supported"
+    return f"tensor dtype {tensor.dtype} is not supported"
+
+
+_unpackb = msgpack.unpackb
 
 
 class Decoder:
@@ -200,6 +223,7 @@ class Decoder:
         self._frames: list[Any] = []
         self._depth = 0
         self._classes: dict[str, type] = {}
+        self._hook = self._ext_hook
 
     def _unpacker(self, size: int) -> msgpack.Unpacker:
         limit = max(size, 1)
@@ -290,6 +314,32 @@ class Decoder:
         finally:
             self._frames = []
 
+    def decode_whole(self, payload: Any) -> list[Any] | None:
+        """A batch without buffer frames decoded in one pass: ``[frames, size, record] * n``; None if off.
+
+        The batch framing is itself msgpack (two uints before each record), so
+        one unpacker walks it at C speed. Any doubt, a malformed record or a
+        framing mismatch, gives None: the caller then takes the per-record
+        path (:meth:`decode_batch`), which isolates the bad record and
+        delivers the rest.
+        """
+        size = payload.nbytes if isinstance(payload, memoryview) else len(payload)
+        if size > self.max_payload:
+            return None
+        self._frames = _NO_FRAMES
+        self._depth = 0
+        unpacker = self._unpacker(size)
+        try:
+            unpacker.feed(payload)
+            items = list(unpacker)
+        except Exception:
+            return None
+        finally:
+            self._frames = []
+        if len(items) % 3 or unpacker.tell() != size:
+            return None
+        return items  # the caller checks each record's frame count (0) and size (an int) as it goes
+
     def decode(self, payload: Any, frames: list[Any] | None = None) -> Any:
         """Decode exactly one value."""
         values = list(self.decode_stream(payload, frames))
@@ -303,7 +353,7 @@ class Decoder:
         self._depth += 1
         try:
             # unpackb bounds every length by len(data), like the stream unpacker.
-            return msgpack.unpackb(data, ext_hook=self._ext_hook, raw=False, strict_map_key=False)
+            return _unpackb(data, ext_hook=self._hook, raw=False, strict_map_key=False)
         except msgpack.ExtraData:
             raise DecodeError("trailing bytes inside an extension record") from None
         except msgpack.OutOfData:
@@ -312,8 +362,16 @@ class Decoder:
             self._depth -= 1
 
     def _ext_hook(self, code: int, data: bytes) -> Any:
-        if code == EXT_TUPLE:
-            items = self._nested(data)
+        if code == EXT_TUPLE:  # the common case, with _nested inlined
+            if self._depth >= MAX_DEPTH:
+                raise DecodeError(f"value nests deeper than {MAX_DEPTH} levels")
+            self._depth += 1
+            try:
+                items = _unpackb(data, ext_hook=self._hook, raw=False, strict_map_key=False)
+            except (msgpack.ExtraData, msgpack.OutOfData):
+                raise DecodeError("malformed tuple record") from None
+            finally:
+                self._depth -= 1
             if type(items) is not list:
                 raise DecodeError("tuple record does not hold a list")
             return tuple(items)
@@ -348,10 +406,12 @@ class Decoder:
         dtype = DTYPES.get(dtype_name) if type(dtype_name) is str else None
         if dtype is None:
             raise DecodeError(f"unknown tensor dtype {dtype_name!r}")
-        if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape) or len(shape) > 32:
+        if type(shape) is not list or len(shape) > 32:
             raise DecodeError("malformed tensor shape")
         numel = 1
         for dim in shape:
+            if type(dim) is not int or dim < 0:
+                raise DecodeError("malformed tensor shape")
             numel *= dim
         itemsize = ITEMSIZE[dtype]
         nbytes = numel * itemsize
@@ -369,7 +429,8 @@ class Decoder:
             raise DecodeError(f"tensor of shape {shape} needs {nbytes} bytes, frame holds {size}")
         if numel == 0:
             return torch.empty(shape, dtype=dtype)
-        return tensor_over(buffer, dtype, numel).view(shape)
+        flat = tensor_over(buffer, dtype, numel)
+        return flat if len(shape) == 1 else flat.view(shape)
 
     def _dataclass(self, record: Any) -> Any:
         if type(record) is not list or len(record) != 2 or type(record[0]) is not str or type(record[1]) is not list:

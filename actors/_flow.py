@@ -28,22 +28,28 @@ from ._errors import BufferFull, PortClosed
 from ._outbox import Outbox
 from ._transport import Link
 
-__all__ = ["BACKLOG", "BACKLOG_BYTES", "WINDOW", "WINDOW_BYTES", "SenderWindows", "Unacked"]
+__all__ = ["BACKLOG", "BACKLOG_BYTES", "CREDIT_BYTES", "CREDIT_MESSAGES", "WINDOW", "WINDOW_BYTES", "SenderWindows", "Window"]
 
 #: Records and bytes one sending process may have in flight to one port.
 WINDOW = 4096
 WINDOW_BYTES = 64 * 1024 * 1024
+#: A receiver gives credit back each time it has consumed this many records or bytes from one sender.
+CREDIT_MESSAGES = WINDOW // 4
+CREDIT_BYTES = WINDOW_BYTES // 4
 #: Records and bytes a sender may hold back for one port once its window is full.
 BACKLOG = 262_144
 BACKLOG_BYTES = 256 * 1024 * 1024
 
 
-class _Window:
-    __slots__ = ("backlog", "backlog_bytes", "inflight", "inflight_bytes", "link", "port_id", "waiters")
+class Window:
+    """One (peer, port) pair's flow state; ports cache it, so it lives until the peer dies (``dead``)."""
+
+    __slots__ = ("backlog", "backlog_bytes", "dead", "inflight", "inflight_bytes", "link", "port_id", "waiters")
 
     def __init__(self, link: Link, port_id: int) -> None:
         self.link = link
         self.port_id = port_id
+        self.dead = False
         self.inflight = 0
         self.inflight_bytes = 0
         self.backlog: deque[tuple[bytes, list[Any], int]] = deque()
@@ -70,7 +76,7 @@ class SenderWindows:
 
     def __init__(self, outbox: Outbox) -> None:
         self._outbox = outbox
-        self._windows: dict[tuple[str, int], _Window] = {}
+        self._windows: dict[tuple[str, int], Window] = {}
         #: Records held back, across every port.
         self.backlogged = 0
 
@@ -79,21 +85,27 @@ class SenderWindows:
         window = self._windows.get((address, port_id))
         return 0 if window is None else window.inflight
 
-    def has_room(self, link: Link, port_id: int) -> bool:
-        window = self._windows.get((link.address, port_id))
-        return window is None or (not window.backlog and window.has_room())
 
-    def send(self, link: Link, port_id: int, data: bytes, frames: list[Any], size: int) -> None:
-        """Put one PORT record on the wire if the window has room, else in the backlog."""
+    def window(self, link: Link, port_id: int) -> Window:
+        """The flow state of ``port_id`` at ``link``'s peer (created on first use)."""
         key = (link.address, port_id)
         window = self._windows.get(key)
-        if window is None:
-            window = self._windows[key] = _Window(link, port_id)
+        if window is None or window.dead:
+            window = self._windows[key] = Window(link, port_id)
+        return window
+
+    def send(self, window: Window, data: bytes, frames: list[Any], size: int) -> None:
+        """Put one PORT record on the wire if the window has room, else in the backlog."""
         if not window.backlog and window.has_room():
             window.inflight += 1
             window.inflight_bytes += size
-            self._outbox.post(link, data, frames, urgent=False)
+            self._outbox.post(window.link, data, frames, False)
             return
+        self.hold(window, data, frames, size)
+
+    def hold(self, window: Window, data: bytes, frames: list[Any], size: int) -> None:
+        """Keep a record back until credit returns (BufferFull past the backlog's bound)."""
+        port_id, link = window.port_id, window.link
         if len(window.backlog) >= BACKLOG or window.backlog_bytes >= BACKLOG_BYTES:
             raise BufferFull(
                 f"port {port_id} at {link.address}: {len(window.backlog)} messages "
@@ -124,8 +136,6 @@ class SenderWindows:
         self.backlogged -= released
         if not backlog:
             _wake(window.waiters)
-            if window.inflight == 0:
-                del self._windows[(address, port_id)]
 
     async def drain(self, address: str, port_id: int) -> None:
         """Return once nothing is held back for this port (at once if nothing is)."""
@@ -140,29 +150,8 @@ class SenderWindows:
         """The peer at ``address`` is gone: its windows and backlogs go, their waiters hear why."""
         for key in [key for key in self._windows if key[0] == address]:
             window = self._windows.pop(key)
+            window.dead = True
             dropped = len(window.backlog)
             window.backlog.clear()
             _wake(window.waiters, PortClosed(f"the receiver of port {key[1]} at {address} has exited"))
             self.backlogged -= dropped
-
-
-class Unacked:
-    """The receiving side: consumption per sender, given back as credit every quarter window."""
-
-    __slots__ = ("counts",)
-
-    def __init__(self) -> None:
-        self.counts: dict[str, list[int]] = {}
-
-    def consumed(self, address: str, size: int) -> tuple[int, int] | None:
-        """Count one consumed message from ``address``; the credit to return now, if it is due."""
-        counts = self.counts.get(address)
-        if counts is None:
-            counts = self.counts[address] = [0, 0]
-        counts[0] += 1
-        counts[1] += size
-        if counts[0] >= WINDOW // 4 or counts[1] >= WINDOW_BYTES // 4:
-            due = (counts[0], counts[1])
-            counts[0] = counts[1] = 0
-            return due
-        return None

@@ -10,11 +10,11 @@ from collections.abc import Callable
 from . import _refs
 from ._config import WorkerConfig
 from ._devices import GPU_DIM, gpu_env, visible_gpus
-from ._forkserver import forkserver
+from ._forkserver import forkserver, prefork
 from ._liveness import ProcRef
 from ._proc_mesh import ProcMesh
 from ._restart import RestartMode, RestartPolicy
-from ._runtime import runtime
+from ._runtime import current_runtime, runtime
 from ._session import inbox_address
 from ._worker import loading_main
 
@@ -71,8 +71,11 @@ class HostMesh:
         boot = _refs.qualified_name(bootstrap) if bootstrap is not None else None
         if boot is not None and "<locals>" in boot:
             raise TypeError("bootstrap must be a module-level function")
+        if current_runtime() is None:
+            prefork()  # while this process may still be single-threaded: a forked forkserver starts at once
         rt = runtime()
-        server = forkserver(rt)
+        server = forkserver(rt, threads)
+        main = None if server.inherits_main else _main_module()
         mesh_name = name or f"procs{rt.counter('mesh')}"
         gpus = visible_gpus() if GPU_DIM in extent else []
         procs: list[ProcRef] = []
@@ -89,7 +92,7 @@ class HostMesh:
                 argv=list(sys.argv),
                 sys_path=list(sys.path),
                 cwd=os.getcwd(),
-                main=_main_module(),
+                main=main,
                 bootstrap=boot,
                 threads=threads,
                 env=gpu_env(extent, rank, gpus),
@@ -100,7 +103,7 @@ class HostMesh:
             configs.append(config)
 
         def respawn(rank: int, ref: ProcRef) -> None:
-            forkserver(rt).spawn(rt.counter("worker"), configs[rank], ref)
+            forkserver(rt, threads).spawn(rt.counter("worker"), configs[rank], ref)
 
         return ProcMesh(mesh_name, extent, procs, policy, respawn)
 

@@ -19,7 +19,7 @@ import zmq
 from ._codec import Decoder
 from ._errors import DecodeError
 from ._session import valid_peer_address
-from ._wire import Header, decode_record
+from ._wire import RECORDS, Header, decode_record
 
 __all__ = ["DropLog", "Inbox"]
 
@@ -73,15 +73,20 @@ class Inbox:
         self._own_address = own_address
         self._learn_sender = learn_sender
         self._drops = drops
-        self._handlers: dict[type, Handler] = {}
+        self._routes: dict[Any, tuple[Callable[[Any], Any] | None, Handler]] = {}  # kind -> (decode, handler)
         self.dispatching = False
         #: Called after each message is handled (wakes code waiting for "some progress").
         self.after_message: Callable[[], None] | None = None
         self._senders: dict[bytes, Header] = {}  # raw header -> checked header
 
-    def on(self, record_type: type, handler: Handler) -> None:
-        """Route every record of ``record_type`` to ``handler``."""
-        self._handlers[record_type] = handler
+    def on(self, record_type: type, handler: Handler, *, raw: bool = False) -> None:
+        """Route every record of ``record_type`` (one of ``_wire.RECORDS``) to ``handler``.
+
+        The handler gets ``record_type.from_wire(fields)``; with ``raw``, the
+        undecoded fields list, which it checks itself (the port hot path).
+        """
+        kind = next(kind for kind, known in RECORDS.items() if known is record_type)
+        self._routes[kind] = (None if raw else record_type.from_wire, handler)  # type: ignore[attr-defined]
 
     def pump(self, limit: int | None = None) -> bool:
         """Handle waiting messages (at most ``limit``); True when the socket is empty."""
@@ -113,6 +118,27 @@ class Inbox:
                 self._learn_sender(header)
         return header
 
+    def _dispatch_all(self, items: list[Any], sender: Header) -> None:
+        """Dispatch a batch decoded in one pass: ``items`` is ``[frames, size, record] * n``."""
+        routes = self._routes
+        no_frames: list[Any] = []
+        for i in range(1, len(items), 3):
+            fields = items[i + 1]
+            try:
+                size = items[i]
+                if items[i - 1] != 0 or type(size) is not int:
+                    raise DecodeError("malformed batch framing")
+                route = routes.get(fields[0]) if type(fields) is list and fields else None
+                if route is None:
+                    decode_record(fields)  # raises: what is wrong with it
+                    raise DecodeError(f"no handler for {fields[0]} records in this process")
+                decode, handler = route
+                handler(fields if decode is None else decode(fields), no_frames, sender, size)
+            except DecodeError as exc:
+                self._drops("a malformed message from %s: %s", sender.address, exc)
+            except Exception:
+                log.exception("error while handling a message from %s", sender.address)
+
     def _handle(self, frames: list[Any]) -> None:
         if len(frames) < 2:
             self._drops("a malformed message: %d frame(s), need at least 2", len(frames))
@@ -122,18 +148,27 @@ class Inbox:
         except DecodeError as exc:
             self._drops("a message with a malformed header: %s", exc)
             return
-        handlers = self._handlers
+        routes = self._routes
         self.dispatching = True
+        if len(frames) == 2:  # no buffer frames: the whole batch in one pass when it is clean
+            items = self.decoder.decode_whole(frames[1].buffer)
+            if items is not None:
+                try:
+                    self._dispatch_all(items, sender)
+                finally:
+                    self.dispatching = False
+                return
         try:
             for fields, run, size in self.decoder.decode_batch(frames[1].buffer, frames[2:]):
                 try:
-                    if type(fields) is DecodeError:
-                        raise fields
-                    record = decode_record(fields)
-                    handler = handlers.get(type(record))
-                    if handler is None:
-                        raise DecodeError(f"no handler for {type(record).__name__} records in this process")
-                    handler(record, run, sender, size)
+                    route = routes.get(fields[0]) if type(fields) is list and fields else None
+                    if route is None:
+                        if type(fields) is DecodeError:
+                            raise fields
+                        decode_record(fields)  # raises: what is wrong with it
+                        raise DecodeError(f"no handler for {type(fields[0]).__name__} {fields[0]} records here")
+                    decode, handler = route
+                    handler(fields if decode is None else decode(fields), run, sender, size)
                 except DecodeError as exc:
                     self._drops("a malformed message from %s: %s", sender.address, exc)
                 except Exception:

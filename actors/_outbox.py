@@ -25,6 +25,7 @@ import zmq
 
 from ._errors import BufferFull
 from ._transport import FLUSH_BYTES, FLUSH_RECORDS, Link
+from ._wire import record_prefix
 
 __all__ = ["LINK_BYTES", "LINK_RECORDS", "SEND_TIMEOUT", "Outbox"]
 
@@ -69,7 +70,12 @@ class Outbox:
                 f"{link.records} records ({link.nbytes >> 20} MiB) wait for {link.address}, whose queue stays "
                 "full: it is not reading"
             )
-        link.append(data, frames)
+        if frames:
+            link.append(data, frames)
+        else:  # Link.append, inlined for the common record without buffer frames
+            link.parts.append(record_prefix(0, len(data)) + data)
+            link.nbytes += len(data)
+            link.records += 1
         loop = self.loop
         if loop is None or urgent or link.nbytes >= FLUSH_BYTES or link.records >= FLUSH_RECORDS:
             self.flush(link)

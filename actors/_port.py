@@ -23,7 +23,7 @@ from typing import Any, Generic, TypeVar, overload
 from . import _refs, _runtime
 from ._codec import register_handle
 from ._errors import ActorDied, BufferFull, CallTimeout, DecodeError, PortClosed
-from ._flow import SenderWindows
+from ._flow import CREDIT_BYTES, CREDIT_MESSAGES, WINDOW, WINDOW_BYTES, Window
 from ._future import Future
 from ._liveness import ProcRef
 from ._outbox import SEND_TIMEOUT
@@ -80,6 +80,18 @@ class _Ready:
 _READY = _Ready()
 
 
+class _Route:
+    """How this process reaches a port: its runtime, the receiver's process, the packed prefix, the window."""
+
+    __slots__ = ("prefix", "ref", "rt", "window")
+
+    def __init__(self, rt: Runtime, ref: ProcRef | None, prefix: bytes, window: Window | None) -> None:
+        self.rt = rt
+        self.ref = ref  # None: the receiver lives in this process
+        self.prefix = prefix
+        self.window = window
+
+
 class Port(Generic[T]):
     """The sending end of a channel; copy it freely into other processes."""
 
@@ -92,8 +104,7 @@ class Port(Generic[T]):
         self._type = type_ref
         self._once = once
         self._used = False
-        #: (runtime, receiver's ProcRef or None if local, packed record prefix), per runtime.
-        self._route: tuple[Runtime, ProcRef | None, bytes] | None = None
+        self._route: _Route | None = None  # cached per runtime
 
     def __repr__(self) -> str:
         kind = self._type or "untyped"
@@ -115,66 +126,83 @@ class Port(Generic[T]):
                 raise PortClosed("a once-port can be sent to only once")
             self._used = True
         route = self._route
-        if route is not None and route[0] is _runtime._process.runtime and route[0].driver.loop_active():
-            self._send(route[0], value)  # fast path: this process's runtime, on its running loop
-            return
+        if route is not None:
+            window = route.window
+            rt = route.rt
+            if window is not None and not window.dead and rt is _runtime._process.runtime and rt.driver.loop_active():
+                self._post(rt, route, window, value)  # the hot path: a remote port, on this runtime's loop
+                return
         rt = runtime()
         if rt.driver.on_runtime_thread():
             self._send(rt, value)
         else:
             rt.driver.on_thread(lambda: self._send(rt, value))
 
-    def _resolve(self, rt: Runtime) -> tuple[Runtime, ProcRef | None, bytes]:
+    def _resolve(self, rt: Runtime) -> _Route:
         route = self._route
-        if route is None or route[0] is not rt:
+        if route is None or route.rt is not rt or (route.window is not None and route.window.dead):
             if self._address == rt.address:
-                route = (rt, None, b"")
+                route = _Route(rt, None, b"", None)
             else:
-                route = (rt, rt.registry.proc(self._address, self._pid), port_prefix(self._id))
+                ref = rt.registry.proc(self._address, self._pid)
+                if ref.dead and not rt.registry.alive(ref):
+                    raise PortClosed(f"the receiver of port {self._id} (pid {self._pid}) has exited")
+                if ref.pid is not None and ref.pid != self._pid:
+                    raise PortClosed(
+                        f"the receiver of port {self._id} (pid {self._pid}) has exited; pid {ref.pid} replaced it"
+                    )
+                try:
+                    link = rt.link(ref)
+                except ActorDied as exc:
+                    raise PortClosed(f"the receiver of port {self._id} (pid {self._pid}) has exited") from exc
+                route = _Route(rt, ref, port_prefix(self._id), rt.windows.window(link, self._id))
             self._route = route
         return route
 
     def _send(self, rt: Runtime, value: Any) -> None:
-        _, ref, prefix = self._resolve(rt)
-        if ref is None:
+        route = self._resolve(rt)
+        window = route.window
+        if window is None:
             state = rt.receivers.get(self._id)
             if state is None or (state.closed is not None and not state.once):
                 raise PortClosed(f"port {self._id} has no receiver in this process")
             state.deliver(value, None, 0)
             return
-        if ref.dead and not rt.registry.alive(ref):
-            raise PortClosed(f"the receiver of port {self._id} (pid {self._pid}) has exited")
-        if ref.pid is not None and ref.pid != self._pid:
-            raise PortClosed(f"the receiver of port {self._id} (pid {self._pid}) has exited; pid {ref.pid} replaced it")
+        if not rt.driver.loop_active() and (window.backlog or not window.has_room()):
+            self._wait_for_room(rt, window)
+        self._post(rt, route, window, value)
+
+    def _post(self, rt: Runtime, route: _Route, window: Window, value: Any) -> None:
         enc = rt.encoder
         enc.reset()
-        data = prefix + enc.encode(value)
+        data = route.prefix + enc.encode(value)
         frames = enc.frames
-        if enc.handles:
-            rt.note_handles(enc.handles, ref)
         size = len(data)
-        for frame in frames:
-            size += frame_size(frame)
-        try:
-            link = rt.link(ref)
-        except ActorDied as exc:
-            raise PortClosed(f"the receiver of port {self._id} (pid {self._pid}) has exited") from exc
-        windows = rt.windows
-        if not rt.driver.loop_active() and not windows.has_room(link, self._id):
-            self._wait_for_room(rt, windows, link)
-        windows.send(link, self._id, data, frames, size)
+        if frames:
+            for frame in frames:
+                size += frame_size(frame)
+        if enc.handles:
+            assert route.ref is not None
+            rt.note_handles(enc.handles, route.ref)
+        # SenderWindows.send, inlined: this runs once per message.
+        if not window.backlog and window.inflight < WINDOW and (window.inflight_bytes < WINDOW_BYTES or not window.inflight):
+            window.inflight += 1
+            window.inflight_bytes += size
+            rt.outbox.post(window.link, data, frames, False)
+        else:
+            rt.windows.hold(window, data, frames, size)
 
-    def _wait_for_room(self, rt: Runtime, windows: SenderWindows, link: Any) -> None:
+    def _wait_for_room(self, rt: Runtime, window: Window) -> None:
         """A caller without an event loop blocks (serving its inbox) for window, up to a deadline."""
         try:
             rt.driver.wait(
-                lambda: link.dead or windows.has_room(link, self._id),
+                lambda: window.dead or (not window.backlog and window.has_room()),
                 timeout=SEND_TIMEOUT,
                 what=f"the receiver of port {self._id} at {self._address} to consume",
             )
         except CallTimeout:
             raise BufferFull(f"the receiver of port {self._id} consumed nothing for {SEND_TIMEOUT:g}s") from None
-        if link.dead:
+        if window.dead:
             raise PortClosed(f"the receiver of port {self._id} (pid {self._pid}) has exited")
 
     def drain(self) -> Any:
@@ -184,9 +212,11 @@ class Port(Generic[T]):
         send faster than the receiver may consume: the sender yields until
         the receiver has caught up to within the port's window.
         """
-        rt = current_runtime()
         route = self._route
-        if rt is None or route is None or route[0] is not rt or route[1] is None:
+        if route is None or route.window is None or not route.window.backlog:
+            return _READY  # the common case: nothing held back
+        rt = current_runtime()
+        if rt is None or route.rt is not rt:
             return _READY
         return rt.windows.drain(self._address, self._id)
 
@@ -288,8 +318,14 @@ class PortReceiver(Generic[T]):
     def _take(self) -> Any:
         state = self._state
         value, address, size = state.queue.popleft()
-        if address is not None:
-            self._rt.receivers.consumed(state, address, size)
+        if address is not None:  # count it toward the sender's credit (inline: once per message)
+            counts = state.unacked.get(address)
+            if counts is None:
+                counts = state.unacked[address] = [0, 0]
+            counts[0] += 1
+            counts[1] += size
+            if counts[0] >= CREDIT_MESSAGES or counts[1] >= CREDIT_BYTES:
+                self._rt.receivers.credit(state, address, counts)
         if state.once:
             self._rt.receivers.close(state, "a once-port delivers a single message")
         return value
@@ -315,11 +351,15 @@ class _Recv(Future["T | None"]):
 
     def __init__(self, receiver: PortReceiver[T]) -> None:
         self._receiver = receiver
-        self._make = self._coroutine
-        self._wait_sync = receiver._recv_sync
-        self._done = False
-        self._value = None
-        self._error = None
+        self._done = False  # _value and _error are set once it is
+
+    @property
+    def _make(self) -> Any:  # type: ignore[override]
+        return self._coroutine
+
+    @property
+    def _wait_sync(self) -> Any:  # type: ignore[override]
+        return self._receiver._recv_sync
 
     async def _coroutine(self) -> T | None:
         return await self

@@ -17,7 +17,6 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from ._flow import Unacked
 from ._wire import Attach, Header, PortMessage
 
 __all__ = ["ReceiverState", "Receivers"]
@@ -36,7 +35,8 @@ class ReceiverState:
         self.attached = False
         self.closed: str | None = None
         self.once = once
-        self.unacked = Unacked()
+        #: Per sender address: [messages, bytes] consumed and not yet credited back.
+        self.unacked: dict[str, list[int]] = {}
 
     def deliver(self, value: Any, address: str | None, size: int) -> None:
         if self.closed is not None and self.once:
@@ -98,23 +98,31 @@ class Receivers:
         self._states.pop(state.port_id, None)
         state.wake()
 
-    def consumed(self, state: ReceiverState, address: str, size: int) -> None:
-        """One message from ``address`` was taken: give the sender its window back when due."""
-        due = state.unacked.consumed(address, size)
-        if due is not None:
-            self._credit(address, state.port_id, *due)
+    def credit(self, state: ReceiverState, address: str, counts: list[int]) -> None:
+        """Give ``address`` back the window its consumed messages took (``counts``: [messages, bytes])."""
+        self._credit(address, state.port_id, counts[0], counts[1])
+        counts[0] = counts[1] = 0
 
     def attach(self, state: ReceiverState, pid: int) -> None:
         if pid != self._own_pid:
             state.attach(pid, self._watch(pid))
 
-    def on_port_message(self, record: PortMessage, frames: list[Any], sender: Header, size: int) -> None:
-        state = self._states.get(record.port_id)
+    def on_port_message(self, fields: list[Any], frames: list[Any], sender: Header, size: int) -> None:
+        """An undecoded ``[PORT, port_id, value]`` record: the hot path, so checked here in place."""
+        if len(fields) != 3 or type(fields[1]) is not int:
+            PortMessage.checked(fields)  # raises DecodeError saying what is wrong
+        port_id = fields[1]
+        state = self._states.get(port_id)
         if state is None:
-            self._drops("a message for port %r: no such receiver in this process", record.port_id)
-            self._credit(sender.address, record.port_id, 1, size)  # its window credit still goes back
+            self._drops("a message for port %r: no such receiver in this process", port_id)
+            self._credit(sender.address, port_id, 1, size)  # its window credit still goes back
             return
-        state.deliver(record.value, sender.address, size)
+        if state.closed is not None and state.once:
+            return
+        state.queue.append((fields[2], sender.address, size))
+        waiter = state.waiter
+        if waiter is not None:
+            state.wake()
 
     def on_attach(self, record: Attach, frames: list[Any], sender: Header, size: int) -> None:
         state = self._states.get(record.port_id)

@@ -56,13 +56,8 @@ class Runtime:
 
     def __init__(self, address: str | None = None) -> None:
         self.pid = os.getpid()
-        self.owns_dir = False
-        session = os.environ.get(SESSION_ENV)
-        if session and os.path.isdir(session):
-            self.dir = session
-        else:
-            self.dir = make_runtime_dir()
-            self.owns_dir = True
+        self.dir, self.owns_dir = prepare_session()
+        _process.session = None
         self.session = os.path.basename(self.dir)
         self.address = address or inbox_address(self.dir, f"c{self.pid}")
         self.keys = session_keys()
@@ -87,8 +82,9 @@ class Runtime:
         self.failure_handlers: list[Callable[[Any], object]] = []
         #: What serves actors here (a worker's ActorServer), once there is one.
         self.server: Any = None
-        #: This process's forkserver, once it has spawned processes.
+        #: This process's forkserver, once it has spawned processes (and one for multi-threaded workers).
         self.forkserver: Any = None
+        self.threaded_forkserver: Any = None
         self.closed = False
         self._counters: dict[str, itertools.count[int]] = {}
 
@@ -98,7 +94,7 @@ class Runtime:
         registry.pid_listeners.append(receivers.holder_died)
         inbox.on(Reply, lambda record, frames, sender, size: self.calls.on_reply(record))
         inbox.on(Credit, lambda record, frames, sender, size: self.windows.on_credit(sender.address, *record))
-        inbox.on(PortMessage, receivers.on_port_message)
+        inbox.on(PortMessage, receivers.on_port_message, raw=True)  # checked and read in place
         inbox.on(Attach, receivers.on_attach)
 
     def _learn_sender(self, header: Header) -> None:
@@ -172,6 +168,8 @@ class _Process:
 
     Like asyncio's running loop, a process has one messaging runtime; it is
     created on first use (again after a fork) and closed at interpreter exit.
+    Before it exists, its session directory and forkserver may already be
+    prepared (``_forkserver.prefork``).
     """
 
     def __init__(self) -> None:
@@ -179,9 +177,33 @@ class _Process:
         self.exit_hooks: list[Callable[[], None]] = []
         self.atexit_registered = False
         self.lock = threading.Lock()
+        #: (session directory, whether this process owns it), prepared before the runtime.
+        self.session: tuple[str, bool] | None = None
+        #: A forkserver process started before the runtime, which the runtime adopts.
+        self.forkserver: Any = None
 
 
 _process = _Process()
+
+
+def process_state() -> _Process:
+    return _process
+
+
+def prepare_session() -> tuple[str, bool]:
+    """This process's session directory and whether it owns it (inherited from a spawner, or made now)."""
+    if _process.session is None:
+        inherited = os.environ.get(SESSION_ENV)
+        if inherited and os.path.isdir(inherited):
+            _process.session = (inherited, False)
+        else:
+            _process.session = (make_runtime_dir(), True)
+    return _process.session
+
+
+def forget_in_child() -> None:
+    """In a process forked from this one: none of the parent's runtime state applies."""
+    _process.__init__()  # type: ignore[misc]
 
 
 def runtime() -> Runtime:

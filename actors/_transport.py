@@ -64,8 +64,7 @@ class Link:
 
     def append(self, data: bytes, frames: list[Any]) -> None:
         """Add one encoded record (and its buffer frames) to the batch."""
-        self.parts.append(record_prefix(len(frames), len(data)))
-        self.parts.append(data)
+        self.parts.append(record_prefix(len(frames), len(data)) + data)
         self.nbytes += len(data)
         self.records += 1
         if frames:

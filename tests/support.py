@@ -445,14 +445,30 @@ class Heartbeat:
     """A beat every ``period`` s on the running event loop; ``worst`` is the longest gap seen (s).
 
     ``async with Heartbeat() as beat: ...`` measures whether the code inside
-    ever keeps the loop from turning.
+    ever keeps the loop from turning; garbage collections meanwhile are
+    recorded too (``str(beat)``).
     """
 
     def __init__(self, period: float = 0.001) -> None:
         self.period = period
         self.worst = 0.0
         self.beats = 0
+        self.gc_pauses: list[float] = []  # collections of the garbage collector meanwhile (s each)
+        self._gc_started = 0.0
         self._task: asyncio.Task[None] | None = None
+
+    def _gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        else:
+            self.gc_pauses.append(time.perf_counter() - self._gc_started)
+
+    def __str__(self) -> str:
+        longest = max(self.gc_pauses, default=0.0)
+        return (
+            f"worst gap {self.worst * 1000:.0f} ms over {self.beats} beats; "
+            f"{len(self.gc_pauses)} garbage collections meanwhile, the longest {longest * 1000:.0f} ms"
+        )
 
     async def _run(self) -> None:
         last = time.perf_counter()
@@ -464,11 +480,23 @@ class Heartbeat:
             last = now
 
     async def __aenter__(self) -> Heartbeat:
+        import gc
+
+        # The heap built before (pytest's, torch's) is frozen, as a long-running
+        # service's startup heap would be: full collections of it are the
+        # collector's pauses, not the runtime's, and are reported apart.
+        gc.collect()
+        gc.freeze()
+        gc.callbacks.append(self._gc)
         self._task = asyncio.ensure_future(self._run())
         await asyncio.sleep(0)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        import gc
+
+        gc.callbacks.remove(self._gc)
+        gc.unfreeze()
         assert self._task is not None
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -148,10 +148,10 @@ async def test_malformed_frames_are_dropped_and_the_worker_keeps_serving(procs: 
     assert await echo.add.call_one(41) == 41
 
 
-def _run_script(tmp_path, body: str) -> subprocess.Popen[str]:
+def _run_script(tmp_path, body: str, **env_vars: str) -> subprocess.Popen[str]:
     script = tmp_path / "controller.py"
     script.write_text(textwrap.dedent(body))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]), **env_vars)
     return subprocess.Popen(
         [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )
@@ -229,19 +229,22 @@ MAIN_SCRIPT = """
 """
 
 
-def test_actor_classes_in_main_prints_prefixed_and_clean_exit(tmp_path):
-    proc = _run_script(tmp_path, MAIN_SCRIPT)
+@pytest.mark.parametrize("mode", ["fork", "exec"])
+def test_actor_classes_in_main_prints_prefixed_and_clean_exit(tmp_path, mode):
+    proc = _run_script(tmp_path, MAIN_SCRIPT, ACTORS_FORKSERVER=mode)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
     assert "RESULT Note worker WORKER" in out
     assert "[speaker[0]] hello from worker" in out
 
 
-def test_unguarded_script_gets_a_clear_error(tmp_path):
+def test_a_script_without_a_main_guard_runs_once(tmp_path):
+    """Workers get the script's definitions from the forkserver forked off it: its top level never reruns."""
     body = MAIN_SCRIPT.replace('if __name__ == "__main__":\n        asyncio.run(main())', "asyncio.run(main())")
     proc = _run_script(tmp_path, body)
     out, _ = proc.communicate(timeout=60)
-    assert 'if __name__ == \\"__main__\\"' in out or 'if __name__ == "__main__"' in out
+    assert proc.returncode == 0, out
+    assert out.count("RESULT Note worker WORKER") == 1, out
 
 
 async def test_processes_are_named_for_ps(procs: ProcMesh):

@@ -38,7 +38,7 @@ async def test_a_flooded_stalled_port_and_new_processes_never_stall_the_loop(pro
                     await asyncio.sleep(0)
         assert sorted((await echoes.add.call(1)).values()) == [1, 1]
         await more.stop()
-    assert beat.worst < MAX_GAP, f"the loop stalled for {beat.worst * 1000:.0f} ms"
+    assert beat.worst < MAX_GAP, f"the loop stalled: {beat}"
     assert sent >= _flow.WINDOW + 20_000, "the window filled, then the backlog, then send refused"
     # Nothing was lost: once the receiver reads, it gets every message that send accepted, in order.
     out, received = Channel.open()
