@@ -19,7 +19,7 @@ import zmq
 from ._codec import Decoder
 from ._errors import DecodeError
 from ._session import valid_peer_address
-from ._wire import RECORDS, Header, decode_record
+from ._wire import RECORDS, Header, Kind, decode_record
 
 __all__ = ["DropLog", "Inbox"]
 
@@ -28,6 +28,8 @@ log = logging.getLogger("actors")
 #: Dropped-message logs: at most this many per window, then one summary line.
 DROP_LOG_BURST = 10
 DROP_LOG_WINDOW = 10.0
+
+_EVENTS, _POLLIN = zmq.EVENTS, zmq.POLLIN
 
 #: ``handler(record, its buffer frames, sender, size in bytes)``.
 Handler = Callable[[Any, list[Any], Header, int], None]
@@ -78,22 +80,33 @@ class Inbox:
         #: Called after each message is handled (wakes code waiting for "some progress").
         self.after_message: Callable[[], None] | None = None
         self._senders: dict[bytes, Header] = {}  # raw header -> checked header
+        self._port_run: Callable[[list[Any], int, Header], int] | None = None
 
-    def on(self, record_type: type, handler: Handler, *, raw: bool = False) -> None:
+    def on(
+        self,
+        record_type: type,
+        handler: Handler,
+        *,
+        raw: bool = False,
+        run: Callable[[list[Any], int, Header], int] | None = None,
+    ) -> None:
         """Route every record of ``record_type`` (one of ``_wire.RECORDS``) to ``handler``.
 
         The handler gets ``record_type.from_wire(fields)``; with ``raw``, the
-        undecoded fields list, which it checks itself (the port hot path).
+        undecoded fields list, which it checks itself. ``run`` (PORT records
+        only) takes whole runs of them from a batch decoded in one pass.
         """
         kind = next(kind for kind, known in RECORDS.items() if known is record_type)
         self._routes[kind] = (None if raw else record_type.from_wire, handler)  # type: ignore[attr-defined]
+        if run is not None:
+            self._port_run = run
 
     def pump(self, limit: int | None = None) -> bool:
         """Handle waiting messages (at most ``limit``); True when the socket is empty."""
         count = 0
         sock = self.sock
         after = self.after_message
-        while True:
+        while int(sock.getsockopt(_EVENTS)) & _POLLIN:  # (cheaper than meeting zmq.Again at the end)
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -104,6 +117,7 @@ class Inbox:
                 after()
             if limit is not None and count >= limit:
                 return False
+        return True
 
     def _sender(self, raw: bytes) -> Header:
         header = self._senders.get(raw)
@@ -119,14 +133,27 @@ class Inbox:
         return header
 
     def _dispatch_all(self, items: list[Any], sender: Header) -> None:
-        """Dispatch a batch decoded in one pass: ``items`` is ``[frames, size, record] * n``."""
+        """Dispatch a batch decoded in one pass: ``items`` is ``[frames, size, record] * n``.
+
+        Runs of port messages go to the port handler's run delivery in one
+        call (the hot path); every other record is dispatched alone.
+        """
         routes = self._routes
         no_frames: list[Any] = []
-        for i in range(1, len(items), 3):
+        port_run = self._port_run
+        end = len(items)
+        i = 1
+        while i < end:
             fields = items[i + 1]
+            if port_run is not None and type(fields) is list and len(fields) == 3 and fields[0] == Kind.PORT:
+                after = port_run(items, i, sender)
+                if after > i:
+                    i = after
+                    continue
+            i += 3
             try:
-                size = items[i]
-                if items[i - 1] != 0 or type(size) is not int:
+                size = items[i - 3]
+                if items[i - 4] != 0 or type(size) is not int:
                     raise DecodeError("malformed batch framing")
                 route = routes.get(fields[0]) if type(fields) is list and fields else None
                 if route is None:

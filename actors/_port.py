@@ -68,13 +68,16 @@ def _safe_name(cls: type) -> str | None:
         return None
 
 
+_EXHAUSTED = iter(())  # an exhausted iterator stays exhausted: one serves every await
+
+
 class _Ready:
     """An awaitable that is already done (``drain()`` with nothing held back)."""
 
     __slots__ = ()
 
     def __await__(self) -> Generator[Any, None, None]:
-        return iter(())  # type: ignore[return-value]
+        return _EXHAUSTED  # type: ignore[return-value]
 
 
 _READY = _Ready()

@@ -94,7 +94,7 @@ class Runtime:
         registry.pid_listeners.append(receivers.holder_died)
         inbox.on(Reply, lambda record, frames, sender, size: self.calls.on_reply(record))
         inbox.on(Credit, lambda record, frames, sender, size: self.windows.on_credit(sender.address, *record))
-        inbox.on(PortMessage, receivers.on_port_message, raw=True)  # checked and read in place
+        inbox.on(PortMessage, receivers.on_port_message, raw=True, run=receivers.deliver_run)  # the hot path
         inbox.on(Attach, receivers.on_attach)
 
     def _learn_sender(self, header: Header) -> None:

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_calls.py [--rounds 5000] [--repeat 3] [--loop uvloop|asyncio]
 
-Target (issue 2): call_one p50 <= 4x the raw round trip measured in this run.
+Target (issue 11): call_one p50 <= 3x the raw round trip measured in this run.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def main() -> None:
     ours_med, raw_med = statistics.median(ours), statistics.median(raw)
     ratio = ours_med / raw_med
     print(
-        f"median over {args.repeat} runs: call_one {ours_med:.1f} us, raw {raw_med:.1f} us, ratio {ratio:.2f} (target <= 4)"
+        f"median over {args.repeat} runs: call_one {ours_med:.1f} us, raw {raw_med:.1f} us, ratio {ratio:.2f} (target <= 3)"
     )
     print(
         json.dumps(
@@ -70,7 +70,7 @@ def main() -> None:
                 "call_one_p50_us": round(ours_med, 1),
                 "raw_dealer_router_p50_us": round(raw_med, 1),
                 "ratio": round(ratio, 2),
-                "target": "<= 4",
+                "target": "<= 3",
             }
         )
     )

@@ -4,7 +4,10 @@
 
 Two payloads: a tuple of 4 floats (compared with blocking PUSH/PULL of the
 same msgpack bytes, both timed first send -> last receive) and a dataclass
-holding three small tensors. Targets (issue 2): ratio >= 0.25; >= 20k msg/s.
+holding three small tensors. The sender sends and awaits ``port.drain()``
+after each message (it returns at once while the window has room), the
+loop-friendly way to outrun a receiver. Targets (issue 11): ratio >= 0.5;
+>= 50k tensor-dataclass messages/s.
 """
 
 from __future__ import annotations
@@ -96,8 +99,8 @@ def main() -> None:
     raw, ours, tensors = (statistics.median(x) for x in (raw_rates, tuple_rates, tensor_rates))
     ratio = ours / raw
     print(
-        f"median over {args.repeat} runs: tuple {ours:,.0f} msg/s = {ratio:.2f} x raw {raw:,.0f} (target >= 0.25); "
-        f"3-tensor dataclass {tensors:,.0f} msg/s (target >= 20,000)"
+        f"median over {args.repeat} runs: tuple {ours:,.0f} msg/s = {ratio:.2f} x raw {raw:,.0f} (target >= 0.5); "
+        f"3-tensor dataclass {tensors:,.0f} msg/s (target >= 50,000)"
     )
     print(
         json.dumps(
@@ -107,8 +110,8 @@ def main() -> None:
                 "raw_push_pull_msgs_per_s": round(raw),
                 "ratio": round(ratio, 3),
                 "tensor_dataclass_msgs_per_s": round(tensors),
-                "target_ratio": ">= 0.25",
-                "target_tensor_dataclass": ">= 20000",
+                "target_ratio": ">= 0.5",
+                "target_tensor_dataclass": ">= 50000",
             }
         )
     )

@@ -14,7 +14,7 @@ import argparse
 import asyncio
 import hashlib
 
-from actors import Actor, ActorMesh, current_rank, endpoint, this_host
+from actors import Actor, current_rank, endpoint, this_host
 
 
 class Scorer(Actor):
@@ -24,7 +24,7 @@ class Scorer(Actor):
         return f"worker {current_rank().rank} scored {text!r}: {digest}"
 
 
-def make_handler(pool: ActorMesh[Scorer]):
+def make_handler(pool: Scorer):
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while line := await reader.readline():
             answer = await pool.score.choose(line.decode().strip())

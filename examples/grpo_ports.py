@@ -20,7 +20,6 @@ import torch
 
 from actors import (
     Actor,
-    ActorMesh,
     Channel,
     Port,
     WeightConsumer,
@@ -168,7 +167,7 @@ class Trainer(Actor):
         return self.publisher.publish(self.model, 0)
 
     @endpoint
-    async def run(self, generators: ActorMesh[Generator]) -> None:
+    async def run(self, generators: Generator) -> None:
         for step in range(1, self.steps + 1):
             b = await self.inbox.recv()
             assert b is not None

@@ -9,7 +9,7 @@ import asyncio
 import os
 import time
 
-from actors import Actor, ActorMesh, endpoint, this_host
+from actors import Actor, endpoint, this_host
 
 
 class Player(Actor):
@@ -21,7 +21,7 @@ class Player(Actor):
         return f"{self.name} (pid {os.getpid()}) returns ball {count}"
 
     @endpoint
-    async def rally(self, partner: ActorMesh[Player], rounds: int) -> int:
+    async def rally(self, partner: Player, rounds: int) -> int:
         """Hit the ball to ``partner`` ``rounds`` times; the partner is another actor."""
         for count in range(rounds):
             await partner.hit.call_one(count)

@@ -27,7 +27,6 @@ import torch
 from actors import (
     Actor,
     ActorDied,
-    ActorMesh,
     Channel,
     Port,
     PortClosed,
@@ -289,7 +288,7 @@ class Trainer(Actor):
         return float(out.loss.detach()), out.kl
 
     @endpoint
-    async def run(self, generators: ActorMesh[Generator], grants: list[Port[Grant]]) -> dict[str, Any]:
+    async def run(self, generators: Generator, grants: list[Port[Grant]]) -> dict[str, Any]:
         """Train until ``config.steps`` (or the target score); returns a summary."""
         config = self.config
         sync = config.mode == "sync"
