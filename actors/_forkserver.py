@@ -1,32 +1,22 @@
-"""The forkserver: a pre-warmed process that forks actor processes in milliseconds.
+"""The controller's side of the forkserver: starting it, asking it for workers, hearing their pids.
 
-The controller starts one forkserver (a ``python -c`` running :func:`main`) the
-first time it spawns processes. It imports torch and the runtime once, never
-starts a thread or a ZeroMQ context, and forks a worker for each request.
-It talks to the controller over two pipes (length-prefixed msgpack):
-
-* requests on its stdin: ``["spawn", index, config]`` (a :class:`WorkerConfig` as a dict);
-* reports on a status pipe: ``["spawned", index, pid]`` or ``["failed", index, why]``.
-
-It also records each new process's pid under its address in the session
-directory, so any process can resolve it at once. Deaths are not reported
-here: every process watches its peers' pidfds.
-
-When its stdin closes (the controller exited, cleanly or by ``kill -9``) it
-terminates every worker, removes the session's socket directory and its
-``actors-`` shared-memory segments, and exits.
+The forkserver (``_forkserver_process``) is a pre-warmed process that forks
+actor processes in milliseconds. The first ``spawn_procs`` of a program
+forks it from the program itself when that is safe (:func:`fork_refusal`),
+so it starts at once with everything already imported; otherwise it is a
+fresh interpreter (``python -c``) that imports torch and the runtime once.
+The two talk over two pipes of length-prefixed msgpack: spawn requests one
+way (``["spawn", index, config]``, a :class:`WorkerConfig` as a dict), pid
+reports the other (``["spawned", index, pid]`` or ``["failed", index,
+why]``). Deaths are not reported here: every process watches its peers'
+pidfds.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import errno
-import gc
-import glob
 import os
-import select
-import shutil
 import signal
 import struct
 import subprocess
@@ -41,12 +31,12 @@ import msgpack
 from ._config import WorkerConfig
 from ._liveness import ProcRef
 from ._runtime import Runtime, at_runtime_exit
-from ._session import SESSION_ENV, remove_socket_file, session_keys, write_incarnation
+from ._session import SESSION_ENV, session_keys
 
 #: Grace period between SIGTERM and SIGKILL when tearing workers down.
 TERM_GRACE = 1.0
 _PR_SET_PDEATHSIG = 1
-_BOOT = "from actors._forkserver import main; main()"
+_BOOT = "from actors._forkserver_process import main; main()"
 
 
 def _frame(obj: Any) -> bytes:
@@ -181,7 +171,9 @@ def _forked_main(request_fd: int, status_fd: int, session_dir: str, session: str
         from . import _runtime
 
         _runtime.forget_in_child()
-        _serve(status_fd, session_dir, session, owns_dir)
+        from ._forkserver_process import serve
+
+        serve(status_fd, session_dir, session, owns_dir)
         code = 0
     except BaseException:
         traceback.print_exc()
@@ -300,150 +292,3 @@ def forkserver(rt: Runtime, threads: int = 1) -> Forkserver:
             fresh = rt.threaded_forkserver = Forkserver(rt, process)
         return fresh
     return server
-
-
-# ---------------------------------------------------------------------- forkserver side
-
-
-def _serve(status_fd: int, session_dir: str, session: str, owns_session: bool) -> None:
-    # Import everything a worker needs once, before any fork.
-    import torch  # noqa: F401
-    import uvloop  # noqa: F401
-    import zmq  # noqa: F401
-
-    from . import _worker  # noqa: F401
-
-    # Collect once here, not in every worker: children inherit a frozen heap
-    # (cheap collections for them, and pages that stay shared after fork).
-    gc.collect()
-    gc.freeze()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    stopping = []
-    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
-    children: dict[int, int] = {}  # pid -> index
-    addresses: dict[int, str] = {}  # pid -> inbox address
-    buffer = bytearray()
-
-    def report(obj: Any) -> None:
-        with contextlib.suppress(OSError):
-            os.write(status_fd, _frame(obj))
-
-    def reap() -> None:
-        while children:
-            try:
-                pid, _ = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                children.clear()
-                return
-            if pid == 0:
-                return
-            children.pop(pid, None)
-
-    while not stopping:
-        try:
-            readable, _, _ = select.select([0], [], [], 0.2)
-        except InterruptedError:
-            continue
-        reap()
-        if not readable:
-            continue
-        data = os.read(0, 65536)
-        if not data:
-            break  # the controller is gone
-        buffer += data
-        for request in _frames(buffer):
-            if request[0] != "spawn":
-                continue
-            index, config = request[1], WorkerConfig.from_wire(request[2])
-            try:
-                pid = os.fork()
-            except OSError as exc:
-                report(["failed", index, str(exc)])
-                continue
-            if pid == 0:
-                _child(config, status_fd)
-            children[pid] = index
-            addresses[pid] = config.address
-            with contextlib.suppress(OSError):
-                write_incarnation(session_dir, config.address, pid)
-            report(["spawned", index, pid])
-    _teardown(children, session_dir, session, addresses if not owns_session else None)
-
-
-def _child(config: WorkerConfig, status_fd: int) -> None:
-    code = 1
-    try:
-        os.close(status_fd)
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)
-        os.close(devnull)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        parent = os.getppid()
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:
-            os._exit(0)
-        from . import _worker
-
-        code = _worker.run(config)
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
-
-
-def _teardown(children: dict[int, int], session_dir: str, session: str, only: dict[int, str] | None) -> None:
-    """End every child; remove the session's files (``only``: just those of these children).
-
-    A forkserver started by an actor (a nested mesh) shares its session with
-    the controller, so it must not remove the session directory.
-    """
-    for pid in children:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + TERM_GRACE
-    while children and time.monotonic() < deadline:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            break
-        if pid:
-            children.pop(pid, None)
-        else:
-            time.sleep(0.01)
-    for pid in children:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    for pid in list(children):
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, 0)
-    if only is not None:
-        from .tensors._slots import remove_segments
-
-        for pid, address in only.items():
-            remove_socket_file(address)
-            remove_segments(session, pid)
-        return
-    shutil.rmtree(session_dir, ignore_errors=True)
-    for path in glob.glob(f"/dev/shm/{session}-*"):
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-
-
-def main() -> None:
-    status_fd, session_dir, session, owns = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-    try:
-        _serve(status_fd, session_dir, session, owns == "1")
-    except OSError as exc:
-        if exc.errno != errno.EPIPE:
-            raise
-
-
-if __name__ == "__main__":
-    main()
