@@ -21,8 +21,8 @@ import zmq
 
 from ._errors import CallTimeout
 from ._inbox import Inbox
-from ._liveness import Watcher
 from ._outbox import Outbox
+from ._procs import Registry
 
 __all__ = ["Driver"]
 
@@ -30,10 +30,13 @@ __all__ = ["Driver"]
 class Driver:
     """Binds a runtime's sockets and pidfds to an event loop, or pumps them for a synchronous caller."""
 
-    def __init__(self, inbox: Inbox, watcher: Watcher, outbox: Outbox) -> None:
+    def __init__(self, inbox: Inbox, registry: Registry, outbox: Outbox) -> None:
         self._inbox = inbox
-        self._watcher = watcher
+        self._registry = registry
+        self._watcher = registry.watcher
         self._outbox = outbox
+        self._chasing: Any = None  # the timer looking up pids not yet recorded
+        registry.on_unresolved = self._chase_pids
         self.loop: asyncio.AbstractEventLoop | None = None
         self.thread: int | None = None
         self.closed = False
@@ -59,6 +62,8 @@ class Driver:
             loop.add_reader(fd, callback)
         self._outbox.bind(loop)
         loop.call_soon(self._readable)  # messages may have arrived before binding
+        if self._registry.unresolved:
+            self._chase_pids()
         return loop
 
     def unbind(self) -> None:
@@ -72,6 +77,9 @@ class Driver:
                     loop.remove_reader(fd)
         self._watcher.bind(None, None)
         self._outbox.bind(None)
+        if self._chasing is not None:
+            self._chasing.cancel()
+            self._chasing = None
         self.loop = None
         self.thread = None
 
@@ -130,6 +138,19 @@ class Driver:
             with contextlib.suppress(Exception):
                 self.loop.remove_reader(fd)
 
+    def _chase_pids(self, delay: float = 0.01) -> None:
+        """While some peer's pid is unknown, look it up again now and then (loop mode)."""
+        loop = self.loop
+        if loop is None or self._chasing is not None or self.closed:
+            return
+
+        def again() -> None:
+            self._chasing = None
+            if self._registry.retry_unresolved():
+                self._chase_pids(min(delay * 2, 0.5))
+
+        self._chasing = loop.call_later(delay, again)
+
     def _readable(self) -> None:
         if self.closed:
             return
@@ -178,9 +199,11 @@ class Driver:
         writable: zmq.Socket[Any] | None = None,
         what: str = "a reply",
     ) -> None:
-        """Block this thread, serving the inbox, until ``condition()`` holds (CallTimeout at the deadline).
+        """Block this thread, serving the inbox, until ``condition()`` holds (CallTimeout at ``timeout``).
 
-        Only for callers without an event loop: a loop's thread never comes here.
+        Only for callers without an event loop: a loop's thread never comes
+        here. ``timeout`` None (``get()`` of a call without a deadline) waits
+        until the call is answered, fails, or its actor's process dies.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         inbox, watcher = self._inbox, self._watcher
@@ -208,3 +231,5 @@ class Driver:
                 if fd in events:
                     callback()
             self._outbox.retry_stuck()
+            if self._registry.unresolved:
+                self._registry.retry_unresolved()

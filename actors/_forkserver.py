@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import select
 import signal
 import struct
 import subprocess
@@ -35,6 +36,8 @@ from ._session import SESSION_ENV, session_keys
 
 #: Grace period between SIGTERM and SIGKILL when tearing workers down.
 TERM_GRACE = 1.0
+#: How long a caller without an event loop waits for the forkserver to take a request.
+SPAWN_WRITE_TIMEOUT = 30.0
 _PR_SET_PDEATHSIG = 1
 _BOOT = "from actors._forkserver_process import main; main()"
 
@@ -58,7 +61,7 @@ def _frames(buffer: bytearray) -> list[Any]:
 
 # ---------------------------------------------------------------------- controller side
 
-#: ``fork``, ``exec`` or ``auto`` (default): how the controller starts its forkserver.
+#: ``auto`` (default: a fork of the controller when :func:`fork_refusal` allows) or ``exec``.
 FORKSERVER_ENV = "ACTORS_FORKSERVER"
 
 
@@ -124,6 +127,7 @@ class _ServerProcess:
         os.close(request_r)
         os.close(status_w)
         os.set_blocking(status_r, False)
+        os.set_blocking(request_w, False)
         return cls(pid, request_w, status_r, popen)
 
     def wait(self, timeout: float) -> bool:
@@ -191,6 +195,8 @@ class Forkserver:
         #: Workers forked from a fork of this process already hold its ``__main__``.
         self.inherits_main = process._popen is None
         self._buffer = bytearray()
+        self._unsent = bytearray()  # requests the pipe has not taken yet
+        self._retry: Any = None
         self._refs: dict[int, ProcRef] = {}
         self.closed = False
         rt.driver.add_reader(self.status_fd, self._on_status)
@@ -200,13 +206,29 @@ class Forkserver:
         if self.closed:
             raise RuntimeError("the forkserver has exited")
         self._refs[index] = ref
-        frame = _frame(["spawn", index, config.to_wire()])
-        try:
-            while frame:  # a request is small: the pipe takes it whole, nearly always at once
-                frame = frame[os.write(self.process.requests, frame) :]
-        except BrokenPipeError:
-            self._lost()
-            raise RuntimeError("the forkserver has exited") from None
+        self._unsent += _frame(["spawn", index, config.to_wire()])
+        self._write()
+
+    def _write(self) -> None:
+        """Hand queued requests to the pipe without waiting; a full pipe is retried later."""
+        self._retry = None
+        deadline = time.monotonic() + SPAWN_WRITE_TIMEOUT
+        while self._unsent:
+            try:
+                written = os.write(self.process.requests, self._unsent)
+            except BlockingIOError:
+                loop = self.rt.driver.loop
+                if loop is not None and loop.is_running():
+                    self._retry = loop.call_later(0.005, self._write)
+                    return
+                if time.monotonic() > deadline:  # no loop: the caller waited, with a deadline
+                    raise RuntimeError("the forkserver stopped taking requests") from None
+                select.select([], [self.process.requests], [], 0.1)
+                continue
+            except BrokenPipeError:
+                self._lost()
+                raise RuntimeError("the forkserver has exited") from None
+            del self._unsent[:written]
 
     def _on_status(self) -> None:
         while True:

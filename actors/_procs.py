@@ -38,6 +38,10 @@ class Registry:
         #: Called with every pid that dies, known ref or not (port holders are pids).
         self.pid_listeners: list[Callable[[int], None]] = []
         self._pid_waiters: dict[str, list[Callable[[], None]]] = {}
+        #: Peers whose pid nobody has recorded yet: ``retry_unresolved`` looks again.
+        self.unresolved: set[ProcRef] = set()
+        #: Called when a peer joins ``unresolved`` (the runtime arranges the retries).
+        self.on_unresolved: Callable[[], None] | None = None
 
     def proc(self, address: str, pid: int | None) -> ProcRef:
         """The interned :class:`ProcRef` for ``address`` (learning or updating its pid)."""
@@ -55,6 +59,7 @@ class Registry:
         return ref
 
     def set_pid(self, ref: ProcRef, pid: int) -> None:
+        self.unresolved.discard(ref)
         ref.pid = pid
         self._by_pid[pid] = ref
         if pid != self.own_pid and not ref.dead:
@@ -66,12 +71,30 @@ class Registry:
                 log.exception("pid callback failed")
 
     def resolve_pid(self, ref: ProcRef) -> int | None:
-        """``ref``'s pid, from the session directory if not yet known (None if nobody wrote it yet)."""
+        """``ref``'s pid, from the session directory if not yet known (None if nobody wrote it yet).
+
+        A peer still unresolved is looked up again until its pid appears: until
+        then no pidfd watches it, and a death would go unseen.
+        """
         if ref.pid is None:
             pid = read_incarnation(self.session_dir, ref.address)
             if pid is not None and pid not in self.watcher.dead:
+                self.unresolved.discard(ref)
                 self.set_pid(ref, pid)
+            elif not ref.dead and ref not in self.unresolved:
+                self.unresolved.add(ref)
+                if self.on_unresolved is not None:
+                    self.on_unresolved()
         return ref.pid
+
+    def retry_unresolved(self) -> bool:
+        """Look up every unresolved peer again; True while some remain."""
+        for ref in list(self.unresolved):
+            if ref.pid is not None or ref.dead:
+                self.unresolved.discard(ref)
+            else:
+                self.resolve_pid(ref)
+        return bool(self.unresolved)
 
     def when_pid_known(self, ref: ProcRef, callback: Callable[[], None]) -> None:
         """Run ``callback`` once ``ref``'s pid is known (now, if it already is)."""

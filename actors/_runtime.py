@@ -12,7 +12,9 @@ Every process (the controller and each worker) has one :class:`Runtime`::
 All of its state is touched from one thread: the thread of the event loop
 it is bound to, or, while no loop drives it, the thread that calls it
 synchronously. Only synchronous callers (no loop) ever block, in
-``Driver.wait``, always with a deadline.
+``Driver.wait``: full queues with a deadline, ``Future.get`` with the
+caller's or the call's (or, with neither, until the answer or the actor's
+death).
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ class Runtime:
         self.receivers = Receivers(self.pid, self.registry.watcher.watch, self._credit, self.drops)
         sock = bind_inbox(self.ctx, self.address, self.keys)
         self.inbox = Inbox(sock, self.dir, self.address, self._learn_sender, self.drops)
-        self.driver = Driver(self.inbox, self.registry.watcher, self.outbox)
+        self.driver = Driver(self.inbox, self.registry, self.outbox)
         self._wire_handlers()
         #: Proc meshes this process spawned, by worker address (their failures and deaths come here).
         self.meshes: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()

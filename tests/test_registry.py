@@ -1,0 +1,45 @@
+"""The process registry: a peer whose pid is not known yet is looked up until it is, then watched."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from actors._procs import Registry
+from actors._session import write_incarnation
+
+
+def test_a_peer_whose_pid_appears_later_is_watched_and_its_death_seen(tmp_path):
+    registry = Registry(str(tmp_path), os.getpid())
+    deaths = []
+    registry.death_listeners.append(deaths.append)
+    address = f"ipc://{tmp_path}/w1-0.sock"
+    ref = registry.proc(address, None)
+    assert ref.pid is None and ref in registry.unresolved
+    assert registry.retry_unresolved(), "still nobody recorded it"
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(30)  # exited and reaped before its pid is written: the first look finds it dead
+    write_incarnation(str(tmp_path), address, gone.pid)
+    assert not registry.retry_unresolved()
+    assert ref.pid == gone.pid and ref.dead and deaths == [ref]
+    registry.close()
+
+
+def test_a_live_peer_found_later_is_alive_until_it_exits(tmp_path):
+    registry = Registry(str(tmp_path), os.getpid())
+    address = f"ipc://{tmp_path}/w1-1.sock"
+    ref = registry.proc(address, None)
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        write_incarnation(str(tmp_path), address, child.pid)
+        registry.retry_unresolved()
+        assert ref.pid == child.pid and not ref.dead
+        (fd,) = registry.watcher.fds()
+        child.stdin.close()  # type: ignore[union-attr]
+        child.wait(10)
+        registry.watcher.check(fd)
+        assert ref.dead and ref.exit_reason == "process exited"
+    finally:
+        child.kill()
+        registry.close()
