@@ -2,15 +2,21 @@
 
 Generator xN -> Scorer -> RefModel -> Trainer, each an actor in its own
 process, linked by typed ports; fresh weights go to the generators as
-shared-memory manifests. Run it with ``python -m pipeline.grpo``.
+shared-memory (or CUDA IPC) manifests. The default task teaches a tiny
+transformer to reverse digit strings; ``--task bandit`` and user
+:class:`Task` subclasses plug in the same way. Run it with
+``python -m pipeline.grpo``.
 """
 
 from typing import TYPE_CHECKING, Any
 
-from .messages import Config, Grant, RefScoredRollout, Rollout, ScoredRollout, StepReport
+from .bandit import BanditSamples, BanditTask
+from .learner import Learner, Update
+from .messages import Config, GeneratorTimes, Grant, RefScoredRollout, Rollout, ScoredRollout, StepReport
 from .reference import ReferenceResult, train_one_process
-from .roles import Generator, RefModel, Scorer, Trainer, load_task
-from .task import BanditTask, grpo_loss
+from .roles import Generator, RefModel, Scorer, Trainer
+from .task import LossReport, Scores, Task, load_task, resolve, task_class, to_device
+from .token_task import DigitsTask, TokenBatch
 
 if TYPE_CHECKING:
     from .grpo import PipelineError, Roles, RunResult, main, run_pipeline
@@ -29,10 +35,15 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "BanditSamples",
     "BanditTask",
     "Config",
+    "DigitsTask",
     "Generator",
+    "GeneratorTimes",
     "Grant",
+    "Learner",
+    "LossReport",
     "PipelineError",
     "RefModel",
     "RefScoredRollout",
@@ -42,11 +53,17 @@ __all__ = [
     "RunResult",
     "ScoredRollout",
     "Scorer",
+    "Scores",
     "StepReport",
+    "Task",
+    "TokenBatch",
     "Trainer",
-    "grpo_loss",
+    "Update",
     "load_task",
     "main",
+    "resolve",
     "run_pipeline",
+    "task_class",
+    "to_device",
     "train_one_process",
 ]

@@ -1,10 +1,12 @@
 """``python -m pipeline.grpo``: the asynchronous GRPO pipeline, end to end.
 
 Spawns N generators, a scorer, a reference model and a trainer, each in its
-own process, wires them with typed ports, and trains until ``--steps`` (or
-``--target-score``). Progress is shown live; the run folder gets
-``config.json``, ``metrics.jsonl``, ``learning_curve.png`` and
-``checkpoint.pt`` (``--resume DIR`` continues from it, versions included).
+own process, wires them with typed ports, and trains the task (by default a
+tiny transformer learning to reverse 6 digits) until its held-out target or
+``--steps``. Progress is shown live; the run folder gets ``config.json``,
+``metrics.jsonl``, ``learning_curve.png``, ``checkpoint.pt`` (``--resume
+DIR`` continues from it, versions included) and, when the ``tensorboard``
+package is installed, a TensorBoard log.
 A generator that dies is restarted (``--generator-restarts`` per minute)
 and installs the newest policy before it produces again. Exit status: 0 on
 success, 1 when a role fails (the error names it), 130 on Ctrl-C and 143 on
@@ -17,7 +19,6 @@ import argparse
 import asyncio
 import atexit
 import contextlib
-import dataclasses
 import json
 import os
 import signal
@@ -34,8 +35,10 @@ from actors import ActorsError, Channel, Failure, ProcMesh, this_host
 from . import checkpoint
 from .messages import Config, StepReport
 from .metrics import MetricsLog, Progress, plot
+from .model import PRESETS
 from .placement import ROLES, check_placement
 from .roles import Generator, RefModel, Scorer, Trainer
+from .task import load_task, resolve, task_class
 
 __all__ = ["PipelineError", "Roles", "RunResult", "exit_now", "main", "parse_args", "run_pipeline"]
 
@@ -58,10 +61,12 @@ class Roles:
 class RunResult:
     steps: int
     version: int
-    score: float | None
+    score: float | None  # the task's primary held-out metric at the end
     dropped: int
     seconds: float
     run_dir: str
+    evaluation: dict[str, float] = field(default_factory=dict)  # every held-out metric at the end
+    target_reached: bool = False
     startup_seconds: float = 0.0
     stop_seconds: float = 0.0
     rollouts: dict[str, int] = field(default_factory=dict)
@@ -121,6 +126,8 @@ async def run_pipeline(
     """Run the pipeline described by ``config``; raises PipelineError if a role fails."""
     roles = roles or Roles()
     check_placement(config)  # before anything starts: a run that cannot place its roles starts nothing
+    config = resolve(config)
+    load_task(config)  # a task that cannot be built fails here, with its own message, before any process starts
     if config.mode not in ("async", "sync"):
         raise ValueError("mode must be 'async' or 'sync'")
     if config.generators < 1:
@@ -137,9 +144,8 @@ async def run_pipeline(
 
     started = time.perf_counter()
     meshes: list[ProcMesh] = []
-    log = MetricsLog(config.run_dir)
+    log: MetricsLog | None = None
     progress = Progress(config.steps, quiet)
-    reports_port, reports = Channel.open(StepReport)
     tasks: dict[str, asyncio.Task[Any]] = {}
     restarts: dict[str, int] = {}
     consumer: asyncio.Future[None] | None = None
@@ -156,6 +162,10 @@ async def run_pipeline(
             restart_period=60.0,
         )
         meshes = [gen_procs, scorer_procs, ref_procs, trainer_procs]
+        # Only now, with the roles' processes forked from a still single-threaded
+        # launcher, the threads of a runtime and of TensorBoard's writer start.
+        reports_port, reports = Channel.open(StepReport)
+        log = metrics_log = MetricsLog(config.run_dir)
 
         trainer = trainer_procs.spawn("trainer", roles.trainer, config, reports_port, resume)
         scorer = scorer_procs.spawn("scorer", roles.scorer, config)
@@ -202,8 +212,8 @@ async def run_pipeline(
 
         async def consume_reports() -> None:
             while (report := await reports.recv()) is not None:
-                log.write(report)
-                progress.update(report, force=report.step == config.steps)
+                row = metrics_log.write(report)
+                progress.update(row, force=report.step == config.steps)
 
         consumer = asyncio.ensure_future(consume_reports())
         await _first_failure(tasks, consumer)
@@ -223,6 +233,10 @@ async def run_pipeline(
             dropped=summary["dropped"],
             seconds=seconds,
             run_dir=config.run_dir,
+            evaluation=summary["evaluation"] or {},
+            target_reached=config.target_score is not None
+            and summary["score"] is not None
+            and summary["score"] >= config.target_score,
             startup_seconds=startup,
             stop_seconds=time.perf_counter() - stop_started,
             rollouts=dict(zip(generator_names, produced, strict=True)),
@@ -242,7 +256,8 @@ async def run_pipeline(
             if task.done() and not task.cancelled():
                 task.exception()  # retrieved: the failure was already reported
         progress.done()
-        log.close()
+        if log is not None:
+            log.close()
         for mesh in meshes:
             with contextlib.suppress(ActorsError, asyncio.TimeoutError, asyncio.CancelledError):
                 await asyncio.wait_for(asyncio.shield(mesh.stop(timeout=0.5)), 2)
@@ -250,52 +265,109 @@ async def run_pipeline(
             plot(config.run_dir)
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
+def _target(value: str) -> float | str | None:
+    if value in ("none", "auto"):
+        return None if value == "none" else "auto"
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number, 'none' or 'auto'") from None
+
+
+def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m pipeline.grpo", description=__doc__.splitlines()[0])
-    parser.add_argument("--generators", type=int, default=2, help="generator actors (default 2)")
-    parser.add_argument("--steps", type=int, default=2000, help="trainer steps (default 2000)")
-    parser.add_argument("--mode", choices=["async", "sync"], default="async", help="async (default) or lock-step sync")
-    parser.add_argument("--max-staleness", type=int, default=8, help="drop rollouts more than K versions old")
-    parser.add_argument("--transport", choices=["shm", "cuda-ipc", "local"], default="shm", help="weight transport")
-    parser.add_argument("--device", default="cpu", help="device of every role: cpu, cuda or cuda:N (default cpu)")
+    task = parser.add_argument_group("task")
+    task.add_argument(
+        "--task", default="reverse", help="reverse (default), sort, add, bandit, or a Task subclass as module:Class"
+    )
+    task.add_argument("--digits", type=int, default=6, help="digit tasks: digits per input (default 6)")
+    task.add_argument("--model", choices=list(PRESETS), default="tiny", help="digit tasks: model preset (default tiny)")
+    task.add_argument("--prompts", type=int, default=32, help="prompts per rollout, one trainer step (default 32)")
+    task.add_argument("--group", type=int, default=8, help="samples per prompt, the GRPO group (default 8)")
+    task.add_argument("--max-new-tokens", type=int, default=0, help="completion limit (default: answer length + 2)")
+    task.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1)")
+    task.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: off)")
+    task.add_argument("--eval-size", type=int, default=256, help="held-out prompts per evaluation (default 256)")
+    task.add_argument("--eval-every", type=int, default=10, help="evaluate every N steps (default 10)")
+    train = parser.add_argument_group("training")
+    train.add_argument("--steps", type=int, default=1000, help="most trainer steps (default 1000)")
+    train.add_argument(
+        "--target-score",
+        type=_target,
+        default="auto",
+        help="stop once the task's held-out metric reaches this; 'none' runs every step "
+        "(default: the task's own target, 0.99 exact match for the digit tasks)",
+    )
+    train.add_argument("--lr", type=float, help="Adam learning rate (default: the task's, 2e-3 for digits)")
+    train.add_argument("--kl-coeff", type=float, help="weight of the k3 KL to the reference (default: the task's)")
+    train.add_argument("--clip", type=float, help="PPO ratio clip (default: the task's, 0.2)")
+    train.add_argument("--seed", type=int, default=0)
+    pipe = parser.add_argument_group("pipeline")
+    pipe.add_argument("--generators", type=int, default=2, help="generator actors (default 2)")
+    pipe.add_argument("--mode", choices=["async", "sync"], default="async", help="async (default) or lock-step sync")
+    pipe.add_argument("--max-staleness", type=int, default=8, help="drop rollouts more than K versions old")
+    pipe.add_argument("--max-inflight", type=int, default=2, help="rollouts a generator may run ahead (default 2)")
+    pipe.add_argument("--threads", type=int, default=1, help="torch threads per role process (default 1)")
+    pipe.add_argument("--transport", choices=["shm", "cuda-ipc", "local"], default="shm", help="weight transport")
+    pipe.add_argument("--device", default="cpu", help="device of every role: cpu, cuda or cuda:N (default cpu)")
     for role, name in zip(ROLES, ("trainer", "generators", "scorer", "reference model"), strict=True):
-        parser.add_argument(f"--{role}-device", metavar="DEVICE", help=f"device of the {name} (overrides --device)")
-    parser.add_argument(
+        pipe.add_argument(f"--{role}-device", metavar="DEVICE", help=f"device of the {name} (overrides --device)")
+    pipe.add_argument(
         "--weights-install",
         choices=["copy", "alias"],
         default="copy",
         help="generators copy each update into their parameters (default) or alias them to it (zero-copy)",
     )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--run-dir", help="where outputs go (default runs/grpo-<time>)")
-    parser.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last checkpoint")
-    parser.add_argument("--target-score", type=float, help="stop once the normalized score reaches this")
-    parser.add_argument("--task", default="pipeline.task:BanditTask", help="task class, module:Class")
-    parser.add_argument("--quiet", action="store_true", help="no live progress line")
-    parser.add_argument(
+    pipe.add_argument(
         "--generator-restarts", type=int, default=3, help="restarts of a dead generator allowed per minute (0: none)"
     )
+    run = parser.add_argument_group("run")
+    run.add_argument("--run-dir", help="where outputs go (default runs/grpo-<time>)")
+    run.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last checkpoint")
+    run.add_argument("--quiet", action="store_true", help="no live progress line")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
+    parser = _build_parser()
     args = parser.parse_args(argv)
     if args.resume:
         with open(os.path.join(args.resume, "config.json")) as f:
-            saved = json.load(f)
-        config = Config(**{k: v for k, v in saved.items() if k in {f.name for f in dataclasses.fields(Config)}})
+            config = Config.from_dict(json.load(f))
         config.run_dir = args.resume
         given = argv if argv is not None else sys.argv
         for flag, attr in (("--steps", "steps"), ("--target-score", "target_score"), ("--device", "device")):
-            if flag in given:
+            if flag in given and getattr(args, attr) != "auto":
                 setattr(config, attr, getattr(args, attr))
         config.devices.update(_role_devices(args))
         return config, args
+    try:
+        target = task_class(args.task).target if args.target_score == "auto" else args.target_score
+    except (ImportError, AttributeError, TypeError, ValueError) as exc:
+        parser.error(f"--task {args.task}: {exc}")
     config = Config(
+        task=args.task,
+        digits=args.digits,
+        model=args.model,
+        prompts=args.prompts,
+        group=args.group,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        eval_size=args.eval_size,
+        eval_every=args.eval_every,
         steps=args.steps,
+        target_score=target,
+        lr=args.lr,
+        kl_coeff=args.kl_coeff,
+        clip=args.clip,
+        seed=args.seed,
         generators=args.generators,
         mode=args.mode,
         max_staleness=args.max_staleness,
+        max_inflight=args.max_inflight,
+        threads=args.threads,
         transport=args.transport,
-        seed=args.seed,
-        target_score=args.target_score,
-        task=args.task,
         generator_restarts=args.generator_restarts,
         run_dir=args.run_dir or _default_run_dir(),
         device=args.device,
@@ -334,10 +406,11 @@ def main(argv: list[str] | None = None) -> int:
     except (PipelineError, FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    score = "n/a" if result.score is None else f"{result.score:.3f}"
+    held_out = ", ".join(f"{name} {value:.3f}" for name, value in result.evaluation.items()) or "n/a"
+    reached = f" (target {config.target_score} reached)" if result.target_reached else ""
     print(
-        f"done: {result.steps} steps in {result.seconds:.1f}s ({result.steps_per_second:.0f} steps/s), "
-        f"normalized score {score}, {result.dropped} stale rollouts dropped, policy version {result.version}\n"
+        f"done: {result.steps} steps in {result.seconds:.1f}s ({result.steps_per_second:.1f} steps/s), "
+        f"held-out {held_out}{reached}; {result.dropped} stale rollouts dropped, policy version {result.version}\n"
         f"outputs in {result.run_dir}: config.json, metrics.jsonl, learning_curve.png, checkpoint.pt"
     )
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -9,7 +10,17 @@ import torch
 
 from actors import WeightManifest
 
-__all__ = ["Config", "Grant", "InstallMode", "Mode", "RefScoredRollout", "Rollout", "ScoredRollout", "StepReport"]
+__all__ = [
+    "Config",
+    "GeneratorTimes",
+    "Grant",
+    "InstallMode",
+    "Mode",
+    "RefScoredRollout",
+    "Rollout",
+    "ScoredRollout",
+    "StepReport",
+]
 
 #: ``async``: generators run ahead of the trainer (bounded); ``sync``: lock-step, on-policy.
 Mode = Literal["async", "sync"]
@@ -18,29 +29,52 @@ InstallMode = Literal["copy", "alias"]
 
 
 @dataclass
+class GeneratorTimes:
+    """Where a generator's time went since it sent its previous rollout (seconds)."""
+
+    cycle: float = 0.0  # since the previous rollout was sent
+    wait: float = 0.0  # blocked: no credit, or the policy a grant requires not yet here
+    generate: float = 0.0  # sampling this rollout
+    install: float = 0.0  # installing weights before it
+    delivery: float | None = None  # last installed update: trainer's publish -> start of its install
+
+
+@dataclass
 class Rollout:
-    """One GRPO group from a generator: a state, G sampled actions and their log-probs."""
+    """One batch of samples from a generator, with the policy version that drew them.
+
+    ``samples`` is the task's own dataclass of CPU tensors (the behaviour
+    log-probabilities included); ``tokens`` and ``response_length`` are the
+    task's :meth:`~pipeline.task.Task.measure` of it.
+    """
 
     generator: int
     rollout_id: int
     version: int  # policy version that produced it
-    state: torch.Tensor
-    actions: torch.Tensor
-    logps: torch.Tensor
+    samples: Any
+    tokens: int = 0
+    response_length: float = 0.0
+    times: GeneratorTimes = field(default_factory=GeneratorTimes)
 
 
 @dataclass
 class ScoredRollout:
+    """A rollout with the verifier's reward per sample (and exact correctness, if the task has it)."""
+
     rollout: Rollout
     rewards: torch.Tensor
+    accuracy: torch.Tensor | None = None
     scorer_queue: int = 0  # scorer's backlog when it forwarded this
 
 
 @dataclass
 class RefScoredRollout:
+    """A scored rollout with the reference policy's log-probabilities of its samples."""
+
     rollout: Rollout
     rewards: torch.Tensor
     ref_logps: torch.Tensor
+    accuracy: torch.Tensor | None = None
     scorer_queue: int = 0
     ref_queue: int = 0
 
@@ -61,44 +95,69 @@ class Grant:
 
 @dataclass
 class StepReport:
-    """One row of metrics.jsonl, sent by the trainer to the controller after each step."""
+    """What the trainer measured in one step; :class:`pipeline.metrics.MetricsLog` turns it into a row."""
 
     step: int
-    time: float
+    time: float  # seconds since training started
     version: int
+    generator: int
+    staleness: int  # policy versions between the sample's and the trainer's
+    dropped_stale: int  # cumulative
     reward_mean: float
-    score: float | None
+    reward_std: float
+    accuracy: float | None  # exact match of the sampled completions, if the task has it
+    evaluation: dict[str, float] | None  # held-out metrics, on evaluation steps
+    score: float | None  # the newest held-out value of the task's primary metric
     loss: float
+    policy_loss: float
     kl: float
-    version_lag: int
-    dropped_stale: int
+    clip_fraction: float
+    entropy: float
+    grad_norm: float
+    response_length: float
+    tokens: int  # tokens in the trained rollout
+    tokens_received: int  # cumulative tokens of every rollout that reached the trainer (dropped ones too)
+    wait_batch: float  # seconds the trainer waited for this batch
+    train: float  # seconds of the update itself
+    publish: float  # seconds to publish the new version
+    generator_times: GeneratorTimes
     trainer_queue: int
     scorer_queue: int
     ref_queue: int
-    weight_sync_ms: float
-    generator: int
 
 
 @dataclass
 class Config:
-    """Everything the roles need; travels to every actor as a constructor argument."""
+    """Everything the roles need; travels to every actor as a constructor argument.
 
-    steps: int = 2000
+    ``lr``, ``clip`` and ``kl_coeff`` left at None take the task's defaults
+    (:attr:`pipeline.task.Task.defaults`) when the run starts.
+    """
+
+    task: str = "reverse"  # reverse | sort | add | bandit | module:Class
+    digits: int = 6  # digit tasks: input length
+    model: str = "tiny"  # digit tasks: model preset (pipeline.model.PRESETS)
+    prompts: int = 32  # prompts per rollout (one trainer step)
+    group: int = 8  # samples per prompt (GRPO group)
+    max_new_tokens: int = 0  # 0: the answer's length + 2
+    temperature: float = 1.0
+    top_p: float = 1.0
+    eval_size: int = 256  # held-out prompts (or states) per evaluation
+    steps: int = 1000
     generators: int = 2
     mode: Mode = "async"
     max_staleness: int = 8
     transport: str = "shm"
     seed: int = 0
-    lr: float = 0.02
-    clip: float = 0.2
-    kl_coeff: float = 0.05
+    lr: float | None = None
+    clip: float | None = None
+    kl_coeff: float | None = None
     max_inflight: int = 2  # rollouts a generator may have ahead of the trainer
-    eval_every: int = 20
-    eval_states: int = 256
+    eval_every: int = 10
     checkpoint_every: int = 200
     generator_restarts: int = 3  # a dead generator is restarted at most this often per minute
-    target_score: float | None = None
-    task: str = "pipeline.task:BanditTask"
+    target_score: float | None = None  # stop once the task's primary held-out metric reaches this
+    threads: int = 1  # torch threads per role (every role is its own process)
     run_dir: str = ""
     device: str = "cpu"  # every role's device, unless ``devices`` names one for it
     devices: dict[str, str] = field(default_factory=dict)  # role -> device: trainer, generator, scorer, ref
@@ -108,6 +167,19 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Config:
+        """A config from :meth:`to_dict`'s output; unknown keys (older runs) are ignored."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in names})
+
     def device_of(self, role: str) -> str:
         """The device ``role`` runs on."""
         return self.devices.get(role, self.device)
+
+    def hyper(self, name: str) -> float:
+        """A hyper-parameter that :func:`pipeline.task.resolve` has filled in."""
+        value = getattr(self, name)
+        if value is None:
+            raise ValueError(f"config.{name} is unset: resolve the config with pipeline.task.resolve first")
+        return float(value)

@@ -1,20 +1,23 @@
-"""The same GRPO task trained in one process, on-policy, with no messaging.
+"""The same GRPO trained in one process, on-policy, with no messaging: the pipeline's yardstick.
 
-The yardstick for the pipeline: ``bench_grpo.py`` compares steps/s and the
-acceptance check compares final scores against it.
+Sample, verify, score against the reference and update in one loop on the
+trainer's device, with the very :class:`~pipeline.learner.Learner` the
+Trainer actor uses. ``bench_grpo.py`` compares the wall time both need to
+reach a held-out target.
 """
 
 from __future__ import annotations
 
-import copy
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from .learner import Learner
 from .messages import Config
-from .roles import load_task
-from .task import grpo_loss
+from .task import load_task, resolve
+
+__all__ = ["ReferenceResult", "train_one_process"]
 
 
 @dataclass
@@ -22,6 +25,8 @@ class ReferenceResult:
     steps: int
     seconds: float
     score: float
+    seconds_to_target: float | None = None  # wall time (evaluations included) when the target was reached
+    curve: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out primary metric)
 
     @property
     def steps_per_second(self) -> float:
@@ -29,26 +34,31 @@ class ReferenceResult:
 
 
 def train_one_process(config: Config) -> ReferenceResult:
-    """Generate, score, reference and train in one loop on the trainer's device; returns the final score."""
+    """Train ``config``'s task for ``config.steps`` (or until ``config.target_score``) in this process."""
+    config = resolve(config)
+    torch.set_num_threads(config.threads)
     task = load_task(config)
     device = torch.device(config.device_of("trainer"))
-    torch.manual_seed(config.seed)
-    policy = task.build_policy().to(device)
-    ref = copy.deepcopy(policy).requires_grad_(False)
-    reward_net = task.build_reward().to(device)
-    optim = torch.optim.Adam(policy.parameters(), lr=config.lr)
+    learner = Learner(task, device)
+    reference = learner.reference()
+    scorer = task.build_scorer(device)
     rng = torch.Generator(device=device).manual_seed(1_000_003 * (config.seed + 1) + 7_919)
+    curve: list[tuple[int, float]] = []
+    reached: float | None = None
+    score = 0.0
     start = time.perf_counter()
-    for _ in range(config.steps):
-        state = task.sample_state(rng)
-        actions, logps = task.sample_group(policy, state, rng)
-        rewards = task.rewards(reward_net, state, actions)
+    step = 0
+    while step < config.steps:
         with torch.no_grad():
-            ref_logps = torch.log_softmax(ref(state), dim=-1)[actions]
-        out = grpo_loss(policy, state, actions, logps, rewards, ref_logps, config.clip, config.kl_coeff)
-        optim.zero_grad()
-        out.loss.backward()  # type: ignore[no-untyped-call]
-        optim.step()
-    seconds = time.perf_counter() - start
-    score = task.normalized_score(policy, reward_net, task.eval_states(config.eval_states).to(device))
-    return ReferenceResult(config.steps, seconds, score)
+            samples = task.sample(learner.policy, rng)
+            scores = task.score(scorer, samples)
+            ref_logps = task.reference_logps(reference, samples)
+        learner.update(samples, scores.rewards, ref_logps)
+        step += 1
+        if step % config.eval_every == 0 or step == config.steps:
+            score = learner.evaluate()[task.primary]
+            curve.append((step, score))
+            if config.target_score is not None and score >= config.target_score:
+                reached = time.perf_counter() - start
+                break
+    return ReferenceResult(step, time.perf_counter() - start, score, reached, curve)

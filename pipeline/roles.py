@@ -7,17 +7,18 @@
          |   +------------ Grant (credits: bounded rollouts in flight) -------------------+
          +---------- update_weights(manifest), fire-and-forget to one chosen generator ---+
 
-Every role is an ordinary subclassable actor: override ``collect`` (Generator),
-``score`` (Scorer), ``reference_logps`` (RefModel) or ``train_step``
-(Trainer), or swap the task with ``Config.task``.
+Each role asks the run's :class:`~pipeline.task.Task` what to do (sample,
+verify, score against the reference, compute the loss), so the roles know
+only about messages, timing and weights. Every role is an ordinary
+subclassable actor: override ``collect`` (Generator), ``score`` (Scorer),
+``reference_logps`` (RefModel) or ``train_step`` (Trainer), or swap the
+task with ``Config.task``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
-import importlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -40,35 +41,27 @@ from actors import (
 )
 
 from . import checkpoint
-from .messages import Config, Grant, RefScoredRollout, Rollout, ScoredRollout, StepReport
-from .task import BanditTask, grpo_loss
+from .learner import Learner, Update
+from .messages import Config, GeneratorTimes, Grant, RefScoredRollout, Rollout, ScoredRollout, StepReport
+from .task import Scores, load_task, to_device
 
-__all__ = ["Generator", "RefModel", "Scorer", "Trainer", "load_task"]
+__all__ = ["Generator", "RefModel", "Scorer", "Trainer"]
 
 #: Step reports the trainer gathers before sending them to the controller.
-REPORT_BATCH = 25
+REPORT_BATCH = 10
 #: How long a generator waits for the policy version a grant requires.
 WEIGHTS_TIMEOUT = 60.0
+CPU = torch.device("cpu")
 
 
-def load_task(config: Config) -> BanditTask:
-    """Instantiate ``config.task`` (``"module:Class"``) with the run's seed."""
-    module_name, _, qualname = config.task.partition(":")
-    obj: Any = importlib.import_module(module_name)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    task = obj(config.seed)
-    if not isinstance(task, BanditTask):
-        raise TypeError(f"{config.task} must derive from pipeline.task.BanditTask")
-    return task
-
-
-def _logps(policy: torch.nn.Module, state: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
-    return torch.log_softmax(policy(state), dim=-1)[actions]
+def _role_device(config: Config, role: str) -> torch.device:
+    """The role's device, with torch limited to the run's threads (every role is one process of many)."""
+    torch.set_num_threads(config.threads)
+    return torch.device(config.device_of(role))
 
 
 class Generator(ReceivesWeights):
-    """Samples GRPO groups with the newest policy it has installed.
+    """Samples rollouts with the newest policy it has installed.
 
     Produces only against credits (``Grant``) from the trainer, so it can
     never run more than ``max_inflight`` rollouts ahead. Hooks registered
@@ -80,8 +73,8 @@ class Generator(ReceivesWeights):
         self.config = config
         self.task = load_task(config)
         self.id = current_rank().rank
-        self.device = torch.device(config.device_of("generator"))
-        self.policy = self.task.build_policy().to(self.device).requires_grad_(False)
+        self.device = _role_device(config, "generator")
+        self.policy = self.task.build_policy().to(self.device).requires_grad_(False).eval()
         self.rollouts = rollouts
         seed = 1_000_003 * (config.seed + 1) + 7_919 * (self.id + 1)
         self.rng = torch.Generator(device=self.device).manual_seed(seed)
@@ -91,6 +84,8 @@ class Generator(ReceivesWeights):
         self.credits = 0
         self.produced = 0
         self.stopping = False
+        self.times = GeneratorTimes()
+        self._cycle_started = time.perf_counter()
         self.pre_collect_hooks: list[Callable[[Generator], None]] = []
         self.post_collect_hooks: list[Callable[[Generator, Rollout], None]] = []
 
@@ -105,20 +100,29 @@ class Generator(ReceivesWeights):
         return self.grant_port
 
     def install_weights(self) -> None:
+        """Install the newest update waiting in the inbox, if any, and time it."""
+        started = time.perf_counter()
         manifest = self.weight_inbox.install_newest(self.policy, alias=self.config.install == "alias")
         if manifest is not None:
             self.version = manifest.version
+            self.times.install += time.perf_counter() - started
+            published = manifest.metadata.get("published_at")
+            if isinstance(published, float):
+                self.times.delivery = max(0.0, time.time() - published)
 
     def collect(self) -> Rollout:
-        """One group: a state and G actions sampled from the current policy (sent as CPU tensors)."""
-        state = self.task.sample_state(self.rng)
-        actions, logps = self.task.sample_group(self.policy, state, self.rng)
-        return Rollout(self.id, self.produced, self.version, state.cpu(), actions.cpu(), logps.cpu())
+        """One rollout drawn with the current policy (its samples sent as CPU tensors)."""
+        started = time.perf_counter()
+        samples = to_device(self.task.sample(self.policy, self.rng), CPU)
+        self.times.generate = time.perf_counter() - started
+        tokens, length = self.task.measure(samples)
+        return Rollout(self.id, self.produced, self.version, samples, tokens, length, self.times)
 
     @endpoint
     async def run(self) -> int:
         """Produce rollouts until drained; returns how many were sent."""
         while not self.stopping:
+            waiting = time.perf_counter()
             while self.credits == 0 and not self.stopping:
                 grant = await self.grants.recv()
                 if grant is None or (grant.count == 0 and grant.manifest is None):
@@ -127,6 +131,7 @@ class Generator(ReceivesWeights):
                 if grant.manifest is not None:
                     self.weight_inbox.put(grant.manifest)
                 await self.reach_version(grant.min_version)
+            self.times.wait += time.perf_counter() - waiting
             if self.stopping:
                 break
             self.install_weights()
@@ -135,7 +140,10 @@ class Generator(ReceivesWeights):
             rollout = self.collect()
             for post in self.post_collect_hooks:
                 post(self, rollout)
+            now = time.perf_counter()
+            rollout.times.cycle = now - self._cycle_started
             self.rollouts.send(rollout)
+            self._cycle_started, self.times = now, GeneratorTimes()
             self.credits -= 1
             self.produced += 1
             await asyncio.sleep(0)  # let update_weights and drain land between rollouts
@@ -163,40 +171,41 @@ class Generator(ReceivesWeights):
 
 
 class Scorer(Actor):
-    """Scores each rollout with the task's frozen reward model."""
+    """Scores each rollout with the task's verifier (or reward model)."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
         self.task = load_task(config)
-        self.device = torch.device(config.device_of("scorer"))
-        self.reward_net = self.task.build_reward().to(self.device)
+        self.device = _role_device(config, "scorer")
+        self.scorer = self.task.build_scorer(self.device)
         self.port, self.inbox = Channel.open(Rollout)
 
     @endpoint
     async def inlet(self) -> Port[Rollout]:
         return self.port
 
-    def score(self, rollout: Rollout) -> torch.Tensor:
-        state, actions = rollout.state.to(self.device), rollout.actions.to(self.device)
-        return self.task.rewards(self.reward_net, state, actions).cpu()
+    def score(self, rollout: Rollout) -> Scores:
+        return self.task.score(self.scorer, to_device(rollout.samples, self.device))
 
     @endpoint
     async def run(self, out: Port[ScoredRollout]) -> int:
         count = 0
         while (rollout := await self.inbox.recv()) is not None:
-            out.send(ScoredRollout(rollout, self.score(rollout), self.inbox.qsize()))
+            scores = self.score(rollout)
+            accuracy = None if scores.accuracy is None else scores.accuracy.cpu()
+            out.send(ScoredRollout(rollout, scores.rewards.cpu(), accuracy, self.inbox.qsize()))
             count += 1
         out.send(None)
         return count
 
 
 class RefModel(Actor):
-    """Adds log-probs of the sampled actions under the frozen initial policy."""
+    """Adds the frozen initial policy's log-probabilities of each rollout's samples."""
 
     def __init__(self, config: Config, initial: WeightManifest) -> None:
         self.config = config
         self.task = load_task(config)
-        self.device = torch.device(config.device_of("ref"))
+        self.device = _role_device(config, "ref")
         self.model = self.task.build_policy().to(self.device).requires_grad_(False).eval()
         consumer = WeightConsumer()
         consumer.install(initial, self.model)
@@ -208,54 +217,57 @@ class RefModel(Actor):
         return self.port
 
     def reference_logps(self, rollout: Rollout) -> torch.Tensor:
-        with torch.no_grad():
-            return _logps(self.model, rollout.state.to(self.device), rollout.actions.to(self.device)).cpu()
+        return self.task.reference_logps(self.model, to_device(rollout.samples, self.device)).cpu()
 
     @endpoint
     async def run(self, out: Port[RefScoredRollout]) -> int:
         count = 0
         while (scored := await self.inbox.recv()) is not None:
             ref = self.reference_logps(scored.rollout)
-            out.send(RefScoredRollout(scored.rollout, scored.rewards, ref, scored.scorer_queue, self.inbox.qsize()))
+            out.send(
+                RefScoredRollout(
+                    scored.rollout, scored.rewards, ref, scored.accuracy, scored.scorer_queue, self.inbox.qsize()
+                )
+            )
             count += 1
         out.send(None)
         return count
 
 
 class Trainer(Actor):
-    """GRPO on each incoming group; publishes every new version as a manifest."""
+    """GRPO on each incoming rollout; publishes every new version as a manifest."""
 
     def __init__(self, config: Config, reports: Port[StepReport], resume: bool = False) -> None:
         self.config = config
         self.task = load_task(config)
-        self.device = torch.device(config.device_of("trainer"))
-        torch.manual_seed(config.seed)
-        self.policy = self.task.build_policy().to(self.device)
-        self.optim = torch.optim.Adam(self.policy.parameters(), lr=config.lr)
-        self.ref_state = copy.deepcopy(self.policy.state_dict())
+        self.device = _role_device(config, "trainer")
+        self.learner = Learner(self.task, self.device)
         self.step = 0
         self.version = 0
         if resume:
             state = checkpoint.load(config.run_dir)
-            self.policy.load_state_dict(state["policy"])
-            self.optim.load_state_dict(state["optimizer"])
-            self.ref_state = state["ref"]
+            self.learner.load_state(state)
             self.step, self.version = int(state["step"]), int(state["version"])
         self.reports = reports
         self.port, self.inbox = Channel.open(RefScoredRollout)
-        self.reward_net = self.task.build_reward().to(self.device)
-        states = self.task.eval_states(config.eval_states).to(self.device)
-        self.eval_table = self.task.reward_table(self.reward_net, states)
-        self.eval_inputs = states
         on_gpu: dict[str, Any] = {"device": self.device} if config.transport == "cuda-ipc" else {}
         self.publisher = WeightPublisher(config.transport, slots=config.generators + 3, **on_gpu)
         self.ref_publisher = WeightPublisher(config.transport, slots=1, **on_gpu)
-        self.manifest = self.publisher.publish(self.policy, self.version, {"step": self.step})
-        self.ref_manifest = self.ref_publisher.publish(self.ref_state, 1)
+        self.manifest = self.publisher.publish(self.learner.policy, self.version, self._metadata())
+        self.ref_manifest = self.ref_publisher.publish(self.learner.reference_state, 1)
         self.dropped = 0
+        self.tokens_received = 0
+        self.evaluation: dict[str, float] | None = None
         self.score: float | None = None
         self._reports: list[StepReport] = []
         self.grants: list[Port[Grant]] = []
+
+    @property
+    def policy(self) -> torch.nn.Module:
+        return self.learner.policy
+
+    def _metadata(self) -> dict[str, Any]:
+        return {"step": self.step, "published_at": time.time()}
 
     @endpoint
     async def inlet(self) -> Port[RefScoredRollout]:
@@ -266,26 +278,16 @@ class Trainer(Actor):
         """The current policy's manifest (for generators) and the reference's (for RefModel)."""
         return self.manifest, self.ref_manifest
 
-    def evaluate(self) -> float:
-        """Normalized score on the fixed evaluation states (1 optimal, 0 random)."""
-        return self.task.score(self.policy, self.eval_inputs, self.eval_table)
+    def train_step(self, item: RefScoredRollout) -> Update:
+        device = self.device
+        samples = to_device(item.rollout.samples, device)
+        return self.learner.update(samples, item.rewards.to(device), item.ref_logps.to(device))
 
-    def train_step(self, item: RefScoredRollout) -> tuple[float, float]:
-        r, device = item.rollout, self.device
-        out = grpo_loss(
-            self.policy,
-            r.state.to(device),
-            r.actions.to(device),
-            r.logps.to(device),
-            item.rewards.to(device),
-            item.ref_logps.to(device),
-            self.config.clip,
-            self.config.kl_coeff,
-        )
-        self.optim.zero_grad()
-        out.loss.backward()  # type: ignore[no-untyped-call]
-        self.optim.step()
-        return float(out.loss.detach()), out.kl
+    def evaluate(self) -> float:
+        """Held-out metrics of the current policy; returns the task's primary one."""
+        self.evaluation = self.learner.evaluate()
+        self.score = self.evaluation[self.task.primary]
+        return self.score
 
     @endpoint
     async def run(self, generators: Generator, grants: list[Port[Grant]]) -> dict[str, Any]:
@@ -299,49 +301,39 @@ class Trainer(Actor):
             for port in grants:
                 port.send(Grant(config.max_inflight))
         started = time.perf_counter()
+        waited = 0.0
         while self.step < config.steps:
+            waiting = time.perf_counter()
             item = await self.inbox.recv()
+            waited += time.perf_counter() - waiting
             if item is None:
                 raise RuntimeError("the rollout stream ended before training finished")
             rollout = item.rollout
+            self.tokens_received += rollout.tokens
             lag = self.version - rollout.version
             if not sync:
                 self.grant(rollout.generator, Grant(1))  # consumed: the generator may produce one more
             if lag > config.max_staleness:
                 self.dropped += 1
                 continue
-            loss, kl = self.train_step(item)
+            update = self.train_step(item)
             self.step += 1
             self.version += 1
-            t0 = time.perf_counter()
-            self.manifest = await self.publisher.publish_async(self.policy, self.version, {"step": self.step})
+            publishing = time.perf_counter()
+            self.manifest = await self.publisher.publish_async(self.learner.policy, self.version, self._metadata())
             if sync:
                 self.grant(self.step % len(grants), Grant(1, self.version, self.manifest))
             else:
                 with contextlib.suppress(ActorDied):  # every generator is down; a restarted one gets a grant
                     send(generators.update_weights, (self.manifest,), selection="choose")
-            sync_ms = (time.perf_counter() - t0) * 1000
+            published = time.perf_counter() - publishing
             final = self.step >= config.steps
+            evaluation = None
             if self.step % config.eval_every == 0 or final:
-                self.score = self.evaluate()
-            self._reports.append(
-                StepReport(
-                    self.step,
-                    time.perf_counter() - started,
-                    self.version,
-                    float(item.rewards.mean()),
-                    self.score,
-                    loss,
-                    kl,
-                    lag,
-                    self.dropped,
-                    self.inbox.qsize(),
-                    item.scorer_queue,
-                    item.ref_queue,
-                    sync_ms,
-                    rollout.generator,
-                )
-            )
+                self.evaluate()
+                evaluation = self.evaluation
+            self._reports.append(self._report(item, update, lag, waited, published, evaluation, started))
+            waited = 0.0
             if len(self._reports) >= REPORT_BATCH or final:
                 self.flush_reports()
             if config.checkpoint_every and self.step % config.checkpoint_every == 0:
@@ -351,7 +343,54 @@ class Trainer(Actor):
         self.flush_reports()
         self.save()
         self.reports.send(None)
-        return {"steps": self.step, "version": self.version, "dropped": self.dropped, "score": self.score}
+        return {
+            "steps": self.step,
+            "version": self.version,
+            "dropped": self.dropped,
+            "score": self.score,
+            "evaluation": self.evaluation,
+        }
+
+    def _report(
+        self,
+        item: RefScoredRollout,
+        update: Update,
+        lag: int,
+        waited: float,
+        published: float,
+        evaluation: dict[str, float] | None,
+        started: float,
+    ) -> StepReport:
+        rollout, loss = item.rollout, update.report
+        return StepReport(
+            step=self.step,
+            time=time.perf_counter() - started,
+            version=self.version,
+            generator=rollout.generator,
+            staleness=lag,
+            dropped_stale=self.dropped,
+            reward_mean=float(item.rewards.mean()),
+            reward_std=float(item.rewards.std(unbiased=False)),
+            accuracy=None if item.accuracy is None else float(item.accuracy.mean()),
+            evaluation=evaluation,
+            score=self.score,
+            loss=float(loss.loss.detach()),
+            policy_loss=loss.policy_loss,
+            kl=loss.kl,
+            clip_fraction=loss.clip_fraction,
+            entropy=loss.entropy,
+            grad_norm=update.grad_norm,
+            response_length=rollout.response_length,
+            tokens=rollout.tokens,
+            tokens_received=self.tokens_received,
+            wait_batch=waited,
+            train=update.seconds,
+            publish=published,
+            generator_times=rollout.times,
+            trainer_queue=self.inbox.qsize(),
+            scorer_queue=item.scorer_queue,
+            ref_queue=item.ref_queue,
+        )
 
     def grant(self, generator: int, grant: Grant) -> None:
         """Send ``grant``; a generator that died loses it (its restart brings a fresh grant)."""
@@ -380,14 +419,7 @@ class Trainer(Actor):
 
     def save(self) -> str:
         return checkpoint.save(
-            self.config.run_dir,
-            {
-                "step": self.step,
-                "version": self.version,
-                "policy": self.policy.state_dict(),
-                "optimizer": self.optim.state_dict(),
-                "ref": self.ref_state,
-            },
+            self.config.run_dir, {"step": self.step, "version": self.version, **self.learner.state()}
         )
 
     @endpoint

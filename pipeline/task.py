@@ -1,126 +1,146 @@
-"""The default task: a synthetic contextual bandit, and the GRPO step that learns it.
+"""The task interface: everything the roles need to know about what is being learned.
 
-Each rollout draws a random state and samples a *group* of G actions from
-the policy; a fixed, frozen reward MLP scores each (state, one-hot action),
-so every action has its own reward surface over the states. GRPO
-normalises rewards within the group into advantages and applies a PPO-clip
-update with a KL penalty toward a frozen reference policy.
+Each role builds one :class:`Task` from the run's config (``load_task``) and
+calls only these methods, so a task is the single place that knows the
+policy, the samples, the reward and the loss:
 
-Swap the task by subclassing :class:`BanditTask` (override ``build_policy``,
-``build_reward`` or ``sample_state``) and pointing the pipeline at it with
-``--task module:Class``.
+============  ======================================================
+role          calls
+============  ======================================================
+Generator     ``build_policy``, ``sample``
+Scorer        ``build_scorer``, ``score`` (the verifier)
+RefModel      ``build_policy``, ``reference_logps``
+Trainer       ``build_policy``, ``loss``, ``evaluate``
+============  ======================================================
+
+Samples travel between processes as a dataclass of CPU tensors; each role
+moves them to its own device with :func:`to_device`. Built in: the digit
+tasks (``reverse``, ``sort``, ``add``; :mod:`pipeline.token_task`) and the
+contextual ``bandit`` (:mod:`pipeline.bandit`). A user task is a subclass
+named ``module:Class``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-__all__ = ["BanditTask", "GRPOLoss", "grpo_loss"]
+if TYPE_CHECKING:
+    from .messages import Config
 
-
-class BanditTask:
-    """State -> G sampled actions -> rewards from a fixed MLP. Deterministic per ``seed``."""
-
-    state_dim = 4
-    action_dim = 4
-    hidden = 32  # policy width
-    reward_hidden = 16
-    group_size = 8
-
-    def __init__(self, seed: int = 0) -> None:
-        self.seed = seed
-
-    def build_policy(self) -> torch.nn.Module:
-        """A fresh policy; the trainer seeds torch before calling this."""
-        return torch.nn.Sequential(
-            torch.nn.Linear(self.state_dim, self.hidden),
-            torch.nn.Tanh(),
-            torch.nn.Linear(self.hidden, self.action_dim),
-        )
-
-    def build_reward(self) -> torch.nn.Module:
-        """The frozen reward model; identical in every process for a given seed."""
-        generator = torch.Generator().manual_seed(10_000 + self.seed)
-        net = torch.nn.Sequential(
-            torch.nn.Linear(self.state_dim + self.action_dim, self.reward_hidden),
-            torch.nn.Tanh(),
-            torch.nn.Linear(self.reward_hidden, 1),
-        )
-        with torch.no_grad():
-            for p in net.parameters():
-                p.copy_(torch.randn(p.shape, generator=generator))
-                p.requires_grad_(False)
-        return net.eval()
-
-    def sample_state(self, generator: torch.Generator) -> torch.Tensor:
-        """A random state on ``generator``'s device."""
-        return torch.randn(self.state_dim, generator=generator, device=generator.device)
-
-    def rewards(self, reward_net: torch.nn.Module, state: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
-        """Reward of each action in ``actions`` ([G] long) taken in ``state`` ([state_dim])."""
-        one_hot = torch.nn.functional.one_hot(actions, self.action_dim).float()
-        inputs = torch.cat([state.unsqueeze(0).expand(len(actions), -1), one_hot], dim=-1)
-        with torch.no_grad():
-            rewards: torch.Tensor = reward_net(inputs).squeeze(-1)
-        return rewards
-
-    def eval_states(self, count: int = 256) -> torch.Tensor:
-        """A fixed batch of states for measuring the policy."""
-        generator = torch.Generator().manual_seed(20_000 + self.seed)
-        return torch.stack([self.sample_state(generator) for _ in range(count)])
-
-    def sample_group(
-        self, policy: torch.nn.Module, state: torch.Tensor, generator: torch.Generator
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A group of ``group_size`` actions sampled from ``policy`` in ``state``, with their log-probs."""
-        with torch.no_grad():
-            logps = torch.log_softmax(policy(state), dim=-1)
-        actions = torch.multinomial(logps.exp(), self.group_size, replacement=True, generator=generator)
-        return actions, logps[actions]
-
-    def reward_table(self, reward_net: torch.nn.Module, states: torch.Tensor) -> torch.Tensor:
-        """Reward of every action in every state: ``[B, action_dim]``."""
-        actions = torch.arange(self.action_dim, device=states.device)
-        return torch.stack([self.rewards(reward_net, s, actions) for s in states])
-
-    @staticmethod
-    def score(policy: torch.nn.Module, states: torch.Tensor, table: torch.Tensor) -> float:
-        """(expected reward - mean over actions) / (best - mean), averaged: 1 optimal, 0 random."""
-        with torch.no_grad():
-            probs = torch.softmax(policy(states), dim=-1)
-            mean = table.mean(-1)
-            score = ((probs * table).sum(-1) - mean) / (table.max(-1).values - mean).clamp_min(1e-6)
-        return float(score.mean())
-
-    def normalized_score(self, policy: torch.nn.Module, reward_net: torch.nn.Module, states: torch.Tensor) -> float:
-        """:meth:`score` on ``states``, building their reward table first."""
-        return self.score(policy, states, self.reward_table(reward_net, states))
+__all__ = ["LossReport", "Scores", "Task", "load_task", "resolve", "task_class", "to_device"]
 
 
 @dataclass
-class GRPOLoss:
+class Scores:
+    """The verifier's verdict on one rollout's samples: a reward each, and exact correctness if it has one."""
+
+    rewards: torch.Tensor  # [N]
+    accuracy: torch.Tensor | None = None  # [N] in {0, 1}
+
+
+@dataclass
+class LossReport:
+    """One update's loss and the quantities RL users watch."""
+
     loss: torch.Tensor
-    ppo: float
+    policy_loss: float
     kl: float
+    clip_fraction: float = 0.0
+    entropy: float = 0.0
 
 
-def grpo_loss(
-    policy: torch.nn.Module,
-    state: torch.Tensor,
-    actions: torch.Tensor,
-    old_logps: torch.Tensor,
-    rewards: torch.Tensor,
-    ref_logps: torch.Tensor,
-    clip: float,
-    kl_coeff: float,
-) -> GRPOLoss:
-    """Group-relative advantages, PPO-clip on the sampled actions, k3 KL to the reference."""
-    advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-8)
-    logps = torch.log_softmax(policy(state), dim=-1)[actions]
-    ratio = (logps - old_logps).exp()
-    ppo = -torch.min(ratio * advantages, ratio.clamp(1 - clip, 1 + clip) * advantages).mean()
-    log_ratio = ref_logps - logps
-    kl = (log_ratio.exp() - log_ratio - 1).mean()  # non-negative, low-variance estimator
-    return GRPOLoss(ppo + kl_coeff * kl, float(ppo.detach()), float(kl.detach()))
+class Task:
+    """What the pipeline learns; subclass it to train something else."""
+
+    #: Hyper-parameters this task learns well with, used wherever the run does not set them.
+    defaults: ClassVar[dict[str, float]] = {"lr": 2e-3, "kl_coeff": 0.02, "clip": 0.2}
+    #: The evaluation metric the progress line shows and ``--target-score`` stops at.
+    primary: ClassVar[str] = "accuracy"
+    #: ``python -m pipeline.grpo`` stops once :attr:`primary` reaches this (None: run every step).
+    target: ClassVar[float | None] = None
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.seed = config.seed
+
+    def build_policy(self) -> torch.nn.Module:
+        """A freshly initialised policy (the trainer seeds torch first; every role builds the same one)."""
+        raise NotImplementedError
+
+    def sample(self, policy: torch.nn.Module, generator: torch.Generator) -> Any:
+        """One rollout's samples, drawn with ``policy``: a dataclass of tensors (behaviour log-probs included)."""
+        raise NotImplementedError
+
+    def build_scorer(self, device: torch.device) -> Any:
+        """What :meth:`score` needs besides the samples (a reward model, say); None for a verifier."""
+        return None
+
+    def score(self, scorer: Any, samples: Any) -> Scores:
+        """The reward of each sample."""
+        raise NotImplementedError
+
+    def reference_logps(self, reference: torch.nn.Module, samples: Any) -> torch.Tensor:
+        """Log-probabilities of the sampled choices under the frozen reference policy."""
+        raise NotImplementedError
+
+    def loss(self, policy: torch.nn.Module, samples: Any, rewards: torch.Tensor, ref_logps: torch.Tensor) -> LossReport:
+        """The GRPO loss of one rollout for ``policy``."""
+        raise NotImplementedError
+
+    def evaluate(self, policy: torch.nn.Module) -> dict[str, float]:
+        """Held-out metrics of ``policy``; must include :attr:`primary`."""
+        raise NotImplementedError
+
+    def measure(self, samples: Any) -> tuple[int, float]:
+        """(tokens generated, mean response length) of one rollout's samples."""
+        return 0, 0.0
+
+
+def to_device(samples: Any, device: torch.device) -> Any:
+    """``samples`` (a dataclass of tensors) with every tensor on ``device``."""
+    if isinstance(samples, torch.Tensor):
+        return samples.to(device)
+    if dataclasses.is_dataclass(samples) and not isinstance(samples, type):
+        changes = {f.name: to_device(getattr(samples, f.name), device) for f in dataclasses.fields(samples) if f.init}
+        return dataclasses.replace(samples, **changes)
+    return samples
+
+
+def task_class(name: str) -> type[Task]:
+    """The task class a ``--task`` value names: a built-in name or ``module:Class``."""
+    from .bandit import BanditTask
+    from .digits import DIGIT_TASKS
+    from .token_task import DigitsTask
+
+    if name == "bandit":
+        return BanditTask
+    if name in DIGIT_TASKS:
+        return DigitsTask
+    module_name, sep, qualname = name.partition(":")
+    if not sep:
+        raise ValueError(f"unknown task {name!r}: use bandit, {', '.join(DIGIT_TASKS)}, or module:Class")
+    obj: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    if not (isinstance(obj, type) and issubclass(obj, Task)):
+        raise TypeError(f"{name} must be a subclass of pipeline.task.Task")
+    return obj
+
+
+def load_task(config: Config) -> Task:
+    """The task of the run, built for this role."""
+    return task_class(config.task)(config)
+
+
+def resolve(config: Config) -> Config:
+    """``config`` with every hyper-parameter it leaves unset taken from its task's defaults."""
+    defaults = task_class(config.task).defaults
+    changes: dict[str, Any] = {
+        name: defaults[name] for name in ("lr", "clip", "kl_coeff") if getattr(config, name) is None
+    }
+    return dataclasses.replace(config, **changes) if changes else config

@@ -282,10 +282,9 @@ from pipeline import BanditTask, Generator, Scorer  # noqa: E402
 
 
 class WideBandit(BanditTask):
-    """A custom task by subclassing: six actions, a bigger group."""
+    """A custom task by subclassing: six actions."""
 
     action_dim = 6
-    group_size = 12
 
 
 class FailingScorer(Scorer):

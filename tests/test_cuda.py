@@ -158,7 +158,7 @@ async def test_a_gpus_mesh_gives_each_process_one_device(spawn):
 
 def test_the_pipeline_trains_on_the_gpu_over_cuda_ipc(tmp_path):
     run_dir = tmp_path / "run"
-    flags = ["--device", "cuda", "--transport", "cuda-ipc", "--steps", "200", "--quiet", "--run-dir", str(run_dir)]
+    flags = ["--device", "cuda", "--transport", "cuda-ipc", "--steps", "400", "--quiet", "--run-dir", str(run_dir)]
     out = subprocess.run(
         [sys.executable, "-m", "pipeline.grpo", *flags],
         capture_output=True,
@@ -166,5 +166,5 @@ def test_the_pipeline_trains_on_the_gpu_over_cuda_ipc(tmp_path):
         timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "done: 200 steps" in out.stdout
+    assert "target 0.99 reached" in out.stdout, out.stdout
     assert (run_dir / "metrics.jsonl").exists()

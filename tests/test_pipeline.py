@@ -19,22 +19,46 @@ from pipeline.checkpoint import load as load_checkpoint
 from pipeline.metrics import read_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: Keys every metrics.jsonl row has (docs/pipeline.md defines each).
 FIELDS = {
     "step",
     "time",
-    "reward_mean",
-    "score",
-    "loss",
-    "kl",
-    "version_lag",
-    "dropped_stale",
-    "trainer_queue",
-    "scorer_queue",
-    "ref_queue",
-    "weight_sync_ms",
     "version",
     "generator",
+    "reward/mean",
+    "reward/std",
+    "accuracy/train",
+    "score",
+    "actor/loss",
+    "actor/pg_loss",
+    "actor/kl",
+    "actor/clip_fraction",
+    "actor/entropy",
+    "actor/grad_norm",
+    "response_length/mean",
+    "tokens/step",
+    "staleness/lag",
+    "staleness/mean",
+    "staleness/max",
+    "staleness/dropped",
+    "timing/wait_batch_ms",
+    "timing/train_ms",
+    "timing/publish_ms",
+    "timing/delivery_ms",
+    "timing/install_ms",
+    "timing/weight_sync_ms",
+    "timing/wait_policy_ms",
+    "timing/generate_ms",
+    "perf/steps_per_s",
+    "perf/tokens_generated_per_s",
+    "perf/tokens_trained_per_s",
+    "perf/trainer_idle_ratio",
+    "perf/generator_idle_ratio",
+    "queue/trainer",
+    "queue/scorer",
+    "queue/ref",
 }
+BANDIT = "bandit"
 
 
 def cli(*args: str, **kwargs) -> subprocess.Popen[str]:  # type: ignore[no-untyped-def]
@@ -50,49 +74,59 @@ def cli(*args: str, **kwargs) -> subprocess.Popen[str]:  # type: ignore[no-untyp
     )
 
 
-def test_cli_run_writes_metrics_plot_and_checkpoint(tmp_path):
+def test_the_default_run_learns_the_digit_task_and_writes_its_outputs(tmp_path):
+    """``python -m pipeline.grpo`` as the README runs it: reverse 6 digits from ~0 to the 0.99 target."""
     run_dir = tmp_path / "run"
-    proc = cli("--steps", "80", "--run-dir", str(run_dir), "--quiet")
-    out, err = proc.communicate(timeout=120)
+    proc = cli("--run-dir", str(run_dir), "--quiet", "--steps", "400")
+    out, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, out + err
-    assert "done: 80 steps" in out
+    assert "target 0.99 reached" in out, out
     rows = read_rows(str(run_dir))
-    assert [r["step"] for r in rows] == list(range(1, 81))
-    assert all(FIELDS <= set(r) for r in rows)
-    assert rows[-1]["score"] is not None and rows[-1]["version"] == 80
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    assert all(FIELDS <= set(r) for r in rows), FIELDS - set(rows[-1])
+    evaluations = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
+    assert evaluations[0] < 0.2 and evaluations[-1] >= 0.99, evaluations
+    assert rows[0]["reward/mean"] < 0.3 < rows[-1]["reward/mean"]
+    assert all(r["tokens/step"] > 0 and 1 <= r["response_length/mean"] <= 8 for r in rows)
+    assert all(0 <= r["perf/trainer_idle_ratio"] <= 1 and 0 <= r["perf/generator_idle_ratio"] <= 1 for r in rows)
+    assert all(r["staleness/max"] <= 8 and r["actor/kl"] >= 0 for r in rows)
+    assert any(r["timing/delivery_ms"] is not None for r in rows), "generators report when updates reached them"
     assert (run_dir / "learning_curve.png").stat().st_size > 10_000
-    assert json.loads((run_dir / "config.json").read_text())["steps"] == 80
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert saved["task"] == "reverse" and saved["lr"] == 1e-3, "the task's defaults are recorded"
     state = load_checkpoint(str(run_dir))
-    assert state["step"] == 80 and state["version"] == 80
+    assert state["step"] == len(rows) and state["version"] == len(rows)
 
 
 async def test_sync_mode_is_on_policy(tmp_path, sockets_dir):
-    result = await run_pipeline(Config(steps=40, mode="sync", generators=2, run_dir=str(tmp_path)), quiet=True)
+    result = await run_pipeline(Config(steps=30, mode="sync", generators=2, run_dir=str(tmp_path)), quiet=True)
     rows = read_rows(str(tmp_path))
-    assert result.steps == 40 and len(rows) == 40
-    assert {r["version_lag"] for r in rows} == {0} and result.dropped == 0
+    assert result.steps == 30 and len(rows) == 30
+    assert {r["staleness/lag"] for r in rows} == {0} and result.dropped == 0
     assert {r["generator"] for r in rows} == {0, 1}, "sync mode takes turns over the generators"
 
 
 async def test_staleness_bound_is_enforced(tmp_path, sockets_dir):
-    config = Config(steps=60, generators=2, max_staleness=0, max_inflight=3, run_dir=str(tmp_path))
+    config = Config(steps=60, task=BANDIT, generators=2, max_staleness=0, max_inflight=3, run_dir=str(tmp_path))
     result = await run_pipeline(config, quiet=True)
     rows = read_rows(str(tmp_path))
-    assert all(r["version_lag"] <= 0 for r in rows), "no rollout older than the bound is trained on"
-    assert result.dropped > 0 and rows[-1]["dropped_stale"] == result.dropped
+    assert all(r["staleness/lag"] <= 0 for r in rows), "no rollout older than the bound is trained on"
+    assert result.dropped > 0 and rows[-1]["staleness/dropped"] == result.dropped
 
 
 async def test_resume_continues_steps_and_versions(tmp_path, sockets_dir):
-    config = Config(steps=30, run_dir=str(tmp_path), checkpoint_every=10)
+    config = Config(steps=20, run_dir=str(tmp_path), checkpoint_every=10)
     await run_pipeline(config, quiet=True)
     before = load_checkpoint(str(tmp_path))
-    config.steps = 50
+    config.steps = 30
     result = await run_pipeline(config, resume=True, quiet=True)
     rows = read_rows(str(tmp_path))
-    assert [r["step"] for r in rows] == list(range(1, 51))
-    assert rows[30]["version"] == before["version"] + 1, "versions continue monotonically"
-    assert result.steps == 50 and load_checkpoint(str(tmp_path))["version"] == 50
-    assert torch.equal(load_checkpoint(str(tmp_path))["ref"]["0.weight"], before["ref"]["0.weight"])
+    assert [r["step"] for r in rows] == list(range(1, 31))
+    assert rows[20]["version"] == before["version"] + 1, "versions continue monotonically"
+    assert result.steps == 30 and load_checkpoint(str(tmp_path))["version"] == 30
+    after = load_checkpoint(str(tmp_path))
+    assert torch.equal(after["ref"]["embed.weight"], before["ref"]["embed.weight"]), "the reference stays frozen"
+    assert not torch.equal(after["policy"]["embed.weight"], before["policy"]["embed.weight"])
 
 
 def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
@@ -102,23 +136,50 @@ def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
     assert proc.returncode == 1 and "no checkpoint" in err
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--task", "juggle"], "unknown task 'juggle'"),
+        (["--task", "support:Echo"], "must be a subclass of pipeline.task.Task"),
+        (["--task", "no_such_module:Task"], "No module named 'no_such_module'"),
+        (["--target-score", "high"], "'high' is not a number"),
+        (["--model", "huge"], "invalid choice: 'huge'"),
+    ],
+)
+def test_a_bad_task_flag_is_one_clear_usage_error(tmp_path, flags, message):
+    proc = cli(*flags, "--run-dir", str(tmp_path / "run"))
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and message in err and "Traceback" not in err, err
+
+
+def test_a_task_that_does_not_fit_the_model_fails_before_anything_starts(tmp_path):
+    before = actor_pids()
+    proc = cli("--digits", "12", "--task", "add", "--run-dir", str(tmp_path / "run"))
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and "does not fit model preset 'tiny'" in err and "Traceback" not in err, err
+    assert actor_pids() == before
+
+
 async def test_custom_task_by_subclassing(tmp_path, sockets_dir):
     config = Config(steps=30, task="support:WideBandit", run_dir=str(tmp_path))
     result = await run_pipeline(config, quiet=True)
-    assert result.steps == 30
+    assert result.steps == 30 and set(result.evaluation) == {"score"}
     state = load_checkpoint(str(tmp_path))
     assert state["policy"]["2.weight"].shape[0] == 6, "the policy was built by the custom task"
+    rows = read_rows(str(tmp_path))
+    assert rows[0]["accuracy/train"] is None, "a task without exact answers reports no accuracy"
 
 
 async def test_a_failing_role_stops_the_run_with_its_name(tmp_path, sockets_dir):
     started = time.monotonic()
+    config = Config(steps=500, task=BANDIT, run_dir=str(tmp_path))
     with pytest.raises(PipelineError, match="scorer exploded on purpose"):
-        await run_pipeline(Config(steps=500, run_dir=str(tmp_path)), quiet=True, roles=Roles(scorer=FailingScorer))
+        await run_pipeline(config, quiet=True, roles=Roles(scorer=FailingScorer))
     assert time.monotonic() - started < 30
 
 
 async def test_generator_hooks_run_in_the_worker_and_their_errors_propagate(tmp_path, sockets_dir):
-    config = Config(steps=500, run_dir=str(tmp_path), extra={"hook_limit": 15})
+    config = Config(steps=500, task=BANDIT, run_dir=str(tmp_path), extra={"hook_limit": 15})
     with pytest.raises(PipelineError, match=r"generator \d failed.*hook stopped generator"):
         await run_pipeline(config, quiet=True, roles=Roles(generator=HookedGenerator))
 
@@ -130,7 +191,7 @@ async def test_generator_hooks_run_in_the_worker_and_their_errors_propagate(tmp_
 )
 def test_ctrl_c_or_sigterm_stops_within_2s_and_leaves_a_checkpoint(tmp_path, sig, code, word):
     run_dir = tmp_path / "run"
-    proc = cli("--steps", "200000", "--run-dir", str(run_dir), "--quiet")
+    proc = cli("--task", "bandit", "--steps", "200000", "--run-dir", str(run_dir), "--quiet")
     try:
         metrics = run_dir / "metrics.jsonl"
         assert wait_for(lambda: metrics.exists() and metrics.stat().st_size > 5000, timeout=60)
@@ -153,7 +214,7 @@ def test_ctrl_c_or_sigterm_stops_within_2s_and_leaves_a_checkpoint(tmp_path, sig
 @pytest.mark.parametrize("role, title", [("trainer", "trainer"), ("scorer", "scorer"), ("ref", "reference model")])
 def test_kill_9_of_a_role_stops_the_run_naming_it(tmp_path, role, title):
     run_dir = tmp_path / "run"
-    proc = cli("--steps", "200000", "--run-dir", str(run_dir), "--quiet")
+    proc = cli("--task", "bandit", "--steps", "200000", "--run-dir", str(run_dir), "--quiet")
     try:
         assert wait_for(lambda: (run_dir / "checkpoint.pt").exists(), timeout=60)
         victim = next(pid for pid in actor_pids() if _title(pid).startswith(f"actors[{role}."))
@@ -199,7 +260,7 @@ async def _until(condition, timeout: float) -> None:  # type: ignore[no-untyped-
 
 async def test_a_killed_generator_is_restarted_with_the_newest_weights(tmp_path, sockets_dir, capfd):
     run_dir = str(tmp_path)
-    config = Config(steps=1200, generators=2, run_dir=run_dir)
+    config = Config(steps=1200, task=BANDIT, generators=2, run_dir=run_dir)
     run = asyncio.ensure_future(run_pipeline(config, quiet=True, roles=Roles(generator=ProbeGenerator)))
     await _until(lambda: (len(_first_rollouts(run_dir)) == 2 and checkpoint_step(run_dir) > 0) or run.done(), 60)
     assert not run.done(), run.exception()
@@ -219,7 +280,7 @@ async def test_a_killed_generator_is_restarted_with_the_newest_weights(tmp_path,
 
 async def test_a_generator_out_of_restarts_stops_the_run_naming_it(tmp_path, sockets_dir):
     run_dir = str(tmp_path)
-    config = Config(steps=100000, generators=2, run_dir=run_dir, generator_restarts=0)
+    config = Config(steps=100000, task=BANDIT, generators=2, run_dir=run_dir, generator_restarts=0)
     run = asyncio.ensure_future(run_pipeline(config, quiet=True, roles=Roles(generator=ProbeGenerator)))
     await _until(lambda: len(_first_rollouts(run_dir)) == 2 or run.done(), 60)
     victim = next(entry[1] for entry in _first_rollouts(run_dir) if entry[0] == 0)

@@ -67,4 +67,4 @@ async def test_generators_can_alias_the_shared_slots(tmp_path, sockets_dir):
     result = await run_pipeline(config, quiet=True)
     rows = read_rows(str(tmp_path))
     assert result.steps == 60 and len(rows) == 60
-    assert max(r["version_lag"] for r in rows) <= config.max_staleness
+    assert max(r["staleness/lag"] for r in rows) <= config.max_staleness

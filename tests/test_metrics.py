@@ -1,0 +1,133 @@
+"""What metrics.jsonl, the progress line, TensorBoard and the plot make of the trainer's step reports."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from pipeline import GeneratorTimes, StepReport
+from pipeline.metrics import WINDOW, MetricsLog, Progress, RateWindow, metric_row, plot, read_rows
+
+
+def report(step: int, **changes: object) -> StepReport:
+    values: dict[str, object] = {
+        "step": step,
+        "time": 0.5 * step,
+        "version": step,
+        "generator": step % 2,
+        "staleness": step % 3,
+        "dropped_stale": 0,
+        "reward_mean": 0.1 * step,
+        "reward_std": 0.2,
+        "accuracy": 0.05 * step,
+        "evaluation": {"accuracy": 0.5, "reward": 0.7} if step % 2 == 0 else None,
+        "score": 0.5,
+        "loss": 0.3,
+        "policy_loss": 0.25,
+        "kl": 0.01,
+        "clip_fraction": 0.1,
+        "entropy": 2.0,
+        "grad_norm": 1.5,
+        "response_length": 7.0,
+        "tokens": 100,
+        "tokens_received": 150 * step,
+        "wait_batch": 0.1,
+        "train": 0.3,
+        "publish": 0.002,
+        "generator_times": GeneratorTimes(cycle=1.0, wait=0.25, generate=0.7, install=0.001, delivery=0.004),
+        "trainer_queue": 1,
+        "scorer_queue": 0,
+        "ref_queue": 0,
+    }
+    values.update(changes)
+    return StepReport(**values)  # type: ignore[arg-type]
+
+
+def test_rates_and_ratios_cover_the_last_window_of_steps():
+    window = RateWindow()
+    first = window.add(report(1))
+    assert first["perf/steps_per_s"] == pytest.approx(2.0)  # one step in the 0.5 s since training started
+    assert first["perf/tokens_trained_per_s"] == pytest.approx(200.0)
+    assert first["perf/tokens_generated_per_s"] == pytest.approx(300.0)
+    assert first["perf/trainer_idle_ratio"] == pytest.approx(0.2)
+    assert first["perf/generator_idle_ratio"] == pytest.approx(0.25)
+    for step in range(2, WINDOW + 6):
+        latest = window.add(report(step))
+    # the window holds steps 6..25; the span runs from step 5's time (2.5 s) to step 25's (12.5 s)
+    assert latest["perf/steps_per_s"] == pytest.approx(WINDOW / 10.0)
+    assert latest["perf/tokens_generated_per_s"] == pytest.approx(150 * WINDOW / 10.0)
+    assert latest["staleness/max"] == 2.0
+    assert latest["staleness/mean"] == pytest.approx(sum(s % 3 for s in range(6, 26)) / WINDOW)
+
+
+def test_a_resumed_run_starts_its_window_again():
+    window = RateWindow()
+    for step in range(1, 30):
+        window.add(report(step))
+    resumed = window.add(report(30, time=0.5, tokens_received=150))
+    assert resumed["perf/steps_per_s"] == pytest.approx(2.0)
+
+
+def test_a_row_names_every_metric_the_way_rl_users_read_them():
+    row = metric_row(report(2), RateWindow().add(report(2)))
+    assert row["reward/mean"] == pytest.approx(0.2) and row["accuracy/train"] == pytest.approx(0.1)
+    assert row["eval/accuracy"] == 0.5 and row["eval/reward"] == 0.7
+    assert row["timing/weight_sync_ms"] == pytest.approx(3.0) and row["timing/delivery_ms"] == pytest.approx(4.0)
+    assert row["timing/wait_policy_ms"] == pytest.approx(250.0) and row["timing/generate_ms"] == pytest.approx(700.0)
+    assert "eval/accuracy" not in metric_row(report(3), {}), "held-out metrics only on evaluation steps"
+    assert json.loads(json.dumps(row)) == row
+
+
+def test_the_progress_line_shows_reward_accuracy_and_pace():
+    stream = io.StringIO()
+    progress = Progress(100, quiet=False, stream=stream)
+    progress.update(metric_row(report(4), RateWindow().add(report(4))), force=True)
+    line = stream.getvalue()
+    assert line.startswith("step     4/100  reward 0.400  acc 0.20  eval 0.500") and line.endswith("\n")
+    assert "steps/s" in line and "tok/s" in line and "idle trainer" in line
+    quiet = io.StringIO()
+    Progress(100, quiet=True, stream=quiet).update(metric_row(report(4), {}), force=True)
+    assert quiet.getvalue() == ""
+
+
+def test_the_log_writes_rows_and_the_plot(tmp_path):
+    log = MetricsLog(str(tmp_path), tensorboard=False)
+    for step in range(1, 41):
+        log.write(report(step))
+    log.close()
+    rows = read_rows(str(tmp_path))
+    assert [r["step"] for r in rows] == list(range(1, 41))
+    path = plot(str(tmp_path))
+    assert path is not None and (tmp_path / "learning_curve.png").stat().st_size > 10_000
+    assert plot(str(tmp_path / "empty")) is None
+
+
+def test_tensorboard_gets_every_scalar_when_installed(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log = MetricsLog(str(tmp_path))
+    for step in range(1, 6):
+        log.write(report(step))
+    log.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"reward/mean", "actor/kl", "perf/tokens_trained_per_s", "eval/accuracy"} <= tags
+    assert [e.step for e in events.Scalars("reward/mean")] == [1, 2, 3, 4, 5]
+
+
+def test_tensorboard_takes_at_most_ten_rows_a_second_but_every_evaluation(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log = MetricsLog(str(tmp_path))
+    for step in range(1, 101):  # 100 steps in 1 s of run time, evaluated every 25th
+        log.write(report(step, time=0.01 * step, evaluation={"accuracy": 0.5} if step % 25 == 0 else None))
+    log.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    steps = [e.step for e in events.Scalars("reward/mean")]
+    assert {25, 50, 75, 100} <= set(steps) and len(steps) <= 15, steps

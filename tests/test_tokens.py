@@ -1,0 +1,179 @@
+"""The token path of GRPO: the sampler, the verifier, the loss and its masking, and learning in one process."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pipeline import Config, DigitsTask, resolve, train_one_process
+from pipeline.digits import BOS, EOS, PAD, PLUS, SEP, DigitProblem, verify
+from pipeline.model import ModelConfig, TinyTransformer, _top_p, completion_logps, generate
+from pipeline.token_loss import group_advantages, token_grpo_loss
+
+
+def model(seed: int = 0) -> TinyTransformer:
+    torch.manual_seed(seed)
+    net = TinyTransformer(ModelConfig(d_model=32, n_layers=2, n_heads=4, d_ff=64, max_len=24))
+    with torch.no_grad():  # a sharper model than the initial one, so mistakes in caching would show
+        for p in net.parameters():
+            p.mul_(20.0)
+    return net.eval()
+
+
+def test_cached_decoding_gives_the_logits_of_a_full_forward_pass():
+    net = model().double()  # in float64 the two orders of summation agree to ~1e-12
+    tokens = torch.randint(0, 16, (3, 14), generator=torch.Generator().manual_seed(1))
+    full, _ = net(tokens)
+    logits, cache = net(tokens[:, :5])
+    stepwise = [logits]
+    for position in range(5, 14):
+        logits, cache = net(tokens[:, position : position + 1], cache, start=position)
+        stepwise.append(logits)
+    torch.testing.assert_close(torch.cat(stepwise, dim=1), full, rtol=1e-9, atol=1e-9)
+
+
+def test_sampled_logps_are_the_policy_logps_of_the_sampled_tokens():
+    net = model()
+    prompts = DigitProblem("reverse", 4).prompts(3, torch.Generator().manual_seed(0))
+    out = generate(net, prompts, samples=4, max_new_tokens=8, eos=EOS, pad=PAD, generator=torch.Generator())
+    assert out.tokens.shape[0] == 12 and out.logps.shape == out.mask.shape
+    recomputed, entropy = completion_logps(net, out.tokens, prompts.shape[1])
+    torch.testing.assert_close(recomputed * out.mask, out.logps, rtol=1e-4, atol=1e-4)
+    assert (entropy >= 0).all() and (entropy <= math.log(16) + 1e-4).all()
+
+
+def test_a_completion_ends_at_its_eos():
+    net = model()
+    prompts = DigitProblem("reverse", 4).prompts(8, torch.Generator().manual_seed(0))
+    out = generate(net, prompts, samples=8, max_new_tokens=8, eos=EOS, pad=PAD, generator=torch.Generator())
+    completion = out.tokens[:, prompts.shape[1] :]
+    for row, mask in zip(completion, out.mask, strict=True):
+        length = int(mask.sum())
+        assert mask[:length].all() and not mask[length:].any(), "the mask is a prefix"
+        ended = (row[:length] == EOS).nonzero()
+        if len(ended):
+            assert int(ended[0]) == length - 1, "the mask ends at the first EOS, EOS included"
+            assert (row[length:] == PAD).all()
+    assert (out.logps[out.mask == 0] == 0).all()
+
+
+def test_greedy_decoding_is_deterministic_and_top_p_keeps_the_smallest_sufficient_set():
+    net = model()
+    prompts = DigitProblem("sort", 3).prompts(4, torch.Generator().manual_seed(0))
+    first = generate(net, prompts, samples=2, max_new_tokens=5, eos=EOS, pad=PAD, temperature=0.0)
+    again = generate(net, prompts, samples=2, max_new_tokens=5, eos=EOS, pad=PAD, temperature=0.0)
+    assert torch.equal(first.tokens, again.tokens)
+    logits = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.2)]])
+    assert torch.isinf(_top_p(logits, 0.4)).tolist() == [[False, True, True]]
+    assert torch.isinf(_top_p(logits, 0.7)).tolist() == [[False, False, True]]
+    assert not torch.isinf(_top_p(logits, 1.0)).any()
+
+
+def test_generation_refuses_to_run_past_the_model_length():
+    with pytest.raises(ValueError, match="exceed max_len"):
+        generate(model(), torch.zeros(1, 20, dtype=torch.int64), samples=1, max_new_tokens=8, eos=EOS, pad=PAD)
+
+
+def test_the_problems_answers():
+    prompt = torch.tensor([[BOS, 3, 1, 2, SEP]])
+    assert DigitProblem("reverse", 3).answers(prompt).tolist() == [[2, 1, 3]]
+    assert DigitProblem("sort", 3).answers(prompt).tolist() == [[1, 2, 3]]
+    add = DigitProblem("add", 2)
+    assert add.answers(torch.tensor([[BOS, 4, 5, PLUS, 6, 7, SEP]])).tolist() == [[1, 1, 2]]
+    drawn = add.prompts(50, torch.Generator().manual_seed(0))
+    assert drawn.shape == (50, add.prompt_length) and (drawn[:, 3] == PLUS).all()
+    with pytest.raises(ValueError, match="unknown digit task"):
+        DigitProblem("juggle", 3)
+
+
+def test_held_out_prompts_never_appear_in_training():
+    problem = DigitProblem("reverse", 2)  # 100 possible inputs: collisions would be certain
+    held_out = {problem.key(p) for p in problem.prompts(30, torch.Generator().manual_seed(1))}
+    drawn = problem.prompts(500, torch.Generator().manual_seed(2), exclude=held_out)
+    assert not {problem.key(p) for p in drawn} & held_out
+
+
+@pytest.mark.parametrize(
+    "completion, reward, exact",
+    [
+        ([2, 1, 3, EOS], 1.0, 1.0),  # right, and stops in the right place
+        ([2, 1, 9, EOS], 0.75, 0.0),  # one wrong digit
+        ([2, 1, 3, 3, EOS], 0.75, 0.0),  # right digits, but does not stop
+        ([2, EOS], 0.25, 0.0),  # stops early: only the first digit counts
+        ([EOS], 0.0, 0.0),
+        ([1, 2, 3, EOS], 0.5, 0.0),  # 2nd digit and EOS right
+    ],
+)
+def test_the_verifier_gives_partial_credit_per_position(completion, reward, exact):
+    width = 6
+    padded = completion + [PAD] * (width - len(completion))
+    mask = [1.0] * len(completion) + [0.0] * (width - len(completion))
+    verdict = verify(torch.tensor([padded]), torch.tensor([mask]), torch.tensor([[2, 1, 3]]))
+    assert verdict.rewards.tolist() == [pytest.approx(reward)]
+    assert verdict.exact.tolist() == [exact]
+    assert verdict.lengths.tolist() == [len(completion)]
+
+
+def test_a_truncated_completion_is_scored_on_what_it_has():
+    verdict = verify(torch.tensor([[2, 1]]), torch.tensor([[1.0, 1.0]]), torch.tensor([[2, 1, 3]]))
+    assert verdict.rewards.tolist() == [0.5] and verdict.exact.tolist() == [0.0]
+
+
+def test_advantages_are_normalised_within_each_group():
+    advantages = group_advantages(torch.tensor([1.0, 0.0, 5.0, 5.0]), group=2)
+    torch.testing.assert_close(advantages, torch.tensor([1.0, -1.0, 0.0, 0.0]), atol=1e-5, rtol=0)
+
+
+def test_the_loss_on_a_hand_computed_case():
+    # Two completions of one prompt; the second is one token long (mask).
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    advantages = torch.tensor([1.0, -1.0])
+    behaviour = torch.tensor([[-1.0, -1.0], [-1.0, 0.0]])
+    logps = torch.tensor([[-0.5, -1.0], [-1.5, -7.0]])  # ratios e^0.5, 1, e^-0.5 (the last is masked)
+    ref = torch.tensor([[-1.0, -1.0], [-1.0, -3.0]])
+    out = token_grpo_loss(logps, behaviour, ref, mask, advantages, clip=0.2, kl_coeff=0.1)
+    # policy: token 1: -min(1.6487*1, 1.2*1) = -1.2 (clipped); token 2: -1; token 3 (A=-1, ratio 0.6065):
+    # -min(-0.6065, -0.8) = 0.8 (clipped). Mean over the 3 real tokens.
+    policy = (-1.2 - 1.0 + 0.8) / 3
+    # k3 with d = ref - logp: d = -0.5, 0, 0.5
+    kl = ((math.exp(-0.5) + 0.5 - 1) + 0 + (math.exp(0.5) - 0.5 - 1)) / 3
+    assert out.policy_loss == pytest.approx(policy, abs=1e-5)
+    assert out.kl == pytest.approx(kl, abs=1e-5)
+    assert float(out.loss) == pytest.approx(policy + 0.1 * kl, abs=1e-5)
+    assert out.clip_fraction == pytest.approx(2 / 3)
+
+
+def test_masked_positions_carry_no_gradient():
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    logps = torch.tensor([[-0.3, -0.2, -5.0]], requires_grad=True)
+    out = token_grpo_loss(
+        logps, logps.detach() - 0.1, torch.full((1, 3), -1.0), mask, torch.tensor([1.0]), clip=0.2, kl_coeff=0.5
+    )
+    out.loss.backward()  # type: ignore[no-untyped-call]
+    assert logps.grad is not None
+    assert logps.grad[0, 2] == 0 and (logps.grad[0, :2] != 0).all()
+
+
+def test_tokens_after_eos_do_not_change_the_loss():
+    config = resolve(Config(digits=3))
+    task = DigitsTask(config)
+    net = task.build_policy()
+    batch = task.sample(net, torch.Generator().manual_seed(0))
+    rewards = task.score(None, batch).rewards
+    ref = task.reference_logps(net, batch)
+    before = float(task.loss(net, batch, rewards, ref).loss.detach())
+    prompt = batch.prompts.shape[1]
+    garbled = batch.tokens.clone()
+    assert (batch.mask == 0).any(), "some completions ended before max_new_tokens"
+    garbled[:, prompt:][batch.mask == 0] = 7
+    batch.tokens = garbled
+    assert float(task.loss(net, batch, rewards, ref).loss.detach()) == pytest.approx(before, abs=1e-6)
+
+
+def test_a_short_run_in_one_process_learns_to_reverse_three_digits():
+    result = train_one_process(Config(digits=3, steps=300, target_score=0.9, eval_every=10))
+    first = result.curve[0][1]
+    assert first < 0.1, result.curve
+    assert result.seconds_to_target is not None and result.score >= 0.9, result.curve
