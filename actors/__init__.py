@@ -7,10 +7,17 @@ its own process. ``this_host().spawn_procs(...)`` starts processes,
 :class:`Port` channels carry streams between actors. :mod:`actors.weights`
 moves model weights between processes as versioned manifests over shared
 memory or CUDA IPC.
+
+Programs written for Monarch's ``monarch.actor`` run with only their imports
+changed; ``docs/monarch.md`` lists Monarch's API name by name, with every
+difference and its reason.
 """
 
-from ._actor import Actor, Endpoint, current_rank, current_size, endpoint
+from ._accumulator import Accumulator
+from ._actor import Actor, Endpoint, concurrent_endpoint, endpoint
 from ._actor_mesh import ActorMesh, MeshEndpoint, Selection, send
+from ._context import Context, Instance, context, current_actor_name, current_rank, current_size
+from ._controllers import get_or_spawn_controller
 from ._errors import (
     ActorDied,
     ActorError,
@@ -22,6 +29,7 @@ from ._errors import (
     DecodeError,
     EncodeError,
     LifecycleError,
+    MainLoadingError,
     ManifestError,
     PortClosed,
     PublisherDied,
@@ -33,11 +41,12 @@ from ._errors import (
     WeightSyncError,
 )
 from ._future import Future
-from ._host_mesh import HostMesh, this_host
+from ._host_mesh import HostMesh, attach_to_workers, this_host, this_proc
 from ._port import Channel, Port, PortReceiver
 from ._proc_mesh import ProcMesh
+from ._response_port import ResponsePort
 from ._restart import RestartMode, RestartPolicy
-from ._supervision import Failure, add_failure_handler, remove_failure_handler, unhandled_fault_hook
+from ._supervision import Failure, MeshFailure, add_failure_handler, remove_failure_handler, unhandled_fault_hook
 from ._value_mesh import Point, ValueMesh
 from .weights import (
     ReceivesWeights,
@@ -49,6 +58,7 @@ from .weights import (
 )
 
 __all__ = [
+    "Accumulator",
     "Actor",
     "ActorDied",
     "ActorError",
@@ -59,15 +69,19 @@ __all__ = [
     "Channel",
     "ChecksumError",
     "CodecError",
+    "Context",
     "DecodeError",
     "EncodeError",
     "Endpoint",
     "Failure",
     "Future",
     "HostMesh",
+    "Instance",
     "LifecycleError",
+    "MainLoadingError",
     "ManifestError",
     "MeshEndpoint",
+    "MeshFailure",
     "Point",
     "Port",
     "PortClosed",
@@ -75,6 +89,7 @@ __all__ = [
     "ProcMesh",
     "PublisherDied",
     "ReceivesWeights",
+    "ResponsePort",
     "RestartMode",
     "RestartPolicy",
     "Selection",
@@ -90,12 +105,18 @@ __all__ = [
     "WeightPublisher",
     "WeightSyncError",
     "add_failure_handler",
+    "attach_to_workers",
     "available_transports",
+    "concurrent_endpoint",
+    "context",
+    "current_actor_name",
     "current_rank",
     "current_size",
     "endpoint",
+    "get_or_spawn_controller",
     "remove_failure_handler",
     "send",
     "this_host",
+    "this_proc",
     "unhandled_fault_hook",
 ]

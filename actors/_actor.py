@@ -16,13 +16,10 @@ bound method.)
 
 from __future__ import annotations
 
-import contextvars
 import inspect
 import types
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Generic, Literal, ParamSpec, Protocol, TypeVar, overload
-
-from ._value_mesh import Point
 
 if TYPE_CHECKING:
     from typing import Concatenate
@@ -31,9 +28,10 @@ if TYPE_CHECKING:
 
     from ._actor_mesh import MeshEndpoint
     from ._future import Future
+    from ._port import Port
     from ._supervision import Failure
 
-__all__ = ["Actor", "Endpoint", "current_rank", "current_size", "endpoint"]
+__all__ = ["Actor", "Endpoint", "check_actor_class", "concurrent_endpoint", "endpoint"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -67,7 +65,14 @@ class Actor:
 class Endpoint(Generic[P, R]):
     """A method marked with ``@endpoint``: callable remotely through a mesh."""
 
-    def __init__(self, fn: Callable[..., Any], timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        timeout: float | None = None,
+        *,
+        explicit_response_port: bool = False,
+        concurrent: bool = False,
+    ) -> None:
         if not callable(fn):
             raise TypeError("@endpoint decorates a method")
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
@@ -77,6 +82,12 @@ class Endpoint(Generic[P, R]):
         self.timeout = None if timeout is None else float(timeout)
         self.name = fn.__name__
         self.is_async = inspect.iscoroutinefunction(fn)
+        #: The method takes the caller's reply port as its first argument and answers through it.
+        self.explicit_response_port = bool(explicit_response_port)
+        #: Declared with ``@concurrent_endpoint`` (every async endpoint runs concurrently here).
+        self.concurrent = concurrent
+        if concurrent and not self.is_async:
+            raise ValueError(f"@concurrent_endpoint needs an async method; {self.name} is a plain def")
         self.__doc__ = fn.__doc__
         self.__wrapped__ = fn
 
@@ -102,6 +113,34 @@ class _EndpointDecorator(Protocol):
     def __call__(self, fn: Callable[Concatenate[Any, P], R_co]) -> Endpoint[P, R_co]: ...
 
 
+class _PortEndpointDecorator(Protocol):
+    """``@endpoint(explicit_response_port=True)``: the method's first argument is the reply port."""
+
+    def __call__(self, fn: Callable[Concatenate[Any, Port[R_co], P], object]) -> Endpoint[P, R_co]: ...
+
+
+_OPTIONS = frozenset({"propagate", "explicit_response_port", "timeout", "instrument"})
+
+
+def _make(fn: Any, options: dict[str, Any], concurrent: bool) -> Any:
+    unknown = set(options) - _OPTIONS
+    if unknown:
+        raise TypeError(f"unknown endpoint option(s): {', '.join(sorted(unknown))}")
+    timeout = options.get("timeout")
+    port = bool(options.get("explicit_response_port"))
+
+    def make(f: Any) -> Endpoint[Any, Any]:
+        if isinstance(f, Endpoint):
+            raise ValueError(
+                "concurrent_endpoint does not wrap @endpoint; pass endpoint options to @concurrent_endpoint"
+                if concurrent
+                else f"{f.name} is already an endpoint"
+            )
+        return Endpoint(f, timeout, explicit_response_port=port, concurrent=concurrent)
+
+    return make if fn is None else make(fn)
+
+
 @overload
 def endpoint(fn: Callable[Concatenate[Any, P], Awaitable[R]]) -> Endpoint[P, R]: ...
 @overload
@@ -112,23 +151,59 @@ def endpoint(
     *,
     timeout: float | None = None,
     propagate: Any = None,
+    instrument: bool = True,
     explicit_response_port: Literal[False] = False,
 ) -> _EndpointDecorator: ...
+@overload
+def endpoint(
+    fn: None = None,
+    *,
+    timeout: float | None = None,
+    propagate: Any = None,
+    instrument: bool = True,
+    explicit_response_port: Literal[True],
+) -> _PortEndpointDecorator: ...
 def endpoint(fn: Any = None, **options: Any) -> Any:
     """Mark an actor method as an endpoint (``@endpoint`` or ``@endpoint(...)``).
 
     ``@endpoint(timeout=seconds)`` gives every call to it a deadline: a caller
     waiting longer gets :class:`CallTimeout` (see ``MeshEndpoint.with_timeout``).
+    ``@endpoint(explicit_response_port=True)`` passes the caller's reply port
+    as the first argument: the method answers with ``port.send(value)`` or
+    ``port.exception(exc)``, now or later (see :class:`~actors.ResponsePort`).
+    ``propagate`` and ``instrument`` are accepted for Monarch compatibility
+    and have no effect.
     """
-    unknown = set(options) - {"propagate", "explicit_response_port", "timeout"}
-    if unknown:
-        raise TypeError(f"unknown endpoint option(s): {', '.join(sorted(unknown))}")
-    if options.get("explicit_response_port"):
-        raise NotImplementedError("explicit_response_port endpoints are not supported")
-    timeout = options.get("timeout")
-    if fn is None:
-        return lambda f: Endpoint(f, timeout)
-    return Endpoint(fn, timeout)
+    return _make(fn, options, concurrent=False)
+
+
+@overload
+def concurrent_endpoint(fn: Callable[Concatenate[Any, P], Awaitable[R]]) -> Endpoint[P, R]: ...
+@overload
+def concurrent_endpoint(
+    fn: None = None,
+    *,
+    timeout: float | None = None,
+    propagate: Any = None,
+    instrument: bool = True,
+    explicit_response_port: Literal[False] = False,
+) -> _EndpointDecorator: ...
+@overload
+def concurrent_endpoint(
+    fn: None = None,
+    *,
+    timeout: float | None = None,
+    propagate: Any = None,
+    instrument: bool = True,
+    explicit_response_port: Literal[True],
+) -> _PortEndpointDecorator: ...
+def concurrent_endpoint(fn: Any = None, **options: Any) -> Any:
+    """An async endpoint whose calls run as concurrent tasks (Monarch's opt-in; here every async endpoint does).
+
+    Takes ``@endpoint``'s options; refuses to wrap an ``@endpoint`` and a
+    plain ``def`` with ``ValueError``, as Monarch does.
+    """
+    return _make(fn, options, concurrent=True)
 
 
 def endpoints_of(cls: type) -> dict[str, Endpoint[Any, Any]]:
@@ -143,29 +218,33 @@ def endpoints_of(cls: type) -> dict[str, Endpoint[Any, Any]]:
     return found
 
 
-class ActorContext:
-    """Where the running code is: which actor, which rank, in which mesh shape."""
-
-    __slots__ = ("extent", "name", "rank")
-
-    def __init__(self, name: str, rank: int, extent: dict[str, int]) -> None:
-        self.name = name
-        self.rank = rank
-        self.extent = extent
+def _overridden(cls: type, name: str) -> Callable[..., Any] | None:
+    """``cls``'s ``name`` hook if a subclass defines it (None when only :class:`Actor`'s default is there)."""
+    hook = getattr(cls, name, None)
+    return None if hook is None or hook is getattr(Actor, name, None) else hook
 
 
-_context: contextvars.ContextVar[ActorContext | None] = contextvars.ContextVar("actors_context", default=None)
+def check_actor_class(cls: type) -> None:
+    """Refuse (``ValueError``) a class whose endpoints and hooks mix sync and async code, as Monarch does.
 
-
-def current_rank() -> Point:
-    """The rank of the actor whose code is running (rank 0 in the controller)."""
-    ctx = _context.get()
-    if ctx is None:
-        return Point(0, {"procs": 1})
-    return Point(ctx.rank, ctx.extent)
-
-
-def current_size() -> dict[str, int]:
-    """The extent of the mesh of the running actor (``{}`` in the controller)."""
-    ctx = _context.get()
-    return dict(ctx.extent) if ctx is not None else {}
+    An actor with only plain ``def`` endpoints is *synchronous*: its calls
+    run one at a time on the actor's own thread, so an ``async`` endpoint,
+    ``__cleanup__`` or ``__supervise__`` beside them would have no loop to
+    run on. An async actor's ``__cleanup__`` must be async too.
+    """
+    eps = endpoints_of(cls)
+    sync = sorted(name for name, ep in eps.items() if not ep.is_async)
+    asynchronous = sorted(name for name, ep in eps.items() if ep.is_async)
+    if sync and asynchronous:
+        raise ValueError(
+            f"{cls.__qualname__} mixes both async and sync endpoints (sync: {sync}, async: {asynchronous}); "
+            "make them all `def` (run one at a time on the actor's thread) or all `async def`"
+        )
+    cleanup = _overridden(cls, "__cleanup__")
+    supervise = _overridden(cls, "__supervise__")
+    if sync and cleanup is not None and inspect.iscoroutinefunction(cleanup):
+        raise ValueError(f"{cls.__qualname__} has sync endpoints but an async __cleanup__; make it a plain def")
+    if asynchronous and cleanup is not None and not inspect.iscoroutinefunction(cleanup):
+        raise ValueError(f"{cls.__qualname__} has async endpoints but a synchronous __cleanup__; make it async")
+    if sync and supervise is not None and inspect.iscoroutinefunction(supervise):
+        raise ValueError(f"{cls.__qualname__} has sync endpoints but an async __supervise__; make it a plain def")

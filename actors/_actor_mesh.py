@@ -9,17 +9,18 @@ works there.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Generic, Literal, ParamSpec, TypeVar
 
 from ._actor import Actor
 from ._calls import PendingCall
 from ._codec import register_handle
-from ._errors import DecodeError
+from ._errors import DecodeError, SupervisionError
 from ._future import Future
 from ._invoke import encode_arguments, pending_future, send_call
 from ._liveness import ProcRef
 from ._runtime import runtime
-from ._value_mesh import ValueMesh, coordinates
+from ._value_mesh import ValueMesh, flattened, select
 from ._wire import PROCESS_ACTOR
 
 if TYPE_CHECKING:
@@ -102,6 +103,18 @@ class MeshEndpoint(Generic[P, R]):
             runtime(), pending, lambda results: results[rank], f"{self._mesh._name}.{self._name}.{how}()"
         )
 
+    def stream(self, *args: P.args, **kwargs: P.kwargs) -> Iterator[Future[R]]:
+        """Invoke on every actor now; yields one future per actor (in rank order) to await as wanted."""
+        futures = [self._one(target, args, kwargs, "stream") for target in self._mesh._targets()]
+        return iter(futures)
+
+    def rref(self, *args: Any, **kwargs: Any) -> Any:
+        """Monarch's tensor-engine remote reference: not offered (there is no tensor engine here)."""
+        raise NotImplementedError(
+            f"{self!r}.rref() needs Monarch's tensor engine, which actors does not have; "
+            "use call()/call_one() and move tensors as results or through actors.weights"
+        )
+
     def broadcast(self, *args: P.args, **kwargs: P.kwargs) -> None:
         """Invoke on every actor without waiting for (or receiving) results."""
         _send_now(self, self._mesh._targets(), args, kwargs, None)
@@ -150,6 +163,15 @@ def send(
     _send_now(endpoint, targets, tuple(args), dict(kwargs or {}), port)
 
 
+class _Life:
+    """Whether the actors behind a mesh handle (and all its slices) were stopped through it."""
+
+    __slots__ = ("stopped",)
+
+    def __init__(self) -> None:
+        self.stopped = False
+
+
 class ActorMesh(Generic[A]):
     """Handles to the actors of one ``spawn``; copy it freely into other actors."""
 
@@ -169,6 +191,8 @@ class ActorMesh(Generic[A]):
         self._extent = extent
         self._targets_list = targets
         self._next = itertools.count()
+        self._life = _Life()  # shared with every slice of this mesh
+        self._spawn_call: PendingCall | None = None  # where this mesh was spawned: its constructors' answers
 
     def __getattr__(self, name: str) -> MeshEndpoint[Any, Any]:
         endpoints = self.__dict__.get("_endpoints", {})
@@ -189,7 +213,20 @@ class ActorMesh(Generic[A]):
     def size(self) -> int:
         return len(self._targets_list)
 
+    @property
+    def initialized(self) -> Future[None]:
+        """Resolves once every actor is constructed (raises :class:`SpawnError` if one failed).
+
+        On a mesh received from another process it resolves at once.
+        """
+        pending = self._spawn_call
+        if pending is None:
+            return Future.ready(None)
+        return pending_future(runtime(), pending, lambda results: None, f"{self._name}.initialized")
+
     def _targets(self) -> list[tuple[int, ProcRef]]:
+        if self._life.stopped:
+            raise SupervisionError(f"actor mesh {self._name!r} was stopped; it takes no more messages")
         proc_mesh = self._proc_mesh
         if proc_mesh is not None and proc_mesh.fault is not None:
             raise proc_mesh.fault
@@ -207,33 +244,25 @@ class ActorMesh(Generic[A]):
 
     def slice(self, **coords: int | slice) -> ActorMesh[A]:
         """The sub-mesh at ``coords`` (an index drops a dimension, a slice keeps it)."""
-        unknown = set(coords) - set(self._extent)
-        if unknown:
-            raise KeyError(f"unknown dimension(s) {sorted(unknown)}; mesh has {list(self._extent)}")
-        keep: list[tuple[int, ProcRef]] = []
-        extent: dict[str, int] = {}
-        ranges = {}
-        for dim, size in self._extent.items():
-            sel = coords.get(dim, slice(None))
-            if isinstance(sel, int):
-                if not -size <= sel < size:
-                    raise IndexError(f"{dim}={sel} is outside a dimension of size {size}")
-                ranges[dim] = [sel % size]
-            else:
-                ranges[dim] = list(range(size))[sel]
-                extent[dim] = len(ranges[dim])
-        for index, target in enumerate(self._targets_list):
-            point = coordinates(index, self._extent)
-            if all(point[dim] in ranges[dim] for dim in self._extent):
-                keep.append(target)
-        return ActorMesh(
-            self._name, self._class_ref, self._endpoints, extent or {"procs": len(keep)}, keep, self._proc_mesh
-        )
+        ranks, extent = select(self._extent, coords)
+        keep = [self._targets_list[r] for r in ranks]
+        return self._view(extent or {"procs": len(keep)}, keep)
+
+    def flatten(self, dim: str) -> ActorMesh[A]:
+        """The same actors along one dimension named ``dim``."""
+        return self._view(flattened(self._extent, dim), list(self._targets_list))
+
+    def _view(self, extent: dict[str, int], targets: list[tuple[int, ProcRef]]) -> ActorMesh[A]:
+        view: ActorMesh[A] = ActorMesh(self._name, self._class_ref, self._endpoints, extent, targets, self._proc_mesh)
+        view._life = self._life
+        view._spawn_call = self._spawn_call
+        return view
 
     def stop(self) -> Future[None]:
         """Run ``__cleanup__`` on these actors and remove them (their processes stay)."""
         rt = runtime()
         alive = [t for t in self._targets_list if not t[1].dead]
+        self._life.stopped = True
 
         def stop() -> PendingCall | None:
             encoded = encode_arguments(rt, (self._name,), {})

@@ -128,6 +128,13 @@ class Encoder:
             return float(obj)
         if isinstance(obj, str):
             return str(obj)
+        if callable(obj) and not isinstance(obj, type):
+            raise EncodeError(
+                f"cannot send the function {getattr(obj, '__qualname__', obj)!r}: code does not travel, because "
+                "that would need pickle, which actors never runs on received bytes (it executes arbitrary code). "
+                "Send data instead: define the behaviour as an endpoint of the receiving actor and send its "
+                "arguments, or send a name the receiver looks up in a table of functions it already has"
+            )
         raise EncodeError(
             f"cannot send a value of type {cls.__module__}.{cls.__qualname__}: "
             "use plain values, tensors, dataclasses, ports or actor meshes"

@@ -8,13 +8,18 @@ Every error the runtime raises on purpose derives from :class:`ActorsError`::
     │   └── SpawnError      the actor could not be constructed (class not found, __init__ raised)
     ├── ActorDied           the process hosting the actor is gone (killed, crashed, stopped)
     ├── SupervisionError    an actor of a mesh failed and no supervisor handled it: later
-    │                       calls to that mesh raise it; carries the ``Failure``
+    │                       calls to that mesh raise it; carries the ``Failure``; also a call
+    │                       to a stopped actor, and one whose explicit response port was
+    │                       abandoned by an exception (as in Monarch)
     ├── CallTimeout         a call's deadline or a wait's timeout passed (also a
     │                       ``TimeoutError``); the actor is alive but busy or blocked
     ├── PortClosed          a port cannot deliver: its receiver is gone, a once-port was
     │                       already used, or every sender of a receiver has died
     ├── BufferFull          a bounded send buffer is full (a port's backlog, a peer's queue):
     │                       the receiver is not keeping up; ``await port.drain()`` paces a sender
+    ├── MainLoadingError    the runtime was used while an actor process loaded the launching
+    │                       script's definitions (that top-level statement is skipped there;
+    │                       also a ``RuntimeError``)
     ├── CodecError          a value could not cross the wire
     │   ├── EncodeError     the sender tried to send something the codec refuses
     │   │                   (also a ``TypeError``)
@@ -49,6 +54,7 @@ __all__ = [
     "DecodeError",
     "EncodeError",
     "LifecycleError",
+    "MainLoadingError",
     "ManifestError",
     "PortClosed",
     "PublisherDied",
@@ -131,6 +137,10 @@ class SupervisionError(ActorsError):
     def __init__(self, message: str, failure: object = None) -> None:
         self.failure = failure
         super().__init__(message)
+
+
+class MainLoadingError(ActorsError, RuntimeError):
+    """The runtime was used while an actor process loaded the launching script's definitions."""
 
 
 class CallTimeout(ActorsError, TimeoutError):

@@ -28,7 +28,16 @@ from ._errors import BufferFull, PortClosed
 from ._outbox import Outbox
 from ._transport import Link
 
-__all__ = ["BACKLOG", "BACKLOG_BYTES", "CREDIT_BYTES", "CREDIT_MESSAGES", "WINDOW", "WINDOW_BYTES", "SenderWindows", "Window"]
+__all__ = [
+    "BACKLOG",
+    "BACKLOG_BYTES",
+    "CREDIT_BYTES",
+    "CREDIT_MESSAGES",
+    "WINDOW",
+    "WINDOW_BYTES",
+    "SenderWindows",
+    "Window",
+]
 
 #: Records and bytes one sending process may have in flight to one port.
 WINDOW = 4096
@@ -84,7 +93,6 @@ class SenderWindows:
         """Records sent to the port and not yet credited back."""
         window = self._windows.get((address, port_id))
         return 0 if window is None else window.inflight
-
 
     def window(self, link: Link, port_id: int) -> Window:
         """The flow state of ``port_id`` at ``link``'s peer (created on first use)."""

@@ -15,6 +15,7 @@ from ._errors import CallTimeout
 from ._runtime import runtime
 
 R = TypeVar("R")
+T = TypeVar("T")
 
 __all__ = ["Future"]
 
@@ -34,6 +35,23 @@ class Future(Generic[R]):
         self._done = False
         self._value: Any = None
         self._error: BaseException | None = None
+
+    @classmethod
+    def ready(cls, value: R) -> Future[R]:
+        """A future that already holds ``value``."""
+
+        async def make() -> R:
+            return value
+
+        return cls(make, lambda _timeout: value)
+
+    def then(self, fn: Callable[[R], T]) -> Future[T]:
+        """A future of ``fn(result)``, awaitable or ``get()``-able like this one."""
+
+        async def make() -> T:
+            return fn(await self)
+
+        return Future(make, lambda timeout: fn(self.get(timeout)))
 
     def __await__(self) -> Generator[Any, None, R]:
         return self._run().__await__()

@@ -12,13 +12,13 @@ from ._config import WorkerConfig
 from ._devices import GPU_DIM, gpu_env, visible_gpus
 from ._forkserver import forkserver, prefork
 from ._liveness import ProcRef
+from ._main_loader import loading_main
 from ._proc_mesh import ProcMesh
 from ._restart import RestartMode, RestartPolicy
 from ._runtime import current_runtime, runtime
 from ._session import inbox_address
-from ._worker import loading_main
 
-__all__ = ["HostMesh", "this_host"]
+__all__ = ["HostMesh", "attach_to_workers", "this_host", "this_proc"]
 
 
 def _main_module() -> list[str] | None:
@@ -111,3 +111,28 @@ class HostMesh:
 def this_host() -> HostMesh:
     """The host this program runs on."""
     return HostMesh()
+
+
+def this_proc() -> ProcMesh:
+    """The process this code runs in, as a proc mesh of one: ``this_proc().spawn(...)`` places actors here.
+
+    Inside an actor it is the actor's own process. In the controller it is
+    a companion process started on first use (and stopped with the
+    controller): actors never run on the caller's own event loop, which
+    they could block (Monarch places them in the client process itself).
+    """
+    rt = runtime()
+    if rt.server is not None:
+        return ProcMesh("this_proc", {"procs": 1}, [rt.registry.proc(rt.address, rt.pid)], owned=False)
+    local = rt.local_proc
+    if local is None or local._stopping:
+        local = rt.local_proc = this_host().spawn_procs({"procs": 1}, name="this_proc")
+    return local  # type: ignore[no-any-return]
+
+
+def attach_to_workers(*args: object, **kwargs: object) -> HostMesh:
+    """Monarch's attach to worker hosts started elsewhere: not offered (processes here start on this host)."""
+    raise NotImplementedError(
+        "attach_to_workers() joins hosts already running Monarch workers; actors starts its processes itself "
+        "and spans one host today (multi-host placement through Ray is planned as actors.ray)"
+    )

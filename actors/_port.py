@@ -188,7 +188,11 @@ class Port(Generic[T]):
             assert route.ref is not None
             rt.note_handles(enc.handles, route.ref)
         # SenderWindows.send, inlined: this runs once per message.
-        if not window.backlog and window.inflight < WINDOW and (window.inflight_bytes < WINDOW_BYTES or not window.inflight):
+        if (
+            not window.backlog
+            and window.inflight < WINDOW
+            and (window.inflight_bytes < WINDOW_BYTES or not window.inflight)
+        ):
             window.inflight += 1
             window.inflight_bytes += size
             rt.outbox.post(window.link, data, frames, False)

@@ -8,20 +8,22 @@ the supervisors (:mod:`actors._supervision`).
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
+import logging
 import os
 import signal
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from . import _refs
-from ._actor import Actor, _context, endpoints_of
+from ._actor import Actor, check_actor_class, endpoints_of
 from ._actor_mesh import ActorMesh
 from ._calls import PendingCall
-from ._errors import ActorDied, CallTimeout, SupervisionError
+from ._codec import register_handle
+from ._context import _context
+from ._errors import ActorDied, CallTimeout, DecodeError, SupervisionError
 from ._future import Future
-from ._invoke import encode_arguments, send_call
+from ._invoke import encode_arguments, pending_future, send_call
 from ._liveness import ProcRef
 from ._restart import RestartBudget, RestartPolicy
 from ._runtime import Runtime, runtime
@@ -45,6 +47,8 @@ class ProcMesh:
         procs: list[ProcRef],
         restart: RestartPolicy | None = None,
         respawn: Callable[[int, ProcRef], None] | None = None,
+        *,
+        owned: bool = True,
     ) -> None:
         self._name = name
         self._budget = RestartBudget(restart or RestartPolicy())
@@ -64,10 +68,12 @@ class ProcMesh:
         context = _context.get()
         self._owner_actor = context.name if context is not None else None
         self._fault: SupervisionError | None = None
+        self._owned = owned
         rt = runtime()
-        for ref in procs:
-            rt.meshes[ref.address] = self
-        install_owner_handlers(rt)
+        if owned:  # a handle received from elsewhere (or this_proc()) supervises nothing
+            for ref in procs:
+                rt.meshes[ref.address] = self
+            install_owner_handlers(rt)
 
     def __repr__(self) -> str:
         return f"<ProcMesh {self._name} {self._extent}>"
@@ -76,8 +82,13 @@ class ProcMesh:
     def extent(self) -> dict[str, int]:
         return dict(self._extent)
 
-    def size(self) -> int:
-        return len(self._procs)
+    def size(self, dim: str | None = None) -> int:
+        """How many processes (along ``dim`` when given)."""
+        if dim is None:
+            return len(self._procs)
+        if dim not in self._extent:
+            raise KeyError(f"no dimension {dim!r}; this proc mesh has {list(self._extent)}")
+        return self._extent[dim]
 
     def __len__(self) -> int:
         return len(self._procs)
@@ -98,6 +109,7 @@ class ProcMesh:
             raise RuntimeError(f"proc mesh {self._name!r} is stopped")
         if not (isinstance(actor_class, type) and issubclass(actor_class, Actor)):
             raise TypeError(f"spawn() needs an Actor subclass, not {actor_class!r}")
+        check_actor_class(actor_class)
         class_ref = _refs.qualified_name(actor_class)
         if "<locals>" in class_ref:
             raise TypeError(f"{class_ref} is defined inside a function; define actor classes at module level")
@@ -106,10 +118,15 @@ class ProcMesh:
         rt = runtime()
         targets = list(enumerate(self._procs))
         endpoint_timeouts = {ep_name: ep.timeout for ep_name, ep in endpoints_of(actor_class).items()}
-        rt.driver.on_thread(lambda: self._send_spawn(rt, targets, name, class_ref, args, kwargs))
+        pending = rt.driver.on_thread(lambda: self._send_spawn(rt, targets, name, class_ref, args, kwargs))
         mesh: ActorMesh[A] = ActorMesh(name, class_ref, endpoint_timeouts, self._extent, targets, self)
+        mesh._spawn_call = pending
         self._actors[name] = mesh
         self._spawned.append((name, class_ref, args, kwargs))
+        if not self._owned:  # this process spawned them: their failures come here, not to the procs' owner
+            for ref in self._procs:
+                rt.actor_supervisors[(ref.address, name)] = self
+            install_owner_handlers(rt)
         return mesh  # type: ignore[return-value]
 
     def _send_spawn(
@@ -128,6 +145,46 @@ class ProcMesh:
         enc.reset()
         blob = enc.encode([[name, class_ref, self._extent, ctor], {}])
         return send_call(rt, targets, PROCESS_ACTOR, "spawn", (blob, frames, handles), want_reply=True)
+
+    @property
+    def initialized(self) -> Future[bool]:
+        """Resolves to True once every process is up and answering."""
+        rt = runtime()
+        targets = list(enumerate(self._procs))
+        pending = rt.driver.on_thread(
+            lambda: send_call(rt, targets, PROCESS_ACTOR, "ping", encode_arguments(rt, (), {}), want_reply=True)
+        )
+        return pending_future(rt, pending, lambda results: True, f"{self._name}.initialized")
+
+    def logging_option(
+        self, stream_to_client: bool = True, aggregate_window_sec: int | None = None, level: int = logging.INFO
+    ) -> Future[None]:
+        """Set the ``logging`` level of every process (Monarch's call; output always streams, never aggregated).
+
+        Workers' stdout and stderr always reach the controller's, each line
+        prefixed with the actor's name; ``stream_to_client=False`` and log
+        aggregation are not offered and are refused.
+        """
+        if not stream_to_client:
+            raise NotImplementedError("actors always streams worker output to the controller")
+        if aggregate_window_sec is not None:
+            raise NotImplementedError("actors does not aggregate similar log lines; pass aggregate_window_sec=None")
+        if not isinstance(level, int):
+            raise TypeError(f"level must be a logging level such as logging.INFO, not {level!r}")
+        rt = runtime()
+        targets = list(enumerate(self._procs))
+        pending = rt.driver.on_thread(
+            lambda: send_call(
+                rt, targets, PROCESS_ACTOR, "log_level", encode_arguments(rt, (level,), {}), want_reply=True
+            )
+        )
+        return pending_future(rt, pending, lambda results: None, f"{self._name}.logging_option")
+
+    def activate(self) -> Any:
+        """Monarch's tensor-engine activation: not offered (actors has no tensor engine)."""
+        raise NotImplementedError(
+            "ProcMesh.activate() selects Monarch's tensor-engine device mesh; actors has no tensor engine"
+        )
 
     def add_failure_handler(self, handler: FailureHandler) -> None:
         """Offer ``handler(failure)`` each failure of this mesh's actors; a true return handles it."""
@@ -183,19 +240,8 @@ class ProcMesh:
         rt.registry.revive(ref, None)
         self.restarts[rank] += 1
         self._respawn(rank, ref)  # the forkserver records the new pid under the address
-        for name, class_ref, args, kwargs in self._spawned:
-            pending = self._send_spawn(rt, [(rank, ref)], name, class_ref, args, kwargs)
-            if pending is not None:
-                pending.callbacks.append(functools.partial(self._respawned, name=name, rank=rank, ref=ref))
-
-    def _respawned(self, call: PendingCall, name: str, rank: int, ref: ProcRef) -> None:
-        error = call.error
-        if error is None or isinstance(error, ActorDied):
-            return  # constructed (or the new process died too: that death is reported on its own)
-        etype = getattr(error, "exception_type", type(error).__name__)
-        message = getattr(error, "message", str(error))
-        tb = getattr(error, "remote_traceback", "")
-        self.report(Failure(name, rank, ref.pid or 0, "__init__", etype, f"after a restart: {message}", tb))
+        for name, class_ref, args, kwargs in self._spawned:  # a constructor failing reports itself (__init__)
+            self._send_spawn(rt, [(rank, ref)], name, class_ref, args, kwargs)
 
     def stop(self, timeout: float = CLEANUP_TIMEOUT) -> Future[None]:
         """Run every actor's ``__cleanup__`` and end the processes (a no-op if already stopped)."""
@@ -256,3 +302,32 @@ class ProcMesh:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
+
+
+def _proc_mesh_state(mesh: ProcMesh) -> list[Any]:
+    registry = runtime().registry
+    procs = [[ref.address, registry.resolve_pid(ref)] for ref in mesh._procs]
+    return [mesh._name, list(mesh._extent.items()), procs]
+
+
+def _proc_mesh_from_state(state: Any) -> ProcMesh:
+    """A proc mesh received as an argument: spawn on it and stop it; its owner keeps supervising it."""
+    if type(state) is not list or len(state) != 3:
+        raise DecodeError("malformed proc mesh")
+    name, extent, procs = state
+    if type(name) is not str or type(extent) is not list or type(procs) is not list:
+        raise DecodeError("malformed proc mesh")
+    if not all(type(e) is tuple and len(e) == 2 and type(e[0]) is str and type(e[1]) is int for e in extent):
+        raise DecodeError("malformed proc mesh extent")
+    registry = runtime().registry
+    refs = []
+    for proc in procs:
+        if type(proc) is not list or len(proc) != 2 or type(proc[0]) is not str:
+            raise DecodeError("malformed proc mesh process")
+        if not (proc[1] is None or type(proc[1]) is int):
+            raise DecodeError("malformed proc mesh process")
+        refs.append(registry.proc(proc[0], proc[1]))
+    return ProcMesh(name, dict(extent), refs, owned=False)
+
+
+register_handle("proc_mesh", ProcMesh, _proc_mesh_state, _proc_mesh_from_state)

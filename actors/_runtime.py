@@ -34,10 +34,11 @@ import zmq
 from ._calls import CallTable
 from ._codec import Encoder
 from ._driver import Driver
-from ._errors import ActorDied
+from ._errors import ActorDied, MainLoadingError
 from ._flow import SenderWindows
 from ._inbox import DropLog, Inbox
 from ._liveness import ProcRef
+from ._main_loader import loading_main
 from ._outbox import Outbox
 from ._procs import Registry
 from ._receivers import Receivers
@@ -78,6 +79,9 @@ class Runtime:
         self._wire_handlers()
         #: Proc meshes this process spawned, by worker address (their failures and deaths come here).
         self.meshes: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+        #: Proc meshes received from elsewhere that this process spawned actors on, by (worker address,
+        #: actor name): those actors' failures come here, to the spawner, as in Monarch.
+        self.actor_supervisors: weakref.WeakValueDictionary[tuple[str, str], Any] = weakref.WeakValueDictionary()
         #: True once this process routes failure reports and deaths to meshes it spawned.
         self.owns_meshes = False
         #: Process-wide failure handlers (``actors.add_failure_handler``).
@@ -87,6 +91,12 @@ class Runtime:
         #: This process's forkserver, once it has spawned processes (and one for multi-threaded workers).
         self.forkserver: Any = None
         self.threaded_forkserver: Any = None
+        #: The controller's ``this_proc()``: a process of its own, started on first use.
+        self.local_proc: Any = None
+        #: Controllers (``get_or_spawn_controller``) this process has looked up, by name.
+        self.controllers: dict[str, Any] = {}
+        #: The proc meshes of the controllers this process spawned, by name.
+        self.controller_procs: dict[str, Any] = {}
         self.closed = False
         self._counters: dict[str, itertools.count[int]] = {}
 
@@ -210,6 +220,11 @@ def forget_in_child() -> None:
 
 def runtime() -> Runtime:
     """This process's runtime, created on first use, following the caller's event loop."""
+    if loading_main.get():
+        raise MainLoadingError(
+            "the actors runtime was used while an actor process loaded the launching script's definitions; "
+            'this top-level statement is skipped there (guard it with `if __name__ == "__main__":` to be explicit)'
+        )
     rt = _process.runtime
     if rt is None or rt.pid != os.getpid() or rt.closed:
         with _process.lock:

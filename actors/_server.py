@@ -3,8 +3,9 @@
 Calls arrive as :class:`~actors._wire.Call` records. A call to an actor that
 is not constructed yet waits (up to :data:`SPAWN_WAIT`) for it; every
 invocation of an async endpoint runs as its own task on the process's event
-loop, so endpoints of one actor interleave; a plain ``def`` endpoint runs
-on a worker thread so it never freezes the message pump. Calls to the
+loop, so endpoints of one actor interleave; the ``def`` endpoints of a
+synchronous actor run one at a time on that actor's own thread (as in
+Monarch), so they never freeze the message pump. Calls to the
 reserved actor :data:`~actors._wire.PROCESS_ACTOR` spawn and stop actors.
 """
 
@@ -23,13 +24,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _refs
-from ._actor import Actor, ActorContext, Endpoint, _context, endpoints_of
+from ._actor import Actor, Endpoint, check_actor_class, endpoints_of
 from ._config import WorkerConfig
+from ._context import ActorContext, _context
 from ._errors import ActorDied, DecodeError
 from ._invocation import Invocation
 from ._liveness import ProcRef
+from ._response_port import ResponsePort
 from ._runtime import Runtime
-from ._wire import PROCESS_ACTOR, Call, ErrorRecord, FailureReport, Header
+from ._wire import PROCESS_ACTOR, SUPERVISION, Call, ErrorRecord, FailureReport, Header
 
 __all__ = ["CLEANUP_TIMEOUT", "ActorServer"]
 
@@ -48,16 +51,34 @@ class ActorSlot:
     name: str
     rank: int
     extent: dict[str, int]
+    class_ref: str = ""
     instance: Any = None
     error: ErrorRecord | None = None
     endpoints: dict[str, Endpoint[Any, Any]] = field(default_factory=dict)
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     backlog: list[Invocation] = field(default_factory=list)
     stopping: bool = False
+    #: Who spawned it: its failures are reported there (as in Monarch; None: this process's owner).
+    supervisor: ProcRef | None = None
+    #: A synchronous actor's own thread: its ``def`` endpoints run there, one message at a time.
+    thread: ThreadPoolExecutor | None = None
 
     @property
     def context(self) -> ActorContext:
-        return ActorContext(self.name, self.rank, self.extent)
+        return ActorContext(self.name, self.rank, self.extent, self.class_ref)
+
+    def context_for(self, message_rank: int) -> ActorContext:
+        return ActorContext(self.name, self.rank, self.extent, self.class_ref, message_rank)
+
+    def run_sync(self, loop: asyncio.AbstractEventLoop, call: Callable[[], Any]) -> asyncio.Future[Any]:
+        """Run ``call`` on this actor's own thread, after the calls queued before it."""
+        if self.thread is None:
+            self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"actor-{self.name}")
+        return loop.run_in_executor(self.thread, contextvars.copy_context().run, call)
+
+    def close(self) -> None:
+        if self.thread is not None:
+            self.thread.shutdown(wait=False, cancel_futures=True)
 
 
 class ActorServer:
@@ -72,7 +93,6 @@ class ActorServer:
         self.waiting: dict[str, list[Invocation]] = {}
         self.stopped: set[str] = set()
         self.finished = asyncio.Event()
-        self.executor = ThreadPoolExecutor(thread_name_prefix="endpoint")
         self.owner = rt.registry.proc(config.owner_address, config.owner_pid)
         self._stopping = False
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -90,7 +110,7 @@ class ActorServer:
             return
         slot = self.actors.get(actor)
         if slot is None and actor in self.stopped:
-            self._refuse(inv, ErrorRecord("LookupError", f"actor {actor!r} was stopped"))
+            self._refuse(inv, ErrorRecord(SUPERVISION, f"actor {actor!r} was stopped; it takes no more messages"))
         elif slot is None:
             self.waiting.setdefault(actor, []).append(inv)
             self.loop.call_later(SPAWN_WAIT, self._expire, actor, inv)
@@ -122,7 +142,7 @@ class ActorServer:
         except DecodeError as exc:
             self._refuse(inv, ErrorRecord.of(exc))
             return
-        token = _context.set(slot.context)
+        token = _context.set(slot.context_for(inv.call.rank))
         try:
             task = self.loop.create_task(self._invoke(slot, ep, args, kwargs, inv))
         finally:
@@ -133,21 +153,39 @@ class ActorServer:
     async def _invoke(
         self, slot: ActorSlot, ep: Endpoint[Any, Any], args: list[Any], kwargs: dict[str, Any], inv: Invocation
     ) -> None:
+        port = ResponsePort[Any](self.rt, inv) if ep.explicit_response_port else None
+        if port is not None:
+            args = [port, *args]
         try:
             if ep.is_async:
                 result = await ep.fn(slot.instance, *args, **kwargs)
             else:
-                call = functools.partial(ep.fn, slot.instance, *args, **kwargs)
-                result = await self.loop.run_in_executor(self.executor, contextvars.copy_context().run, call)
+                result = await slot.run_sync(self.loop, functools.partial(ep.fn, slot.instance, *args, **kwargs))
         except asyncio.CancelledError:
             self._fail(slot, inv, ErrorRecord("CancelledError", f"actor {slot.name!r} stopped first"), report=False)
         except BaseException as exc:
-            self._fail(slot, inv, ErrorRecord.of(exc, traceback.format_exc()))
+            record = ErrorRecord.of(exc, traceback.format_exc())
+            if port is None:
+                self._fail(slot, inv, record)
+            elif not port.answered:
+                self._escaped_port(slot, inv, port, record)
         else:
+            if port is not None:
+                return  # it answers through its port, now or later (unanswered, the port answers when dropped)
             if inv.wants_reply:
                 inv.reply(self.rt, True, result)
             else:
                 inv.deliver_result(result)
+
+    def _escaped_port(self, slot: ActorSlot, inv: Invocation, port: ResponsePort[Any], record: ErrorRecord) -> None:
+        """An explicit-port endpoint raised instead of answering: a failure of the actor (as in Monarch).
+
+        The caller gets :class:`SupervisionError` carrying the error; the owner is told.
+        """
+        port._answer.claim()
+        message = f"{slot.name}.{inv.call.method} raised instead of answering its response port: {record.type_name}: "
+        inv.reply(self.rt, False, ErrorRecord(SUPERVISION, message + record.message, record.traceback))
+        self.report_failure(slot.name, slot.rank, inv.call.method, record)
 
     def _refuse(self, inv: Invocation, record: ErrorRecord) -> None:
         """A call that never ran (no such actor or endpoint, bad arguments): an error reply.
@@ -181,11 +219,15 @@ class ActorServer:
         self.report_failure(call.actor, rank, call.method, record)
 
     def report_failure(self, actor: str, rank: int, method: str, record: ErrorRecord) -> None:
-        """Send a failure of ``actor`` to the owner of this process (its supervisor)."""
+        """Send a failure of ``actor`` to its supervisor: whoever spawned it, else this process's owner."""
         failure = FailureReport(actor, rank, os.getpid(), method, record.type_name, record.message, record.traceback)
-        if not self.owner.dead:
+        slot = self.actors.get(actor)
+        supervisor = slot.supervisor if slot is not None and slot.supervisor is not None else self.owner
+        if supervisor.dead:
+            supervisor = self.owner
+        if not supervisor.dead:
             try:
-                self.rt.send(self.owner, failure, urgent=True)
+                self.rt.send(supervisor, failure, urgent=True)
             except ActorDied:
                 pass
             except Exception:
@@ -209,7 +251,9 @@ class ActorServer:
                 await self._stop_actor(*args)
             elif method == "stop":
                 await self._stop_all(*args)
-            else:
+            elif method == "log_level":
+                logging.getLogger().setLevel(*args)
+            elif method != "ping":
                 raise AttributeError(f"unknown process operation {method!r}")
         except BaseException as exc:
             self._fail(None, inv, ErrorRecord.of(exc, traceback.format_exc(), spawn_failed=method == "spawn"))
@@ -223,7 +267,8 @@ class ActorServer:
         if name in self.actors:
             raise ValueError(f"an actor named {name!r} already exists in this process")
         self.stopped.discard(name)
-        slot = ActorSlot(name, inv.call.rank, dict(extent))
+        slot = ActorSlot(name, inv.call.rank, dict(extent), class_ref)
+        slot.supervisor = self.rt.registry.proc(inv.call.reply_to, inv.call.reply_pid)
         slot.backlog = self.waiting.pop(name, [])
         self.actors[name] = slot
         token = _context.set(slot.context)
@@ -231,6 +276,7 @@ class ActorServer:
             cls = _refs.resolve(class_ref, allow_import=True)
             if not (isinstance(cls, type) and issubclass(cls, Actor)):
                 raise TypeError(f"{class_ref} is not an Actor subclass")
+            check_actor_class(cls)
             args, kwargs = self.rt.inbox.decoder.decode(ctor, inv.frames)
             slot.instance = cls(*args, **kwargs)
             slot.endpoints = endpoints_of(cls)
@@ -238,6 +284,7 @@ class ActorServer:
             slot.error = ErrorRecord.of(exc, traceback.format_exc(), spawn_failed=True)
             log.error("could not construct actor %s[%d]: %s: %s", name, slot.rank, *slot.error[:2])
             inv.reply(self.rt, False, slot.error)
+            self.report_failure(name, slot.rank, "__init__", slot.error)  # a supervision event, as in Monarch
         else:
             inv.reply(self.rt, True, None)
         finally:
@@ -262,6 +309,10 @@ class ActorServer:
         slots = list(self.actors.values())
         self.actors.clear()
         await asyncio.gather(*(self._stop_slot(slot, exc, timeout) for slot in slots))
+        if self.rt.controller_procs:  # controllers this process spawned end with it, their names withdrawn
+            from ._controllers import stop_controllers
+
+            await stop_controllers()
 
     async def _stop_slot(self, slot: ActorSlot, exc: BaseException | None, timeout: float) -> None:
         slot.stopping = True
@@ -280,6 +331,7 @@ class ActorServer:
             task.cancel()
         if slot.tasks:
             await asyncio.wait(list(slot.tasks), timeout=1.0)
+        slot.close()
 
     def shutdown(self, reason: str) -> None:
         """Stop every actor quickly and end the process (SIGTERM, owner death): an ordinary end, not logged loudly."""
@@ -303,22 +355,49 @@ class ActorServer:
     # -------------------------------------------------------------- supervision of child meshes
 
     def supervise(self, actor: str, failure: Any) -> bool:
-        """Offer ``failure`` to the ``__supervise__`` of ``actor`` (hosted here); True if handled."""
+        """Offer ``failure`` to the ``__supervise__`` of ``actor`` (hosted here); True if handled.
+
+        An ``async def __supervise__`` runs as a task on this loop; until it
+        answers the failure counts as handled, and a false answer (or an
+        exception) escalates it then.
+        """
         slot = self.actors.get(actor)
         if slot is None or slot.instance is None:
             return False
         token = _context.set(slot.context)
         try:
-            return bool(slot.instance.__supervise__(failure))
+            verdict = slot.instance.__supervise__(failure)
         except Exception:
             log.exception("__supervise__ of %s[%d] raised; the failure stays unhandled", slot.name, slot.rank)
             return False
         finally:
             _context.reset(token)
+        if not inspect.isawaitable(verdict):
+            return bool(verdict)
+
+        async def settle() -> None:
+            try:
+                handled = bool(await verdict)
+            except Exception:
+                log.exception("__supervise__ of %s[%d] raised; the failure stays unhandled", slot.name, slot.rank)
+                handled = False
+            if not handled:
+                self.escalate(actor, failure)
+
+        token = _context.set(slot.context)
+        try:
+            task = self.loop.create_task(settle())
+        finally:
+            _context.reset(token)
+        slot.tasks.add(task)
+        task.add_done_callback(slot.tasks.discard)
+        return True
 
     def escalate(self, actor: str, failure: Any) -> None:
         """Report an unhandled ``failure`` to this process's owner as a failure of ``actor``."""
         slot = self.actors.get(actor)
         rank = slot.rank if slot is not None else 0
-        record = ErrorRecord("SupervisionError", f"unhandled failure of an actor it spawned: {failure}", failure.traceback)
+        record = ErrorRecord(
+            "SupervisionError", f"unhandled failure of an actor it spawned: {failure}", failure.traceback
+        )
         self.report_failure(actor, rank, "__supervise__", record)

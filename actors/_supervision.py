@@ -33,12 +33,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("actors.supervision")
 
-__all__ = ["Failure", "add_failure_handler", "remove_failure_handler", "unhandled_fault_hook"]
+__all__ = ["Failure", "MeshFailure", "add_failure_handler", "remove_failure_handler", "unhandled_fault_hook"]
 
 
 @dataclass(frozen=True)
 class Failure:
-    """What went wrong, where: actor name, rank, pid, cause and remote traceback."""
+    """What went wrong, where: actor name, rank, pid, cause and remote traceback.
+
+    Monarch calls it ``MeshFailure`` (``actors.MeshFailure`` is this class):
+    ``mesh_name`` and ``report()`` are there too.
+    """
 
     actor: str
     rank: int
@@ -53,7 +57,12 @@ class Failure:
     def __str__(self) -> str:
         where = f"{self.actor}[{self.rank}] (pid {self.pid})"
         what = f".{self.endpoint}" if self.endpoint else ""
-        return f"{where}{what} failed: {self.exception_type}: {self.message}"
+        return f"MeshFailure {where}{what} failed: {self.exception_type}: {self.message}"
+
+    @property
+    def mesh_name(self) -> str:
+        """The name of the failed actor mesh (compare with the names of the meshes you spawned)."""
+        return self.actor
 
     def report(self) -> str:
         """The failure with its remote traceback, for logs."""
@@ -64,6 +73,9 @@ class Failure:
     def from_report(cls, report: FailureReport) -> Failure:
         return cls(*report)
 
+
+#: Monarch's name for a failure record.
+MeshFailure = Failure
 
 #: A handler returns True (or any true value) when it has dealt with the failure.
 FailureHandler = Callable[[Failure], object]
@@ -127,7 +139,7 @@ def install_owner_handlers(rt: Runtime) -> None:
 
     def on_failure(report: FailureReport, frames: list[Any], sender: Header, size: int) -> None:
         failure = Failure.from_report(report)
-        mesh = rt.meshes.get(sender.address)
+        mesh = rt.actor_supervisors.get((sender.address, failure.actor)) or rt.meshes.get(sender.address)
         if mesh is not None:
             mesh.report(failure)
         else:

@@ -33,6 +33,39 @@ def rank_of(coords: Mapping[str, int], extent: Mapping[str, int]) -> int:
     return rank
 
 
+def select(extent: Mapping[str, int], coords: Mapping[str, int | slice]) -> tuple[list[int], dict[str, int]]:
+    """The ranks of ``extent`` at ``coords`` and the extent they form (an index drops its dimension)."""
+    unknown = set(coords) - set(extent)
+    if unknown:
+        raise KeyError(f"unknown dimension(s) {sorted(unknown)}; mesh has {list(extent)}")
+    ranges: dict[str, list[int]] = {}
+    kept: dict[str, int] = {}
+    for dim, size in extent.items():
+        sel = coords.get(dim, slice(None))
+        if isinstance(sel, int):
+            if not -size <= sel < size:
+                raise IndexError(f"{dim}={sel} is outside a dimension of size {size}")
+            ranges[dim] = [sel % size]
+        else:
+            ranges[dim] = list(range(size))[sel]
+            kept[dim] = len(ranges[dim])
+    total = 1
+    for size in extent.values():
+        total *= size
+    ranks = [r for r in range(total) if all(c in ranges[d] for d, c in coordinates(r, extent).items())]
+    return ranks, kept
+
+
+def flattened(extent: Mapping[str, int], dim: str) -> dict[str, int]:
+    """``extent`` as one dimension named ``dim`` (row-major order is kept)."""
+    if not isinstance(dim, str) or not dim:
+        raise TypeError(f"flatten() takes a dimension name, not {dim!r}")
+    total = 1
+    for size in extent.values():
+        total *= size
+    return {dim: total}
+
+
 class Point(Mapping[str, int]):
     """One position in a mesh: its ``rank`` and its coordinates by dimension."""
 
@@ -54,6 +87,11 @@ class Point(Mapping[str, int]):
 
     def __repr__(self) -> str:
         return f"Point(rank={self.rank}, {self._coords})"
+
+    def __str__(self) -> str:
+        """Monarch's form: ``{'hosts': 0/1, 'gpus': 1/2}`` (coordinate/size per dimension)."""
+        inner = ", ".join(f"{dim!r}: {self._coords[dim]}/{size}" for dim, size in self.extent.items())
+        return "{" + inner + "}"
 
 
 class ValueMesh(Generic[R]):
@@ -80,6 +118,15 @@ class ValueMesh(Generic[R]):
         if missing or extra:
             raise KeyError(f"expected coordinates for {sorted(self._extent)}, got {sorted(coords)}")
         return self._values[rank_of(coords, self._extent)]
+
+    def slice(self, **coords: int | slice) -> ValueMesh[R]:
+        """The values at ``coords`` (an index drops its dimension, a slice keeps it)."""
+        ranks, extent = select(self._extent, coords)
+        return ValueMesh(extent, [self._values[r] for r in ranks])
+
+    def flatten(self, dim: str) -> ValueMesh[R]:
+        """The same values along one dimension named ``dim``."""
+        return ValueMesh(flattened(self._extent, dim), list(self._values))
 
     def items(self) -> Iterator[tuple[Point, R]]:
         for rank, value in enumerate(self._values):

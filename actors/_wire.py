@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 
 import msgpack
 
-from ._errors import ActorError, DecodeError, SpawnError
+from ._errors import ActorError, ActorsError, DecodeError, SpawnError, SupervisionError
 
 __all__ = [
     "PROCESS_ACTOR",
@@ -104,6 +104,11 @@ class Header(NamedTuple):
         return cls(header[1], header[2])
 
 
+#: The ``type_name`` of an error reply the caller raises as :class:`SupervisionError` (a stopped
+#: actor; an explicit-response-port endpoint that raised instead of answering).
+SUPERVISION = "SupervisionError"
+
+
 class ErrorRecord(NamedTuple):
     """An exception as it crosses the wire; becomes :class:`ActorError` (or :class:`SpawnError`)."""
 
@@ -120,7 +125,9 @@ class ErrorRecord(NamedTuple):
         name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
         return cls(name, str(exc), tb, spawn_failed)
 
-    def to_error(self, actor: str, rank: int | None) -> ActorError:
+    def to_error(self, actor: str, rank: int | None) -> ActorsError:
+        if self.type_name == SUPERVISION:
+            return SupervisionError(self.message)
         cls = SpawnError if self.spawn_failed else ActorError
         return cls(self.type_name, self.message, self.traceback, actor=actor, rank=rank)
 

@@ -3,39 +3,35 @@
 A worker is forked by the forkserver. It takes the environment, argv, path
 and working directory of the program that spawned it, names itself for
 ``ps``, prefixes its output with its actors' names, loads the launching
-script's module (so actor classes defined in ``__main__`` resolve), then
+script's definitions (so actor classes defined in ``__main__`` resolve,
+without re-running the script), then
 serves its inbox on a uvloop event loop until it is stopped, terminated,
 or its owner dies.
 """
 
 from __future__ import annotations
 
-import contextvars
 import gc
 import io
 import logging
 import os
 import random
-import runpy
 import signal
 import sys
 import traceback
-import types
-import warnings
 from typing import TextIO
 
 from . import _refs
 from ._config import WorkerConfig
+from ._main_loader import load_definitions
 from ._runtime import Runtime, install_runtime
 from ._server import ActorServer
 from ._session import write_incarnation
 
-__all__ = ["loading_main", "run"]
+__all__ = ["run"]
 
 #: Allocations between young-generation collections in worker processes.
 GC_THRESHOLD = 20_000
-#: True while this worker runs the launching script to find its classes.
-loading_main: contextvars.ContextVar[bool] = contextvars.ContextVar("actors_loading_main", default=False)
 
 
 class _Prefixed(io.TextIOBase):
@@ -76,24 +72,10 @@ class _Prefixed(io.TextIOBase):
 
 
 def _load_main(main: list[str] | None) -> None:
-    """Run the launching script's module as ``__mp_main__`` (like multiprocessing)."""
+    """Give this worker the launching script's definitions as ``__main__`` (see :mod:`actors._main_loader`)."""
     if not main:
         return
-    kind, target = main
-    module = types.ModuleType("__mp_main__")
-    sys.modules["__mp_main__"] = module
-    token = loading_main.set(True)
-    try:
-        with warnings.catch_warnings():
-            # runpy warns when the main module's package already imported it; harmless here.
-            warnings.filterwarnings("ignore", category=RuntimeWarning, module="runpy")
-            if kind == "module":
-                namespace = runpy.run_module(target, run_name="__mp_main__", alter_sys=True)
-            else:
-                namespace = runpy.run_path(target, run_name="__mp_main__")
-    finally:
-        loading_main.reset(token)
-    module.__dict__.update(namespace)
+    module = load_definitions(main)
     sys.modules["__main__"] = sys.modules["__mp_main__"] = module
 
 

@@ -66,15 +66,6 @@ class Echo(Actor):
         raise ValueError(message)
 
     @endpoint
-    def blocking(self, seconds: float) -> str:
-        time.sleep(seconds)
-        return "slept"
-
-    @endpoint
-    def sync_add(self, x: int) -> int:
-        return x + self.offset
-
-    @endpoint
     async def wait_event(self) -> str:
         await self.event.wait()
         return "released"
@@ -118,6 +109,22 @@ class Echo(Actor):
     @endpoint
     async def say(self, text: str) -> None:
         print(text, flush=True)
+
+
+class SyncEcho(Actor):
+    """A synchronous actor (only ``def`` endpoints): its calls run one at a time on its own thread."""
+
+    def __init__(self, offset: int = 0) -> None:
+        self.offset = offset
+
+    @endpoint
+    def blocking(self, seconds: float) -> str:
+        time.sleep(seconds)
+        return "slept"
+
+    @endpoint
+    def sync_add(self, x: int) -> int:
+        return x + self.offset
 
 
 class Relay(Actor):

@@ -8,15 +8,17 @@ import time
 
 import pytest
 import torch
-from support import BadInit, Echo, Fire, Relay
+from support import BadInit, Echo, Fire, Relay, SyncEcho
 
 from actors import (
     ActorError,
     ActorMesh,
     Channel,
+    Failure,
     Future,
     ProcMesh,
     SpawnError,
+    SupervisionError,
     ValueMesh,
     send,
     this_host,
@@ -74,11 +76,13 @@ async def test_send_with_response_port(procs: ProcMesh):
 
 async def test_sync_endpoint_runs_off_the_loop(procs: ProcMesh):
     echo = procs.spawn("echo", Echo, 3).slice(gpus=0)
-    slow = echo.blocking.call_one(1.0)
+    sync = procs.spawn("sync_echo", SyncEcho, 3).slice(gpus=0)
+    slow = sync.blocking.call_one(1.0)
     start = time.monotonic()
     assert await echo.add.call_one(1) == 4, "the pump answers while a sync endpoint blocks"
     assert time.monotonic() - start < 0.8
-    assert await echo.sync_add.call_one(2) == 5
+    assert await sync.sync_add.call_one(2) == 5
+    assert time.monotonic() - start >= 0.9, "a sync actor's calls run one at a time, in order"
     assert await slow == "slept"
 
 
@@ -124,12 +128,17 @@ async def test_unknown_endpoint_is_an_attribute_error(procs: ProcMesh):
 
 
 async def test_constructor_failure_surfaces_as_spawn_error(procs: ProcMesh):
+    failures: asyncio.Queue[Failure] = asyncio.Queue()
+    procs.add_failure_handler(lambda failure: failures.put_nowait(failure) or True)  # handled: no fault
     bad = procs.spawn("bad", BadInit)
     with pytest.raises(SpawnError, match="constructor exploded") as info:
         await bad.ping.call()
     assert "RuntimeError" in str(info.value)
     with pytest.raises(SpawnError):
         await bad.slice(gpus=0).ping.call_one()
+    # as in Monarch, it is also a supervision event of each rank
+    reported = [await asyncio.wait_for(failures.get(), 20) for _ in range(2)]
+    assert {(f.actor, f.endpoint, f.rank) for f in reported} == {("bad", "__init__", 0), ("bad", "__init__", 1)}
 
 
 async def test_spawn_rejects_bad_arguments(procs: ProcMesh):
@@ -190,5 +199,5 @@ async def test_actor_mesh_stop_runs_cleanup_and_removes_actor(procs: ProcMesh):
     assert await mesh.ping.call() is not None
     await mesh.stop()
     assert sorted([await recv.recv(), await recv.recv()]) == ["cleanup 0", "cleanup 1"]
-    with pytest.raises(ActorError, match="was stopped"):
+    with pytest.raises(SupervisionError, match="was stopped"):
         await mesh.slice(gpus=0).ping.call_one()

@@ -82,6 +82,8 @@ async def test_a_constructor_failing_after_a_restart_is_reported(restartable):
     echo = procs.spawn("echo", Echo).slice(procs=0)
     pid = await echo.pid.call_one()
     procs.spawn("bad", BadInit)  # fails now, and again after the restart
+    first = [await asyncio.wait_for(failures.get(), 30) for _ in range(2)]  # each rank's constructor
+    assert {(f.actor, f.endpoint) for f in first} == {("bad", "__init__")}
     os.kill(pid, signal.SIGKILL)
     died = await asyncio.wait_for(failures.get(), 30)
     assert died.restarted and died.pid == pid

@@ -346,7 +346,12 @@ class SlotHolds:
         mapping.holders += 1
         try:
             magic, state, slot_version, slot_id, total = _HEADER.unpack_from(mapping.mm, 0)
-            if magic != _MAGIC or state != _READY or slot_version != version or slot_id.rstrip(b"\0") != update_id.encode():
+            if (
+                magic != _MAGIC
+                or state != _READY
+                or slot_version != version
+                or slot_id.rstrip(b"\0") != update_id.encode()
+            ):
                 raise StaleUpdateError(
                     f"update {update_id} (version {version}) was replaced in its slot by version {slot_version}"
                 )

@@ -335,4 +335,3 @@ class CudaIpcReader:
         self._held.clear()
         self._holds.close()
         self._open.clear()
-

@@ -1,0 +1,501 @@
+"""Monarch's actor API, name by name, as its documentation describes it (see docs/monarch.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import operator
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+import actors
+from actors import (
+    Accumulator,
+    Actor,
+    ActorError,
+    EncodeError,
+    Failure,
+    MeshFailure,
+    Port,
+    PortClosed,
+    ProcMesh,
+    SpawnError,
+    SupervisionError,
+    concurrent_endpoint,
+    context,
+    current_actor_name,
+    current_rank,
+    endpoint,
+    get_or_spawn_controller,
+    this_proc,
+)
+from actors._controllers import stop_controllers
+from actors._runtime import runtime
+
+
+class Who(Actor):
+    def __init__(self, start: int = 0) -> None:
+        self.value = start
+
+    @endpoint
+    async def who(self) -> list[object]:
+        ctx = context()
+        inst = ctx.actor_instance
+        return [str(inst), inst.name, inst.rank.rank, ctx.message_rank.rank, current_actor_name(), inst.pid]
+
+    @endpoint
+    async def value_of(self) -> int:
+        return self.value
+
+    @endpoint
+    async def incr(self) -> None:
+        self.value += 1
+
+    @endpoint
+    async def here(self) -> int:
+        """Spawn an actor on this_proc() and report the pid it runs in."""
+        local = this_proc().spawn("local", Who)
+        return (await local.who.call_one())[5]  # type: ignore[return-value]
+
+    @endpoint
+    async def controller_value(self, name: str) -> int:
+        ctl = await get_or_spawn_controller(name, Who, 99)
+        return await ctl.value_of.call_one()
+
+    @endpoint
+    async def call_other(self, other: Who) -> int:
+        return await other.value_of.call_one()
+
+    @endpoint
+    async def log_level(self) -> int:
+        return logging.getLogger().level
+
+
+class Replies(Actor):
+    def __init__(self) -> None:
+        self.second_send: str = ""
+
+    @endpoint(explicit_response_port=True)
+    async def later(self, port: Port[int], a: int, b: int) -> None:
+        asyncio.get_running_loop().call_soon(port.send, a + b)
+
+    @endpoint(explicit_response_port=True)
+    async def twice(self, port: Port[int]) -> None:
+        port.send(1)
+        try:
+            port.send(2)
+        except PortClosed as exc:
+            self.second_send = str(exc)
+
+    @endpoint
+    async def second(self) -> str:
+        return self.second_send
+
+    @endpoint(explicit_response_port=True)
+    async def refuse(self, port: Port[int]) -> None:
+        port.exception(ValueError("no thanks"))
+
+    @endpoint(explicit_response_port=True)
+    async def escape(self, port: Port[int]) -> None:
+        raise KeyError("escaped")
+
+    @endpoint(explicit_response_port=True)
+    async def drop(self, port: Port[int]) -> None:
+        return None
+
+
+class SyncReplies(Actor):
+    @endpoint(explicit_response_port=True)
+    def add(self, port: Port[int], a: int, b: int) -> None:
+        port.send(a + b)
+
+
+class Gate(Actor):
+    def __init__(self) -> None:
+        self.ready = asyncio.Event()
+        self.open = asyncio.Event()
+
+    @concurrent_endpoint
+    async def wait(self) -> str:
+        self.ready.set()
+        await self.open.wait()
+        return "done"
+
+    @endpoint
+    async def release(self) -> None:
+        await self.ready.wait()
+        self.open.set()
+
+
+class OneThread(Actor):
+    """A synchronous actor: records the thread and the overlap of its calls."""
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.most = 0
+        self.threads: set[int] = set()
+        self.lock = threading.Lock()
+
+    @endpoint
+    def work(self, seconds: float) -> bool:
+        with self.lock:
+            self.running += 1
+            self.most = max(self.most, self.running)
+            self.threads.add(threading.get_ident())
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            loop_visible = False
+        else:
+            loop_visible = True
+        time.sleep(seconds)
+        with self.lock:
+            self.running -= 1
+        return loop_visible
+
+    @endpoint
+    def report(self) -> list[int]:
+        return [self.most, len(self.threads), int(threading.get_ident() == threading.main_thread().ident)]
+
+
+class Mixed(Actor):
+    @endpoint
+    def plain(self) -> int:
+        return 1
+
+    @endpoint
+    async def fancy(self) -> int:
+        return 2
+
+
+class SyncWithAsyncCleanup(Actor):
+    @endpoint
+    def plain(self) -> int:
+        return 1
+
+    async def __cleanup__(self, exc: BaseException | None) -> None:
+        pass
+
+
+class BadInit(Actor):
+    def __init__(self) -> None:
+        raise RuntimeError("no constructor today")
+
+    @endpoint
+    async def ok(self) -> int:
+        return 1
+
+
+class Fails(Actor):
+    @endpoint
+    async def explode(self) -> None:
+        raise KeyError("kaboom")
+
+
+class AsyncParent(Actor):
+    """Spawns a failing child on a proc mesh it is given; its async __supervise__ is awaited."""
+
+    def __init__(self, procs: ProcMesh) -> None:
+        self.child = procs.spawn("child", Fails)
+        self.seen: list[str] = []
+        self.event = asyncio.Event()
+
+    @endpoint
+    async def fail_child(self) -> list[str]:
+        self.child.explode.broadcast()
+        await asyncio.wait_for(self.event.wait(), 20)
+        return self.seen
+
+    async def __supervise__(self, failure: MeshFailure) -> bool:
+        await asyncio.sleep(0)
+        self.seen.append(f"{failure.mesh_name}: {failure}")
+        self.event.set()
+        return True
+
+
+class Runs(Actor):
+    @endpoint
+    async def run(self, fn: object) -> object:
+        return fn
+
+
+# ------------------------------------------------------------------ context and names
+
+
+async def test_context_outside_any_actor_is_the_root_client():
+    ctx = context()
+    assert str(ctx.actor_instance) == "<root>"
+    assert ctx.actor_instance.name == "root"
+    assert ctx.message_rank.rank == 0
+    assert current_actor_name().startswith("root@")
+
+
+async def test_context_inside_an_actor_names_it_and_its_rank(spawn):
+    procs = spawn(hosts=1, gpus=2)
+    who = procs.spawn("who", Who)
+    results = [value for _, value in await who.who.call()]
+    for rank, (text, name, own_rank, message_rank, actor_name, _pid) in enumerate(results):
+        assert text == f"<test_monarch_api.Who who{{'hosts': 0/1, 'gpus': {rank}/2}}>"
+        assert (name, own_rank, message_rank) == ("who", rank, rank)
+        assert actor_name.startswith(f"who[{rank}]@")
+    assert results[0][4] != results[1][4]
+    rank_text = await who.slice(gpus=1).who.call_one()
+    assert rank_text[0].endswith("{'hosts': 0/1, 'gpus': 1/2}>")
+    assert str(current_rank()) == "{'procs': 0/1}"
+
+
+# ------------------------------------------------------------------ explicit response ports
+
+
+async def test_an_explicit_response_port_answers_later_and_only_once(procs: ProcMesh):
+    replies = procs.spawn("replies", Replies).slice(procs=0)
+    assert await replies.later.call_one(2, 3) == 5
+    assert await replies.twice.call_one() == 1
+    assert "already answered" in await replies.second.call_one()
+    sync = procs.spawn("sync_replies", SyncReplies).slice(procs=1)
+    assert await sync.add.call_one(4, 5) == 9
+
+
+async def test_port_exception_reaches_the_caller_as_an_actor_error(procs: ProcMesh):
+    replies = procs.spawn("replies", Replies).slice(procs=0)
+    with pytest.raises(ActorError, match="no thanks"):
+        await replies.refuse.call_one()
+    assert await replies.later.call_one(1, 1) == 2  # the actor lives on
+
+
+async def test_a_dropped_port_answers_with_an_error_instead_of_hanging(procs: ProcMesh):
+    replies = procs.spawn("replies", Replies).slice(procs=0)
+    with pytest.raises(ActorError, match="dropped its response port"):
+        await asyncio.wait_for(replies.drop.call_one(), 20)
+
+
+async def test_an_exception_escaping_an_explicit_port_endpoint_is_a_supervision_error(procs: ProcMesh):
+    seen: list[Failure] = []
+    procs.add_failure_handler(lambda failure: seen.append(failure) or True)
+    replies = procs.spawn("replies", Replies).slice(procs=0)
+    with pytest.raises(SupervisionError, match=r"raised instead of answering.*KeyError"):
+        await asyncio.wait_for(replies.escape.call_one(), 20)
+    assert await replies.later.call_one(1, 2) == 3
+    assert [f.endpoint for f in seen] == ["escape"]
+
+
+# ------------------------------------------------------------------ concurrent_endpoint and sync actors
+
+
+async def test_concurrent_endpoint_lets_a_later_call_release_an_earlier_one(procs: ProcMesh):
+    gate = procs.spawn("gate", Gate).slice(procs=0)
+    waiting = gate.wait.call_one()
+    await gate.release.call_one()
+    assert await asyncio.wait_for(waiting, 20) == "done"
+
+
+def test_concurrent_endpoint_refuses_to_wrap_an_endpoint_or_a_plain_def():
+    with pytest.raises(ValueError, match="does not wrap @endpoint"):
+        concurrent_endpoint(endpoint(Gate.wait.fn))
+    with pytest.raises(ValueError, match="needs an async method"):
+
+        @concurrent_endpoint
+        def plain(self: object) -> None: ...
+
+
+async def test_a_sync_actor_runs_one_call_at_a_time_on_its_own_thread(procs: ProcMesh):
+    actor = procs.spawn("one_thread", OneThread).slice(procs=0)
+    visible = await asyncio.gather(*(actor.work.call_one(0.05) for _ in range(4)))
+    assert visible == [False] * 4  # no event loop on the actor's thread
+    most, threads, on_main = await actor.report.call_one()
+    assert (most, threads, on_main) == (1, 1, 0)
+
+
+async def test_an_actor_mixing_sync_and_async_endpoints_is_refused_at_spawn(procs: ProcMesh):
+    with pytest.raises(ValueError, match="mixes both async and sync"):
+        procs.spawn("mixed", Mixed)
+    with pytest.raises(ValueError, match="async __cleanup__"):
+        procs.spawn("cleanup", SyncWithAsyncCleanup)
+
+
+# ------------------------------------------------------------------ this_proc and controllers
+
+
+async def test_this_proc_in_an_actor_is_its_own_process(procs: ProcMesh):
+    who = procs.spawn("who", Who).slice(procs=0)
+    pid = (await who.who.call_one())[5]
+    assert await who.here.call_one() == pid
+
+
+async def test_this_proc_in_the_controller_is_a_companion_process(sockets_dir):
+    try:
+        local = this_proc()
+        assert this_proc() is local
+        who = local.spawn("who", Who)
+        pid = (await who.who.call_one())[5]
+        assert pid != os.getpid() and pid in local.pids
+    finally:
+        await runtime().local_proc.stop()
+
+
+async def test_get_or_spawn_controller_gives_every_process_the_same_actor(procs: ProcMesh):
+    try:
+        ctl = await get_or_spawn_controller("counter", Who, 5)
+        await ctl.incr.call_one()
+        again = await get_or_spawn_controller("counter", Who, 1000)  # later arguments are not used
+        assert await again.value_of.call_one() == 6
+        who = procs.spawn("who", Who)
+        assert [v for _, v in await who.controller_value.call("counter")] == [6, 6]
+        assert await who.slice(procs=0).controller_value.call_one("fresh") == 99
+        with pytest.raises(TypeError, match="Actor subclass"):
+            get_or_spawn_controller("bad", int)  # type: ignore[type-var]
+    finally:
+        await stop_controllers()
+
+
+# ------------------------------------------------------------------ Accumulator, stream, flatten, initialized
+
+
+async def test_accumulator_folds_every_result_in_rank_order(spawn):
+    procs = spawn(gpus=3)
+    who = procs.spawn("who", Who, 2)
+    who.slice(gpus=1).incr.broadcast()
+    assert await Accumulator(who.value_of, 0, operator.add).accumulate() == 7
+    assert await Accumulator(who.value_of, [], lambda acc, v: [*acc, v]).accumulate() == [2, 3, 2]
+    with pytest.raises(TypeError, match="mesh endpoint"):
+        Accumulator(len, 0, operator.add)  # type: ignore[arg-type]
+
+
+async def test_stream_yields_a_future_per_actor(spawn):
+    procs = spawn(gpus=2)
+    who = procs.spawn("who", Who, 3)
+    futures = list(who.value_of.stream())
+    assert len(futures) == 2
+    assert sum([await f for f in futures]) == 6
+
+
+async def test_flatten_and_slice_on_actor_meshes_and_value_meshes(spawn):
+    procs = spawn(hosts=1, gpus=2)
+    who = procs.spawn("who", Who)
+    values = await who.who.call()
+    flat = values.flatten("r")
+    assert flat.extent == {"r": 2}
+    assert flat.slice(r=1).item()[2] == 1
+    assert values.slice(hosts=0, gpus=1).item()[2] == 1
+    assert (await who.flatten("all").slice(all=1).who.call_one())[2] == 1
+
+
+async def test_initialized_resolves_once_constructed_and_raises_if_not(procs: ProcMesh):
+    actors.unhandled_fault_hook = lambda failure: None
+    try:
+        assert await procs.initialized is True
+        await procs.spawn("who", Who).initialized
+        with pytest.raises(SpawnError, match="no constructor today"):
+            await procs.spawn("bad", BadInit).initialized
+    finally:
+        del actors.unhandled_fault_hook
+        actors.unhandled_fault_hook = actors._supervision.unhandled_fault_hook
+
+
+async def test_logging_option_sets_the_workers_level_and_refuses_what_it_cannot_do(procs: ProcMesh):
+    who = procs.spawn("who", Who)
+    await procs.logging_option(level=logging.ERROR)
+    assert [v for _, v in await who.log_level.call()] == [logging.ERROR] * 2
+    with pytest.raises(NotImplementedError, match="aggregate"):
+        procs.logging_option(aggregate_window_sec=3)
+    with pytest.raises(NotImplementedError, match="tensor engine"):
+        procs.activate()
+    with pytest.raises(NotImplementedError, match="tensor engine"):
+        who.value_of.rref()
+
+
+# ------------------------------------------------------------------ supervision: MeshFailure, __init__, async __supervise__
+
+
+async def test_an_exception_in_init_reaches_the_unhandled_fault_hook(procs: ProcMesh):
+    faults: list[MeshFailure] = []
+    both = asyncio.Event()
+
+    def hook(failure: MeshFailure) -> None:
+        faults.append(failure)
+        if len(faults) == 2:
+            both.set()
+
+    actors.unhandled_fault_hook = hook
+    try:
+        procs.spawn("bad_init", BadInit)
+        await asyncio.wait_for(both.wait(), 20)
+    finally:
+        actors.unhandled_fault_hook = actors._supervision.unhandled_fault_hook
+    assert MeshFailure is Failure
+    for failure in faults:
+        assert "MeshFailure" in str(failure) and "bad_init" in str(failure)
+        assert "no constructor today" in failure.report() and failure.mesh_name == "bad_init"
+
+
+async def test_an_async_supervise_is_awaited_and_gets_a_mesh_failure(spawn):
+    parent = spawn(procs=1).spawn("parent", AsyncParent, spawn(procs=1))
+    seen = await parent.fail_child.call_one()
+    assert len(seen) == 1 and seen[0].startswith("child: MeshFailure") and "kaboom" in seen[0]
+
+
+# ------------------------------------------------------------------ stop, proc meshes as arguments, functions
+
+
+async def test_a_call_after_stop_is_a_supervision_error(procs: ProcMesh):
+    who = procs.spawn("who", Who)
+    other = procs.spawn("other", Who)
+    await who.stop()
+    with pytest.raises(SupervisionError, match="stopped"):
+        await who.value_of.call()
+    with pytest.raises(SupervisionError, match="stopped"):
+        await who.slice(procs=0).value_of.call_one()
+    # a handle that did not stop it (here, in another actor) hears it from the actor's process
+    with pytest.raises(ActorError, match=r"SupervisionError.*stopped"):
+        await other.slice(procs=1).call_other.call_one(who.slice(procs=0))
+
+
+async def test_a_proc_mesh_travels_as_an_endpoint_argument(spawn):
+    parent = spawn(procs=1).spawn("parent", AsyncParent, spawn(procs=2))
+    assert len(await parent.fail_child.call_one()) >= 1
+
+
+async def test_functions_and_lambdas_are_refused_with_the_reason(procs: ProcMesh):
+    runs = procs.spawn("runs", Runs)
+    with pytest.raises(EncodeError, match=r"code does not travel.*pickle.*endpoint"):
+        runs.run.call(lambda: 1)
+    with pytest.raises(EncodeError, match="function 'len'"):
+        runs.run.call(len)
+
+
+# ------------------------------------------------------------------ scripts without a __main__ guard
+
+
+def test_a_script_without_a_main_guard_runs_once(tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            from actors import Actor, endpoint, this_host
+
+            GREETING = "hello"
+            print("top level ran")
+
+            class Greeter(Actor):
+                @endpoint
+                def greet(self, name: str) -> str:
+                    return f"{GREETING} {name}"
+
+            procs = this_host().spawn_procs(per_host={"gpus": 2})
+            greeter = procs.spawn("greeter", Greeter)
+            print(greeter.greet.call("there").get().item(gpus=1))
+            procs.stop().get()
+            """
+        )
+    )
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("top level ran") == 1, done.stdout
+    assert "hello there" in done.stdout
