@@ -17,6 +17,7 @@ bound method.)
 from __future__ import annotations
 
 import inspect
+import logging
 import types
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Generic, Literal, ParamSpec, Protocol, TypeVar, overload
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from ._port import Port
     from ._supervision import Failure
 
-__all__ = ["Actor", "Endpoint", "check_actor_class", "concurrent_endpoint", "endpoint"]
+__all__ = ["Actor", "Endpoint", "check_actor_class", "concurrent_endpoint", "endpoint", "is_sync_actor"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -40,6 +41,11 @@ R_co = TypeVar("R_co", covariant=True)
 
 class Actor:
     """Base class of actors. Override ``__cleanup__`` to release what the actor owns."""
+
+    @property
+    def logger(self) -> logging.Logger:
+        """A logger named after the actor's class (Monarch's ``self.logger``)."""
+        return logging.getLogger(f"{type(self).__module__}.{type(self).__qualname__}")
 
     async def __cleanup__(self, exc: BaseException | None) -> None:
         """Called once when the actor stops (``exc`` is None for a normal stop)."""
@@ -87,9 +93,16 @@ class Endpoint(Generic[P, R]):
         #: Declared with ``@concurrent_endpoint`` (every async endpoint runs concurrently here).
         self.concurrent = concurrent
         if concurrent and not self.is_async:
-            raise ValueError(f"@concurrent_endpoint needs an async method; {self.name} is a plain def")
+            raise ValueError(
+                f"@concurrent_endpoint can only wrap async endpoints (an async method); {self.name} is a plain def"
+            )
         self.__doc__ = fn.__doc__
         self.__wrapped__ = fn
+
+    @property
+    def _explicit_response_port(self) -> bool:
+        """Monarch's attribute name for :attr:`explicit_response_port`."""
+        return self.explicit_response_port
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
@@ -222,6 +235,12 @@ def _overridden(cls: type, name: str) -> Callable[..., Any] | None:
     """``cls``'s ``name`` hook if a subclass defines it (None when only :class:`Actor`'s default is there)."""
     hook = getattr(cls, name, None)
     return None if hook is None or hook is getattr(Actor, name, None) else hook
+
+
+def is_sync_actor(cls: type) -> bool:
+    """A synchronous actor: at least one endpoint, every one a plain ``def`` (Monarch's rule)."""
+    eps = endpoints_of(cls)
+    return bool(eps) and not any(ep.is_async for ep in eps.values())
 
 
 def check_actor_class(cls: type) -> None:

@@ -75,7 +75,9 @@ class HostMesh:
             prefork()  # while this process may still be single-threaded: a forked forkserver starts at once
         rt = runtime()
         server = forkserver(rt, threads)
-        main = None if server.inherits_main else _main_module()
+        # Even a forkserver forked from this program needs it: it holds only what the script had defined
+        # by the first spawn_procs, and a script may define actor classes after that (Monarch's ping_pong).
+        main = _main_module()
         mesh_name = name or f"procs{rt.counter('mesh')}"
         gpus = visible_gpus() if GPU_DIM in extent else []
         procs: list[ProcRef] = []

@@ -74,6 +74,8 @@ class ProcMesh:
             for ref in procs:
                 rt.meshes[ref.address] = self
             install_owner_handlers(rt)
+            if self._owner_actor is not None and rt.server is not None:
+                rt.server.adopt(self._owner_actor, self)  # stopped when that actor stops
 
     def __repr__(self) -> str:
         return f"<ProcMesh {self._name} {self._extent}>"
@@ -127,6 +129,9 @@ class ProcMesh:
             for ref in self._procs:
                 rt.actor_supervisors[(ref.address, name)] = self
             install_owner_handlers(rt)
+            spawner = _context.get()
+            if spawner is not None and rt.server is not None:
+                rt.server.adopt(spawner.name, mesh)  # stopped when the spawning actor stops
         return mesh  # type: ignore[return-value]
 
     def _send_spawn(

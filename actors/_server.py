@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _refs
-from ._actor import Actor, Endpoint, check_actor_class, endpoints_of
+from ._actor import Actor, Endpoint, check_actor_class, endpoints_of, is_sync_actor
 from ._config import WorkerConfig
 from ._context import ActorContext, _context
 from ._errors import ActorDied, DecodeError
@@ -60,6 +60,8 @@ class ActorSlot:
     stopping: bool = False
     #: Who spawned it: its failures are reported there (as in Monarch; None: this process's owner).
     supervisor: ProcRef | None = None
+    #: What it spawned (proc meshes, actor meshes on proc meshes it was given): stopped when it stops.
+    children: list[Any] = field(default_factory=list)
     #: A synchronous actor's own thread: its ``def`` endpoints run there, one message at a time.
     thread: ThreadPoolExecutor | None = None
 
@@ -245,7 +247,7 @@ class ActorServer:
         try:
             args, _kwargs = inv.arguments(self.rt)
             if method == "spawn":
-                self._spawn(inv, *args)
+                await self._spawn(inv, *args)
                 return  # the spawn answers for itself
             if method == "stop_actor":
                 await self._stop_actor(*args)
@@ -263,7 +265,7 @@ class ActorServer:
             self.rt.outbox.flush_all()
             self.finished.set()
 
-    def _spawn(self, inv: Invocation, name: str, class_ref: str, extent: dict[str, int], ctor: bytes) -> None:
+    async def _spawn(self, inv: Invocation, name: str, class_ref: str, extent: dict[str, int], ctor: bytes) -> None:
         if name in self.actors:
             raise ValueError(f"an actor named {name!r} already exists in this process")
         self.stopped.discard(name)
@@ -278,8 +280,11 @@ class ActorServer:
                 raise TypeError(f"{class_ref} is not an Actor subclass")
             check_actor_class(cls)
             args, kwargs = self.rt.inbox.decoder.decode(ctor, inv.frames)
-            slot.instance = cls(*args, **kwargs)
             slot.endpoints = endpoints_of(cls)
+            if is_sync_actor(cls):  # constructed where its endpoints will run: thread-locals stay valid
+                slot.instance = await slot.run_sync(self.loop, functools.partial(cls, *args, **kwargs))
+            else:
+                slot.instance = cls(*args, **kwargs)
         except BaseException as exc:
             slot.error = ErrorRecord.of(exc, traceback.format_exc(), spawn_failed=True)
             log.error("could not construct actor %s[%d]: %s: %s", name, slot.rank, *slot.error[:2])
@@ -320,7 +325,10 @@ class ActorServer:
         if cleanup is not None:
             token = _context.set(slot.context)
             try:
-                result = cleanup(exc)
+                if slot.thread is not None and not inspect.iscoroutinefunction(cleanup):
+                    result = slot.run_sync(self.loop, functools.partial(cleanup, exc))  # on the actor's thread
+                else:
+                    result = cleanup(exc)
                 if inspect.isawaitable(result):
                     await asyncio.wait_for(result, timeout)
             except Exception:
@@ -331,7 +339,23 @@ class ActorServer:
             task.cancel()
         if slot.tasks:
             await asyncio.wait(list(slot.tasks), timeout=1.0)
+        await self._stop_children(slot, timeout)
         slot.close()
+
+    async def _stop_children(self, slot: ActorSlot, timeout: float) -> None:
+        """Stop what the actor spawned, newest first (as Monarch does when an owner stops)."""
+        while slot.children:
+            child = slot.children.pop()
+            try:
+                await asyncio.wait_for(child.stop(), timeout + 7.0)  # a proc mesh's own stop steps take 7 s at most
+            except Exception:
+                log.exception("could not stop %r, spawned by %s[%d]", child, slot.name, slot.rank)
+
+    def adopt(self, actor: str, child: Any) -> None:
+        """Record that ``actor`` spawned ``child`` (something with ``stop()``): it stops with the actor."""
+        slot = self.actors.get(actor)
+        if slot is not None:
+            slot.children.append(child)
 
     def shutdown(self, reason: str) -> None:
         """Stop every actor quickly and end the process (SIGTERM, owner death): an ordinary end, not logged loudly."""

@@ -9,6 +9,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Generic, TypeVar
 
+from ._errors import DecodeError
+from ._ext import register_handle
+
 R = TypeVar("R")
 
 __all__ = ["Point", "ValueMesh"]
@@ -146,3 +149,22 @@ class ValueMesh(Generic[R]):
 
     def __repr__(self) -> str:
         return f"ValueMesh({self._extent}, {self._values!r})"
+
+
+def _point_state(point: Point) -> list[object]:
+    return [point.rank, list(point.extent.items())]
+
+
+def _point_from_state(state: object) -> Point:
+    if (
+        type(state) is not list
+        or len(state) != 2
+        or type(state[0]) is not int
+        or type(state[1]) is not list
+        or not all(type(e) is tuple and len(e) == 2 and type(e[0]) is str and type(e[1]) is int for e in state[1])
+    ):
+        raise DecodeError("malformed point")
+    return Point(state[0], dict(state[1]))
+
+
+register_handle("point", Point, _point_state, _point_from_state)

@@ -94,7 +94,10 @@ def run(config: WorkerConfig) -> int:
     torch.set_num_threads(int(config.threads or 1))
     sys.stdout = _Prefixed(sys.__stdout__, label)  # type: ignore[arg-type]
     sys.stderr = _Prefixed(sys.__stderr__, label)  # type: ignore[arg-type]
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", force=True)
+    # The handlers inherited from the spawning program write to its streams (pytest's capture files,
+    # say), whose descriptors a worker does not have: drop them unclosed, then log to this stderr.
+    logging.root.handlers.clear()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         _load_main(config.main)
     except BaseException:

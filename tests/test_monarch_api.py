@@ -298,7 +298,7 @@ async def test_concurrent_endpoint_lets_a_later_call_release_an_earlier_one(proc
 def test_concurrent_endpoint_refuses_to_wrap_an_endpoint_or_a_plain_def():
     with pytest.raises(ValueError, match="does not wrap @endpoint"):
         concurrent_endpoint(endpoint(Gate.wait.fn))
-    with pytest.raises(ValueError, match="needs an async method"):
+    with pytest.raises(ValueError, match="can only wrap async endpoints"):
 
         @concurrent_endpoint
         def plain(self: object) -> None: ...
@@ -490,6 +490,15 @@ def test_a_script_without_a_main_guard_runs_once(tmp_path):
             procs = this_host().spawn_procs(per_host={"gpus": 2})
             greeter = procs.spawn("greeter", Greeter)
             print(greeter.greet.call("there").get().item(gpus=1))
+
+            class Later(Actor):  # defined after the first spawn_procs, as Monarch's ping_pong does
+                @endpoint
+                def twice(self, x: int) -> int:
+                    return 2 * x
+
+            later_procs = this_host().spawn_procs(per_host={"procs": 1})
+            print("later", later_procs.spawn("later", Later).twice.call_one(21).get())
+            later_procs.stop().get()
             procs.stop().get()
             """
         )
@@ -498,4 +507,4 @@ def test_a_script_without_a_main_guard_runs_once(tmp_path):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("top level ran") == 1, done.stdout
-    assert "hello there" in done.stdout
+    assert "hello there" in done.stdout and "later 42" in done.stdout

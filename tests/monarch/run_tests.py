@@ -20,14 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import xml.etree.ElementTree as ET
 
-from shim import write_shim
+from shim import rewrite_imports, write_shim
 
 FILES = ("test_python_actors", "test_actor_error", "test_concurrent_endpoints", "test_supervision_hierarchy")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -41,13 +40,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 '''
 
 
-def rewrite(source: str) -> str:
-    """``source`` with its ``monarch.actor`` imports pointed at ``actors``."""
-    out = re.sub(r"\bfrom monarch\.actor import\b", "from actors import", source)
-    out = re.sub(r"\bimport monarch\.actor\b", "import actors", out)
-    return re.sub(r"\bmonarch\.actor\.", "actors.", out)
-
-
 def prepare(tests: str, workdir: str) -> None:
     """Copy Monarch's test folder's Python files, rewritten, with the shim beside them."""
     for name in os.listdir(tests):
@@ -55,7 +47,7 @@ def prepare(tests: str, workdir: str) -> None:
             with open(os.path.join(tests, name)) as f:
                 source = f.read()
             with open(os.path.join(workdir, name), "w") as f:
-                f.write(rewrite(source))
+                f.write(rewrite_imports(source))
     with open(os.path.join(workdir, "conftest.py"), "w") as f:
         f.write(_CONFTEST)
     write_shim(workdir)

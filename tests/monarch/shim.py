@@ -14,6 +14,7 @@ the public API it uses. Nothing here is Monarch's code.
 from __future__ import annotations
 
 import os
+import re
 
 SHIM = '''"""Stand-in for Monarch's package: monarch.actor is actors; every internal is inert."""
 
@@ -95,6 +96,13 @@ actor = actors
 if not any(isinstance(f, _Finder) for f in sys.meta_path):
     sys.meta_path.insert(0, _Finder())
 '''
+
+
+def rewrite_imports(source: str) -> str:
+    """``source`` with its ``monarch.actor`` imports pointed at ``actors`` (the only change a user makes)."""
+    out = re.sub(r"\bfrom monarch\.actor import\b", "from actors import", source)
+    out = re.sub(r"\bimport monarch\.actor\b", "import actors", out)
+    return re.sub(r"\bmonarch\.actor\.", "actors.", out)
 
 
 def write_shim(directory: str) -> str:

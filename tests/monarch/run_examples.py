@@ -1,6 +1,6 @@
 """Run Monarch's published examples on ``actors`` with only their imports changed, and time them.
 
-    python benchmarks/run_monarch_examples.py --monarch PATH [--examples grpo_yield ping_pong] [--repeat 5]
+    python tests/monarch/run_examples.py --monarch PATH [--examples grpo_yield ping_pong] [--repeat 5]
 
 ``PATH`` is a checkout of https://github.com/meta-pytorch/monarch (nothing
 of it is part of this repository). Each example under
@@ -26,7 +26,12 @@ import sys
 import tempfile
 import time
 
-EXAMPLES = ("grpo_yield", "ping_pong", "getting_started", "grpo_actor")
+from shim import rewrite_imports
+
+#: The examples that need nothing but ``monarch.actor``. The others also import Monarch's RDMA, tensor
+#: engine, job API or mocks (getting_started, grpo_actor*, grpo_*sim, distributed_tensors, otel_collector),
+#: TorchForge (grpo_forge_lib), the internet (crawler), or an interactive debugger (debugging).
+EXAMPLES = ("grpo_yield", "ping_pong")
 #: Marks the controller's first spawn and the first answer, in the GRPO example's copy only.
 _SPAWN_MARK = "this_host().spawn_procs("
 _TIMING = "print(f'[run_monarch_examples] {{_rme_time.monotonic() - _RME_T0:.3f}} {label}', flush=True)"
@@ -34,9 +39,7 @@ _TIMING = "print(f'[run_monarch_examples] {{_rme_time.monotonic() - _RME_T0:.3f}
 
 def rewrite(source: str, name: str) -> str:
     """The example with ``monarch.actor`` replaced by ``actors`` (and timing lines for grpo_yield)."""
-    out = re.sub(r"\bfrom monarch\.actor import\b", "from actors import", source)
-    out = re.sub(r"\bimport monarch\.actor\b", "import actors", out)
-    out = re.sub(r"\bmonarch\.actor\.", "actors.", out)
+    out = rewrite_imports(source)
     if name == "grpo_yield":
         out = "import time as _rme_time\n_RME_T0 = _rme_time.monotonic()\n" + out
         lines = out.splitlines()
@@ -80,7 +83,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=120.0)
     args = parser.parse_args()
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     workdir = tempfile.mkdtemp(prefix="monarch-examples-")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     results: dict[str, list[dict[str, object]]] = {}
