@@ -20,7 +20,7 @@ from ._future import Future
 from ._invoke import encode_arguments, pending_future, send_call
 from ._liveness import ProcRef
 from ._runtime import runtime
-from ._value_mesh import ValueMesh, flattened, select
+from ._value_mesh import ValueMesh, extent_from_wire, flattened, select
 from ._wire import PROCESS_ACTOR
 
 if TYPE_CHECKING:
@@ -300,10 +300,7 @@ def _mesh_from_state(state: Any) -> ActorMesh[Any]:
         if type(rank) is not int or type(address) is not str or not (pid is None or type(pid) is int):
             raise DecodeError("malformed actor mesh process")
         targets.append((rank, registry.proc(address, pid)))
-    if type(extent) is not list or not all(type(e) is tuple and len(e) == 2 for e in extent):
-        raise DecodeError("malformed actor mesh extent")
-    dims = {str(dim): int(size) for dim, size in extent}
-    return ActorMesh(name, class_ref, timeouts, dims, targets)
+    return ActorMesh(name, class_ref, timeouts, extent_from_wire(extent, "actor mesh"), targets)
 
 
 register_handle("actor_mesh", ActorMesh, _mesh_state, _mesh_from_state)

@@ -30,11 +30,13 @@ from ._runtime import Runtime, runtime
 from ._server import CLEANUP_TIMEOUT
 from ._session import incarnation_path, remove_socket_file
 from ._supervision import Failure, FailureHandler, escalate_to_controller, install_owner_handlers, offer
+from ._value_mesh import extent_from_wire
 from ._wire import PROCESS_ACTOR
 
 __all__ = ["ProcMesh"]
 
 A = TypeVar("A", bound=Actor)
+R = TypeVar("R")
 
 
 class ProcMesh:
@@ -151,15 +153,19 @@ class ProcMesh:
         blob = enc.encode([[name, class_ref, self._extent, ctor], {}])
         return send_call(rt, targets, PROCESS_ACTOR, "spawn", (blob, frames, handles), want_reply=True)
 
-    @property
-    def initialized(self) -> Future[bool]:
-        """Resolves to True once every process is up and answering."""
+    def _ask_processes(self, operation: str, args: tuple[Any, ...], build: Callable[[], R], what: str) -> Future[R]:
+        """Send a process operation (``ping``, ``log_level``) to every process; ``build()`` once all answered."""
         rt = runtime()
         targets = list(enumerate(self._procs))
         pending = rt.driver.on_thread(
-            lambda: send_call(rt, targets, PROCESS_ACTOR, "ping", encode_arguments(rt, (), {}), want_reply=True)
+            lambda: send_call(rt, targets, PROCESS_ACTOR, operation, encode_arguments(rt, args, {}), want_reply=True)
         )
-        return pending_future(rt, pending, lambda results: True, f"{self._name}.initialized")
+        return pending_future(rt, pending, lambda results: build(), f"{self._name}.{what}")
+
+    @property
+    def initialized(self) -> Future[bool]:
+        """Resolves to True once every process is up and answering."""
+        return self._ask_processes("ping", (), lambda: True, "initialized")
 
     def logging_option(
         self, stream_to_client: bool = True, aggregate_window_sec: int | None = None, level: int = logging.INFO
@@ -176,14 +182,7 @@ class ProcMesh:
             raise NotImplementedError("actors does not aggregate similar log lines; pass aggregate_window_sec=None")
         if not isinstance(level, int):
             raise TypeError(f"level must be a logging level such as logging.INFO, not {level!r}")
-        rt = runtime()
-        targets = list(enumerate(self._procs))
-        pending = rt.driver.on_thread(
-            lambda: send_call(
-                rt, targets, PROCESS_ACTOR, "log_level", encode_arguments(rt, (level,), {}), want_reply=True
-            )
-        )
-        return pending_future(rt, pending, lambda results: None, f"{self._name}.logging_option")
+        return self._ask_processes("log_level", (level,), lambda: None, "logging_option")
 
     def activate(self) -> Any:
         """Monarch's tensor-engine activation: not offered (actors has no tensor engine)."""
@@ -320,10 +319,9 @@ def _proc_mesh_from_state(state: Any) -> ProcMesh:
     if type(state) is not list or len(state) != 3:
         raise DecodeError("malformed proc mesh")
     name, extent, procs = state
-    if type(name) is not str or type(extent) is not list or type(procs) is not list:
+    if type(name) is not str or type(procs) is not list:
         raise DecodeError("malformed proc mesh")
-    if not all(type(e) is tuple and len(e) == 2 and type(e[0]) is str and type(e[1]) is int for e in extent):
-        raise DecodeError("malformed proc mesh extent")
+    dims = extent_from_wire(extent, "proc mesh")
     registry = runtime().registry
     refs = []
     for proc in procs:
@@ -332,7 +330,7 @@ def _proc_mesh_from_state(state: Any) -> ProcMesh:
         if not (proc[1] is None or type(proc[1]) is int):
             raise DecodeError("malformed proc mesh process")
         refs.append(registry.proc(proc[0], proc[1]))
-    return ProcMesh(name, dict(extent), refs, owned=False)
+    return ProcMesh(name, dims, refs, owned=False)
 
 
 register_handle("proc_mesh", ProcMesh, _proc_mesh_state, _proc_mesh_from_state)

@@ -80,6 +80,10 @@ class ResponsePort(Generic[T]):
         self._claim()
         _deliver(self._rt, self._inv, False, ErrorRecord.of(exc))
 
+    def take_over(self) -> bool:
+        """Claim the answer for the runtime (the endpoint raised); False if the endpoint already answered."""
+        return self._answer.claim()
+
     def _claim(self) -> None:
         if not self._answer.claim():
             call = self._inv.call

@@ -169,8 +169,8 @@ class ActorServer:
             record = ErrorRecord.of(exc, traceback.format_exc())
             if port is None:
                 self._fail(slot, inv, record)
-            elif not port.answered:
-                self._escaped_port(slot, inv, port, record)
+            elif port.take_over():
+                self._escaped_port(slot, inv, record)
         else:
             if port is not None:
                 return  # it answers through its port, now or later (unanswered, the port answers when dropped)
@@ -179,12 +179,11 @@ class ActorServer:
             else:
                 inv.deliver_result(result)
 
-    def _escaped_port(self, slot: ActorSlot, inv: Invocation, port: ResponsePort[Any], record: ErrorRecord) -> None:
+    def _escaped_port(self, slot: ActorSlot, inv: Invocation, record: ErrorRecord) -> None:
         """An explicit-port endpoint raised instead of answering: a failure of the actor (as in Monarch).
 
         The caller gets :class:`SupervisionError` carrying the error; the owner is told.
         """
-        port._answer.claim()
         message = f"{slot.name}.{inv.call.method} raised instead of answering its response port: {record.type_name}: "
         inv.reply(self.rt, False, ErrorRecord(SUPERVISION, message + record.message, record.traceback))
         self.report_failure(slot.name, slot.rank, inv.call.method, record)

@@ -6,6 +6,7 @@ ranks number its points in row-major order.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from typing import Generic, TypeVar
 
@@ -52,10 +53,9 @@ def select(extent: Mapping[str, int], coords: Mapping[str, int | slice]) -> tupl
         else:
             ranges[dim] = list(range(size))[sel]
             kept[dim] = len(ranges[dim])
-    total = 1
-    for size in extent.values():
-        total *= size
-    ranks = [r for r in range(total) if all(c in ranges[d] for d, c in coordinates(r, extent).items())]
+    ranks = [
+        r for r in range(math.prod(extent.values())) if all(c in ranges[d] for d, c in coordinates(r, extent).items())
+    ]
     return ranks, kept
 
 
@@ -63,10 +63,7 @@ def flattened(extent: Mapping[str, int], dim: str) -> dict[str, int]:
     """``extent`` as one dimension named ``dim`` (row-major order is kept)."""
     if not isinstance(dim, str) or not dim:
         raise TypeError(f"flatten() takes a dimension name, not {dim!r}")
-    total = 1
-    for size in extent.values():
-        total *= size
-    return {dim: total}
+    return {dim: math.prod(extent.values())}
 
 
 class Point(Mapping[str, int]):
@@ -151,20 +148,23 @@ class ValueMesh(Generic[R]):
         return f"ValueMesh({self._extent}, {self._values!r})"
 
 
+def extent_from_wire(value: object, what: str) -> dict[str, int]:
+    """An extent sent as ``[(dim, size), ...]`` (shared by points, actor meshes and proc meshes)."""
+    if type(value) is not list or not all(
+        type(e) is tuple and len(e) == 2 and type(e[0]) is str and type(e[1]) is int for e in value
+    ):
+        raise DecodeError(f"malformed {what} extent")
+    return dict(value)
+
+
 def _point_state(point: Point) -> list[object]:
     return [point.rank, list(point.extent.items())]
 
 
 def _point_from_state(state: object) -> Point:
-    if (
-        type(state) is not list
-        or len(state) != 2
-        or type(state[0]) is not int
-        or type(state[1]) is not list
-        or not all(type(e) is tuple and len(e) == 2 and type(e[0]) is str and type(e[1]) is int for e in state[1])
-    ):
+    if type(state) is not list or len(state) != 2 or type(state[0]) is not int:
         raise DecodeError("malformed point")
-    return Point(state[0], dict(state[1]))
+    return Point(state[0], extent_from_wire(state[1], "point"))
 
 
 register_handle("point", Point, _point_state, _point_from_state)

@@ -394,7 +394,6 @@ async def test_initialized_resolves_once_constructed_and_raises_if_not(procs: Pr
         with pytest.raises(SpawnError, match="no constructor today"):
             await procs.spawn("bad", BadInit).initialized
     finally:
-        del actors.unhandled_fault_hook
         actors.unhandled_fault_hook = actors._supervision.unhandled_fault_hook
 
 
