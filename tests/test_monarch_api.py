@@ -507,3 +507,31 @@ def test_a_script_without_a_main_guard_runs_once(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("top level ran") == 1, done.stdout
     assert "hello there" in done.stdout and "later 42" in done.stdout
+
+
+async def test_a_controller_claimed_but_never_published_times_out(sockets_dir, monkeypatch):
+    import actors._controllers as controllers
+
+    monkeypatch.setattr(controllers, "PUBLISH_WAIT", 0.05)
+    claim, _published = controllers._paths(runtime(), "orphan")
+    open(claim, "w").close()  # another process claimed the name and died before publishing
+    try:
+        with pytest.raises(actors.CallTimeout, match="claimed by another process"):
+            await get_or_spawn_controller("orphan", Who)
+    finally:
+        os.remove(claim)
+        os.rmdir(os.path.dirname(claim))
+
+
+def test_malformed_points_and_proc_meshes_are_refused():
+    from actors._proc_mesh import _proc_mesh_from_state
+    from actors._value_mesh import _point_from_state
+
+    with pytest.raises(actors.DecodeError, match="malformed point extent"):
+        _point_from_state([0, [("gpus", "two")]])
+    with pytest.raises(actors.DecodeError, match="malformed point"):
+        _point_from_state(["zero", []])
+    with pytest.raises(actors.DecodeError, match="malformed proc mesh extent"):
+        _proc_mesh_from_state(["p", [(1, 2)], []])
+    with pytest.raises(actors.DecodeError, match="malformed proc mesh process"):
+        _proc_mesh_from_state(["p", [("procs", 1)], [["ipc://x", "pid"]]])
