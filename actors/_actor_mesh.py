@@ -226,7 +226,7 @@ class ActorMesh(Generic[A]):
 
     def _targets(self) -> list[tuple[int, ProcRef]]:
         if self._life.stopped:
-            raise SupervisionError(f"actor mesh {self._name!r} was stopped; it takes no more messages")
+            raise SupervisionError(f"Supervision event: actor {self._name} has status: stopped; it takes no more messages")
         proc_mesh = self._proc_mesh
         if proc_mesh is not None and proc_mesh.fault is not None:
             raise proc_mesh.fault

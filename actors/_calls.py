@@ -68,7 +68,7 @@ class PendingCall:
                 self.finish()
         else:
             record = value if isinstance(value, ErrorRecord) else ErrorRecord.from_wire(value)
-            self.fail(record.to_error(self.actor, rank))
+            self.fail(record.to_error(self.actor, rank, self.method))
 
     def fail(self, error: BaseException) -> None:
         if not self.done:
@@ -150,11 +150,7 @@ class CallTable:
             for rank in call.remaining:
                 if call.procs[rank] is ref:
                     call.fail(
-                        ActorDied(
-                            f"actor {call.actor!r} (rank {rank}, pid {ref.pid}) died: {ref.exit_reason}",
-                            pid=ref.pid,
-                            actor=call.actor,
-                        )
+                        ActorDied.of(call.actor, rank, ref.pid, ref.exit_reason, call.method)
                     )
                     break
 

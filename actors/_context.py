@@ -80,6 +80,20 @@ class Instance:
 
         return this_proc()
 
+    def abort(self, reason: str | None = None) -> None:
+        """Fail this actor now, as an endpoint raising a fatal error would (Monarch's ``abort``).
+
+        Its supervisor is told (the failure names the class and ``reason``);
+        its running and later calls raise :class:`~actors.SupervisionError`;
+        it is stopped. Safe from any task or thread of the actor.
+        """
+        from ._runtime import runtime
+
+        ctx, server = self._ctx, runtime().server
+        if ctx is None or server is None:
+            raise RuntimeError("abort() fails an actor; the client is not one")
+        server.loop.call_soon_threadsafe(server.abort, ctx.name, reason or "no reason provided")
+
     def __str__(self) -> str:
         ctx = self._ctx
         if ctx is None:

@@ -6,11 +6,12 @@ Every error the runtime raises on purpose derives from :class:`ActorsError`::
     ├── ActorError          an endpoint (or a constructor) raised in the remote actor;
     │   │                   carries the original type name, message and remote traceback
     │   └── SpawnError      the actor could not be constructed (class not found, __init__ raised)
-    ├── ActorDied           the process hosting the actor is gone (killed, crashed, stopped)
-    ├── SupervisionError    an actor of a mesh failed and no supervisor handled it: later
-    │                       calls to that mesh raise it; carries the ``Failure``; also a call
-    │                       to a stopped actor, and one whose explicit response port was
-    │                       abandoned by an exception (as in Monarch)
+    ├── SupervisionError    an actor failed (also a ``RuntimeError``, as in Monarch): it raised
+    │   │                   a ``BaseException`` that is not an ``Exception``, abandoned its
+    │   │                   explicit response port, or failed and no supervisor handled it
+    │   │                   (later calls to its mesh raise it; carries the ``Failure``); also
+    │   │                   a call to a stopped actor
+    │   └── ActorDied       the process hosting the actor is gone (killed, crashed, stopped)
     ├── CallTimeout         a call's deadline or a wait's timeout passed (also a
     │                       ``TimeoutError``); the actor is alive but busy or blocked
     ├── PortClosed          a port cannot deliver: its receiver is gone, a once-port was
@@ -86,16 +87,20 @@ class ActorError(ActorsError):
         *,
         actor: str = "",
         rank: int | None = None,
+        method: str = "",
     ) -> None:
         self.exception_type = exception_type
         self.message = message
         self.remote_traceback = remote_traceback
         self.actor = actor
         self.rank = rank
+        self.method = method
         where = f" in actor {actor!r}" if actor else ""
         if rank is not None:
             where += f" (rank {rank})"
         text = f"{exception_type}: {message}{where}"
+        if actor and method:  # the call first, in the words Monarch's programs match on
+            text = f"Actor call {actor}.{method} failed: {text}"
         if remote_traceback:
             text += "\n\nRemote traceback:\n" + remote_traceback.rstrip()
         super().__init__(text)
@@ -103,21 +108,39 @@ class ActorError(ActorsError):
     def __reduce__(self) -> tuple[object, ...]:
         return (
             _rebuild_actor_error,
-            (type(self), self.exception_type, self.message, self.remote_traceback, self.actor, self.rank),
+            (type(self), self.exception_type, self.message, self.remote_traceback, self.actor, self.rank, self.method),
         )
 
 
 def _rebuild_actor_error(
-    cls: type[ActorError], etype: str, message: str, tb: str, actor: str, rank: int | None
+    cls: type[ActorError], etype: str, message: str, tb: str, actor: str, rank: int | None, method: str = ""
 ) -> ActorError:
-    return cls(etype, message, tb, actor=actor, rank=rank)
+    return cls(etype, message, tb, actor=actor, rank=rank, method=method)
 
 
 class SpawnError(ActorError):
     """The actor could not be constructed in its process."""
 
 
-class ActorDied(ActorsError):
+class SupervisionError(ActorsError, RuntimeError):
+    """An actor failed: it is gone for good, and so are the calls it had not answered.
+
+    ``failure`` is the :class:`~actors.Failure` record when the failure went
+    unhandled (actor, rank, pid, cause and remote traceback); the mesh then
+    stays faulted and later calls to it raise this error again.
+    """
+
+    def __init__(self, message: str, failure: object = None) -> None:
+        self.failure = failure
+        super().__init__(message)
+
+
+def actor_failed(actor: str, rank: int, why: str) -> str:
+    """The message of an actor's failure, in the words Monarch's programs match on."""
+    return f"The actor {actor}[{rank}] and all its descendants have failed: {why}"
+
+
+class ActorDied(SupervisionError):
     """The process hosting an actor has exited; its calls can never complete."""
 
     def __init__(self, message: str, *, pid: int | None = None, actor: str = "") -> None:
@@ -125,18 +148,12 @@ class ActorDied(ActorsError):
         self.actor = actor
         super().__init__(message)
 
-
-class SupervisionError(ActorsError):
-    """An actor failed and nothing handled it (no handler, ``__supervise__`` or restart).
-
-    ``failure`` is the :class:`~actors.Failure` record: actor, rank, pid,
-    cause and remote traceback. The mesh stays faulted: later calls to it
-    raise this error again.
-    """
-
-    def __init__(self, message: str, failure: object = None) -> None:
-        self.failure = failure
-        super().__init__(message)
+    @classmethod
+    def of(cls, actor: str, rank: int, pid: int | None, reason: str, method: str = "") -> ActorDied:
+        """The error for calls to ``actor`` (rank ``rank``) whose process ``pid`` ended with ``reason``."""
+        call = f"Endpoint call {actor}.{method}() failed, " if method else ""
+        why = f"its process (pid {pid}) died: {reason}"
+        return cls(call + actor_failed(actor, rank, why), pid=pid, actor=actor)
 
 
 class MainLoadingError(ActorsError, RuntimeError):

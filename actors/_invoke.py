@@ -56,9 +56,7 @@ def send_call(
     enc = rt.encoder
     for rank, ref in targets:
         if ref.dead and not rt.registry.alive(ref):
-            error = ActorDied(
-                f"actor {actor!r} (rank {rank}, pid {ref.pid}) is dead: {ref.exit_reason}", pid=ref.pid, actor=actor
-            )
+            error = ActorDied.of(actor, rank, ref.pid, ref.exit_reason, method)
             if pending is None:
                 raise error
             pending.fail(error)

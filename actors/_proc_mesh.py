@@ -110,7 +110,7 @@ class ProcMesh:
         its endpoints carry their signatures (as in Monarch).
         """
         if self._stopping:
-            raise RuntimeError(f"proc mesh {self._name!r} is stopped")
+            raise RuntimeError(f"`ProcMesh` {self._name!r} has already been stopped")
         if not (isinstance(actor_class, type) and issubclass(actor_class, Actor)):
             raise TypeError(f"spawn() needs an Actor subclass, not {actor_class!r}")
         check_actor_class(actor_class)

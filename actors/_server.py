@@ -27,7 +27,7 @@ from . import _refs
 from ._actor import Actor, Endpoint, check_actor_class, endpoints_of, is_sync_actor
 from ._config import WorkerConfig
 from ._context import ActorContext, _context
-from ._errors import ActorDied, DecodeError
+from ._errors import ActorDied, DecodeError, SupervisionError, actor_failed
 from ._invocation import Invocation
 from ._liveness import ProcRef
 from ._response_port import ResponsePort
@@ -58,6 +58,8 @@ class ActorSlot:
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     backlog: list[Invocation] = field(default_factory=list)
     stopping: bool = False
+    #: The one run of its stop (``__cleanup__``, its calls, its children), once begun.
+    stop_task: asyncio.Task[None] | None = None
     #: Who spawned it: its failures are reported there (as in Monarch; None: this process's owner).
     supervisor: ProcRef | None = None
     #: What it spawned (proc meshes, actor meshes on proc meshes it was given): stopped when it stops.
@@ -112,7 +114,8 @@ class ActorServer:
             return
         slot = self.actors.get(actor)
         if slot is None and actor in self.stopped:
-            self._refuse(inv, ErrorRecord(SUPERVISION, f"actor {actor!r} was stopped; it takes no more messages"))
+            message = f"Supervision event: actor {actor} has status: stopped; it takes no more messages"
+            self._refuse(inv, ErrorRecord(SUPERVISION, message))
         elif slot is None:
             self.waiting.setdefault(actor, []).append(inv)
             self.loop.call_later(SPAWN_WAIT, self._expire, actor, inv)
@@ -164,13 +167,19 @@ class ActorServer:
             else:
                 result = await slot.run_sync(self.loop, functools.partial(ep.fn, slot.instance, *args, **kwargs))
         except asyncio.CancelledError:
-            self._fail(slot, inv, ErrorRecord("CancelledError", f"actor {slot.name!r} stopped first"), report=False)
+            record = slot.error or ErrorRecord("CancelledError", f"actor {slot.name!r} stopped first")
+            self._fail(slot, inv, record, report=False)
         except BaseException as exc:
             record = ErrorRecord.of(exc, traceback.format_exc())
-            if port is None:
+            if port is not None:
+                if port.take_over():
+                    why = f"{inv.call.method} raised instead of answering its response port: "
+                    self._kill(slot, inv.call.method, why + f"{record.type_name}: {record.message}", record, exc, inv)
+            elif isinstance(exc, Exception):
                 self._fail(slot, inv, record)
-            elif port.take_over():
-                self._escaped_port(slot, inv, record)
+            else:
+                why = f"{inv.call.method} raised {record.type_name}: {record.message}"
+                self._kill(slot, inv.call.method, why, record, exc, inv)
         else:
             if port is not None:
                 return  # it answers through its port, now or later (unanswered, the port answers when dropped)
@@ -179,14 +188,42 @@ class ActorServer:
             else:
                 inv.deliver_result(result)
 
-    def _escaped_port(self, slot: ActorSlot, inv: Invocation, record: ErrorRecord) -> None:
-        """An explicit-port endpoint raised instead of answering: a failure of the actor (as in Monarch).
+    def _kill(
+        self,
+        slot: ActorSlot,
+        method: str,
+        why: str,
+        record: ErrorRecord,
+        exc: BaseException,
+        inv: Invocation | None = None,
+    ) -> None:
+        """The actor failed itself (as in Monarch): it is gone for good.
 
-        The caller gets :class:`SupervisionError` carrying the error; the owner is told.
+        That is an endpoint raising a ``BaseException`` that is not an
+        ``Exception`` (``SystemExit``, a fatal error of the user's), an
+        explicit-port endpoint raising instead of answering, or a failure of
+        an actor it spawned that its ``__supervise__`` left unhandled. Its
+        supervisor is told first; then ``inv``, every call still running and
+        every later one raise :class:`SupervisionError`; the actor is stopped
+        (``__cleanup__``, what it spawned).
         """
-        message = f"{slot.name}.{inv.call.method} raised instead of answering its response port: {record.type_name}: "
-        inv.reply(self.rt, False, ErrorRecord(SUPERVISION, message + record.message, record.traceback))
-        self.report_failure(slot.name, slot.rank, inv.call.method, record)
+        if slot.error is None:
+            failed = actor_failed(slot.name, slot.rank, why)
+            slot.error = ErrorRecord(SUPERVISION, failed, record.traceback)
+            log.error("%s\n%s", failed, record.traceback.rstrip())
+            told = ErrorRecord(record.type_name, actor_failed(slot.name, slot.rank, record.message), record.traceback)
+            self.report_failure(slot.name, slot.rank, method, told)
+            self._spawn_task(self._stop_slot(slot, exc, CLEANUP_TIMEOUT))
+        if inv is not None and inv.wants_reply:
+            inv.reply(self.rt, False, slot.error)
+
+    def abort(self, actor: str, reason: str) -> None:
+        """``Instance.abort``: fail ``actor`` with ``reason``."""
+        slot = self.actors.get(actor)
+        if slot is None:
+            return
+        why = f"{type(slot.instance).__qualname__} {actor}[{slot.rank}] aborted: {reason}"
+        self._kill(slot, "abort", why, ErrorRecord("ActorAborted", why), SupervisionError(why))
 
     def _refuse(self, inv: Invocation, record: ErrorRecord) -> None:
         """A call that never ran (no such actor or endpoint, bad arguments): an error reply.
@@ -319,7 +356,18 @@ class ActorServer:
             await stop_controllers()
 
     async def _stop_slot(self, slot: ActorSlot, exc: BaseException | None, timeout: float) -> None:
-        slot.stopping = True
+        """Stop ``slot`` once; a second stop (a failed actor stops itself) waits for the first."""
+        if slot.stop_task is None:
+            slot.stopping = True
+            slot.stop_task = self.loop.create_task(self._run_stop(slot, exc, timeout))
+        await asyncio.shield(slot.stop_task)
+
+    async def _run_stop(self, slot: ActorSlot, exc: BaseException | None, timeout: float) -> None:
+        """Cancel its running calls, then ``__cleanup__(exc)``, then stop what it spawned (Monarch's order)."""
+        for task in list(slot.tasks):
+            task.cancel()
+        if slot.tasks:
+            await asyncio.wait(list(slot.tasks), timeout=1.0)
         cleanup = getattr(slot.instance, "__cleanup__", None)
         if cleanup is not None:
             token = _context.set(slot.context)
@@ -334,10 +382,6 @@ class ActorServer:
                 log.exception("__cleanup__ of %s[%d] failed", slot.name, slot.rank)
             finally:
                 _context.reset(token)
-        for task in list(slot.tasks):
-            task.cancel()
-        if slot.tasks:
-            await asyncio.wait(list(slot.tasks), timeout=1.0)
         await self._stop_children(slot, timeout)
         slot.close()
 
@@ -381,8 +425,8 @@ class ActorServer:
         """Offer ``failure`` to the ``__supervise__`` of ``actor`` (hosted here); True if handled.
 
         An ``async def __supervise__`` runs as a task on this loop; until it
-        answers the failure counts as handled, and a false answer (or an
-        exception) escalates it then.
+        answers the failure counts as handled, and a false answer escalates it
+        then. A ``__supervise__`` that raises fails its actor (as in Monarch).
         """
         slot = self.actors.get(actor)
         if slot is None or slot.instance is None:
@@ -390,9 +434,9 @@ class ActorServer:
         token = _context.set(slot.context)
         try:
             verdict = slot.instance.__supervise__(failure)
-        except Exception:
-            log.exception("__supervise__ of %s[%d] raised; the failure stays unhandled", slot.name, slot.rank)
-            return False
+        except Exception as exc:
+            self.escalate(actor, failure, exc)
+            return True
         finally:
             _context.reset(token)
         if not inspect.isawaitable(verdict):
@@ -401,9 +445,11 @@ class ActorServer:
         async def settle() -> None:
             try:
                 handled = bool(await verdict)
-            except Exception:
-                log.exception("__supervise__ of %s[%d] raised; the failure stays unhandled", slot.name, slot.rank)
-                handled = False
+            except BaseException as exc:  # a CancelledError it raised itself, too, unless the actor is stopping
+                if slot.stopping:
+                    return
+                self.escalate(actor, failure, exc)
+                return
             if not handled:
                 self.escalate(actor, failure)
 
@@ -416,11 +462,15 @@ class ActorServer:
         task.add_done_callback(slot.tasks.discard)
         return True
 
-    def escalate(self, actor: str, failure: Any) -> None:
-        """Report an unhandled ``failure`` to this process's owner as a failure of ``actor``."""
+    def escalate(self, actor: str, failure: Any, raised: BaseException | None = None) -> None:
+        """A failure of what ``actor`` spawned went unhandled (or its ``__supervise__`` raised): ``actor`` fails."""
+        if raised is not None:
+            cause = f"__supervise__ raised {type(raised).__name__}: {raised} while handling {failure}"
+        else:
+            cause = f"__supervise__ left a failure of an actor it spawned unhandled: {failure}"
+        record = ErrorRecord(SUPERVISION, cause, failure.traceback)
         slot = self.actors.get(actor)
-        rank = slot.rank if slot is not None else 0
-        record = ErrorRecord(
-            "SupervisionError", f"unhandled failure of an actor it spawned: {failure}", failure.traceback
-        )
-        self.report_failure(actor, rank, "__supervise__", record)
+        if slot is None:  # already gone: its owner still hears of it
+            self.report_failure(actor, 0, "__supervise__", record)
+            return
+        self._kill(slot, "__supervise__", cause, record, SupervisionError(actor_failed(actor, slot.rank, cause)))

@@ -125,11 +125,12 @@ class ErrorRecord(NamedTuple):
         name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
         return cls(name, str(exc), tb, spawn_failed)
 
-    def to_error(self, actor: str, rank: int | None) -> ActorsError:
+    def to_error(self, actor: str, rank: int | None, method: str = "") -> ActorsError:
         if self.type_name == SUPERVISION:
             return SupervisionError(self.message)
-        cls = SpawnError if self.spawn_failed else ActorError
-        return cls(self.type_name, self.message, self.traceback, actor=actor, rank=rank)
+        if self.spawn_failed:
+            return SpawnError(self.type_name, self.message, self.traceback, actor=actor, rank=rank)
+        return ActorError(self.type_name, self.message, self.traceback, actor=actor, rank=rank, method=method)
 
     def to_wire(self) -> list[Any]:
         return list(self)

@@ -199,5 +199,5 @@ async def test_actor_mesh_stop_runs_cleanup_and_removes_actor(procs: ProcMesh):
     assert await mesh.ping.call() is not None
     await mesh.stop()
     assert sorted([await recv.recv(), await recv.recv()]) == ["cleanup 0", "cleanup 1"]
-    with pytest.raises(SupervisionError, match="was stopped"):
+    with pytest.raises(SupervisionError, match="has status: stopped"):
         await mesh.slice(gpus=0).ping.call_one()

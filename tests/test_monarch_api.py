@@ -281,8 +281,106 @@ async def test_an_exception_escaping_an_explicit_port_endpoint_is_a_supervision_
     replies = procs.spawn("replies", Replies).slice(procs=0)
     with pytest.raises(SupervisionError, match=r"raised instead of answering.*KeyError"):
         await asyncio.wait_for(replies.escape.call_one(), 20)
-    assert await replies.later.call_one(1, 2) == 3
-    assert [f.endpoint for f in seen] == ["escape"]
+    assert [f.endpoint for f in seen] == ["escape"]  # the supervisor hears first
+    with pytest.raises(SupervisionError, match=r"The actor replies\[0\] and all its descendants have failed"):
+        await replies.later.call_one(1, 2)  # the actor is gone for good, as in Monarch
+
+
+class Fatal(BaseException):
+    """Not an ``Exception``: raising it from an endpoint fails the actor (as in Monarch)."""
+
+
+class Doomed(Actor):
+    def __init__(self, port: Port[str]) -> None:
+        self.port = port
+
+    @endpoint
+    async def fatal(self) -> None:
+        raise Fatal("beyond repair")
+
+    @endpoint
+    async def ordinary(self) -> None:
+        raise ValueError("a bad argument")
+
+    @endpoint
+    async def ping(self) -> str:
+        return "pong"
+
+    async def __cleanup__(self, exc: BaseException | None) -> None:
+        self.port.send(f"cleanup after {type(exc).__name__}")
+
+
+class SyncDoomed(Actor):
+    @endpoint
+    def fatal(self) -> None:
+        raise SystemExit("the endpoint asked to exit")
+
+    @endpoint
+    def ping(self) -> str:
+        return "pong"
+
+
+async def test_a_base_exception_fails_the_actor_and_later_calls_raise_supervision_error(procs: ProcMesh):
+    seen: list[Failure] = []
+    procs.add_failure_handler(lambda failure: seen.append(failure) or True)
+    port, receiver = actors.Channel[str].open()
+    doomed = procs.spawn("doomed", Doomed, port).slice(procs=0)
+    with pytest.raises(ActorError, match="a bad argument"):  # an Exception with a reply port: the actor lives on
+        await doomed.ordinary.call_one()
+    assert await doomed.ping.call_one() == "pong"
+    with pytest.raises(SupervisionError, match=r"The actor doomed\[0\] and all its descendants have failed.*Fatal"):
+        await asyncio.wait_for(doomed.fatal.call_one(), 20)
+    assert [(f.endpoint, f.exception_type) for f in seen] == [("fatal", "test_monarch_api.Fatal")]
+    assert await asyncio.wait_for(receiver.recv(), 20) == "cleanup after Fatal"
+    with pytest.raises(RuntimeError, match="and all its descendants have failed"):  # SupervisionError is one
+        await doomed.ping.call_one()
+
+
+async def test_a_base_exception_fails_a_synchronous_actor_too(procs: ProcMesh):
+    procs.add_failure_handler(lambda failure: True)
+    doomed = procs.spawn("sync_doomed", SyncDoomed).slice(procs=1)
+    with pytest.raises(SupervisionError, match="SystemExit: the endpoint asked to exit"):
+        await asyncio.wait_for(doomed.fatal.call_one(), 20)
+    with pytest.raises(SupervisionError, match="and all its descendants have failed"):
+        await doomed.ping.call_one()
+
+
+class Aborting(Actor):
+    @endpoint
+    def abort(self, reason: str | None) -> None:
+        context().actor_instance.abort(reason)
+
+    @endpoint
+    def ping(self) -> str:
+        return "pong"
+
+
+@pytest.mark.parametrize("reason", [None, "out of patience"])
+async def test_instance_abort_fails_the_actor_with_its_reason(procs: ProcMesh, reason: str | None):
+    seen: asyncio.Queue[Failure] = asyncio.Queue()
+    procs.add_failure_handler(lambda failure: seen.put_nowait(failure) or True)
+    aborting = procs.spawn("aborting", Aborting).slice(procs=0)
+    try:
+        await aborting.abort.call_one(reason)  # its answer races the abort, as in Monarch
+    except SupervisionError:
+        pass
+    failure = await asyncio.wait_for(seen.get(), 20)
+    assert "Aborting aborting[0] aborted" in failure.report()
+    assert (reason or "no reason provided") in failure.report()
+    with pytest.raises(SupervisionError, match="aborted"):
+        await aborting.ping.call_one()
+
+
+def test_abort_is_for_actors_only():
+    with pytest.raises(RuntimeError, match="the client is not one"):
+        context().actor_instance.abort("no")
+
+
+def test_actor_died_is_a_supervision_error_naming_the_call():
+    died = actors.ActorDied.of("worker", 3, 1234, "killed by SIGKILL", "step")
+    assert isinstance(died, SupervisionError) and isinstance(died, RuntimeError)
+    assert str(died).startswith("Endpoint call worker.step() failed, The actor worker[3] and all its descendants")
+    assert died.pid == 1234 and died.actor == "worker"
 
 
 # ------------------------------------------------------------------ concurrent_endpoint and sync actors
@@ -535,3 +633,44 @@ def test_malformed_points_and_proc_meshes_are_refused():
         _proc_mesh_from_state(["p", [(1, 2)], []])
     with pytest.raises(actors.DecodeError, match="malformed proc mesh process"):
         _proc_mesh_from_state(["p", [("procs", 1)], [["ipc://x", "pid"]]])
+
+
+async def test_an_endpoint_error_names_the_call_first(procs: ProcMesh):
+    doomed = procs.spawn("named_call", Doomed, actors.Channel[str].open()[0]).slice(procs=0)
+    with pytest.raises(ActorError, match=r"^Actor call named_call\.ordinary failed: ValueError: a bad argument") as info:
+        await doomed.ordinary.call_one()
+    assert info.value.method == "ordinary" and info.value.exception_type == "ValueError"
+
+
+class Lingering(Actor):
+    def __init__(self, port: Port[str]) -> None:
+        self.port = port
+        self.started = asyncio.Event()
+
+    @endpoint
+    async def hang(self) -> None:
+        self.started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.port.send("cancelled")
+            raise
+
+    @endpoint
+    async def wait_started(self) -> None:
+        await self.started.wait()
+
+    async def __cleanup__(self, exc: BaseException | None) -> None:
+        self.port.send("cleanup")
+
+
+async def test_stop_cancels_running_calls_before_cleanup(spawn):
+    procs = spawn(procs=1)
+    port, receiver = actors.Channel[str].open()
+    lingering = procs.spawn("lingering", Lingering, port)
+    hanging = lingering.hang.call_one()
+    await lingering.wait_started.call_one()
+    await lingering.stop()
+    assert [await asyncio.wait_for(receiver.recv(), 20) for _ in range(2)] == ["cancelled", "cleanup"]
+    with pytest.raises(ActorError, match="CancelledError"):
+        await asyncio.wait_for(hanging, 20)

@@ -81,3 +81,24 @@ async def test_an_actor_that_does_not_handle_escalates_to_its_owner(procs: ProcM
     assert failure.exception_type == "SupervisionError"
     assert "child[0]" in failure.message and "from the child" in failure.message
     assert "raise KeyError" in failure.traceback, "the child's traceback travels up"
+    with pytest.raises(SupervisionError, match=r"The actor sup\[0\] and all its descendants have failed"):
+        await sup.ping.call_one()  # as in Monarch, the actor that did not handle it failed with it
+
+
+class RaisingSupervisor(Supervisor):
+    def __supervise__(self, failure: Failure) -> bool:
+        raise RuntimeError("the supervisor itself broke")
+
+
+async def test_a_supervise_hook_that_raises_fails_its_actor(procs: ProcMesh):
+    escalated: asyncio.Queue[Failure] = asyncio.Queue()
+    procs.add_failure_handler(lambda failure: escalated.put_nowait(failure) or True)
+    port, _reports = Channel.open(str)
+    sup = procs.spawn("raising_sup", RaisingSupervisor, port, True).slice(procs=1)
+    await sup.start_child.call_one()
+    await sup.fail_child.call_one()
+    failure = await asyncio.wait_for(escalated.get(), 30)
+    assert failure.actor == "raising_sup" and "RuntimeError: the supervisor itself broke" in failure.message
+    assert "from the child" in failure.message
+    with pytest.raises(SupervisionError, match="the supervisor itself broke"):
+        await sup.ping.call_one()
