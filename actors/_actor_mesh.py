@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, ParamSpec, TypeVar
 from ._actor import Actor
 from ._calls import PendingCall
 from ._codec import register_handle
-from ._errors import DecodeError, SupervisionError
+from ._errors import DecodeError, SupervisionError, actor_stopped
 from ._future import Future
 from ._invoke import encode_arguments, pending_future, send_call
 from ._liveness import ProcRef
@@ -226,7 +226,7 @@ class ActorMesh(Generic[A]):
 
     def _targets(self) -> list[tuple[int, ProcRef]]:
         if self._life.stopped:
-            raise SupervisionError(f"Supervision event: actor {self._name} has status: stopped; it takes no more messages")
+            raise SupervisionError(actor_stopped(self._name))
         proc_mesh = self._proc_mesh
         if proc_mesh is not None and proc_mesh.fault is not None:
             raise proc_mesh.fault

@@ -89,8 +89,9 @@ class Instance:
         """
         from ._runtime import runtime
 
-        ctx, server = self._ctx, runtime().server
-        if ctx is None or server is None:
+        ctx = self._ctx
+        server = runtime().server if ctx is not None else None
+        if ctx is None or server is None:  # checked first: the client starts no runtime just to refuse
             raise RuntimeError("abort() fails an actor; the client is not one")
         server.loop.call_soon_threadsafe(server.abort, ctx.name, reason or "no reason provided")
 

@@ -140,6 +140,11 @@ def actor_failed(actor: str, rank: int, why: str) -> str:
     return f"The actor {actor}[{rank}] and all its descendants have failed: {why}"
 
 
+def actor_stopped(actor: str) -> str:
+    """The message of a call to a stopped actor, in the words Monarch's programs match on."""
+    return f"Supervision event: actor {actor} has status: stopped; it takes no more messages"
+
+
 class ActorDied(SupervisionError):
     """The process hosting an actor has exited; its calls can never complete."""
 

@@ -27,7 +27,7 @@ from . import _refs
 from ._actor import Actor, Endpoint, check_actor_class, endpoints_of, is_sync_actor
 from ._config import WorkerConfig
 from ._context import ActorContext, _context
-from ._errors import ActorDied, DecodeError, SupervisionError, actor_failed
+from ._errors import ActorDied, DecodeError, SupervisionError, actor_failed, actor_stopped
 from ._invocation import Invocation
 from ._liveness import ProcRef
 from ._response_port import ResponsePort
@@ -114,8 +114,7 @@ class ActorServer:
             return
         slot = self.actors.get(actor)
         if slot is None and actor in self.stopped:
-            message = f"Supervision event: actor {actor} has status: stopped; it takes no more messages"
-            self._refuse(inv, ErrorRecord(SUPERVISION, message))
+            self._refuse(inv, ErrorRecord(SUPERVISION, actor_stopped(actor)))
         elif slot is None:
             self.waiting.setdefault(actor, []).append(inv)
             self.loop.call_later(SPAWN_WAIT, self._expire, actor, inv)
