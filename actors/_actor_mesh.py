@@ -19,6 +19,7 @@ from ._errors import DecodeError, SupervisionError, actor_stopped
 from ._future import Future
 from ._invoke import encode_arguments, pending_future, send_call
 from ._liveness import ProcRef
+from ._names import shown
 from ._runtime import runtime
 from ._value_mesh import ValueMesh, extent_from_wire, flattened, select
 from ._wire import PROCESS_ACTOR
@@ -56,7 +57,7 @@ class MeshEndpoint(Generic[P, R]):
         return MeshEndpoint(self._mesh, self._name, seconds)
 
     def __repr__(self) -> str:
-        return f"<endpoint {self._mesh._name}.{self._name}>"
+        return f"<endpoint {shown(self._mesh._name)}.{self._name}>"
 
     def _invoke(self, targets: list[tuple[int, ProcRef]], args: tuple[Any, ...], kwargs: dict[str, Any]) -> PendingCall:
         rt = runtime()
@@ -79,7 +80,7 @@ class MeshEndpoint(Generic[P, R]):
             runtime(),
             pending,
             lambda results: ValueMesh(extent, [results[r] for r, _ in targets]),
-            f"{mesh._name}.{self._name}.call()",
+            f"{shown(mesh._name)}.{self._name}.call()",
         )
 
     def call_one(self, *args: P.args, **kwargs: P.kwargs) -> Future[R]:
@@ -87,7 +88,7 @@ class MeshEndpoint(Generic[P, R]):
         targets = self._mesh._targets()
         if len(targets) != 1:
             raise ValueError(
-                f"call_one() needs a mesh of exactly one actor; {self._mesh._name!r} has {len(targets)} "
+                f"call_one() needs a mesh of exactly one actor; {shown(self._mesh._name)!r} has {len(targets)} "
                 "(use call(), choose(), or slice the mesh)"
             )
         return self._one(targets[0], args, kwargs, "call_one")
@@ -100,7 +101,7 @@ class MeshEndpoint(Generic[P, R]):
         pending = self._invoke([target], args, kwargs)
         rank = target[0]
         return pending_future(
-            runtime(), pending, lambda results: results[rank], f"{self._mesh._name}.{self._name}.{how}()"
+            runtime(), pending, lambda results: results[rank], f"{shown(self._mesh._name)}.{self._name}.{how}()"
         )
 
     def stream(self, *args: P.args, **kwargs: P.kwargs) -> Iterator[Future[R]]:
@@ -198,7 +199,7 @@ class ActorMesh(Generic[A]):
         endpoints = self.__dict__.get("_endpoints", {})
         if not name.startswith("__") and name in endpoints:
             return MeshEndpoint(self, name, endpoints[name])
-        raise AttributeError(f"actor mesh {self.__dict__.get('_name')!r} has no endpoint {name!r}")
+        raise AttributeError(f"actor mesh {shown(self.__dict__.get('_name', ''))!r} has no endpoint {name!r}")
 
     def __repr__(self) -> str:
         return f"<ActorMesh {self._name} {self._class_ref} {self._extent}>"
@@ -222,7 +223,7 @@ class ActorMesh(Generic[A]):
         pending = self._spawn_call
         if pending is None:
             return Future.ready(None)
-        return pending_future(runtime(), pending, lambda results: None, f"{self._name}.initialized")
+        return pending_future(runtime(), pending, lambda results: None, f"{shown(self._name)}.initialized")
 
     def _targets(self) -> list[tuple[int, ProcRef]]:
         if self._life.stopped:
@@ -269,7 +270,7 @@ class ActorMesh(Generic[A]):
             return send_call(rt, alive, PROCESS_ACTOR, "stop_actor", encoded, want_reply=True)
 
         pending = rt.driver.on_thread(stop)
-        return pending_future(rt, pending, lambda results: None, f"stopping {self._name}")
+        return pending_future(rt, pending, lambda results: None, f"stopping {shown(self._name)}")
 
 
 def _mesh_state(mesh: ActorMesh[Any]) -> list[Any]:

@@ -17,6 +17,7 @@ from typing import Any
 
 from ._errors import ActorDied, CallTimeout
 from ._liveness import ProcRef
+from ._names import shown
 from ._wire import ErrorRecord, Reply
 
 __all__ = ["CallTable", "PendingCall"]
@@ -44,7 +45,7 @@ class PendingCall:
         self, call_id: int, actor: str, procs: dict[int, ProcRef], method: str = "", timeout: float | None = None
     ) -> None:
         self.call_id = call_id
-        self.actor = actor
+        self.actor = shown(actor)  # for messages
         self.method = method
         self.timeout = timeout
         #: ``time.monotonic()`` after which a waiting caller gets CallTimeout (None: no deadline).

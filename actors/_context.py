@@ -13,6 +13,7 @@ import contextvars
 import os
 from typing import TYPE_CHECKING
 
+from ._names import shown
 from ._value_mesh import Point
 
 if TYPE_CHECKING:
@@ -50,7 +51,7 @@ class Instance:
     @property
     def name(self) -> str:
         """The actor's mesh name (``"root"`` in the controller)."""
-        return self._ctx.name if self._ctx is not None else "root"
+        return shown(self._ctx.name) if self._ctx is not None else "root"
 
     @property
     def class_name(self) -> str:
@@ -99,7 +100,7 @@ class Instance:
         ctx = self._ctx
         if ctx is None:
             return "<root>"
-        return f"<{self.class_name} {ctx.name}{Point(ctx.rank, ctx.extent)}>"
+        return f"<{self.class_name} {shown(ctx.name)}{Point(ctx.rank, ctx.extent)}>"
 
     __repr__ = __str__
 

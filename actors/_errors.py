@@ -44,6 +44,8 @@ at the sender, as Python code expects.
 
 from __future__ import annotations
 
+from ._names import shown
+
 __all__ = [
     "ActorDied",
     "ActorError",
@@ -92,7 +94,7 @@ class ActorError(ActorsError):
         self.exception_type = exception_type
         self.message = message
         self.remote_traceback = remote_traceback
-        self.actor = actor
+        self.actor = actor = shown(actor)
         self.rank = rank
         self.method = method
         where = f" in actor {actor!r}" if actor else ""
@@ -137,12 +139,12 @@ class SupervisionError(ActorsError, RuntimeError):
 
 def actor_failed(actor: str, rank: int, why: str) -> str:
     """The message of an actor's failure, in the words Monarch's programs match on."""
-    return f"The actor {actor}[{rank}] and all its descendants have failed: {why}"
+    return f"The actor {shown(actor)}[{rank}] and all its descendants have failed: {why}"
 
 
 def actor_stopped(actor: str) -> str:
     """The message of a call to a stopped actor, in the words Monarch's programs match on."""
-    return f"Supervision event: actor {actor} has status: stopped; it takes no more messages"
+    return f"Supervision event: actor {shown(actor)} has status: stopped; it takes no more messages"
 
 
 class ActorDied(SupervisionError):
@@ -156,7 +158,7 @@ class ActorDied(SupervisionError):
     @classmethod
     def of(cls, actor: str, rank: int, pid: int | None, reason: str, method: str = "") -> ActorDied:
         """The error for calls to ``actor`` (rank ``rank``) whose process ``pid`` ended with ``reason``."""
-        call = f"Endpoint call {actor}.{method}() failed, " if method else ""
+        call = f"Endpoint call {shown(actor)}.{method}() failed, " if method else ""
         why = f"its process (pid {pid}) died: {reason}"
         return cls(call + actor_failed(actor, rank, why), pid=pid, actor=actor)
 

@@ -111,7 +111,10 @@ class Inbox:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return True
-            self._handle(frames)
+            try:
+                self._handle(frames)
+            except Exception:  # one bad message must not stall the ones behind it
+                log.exception("error while handling a message")
             count += 1
             if after is not None:
                 after()
@@ -155,7 +158,7 @@ class Inbox:
                 size = items[i - 3]
                 if items[i - 4] != 0 or type(size) is not int:
                     raise DecodeError("malformed batch framing")
-                route = routes.get(fields[0]) if type(fields) is list and fields else None
+                route = routes.get(fields[0]) if type(fields) is list and fields and type(fields[0]) is int else None
                 if route is None:
                     decode_record(fields)  # raises: what is wrong with it
                     raise DecodeError(f"no handler for {fields[0]} records in this process")
@@ -188,7 +191,7 @@ class Inbox:
         try:
             for fields, run, size in self.decoder.decode_batch(frames[1].buffer, frames[2:]):
                 try:
-                    route = routes.get(fields[0]) if type(fields) is list and fields else None
+                    route = routes.get(fields[0]) if type(fields) is list and fields and type(fields[0]) is int else None
                     if route is None:
                         if type(fields) is DecodeError:
                             raise fields

@@ -25,6 +25,7 @@ from ._errors import ActorDied, CallTimeout, DecodeError, SupervisionError
 from ._future import Future
 from ._invoke import encode_arguments, pending_future, send_call
 from ._liveness import ProcRef
+from ._names import shown, wire_name
 from ._restart import RestartBudget, RestartPolicy
 from ._runtime import Runtime, runtime
 from ._server import CLEANUP_TIMEOUT
@@ -117,8 +118,11 @@ class ProcMesh:
         class_ref = _refs.qualified_name(actor_class)
         if "<locals>" in class_ref:
             raise TypeError(f"{class_ref} is defined inside a function; define actor classes at module level")
-        if name in self._actors or name == PROCESS_ACTOR:
-            raise ValueError(f"an actor named {name!r} already lives on this proc mesh")
+        if not isinstance(name, str):
+            raise TypeError(f"an actor's name must be a string, not {type(name).__name__}")
+        if not name or name == PROCESS_ACTOR:
+            raise ValueError(f"an actor's name must be non-empty and not {PROCESS_ACTOR!r}")
+        name = wire_name(name)  # spawners choosing the same name on the same processes must not meet
         rt = runtime()
         targets = list(enumerate(self._procs))
         endpoint_timeouts = {ep_name: ep.timeout for ep_name, ep in endpoints_of(actor_class).items()}
@@ -219,7 +223,7 @@ class ProcMesh:
         if self._stopping:
             return
         rank = self._procs.index(ref)
-        names = ",".join(self._actors) or "(no actors)"
+        names = ",".join(shown(name) for name in self._actors) or "(no actors)"
         pid = ref.pid or 0
         reason = ref.exit_reason or "process exited"
         restarting = self._respawn is not None and self._budget.take()

@@ -30,6 +30,7 @@ from ._context import ActorContext, _context
 from ._errors import ActorDied, DecodeError, SupervisionError, actor_failed, actor_stopped
 from ._invocation import Invocation
 from ._liveness import ProcRef
+from ._names import shown
 from ._response_port import ResponsePort
 from ._runtime import Runtime
 from ._wire import PROCESS_ACTOR, SUPERVISION, Call, ErrorRecord, FailureReport, Header
@@ -77,7 +78,7 @@ class ActorSlot:
     def run_sync(self, loop: asyncio.AbstractEventLoop, call: Callable[[], Any]) -> asyncio.Future[Any]:
         """Run ``call`` on this actor's own thread, after the calls queued before it."""
         if self.thread is None:
-            self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"actor-{self.name}")
+            self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"actor-{shown(self.name)}")
         return loop.run_in_executor(self.thread, contextvars.copy_context().run, call)
 
     def close(self) -> None:
@@ -127,14 +128,14 @@ class ActorServer:
         waiting = self.waiting.get(actor)
         if waiting and inv in waiting:
             waiting.remove(inv)
-            self._refuse(inv, ErrorRecord("LookupError", f"no actor named {actor!r} in this process"))
+            self._refuse(inv, ErrorRecord("LookupError", f"no actor named {shown(actor)!r} in this process"))
 
     def _start(self, slot: ActorSlot, inv: Invocation) -> None:
         if slot.error is not None:
             self._refuse(inv, slot.error)
             return
         if slot.stopping:
-            self._refuse(inv, ErrorRecord("RuntimeError", f"actor {slot.name!r} is stopping"))
+            self._refuse(inv, ErrorRecord("RuntimeError", f"actor {shown(slot.name)!r} is stopping"))
             return
         ep = slot.endpoints.get(inv.call.method)
         if ep is None:
@@ -166,7 +167,7 @@ class ActorServer:
             else:
                 result = await slot.run_sync(self.loop, functools.partial(ep.fn, slot.instance, *args, **kwargs))
         except asyncio.CancelledError:
-            record = slot.error or ErrorRecord("CancelledError", f"actor {slot.name!r} stopped first")
+            record = slot.error or ErrorRecord("CancelledError", f"actor {shown(slot.name)!r} stopped first")
             self._fail(slot, inv, record, report=False)
         except BaseException as exc:
             record = ErrorRecord.of(exc, traceback.format_exc())
@@ -221,7 +222,7 @@ class ActorServer:
         slot = self.actors.get(actor)
         if slot is None:
             return
-        why = f"{type(slot.instance).__qualname__} {actor}[{slot.rank}] aborted: {reason}"
+        why = f"{type(slot.instance).__qualname__} {shown(actor)}[{slot.rank}] aborted: {reason}"
         self._kill(slot, "abort", why, ErrorRecord("ActorAborted", why), SupervisionError(why))
 
     def _refuse(self, inv: Invocation, record: ErrorRecord) -> None:
@@ -234,7 +235,7 @@ class ActorServer:
             inv.reply(self.rt, False, record)
         else:
             call = inv.call
-            self.rt.drops("a fire-and-forget call to %s.%s: %s: %s", call.actor, call.method, *record[:2])
+            self.rt.drops("a fire-and-forget call to %s.%s: %s: %s", shown(call.actor), call.method, *record[:2])
 
     def _fail(self, slot: ActorSlot | None, inv: Invocation, record: ErrorRecord, report: bool = True) -> None:
         if inv.wants_reply:
@@ -246,7 +247,7 @@ class ActorServer:
         rank = slot.rank if slot is not None else call.rank
         log.error(
             "fire-and-forget call %s[%d].%s failed: %s: %s\n%s",
-            call.actor,
+            shown(call.actor),
             rank,
             call.method,
             record.type_name,
@@ -302,7 +303,7 @@ class ActorServer:
 
     async def _spawn(self, inv: Invocation, name: str, class_ref: str, extent: dict[str, int], ctor: bytes) -> None:
         if name in self.actors:
-            raise ValueError(f"an actor named {name!r} already exists in this process")
+            raise ValueError(f"an actor named {shown(name)!r} already exists in this process")
         self.stopped.discard(name)
         slot = ActorSlot(name, inv.call.rank, dict(extent), class_ref)
         slot.supervisor = self.rt.registry.proc(inv.call.reply_to, inv.call.reply_pid)
@@ -322,7 +323,7 @@ class ActorServer:
                 slot.instance = cls(*args, **kwargs)
         except BaseException as exc:
             slot.error = ErrorRecord.of(exc, traceback.format_exc(), spawn_failed=True)
-            log.error("could not construct actor %s[%d]: %s: %s", name, slot.rank, *slot.error[:2])
+            log.error("could not construct actor %s[%d]: %s: %s", shown(name), slot.rank, *slot.error[:2])
             inv.reply(self.rt, False, slot.error)
             self.report_failure(name, slot.rank, "__init__", slot.error)  # a supervision event, as in Monarch
         else:
@@ -335,7 +336,7 @@ class ActorServer:
             self._start(slot, waiting)
 
     def _retitle(self) -> None:
-        self._retitle_to([f"{name}[{slot.rank}]" for name, slot in self.actors.items()])
+        self._retitle_to([f"{shown(name)}[{slot.rank}]" for name, slot in self.actors.items()])
 
     async def _stop_actor(self, name: str, timeout: float = CLEANUP_TIMEOUT) -> None:
         slot = self.actors.pop(name, None)
@@ -378,7 +379,7 @@ class ActorServer:
                 if inspect.isawaitable(result):
                     await asyncio.wait_for(result, timeout)
             except Exception:
-                log.exception("__cleanup__ of %s[%d] failed", slot.name, slot.rank)
+                log.exception("__cleanup__ of %s[%d] failed", shown(slot.name), slot.rank)
             finally:
                 _context.reset(token)
         await self._stop_children(slot, timeout)
@@ -391,7 +392,7 @@ class ActorServer:
             try:
                 await asyncio.wait_for(child.stop(), timeout + 7.0)  # a proc mesh's own stop steps take 7 s at most
             except Exception:
-                log.exception("could not stop %r, spawned by %s[%d]", child, slot.name, slot.rank)
+                log.exception("could not stop %r, spawned by %s[%d]", child, shown(slot.name), slot.rank)
 
     def adopt(self, actor: str, child: Any) -> None:
         """Record that ``actor`` spawned ``child`` (something with ``stop()``): it stops with the actor."""

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ._errors import SupervisionError
+from ._names import shown
 from ._wire import FailureReport, Header
 
 if TYPE_CHECKING:
@@ -53,6 +54,8 @@ class Failure:
     traceback: str = ""
     #: The process died and its proc mesh's restart policy started a new one.
     restarted: bool = False
+    #: The failed mesh's name on the wire, unique per spawn (empty when a process died).
+    mesh: str = ""
 
     def __str__(self) -> str:
         where = f"{self.actor}[{self.rank}] (pid {self.pid})"
@@ -61,8 +64,8 @@ class Failure:
 
     @property
     def mesh_name(self) -> str:
-        """The name of the failed actor mesh (compare with the names of the meshes you spawned)."""
-        return self.actor
+        """The failed actor mesh's name on the wire, unique per spawn (``mesh._name``, as in Monarch)."""
+        return self.mesh or self.actor
 
     def report(self) -> str:
         """The failure with its remote traceback, for logs."""
@@ -71,7 +74,7 @@ class Failure:
 
     @classmethod
     def from_report(cls, report: FailureReport) -> Failure:
-        return cls(*report)
+        return cls(shown(report.actor), *report[1:], mesh=report.actor)
 
 
 #: Monarch's name for a failure record.
@@ -139,7 +142,7 @@ def install_owner_handlers(rt: Runtime) -> None:
 
     def on_failure(report: FailureReport, frames: list[Any], sender: Header, size: int) -> None:
         failure = Failure.from_report(report)
-        mesh = rt.actor_supervisors.get((sender.address, failure.actor)) or rt.meshes.get(sender.address)
+        mesh = rt.actor_supervisors.get((sender.address, report.actor)) or rt.meshes.get(sender.address)
         if mesh is not None:
             mesh.report(failure)
         else:

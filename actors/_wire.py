@@ -53,6 +53,8 @@ __all__ = [
 ]
 
 PROTOCOL_VERSION = 2
+#: The largest pid Linux hands out (its pid_max ceiling): a header claiming more is forged.
+PID_MAX = 1 << 22
 #: The actor name that addresses a process itself (spawn, stop_actor, stop).
 PROCESS_ACTOR = "__process__"
 
@@ -98,7 +100,7 @@ class Header(NamedTuple):
             or header[0] != PROTOCOL_VERSION
             or type(header[1]) is not str
             or type(header[2]) is not int
-            or header[2] <= 0
+            or not 0 < header[2] <= PID_MAX
         ):
             raise DecodeError(f"bad header {header!r:.80}")
         return cls(header[1], header[2])
@@ -175,6 +177,7 @@ class Call(NamedTuple):
             or type(f[5]) is not int
             or type(f[6]) is not int
             or type(f[7]) is not bytes
+            or (f[8] is not None and not callable(getattr(f[8], "send", None)))
         ):
             raise DecodeError(f"malformed CALL record: {fields!r:.80}")
         return cls(*f[1:])

@@ -204,3 +204,18 @@ def test_cuda_tensors_are_refused_with_advice():
     fake = torch.empty(0, device="meta")
     with pytest.raises(EncodeError, match="socket"):
         Encoder().encode(fake)
+
+
+def test_a_header_claiming_an_impossible_pid_is_refused():
+    from actors._wire import PID_MAX, PROTOCOL_VERSION, Header
+
+    for pid in (0, -3, PID_MAX + 1):
+        with pytest.raises(DecodeError, match="bad header"):
+            Header.decode(msgpack.packb([PROTOCOL_VERSION, "ipc:///x.sock", pid]))
+
+
+def test_a_call_whose_response_port_is_not_a_port_is_refused():
+    from actors._wire import Call, Kind
+
+    with pytest.raises(DecodeError, match="malformed CALL"):
+        Call.from_wire([Kind.CALL, 1, "a", "m", "ipc:///x.sock", 1, 0, b"", 7])

@@ -11,7 +11,7 @@ from support import Pinger
 
 from actors import Channel
 from actors._codec import EXT_DATACLASS, EXT_HANDLE, EXT_TENSOR, EXT_TUPLE, Encoder
-from actors._wire import PROTOCOL_VERSION, Kind
+from actors._wire import PROTOCOL_VERSION, Credit, Kind
 from actors._wire import record_prefix as message_prefix
 
 CALL, CREDIT, PORT, REPLY = int(Kind.CALL), int(Kind.CREDIT), int(Kind.PORT), int(Kind.REPLY)
@@ -19,7 +19,7 @@ CALL, CREDIT, PORT, REPLY = int(Kind.CALL), int(Kind.CREDIT), int(Kind.PORT), in
 FRAMES = int(__import__("os").environ.get("FUZZ_FRAMES", 100_000))
 
 
-def _seeds(rng: random.Random) -> list[tuple[bytes, list[bytes]]]:
+def _seeds(rng: random.Random, actor: str) -> list[tuple[bytes, list[bytes]]]:
     """Real messages the runtime would send, as (payload, buffer frames)."""
     enc = Encoder()
     out = []
@@ -28,7 +28,7 @@ def _seeds(rng: random.Random) -> list[tuple[bytes, list[bytes]]]:
         [PORT, 9, ("a", b"bytes", None, True)],
         [REPLY, 12345, 0, True, [1, 2, 3]],
         [CREDIT, 3, 10, 1000],
-        [CALL, 0, "pinger", "ping", "ipc:///nowhere", 1, 0, enc.encode([[5], {}]), None],
+        [CALL, 0, actor, "ping", "ipc:///nowhere", 1, 0, enc.encode([[5], {}]), None],
     ):
         enc.reset()
         data = enc.encode(message)
@@ -76,7 +76,7 @@ async def test_worker_survives_100k_hostile_frames(procs):
     target = procs.spawn("pinger", Pinger).slice(procs=0)
     assert await target.ping.call_one(1) == 1
     rng = random.Random(1234)
-    seeds = _seeds(rng)
+    seeds = _seeds(rng, target._name)
     hostile = _hostile(rng)
     # A plausible sender (inside the session's directory) that never reads: the worst peer.
     from actors._runtime import runtime
@@ -116,16 +116,51 @@ async def _fuzz(sock, procs, target, rng, seeds, hostile, header) -> None:  # ty
             frames = [_mutate(rng, header), payload, *bufs]
         sock.send_multipart(frames)
         sent += 1
-    assert sent >= 100_000
+    assert sent >= FRAMES
     # A last, valid call on the same socket: when it answers, every frame before it was handled.
     port, processed = Channel.open(str)
     enc = Encoder()
     blob = enc.encode([[port], {}])
     enc.reset()
-    call = enc.encode([CALL, 0, "pinger", "mark", "ipc://x/fuzzer.sock", 1, 0, blob, None])
+    call = enc.encode([CALL, 0, target._name, "mark", "ipc://x/fuzzer.sock", 1, 0, blob, None])
     sock.send_multipart([header, message_prefix(0, len(call)) + call])
     assert await asyncio.wait_for(processed.recv(), 120) == "processed"
     # The worker still serves, and it saw (and dropped) the garbage.
     assert await target.ping.call_one(41) == 41
     dropped = await target.dropped.call_one()
     assert dropped > FRAMES // 2
+
+
+def test_a_message_whose_handling_fails_unexpectedly_does_not_stall_the_ones_behind_it(tmp_path):
+    """pump() goes on past a message that raised something other than DecodeError."""
+    from actors._inbox import DropLog, Inbox
+
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    address = f"ipc://{tmp_path}/inbox.sock"
+    learned: list[int] = []
+
+    def learn(header) -> None:  # type: ignore[no-untyped-def]
+        learned.append(header.pid)
+        if header.pid == 666:
+            raise RuntimeError("a broken sender lookup")
+
+    try:
+        pull.bind(address)
+        push.connect(address)
+        inbox = Inbox(pull, str(tmp_path), "ipc://own", learn, DropLog())
+        seen: list[object] = []
+        inbox.on(Credit, lambda record, frames, sender, size: seen.append(record))
+        enc = Encoder()
+        body = enc.encode([Kind.CREDIT, 3, 10, 1000])
+        for pid in (666, 42):
+            header = msgpack.packb([PROTOCOL_VERSION, f"ipc://{tmp_path}/peer{pid}.sock", pid])
+            push.send_multipart([header, message_prefix(0, len(body)) + body])
+        while len(seen) < 1:
+            assert pull.poll(10_000), "the second message never arrived"
+            inbox.pump()
+        assert learned == [666, 42] and len(seen) == 1
+    finally:
+        push.close(linger=0)
+        pull.close(linger=0)
+        ctx.term()

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import operator
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -219,6 +220,17 @@ class AsyncParent(Actor):
         return True
 
 
+class SpawnsAWorker(Actor):
+    """Spawns an actor called "worker" holding ``value`` on the processes it is given."""
+
+    def __init__(self, procs: ProcMesh, value: int) -> None:
+        self.worker = procs.spawn("worker", Who, value)
+
+    @endpoint
+    async def worker_value(self) -> int:
+        return await self.worker.value_of.call_one()
+
+
 class Runs(Actor):
     @endpoint
     async def run(self, fn: object) -> object:
@@ -243,11 +255,31 @@ async def test_context_inside_an_actor_names_it_and_its_rank(spawn):
     for rank, (text, name, own_rank, message_rank, actor_name, _pid) in enumerate(results):
         assert text == f"<test_monarch_api.Who who{{'hosts': 0/1, 'gpus': {rank}/2}}>"
         assert (name, own_rank, message_rank) == ("who", rank, rank)
-        assert actor_name.startswith(f"who[{rank}]@")
+        assert re.fullmatch(rf"who#[0-9a-f]{{12}}\[{rank}\]@\d+", actor_name), actor_name
     assert results[0][4] != results[1][4]
     rank_text = await who.slice(gpus=1).who.call_one()
     assert rank_text[0].endswith("{'hosts': 0/1, 'gpus': 1/2}>")
     assert str(current_rank()) == "{'procs': 0/1}"
+
+
+async def test_spawners_choosing_the_same_name_each_reach_their_own_actors(spawn):
+    hosts, workers = spawn(procs=1), spawn(procs=1)
+    first = hosts.spawn("spawner", SpawnsAWorker, workers, 1)
+    second = hosts.spawn("spawner", SpawnsAWorker, workers, 2)
+    mine = workers.spawn("worker", Who, 3)
+    assert await first.worker_value.call_one() == 1
+    assert await second.worker_value.call_one() == 2
+    assert await mine.value_of.call_one() == 3
+    assert await mine.who.call_one() == await mine.who.call_one()  # the same actor each time
+    name = (await mine.who.call_one())[1]
+    assert name == "worker"  # the name the user gave, not the one on the wire
+
+
+def test_an_actor_name_must_be_a_non_empty_string(procs: ProcMesh):
+    with pytest.raises(TypeError, match="must be a string"):
+        procs.spawn(7, Who)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="non-empty"):
+        procs.spawn("", Who)
 
 
 # ------------------------------------------------------------------ explicit response ports
@@ -521,20 +553,20 @@ async def test_an_exception_in_init_reaches_the_unhandled_fault_hook(procs: Proc
 
     actors.unhandled_fault_hook = hook
     try:
-        procs.spawn("bad_init", BadInit)
+        mesh = procs.spawn("bad_init", BadInit)
         await asyncio.wait_for(both.wait(), 20)
     finally:
         actors.unhandled_fault_hook = actors._supervision.unhandled_fault_hook
     assert MeshFailure is Failure
     for failure in faults:
         assert "MeshFailure" in str(failure) and "bad_init" in str(failure)
-        assert "no constructor today" in failure.report() and failure.mesh_name == "bad_init"
+        assert "no constructor today" in failure.report() and failure.mesh_name == mesh._name
 
 
 async def test_an_async_supervise_is_awaited_and_gets_a_mesh_failure(spawn):
     parent = spawn(procs=1).spawn("parent", AsyncParent, spawn(procs=1))
     seen = await parent.fail_child.call_one()
-    assert len(seen) == 1 and seen[0].startswith("child: MeshFailure") and "kaboom" in seen[0]
+    assert len(seen) == 1 and re.match(r"child#\w+: MeshFailure child\[0\]", seen[0]) and "kaboom" in seen[0]
 
 
 # ------------------------------------------------------------------ stop, proc meshes as arguments, functions

@@ -1,0 +1,26 @@
+"""Actor names: the one a user gives, and the unique one the actor has on the wire.
+
+Two spawners may choose the same name for actors on the same processes (four
+supervisors each spawning ``"worker"``, as Monarch allows). Each spawn therefore
+gets a wire name of its own, ``<name>#<token>``, that addresses it; messages
+and ``current_actor_name()`` show the name the user gave.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+__all__ = ["shown", "wire_name"]
+
+_SEPARATOR = "#"
+
+
+def wire_name(name: str) -> str:
+    """A name for one spawn of ``name``, unique in the session."""
+    return f"{name}{_SEPARATOR}{secrets.token_hex(6)}"
+
+
+def shown(name: str) -> str:
+    """The name the user gave, for a wire name (other names are returned as they are)."""
+    given, sep, token = name.rpartition(_SEPARATOR)
+    return given if sep and len(token) == 12 else name
