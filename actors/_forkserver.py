@@ -8,8 +8,9 @@ fresh interpreter (``python -c``) that imports torch and the runtime once.
 The two talk over two pipes of length-prefixed msgpack: spawn requests one
 way (``["spawn", index, config]``, a :class:`WorkerConfig` as a dict), pid
 reports the other (``["spawned", index, pid]`` or ``["failed", index,
-why]``). Deaths are not reported here: every process watches its peers'
-pidfds.
+why]``). Its ``["exited", ...]`` reports are ignored here: every process on
+this host watches its peers' pidfds (a host placed by Ray relays them,
+see :mod:`actors.ray`).
 """
 
 from __future__ import annotations

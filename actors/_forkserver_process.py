@@ -3,7 +3,8 @@
 It reads ``["spawn", index, config]`` requests (length-prefixed msgpack) on
 its stdin, forks one worker per request, records the new pid under the
 worker's address in the session directory and reports ``["spawned", index,
-pid]`` (or ``["failed", index, why]``) on its status pipe. When its stdin
+pid]`` (or ``["failed", index, why]``) on its status pipe, and ``["exited",
+index, pid, code]`` once it has reaped that worker. When its stdin
 closes (the controller exited, cleanly or by ``kill -9``) or it gets SIGTERM,
 it terminates every worker, removes the session's socket directory and its
 ``actors-`` shared-memory segments, and exits. It never starts a thread or a
@@ -59,13 +60,15 @@ def serve(status_fd: int, session_dir: str, session: str, owns_session: bool) ->
     def reap() -> None:
         while children:
             try:
-                pid, _ = os.waitpid(-1, os.WNOHANG)
+                pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 children.clear()
                 return
             if pid == 0:
                 return
-            children.pop(pid, None)
+            index = children.pop(pid, None)
+            if index is not None:  # for a host placed by Ray, whose controller cannot watch this pid
+                report(["exited", index, pid, os.waitstatus_to_exitcode(status)])
 
     while not stopping:
         try:

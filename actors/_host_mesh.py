@@ -15,13 +15,13 @@ from ._liveness import ProcRef
 from ._main_loader import loading_main
 from ._proc_mesh import ProcMesh
 from ._restart import RestartMode, RestartPolicy
-from ._runtime import current_runtime, runtime
+from ._runtime import Runtime, current_runtime, runtime
 from ._session import inbox_address
 
 __all__ = ["HostMesh", "attach_to_workers", "this_host", "this_proc"]
 
 
-def _main_module() -> list[str] | None:
+def main_module() -> list[str] | None:
     """How a worker can load the launching script's ``__main__`` module."""
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
@@ -31,6 +31,51 @@ def _main_module() -> list[str] | None:
     if path and path.endswith(".py") and os.path.exists(path):
         return ["path", os.path.abspath(path)]
     return None
+
+
+def check_spawn(
+    per_host: dict[str, int] | None, bootstrap: Callable[[], None] | None
+) -> tuple[dict[str, int], str | None]:
+    """``spawn_procs``' checks: the per-host extent, and the bootstrap function's name."""
+    if loading_main.get():
+        raise RuntimeError(
+            "spawn_procs() ran while an actor process was importing the launching script; "
+            'guard the script\'s entry point with `if __name__ == "__main__":`'
+        )
+    extent = dict(per_host or {"procs": 1})
+    if not extent or any(type(n) is not int or n < 1 for n in extent.values()):
+        raise ValueError(f"per_host must map dimension names to positive sizes, not {per_host!r}")
+    boot = _refs.qualified_name(bootstrap) if bootstrap is not None else None
+    if boot is not None and "<locals>" in boot:
+        raise TypeError("bootstrap must be a module-level function")
+    return extent, boot
+
+
+def worker_config(
+    rt: Runtime,
+    name: str,
+    address: str,
+    rank: int,
+    main: list[str] | None,
+    boot: str | None,
+    threads: int,
+    env: dict[str, str],
+) -> WorkerConfig:
+    """What one worker process needs to start: its inbox, its owner (this process), the script's code."""
+    return WorkerConfig(
+        name=name,
+        address=address,
+        owner_address=rt.address,
+        owner_pid=rt.pid,
+        rank=rank,
+        argv=list(sys.argv),
+        sys_path=list(sys.path),
+        cwd=os.getcwd(),
+        main=main,
+        bootstrap=boot,
+        threads=threads,
+        env=env,
+    )
 
 
 class HostMesh:
@@ -60,24 +105,14 @@ class HostMesh:
         actors constructed again with their original arguments.
         """
         policy = RestartPolicy(restart, max_restarts, restart_period)
-        if loading_main.get():
-            raise RuntimeError(
-                "spawn_procs() ran while an actor process was importing the launching script; "
-                'guard the script\'s entry point with `if __name__ == "__main__":`'
-            )
-        extent = dict(per_host or {"procs": 1})
-        if not extent or any(type(n) is not int or n < 1 for n in extent.values()):
-            raise ValueError(f"per_host must map dimension names to positive sizes, not {per_host!r}")
-        boot = _refs.qualified_name(bootstrap) if bootstrap is not None else None
-        if boot is not None and "<locals>" in boot:
-            raise TypeError("bootstrap must be a module-level function")
+        extent, boot = check_spawn(per_host, bootstrap)
         if current_runtime() is None:
             prefork()  # while this process may still be single-threaded: a forked forkserver starts at once
         rt = runtime()
         server = forkserver(rt, threads)
         # Even a forkserver forked from this program needs it: it holds only what the script had defined
         # by the first spawn_procs, and a script may define actor classes after that (Monarch's ping_pong).
-        main = _main_module()
+        main = main_module()
         mesh_name = name or f"procs{rt.counter('mesh')}"
         gpus = visible_gpus() if GPU_DIM in extent else []
         procs: list[ProcRef] = []
@@ -85,19 +120,8 @@ class HostMesh:
         for rank in range(math.prod(extent.values())):
             index = rt.counter("worker")
             address = inbox_address(rt.dir, f"w{rt.pid}-{index}")  # unique in the session, nested spawns too
-            config = WorkerConfig(
-                name=f"{mesh_name}.{rank}",
-                address=address,
-                owner_address=rt.address,
-                owner_pid=rt.pid,
-                rank=rank,
-                argv=list(sys.argv),
-                sys_path=list(sys.path),
-                cwd=os.getcwd(),
-                main=main,
-                bootstrap=boot,
-                threads=threads,
-                env=gpu_env(extent, rank, gpus),
+            config = worker_config(
+                rt, f"{mesh_name}.{rank}", address, rank, main, boot, threads, gpu_env(extent, rank, gpus)
             )
             ref = rt.registry.proc(address, None)
             server.spawn(index, config, ref)

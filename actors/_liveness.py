@@ -39,7 +39,7 @@ class Watcher:
             return True
         try:
             fd = os.pidfd_open(pid)
-        except ProcessLookupError:
+        except OSError:  # gone, or never a process this one can see: either way it cannot answer
             self._died(pid)
             return False
         self._fds[pid] = fd
@@ -84,15 +84,20 @@ class Watcher:
 
 
 class ProcRef:
-    """A process this one talks to: its inbox address and, once known, its pid."""
+    """A process this one talks to: its inbox address and, once known, its pid.
 
-    __slots__ = ("address", "dead", "exit_reason", "pid")
+    A ``remote`` process runs on another host: its pid means nothing here, so
+    no pidfd watches it and its death is reported by whoever placed it.
+    """
 
-    def __init__(self, address: str, pid: int | None) -> None:
+    __slots__ = ("address", "dead", "exit_reason", "pid", "remote")
+
+    def __init__(self, address: str, pid: int | None, remote: bool = False) -> None:
         self.address = address
         self.pid = pid
         self.dead = False
         self.exit_reason = ""
+        self.remote = remote
 
     def __repr__(self) -> str:
         return f"ProcRef({self.address!r}, pid={self.pid})"

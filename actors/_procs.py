@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable
 
 from ._liveness import ProcRef, Watcher
-from ._session import read_incarnation
+from ._session import local_hosts, read_incarnation, tcp_host
 
 __all__ = ["Registry"]
 
@@ -42,12 +42,22 @@ class Registry:
         self.unresolved: set[ProcRef] = set()
         #: Called when a peer joins ``unresolved`` (the runtime arranges the retries).
         self.on_unresolved: Callable[[], None] | None = None
+        self._local_hosts: frozenset[str] | None = None
+
+    def is_local(self, address: str) -> bool:
+        """Whether ``address`` is served on this machine (ipc always is; tcp by its host)."""
+        host = tcp_host(address)
+        if host is None:
+            return True
+        if self._local_hosts is None:
+            self._local_hosts = local_hosts()
+        return host in self._local_hosts
 
     def proc(self, address: str, pid: int | None) -> ProcRef:
         """The interned :class:`ProcRef` for ``address`` (learning or updating its pid)."""
         ref = self.procs.get(address)
         if ref is None:
-            ref = self.procs[address] = ProcRef(address, None)
+            ref = self.procs[address] = ProcRef(address, None, remote=not self.is_local(address))
             if pid is not None:
                 self.set_pid(ref, pid)
             else:
@@ -58,12 +68,22 @@ class Registry:
             self.revive(ref, pid)  # a restarted process at the same address
         return ref
 
+    def placed(self, address: str) -> ProcRef:
+        """The ref for a process started elsewhere (by Ray) whose placer reports its pid and its death."""
+        ref = self.procs.get(address)
+        if ref is None:
+            ref = self.procs[address] = ProcRef(address, None, remote=True)
+        ref.remote = True
+        self.unresolved.discard(ref)
+        return ref
+
     def set_pid(self, ref: ProcRef, pid: int) -> None:
         self.unresolved.discard(ref)
         ref.pid = pid
-        self._by_pid[pid] = ref
-        if pid != self.own_pid and not ref.dead:
-            self.watcher.watch(pid)  # a pid already gone is reported dead right here
+        if not ref.remote:  # another host's pid is no process of this one's
+            self._by_pid[pid] = ref
+            if pid != self.own_pid and not ref.dead:
+                self.watcher.watch(pid)  # a pid already gone is reported dead right here
         for callback in self._pid_waiters.pop(ref.address, []):
             try:
                 callback()
@@ -76,7 +96,7 @@ class Registry:
         A peer still unresolved is looked up again until its pid appears: until
         then no pidfd watches it, and a death would go unseen.
         """
-        if ref.pid is None:
+        if ref.pid is None and not ref.remote:  # another host's pid comes from whoever placed it
             pid = read_incarnation(self.session_dir, ref.address)
             if pid is not None and pid not in self.watcher.dead:
                 self.unresolved.discard(ref)
@@ -121,6 +141,8 @@ class Registry:
         """
         if not ref.dead:
             return True
+        if ref.remote:
+            return False
         pid = read_incarnation(self.session_dir, ref.address)
         if pid is None or pid == ref.pid or pid in self.watcher.dead:
             return False

@@ -43,7 +43,7 @@ from ._outbox import Outbox
 from ._procs import Registry
 from ._receivers import Receivers
 from ._session import SESSION_ENV, inbox_address, make_runtime_dir, remove_socket_file, session_keys
-from ._transport import Link, bind_inbox
+from ._transport import Link, bind_inbox, session_authenticator
 from ._wire import Attach, Credit, Header, PortMessage, Reply
 
 __all__ = ["Runtime", "at_runtime_exit", "current_runtime", "install_runtime", "runtime"]
@@ -65,6 +65,8 @@ class Runtime:
         self.address = address or inbox_address(self.dir, f"c{self.pid}")
         self.keys = session_keys()
         self.ctx: zmq.Context[Any] = zmq.Context()
+        #: On tcp, the ZAP handler that admits only peers holding the session key.
+        self.auth = session_authenticator(self.ctx, self.keys[0]) if self.keys is not None else None
         self.header = Header(self.address, self.pid).encode()
         self.encoder = Encoder()
         self.drops = DropLog()
@@ -169,6 +171,8 @@ class Runtime:
         # that just exited would otherwise hold the exit for the full linger.
         self.outbox.close(CLOSE_LINGER_MS)
         self.inbox.sock.close(linger=0)
+        if self.auth is not None:
+            self.auth.stop()
         self.ctx.term()
         remove_socket_file(self.address)
         if self.owns_dir:

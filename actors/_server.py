@@ -100,6 +100,8 @@ class ActorServer:
         self.finished = asyncio.Event()
         self.owner = rt.registry.proc(config.owner_address, config.owner_pid)
         self._stopping = False
+        #: Shutting down for SIGTERM or the owner's death (not a stop request): cancelled calls go unanswered.
+        self._ending = False
         self._tasks: set[asyncio.Task[Any]] = set()
         rt.inbox.on(Call, self.on_call)
         rt.registry.death_listeners.append(self._on_death)
@@ -167,6 +169,8 @@ class ActorServer:
             else:
                 result = await slot.run_sync(self.loop, functools.partial(ep.fn, slot.instance, *args, **kwargs))
         except asyncio.CancelledError:
+            if self._ending and slot.error is None:
+                return  # the process is ending (SIGTERM, owner gone): its callers hear ActorDied when it exits
             record = slot.error or ErrorRecord("CancelledError", f"actor {shown(slot.name)!r} stopped first")
             self._fail(slot, inv, record, report=False)
         except BaseException as exc:
@@ -404,7 +408,7 @@ class ActorServer:
         """Stop every actor quickly and end the process (SIGTERM, owner death): an ordinary end, not logged loudly."""
         if self._stopping:
             return
-        self._stopping = True
+        self._stopping = self._ending = True
         log.info("stopping: %s", reason)
 
         async def stop() -> None:

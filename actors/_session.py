@@ -23,10 +23,12 @@ __all__ = [
     "SESSION_ENV",
     "inbox_address",
     "incarnation_path",
+    "local_hosts",
     "make_runtime_dir",
     "read_incarnation",
     "remove_socket_file",
     "session_keys",
+    "tcp_host",
     "transport_kind",
     "valid_peer_address",
     "write_incarnation",
@@ -86,6 +88,23 @@ def valid_peer_address(address: str, runtime_dir: str) -> bool:
         path = address[len("ipc://") :]
         return os.path.dirname(path) == runtime_dir and path.endswith(".sock") and ".." not in path
     return _TCP_ADDRESS.fullmatch(address) is not None
+
+
+def local_hosts() -> frozenset[str]:
+    """The host names and addresses by which a tcp peer is on this machine (its pid then means a process here)."""
+    hosts = {"127.0.0.1", "localhost", "::1", os.environ.get(TCP_HOST_ENV, "127.0.0.1")}
+    with contextlib.suppress(OSError):
+        name = socket.gethostname()
+        hosts.add(name)
+        hosts.update(socket.gethostbyname_ex(name)[2])
+    return frozenset(hosts)
+
+
+def tcp_host(address: str) -> str | None:
+    """The host part of a ``tcp://host:port`` address (None for ipc)."""
+    if not address.startswith("tcp://"):
+        return None
+    return address[len("tcp://") :].rpartition(":")[0]
 
 
 def remove_socket_file(address: str) -> None:

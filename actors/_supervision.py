@@ -151,7 +151,7 @@ def install_owner_handlers(rt: Runtime) -> None:
     def on_death(ref: ProcRef) -> None:
         mesh = rt.meshes.get(ref.address)
         if mesh is not None:
-            if ref.pid is not None:  # the weights it published die with it
+            if ref.pid is not None and not ref.remote:  # the weights it published die with it
                 from .tensors._slots import remove_segments
 
                 remove_segments(rt.session, ref.pid)

@@ -13,7 +13,7 @@ import zmq
 
 from ._wire import record_prefix
 
-__all__ = ["FLUSH_BYTES", "FLUSH_RECORDS", "Link", "bind_inbox", "frame_size"]
+__all__ = ["FLUSH_BYTES", "FLUSH_RECORDS", "Link", "bind_inbox", "frame_size", "session_authenticator"]
 
 #: ZeroMQ messages (each a batch) queued per peer before the socket refuses more.
 SNDHWM = 2000
@@ -27,6 +27,30 @@ LINGER_MS = 2000
 
 def frame_size(frame: Any) -> int:
     return frame.nbytes if isinstance(frame, memoryview) else len(frame)
+
+
+class _SessionKeyOnly:
+    """ZAP credentials check: a CURVE client is admitted only if it holds the session's own key."""
+
+    def __init__(self, public_key: bytes) -> None:
+        self._key = public_key  # z85, as pyzmq hands the client's key to the callback
+
+    def callback(self, domain: str, client_key: bytes) -> bool:
+        return bool(client_key == self._key)
+
+
+def session_authenticator(ctx: zmq.Context[Any], public_key: bytes) -> Any:
+    """Start the ZAP handler that refuses every tcp peer without the session key (call before binding).
+
+    CURVE alone admits any client that knows the server's public key; this
+    handler also checks the client's key, which only the session's processes hold.
+    """
+    from zmq.auth.thread import ThreadAuthenticator
+
+    auth = ThreadAuthenticator(ctx)
+    auth.start()
+    auth.configure_curve_callback(domain="*", credentials_provider=_SessionKeyOnly(public_key))
+    return auth
 
 
 def bind_inbox(ctx: zmq.Context[Any], address: str, keys: tuple[bytes, bytes] | None = None) -> zmq.Socket[Any]:

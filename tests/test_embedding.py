@@ -112,7 +112,11 @@ def push(address, text, keys):
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 0)
-    if keys:
+    if keys == "own":  # knows the server's public key, holds a key pair of its own
+        public, secret = zmq.curve_keypair()
+        sock.curve_serverkey = os.environ["ACTORS_CURVE_PUBLIC"].encode()
+        sock.curve_publickey, sock.curve_secretkey = public, secret
+    elif keys:
         public, secret = os.environ["ACTORS_CURVE_PUBLIC"].encode(), os.environ["ACTORS_CURVE_SECRET"].encode()
         sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = public, public, secret
     sock.connect(address)
@@ -129,7 +133,7 @@ async def main():
     echo = procs.spawn("echo", Echo)
     await echo.send_to.call_one(port, ["from a worker"])  # workers hold the session key
     print("WORKER", await recv.recv())
-    keep = [push(rt.address, "intruder", keys=False)]
+    keep = [push(rt.address, "intruder", keys=False), push(rt.address, "impostor", keys="own")]
     await asyncio.sleep(1.0)  # give the intruder every chance to get through
     print("INTRUDER_QUEUED", recv.qsize())
     keep.append(push(rt.address, "friend", keys=True))

@@ -43,3 +43,18 @@ def test_a_live_peer_found_later_is_alive_until_it_exits(tmp_path):
     finally:
         child.kill()
         registry.close()
+
+
+def test_a_pid_that_cannot_be_opened_counts_as_dead(tmp_path, monkeypatch):
+    """A forged or foreign pid (pidfd_open fails with any OSError) is reported dead, never raised."""
+    registry = Registry(str(tmp_path), os.getpid())
+    deaths = []
+    registry.death_listeners.append(deaths.append)
+
+    def refuse(pid: int) -> int:
+        raise FileNotFoundError(2, "No such file or directory")
+
+    monkeypatch.setattr(os, "pidfd_open", refuse)
+    ref = registry.proc(f"ipc://{tmp_path}/w1-2.sock", 4_000_000)
+    assert ref.dead and deaths == [ref]
+    registry.close()

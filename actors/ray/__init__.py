@@ -1,0 +1,10 @@
+"""Meshes that span machines, placed by Ray: ``actors.ray.host_mesh(...)`` in place of ``this_host()``.
+
+Ray reserves the nodes and starts one actors host on each; every actor message
+still goes over actors' own tcp sockets, CURVE-authenticated with the
+session's keys (see ``docs/multihost.md``). Needs ``pip install 'actors[ray]'``.
+"""
+
+from ._host_mesh import RayHostMesh, host_mesh
+
+__all__ = ["RayHostMesh", "host_mesh"]

@@ -1,0 +1,326 @@
+"""``host_mesh()``: the nodes of a Ray cluster as one :class:`~actors.HostMesh`.
+
+Ray reserves one bundle per node (a ``STRICT_SPREAD`` placement group) and
+starts a :class:`~actors.ray._node.NodeHost` in each: that node's forkserver.
+``spawn_procs`` then asks each node host to fork its share of the workers and
+returns a :class:`~actors.ProcMesh` whose first dimension is ``hosts``. Ray
+places, starts and watches; actor messages go over the workers' own tcp
+sockets, CURVE-authenticated with the session's keys.
+
+Liveness: a worker's exit is reaped by its node's forkserver and reported
+through the node host; a node host that dies (its Ray worker or the whole
+node lost) fails every process it held. Either way the calls waiting on them
+raise :class:`~actors.ActorDied`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._devices import gpu_env
+from .._host_mesh import HostMesh, check_spawn, main_module, worker_config
+from .._liveness import ProcRef
+from .._proc_mesh import ProcMesh
+from .._restart import RestartMode, RestartPolicy
+from .._runtime import Runtime, at_runtime_exit, current_runtime, runtime
+from .._session import TCP_HOST_ENV, TRANSPORT_ENV, session_keys, tcp_host
+from ._node import NodeHost
+from ._relay import Relay
+
+__all__ = ["RayHostMesh", "host_mesh"]
+
+log = logging.getLogger("actors.ray")
+
+#: Free tcp addresses asked of each node ahead of need, so ``spawn_procs`` rarely waits for Ray.
+ADDRESS_POOL = 64
+#: How long the setup calls (reserving nodes, starting node hosts) may take.
+SETUP_TIMEOUT = 120.0
+#: How long a node host may take to stop its workers when the host mesh shuts down.
+STOP_TIMEOUT = 15.0
+
+
+def _ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise ImportError("actors.ray needs Ray: pip install 'actors[ray]'") from None
+    return ray
+
+
+@dataclass
+class _Node:
+    """One node host, as the controller sees it."""
+
+    index: int
+    handle: Any
+    ip: str
+    pid: int
+    node_id: str
+    gpus: list[str]
+    addresses: list[str] = field(default_factory=list)
+    #: Workers started there and not yet reaped, by spawn index.
+    procs: dict[int, ProcRef] = field(default_factory=dict)
+    lost: str = ""
+
+    def __str__(self) -> str:
+        return f"host {self.index} ({self.ip}, Ray node {self.node_id[:8]})"
+
+
+def exit_reason(code: int) -> str:
+    """A reaped worker's exit code, in words."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+        return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class RayHostMesh(HostMesh):
+    """Hosts placed by Ray: ``spawn_procs(per_host)`` starts ``per_host`` processes on each."""
+
+    def __init__(self, rt: Runtime, placement_group: Any, nodes: list[_Node]) -> None:
+        self._rt = rt
+        self._pg = placement_group
+        self._nodes = nodes
+        self._relay = Relay(rt)
+        self.closed = False
+        for node in nodes:
+            self._watch(node)
+        at_runtime_exit(self.shutdown)
+
+    def __repr__(self) -> str:
+        return f"<RayHostMesh {[node.ip for node in self._nodes]}>"
+
+    @property
+    def extent(self) -> dict[str, int]:
+        return {"hosts": len(self._nodes)}
+
+    @property
+    def hosts(self) -> list[dict[str, Any]]:
+        """Each host: its cluster address, Ray node id, node host pid, GPUs and whether it was lost."""
+        return [
+            {"ip": n.ip, "node": n.node_id, "pid": n.pid, "gpus": list(n.gpus), "lost": n.lost} for n in self._nodes
+        ]
+
+    def spawn_procs(
+        self,
+        per_host: dict[str, int] | None = None,
+        bootstrap: Callable[[], None] | None = None,
+        name: str | None = None,
+        *,
+        threads: int = 1,
+        restart: RestartMode = "never",
+        max_restarts: int = 3,
+        restart_period: float = 60.0,
+    ) -> ProcMesh:
+        """Start ``per_host`` processes on every host; the mesh's extent is ``{"hosts": N, **per_host}``."""
+        if self.closed:
+            raise RuntimeError("this Ray host mesh has been shut down")
+        policy = RestartPolicy(restart, max_restarts, restart_period)
+        per, boot = check_spawn(per_host, bootstrap)
+        if "hosts" in per:
+            raise ValueError("per_host counts processes on each host; 'hosts' is the host mesh's own dimension")
+        lost = [str(node) for node in self._nodes if node.lost]
+        if lost:
+            raise RuntimeError(f"cannot spawn on a host mesh that lost {', '.join(lost)}")
+        rt = self._rt
+        count = math.prod(per.values())
+        self._ensure_addresses(count)
+        main = main_module()
+        mesh_name = name or f"procs{rt.counter('mesh')}"
+        procs: list[ProcRef] = []
+        configs: list[dict[str, Any]] = []
+        for node in self._nodes:
+            for local in range(count):
+                rank = node.index * count + local
+                address = node.addresses.pop()
+                env = gpu_env(per, local, node.gpus)
+                config = worker_config(rt, f"{mesh_name}.{rank}", address, rank, main, boot, threads, env)
+                ref = rt.registry.placed(address)
+                configs.append(config.to_wire())
+                procs.append(ref)
+                self._start(node, ref, configs[-1])
+        self._refill()
+
+        def respawn(rank: int, ref: ProcRef) -> None:
+            node = self._nodes[rank // count]
+            if node.lost:
+                raise RuntimeError(f"its {node} is lost")
+            self._start(node, ref, configs[rank])
+
+        return ProcMesh(mesh_name, {"hosts": len(self._nodes), **per}, procs, policy, respawn)
+
+    def shutdown(self) -> None:
+        """End every process on every host, the node hosts and the Ray reservation (blocks until done)."""
+        if self.closed:
+            return
+        self.closed = True
+        self._relay.close()
+        with contextlib.suppress(Exception):
+            ray = _ray()
+            if ray.is_initialized():
+                live = [n.handle.stop.remote() for n in self._nodes if not n.lost]
+                with contextlib.suppress(Exception):
+                    ray.get(live, timeout=STOP_TIMEOUT)
+                for node in self._nodes:
+                    with contextlib.suppress(Exception):
+                        ray.kill(node.handle)
+                with contextlib.suppress(Exception):
+                    ray.util.remove_placement_group(self._pg)
+        for node in self._nodes:
+            for ref in node.procs.values():
+                self._rt.registry.mark_dead(ref, "its Ray host mesh was shut down")
+            node.procs.clear()
+
+    def __enter__(self) -> RayHostMesh:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------ Ray's answers, on the runtime thread
+
+    def _start(self, node: _Node, ref: ProcRef, config: dict[str, Any]) -> None:
+        index = self._rt.counter("worker")
+        node.procs[index] = ref
+
+        def spawned(pid: Any, error: BaseException | None) -> None:
+            if error is not None:
+                node.procs.pop(index, None)
+                self._rt.registry.mark_dead(ref, f"could not start on {node}: {error}")
+            elif ref.pid != pid:
+                self._rt.registry.set_pid(ref, int(pid))
+
+        self._relay.when_done(node.handle.spawn.remote(index, config), spawned)
+
+    def _watch(self, node: _Node) -> None:
+        def exited(reports: Any, error: BaseException | None) -> None:
+            if self.closed:
+                return
+            if error is not None:
+                self._lose(node, error)
+                return
+            for index, pid, code in reports:
+                ref = node.procs.pop(index, None)
+                if ref is not None:
+                    self._rt.registry.mark_dead(ref, f"process {pid} on {node.ip} {exit_reason(code)}")
+            self._watch(node)
+
+        self._relay.when_done(node.handle.exits.remote(), exited)
+
+    def _lose(self, node: _Node, error: BaseException) -> None:
+        node.lost = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        log.error("lost %s: %s", node, node.lost)
+        for ref in node.procs.values():
+            self._rt.registry.mark_dead(ref, f"its {node} was lost ({node.lost})")
+        node.procs.clear()
+
+    def _ensure_addresses(self, count: int) -> None:
+        short = [node for node in self._nodes if len(node.addresses) < count]
+        if short:  # a round trip to those nodes; the pool makes this rare
+            ray = _ray()
+            fresh = ray.get([n.handle.addresses.remote(count + ADDRESS_POOL) for n in short], timeout=SETUP_TIMEOUT)
+            for node, addresses in zip(short, fresh, strict=True):
+                node.addresses.extend(addresses)
+
+    def _refill(self) -> None:
+        for node in self._nodes:
+            if len(node.addresses) < ADDRESS_POOL // 2 and not node.lost:
+
+                def got(addresses: Any, error: BaseException | None, node: _Node = node) -> None:
+                    if error is None:
+                        node.addresses.extend(addresses)
+
+                self._relay.when_done(node.handle.addresses.remote(ADDRESS_POOL), got)
+
+
+def _use_tcp(bind_host: str) -> None:
+    """Make this process's inbox a tcp one on the cluster address (its runtime may not exist yet)."""
+    existing = current_runtime()
+    if existing is None:
+        os.environ[TRANSPORT_ENV] = "tcp"
+        os.environ.setdefault(TCP_HOST_ENV, bind_host)
+        return
+    host = tcp_host(existing.address)
+    if host is None:
+        raise RuntimeError(
+            "actors.ray.host_mesh() needs this process's inbox on tcp, but the actors runtime already started "
+            "on ipc: call host_mesh() before anything else that uses actors, or start the program with "
+            f"{TRANSPORT_ENV}=tcp {TCP_HOST_ENV}=<this node's cluster address>"
+        )
+
+
+def host_mesh(
+    address: str | None = None,
+    hosts: int = 1,
+    gpus_per_host: int = 0,
+    cpus_per_host: int = 1,
+    *,
+    bind_host: str | None = None,
+) -> RayHostMesh:
+    """Reserve ``hosts`` Ray nodes (one bundle each) and start an actors host on each.
+
+    ``address`` is a Ray cluster address (``"auto"`` for the one this machine
+    joined, None to start or reuse a local Ray). Each bundle holds
+    ``cpus_per_host`` CPUs and ``gpus_per_host`` GPUs; processes spawned
+    with a ``gpus`` dimension get the GPUs Ray gave their host. Every
+    address binds to the node's cluster IP (``bind_host`` overrides it, for
+    this process and the hosts). Blocks until the hosts are up.
+    """
+    if type(hosts) is not int or hosts < 1:
+        raise ValueError(f"hosts must be a positive int, not {hosts!r}")
+    for what, value in (("gpus_per_host", gpus_per_host), ("cpus_per_host", cpus_per_host)):
+        if not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"{what} must be a non-negative number, not {value!r}")
+    ray = _ray()
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    if not ray.is_initialized():
+        ray.init(address=address, log_to_driver=True, include_dashboard=False)
+    _use_tcp(bind_host or ray.util.get_node_ip_address())
+    rt = runtime()
+    keys = session_keys()
+    if keys is None:
+        raise RuntimeError("hosts on other machines need CURVE on tcp; unset ACTORS_CURVE=0")
+    bundle: dict[str, float] = {"CPU": cpus_per_host}
+    if gpus_per_host:
+        bundle["GPU"] = gpus_per_host
+    pg = placement_group([dict(bundle) for _ in range(hosts)], strategy="STRICT_SPREAD")
+    ready, _ = ray.wait([pg.ready()], timeout=SETUP_TIMEOUT)
+    if not ready:
+        remove_placement_group(pg)
+        raise RuntimeError(
+            f"Ray could not reserve {hosts} separate nodes with {bundle} each within {SETUP_TIMEOUT:g}s "
+            f"(the cluster has {len(ray.nodes())} nodes: {ray.cluster_resources()})"
+        )
+    remote = ray.remote(NodeHost)
+    handles = [
+        remote.options(
+            num_cpus=cpus_per_host,
+            num_gpus=gpus_per_host,
+            max_concurrency=8,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+        ).remote(keys[0].decode(), keys[1].decode(), bind_host)
+        for i in range(hosts)
+    ]
+    try:
+        infos = ray.get([h.info.remote() for h in handles], timeout=SETUP_TIMEOUT)
+    except BaseException:
+        for h in handles:
+            with contextlib.suppress(Exception):
+                ray.kill(h)
+        remove_placement_group(pg)
+        raise
+    nodes = [
+        _Node(i, h, info["ip"], info["pid"], info["node"], list(info["gpus"]))
+        for i, (h, info) in enumerate(zip(handles, infos, strict=True))
+    ]
+    return RayHostMesh(rt, pg, nodes)

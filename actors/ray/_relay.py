@@ -1,0 +1,84 @@
+"""Ray's answers, handed to the runtime's thread.
+
+A Ray call completes on one of Ray's threads; the registry and the proc
+meshes belong to the runtime's thread. The relay queues each completion and
+wakes that thread through a pipe it watches (a loop reader, or the
+synchronous pump's poll), so the handler runs there, never on Ray's thread
+and never blocking the loop.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from .._runtime import Runtime
+
+__all__ = ["Relay"]
+
+log = logging.getLogger("actors.ray")
+
+
+class Relay:
+    """Runs ``handler(result, error)`` on the runtime's thread when a Ray call completes."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self._rt = rt
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._read, False)
+        os.set_blocking(self._write, False)
+        self._lock = threading.Lock()
+        self._done: collections.deque[tuple[Callable[[Any, BaseException | None], None], Any, Any]] = (
+            collections.deque()
+        )
+        self.closed = False
+        rt.driver.add_reader(self._read, self._drain)
+
+    def when_done(self, object_ref: Any, handler: Callable[[Any, BaseException | None], None]) -> None:
+        """Call ``handler(value, None)`` or ``handler(None, error)`` once ``object_ref`` resolves."""
+        future = object_ref.future()
+
+        def done(fut: Any) -> None:
+            with self._lock:
+                if self.closed:
+                    return
+                self._done.append((handler, fut, None))
+                with contextlib.suppress(BlockingIOError):
+                    os.write(self._write, b"!")
+
+        future.add_done_callback(done)
+
+    def _drain(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            while os.read(self._read, 4096):
+                pass
+        while True:
+            with self._lock:
+                if not self._done:
+                    break
+                handler, fut, _ = self._done.popleft()
+            try:
+                value, error = fut.result(), None
+            except BaseException as exc:  # a Ray error: the handler decides what it means
+                value, error = None, exc
+            try:
+                handler(value, error)
+            except Exception:
+                log.exception("handling a Ray answer failed")
+        self._rt.driver.notify_progress()
+
+    def close(self) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            self._done.clear()
+        self._rt.driver.remove_reader(self._read)
+        for fd in (self._read, self._write):
+            with contextlib.suppress(OSError):
+                os.close(fd)
