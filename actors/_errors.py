@@ -158,7 +158,8 @@ class ActorDied(SupervisionError):
     @classmethod
     def of(cls, actor: str, rank: int, pid: int | None, reason: str, method: str = "") -> ActorDied:
         """The error for calls to ``actor`` (rank ``rank``) whose process ``pid`` ended with ``reason``."""
-        call = f"Endpoint call {shown(actor)}.{method}() failed, " if method else ""
+        actor = shown(actor)
+        call = f"Endpoint call {actor}.{method}() failed, " if method else ""
         why = f"its process (pid {pid}) died: {reason}"
         return cls(call + actor_failed(actor, rank, why), pid=pid, actor=actor)
 

@@ -13,14 +13,15 @@ import secrets
 __all__ = ["shown", "wire_name"]
 
 _SEPARATOR = "#"
+_TOKEN_BYTES = 6
 
 
 def wire_name(name: str) -> str:
     """A name for one spawn of ``name``, unique in the session."""
-    return f"{name}{_SEPARATOR}{secrets.token_hex(6)}"
+    return f"{name}{_SEPARATOR}{secrets.token_hex(_TOKEN_BYTES)}"
 
 
 def shown(name: str) -> str:
     """The name the user gave, for a wire name (other names are returned as they are)."""
     given, sep, token = name.rpartition(_SEPARATOR)
-    return given if sep and len(token) == 12 else name
+    return given if sep and len(token) == 2 * _TOKEN_BYTES else name

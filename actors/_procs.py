@@ -42,16 +42,12 @@ class Registry:
         self.unresolved: set[ProcRef] = set()
         #: Called when a peer joins ``unresolved`` (the runtime arranges the retries).
         self.on_unresolved: Callable[[], None] | None = None
-        self._local_hosts: frozenset[str] | None = None
+        self._local_hosts = local_hosts()
 
     def is_local(self, address: str) -> bool:
         """Whether ``address`` is served on this machine (ipc always is; tcp by its host)."""
         host = tcp_host(address)
-        if host is None:
-            return True
-        if self._local_hosts is None:
-            self._local_hosts = local_hosts()
-        return host in self._local_hosts
+        return host is None or host in self._local_hosts
 
     def proc(self, address: str, pid: int | None) -> ProcRef:
         """The interned :class:`ProcRef` for ``address`` (learning or updating its pid)."""

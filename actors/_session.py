@@ -91,13 +91,13 @@ def valid_peer_address(address: str, runtime_dir: str) -> bool:
 
 
 def local_hosts() -> frozenset[str]:
-    """The host names and addresses by which a tcp peer is on this machine (its pid then means a process here)."""
-    hosts = {"127.0.0.1", "localhost", "::1", os.environ.get(TCP_HOST_ENV, "127.0.0.1")}
-    with contextlib.suppress(OSError):
-        name = socket.gethostname()
-        hosts.add(name)
-        hosts.update(socket.gethostbyname_ex(name)[2])
-    return frozenset(hosts)
+    """The tcp hosts that mean this machine (a peer's pid there is a process here): loopback and our own.
+
+    No name lookup: it may run on the event loop's thread, and a process binds
+    the one cluster address it was given (``ACTORS_TCP_HOST``), as its peers on
+    this machine do.
+    """
+    return frozenset({"127.0.0.1", "localhost", "::1", os.environ.get(TCP_HOST_ENV, "127.0.0.1")})
 
 
 def tcp_host(address: str) -> str | None:

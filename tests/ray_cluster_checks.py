@@ -71,8 +71,7 @@ def check(name: str):  # type: ignore[no-untyped-def]
 
 @check("call_across_nodes")
 async def call_across_nodes(hosts):  # type: ignore[no-untyped-def]
-    procs = hosts.spawn_procs(per_host={"procs": 1})
-    try:
+    async with hosts.spawn_procs(per_host={"procs": 1}) as procs:
         assert procs.extent == {"hosts": 2, "procs": 1}, procs.extent
         mesh = procs.spawn("where", Where, "x")
         results = [v for _, v in await mesh.where.call()]
@@ -86,14 +85,11 @@ async def call_across_nodes(hosts):  # type: ignore[no-untyped-def]
         other = await mesh.slice(hosts=0).call_peer.call_one(mesh.slice(hosts=1))
         assert other[0] == results[1][0], (other, results)
         return {"addresses": addresses}
-    finally:
-        await procs.stop()
 
 
 @check("ports_across_nodes")
 async def ports_across_nodes(hosts):  # type: ignore[no-untyped-def]
-    procs = hosts.spawn_procs(per_host={"procs": 1})
-    try:
+    async with hosts.spawn_procs(per_host={"procs": 1}) as procs:
         mesh = procs.spawn("streamer", Where)
         port, recv = Channel.open(int)
         await mesh.slice(hosts=1).stream_to.call_one(port, 1000)
@@ -102,14 +98,11 @@ async def ports_across_nodes(hosts):  # type: ignore[no-untyped-def]
             got.append(item)
         assert got == list(range(1000)), got[:10]
         return {"items": len(got)}
-    finally:
-        await procs.stop()
 
 
 @check("worker_killed_fails_calls")
 async def worker_killed_fails_calls(hosts):  # type: ignore[no-untyped-def]
-    procs = hosts.spawn_procs(per_host={"procs": 1})
-    try:
+    async with hosts.spawn_procs(per_host={"procs": 1}) as procs:
         mesh = procs.spawn("victim", Where)
         pid = (await mesh.slice(hosts=1).where.call_one())[0]
         os.kill(pid, signal.SIGKILL)
@@ -121,8 +114,6 @@ async def worker_killed_fails_calls(hosts):  # type: ignore[no-untyped-def]
             assert took < 2.0, took
             return {"seconds": round(took, 3), "error": str(exc)[:160]}
         raise AssertionError("a call to a killed worker answered")
-    finally:
-        await procs.stop()
 
 
 @check("key_refused")
@@ -162,6 +153,21 @@ async def key_refused(hosts):  # type: ignore[no-untyped-def]
     finally:
         ctx.term()
         await procs.stop()
+
+
+@check("spawn_beyond_ready_addresses_refused_on_a_loop")
+async def spawn_beyond_ready_addresses_refused_on_a_loop(hosts):  # type: ignore[no-untyped-def]
+    """Fetching more addresses would block this loop on Ray: refused, with the way out, and nothing started."""
+    from actors.ray._host_mesh import ADDRESS_POOL
+
+    try:
+        hosts.spawn_procs(per_host={"procs": 3 * ADDRESS_POOL})
+    except ValueError as exc:
+        assert "would block this event loop" in str(exc), exc
+        async with hosts.spawn_procs(per_host={"procs": 1}) as procs:  # the mesh still serves
+            assert len(await procs.spawn("after", Where).where.call()) == 2
+        return {"error": str(exc)[:120]}
+    raise AssertionError("spawn_procs waited on Ray on the event loop's thread")
 
 
 @check("node_host_lost_fails_calls")
@@ -217,6 +223,7 @@ async def main() -> None:
             await ports_across_nodes(hosts)
             await worker_killed_fails_calls(hosts)
             await key_refused(hosts)
+            await spawn_beyond_ready_addresses_refused_on_a_loop(hosts)
             await node_host_lost_fails_calls(hosts)
         finally:
             hosts.shutdown()

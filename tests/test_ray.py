@@ -15,7 +15,14 @@ import pytest
 
 pytest.importorskip("ray", reason="needs the ray extra: pip install -e '.[ray]'")
 
-CHECKS = ["call_across_nodes", "ports_across_nodes", "worker_killed_fails_calls", "key_refused", "node_host_lost_fails_calls"]
+CHECKS = [
+    "call_across_nodes",
+    "ports_across_nodes",
+    "worker_killed_fails_calls",
+    "key_refused",
+    "spawn_beyond_ready_addresses_refused_on_a_loop",
+    "node_host_lost_fails_calls",
+]
 
 
 @pytest.fixture(scope="module")

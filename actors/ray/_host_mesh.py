@@ -15,6 +15,7 @@ raise :class:`~actors.ActorDied`.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import math
@@ -223,12 +224,20 @@ class RayHostMesh(HostMesh):
         node.procs.clear()
 
     def _ensure_addresses(self, count: int) -> None:
+        """At least ``count`` ready addresses on every node; a round trip to Ray only off the event loop."""
         short = [node for node in self._nodes if len(node.addresses) < count]
-        if short:  # a round trip to those nodes; the pool makes this rare
-            ray = _ray()
-            fresh = ray.get([n.handle.addresses.remote(count + ADDRESS_POOL) for n in short], timeout=SETUP_TIMEOUT)
-            for node, addresses in zip(short, fresh, strict=True):
-                node.addresses.extend(addresses)
+        if not short:
+            return
+        if _loop_running():
+            raise ValueError(
+                f"spawn_procs() needs {count} addresses per host but {short[0]} has {len(short[0].addresses)} ready, "
+                "and fetching more would block this event loop: spawn fewer processes per call "
+                f"(at most {ADDRESS_POOL} while the pool refills), or call it from a thread"
+            )
+        ray = _ray()
+        fresh = ray.get([n.handle.addresses.remote(count + ADDRESS_POOL) for n in short], timeout=SETUP_TIMEOUT)
+        for node, addresses in zip(short, fresh, strict=True):
+            node.addresses.extend(addresses)
 
     def _refill(self) -> None:
         for node in self._nodes:
@@ -239,6 +248,14 @@ class RayHostMesh(HostMesh):
                         node.addresses.extend(addresses)
 
                 self._relay.when_done(node.handle.addresses.remote(ADDRESS_POOL), got)
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _use_tcp(bind_host: str) -> None:
@@ -313,6 +330,7 @@ def host_mesh(
     ]
     try:
         infos = ray.get([h.info.remote() for h in handles], timeout=SETUP_TIMEOUT)
+        pools = ray.get([h.addresses.remote(ADDRESS_POOL) for h in handles], timeout=SETUP_TIMEOUT)
     except BaseException:
         for h in handles:
             with contextlib.suppress(Exception):
@@ -320,7 +338,7 @@ def host_mesh(
         remove_placement_group(pg)
         raise
     nodes = [
-        _Node(i, h, info["ip"], info["pid"], info["node"], list(info["gpus"]))
-        for i, (h, info) in enumerate(zip(handles, infos, strict=True))
+        _Node(i, h, info["ip"], info["pid"], info["node"], list(info["gpus"]), pool)
+        for i, (h, info, pool) in enumerate(zip(handles, infos, pools, strict=True))
     ]
     return RayHostMesh(rt, pg, nodes)

@@ -33,9 +33,7 @@ class Relay:
         os.set_blocking(self._read, False)
         os.set_blocking(self._write, False)
         self._lock = threading.Lock()
-        self._done: collections.deque[tuple[Callable[[Any, BaseException | None], None], Any, Any]] = (
-            collections.deque()
-        )
+        self._done: collections.deque[tuple[Callable[[Any, BaseException | None], None], Any]] = collections.deque()
         self.closed = False
         rt.driver.add_reader(self._read, self._drain)
 
@@ -47,7 +45,7 @@ class Relay:
             with self._lock:
                 if self.closed:
                     return
-                self._done.append((handler, fut, None))
+                self._done.append((handler, fut))
                 with contextlib.suppress(BlockingIOError):
                     os.write(self._write, b"!")
 
@@ -61,7 +59,7 @@ class Relay:
             with self._lock:
                 if not self._done:
                     break
-                handler, fut, _ = self._done.popleft()
+                handler, fut = self._done.popleft()
             try:
                 value, error = fut.result(), None
             except BaseException as exc:  # a Ray error: the handler decides what it means
