@@ -46,6 +46,7 @@ from ._port import Channel, Port, PortReceiver
 from ._proc_mesh import ProcMesh
 from ._response_port import ResponsePort
 from ._restart import RestartMode, RestartPolicy
+from ._session import host_id
 from ._supervision import Failure, MeshFailure, add_failure_handler, remove_failure_handler, unhandled_fault_hook
 from ._value_mesh import Point, ValueMesh
 from .weights import (
@@ -114,6 +115,7 @@ __all__ = [
     "current_size",
     "endpoint",
     "get_or_spawn_controller",
+    "host_id",
     "remove_failure_handler",
     "send",
     "this_host",

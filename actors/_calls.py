@@ -150,9 +150,7 @@ class CallTable:
         for call in list(self._pending.values()):
             for rank in call.remaining:
                 if call.procs[rank] is ref:
-                    call.fail(
-                        ActorDied.of(call.actor, rank, ref.pid, ref.exit_reason, call.method)
-                    )
+                    call.fail(ActorDied.of(call.actor, rank, ref.pid, ref.exit_reason, call.method))
                     break
 
     def __len__(self) -> int:

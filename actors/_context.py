@@ -9,6 +9,7 @@ controller (no actor running) the instance is the root client, printed
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import os
 from typing import TYPE_CHECKING
@@ -19,7 +20,16 @@ from ._value_mesh import Point
 if TYPE_CHECKING:
     from ._proc_mesh import ProcMesh
 
-__all__ = ["ActorContext", "Context", "Instance", "context", "current_actor_name", "current_rank", "current_size"]
+__all__ = [
+    "ActorContext",
+    "Context",
+    "Instance",
+    "context",
+    "current_actor_name",
+    "current_rank",
+    "current_size",
+    "loop_running",
+]
 
 
 class ActorContext:
@@ -149,3 +159,12 @@ def current_size() -> dict[str, int]:
     """The extent of the mesh of the running actor (``{}`` in the controller)."""
     ctx = _context.get()
     return dict(ctx.extent) if ctx is not None else {}
+
+
+def loop_running() -> bool:
+    """True when this thread runs an event loop: code here must not block (wait, sleep, long I/O)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True

@@ -191,7 +191,9 @@ class Inbox:
         try:
             for fields, run, size in self.decoder.decode_batch(frames[1].buffer, frames[2:]):
                 try:
-                    route = routes.get(fields[0]) if type(fields) is list and fields and type(fields[0]) is int else None
+                    route = (
+                        routes.get(fields[0]) if type(fields) is list and fields and type(fields[0]) is int else None
+                    )
                     if route is None:
                         if type(fields) is DecodeError:
                             raise fields

@@ -21,6 +21,7 @@ import zmq
 
 __all__ = [
     "SESSION_ENV",
+    "host_id",
     "inbox_address",
     "incarnation_path",
     "local_hosts",
@@ -43,6 +44,8 @@ TCP_HOST_ENV = "ACTORS_TCP_HOST"
 #: Session key pair for CURVE on tcp (z85); set by the first process, inherited by its workers.
 CURVE_PUBLIC_ENV = "ACTORS_CURVE_PUBLIC"
 CURVE_SECRET_ENV = "ACTORS_CURVE_SECRET"
+#: This host's identity, when something other than the kernel's decides it (a Ray node host sets its node id).
+HOST_ID_ENV = "ACTORS_HOST_ID"
 #: ``ACTORS_CURVE=0`` turns tcp authentication off (not recommended beyond loopback).
 CURVE_ENV = "ACTORS_CURVE"
 
@@ -52,6 +55,28 @@ def transport_kind() -> str:
     if kind not in ("ipc", "tcp"):
         raise ValueError(f"{TRANSPORT_ENV} must be 'ipc' or 'tcp', not {kind!r}")
     return kind
+
+
+def host_id() -> str:
+    """Which host this process is on: processes with the same id share memory, pids and GPUs.
+
+    ``ACTORS_HOST_ID`` when set (Ray node hosts set their node's id, so
+    nodes of one test cluster count as separate hosts); otherwise the
+    kernel's boot id and this process's pid namespace.
+    """
+    given = os.environ.get(HOST_ID_ENV)
+    if given:
+        return given
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = socket.gethostname()
+    try:
+        space = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        space = 0
+    return f"{boot}/{space}"
 
 
 def make_runtime_dir() -> str:

@@ -26,11 +26,11 @@ import sys
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import uvloop
 
-from actors import ActorsError, Channel, Failure, ProcMesh, this_host
+from actors import ActorsError, Channel, Failure, HostMesh, ProcMesh, this_host
 
 from . import checkpoint
 from .messages import Config, StepReport
@@ -39,6 +39,9 @@ from .model import PRESETS
 from .placement import ROLES, check_placement
 from .roles import Generator, RefModel, Scorer, Trainer
 from .task import load_task, resolve, task_class
+
+if TYPE_CHECKING:
+    from actors.ray import RayHostMesh
 
 __all__ = ["PipelineError", "Roles", "RunResult", "exit_now", "main", "parse_args", "run_pipeline"]
 
@@ -71,6 +74,7 @@ class RunResult:
     stop_seconds: float = 0.0
     rollouts: dict[str, int] = field(default_factory=dict)
     restarts: dict[str, int] = field(default_factory=dict)  # generator -> times it was restarted
+    weight_routes: list[str] = field(default_factory=list)  # which transport reaches which generators
 
     @property
     def steps_per_second(self) -> float:
@@ -120,6 +124,32 @@ def _raise_if_failed(tasks: dict[str, asyncio.Task[Any]], task: asyncio.Task[Any
         raise PipelineError(f"the {role} failed: {exc}") from exc
 
 
+async def _hosts(config: Config) -> tuple[HostMesh, HostMesh, RayHostMesh | None]:
+    """Where the roles go: (the trainer's host, every host for generators, the Ray host mesh if any).
+
+    On a Ray cluster the trainer, scorer and reference model share host 0
+    and the generators spread evenly over every host.
+    """
+    if not config.ray:
+        return this_host(), this_host(), None
+    try:
+        import ray
+    except ImportError:
+        raise ValueError("--ray needs Ray: pip install -e '.[ray]'") from None
+    from actors.ray import host_mesh_async
+
+    if not ray.is_initialized():
+        await asyncio.to_thread(ray.init, address=config.ray, include_dashboard=False)
+    alive = len([node for node in ray.nodes() if node.get("Alive")])  # type: ignore[no-untyped-call]
+    count = config.ray_hosts or alive
+    if count > alive:
+        raise ValueError(f"--ray-hosts {count}: the cluster at {config.ray} has {alive} live nodes")
+    if config.generators % count:
+        raise ValueError(f"--generators {config.generators} must be a multiple of the {count} Ray hosts")
+    cluster = await host_mesh_async(config.ray, hosts=count)
+    return cluster.slice(0), cluster, cluster
+
+
 async def run_pipeline(
     config: Config, *, resume: bool = False, quiet: bool = False, roles: Roles | None = None
 ) -> RunResult:
@@ -150,12 +180,15 @@ async def run_pipeline(
     restarts: dict[str, int] = {}
     consumer: asyncio.Future[None] | None = None
     trainer = None
+    cluster: RayHostMesh | None = None
     try:
-        trainer_procs = this_host().spawn_procs(per_host={"procs": 1}, name="trainer")
-        scorer_procs = this_host().spawn_procs(per_host={"procs": 1}, name="scorer")
-        ref_procs = this_host().spawn_procs(per_host={"procs": 1}, name="ref")
-        gen_procs = this_host().spawn_procs(
-            per_host={"procs": config.generators},
+        head, everywhere, cluster = await _hosts(config)
+        trainer_procs = head.spawn_procs(per_host={"procs": 1}, name="trainer")
+        scorer_procs = head.spawn_procs(per_host={"procs": 1}, name="scorer")
+        ref_procs = head.spawn_procs(per_host={"procs": 1}, name="ref")
+        per_host = config.generators // (len(cluster.hosts) if cluster is not None else 1)
+        gen_procs = everywhere.spawn_procs(
+            per_host={"procs": per_host},
             name="generators",
             restart="on-failure" if config.generator_restarts > 0 else "never",
             max_restarts=max(1, config.generator_restarts),
@@ -171,7 +204,13 @@ async def run_pipeline(
         scorer = scorer_procs.spawn("scorer", roles.scorer, config)
         policy_manifest, ref_manifest = await trainer.initial_manifests.call_one()
         rollouts_in = await scorer.inlet.call_one()
-        gens = gen_procs.spawn("generator", roles.generator, config, rollouts_in, policy_manifest)
+        initial = policy_manifest if cluster is None else None  # across hosts the first grant brings it
+        spawned: Any = gen_procs.spawn("generator", roles.generator, config, rollouts_in, initial)
+        gens: Generator = spawned.flatten("procs")  # one dimension of ranks, however many hosts
+        weight_routes = await trainer.route_weights.call_one(gens)
+        if cluster is not None:  # on one host there is nothing to choose: the run's transport reaches all
+            progress.note(f"placed on {len(cluster.hosts)} Ray hosts: trainer, scorer and reference on host 0")
+            progress.note("weights: " + "; ".join(weight_routes))
         ref = ref_procs.spawn("ref", roles.ref, config, ref_manifest)
         scored_in = await ref.inlet.call_one()
         ref_scored_in = await trainer.inlet.call_one()
@@ -241,6 +280,7 @@ async def run_pipeline(
             stop_seconds=time.perf_counter() - stop_started,
             rollouts=dict(zip(generator_names, produced, strict=True)),
             restarts=restarts,
+            weight_routes=weight_routes,
         )
         return result
     except asyncio.CancelledError:  # Ctrl-C: leave a checkpoint, then stop fast
@@ -261,6 +301,8 @@ async def run_pipeline(
         for mesh in meshes:
             with contextlib.suppress(ActorsError, asyncio.TimeoutError, asyncio.CancelledError):
                 await asyncio.wait_for(asyncio.shield(mesh.stop(timeout=0.5)), 2)
+        if cluster is not None:
+            await cluster.shutdown_async()
         with contextlib.suppress(Exception):
             plot(config.run_dir)
 
@@ -319,6 +361,14 @@ def _build_parser() -> argparse.ArgumentParser:
         help="generators copy each update into their parameters (default) or alias them to it (zero-copy)",
     )
     pipe.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        default="",
+        help="run on a Ray cluster ('auto': the one this machine joined): trainer, scorer and reference on one "
+        "node, generators spread over the nodes, weights over tcp between nodes (needs the ray extra)",
+    )
+    pipe.add_argument("--ray-hosts", type=int, default=0, help="Ray nodes to use (default: every live node)")
+    pipe.add_argument(
         "--generator-restarts", type=int, default=3, help="restarts of a dead generator allowed per minute (0: none)"
     )
     run = parser.add_argument_group("run")
@@ -373,6 +423,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
         device=args.device,
         devices=_role_devices(args),
         install=args.weights_install,
+        ray=args.ray,
+        ray_hosts=args.ray_hosts,
     )
     return config, args
 

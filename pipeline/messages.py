@@ -162,6 +162,8 @@ class Config:
     device: str = "cpu"  # every role's device, unless ``devices`` names one for it
     devices: dict[str, str] = field(default_factory=dict)  # role -> device: trainer, generator, scorer, ref
     install: InstallMode = "copy"  # "alias": zero-copy, read-only views of the published slot
+    ray: str = ""  # a Ray cluster address ("auto": the one this machine joined); "" runs on this host only
+    ray_hosts: int = 0  # Ray nodes to spread over (0: every node of the cluster)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:

@@ -37,6 +37,7 @@ from actors import (
     WeightPublisher,
     current_rank,
     endpoint,
+    host_id,
     send,
 )
 
@@ -44,6 +45,7 @@ from . import checkpoint
 from .learner import Learner, Update
 from .messages import Config, GeneratorTimes, Grant, RefScoredRollout, Rollout, ScoredRollout, StepReport
 from .task import Scores, load_task, to_device
+from .weight_routes import WeightRoutes
 
 __all__ = ["Generator", "RefModel", "Scorer", "Trainer"]
 
@@ -69,7 +71,7 @@ class Generator(ReceivesWeights):
     in this process around each rollout; their exceptions end ``run``.
     """
 
-    def __init__(self, config: Config, rollouts: Port[Rollout], initial: WeightManifest) -> None:
+    def __init__(self, config: Config, rollouts: Port[Rollout], initial: WeightManifest | None = None) -> None:
         self.config = config
         self.task = load_task(config)
         self.id = current_rank().rank
@@ -79,7 +81,8 @@ class Generator(ReceivesWeights):
         seed = 1_000_003 * (config.seed + 1) + 7_919 * (self.id + 1)
         self.rng = torch.Generator(device=self.device).manual_seed(seed)
         self.grant_port, self.grants = Channel.open(Grant)
-        self.weight_inbox.put(initial)
+        if initial is not None:  # else the first grant brings the policy
+            self.weight_inbox.put(initial)
         self.version = -1
         self.credits = 0
         self.produced = 0
@@ -99,10 +102,15 @@ class Generator(ReceivesWeights):
     async def grant_inlet(self) -> Port[Grant]:
         return self.grant_port
 
-    def install_weights(self) -> None:
-        """Install the newest update waiting in the inbox, if any, and time it."""
+    @endpoint
+    async def host(self) -> str:
+        """This generator's host (:func:`actors.host_id`): the trainer picks the weight transport by it."""
+        return host_id()
+
+    async def install_weights(self) -> None:
+        """Install the newest update waiting in the inbox, if any, and time it (a ``tcp`` fetch is awaited)."""
         started = time.perf_counter()
-        manifest = self.weight_inbox.install_newest(self.policy, alias=self.config.install == "alias")
+        manifest = await self.weight_inbox.install_newest_async(self.policy, alias=self.config.install == "alias")
         if manifest is not None:
             self.version = manifest.version
             self.times.install += time.perf_counter() - started
@@ -134,7 +142,7 @@ class Generator(ReceivesWeights):
             self.times.wait += time.perf_counter() - waiting
             if self.stopping:
                 break
-            self.install_weights()
+            await self.install_weights()
             for hook in self.pre_collect_hooks:
                 hook(self)
             rollout = self.collect()
@@ -158,7 +166,7 @@ class Generator(ReceivesWeights):
         so the next one to arrive here is installed instead.
         """
         while self.version < version:
-            self.install_weights()
+            await self.install_weights()
             if self.version >= version or self.stopping:
                 return
             await self.weight_inbox.wait(WEIGHTS_TIMEOUT)
@@ -251,9 +259,9 @@ class Trainer(Actor):
         self.reports = reports
         self.port, self.inbox = Channel.open(RefScoredRollout)
         on_gpu: dict[str, Any] = {"device": self.device} if config.transport == "cuda-ipc" else {}
-        self.publisher = WeightPublisher(config.transport, slots=config.generators + 3, **on_gpu)
+        self.routes = WeightRoutes(config.transport, config.generators + 3, **on_gpu)
         self.ref_publisher = WeightPublisher(config.transport, slots=1, **on_gpu)
-        self.manifest = self.publisher.publish(self.learner.policy, self.version, self._metadata())
+        self.manifest = self.routes.publish(config.transport, self.learner.policy, self.version, self._metadata())
         self.ref_manifest = self.ref_publisher.publish(self.learner.reference_state, 1)
         self.dropped = 0
         self.tokens_received = 0
@@ -278,6 +286,18 @@ class Trainer(Actor):
         """The current policy's manifest (for generators) and the reference's (for RefModel)."""
         return self.manifest, self.ref_manifest
 
+    @endpoint
+    async def route_weights(self, generators: Generator) -> list[str]:
+        """Choose each generator's weight transport by where it runs; the routes, in words."""
+        hosts = [host for _, host in (await generators.host.call()).items()]
+        routes = self.routes.plan(host_id(), hosts)
+        return [route.describe() for route in routes]
+
+    async def manifest_for(self, generator: int) -> WeightManifest:
+        """The current policy on the transport that reaches ``generator``."""
+        transport = self.routes.transport_of(generator)
+        return await self.routes.publish_async(transport, self.learner.policy, self.version, self._metadata())
+
     def train_step(self, item: RefScoredRollout) -> Update:
         device = self.device
         samples = to_device(item.rollout.samples, device)
@@ -295,11 +315,14 @@ class Trainer(Actor):
         config = self.config
         sync = config.mode == "sync"
         self.grants = grants = list(grants)
+        if not self.routes.routes:
+            self.routes.plan_local(len(grants))
         if sync:
-            grants[self.step % len(grants)].send(Grant(1, self.version, self.manifest))
+            first = self.step % len(grants)
+            grants[first].send(Grant(1, self.version, await self.manifest_for(first)))
         else:
-            for port in grants:
-                port.send(Grant(config.max_inflight))
+            for rank, port in enumerate(grants):  # the policy comes with the first credits
+                port.send(Grant(config.max_inflight, self.version, await self.manifest_for(rank)))
         started = time.perf_counter()
         waited = 0.0
         while self.step < config.steps:
@@ -320,12 +343,17 @@ class Trainer(Actor):
             self.step += 1
             self.version += 1
             publishing = time.perf_counter()
-            self.manifest = await self.publisher.publish_async(self.learner.policy, self.version, self._metadata())
             if sync:
-                self.grant(self.step % len(grants), Grant(1, self.version, self.manifest))
+                turn = self.step % len(grants)
+                self.grant(turn, Grant(1, self.version, await self.manifest_for(turn)))
             else:
-                with contextlib.suppress(ActorDied):  # every generator is down; a restarted one gets a grant
-                    send(generators.update_weights, (self.manifest,), selection="choose")
+                route = self.routes.next_route()
+                manifest = await self.routes.publish_async(
+                    route.transport, self.learner.policy, self.version, self._metadata()
+                )
+                chosen = generators.slice(procs=slice(route.first, route.last + 1))
+                with contextlib.suppress(ActorDied):  # every generator there is down; a restarted one gets a grant
+                    send(chosen.update_weights, (manifest,), selection="choose")
             published = time.perf_counter() - publishing
             final = self.step >= config.steps
             evaluation = None
@@ -406,9 +434,9 @@ class Trainer(Actor):
         self.grants[generator] = grants
         sync = self.config.mode == "sync"
         if not sync:
-            self.grant(generator, Grant(self.config.max_inflight, self.version, self.manifest))
+            self.grant(generator, Grant(self.config.max_inflight, self.version, await self.manifest_for(generator)))
         elif self.step % len(self.grants) == generator:  # the lost lock-step grant was its turn
-            self.grant(generator, Grant(1, self.version, self.manifest))
+            self.grant(generator, Grant(1, self.version, await self.manifest_for(generator)))
         return self.version
 
     def flush_reports(self) -> None:
@@ -427,5 +455,5 @@ class Trainer(Actor):
         return self.save()
 
     async def __cleanup__(self, exc: BaseException | None) -> None:
-        self.publisher.close()
+        self.routes.close()
         self.ref_publisher.close()

@@ -33,6 +33,10 @@ class Where(Actor):
         return [os.getpid(), os.environ.get("ACTORS_TCP_HOST"), self.tag, actors.current_rank().rank]
 
     @endpoint
+    async def host(self) -> str:
+        return actors.host_id()
+
+    @endpoint
     async def hang(self) -> None:
         await asyncio.Event().wait()  # answers only by its process dying
 
@@ -206,6 +210,41 @@ async def node_host_lost_fails_calls(hosts):  # type: ignore[no-untyped-def]
     raise AssertionError("a call to a lost host's worker answered")
 
 
+@check("weights_across_nodes")
+async def weights_across_nodes(hosts):  # type: ignore[no-untyped-def]
+    """A publisher on one node, a consumer on the other: the bytes come over the tcp transport, whole."""
+    from support import WeightSink, WeightSource
+
+    async with hosts.spawn_procs(per_host={"procs": 1}) as procs:
+        where = procs.spawn("where", Where)
+        host_ids = [v for _, v in await where.host.call()]
+        assert host_ids[0] != host_ids[1], host_ids
+        source = procs.spawn("source", WeightSource, "tcp")
+        sink = procs.spawn("sink", WeightSink)
+        manifest = await source.slice(hosts=0).publish.call_one(3)
+        assert manifest.transport == "tcp" and manifest.publisher_host == host_ids[0], manifest
+        actors.send(sink.slice(hosts=1).update_weights, (manifest,))
+        installs = await asyncio.wait_for(sink.slice(hosts=1).install_until.call_one(3), 60)
+        return {"bytes": manifest.total_nbytes, "installs": installs, "served_from": manifest.handle.host}
+
+
+@check("pipeline_across_nodes")
+async def pipeline_across_nodes(address):  # type: ignore[no-untyped-def]
+    """``--ray``: trainer on host 0, generators on both, weights over shm here and tcp there, 300 steps."""
+    import tempfile
+
+    from pipeline import Config, run_pipeline
+
+    config = Config(task="bandit", steps=300, generators=2, ray=address, ray_hosts=2, target_score=None)
+    config.run_dir = tempfile.mkdtemp(prefix="ray-pipeline-")
+    result = await asyncio.wait_for(run_pipeline(config, quiet=True), 240)
+    assert result.steps == 300, result
+    routes = result.weight_routes
+    assert len(routes) == 2 and routes[0].endswith(": shm") and routes[1].endswith(": tcp"), routes
+    assert all(count > 0 for count in result.rollouts.values()), result.rollouts
+    return {"routes": routes, "rollouts": result.rollouts, "score": result.score, "seconds": round(result.seconds, 2)}
+
+
 async def main() -> None:
     import ray
     from ray.cluster_utils import Cluster
@@ -224,9 +263,11 @@ async def main() -> None:
             await worker_killed_fails_calls(hosts)
             await key_refused(hosts)
             await spawn_beyond_ready_addresses_refused_on_a_loop(hosts)
+            await weights_across_nodes(hosts)
             await node_host_lost_fails_calls(hosts)
         finally:
             hosts.shutdown()
+        await pipeline_across_nodes(cluster.address)
     finally:
         ray.shutdown()
         cluster.shutdown()

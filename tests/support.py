@@ -229,7 +229,7 @@ class WeightSink(ReceivesWeights):
 
     @endpoint
     async def install_pending(self) -> int | None:
-        manifest = self.weight_inbox.install_newest(self.model)
+        manifest = await self.weight_inbox.install_newest_async(self.model)
         if manifest is None:
             return None
         self.installs += 1
@@ -272,8 +272,8 @@ class WeightSink(ReceivesWeights):
 class WeightSource(Actor):
     """Publishes from inside an actor process (for publisher-death cleanup)."""
 
-    def __init__(self) -> None:
-        self.publisher = WeightPublisher("shm")
+    def __init__(self, transport: str = "shm") -> None:
+        self.publisher = WeightPublisher(transport)
 
     @endpoint
     async def publish(self, version: int) -> WeightManifest:

@@ -21,7 +21,9 @@ CHECKS = [
     "worker_killed_fails_calls",
     "key_refused",
     "spawn_beyond_ready_addresses_refused_on_a_loop",
+    "weights_across_nodes",
     "node_host_lost_fails_calls",
+    "pipeline_across_nodes",
 ]
 
 

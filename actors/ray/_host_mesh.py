@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._context import loop_running
 from .._devices import gpu_env
 from .._host_mesh import HostMesh, check_spawn, main_module, worker_config
 from .._liveness import ProcRef
@@ -32,10 +33,11 @@ from .._proc_mesh import ProcMesh
 from .._restart import RestartMode, RestartPolicy
 from .._runtime import Runtime, at_runtime_exit, current_runtime, runtime
 from .._session import TCP_HOST_ENV, TRANSPORT_ENV, session_keys, tcp_host
+from .._value_mesh import select
 from ._node import NodeHost
 from ._relay import Relay
 
-__all__ = ["RayHostMesh", "host_mesh"]
+__all__ = ["RayHostMesh", "host_mesh", "host_mesh_async"]
 
 log = logging.getLogger("actors.ray")
 
@@ -91,6 +93,7 @@ class RayHostMesh(HostMesh):
         self._pg = placement_group
         self._nodes = nodes
         self._relay = Relay(rt)
+        self._root: RayHostMesh | None = None
         self.closed = False
         for node in nodes:
             self._watch(node)
@@ -102,6 +105,24 @@ class RayHostMesh(HostMesh):
     @property
     def extent(self) -> dict[str, int]:
         return {"hosts": len(self._nodes)}
+
+    def slice(self, hosts: int | slice) -> RayHostMesh:
+        """Some of the hosts, as a host mesh of their own (``hosts=0``, ``hosts=slice(1, None)``).
+
+        A slice shares its parent's node hosts and reservation: spawn on it
+        to place processes on those hosts only; shut down the parent.
+        """
+        ranks, _ = select(
+            self.extent, {"hosts": hosts if isinstance(hosts, slice) else slice(hosts, hosts + 1 or None)}
+        )
+        if not ranks:
+            raise IndexError(f"hosts={hosts!r} selects none of {len(self._nodes)} hosts")
+        view = object.__new__(RayHostMesh)
+        view._rt, view._pg, view._relay = self._rt, self._pg, self._relay
+        view._nodes = [self._nodes[r] for r in ranks]
+        view._root = self._root or self
+        view.closed = False
+        return view
 
     @property
     def hosts(self) -> list[dict[str, Any]]:
@@ -122,7 +143,7 @@ class RayHostMesh(HostMesh):
         restart_period: float = 60.0,
     ) -> ProcMesh:
         """Start ``per_host`` processes on every host; the mesh's extent is ``{"hosts": N, **per_host}``."""
-        if self.closed:
+        if self.closed or (self._root is not None and self._root.closed):
             raise RuntimeError("this Ray host mesh has been shut down")
         policy = RestartPolicy(restart, max_restarts, restart_period)
         per, boot = check_spawn(per_host, bootstrap)
@@ -138,9 +159,9 @@ class RayHostMesh(HostMesh):
         mesh_name = name or f"procs{rt.counter('mesh')}"
         procs: list[ProcRef] = []
         configs: list[dict[str, Any]] = []
-        for node in self._nodes:
+        for position, node in enumerate(self._nodes):
             for local in range(count):
-                rank = node.index * count + local
+                rank = position * count + local
                 address = node.addresses.pop()
                 env = gpu_env(per, local, node.gpus)
                 config = worker_config(rt, f"{mesh_name}.{rank}", address, rank, main, boot, threads, env)
@@ -160,6 +181,8 @@ class RayHostMesh(HostMesh):
 
     def shutdown(self) -> None:
         """End every process on every host, the node hosts and the Ray reservation (blocks until done)."""
+        if self._root is not None:
+            raise RuntimeError("shut down the Ray host mesh this one was sliced from: they share their hosts")
         if self.closed:
             return
         self.closed = True
@@ -179,6 +202,10 @@ class RayHostMesh(HostMesh):
             for ref in node.procs.values():
                 self._rt.registry.mark_dead(ref, "its Ray host mesh was shut down")
             node.procs.clear()
+
+    async def shutdown_async(self) -> None:
+        """:meth:`shutdown` for code on an event loop: Ray is waited on by a worker thread."""
+        await asyncio.to_thread(self.shutdown)
 
     def __enter__(self) -> RayHostMesh:
         return self
@@ -228,7 +255,7 @@ class RayHostMesh(HostMesh):
         short = [node for node in self._nodes if len(node.addresses) < count]
         if not short:
             return
-        if _loop_running():
+        if loop_running():
             raise ValueError(
                 f"spawn_procs() needs {count} addresses per host but {short[0]} has {len(short[0].addresses)} ready, "
                 "and fetching more would block this event loop: spawn fewer processes per call "
@@ -248,14 +275,6 @@ class RayHostMesh(HostMesh):
                         node.addresses.extend(addresses)
 
                 self._relay.when_done(node.handle.addresses.remote(ADDRESS_POOL), got)
-
-
-def _loop_running() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
 
 
 def _use_tcp(bind_host: str) -> None:
@@ -342,3 +361,18 @@ def host_mesh(
         for i, (h, info, pool) in enumerate(zip(handles, infos, pools, strict=True))
     ]
     return RayHostMesh(rt, pg, nodes)
+
+
+async def host_mesh_async(
+    address: str | None = None,
+    hosts: int = 1,
+    gpus_per_host: int = 0,
+    cpus_per_host: int = 1,
+    *,
+    bind_host: str | None = None,
+) -> RayHostMesh:
+    """:func:`host_mesh` for code on an event loop: the reservation is waited for on a worker thread.
+
+    Each Ray wait inside is bounded (``SETUP_TIMEOUT``); the loop keeps running meanwhile.
+    """
+    return await asyncio.to_thread(host_mesh, address, hosts, gpus_per_host, cpus_per_host, bind_host=bind_host)

@@ -21,6 +21,7 @@ from .._forkserver import _frame, _frames, _ServerProcess
 from .._session import (
     CURVE_PUBLIC_ENV,
     CURVE_SECRET_ENV,
+    HOST_ID_ENV,
     SESSION_ENV,
     TCP_HOST_ENV,
     TRANSPORT_ENV,
@@ -42,6 +43,7 @@ class NodeHost:
         self.ip = bind_host or ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
         os.environ[TRANSPORT_ENV] = "tcp"
         os.environ[TCP_HOST_ENV] = self.ip
+        os.environ[HOST_ID_ENV] = f"ray-node-{ray.get_runtime_context().get_node_id()}"
         os.environ[CURVE_PUBLIC_ENV], os.environ[CURVE_SECRET_ENV] = public_key, secret_key
         self.dir = make_runtime_dir()
         os.environ[SESSION_ENV] = self.dir

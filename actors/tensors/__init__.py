@@ -10,12 +10,16 @@ local     copies in this process's memory; for single-process tests
 shm       POSIX shared memory: a bounded pool of reused slots, zero-copy import
 cuda-ipc  device slots shared by CUDA IPC handles, filled on a side stream and
           ordered for readers by an interprocess CUDA event
+tcp       staged in host buffers (pinned for GPU tensors) and streamed to readers
+          on other hosts over a dedicated, authenticated, checksummed connection
 ========  =====================================================================
 
 Publishing is three steps so that only the copy can take time: ``reserve``
 (never waits; ``None`` while every slot is held), ``fill`` (copies; touches
 only the reserved storage, so it may run off the event loop's thread) and
 ``commit`` (makes the update visible to readers and returns its handle).
+Reading is immediate for the shared-memory transports; ``tcp`` moves the
+bytes at read time, so its readers also offer ``read_async``.
 """
 
 from __future__ import annotations
@@ -29,10 +33,21 @@ import torch
 
 from .._buffers import DTYPE_NAMES, DTYPES, tensor_buffer, tensor_over
 from .._errors import ManifestError
+from ._stream import TcpHandle
 
-__all__ = ["TRANSPORTS", "Reader", "TensorSpec", "Writer", "check_specs", "copy_all", "probe"]
+__all__ = [
+    "TRANSPORTS",
+    "Reader",
+    "TcpHandle",
+    "TensorSpec",
+    "Writer",
+    "check_specs",
+    "copy_all",
+    "probe",
+    "read_async",
+]
 
-TRANSPORTS = ("local", "shm", "cuda-ipc")
+TRANSPORTS = ("local", "shm", "cuda-ipc", "tcp")
 #: Byte alignment of each tensor inside a shared buffer.
 ALIGN = 64
 
@@ -213,6 +228,16 @@ class Reader(Protocol):
         """Release everything still held."""
 
 
+async def read_async(
+    reader: Reader, update_id: str, version: int, handle: Any, specs: tuple[TensorSpec, ...], timeout: float | None
+) -> dict[str, torch.Tensor]:
+    """``reader.read`` for code on an event loop: awaited where the reader moves bytes (``tcp``)."""
+    fetch = getattr(reader, "read_async", None)
+    if fetch is not None:
+        return await fetch(update_id, version, handle, specs, timeout)  # type: ignore[no-any-return]
+    return reader.read(update_id, version, handle, specs)
+
+
 def probe(transport: str) -> str | None:
     """``None`` if ``transport`` can run on this machine, else the reason it cannot."""
     if transport == "local":
@@ -225,4 +250,6 @@ def probe(transport: str) -> str | None:
         from .cuda_ipc import probe as cuda_probe
 
         return cuda_probe()
+    if transport == "tcp":
+        return None
     return f"unknown transport {transport!r} (known: {', '.join(TRANSPORTS)})"

@@ -31,7 +31,7 @@ import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from .._errors import ManifestError, StaleUpdateError, WeightSyncError
 from .._runtime import current_runtime
@@ -44,6 +44,8 @@ __all__ = [
     "Slot",
     "SlotHolds",
     "SlotPool",
+    "poll_async",
+    "poll_blocking",
     "remove_segments",
     "segment_prefix",
 ]
@@ -84,6 +86,35 @@ def remove_segments(session: str, pid: int) -> list[str]:
                     os.unlink(os.path.join(SHM_DIR, name))
                     removed.append(name)
     return removed
+
+
+T = TypeVar("T")
+#: Backoff of a storage wait: first and longest pause between tries.
+_FIRST_PAUSE, _LONGEST_PAUSE = 0.0005, 0.01
+
+
+def poll_blocking(attempt: Callable[[], T | None], timeout: float, exhausted: Callable[[float], Exception]) -> T:
+    """``attempt()`` until it returns something, sleeping this thread between tries; ``exhausted(timeout)`` raised."""
+    deadline = time.monotonic() + timeout
+    delay = _FIRST_PAUSE
+    while (got := attempt()) is None:
+        if time.monotonic() >= deadline:
+            raise exhausted(timeout)
+        time.sleep(delay)
+        delay = min(delay * 2, _LONGEST_PAUSE)
+    return got
+
+
+async def poll_async(attempt: Callable[[], T | None], timeout: float, exhausted: Callable[[float], Exception]) -> T:
+    """:func:`poll_blocking` for an event loop: the pauses are awaited, so the loop keeps running."""
+    deadline = time.monotonic() + timeout
+    delay = _FIRST_PAUSE
+    while (got := attempt()) is None:
+        if time.monotonic() >= deadline:
+            raise exhausted(timeout)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, _LONGEST_PAUSE)
+    return got
 
 
 def _try_lock(fd: int, kind: int) -> bool:
@@ -164,25 +195,11 @@ class SlotPool:
 
     def acquire(self, nbytes: int, timeout: float) -> Slot:
         """:meth:`try_acquire`, blocking this thread up to ``timeout`` s (callers outside an event loop)."""
-        deadline = time.monotonic() + timeout
-        delay = 0.0005
-        while (slot := self.try_acquire(nbytes)) is None:
-            if time.monotonic() >= deadline:
-                raise self.exhausted(timeout)
-            time.sleep(delay)
-            delay = min(delay * 2, 0.01)
-        return slot
+        return poll_blocking(lambda: self.try_acquire(nbytes), timeout, self.exhausted)
 
     async def acquire_async(self, nbytes: int, timeout: float) -> Slot:
         """:meth:`try_acquire`, awaiting up to ``timeout`` s; the event loop keeps running meanwhile."""
-        deadline = time.monotonic() + timeout
-        delay = 0.0005
-        while (slot := self.try_acquire(nbytes)) is None:
-            if time.monotonic() >= deadline:
-                raise self.exhausted(timeout)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.01)
-        return slot
+        return await poll_async(lambda: self.try_acquire(nbytes), timeout, self.exhausted)
 
     def exhausted(self, timeout: float) -> WeightSyncError:
         return WeightSyncError(

@@ -11,7 +11,8 @@ import select
 import torch
 
 from .._errors import ChecksumError, LifecycleError, ManifestError, PublisherDied, WeightSyncError
-from ..tensors import Reader, TensorSpec, checksum, copy_all, dtype_name
+from .._session import host_id
+from ..tensors import Reader, TensorSpec, checksum, copy_all, dtype_name, read_async
 from ._manifest import WeightManifest, make_reader
 
 __all__ = ["PublisherWatch", "WeightConsumer", "fit"]
@@ -123,8 +124,9 @@ class WeightConsumer:
     """Rollout side: imports, installs, acknowledges or rejects, and releases updates.
 
     ``verify_checksums`` checks every tensor that carries a checksum at import.
-    An update whose publisher has exited is refused with :class:`PublisherDied`;
-    the model keeps the weights it last installed.
+    An update whose publisher has exited is refused with :class:`PublisherDied`
+    (seen through its pid on this host, or its refused connection for ``tcp``
+    from another host); the model keeps the weights it last installed.
     """
 
     def __init__(self, *, verify_checksums: bool = True, history: int = 4096) -> None:
@@ -136,6 +138,8 @@ class WeightConsumer:
         self._history = history
         self._aliased: str | None = None  # the update a module's parameters currently view
         self.publishers = PublisherWatch()
+        #: This process's :func:`~actors.host_id`: only publishers on it are watched by pid.
+        self.host = host_id()
         self.installed_version: int | None = None
         #: Pid of the publisher of the last update installed.
         self.installed_from: int | None = None
@@ -151,7 +155,42 @@ class WeightConsumer:
         return reader
 
     def import_update(self, manifest: WeightManifest) -> dict[str, torch.Tensor]:
-        """The update's tensors, valid until :meth:`release` (views, for ``shm`` and ``cuda-ipc``)."""
+        """The update's tensors, valid until :meth:`release` (views, for ``shm`` and ``cuda-ipc``).
+
+        A ``tcp`` update is fetched here, which blocks: on an event loop use
+        :meth:`import_update_async`.
+        """
+        held = self._start_import(manifest)
+        if held is not None:
+            return held
+        reader = self.reader(manifest.transport)
+        try:
+            tensors = reader.read(manifest.update_id, manifest.version, manifest.handle, manifest.tensors)
+        except PublisherDied as exc:
+            raise self._publisher_died(manifest, exc) from None
+        return self._finish_import(manifest, reader, tensors)
+
+    async def import_update_async(
+        self, manifest: WeightManifest, timeout: float | None = None
+    ) -> dict[str, torch.Tensor]:
+        """:meth:`import_update` for code on an event loop: a ``tcp`` fetch runs off the loop's thread.
+
+        ``timeout`` bounds the fetch (default: the reader's, 120 s for ``tcp``).
+        """
+        held = self._start_import(manifest)
+        if held is not None:
+            return held
+        reader = self.reader(manifest.transport)
+        try:
+            tensors = await read_async(
+                reader, manifest.update_id, manifest.version, manifest.handle, manifest.tensors, timeout
+            )
+        except PublisherDied as exc:
+            raise self._publisher_died(manifest, exc) from None
+        return self._finish_import(manifest, reader, tensors)
+
+    def _start_import(self, manifest: WeightManifest) -> dict[str, torch.Tensor] | None:
+        """The tensors if ``manifest`` is already imported; refuses released, rejected and orphaned updates."""
         if not isinstance(manifest, WeightManifest):
             raise TypeError(f"expected a WeightManifest, got {type(manifest).__name__}")
         update_id = manifest.update_id
@@ -160,15 +199,26 @@ class WeightConsumer:
             raise LifecycleError(f"update {update_id} was already {state}; it cannot be imported")
         if state is not None:
             return dict(self._tensors[update_id])
-        if not self.publishers.alive(manifest.publisher_pid):
-            self.reject(update_id, "its publisher exited")
-            raise PublisherDied(
-                f"update {update_id} (version {manifest.version}): its publisher (pid {manifest.publisher_pid}) "
-                f"has exited; the installed weights (version {self.installed_version}) stay",
-                pid=manifest.publisher_pid,
-            )
-        reader = self.reader(manifest.transport)
-        tensors = reader.read(update_id, manifest.version, manifest.handle, manifest.tensors)
+        if self._on_this_host(manifest) and not self.publishers.alive(manifest.publisher_pid):
+            raise self._publisher_died(manifest, None)
+        return None
+
+    def _on_this_host(self, manifest: WeightManifest) -> bool:
+        return manifest.publisher_host in ("", self.host)
+
+    def _publisher_died(self, manifest: WeightManifest, cause: PublisherDied | None) -> PublisherDied:
+        self.reject(manifest.update_id, "its publisher exited")
+        how = f" ({cause})" if cause is not None else ""
+        return PublisherDied(
+            f"update {manifest.update_id} (version {manifest.version}): its publisher (pid {manifest.publisher_pid}) "
+            f"has exited{how}; the installed weights (version {self.installed_version}) stay",
+            pid=manifest.publisher_pid,
+        )
+
+    def _finish_import(
+        self, manifest: WeightManifest, reader: Reader, tensors: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        update_id = manifest.update_id
         if self.verify_checksums:
             for spec in manifest.tensors:
                 if spec.checksum is not None and checksum(tensors[spec.name]) != spec.checksum:
@@ -193,26 +243,62 @@ class WeightConsumer:
         release it yourself); publishers need one more slot than aliasing
         consumers. A failed install leaves the module as it was.
         """
-        previous = self._aliased
         try:
             targets = fit(manifest, model, strict)
             tensors = self.import_update(manifest)
-            with torch.no_grad():
-                if alias:
-                    for name, target in targets.items():
-                        if tensors[name].device != target.device:
-                            raise WeightSyncError(
-                                f"an aliasing install needs the update on the model's device: {name!r} is on "
-                                f"{tensors[name].device}, the model on {target.device} (install with alias=False)"
-                            )
-                    model.load_state_dict(tensors, strict=strict, assign=True)
-                else:
-                    names = list(targets)
-                    copy_all([targets[n] for n in names], [tensors[n] for n in names])
+            self._load(manifest, model, targets, tensors, strict, alias)
         except BaseException as exc:
-            if self._state.get(manifest.update_id) not in (_RELEASED, _REJECTED):
-                self.reject(manifest.update_id, f"{type(exc).__name__}: {exc}")
+            self._failed(manifest, exc)
             raise
+        self._installed(manifest, alias)
+
+    async def install_async(
+        self,
+        manifest: WeightManifest,
+        model: torch.nn.Module,
+        *,
+        strict: bool = True,
+        alias: bool = False,
+        timeout: float | None = None,
+    ) -> None:
+        """:meth:`install` for code on an event loop: a ``tcp`` fetch is awaited, not blocked on."""
+        try:
+            targets = fit(manifest, model, strict)
+            tensors = await self.import_update_async(manifest, timeout)
+            self._load(manifest, model, targets, tensors, strict, alias)
+        except BaseException as exc:
+            self._failed(manifest, exc)
+            raise
+        self._installed(manifest, alias)
+
+    def _load(
+        self,
+        manifest: WeightManifest,
+        model: torch.nn.Module,
+        targets: dict[str, torch.Tensor],
+        tensors: dict[str, torch.Tensor],
+        strict: bool,
+        alias: bool,
+    ) -> None:
+        with torch.no_grad():
+            if alias:
+                for name, target in targets.items():
+                    if tensors[name].device != target.device:
+                        raise WeightSyncError(
+                            f"an aliasing install needs the update on the model's device: {name!r} is on "
+                            f"{tensors[name].device}, the model on {target.device} (install with alias=False)"
+                        )
+                model.load_state_dict(tensors, strict=strict, assign=True)
+            else:
+                names = list(targets)
+                copy_all([targets[n] for n in names], [tensors[n] for n in names])
+
+    def _failed(self, manifest: WeightManifest, exc: BaseException) -> None:
+        if self._state.get(manifest.update_id) not in (_RELEASED, _REJECTED):
+            self.reject(manifest.update_id, f"{type(exc).__name__}: {exc}")
+
+    def _installed(self, manifest: WeightManifest, alias: bool) -> None:
+        previous = self._aliased
         self.acknowledge(manifest.update_id)
         self.installed_version = manifest.version
         self.installed_from = manifest.publisher_pid

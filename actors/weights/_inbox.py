@@ -30,12 +30,15 @@ class WeightInbox:
         self._arrived: asyncio.Event | None = None
         #: Pid of the publisher of the newest update seen (the one whose death :meth:`wait` watches).
         self.publisher: int | None = None
+        #: Whether that publisher is on this host (a pid elsewhere cannot be watched).
+        self.publisher_here = True
 
     def put(self, manifest: WeightManifest) -> None:
         if not isinstance(manifest, WeightManifest):
             raise TypeError(f"expected a WeightManifest, got {type(manifest).__name__}")
         self._queue.append(manifest)
         self.publisher = manifest.publisher_pid
+        self.publisher_here = manifest.publisher_host in ("", self.consumer.host)
         if self._arrived is not None:
             self._arrived.set()
 
@@ -44,8 +47,9 @@ class WeightInbox:
 
         Raises :class:`CallTimeout` after ``timeout`` s, and
         :class:`PublisherDied` as soon as the publisher of the updates seen
-        so far exits: no update can come from it any more, and the installed
-        weights stay as they are.
+        so far exits (when it is on this host: one elsewhere is noticed when
+        its next update cannot be fetched): no update can come from it any
+        more, and the installed weights stay as they are.
         """
         if self._queue:
             return
@@ -53,6 +57,8 @@ class WeightInbox:
             self._arrived = asyncio.Event()
         self._arrived.clear()
         publisher = self.publisher if self.publisher is not None else self.consumer.installed_from
+        if not self.publisher_here:
+            publisher = None
         waiters: list[asyncio.Future[object]] = [asyncio.ensure_future(self._arrived.wait())]
         if publisher is not None:
             waiters.append(asyncio.ensure_future(self.consumer.publishers.death(publisher)))
@@ -106,7 +112,9 @@ class WeightInbox:
         A stale update (its storage already reused for a newer version) is
         rejected and skipped; any other failure (a dead publisher, a manifest
         that does not fit) is raised after release, with the model unchanged.
-        With ``alias=True`` see :meth:`WeightConsumer.install`.
+        With ``alias=True`` see :meth:`WeightConsumer.install`. A ``tcp``
+        update blocks while it is fetched: on an event loop use
+        :meth:`install_newest_async`.
         """
         manifest = self.take_newest()
         if manifest is None:
@@ -116,9 +124,27 @@ class WeightInbox:
         except StaleUpdateError:
             return None
         finally:
-            if not self.consumer.holds_alias(manifest.update_id):
-                self.consumer.release(manifest.update_id, manifest.transport)
+            self._done_with(manifest)
         return manifest
+
+    async def install_newest_async(
+        self, model: torch.nn.Module, *, alias: bool = False, timeout: float | None = None
+    ) -> WeightManifest | None:
+        """:meth:`install_newest` for an event loop: a ``tcp`` fetch is awaited (at most ``timeout`` s)."""
+        manifest = self.take_newest()
+        if manifest is None:
+            return None
+        try:
+            await self.consumer.install_async(manifest, model, alias=alias, timeout=timeout)
+        except StaleUpdateError:
+            return None
+        finally:
+            self._done_with(manifest)
+        return manifest
+
+    def _done_with(self, manifest: WeightManifest) -> None:
+        if not self.consumer.holds_alias(manifest.update_id):
+            self.consumer.release(manifest.update_id, manifest.transport)
 
     def close(self) -> None:
         for manifest in self._queue:
@@ -130,7 +156,8 @@ class WeightInbox:
 class ReceivesWeights(Actor):
     """An actor base with a queue-backed ``update_weights`` endpoint.
 
-    Subclasses call ``self.weight_inbox.install_newest(model)`` from their
+    Subclasses call ``await self.weight_inbox.install_newest_async(model)``
+    (or ``install_newest`` where no update comes over ``tcp``) from their
     own loop; ``update_weights`` only enqueues and returns, so it is safe to
     invoke fire-and-forget (``send(..., selection="choose")``).
     """

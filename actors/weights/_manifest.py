@@ -16,8 +16,11 @@ class WeightManifest:
     """One complete weight update, small enough to send anywhere.
 
     ``handle`` is what the transport's reader needs (a segment name for
-    ``shm``, a device slot's IPC handles for ``cuda-ipc``, the publishing
-    pid for ``local``): plain values only, so it decodes in any process.
+    ``shm``, a device slot's IPC handles for ``cuda-ipc``, the server's
+    address and key for ``tcp``, the publishing pid for ``local``): plain
+    values or a registered dataclass, so it decodes in any process.
+    ``publisher_host`` is the publisher's :func:`~actors.host_id`: its pid
+    means something only to consumers on the same host.
     """
 
     update_id: str
@@ -27,6 +30,7 @@ class WeightManifest:
     handle: Any
     publisher_pid: int
     metadata: dict[str, Any] = field(default_factory=dict)
+    publisher_host: str = ""
 
     @property
     def total_nbytes(self) -> int:
@@ -61,6 +65,10 @@ def make_writer(transport: str, options: dict[str, Any]) -> Writer:
         from ..tensors.cuda_ipc import CudaIpcWriter
 
         return CudaIpcWriter(**options)
+    if transport == "tcp":
+        from ..tensors.tcp import TcpWriter
+
+        return TcpWriter(**options)
     from ..tensors.local import LocalWriter
 
     if options:
@@ -79,6 +87,10 @@ def make_reader(transport: str) -> Reader:
         from ..tensors.cuda_ipc import CudaIpcReader
 
         return CudaIpcReader()
+    if transport == "tcp":
+        from ..tensors.tcp import TcpReader
+
+        return TcpReader()
     from ..tensors.local import LocalReader
 
     return LocalReader()

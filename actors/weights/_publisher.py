@@ -10,7 +10,9 @@ from typing import Any
 
 import torch
 
+from .._context import loop_running
 from .._errors import LifecycleError, VersionError, WeightSyncError
+from .._session import host_id
 from ..tensors import TensorSpec, layout
 from ._manifest import WeightManifest, make_writer
 
@@ -30,14 +32,6 @@ def _named_tensors(source: torch.nn.Module | dict[str, Any]) -> list[tuple[str, 
             raise TypeError(f"state_dict entry {name!r} is a {type(value).__name__}, not a tensor")
         tensors.append((str(name), value))
     return tensors
-
-
-def _in_running_loop() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
 
 
 async def _to_thread_to_the_end(fn: Any, *args: Any) -> Any:
@@ -69,7 +63,9 @@ class WeightPublisher:
     the oldest. Options of ``shm`` and ``cuda-ipc``: ``slots`` (pool size,
     default 2; also the default ``keep``) and ``lock_timeout`` (how long a
     publish waits for a consumer to free a slot, default 30 s); ``cuda-ipc``
-    also takes ``device`` (default: the current GPU). A slot whose update is
+    also takes ``device`` (default: the current GPU); ``tcp`` takes ``host``
+    (the address its weight server binds; default this host's actors tcp
+    address) and ``chunk`` (bytes per checksummed chunk). A slot whose update is
     superseded is reused once no consumer holds it.
 
     Inside an event loop use :meth:`publish_async`: waiting for a slot and a
@@ -90,6 +86,7 @@ class WeightPublisher:
         self._version: int | None = None
         self._published: dict[str, int] = {}  # update_id -> version, until released
         self._publishing = False
+        self._host = host_id()
         self.closed = False
         # Storage is freed when the publisher is collected or the interpreter exits (Ctrl-C too).
         self._finalizer = weakref.finalize(self, self._writer.close)
@@ -132,7 +129,7 @@ class WeightPublisher:
         writer = self._writer
         reservation = writer.reserve(total)
         if reservation is None:
-            if _in_running_loop():
+            if loop_running():
                 raise WeightSyncError(
                     "every weight slot is held by a consumer, and publish() will not block a running event loop: "
                     "use `await publisher.publish_async(...)`, which waits for a slot while the loop runs"
@@ -195,7 +192,7 @@ class WeightPublisher:
         while len(self._published) > self.keep:
             self.release(next(iter(self._published)))
         return WeightManifest(
-            update_id, version, self.transport, tuple(specs), handle, os.getpid(), dict(metadata or {})
+            update_id, version, self.transport, tuple(specs), handle, os.getpid(), dict(metadata or {}), self._host
         )
 
     def release(self, update_id: str) -> None:

@@ -1,0 +1,466 @@
+"""The ``tcp`` transport: weights for consumers on other hosts, streamed from a staging buffer.
+
+The writer copies each update into a staging buffer of its own (pinned host
+memory when the tensors are on a GPU, so the device-to-host copy runs at
+full speed), computes a CRC-32 per chunk, and serves it from a small server
+thread bound to this host's cluster address. A reader fetches the whole
+update over one dedicated connection (:mod:`._stream`) into a buffer of its
+own, then builds its tensors as views of it: the bytes never pass through
+msgpack, the actors' sockets or a Python object.
+
+Lifecycle as for the other transports: a staging buffer is reused once its
+update is released or superseded and no reader is being sent it; a reader
+asking for an update whose buffer was reused gets :class:`StaleUpdateError`,
+and one whose publisher has gone gets :class:`PublisherDied`. The fetch
+takes time on the network, so on an event loop it must be awaited
+(:meth:`TcpReader.read_async`); :meth:`TcpReader.read` refuses to block one.
+
+Other fabrics (NCCL, RDMA) would plug in at this same seam: a writer that
+registers its staging memory, a reader that pulls it, the same manifest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import os
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from .._buffers import tensor_buffer
+from .._context import loop_running
+from .._errors import ManifestError, PublisherDied, StaleUpdateError, WeightSyncError
+from .._session import TCP_HOST_ENV
+from . import ALIGN, TensorSpec, check_specs, checksum
+from ._slots import LOCK_TIMEOUT, poll_async, poll_blocking
+from ._stream import (
+    CHUNK,
+    HELLO,
+    MAGIC,
+    MAX_ID_BYTES,
+    OK,
+    REFUSED,
+    REPLY,
+    REQUEST,
+    UNKNOWN,
+    TcpHandle,
+    check_reply,
+    chunk_crcs,
+    nonce,
+    receive_exactly,
+    receive_verified,
+    reply_mac,
+    request_mac,
+)
+
+__all__ = ["FETCH_TIMEOUT", "TcpHandle", "TcpReader", "TcpWriter", "probe"]
+
+log = logging.getLogger("actors.weights")
+
+#: How long a fetch may take by default (connect, handshake and every byte).
+FETCH_TIMEOUT = 120.0
+#: How long the server waits on one reader's socket before dropping it.
+SERVE_TIMEOUT = 60.0
+
+
+def probe() -> str | None:
+    return None  # sockets are always there
+
+
+def serve_host() -> str:
+    """The address this process's weight server binds: the actors tcp host, else loopback."""
+    return os.environ.get(TCP_HOST_ENV) or "127.0.0.1"
+
+
+@dataclass(eq=False)
+class _Staged:
+    """One staging buffer of a writer and the update it holds."""
+
+    data: torch.Tensor  # uint8, CPU (pinned when its updates come from a GPU)
+    update_id: str | None = None
+    version: int = -1
+    nbytes: int = 0
+    crcs: bytes = b""
+    released: bool = True
+    filling: bool = False
+    sending: int = 0  # readers being sent this update now
+
+    @property
+    def capacity(self) -> int:
+        return self.data.numel()
+
+
+class TcpWriter:
+    """Publisher side: stages updates in reusable host buffers and serves them to readers."""
+
+    host_copy = True
+
+    def __init__(
+        self, slots: int = 2, lock_timeout: float = LOCK_TIMEOUT, host: str | None = None, chunk: int = CHUNK
+    ) -> None:
+        if type(slots) is not int or slots < 1:
+            raise ValueError(f"a publisher needs at least one slot, not {slots!r}")
+        if type(chunk) is not int or chunk < 4096:
+            raise ValueError(f"chunk must be an int of at least 4096 bytes, not {chunk!r}")
+        self.max_slots = slots
+        self.lock_timeout = lock_timeout
+        self.chunk = chunk
+        self._lock = threading.Lock()
+        self._slots: list[_Staged] = []
+        self._newest: str | None = None
+        self._reclaimed: list[str] = []
+        self._server = _Server(host or serve_host(), self)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self._server.host, self._server.port
+
+    def reserve(self, nbytes: int) -> _Staged | None:
+        """A free staging buffer (released first, then a new one, then the oldest superseded)."""
+        with self._lock:
+            idle = [s for s in self._slots if not s.filling and s.sending == 0]
+            released = [s for s in idle if s.released]
+            superseded = sorted((s for s in idle if not s.released and s.update_id != self._newest), key=_version)
+            newest = [s for s in idle if not s.released and s.update_id == self._newest]
+            if released:
+                staged = released[0]
+            elif len(self._slots) < self.max_slots:
+                staged = _Staged(torch.empty(0, dtype=torch.uint8))
+                self._slots.append(staged)
+            elif superseded or newest:
+                staged = (superseded or newest)[0]
+            else:
+                return None
+            if staged.update_id is not None and not staged.released:
+                self._reclaimed.append(staged.update_id)
+            staged.update_id, staged.version, staged.released, staged.filling = None, -1, True, True
+            staged.nbytes = nbytes
+            return staged
+
+    async def reserve_async(self, nbytes: int, timeout: float) -> _Staged:
+        return await poll_async(lambda: self.reserve(nbytes), timeout, self._exhausted)
+
+    def reserve_blocking(self, nbytes: int, timeout: float) -> _Staged:
+        return poll_blocking(lambda: self.reserve(nbytes), timeout, self._exhausted)
+
+    def _exhausted(self, timeout: float) -> WeightSyncError:
+        return WeightSyncError(
+            f"all {self.max_slots} weight staging buffers were being sent to readers for {timeout:g}s; "
+            "publish with more slots, or less often"
+        )
+
+    def fill(
+        self, staged: _Staged, tensors: list[tuple[str, torch.Tensor]], specs: list[TensorSpec], with_checksums: bool
+    ) -> list[TensorSpec]:
+        """Copy into the staging buffer (through pinned memory from a GPU), then CRC each chunk."""
+        from_gpu = any(t.is_cuda for _, t in tensors)
+        if staged.capacity < staged.nbytes or (from_gpu and not staged.data.is_pinned()):
+            staged.data = torch.empty(staged.nbytes, dtype=torch.uint8, pin_memory=from_gpu)
+        data = staged.data
+        for spec, (_, tensor) in zip(specs, tensors, strict=True):
+            dst = data[spec.offset : spec.offset + spec.nbytes].view(spec.torch_dtype).view(spec.shape)
+            dst.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
+        if from_gpu:
+            torch.cuda.synchronize()
+        out = (
+            [replace(s, checksum=checksum(data[s.offset : s.offset + s.nbytes])) for s in specs]
+            if with_checksums
+            else specs
+        )
+        staged.crcs = chunk_crcs(tensor_buffer(data, staged.nbytes), self.chunk) if staged.nbytes else b""
+        return out
+
+    def commit(self, staged: _Staged, update_id: str, version: int, nbytes: int) -> TcpHandle:
+        with self._lock:
+            staged.update_id, staged.version, staged.released, staged.filling = update_id, version, False, False
+            self._newest = update_id
+        return self._server.handle
+
+    def abort(self, staged: _Staged) -> None:
+        with self._lock:
+            staged.update_id, staged.version, staged.released, staged.filling = None, -1, True, False
+
+    def release(self, update_id: str) -> None:
+        with self._lock:
+            for staged in self._slots:
+                if staged.update_id == update_id:
+                    staged.released = True
+
+    def reclaimed(self) -> list[str]:
+        with self._lock:
+            out, self._reclaimed = self._reclaimed, []
+        return out
+
+    def close(self) -> None:
+        self._server.close()
+        with self._lock:
+            self._slots.clear()
+
+    # ------------------------------------------------------------------ the server's view
+
+    def lend(self, update_id: str, version: int) -> _Staged | None:
+        """The buffer holding exactly that update, counted as being sent; None if it holds no longer."""
+        with self._lock:
+            for staged in self._slots:
+                if staged.update_id == update_id and staged.version == version and not staged.filling:
+                    staged.sending += 1
+                    return staged
+        return None
+
+    def give_back(self, staged: _Staged) -> None:
+        with self._lock:
+            staged.sending -= 1
+
+
+def _version(staged: _Staged) -> int:
+    return staged.version
+
+
+class _Server:
+    """A listening socket and one thread per reader, serving a writer's staged updates."""
+
+    def __init__(self, host: str, writer: TcpWriter) -> None:
+        self._writer = writer
+        self._key = os.urandom(32)
+        self._listener = socket.create_server((host, 0), backlog=64)
+        self.host, self.port = host, self._listener.getsockname()[1]
+        self.handle = TcpHandle(host, self.port, self._key)
+        self._lock = threading.Lock()
+        self._open: set[socket.socket] = set()
+        self._senders: set[threading.Thread] = set()
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept, name=f"actors-weights-tcp:{self.port}", daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            with self._lock:
+                if self._closed:
+                    sock.close()
+                    return
+                self._open.add(sock)
+                sender = threading.Thread(target=self._serve, args=(sock,), name="actors-weights-send", daemon=True)
+                self._senders.add(sender)
+                sender.start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        try:
+            sock.settimeout(SERVE_TIMEOUT)
+            self._answer(sock)
+        except OSError as exc:  # the reader went away or stalled: its fetch fails on its side
+            log.debug("weight transfer to a reader ended early: %s", exc)
+        finally:
+            with self._lock:
+                self._open.discard(sock)
+                self._senders.discard(threading.current_thread())
+            sock.close()
+
+    def _answer(self, sock: socket.socket) -> None:
+        server_nonce = nonce()
+        sock.sendall(HELLO.pack(MAGIC, server_nonce))
+        head = bytearray(REQUEST.size)
+        receive_exactly(sock, memoryview(head))
+        magic, reader_nonce, mac, version, id_bytes = REQUEST.unpack(head)
+        if magic != MAGIC or id_bytes > MAX_ID_BYTES:
+            return
+        update_id = bytearray(id_bytes)
+        receive_exactly(sock, memoryview(update_id))
+        if not hmac.compare_digest(mac, request_mac(self._key, server_nonce, reader_nonce, version, bytes(update_id))):
+            sock.sendall(REPLY.pack(MAGIC, REFUSED, 0, 0, 0, bytes(32)))
+            return
+        staged = self._writer.lend(update_id.decode(errors="replace"), version)
+        if staged is None:
+            sock.sendall(REPLY.pack(MAGIC, UNKNOWN, 0, 0, 0, bytes(32)))
+            return
+        try:
+            total, chunk, crcs = staged.nbytes, self._writer.chunk, staged.crcs
+            mac = reply_mac(self._key, reader_nonce, server_nonce, OK, total, chunk, crcs)
+            sock.sendall(REPLY.pack(MAGIC, OK, total, chunk, len(crcs) // 4, mac) + crcs)
+            if total:
+                data = tensor_buffer(staged.data, total)
+                for start in range(0, total, chunk):
+                    sock.sendall(data[start : start + chunk])
+        finally:
+            self._writer.give_back(staged)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            readers = list(self._open)
+            senders = list(self._senders)
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        for sock in readers:  # a reader mid-transfer sees the connection end: its fetch fails cleanly
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        self._thread.join(5.0)
+        for sender in senders:  # each ends as soon as its socket is shut down
+            sender.join(5.0)
+
+
+class _Fetch:
+    """One fetch in progress: its socket, so that a cancelled caller can end it from another thread."""
+
+    def __init__(self) -> None:
+        self.sock: socket.socket | None = None
+        self.aborted = False
+
+    def abort(self) -> None:
+        self.aborted = True
+        if self.sock is not None:
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)
+
+
+class TcpReader:
+    """Consumer side: fetches each update into a buffer of its own and hands out views of it.
+
+    Buffers are pinned when this process uses CUDA (installing into a GPU
+    model then copies at full speed) and reused once released.
+    """
+
+    def __init__(self, timeout: float = FETCH_TIMEOUT, pin: bool | None = None) -> None:
+        self.timeout = timeout
+        self._pin = pin
+        self._held: dict[str, torch.Tensor] = {}
+        self._spare: torch.Tensor | None = None
+        self._checker: ThreadPoolExecutor | None = None
+        self._fetches: set[_Fetch] = set()
+
+    def read(self, update_id: str, version: int, handle: Any, specs: tuple[TensorSpec, ...]) -> dict[str, torch.Tensor]:
+        if loop_running():
+            raise WeightSyncError(
+                "a 'tcp' update is fetched over the network, and read() will not block a running event loop: "
+                "use `await consumer.install_async(...)` (or `import_update_async`), which fetches off the loop"
+            )
+        data = self._fetch(update_id, version, _check_handle(handle), specs, _Fetch())
+        return self._hold(update_id, data, specs)
+
+    async def read_async(
+        self, update_id: str, version: int, handle: Any, specs: tuple[TensorSpec, ...], timeout: float | None = None
+    ) -> dict[str, torch.Tensor]:
+        """:meth:`read` off the event loop's thread; a cancelled or late caller ends the transfer."""
+        handle = _check_handle(handle)
+        fetch = _Fetch()
+        future = asyncio.get_running_loop().run_in_executor(None, self._fetch, update_id, version, handle, specs, fetch)
+        limit = self.timeout if timeout is None else timeout
+        try:
+            data = await asyncio.wait_for(asyncio.shield(future), limit)
+        except BaseException as exc:
+            fetch.abort()
+            with contextlib.suppress(BaseException):
+                await future  # the thread writes into our buffer until it stops
+            if isinstance(exc, asyncio.TimeoutError):
+                raise WeightSyncError(f"update {update_id}: fetching it took longer than {limit:g}s") from None
+            raise
+        return self._hold(update_id, data, specs)
+
+    def _hold(self, update_id: str, data: torch.Tensor, specs: tuple[TensorSpec, ...]) -> dict[str, torch.Tensor]:
+        self._held[update_id] = data
+        return {s.name: data[s.offset : s.offset + s.nbytes].view(s.torch_dtype).view(s.shape) for s in specs}
+
+    def _fetch(
+        self, update_id: str, version: int, handle: TcpHandle, specs: tuple[TensorSpec, ...], fetch: _Fetch
+    ) -> torch.Tensor:
+        check_specs(specs, 1 << 62)
+        needed = max((s.offset + s.nbytes for s in specs), default=0)
+        what = f"update {update_id} (version {version}) from {handle.host}:{handle.port}"
+        try:
+            sock = socket.create_connection((handle.host, handle.port), timeout=min(self.timeout, 30.0))
+        except ConnectionRefusedError:
+            raise PublisherDied(f"{what}: its publisher no longer serves it (connection refused)", pid=-1) from None
+        except OSError as exc:
+            raise WeightSyncError(f"{what}: cannot reach its publisher: {exc}") from None
+        fetch.sock = sock
+        self._fetches.add(fetch)
+        try:
+            sock.settimeout(self.timeout)
+            if fetch.aborted:
+                raise WeightSyncError(f"{what}: the fetch was cancelled")
+            return self._transfer(sock, update_id, version, handle, needed, what)
+        except OSError as exc:
+            if fetch.aborted:
+                raise WeightSyncError(f"{what}: the fetch was cancelled") from None
+            raise PublisherDied(f"{what}: the transfer broke off ({exc})", pid=-1) from None
+        finally:
+            self._fetches.discard(fetch)
+            sock.close()
+
+    def _transfer(
+        self, sock: socket.socket, update_id: str, version: int, handle: TcpHandle, needed: int, what: str
+    ) -> torch.Tensor:
+        hello = bytearray(HELLO.size)
+        receive_exactly(sock, memoryview(hello))
+        magic, server_nonce = HELLO.unpack(hello)
+        if magic != MAGIC:
+            raise WeightSyncError(f"{what}: the address does not serve weights")
+        reader_nonce, id_bytes = nonce(), update_id.encode()
+        mac = request_mac(handle.key, server_nonce, reader_nonce, version, id_bytes)
+        sock.sendall(REQUEST.pack(MAGIC, reader_nonce, mac, version, len(id_bytes)) + id_bytes)
+        reply = bytearray(REPLY.size)
+        receive_exactly(sock, memoryview(reply))
+
+        def crcs_of(count: int) -> bytes:
+            crcs = bytearray(4 * count)
+            receive_exactly(sock, memoryview(crcs))
+            return bytes(crcs)
+
+        status, total, chunk, crcs = check_reply(bytes(reply), handle.key, reader_nonce, server_nonce, crcs_of)
+        if status == REFUSED:
+            raise WeightSyncError(f"{what}: the publisher refused the manifest's key")
+        if status == UNKNOWN:
+            raise StaleUpdateError(f"{what}: its publisher no longer holds it (released or replaced by a newer one)")
+        if not needed <= total <= needed + ALIGN:
+            raise ManifestError(f"{what}: the publisher serves {total} bytes, the manifest describes {needed}")
+        data = self._buffer(total)
+        if total:
+            if self._checker is None:
+                self._checker = ThreadPoolExecutor(1, thread_name_prefix="actors-weights-crc")
+            receive_verified(sock, tensor_buffer(data, total), chunk, crcs, self._checker, what)
+        return data
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        spare, self._spare = self._spare, None
+        pin = self._pin if self._pin is not None else torch.cuda.is_available() and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+        if spare is not None and spare.numel() >= nbytes and spare.is_pinned() == pin:
+            return spare[:nbytes] if spare.numel() > nbytes else spare
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+
+    def release(self, update_id: str) -> None:
+        data = self._held.pop(update_id, None)
+        if data is not None and (self._spare is None or self._spare.numel() < data.numel()):
+            self._spare = data  # the next fetch reuses it (pages already touched, pinning already paid)
+
+    def close(self) -> None:
+        for fetch in list(self._fetches):
+            fetch.abort()
+        self._held.clear()
+        self._spare = None
+        if self._checker is not None:
+            self._checker.shutdown(wait=True)
+            self._checker = None
+
+
+def _check_handle(handle: Any) -> TcpHandle:
+    if (
+        type(handle) is not TcpHandle
+        or type(handle.host) is not str
+        or type(handle.port) is not int
+        or not 0 < handle.port < 65536
+        or type(handle.key) is not bytes
+        or len(handle.key) != 32
+    ):
+        raise ManifestError(f"not a 'tcp' weight handle: {type(handle).__name__}")
+    return handle

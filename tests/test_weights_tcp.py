@@ -1,0 +1,272 @@
+"""The ``tcp`` weight transport: updates streamed to consumers on other hosts, authenticated and checked."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import socket
+import threading
+
+import pytest
+import torch
+from support import WeightSink, WeightSource, filled_model
+
+from actors import (
+    ChecksumError,
+    ManifestError,
+    PublisherDied,
+    StaleUpdateError,
+    WeightConsumer,
+    WeightInbox,
+    WeightPublisher,
+    WeightSyncError,
+    available_transports,
+    host_id,
+    send,
+)
+from actors._codec import Decoder, Encoder
+from actors.tensors import TcpHandle
+from actors.tensors._stream import HELLO, MAGIC, OK, REPLY
+from actors.tensors.tcp import TcpReader
+
+
+def models_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+
+
+def weight_threads() -> set[str]:
+    return {t.name for t in threading.enumerate() if t.name.startswith("actors-weights")}
+
+
+@pytest.fixture
+def publisher():
+    before = weight_threads()
+    publisher = WeightPublisher("tcp", slots=2, lock_timeout=0.3, chunk=4096)
+    yield publisher
+    publisher.close()
+    assert weight_threads() <= before, f"threads left behind: {weight_threads() - before}"
+
+
+def remote(manifest):  # type: ignore[no-untyped-def]
+    """The manifest as a consumer on another host sees it: the publisher's pid means nothing there."""
+    return dataclasses.replace(manifest, publisher_host="another-host")
+
+
+def test_tcp_is_always_available_and_its_handle_hides_the_key(publisher):
+    assert available_transports()["tcp"] == "pass"
+    manifest = publisher.publish(filled_model(1.0), 1)
+    assert type(manifest.handle) is TcpHandle and len(manifest.handle.key) == 32
+    assert "key" not in repr(manifest) and manifest.handle.key.hex() not in repr(manifest)
+    assert manifest.publisher_host == host_id()
+    decoded = Decoder().decode(Encoder().encode(manifest))  # crosses any port or endpoint as is
+    assert decoded == manifest
+
+
+def test_install_from_the_stream_is_whole_and_exact(publisher):
+    source, target = filled_model(3.0), filled_model(0.0)
+    with torch.no_grad():
+        source[0].weight.copy_(torch.randn_like(source[0].weight))  # varied bytes over many 4 KiB chunks
+    consumer = WeightConsumer()
+    manifest = publisher.publish(source, 1)
+    consumer.install(remote(manifest), target)
+    consumer.release(manifest.update_id)
+    assert models_equal(source, target)
+    assert consumer.state(manifest.update_id) == "released"
+    consumer.close()
+
+
+async def test_an_async_install_fetches_off_the_loop_and_the_loop_keeps_running(publisher):
+    source = {"w": torch.randn(4 << 20)}  # 16 MiB
+    target = {"w": torch.zeros(4 << 20)}
+    model = torch.nn.Module()
+    model.register_buffer("w", target["w"])
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    consumer = WeightConsumer()
+    manifest = await publisher.publish_async(source, 1)
+    running = asyncio.ensure_future(ticker())
+    try:
+        await consumer.install_async(remote(manifest), model)
+    finally:
+        running.cancel()
+    assert torch.equal(model.w, source["w"])
+    assert ticks > 1, "the loop did not run while the update was fetched"
+    consumer.close()
+
+
+async def test_a_blocking_read_on_an_event_loop_is_refused_with_the_way_out(publisher):
+    consumer = WeightConsumer()
+    manifest = publisher.publish(filled_model(1.0), 1)
+    target = filled_model(0.0)
+    with pytest.raises(WeightSyncError, match="install_async"):
+        consumer.install(remote(manifest), target)
+    assert models_equal(target, filled_model(0.0))
+    assert consumer.state(manifest.update_id) == "rejected"
+    consumer.close()
+
+
+def test_a_corrupted_chunk_is_refused_and_the_model_keeps_its_weights(publisher):
+    manifest = publisher.publish(filled_model(2.0), 1)
+    staged = publisher._writer._slots[0]  # type: ignore[attr-defined]
+    staged.data[5000] ^= 0xFF  # the bytes change after their CRCs were taken
+    target = filled_model(0.0)
+    consumer = WeightConsumer()
+    with pytest.raises(ChecksumError, match="chunk 1 arrived corrupted"):
+        consumer.install(remote(manifest), target)
+    assert models_equal(target, filled_model(0.0))
+    consumer.close()
+
+
+def test_a_reader_without_the_key_is_refused_and_reads_nothing(publisher):
+    manifest = publisher.publish(filled_model(2.0), 1)
+    forged = dataclasses.replace(manifest.handle, key=os.urandom(32))
+    consumer = WeightConsumer()
+    with pytest.raises(WeightSyncError, match="refused the manifest's key"):
+        consumer.import_update(remote(dataclasses.replace(manifest, handle=forged)))
+    consumer.close()
+
+
+def test_a_server_that_cannot_prove_the_key_is_not_read_from():
+    """An impostor at the manifest's address: its reply's MAC is wrong, so no byte of it is used."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def impostor() -> None:
+        sock, _ = listener.accept()
+        with sock:
+            sock.sendall(HELLO.pack(MAGIC, os.urandom(16)))
+            sock.recv(4096)
+            sock.sendall(REPLY.pack(MAGIC, OK, 4, 4096, 1, bytes(32)) + bytes(4) + b"evil")
+
+    thread = threading.Thread(target=impostor)
+    thread.start()
+    try:
+        spec_source = WeightPublisher("local")
+        manifest = spec_source.publish({"w": torch.zeros(1)}, 1)
+        spec_source.close()
+        handle = TcpHandle("127.0.0.1", listener.getsockname()[1], os.urandom(32))
+        fake = dataclasses.replace(manifest, transport="tcp", handle=handle, publisher_host="elsewhere")
+        consumer = WeightConsumer()
+        with pytest.raises(WeightSyncError, match="could not prove it holds the update's key"):
+            consumer.import_update(fake)
+        consumer.close()
+    finally:
+        thread.join(10)
+        listener.close()
+
+
+def test_an_update_whose_buffer_was_reused_is_stale(publisher):
+    first = publisher.publish(filled_model(1.0), 1)
+    publisher.publish(filled_model(2.0), 2)
+    publisher.publish(filled_model(3.0), 3)  # two slots: version 1's buffer now holds version 3
+    consumer = WeightConsumer()
+    with pytest.raises(StaleUpdateError, match="no longer holds it"):
+        consumer.import_update(remote(first))
+    consumer.close()
+
+
+def test_a_closed_publisher_on_another_host_reads_as_dead():
+    publisher = WeightPublisher("tcp")
+    manifest = publisher.publish(filled_model(1.0), 1)
+    publisher.close()
+    consumer = WeightConsumer()
+    with pytest.raises(PublisherDied, match="connection refused"):
+        consumer.import_update(remote(manifest))
+    assert consumer.state(manifest.update_id) == "rejected"
+    consumer.close()
+
+
+def test_malformed_handles_are_refused_before_any_connection(publisher):
+    manifest = publisher.publish(filled_model(1.0), 1)
+    reader = TcpReader()
+    for handle in ("127.0.0.1:1", TcpHandle("127.0.0.1", 0, bytes(32)), TcpHandle("127.0.0.1", 80, b"short")):
+        with pytest.raises(ManifestError, match="not a 'tcp' weight handle"):
+            reader.read(manifest.update_id, 1, handle, manifest.tensors)
+    reader.close()
+
+
+async def test_a_fetch_that_outlives_its_deadline_fails_and_ends():
+    """A server that accepts the connection but never speaks: the awaited fetch gives up on time."""
+    listener = socket.create_server(("127.0.0.1", 0))  # never accepts: the kernel completes the connect
+    try:
+        spec_source = WeightPublisher("local")
+        manifest = spec_source.publish({"w": torch.zeros(1)}, 1)
+        spec_source.close()
+        handle = TcpHandle("127.0.0.1", listener.getsockname()[1], os.urandom(32))
+        reader = TcpReader()
+        with pytest.raises(WeightSyncError, match=r"took longer than 0\.3s"):
+            await reader.read_async(manifest.update_id, 1, handle, manifest.tensors, timeout=0.3)
+        reader.close()
+    finally:
+        listener.close()
+
+
+async def test_a_cancelled_fetch_leaves_the_publisher_serving(publisher):
+    source = {"w": torch.randn(8 << 20)}  # 32 MiB
+    manifest = remote(await publisher.publish_async(source, 1))
+    consumer = WeightConsumer()
+    fetch = asyncio.ensure_future(consumer.import_update_async(manifest))
+    await asyncio.sleep(0)
+    fetch.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await fetch
+    assert consumer.state(manifest.update_id) is None  # nothing half-imported
+    staged = publisher._writer._slots[0]  # type: ignore[attr-defined]
+    await asyncio.wait_for(_until(lambda: staged.sending == 0), 10)
+    again = WeightConsumer()
+    tensors = await again.import_update_async(manifest)
+    assert torch.equal(tensors["w"], source["w"])
+    again.close()
+    consumer.close()
+
+
+async def _until(condition) -> None:  # type: ignore[no-untyped-def]
+    while not condition():
+        await asyncio.sleep(0.01)
+
+
+async def test_a_remote_publishers_pid_is_not_watched_on_this_host():
+    """An inbox whose updates come from another host waits for arrival or timeout, not for a local pid."""
+    inbox = WeightInbox()
+    publisher = WeightPublisher("tcp")
+    manifest = dataclasses.replace(publisher.publish(filled_model(1.0), 1), publisher_pid=2**22 - 1)
+    inbox.put(remote(manifest))
+    assert not inbox.publisher_here
+    inbox.take_newest()
+    from actors import CallTimeout
+
+    with pytest.raises(CallTimeout):
+        await inbox.wait(0.05)
+    publisher.close()
+    inbox.close()
+
+
+async def test_an_actor_installs_from_a_tcp_publisher_in_another_process(procs):
+    source = procs.spawn("source", WeightSource, "tcp")
+    sink = procs.spawn("sink", WeightSink)
+    manifest = await source.slice(procs=0).publish.call_one(4)
+    assert manifest.transport == "tcp"
+    send(sink.slice(procs=1).update_weights, (manifest,))
+    assert await sink.slice(procs=1).install_until.call_one(4) == 1
+
+
+@pytest.mark.gpu
+def test_gpu_tensors_are_staged_through_pinned_memory_and_installed_on_the_gpu():
+    source = filled_model(5.0).cuda()
+    target = filled_model(0.0).cuda()
+    publisher = WeightPublisher("tcp")
+    try:
+        manifest = publisher.publish(source, 1)
+        assert publisher._writer._slots[0].data.is_pinned()  # type: ignore[attr-defined]
+        consumer = WeightConsumer()
+        consumer.install(remote(manifest), target)
+        consumer.close()
+        assert models_equal(source, target)
+    finally:
+        publisher.close()
