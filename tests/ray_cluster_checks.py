@@ -245,6 +245,42 @@ async def pipeline_across_nodes(address):  # type: ignore[no-untyped-def]
     return {"routes": routes, "rollouts": result.rollouts, "score": result.score, "seconds": round(result.seconds, 2)}
 
 
+@check("raylet_killed_fails_calls")
+async def raylet_killed_fails_calls(cluster):  # type: ignore[no-untyped-def]
+    """A whole Ray node removed (raylet and its workers killed): its actors' calls fail within 2 s.
+
+    Ray's own health check takes far longer; the node host's lifeline to
+    the controller closes the moment its process dies.
+    """
+    from actors.ray import host_mesh_async
+
+    hosts = await host_mesh_async(hosts=2)
+    try:
+        procs = hosts.spawn_procs(per_host={"procs": 1})
+        mesh = procs.spawn("far", Where)
+        await mesh.where.call()
+        head = cluster.head_node.node_id
+        index = next(i for i, h in enumerate(hosts.hosts) if h["node"] != head)
+        victim = next(n for n in cluster.list_all_nodes() if n.node_id == hosts.hosts[index]["node"])
+        pending = asyncio.ensure_future(mesh.slice(hosts=index).hang.call_one())
+        await asyncio.sleep(0.2)  # the call is on its way (either order must fail it)
+        started = time.monotonic()
+        removing = asyncio.ensure_future(asyncio.to_thread(cluster.remove_node, victim, False))
+        try:
+            await asyncio.wait_for(pending, 30)
+            raise AssertionError("a call to a removed node's actor answered")
+        except ActorDied as exc:
+            took = time.monotonic() - started
+            error = str(exc)
+        await removing
+        assert hosts.hosts[index]["lost"], hosts.hosts
+        assert took < 2.0, (took, error)
+        await procs.stop()
+        return {"seconds": round(took, 3), "lost": hosts.hosts[index]["lost"], "error": error[:200]}
+    finally:
+        await hosts.shutdown_async()
+
+
 async def main() -> None:
     import ray
     from ray.cluster_utils import Cluster
@@ -268,6 +304,7 @@ async def main() -> None:
         finally:
             hosts.shutdown()
         await pipeline_across_nodes(cluster.address)
+        await raylet_killed_fails_calls(cluster)
     finally:
         ray.shutdown()
         cluster.shutdown()

@@ -24,6 +24,7 @@ CHECKS = [
     "weights_across_nodes",
     "node_host_lost_fails_calls",
     "pipeline_across_nodes",
+    "raylet_killed_fails_calls",
 ]
 
 

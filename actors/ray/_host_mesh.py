@@ -34,6 +34,7 @@ from .._restart import RestartMode, RestartPolicy
 from .._runtime import Runtime, at_runtime_exit, current_runtime, runtime
 from .._session import TCP_HOST_ENV, TRANSPORT_ENV, session_keys, tcp_host
 from .._value_mesh import select
+from ._lifeline import Lifelines
 from ._node import NodeHost
 from ._relay import Relay
 
@@ -88,16 +89,23 @@ def exit_reason(code: int) -> str:
 class RayHostMesh(HostMesh):
     """Hosts placed by Ray: ``spawn_procs(per_host)`` starts ``per_host`` processes on each."""
 
-    def __init__(self, rt: Runtime, placement_group: Any, nodes: list[_Node]) -> None:
+    def __init__(self, rt: Runtime, placement_group: Any, nodes: list[_Node], lifelines: Lifelines) -> None:
         self._rt = rt
         self._pg = placement_group
         self._nodes = nodes
         self._relay = Relay(rt)
+        self._lifelines = lifelines
         self._root: RayHostMesh | None = None
         self.closed = False
         for node in nodes:
             self._watch(node)
+        lifelines.watch(self._lifeline_lost)
         at_runtime_exit(self.shutdown)
+
+    def _lifeline_lost(self, index: int, why: str) -> None:
+        """A node host's lifeline ended (lifeline thread): mark its node lost on the runtime's thread."""
+        if 0 <= index < len(self._nodes):
+            self._relay.call_soon(lambda: self._lose(self._nodes[index], why))
 
     def __repr__(self) -> str:
         return f"<RayHostMesh {[node.ip for node in self._nodes]}>"
@@ -187,6 +195,7 @@ class RayHostMesh(HostMesh):
             return
         self.closed = True
         self._relay.close()
+        self._lifelines.close()
         with contextlib.suppress(Exception):
             ray = _ray()
             if ray.is_initialized():
@@ -233,7 +242,8 @@ class RayHostMesh(HostMesh):
             if self.closed:
                 return
             if error is not None:
-                self._lose(node, error)
+                first = str(error).splitlines()[0] if str(error) else ""
+                self._lose(node, f"{type(error).__name__}: {first}")
                 return
             for index, pid, code in reports:
                 ref = node.procs.pop(index, None)
@@ -243,8 +253,10 @@ class RayHostMesh(HostMesh):
 
         self._relay.when_done(node.handle.exits.remote(), exited)
 
-    def _lose(self, node: _Node, error: BaseException) -> None:
-        node.lost = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    def _lose(self, node: _Node, why: str) -> None:
+        if node.lost or self.closed:
+            return
+        node.lost = why
         log.error("lost %s: %s", node, node.lost)
         for ref in node.procs.values():
             self._rt.registry.mark_dead(ref, f"its {node} was lost ({node.lost})")
@@ -337,6 +349,7 @@ def host_mesh(
             f"Ray could not reserve {hosts} separate nodes with {bundle} each within {SETUP_TIMEOUT:g}s "
             f"(the cluster has {len(ray.nodes())} nodes: {ray.cluster_resources()})"
         )
+    lifelines = Lifelines(tcp_host(rt.address) or "127.0.0.1")
     remote = ray.remote(NodeHost)
     handles = [
         remote.options(
@@ -344,7 +357,7 @@ def host_mesh(
             num_gpus=gpus_per_host,
             max_concurrency=8,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-        ).remote(keys[0].decode(), keys[1].decode(), bind_host)
+        ).remote(keys[0].decode(), keys[1].decode(), bind_host, [*lifelines.address, lifelines.key.hex(), i])
         for i in range(hosts)
     ]
     try:
@@ -355,12 +368,13 @@ def host_mesh(
             with contextlib.suppress(Exception):
                 ray.kill(h)
         remove_placement_group(pg)
+        lifelines.close()
         raise
     nodes = [
         _Node(i, h, info["ip"], info["pid"], info["node"], list(info["gpus"]), pool)
         for i, (h, info, pool) in enumerate(zip(handles, infos, pools, strict=True))
     ]
-    return RayHostMesh(rt, pg, nodes)
+    return RayHostMesh(rt, pg, nodes, lifelines)
 
 
 async def host_mesh_async(

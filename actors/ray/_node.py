@@ -12,9 +12,11 @@ request pipe closes and the forkserver ends every worker it started.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from .._forkserver import _frame, _frames, _ServerProcess
@@ -27,8 +29,11 @@ from .._session import (
     TRANSPORT_ENV,
     make_runtime_dir,
 )
+from ._lifeline import hold
 
 __all__ = ["NodeHost"]
+
+log = logging.getLogger("actors.ray")
 
 #: How long ``spawn`` waits for the forkserver to report a new worker's pid.
 SPAWN_REPORT_TIMEOUT = 60.0
@@ -37,7 +42,9 @@ SPAWN_REPORT_TIMEOUT = 60.0
 class NodeHost:
     """A forkserver on this node, driven through Ray: ``spawn`` workers, hear when they exit."""
 
-    def __init__(self, public_key: str, secret_key: str, bind_host: str | None = None) -> None:
+    def __init__(
+        self, public_key: str, secret_key: str, bind_host: str | None = None, lifeline: list[Any] | None = None
+    ) -> None:
         import ray
 
         self.ip = bind_host or ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
@@ -55,6 +62,15 @@ class NodeHost:
         self._exits: list[list[Any]] = []  # [index, pid, exit code], not yet collected
         self._lost = False
         threading.Thread(target=self._read_reports, name="actors-node-reports", daemon=True).start()
+        self._cut_lifeline: Callable[[], None] | None = None
+        if lifeline is not None:  # [controller host, port, key hex, this host's index]
+            host, port, key, index = lifeline
+            self._cut_lifeline = hold((host, int(port)), bytes.fromhex(key), int(index), self._controller_lost)
+
+    def _controller_lost(self, why: str) -> None:
+        """The controller is gone (or cut off): end this node's workers rather than leave them orphaned."""
+        log.error("ending this node's actors processes: %s", why)
+        self.stop()
 
     def info(self) -> dict[str, Any]:
         """Where this host is: its cluster address, pid, Ray node and the GPUs Ray gave it."""
@@ -102,6 +118,9 @@ class NodeHost:
 
     def stop(self) -> None:
         """End every worker on this node and the forkserver (it tears them down when its pipe closes)."""
+        cut, self._cut_lifeline = self._cut_lifeline, None
+        if cut is not None and threading.current_thread().name != "actors-ray-lifeline":
+            cut()
         try:
             os.close(self._process.requests)
         except OSError:

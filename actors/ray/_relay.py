@@ -24,6 +24,17 @@ __all__ = ["Relay"]
 log = logging.getLogger("actors.ray")
 
 
+class _Done:
+    """A result that is already there: what :meth:`Relay.call_soon` queues."""
+
+    @staticmethod
+    def result() -> None:
+        return None
+
+
+_DONE = _Done()
+
+
 class Relay:
     """Runs ``handler(result, error)`` on the runtime's thread when a Ray call completes."""
 
@@ -50,6 +61,15 @@ class Relay:
                     os.write(self._write, b"!")
 
         future.add_done_callback(done)
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` on the runtime's thread (from any thread)."""
+        with self._lock:
+            if self.closed:
+                return
+            self._done.append((lambda _value, _error: fn(), _DONE))
+            with contextlib.suppress(BlockingIOError):
+                os.write(self._write, b"!")
 
     def _drain(self) -> None:
         with contextlib.suppress(BlockingIOError, OSError):

@@ -1,0 +1,227 @@
+"""Lifelines: one tcp connection between the controller and each node host, so either sees the other go.
+
+Ray learns that a node died through its own health checks, which take
+seconds to tens of seconds once a raylet or a machine is gone. A lifeline is
+quicker: when either process dies, its kernel closes the connection and the
+other side reads EOF at once; when a machine vanishes without closing
+anything, the heartbeats stop and the other side gives up after
+:data:`SILENCE` s. The node host proves it belongs to this controller with an
+HMAC of the controller's nonce under a key that reached it through Ray (a
+constructor argument, like the session's CURVE keys).
+
+The controller's side is :class:`Lifelines` (one thread, every node); the
+node host's is :func:`hold` (one thread).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import logging
+import os
+import selectors
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+__all__ = ["HEARTBEAT", "SILENCE", "Lifelines", "hold"]
+
+log = logging.getLogger("actors.ray")
+
+#: Seconds between heartbeats, both ways.
+HEARTBEAT = 0.5
+#: Seconds without a byte after which the other side counts as gone (a machine lost without a word).
+SILENCE = 5.0
+_NONCE = 16
+_ANSWER = struct.Struct("<32sI")  # MAC of the nonce, node index
+
+
+def _mac(key: bytes, nonce: bytes, index: int) -> bytes:
+    return hmac.digest(key, b"lifeline" + nonce + struct.pack("<I", index), hashlib.sha256)
+
+
+@dataclass(eq=False)
+class _Line:
+    sock: socket.socket
+    nonce: bytes
+    index: int | None = None
+    heard: float = field(default_factory=time.monotonic)
+    pending: bytes = b""
+
+
+class Lifelines:
+    """The controller's end: accepts each node host's lifeline and reports a node whose line ends.
+
+    ``on_lost(index, why)`` runs on this class's thread; losses seen before
+    it is set are kept and reported when it is.
+    """
+
+    def __init__(self, host: str) -> None:
+        self.key = os.urandom(32)
+        self._listener = socket.create_server((host, 0))
+        self._listener.setblocking(False)
+        self.address = (host, self._listener.getsockname()[1])
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._lock = threading.Lock()
+        self._on_lost: Callable[[int, str], None] | None = None
+        self._early: list[tuple[int, str]] = []
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="actors-ray-lifelines", daemon=True)
+        self._thread.start()
+
+    def watch(self, on_lost: Callable[[int, str], None]) -> None:
+        with self._lock:
+            self._on_lost, early, self._early = on_lost, self._early, []
+        for index, why in early:
+            on_lost(index, why)
+
+    def _lost(self, index: int, why: str) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            report = self._on_lost
+            if report is None:
+                self._early.append((index, why))
+                return
+        report(index, why)
+
+    def _run(self) -> None:
+        selector = selectors.DefaultSelector()
+        selector.register(self._listener, selectors.EVENT_READ)
+        selector.register(self._wake_r, selectors.EVENT_READ)
+        lines: dict[socket.socket, _Line] = {}
+        next_beat = time.monotonic()
+        try:
+            while not self._closed:
+                for key, _ in selector.select(HEARTBEAT):
+                    if key.fileobj is self._listener:
+                        self._accept(selector, lines)
+                    elif key.fileobj is not self._wake_r:
+                        line = lines[key.fileobj]  # type: ignore[index]
+                        if not self._read(line):
+                            self._drop(selector, lines, line, "its lifeline to the controller closed")
+                now = time.monotonic()
+                for line in list(lines.values()):
+                    if now - line.heard > SILENCE:
+                        self._drop(selector, lines, line, f"its lifeline was silent for {SILENCE:g}s")
+                    elif now >= next_beat and line.index is not None:
+                        with contextlib.suppress(BlockingIOError):
+                            try:
+                                line.sock.send(b".")
+                            except OSError:
+                                self._drop(selector, lines, line, "its lifeline to the controller broke")
+                if now >= next_beat:
+                    next_beat = now + HEARTBEAT
+        finally:
+            for line in lines.values():
+                line.sock.close()
+            selector.close()
+
+    def _accept(self, selector: selectors.BaseSelector, lines: dict[socket.socket, _Line]) -> None:
+        with contextlib.suppress(BlockingIOError):
+            sock, _ = self._listener.accept()
+            sock.setblocking(False)
+            line = _Line(sock, os.urandom(_NONCE))
+            try:
+                sock.send(line.nonce)  # 16 bytes into an empty buffer
+            except OSError:
+                sock.close()
+                return
+            lines[sock] = line
+            selector.register(sock, selectors.EVENT_READ)
+
+    def _read(self, line: _Line) -> bool:
+        """False once the line has ended (EOF, error, or a failed proof)."""
+        try:
+            data = line.sock.recv(4096)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        if not data:
+            return False
+        line.heard = time.monotonic()
+        if line.index is None:
+            line.pending += data
+            if len(line.pending) < _ANSWER.size:
+                return True
+            mac, index = _ANSWER.unpack(line.pending[: _ANSWER.size])
+            if not hmac.compare_digest(mac, _mac(self.key, line.nonce, index)):
+                log.warning("a lifeline without this controller's key was refused")
+                return False  # dropped: it was never a node of ours, so no node is lost
+            line.index = index
+        return True
+
+    def _drop(self, selector: selectors.BaseSelector, lines: dict[socket.socket, _Line], line: _Line, why: str) -> None:
+        lines.pop(line.sock, None)
+        with contextlib.suppress(KeyError, ValueError):
+            selector.unregister(line.sock)
+        line.sock.close()
+        if line.index is not None:
+            self._lost(line.index, why)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"!")
+        self._thread.join(5.0)
+        for sock in (self._listener, self._wake_r, self._wake_w):
+            sock.close()
+
+
+def hold(address: tuple[str, int], key: bytes, index: int, on_lost: Callable[[str], None]) -> Callable[[], None]:
+    """The node host's end: connect, prove the key, then beat until the line ends; returns a closer.
+
+    ``on_lost(why)`` runs (on the lifeline's thread) when the controller's
+    end closes or falls silent, never after the closer was called.
+    """
+    sock = socket.create_connection(address, timeout=30.0)
+    nonce = bytearray()
+    while len(nonce) < _NONCE:
+        piece = sock.recv(_NONCE - len(nonce))
+        if not piece:
+            raise ConnectionError("the controller closed the lifeline during its handshake")
+        nonce += piece
+    sock.sendall(_ANSWER.pack(_mac(key, bytes(nonce), index), index))
+    sock.settimeout(HEARTBEAT)
+    closing = threading.Event()
+
+    def beat() -> None:
+        heard = time.monotonic()
+        why = ""
+        while not closing.is_set():
+            try:
+                data = sock.recv(4096)
+                if not data:
+                    why = "the controller's lifeline closed"
+                    break
+                heard = time.monotonic()
+            except TimeoutError:
+                pass
+            except OSError as exc:
+                why = f"the controller's lifeline broke ({exc})"
+                break
+            if time.monotonic() - heard > SILENCE:
+                why = f"the controller's lifeline was silent for {SILENCE:g}s"
+                break
+            with contextlib.suppress(TimeoutError, OSError):
+                sock.send(b".")
+        if why and not closing.is_set():
+            on_lost(why)
+
+    thread = threading.Thread(target=beat, name="actors-ray-lifeline", daemon=True)
+    thread.start()
+
+    def close() -> None:
+        closing.set()
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+        thread.join(5.0)
+        sock.close()
+
+    return close
