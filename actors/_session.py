@@ -21,6 +21,7 @@ import zmq
 
 __all__ = [
     "SESSION_ENV",
+    "bind_host",
     "host_id",
     "inbox_address",
     "incarnation_path",
@@ -93,7 +94,7 @@ def inbox_address(runtime_dir: str, name: str) -> str:
     """A fresh inbox address: a socket file in the private directory, or a loopback tcp port."""
     if transport_kind() == "ipc":
         return f"ipc://{runtime_dir}/{name}.sock"
-    host = os.environ.get(TCP_HOST_ENV, "127.0.0.1")
+    host = bind_host()
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind((host, 0))
         port = probe.getsockname()[1]
@@ -115,6 +116,11 @@ def valid_peer_address(address: str, runtime_dir: str) -> bool:
     return _TCP_ADDRESS.fullmatch(address) is not None
 
 
+def bind_host() -> str:
+    """The interface this process binds tcp sockets to: ``ACTORS_TCP_HOST``, else loopback."""
+    return os.environ.get(TCP_HOST_ENV) or "127.0.0.1"
+
+
 def local_hosts() -> frozenset[str]:
     """The tcp hosts that mean this machine (a peer's pid there is a process here): loopback and our own.
 
@@ -122,7 +128,7 @@ def local_hosts() -> frozenset[str]:
     the one cluster address it was given (``ACTORS_TCP_HOST``), as its peers on
     this machine do.
     """
-    return frozenset({"127.0.0.1", "localhost", "::1", os.environ.get(TCP_HOST_ENV, "127.0.0.1")})
+    return frozenset({"127.0.0.1", "localhost", "::1", bind_host()})
 
 
 def tcp_host(address: str) -> str | None:

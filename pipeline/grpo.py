@@ -140,7 +140,8 @@ async def _hosts(config: Config) -> tuple[HostMesh, HostMesh, RayHostMesh | None
 
     if not ray.is_initialized():
         await asyncio.to_thread(ray.init, address=config.ray, include_dashboard=False)
-    alive = len([node for node in ray.nodes() if node.get("Alive")])  # type: ignore[no-untyped-call]
+    nodes = await asyncio.to_thread(ray.nodes)  # a round trip to Ray's control store: off the loop
+    alive = len([node for node in nodes if node.get("Alive")])
     count = config.ray_hosts or alive
     if count > alive:
         raise ValueError(f"--ray-hosts {count}: the cluster at {config.ray} has {alive} live nodes")

@@ -261,7 +261,7 @@ class Trainer(Actor):
         on_gpu: dict[str, Any] = {"device": self.device} if config.transport == "cuda-ipc" else {}
         self.routes = WeightRoutes(config.transport, config.generators + 3, **on_gpu)
         self.ref_publisher = WeightPublisher(config.transport, slots=1, **on_gpu)
-        self.manifest = self.routes.publish(config.transport, self.learner.policy, self.version, self._metadata())
+        self.routes.publish(config.transport, self.learner.policy, self.version, self._metadata())  # fail early
         self.ref_manifest = self.ref_publisher.publish(self.learner.reference_state, 1)
         self.dropped = 0
         self.tokens_received = 0
@@ -283,8 +283,11 @@ class Trainer(Actor):
 
     @endpoint
     async def initial_manifests(self) -> tuple[WeightManifest, WeightManifest]:
-        """The current policy's manifest (for generators) and the reference's (for RefModel)."""
-        return self.manifest, self.ref_manifest
+        """The current policy's manifest on the run's transport (for generators) and the reference's (for RefModel)."""
+        policy = await self.routes.publish_async(
+            self.config.transport, self.learner.policy, self.version, self._metadata()
+        )
+        return policy, self.ref_manifest
 
     @endpoint
     async def route_weights(self, generators: Generator) -> list[str]:

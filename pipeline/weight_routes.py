@@ -62,14 +62,15 @@ class WeightRoutes:
     def plan(self, trainer_host: str, generator_hosts: list[str]) -> list[Route]:
         """Group the generators (in rank order) into routes, one per run of ranks on one host."""
         routes: list[Route] = []
+        by_rank: list[str] = []
         for rank, host in enumerate(generator_hosts):
             transport = choose_transport(self.local, trainer_host, host)
+            by_rank.append(transport)
             if routes and routes[-1].host == host:
                 routes[-1] = Route(transport, routes[-1].first, rank, host)
             else:
                 routes.append(Route(transport, rank, rank, host))
-        self.routes = routes
-        self._by_rank = [choose_transport(self.local, trainer_host, host) for host in generator_hosts]
+        self.routes, self._by_rank = routes, by_rank
         return routes
 
     def plan_local(self, generators: int) -> None:

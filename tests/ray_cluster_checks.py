@@ -245,6 +245,27 @@ async def pipeline_across_nodes(address):  # type: ignore[no-untyped-def]
     return {"routes": routes, "rollouts": result.rollouts, "score": result.score, "seconds": round(result.seconds, 2)}
 
 
+@check("pipeline_placement_refused")
+async def pipeline_placement_refused(address):  # type: ignore[no-untyped-def]
+    """More hosts than live nodes, or generators that do not spread evenly: refused before anything starts."""
+    import tempfile
+
+    from pipeline import Config, run_pipeline
+
+    errors = []
+    for generators, hosts, expected in ((2, 4, "has 3 live nodes"), (3, 2, "must be a multiple of the 2 Ray hosts")):
+        config = Config(task="bandit", steps=10, generators=generators, ray=address, ray_hosts=hosts)
+        config.run_dir = tempfile.mkdtemp(prefix="ray-refused-")
+        try:
+            await asyncio.wait_for(run_pipeline(config, quiet=True), 60)
+        except ValueError as exc:
+            assert expected in str(exc), exc
+            errors.append(str(exc))
+        else:
+            raise AssertionError(f"--generators {generators} --ray-hosts {hosts} ran")
+    return {"errors": errors}
+
+
 @check("raylet_killed_fails_calls")
 async def raylet_killed_fails_calls(cluster):  # type: ignore[no-untyped-def]
     """A whole Ray node removed (raylet and its workers killed): its actors' calls fail within 2 s.
@@ -303,6 +324,7 @@ async def main() -> None:
             await node_host_lost_fails_calls(hosts)
         finally:
             hosts.shutdown()
+        await pipeline_placement_refused(cluster.address)
         await pipeline_across_nodes(cluster.address)
         await raylet_killed_fails_calls(cluster)
     finally:

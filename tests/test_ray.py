@@ -23,6 +23,7 @@ CHECKS = [
     "spawn_beyond_ready_addresses_refused_on_a_loop",
     "weights_across_nodes",
     "node_host_lost_fails_calls",
+    "pipeline_placement_refused",
     "pipeline_across_nodes",
     "raylet_killed_fails_calls",
 ]

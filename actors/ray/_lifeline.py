@@ -109,11 +109,12 @@ class Lifelines:
                     if now - line.heard > SILENCE:
                         self._drop(selector, lines, line, f"its lifeline was silent for {SILENCE:g}s")
                     elif now >= next_beat and line.index is not None:
-                        with contextlib.suppress(BlockingIOError):
-                            try:
-                                line.sock.send(b".")
-                            except OSError:
-                                self._drop(selector, lines, line, "its lifeline to the controller broke")
+                        try:
+                            line.sock.send(b".")
+                        except BlockingIOError:
+                            pass  # its buffer is full of beats: it is slow, not gone (silence decides)
+                        except OSError:
+                            self._drop(selector, lines, line, "its lifeline to the controller broke")
                 if now >= next_beat:
                     next_beat = now + HEARTBEAT
         finally:

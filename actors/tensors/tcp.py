@@ -37,7 +37,7 @@ import torch
 from .._buffers import tensor_buffer
 from .._context import loop_running
 from .._errors import ManifestError, PublisherDied, StaleUpdateError, WeightSyncError
-from .._session import TCP_HOST_ENV
+from .._session import bind_host
 from . import ALIGN, TensorSpec, check_specs, checksum
 from ._slots import LOCK_TIMEOUT, poll_async, poll_blocking
 from ._stream import (
@@ -72,11 +72,6 @@ SERVE_TIMEOUT = 60.0
 
 def probe() -> str | None:
     return None  # sockets are always there
-
-
-def serve_host() -> str:
-    """The address this process's weight server binds: the actors tcp host, else loopback."""
-    return os.environ.get(TCP_HOST_ENV) or "127.0.0.1"
 
 
 @dataclass(eq=False)
@@ -116,7 +111,7 @@ class TcpWriter:
         self._slots: list[_Staged] = []
         self._newest: str | None = None
         self._reclaimed: list[str] = []
-        self._server = _Server(host or serve_host(), self)
+        self._server = _Server(host or bind_host(), self)
 
     @property
     def address(self) -> tuple[str, int]:

@@ -199,11 +199,12 @@ class WeightConsumer:
             raise LifecycleError(f"update {update_id} was already {state}; it cannot be imported")
         if state is not None:
             return dict(self._tensors[update_id])
-        if self._on_this_host(manifest) and not self.publishers.alive(manifest.publisher_pid):
+        if self.on_this_host(manifest) and not self.publishers.alive(manifest.publisher_pid):
             raise self._publisher_died(manifest, None)
         return None
 
-    def _on_this_host(self, manifest: WeightManifest) -> bool:
+    def on_this_host(self, manifest: WeightManifest) -> bool:
+        """Whether ``manifest``'s publisher shares this host (so its pid can be watched here)."""
         return manifest.publisher_host in ("", self.host)
 
     def _publisher_died(self, manifest: WeightManifest, cause: PublisherDied | None) -> PublisherDied:

@@ -38,7 +38,7 @@ class WeightInbox:
             raise TypeError(f"expected a WeightManifest, got {type(manifest).__name__}")
         self._queue.append(manifest)
         self.publisher = manifest.publisher_pid
-        self.publisher_here = manifest.publisher_host in ("", self.consumer.host)
+        self.publisher_here = self.consumer.on_this_host(manifest)
         if self._arrived is not None:
             self._arrived.set()
 
