@@ -257,6 +257,7 @@ class ActorMesh(Generic[A]):
         view: ActorMesh[A] = ActorMesh(self._name, self._class_ref, self._endpoints, extent, targets, self._proc_mesh)
         view._life = self._life
         view._spawn_call = self._spawn_call
+        view._next = self._next  # choose() on a slice taken afresh each time still takes turns
         return view
 
     def stop(self) -> Future[None]:

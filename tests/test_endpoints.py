@@ -50,6 +50,8 @@ async def test_call_one_choose_and_slices(procs: ProcMesh):
     chosen = {await echo.pid.choose() for _ in range(6)}
     assert chosen == set(procs.pids), "choose() spreads calls over every actor"
     assert len(echo.slice(gpus=slice(0, 1))) == 1
+    fresh = {await echo.slice(gpus=slice(0, 2)).pid.choose() for _ in range(6)}
+    assert fresh == set(procs.pids), "choose() on a new slice each time still spreads (views share the turn)"
 
 
 async def test_broadcast_and_send_reach_actors_without_reply(procs: ProcMesh):
