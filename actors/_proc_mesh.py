@@ -49,11 +49,14 @@ class ProcMesh:
         extent: dict[str, int],
         procs: list[ProcRef],
         restart: RestartPolicy | None = None,
-        respawn: Callable[[int, ProcRef], None] | None = None,
+        respawn: Callable[[int, ProcRef], str | None] | None = None,
         *,
         owned: bool = True,
+        kill: Callable[[ProcRef], None] | None = None,
     ) -> None:
         self._name = name
+        #: How the placer ends a process on another host that ignored the stop (its pid means nothing here).
+        self._kill_remote = kill
         self._budget = RestartBudget(restart or RestartPolicy())
         self._respawn = respawn
         #: ``(name, class_ref, args, kwargs)`` of every spawn, replayed into a restarted process.
@@ -199,6 +202,11 @@ class ProcMesh:
         self._handlers.append(handler)
 
     @property
+    def stopping(self) -> bool:
+        """Whether :meth:`stop` has begun (deaths from then on are expected, not failures)."""
+        return self._stopping
+
+    @property
     def fault(self) -> SupervisionError | None:
         """The unhandled failure that faulted this mesh, if any (later calls raise it)."""
         return self._fault
@@ -228,26 +236,38 @@ class ProcMesh:
         reason = ref.exit_reason or "process exited"
         restarting = self._respawn is not None and self._budget.take()
         if restarting:
-            self._restart_rank(rank, ref)
-            reason += f"; restarted (restart {self.restarts[rank]} of rank {rank})"
+            try:
+                self._restart_rank(rank, ref)
+            except Exception as exc:  # no process could be started: the rank stays dead
+                restarting = False
+                reason += f"; could not restart it: {exc}"
+            else:
+                reason += f"; restarted (restart {self.restarts[rank]} of rank {rank})"
         else:
             reason += self._budget.refusal()
         self.report(Failure(names, rank, pid, "", "ActorDied", reason, restarted=restarting), handled=restarting)
 
     def _restart_rank(self, rank: int, ref: ProcRef) -> None:
-        """A new process at the dead one's address, with every actor constructed again.
+        """A new process for the dead one, with every actor constructed again.
 
-        In-flight calls already failed with ActorDied; calls made from now on
-        queue for the new process, which runs them once its actors exist.
+        The placer starts it at the same address, or at a new one on another
+        host when the old host is lost: handles here follow it at once, and
+        peers on other hosts hear of it (``PeerNews``). In-flight calls
+        already failed with ActorDied; calls made from now on queue for the
+        new process, which runs them once its actors exist.
         """
         assert self._respawn is not None
         rt = runtime()
         remove_socket_file(ref.address)
         with contextlib.suppress(FileNotFoundError):
             os.remove(incarnation_path(rt.dir, ref.address))  # the new pid is written when it forks
+        address = self._respawn(rank, ref)  # raises when no process can be started; then nothing changed
+        old = ref.address
         rt.registry.revive(ref, None)
+        if address is not None and address != old:
+            rt.relocate(ref, address, remote=ref.remote)
         self.restarts[rank] += 1
-        self._respawn(rank, ref)  # the forkserver records the new pid under the address
+        rt.news.restarted(old, ref)
         for name, class_ref, args, kwargs in self._spawned:  # a constructor failing reports itself (__init__)
             self._send_spawn(rt, [(rank, ref)], name, class_ref, args, kwargs)
 
@@ -294,8 +314,14 @@ class ProcMesh:
         yield all_dead, 3.0
         registry = rt.registry
         for ref in procs:
+            if ref.dead:
+                continue
+            if ref.remote:  # never os.kill another host's pid: it names some process of this one
+                if self._kill_remote is not None:
+                    self._kill_remote(ref)
+                continue
             pid = registry.resolve_pid(ref)
-            if not ref.dead and pid is not None:
+            if pid is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         yield all_dead, 2.0

@@ -43,6 +43,8 @@ class Registry:
         #: Called when a peer joins ``unresolved`` (the runtime arranges the retries).
         self.on_unresolved: Callable[[], None] | None = None
         self._local_hosts = local_hosts()
+        #: Addresses whose process was restarted elsewhere, to the address it serves now.
+        self.moved: dict[str, str] = {}
 
     def is_local(self, address: str) -> bool:
         """Whether ``address`` is served on this machine (ipc always is; tcp by its host)."""
@@ -52,6 +54,10 @@ class Registry:
     def proc(self, address: str, pid: int | None) -> ProcRef:
         """The interned :class:`ProcRef` for ``address`` (learning or updating its pid)."""
         ref = self.procs.get(address)
+        if ref is None and address in self.moved:  # a handle from before its process moved: the replacement
+            moved = self.find(address)
+            if moved is not None:
+                return moved
         if ref is None:
             ref = self.procs[address] = ProcRef(address, None, remote=not self.is_local(address))
             if pid is not None:
@@ -64,8 +70,39 @@ class Registry:
             self.revive(ref, pid)  # a restarted process at the same address
         return ref
 
+    def find(self, address: str) -> ProcRef | None:
+        """The ref serving ``address`` now, following restarts elsewhere; None for a stranger."""
+        for _ in range(len(self.moved) + 1):
+            ref = self.procs.get(address)
+            if ref is not None or address not in self.moved:
+                return ref
+            address = self.moved[address]
+        return None
+
+    def relocate(self, ref: ProcRef, address: str, remote: bool | None = None) -> str:
+        """``ref``'s process was replaced by one serving ``address``: every handle here follows; the old address.
+
+        ``remote`` says whether the new address is on another host (by its tcp
+        host when not given); a placer keeps reporting its own processes.
+        """
+        old = ref.address
+        if address == old:
+            return old
+        if self.procs.get(old) is ref:
+            del self.procs[old]
+        self.moved[old] = address
+        self.moved.pop(address, None)
+        ref.address = address
+        self.procs[address] = ref  # (a ref made for the new address before the news is dropped)
+        ref.remote = not self.is_local(address) if remote is None else remote
+        waiting = self._pid_waiters.pop(old, None)
+        if waiting:
+            self._pid_waiters.setdefault(address, []).extend(waiting)
+        return old
+
     def placed(self, address: str) -> ProcRef:
         """The ref for a process started elsewhere (by Ray) whose placer reports its pid and its death."""
+        self.moved.pop(address, None)  # a fresh process there, not a moved one
         ref = self.procs.get(address)
         if ref is None:
             ref = self.procs[address] = ProcRef(address, None, remote=True)

@@ -5,6 +5,7 @@ Every process (the controller and each worker) has one :class:`Runtime`::
     peers ──► Inbox ──► Reply ─────────► CallTable (pending calls, deadlines)
                     ├─► PortMessage, Attach ► Receivers (port queues, holders)
                     ├─► Credit ────────► SenderWindows ──► Outbox (one Link per peer) ──► peers
+                    ├─► ProcessLost, ProcessRestarted ► PeerNews ► Registry (peers on other hosts)
                     └─► Call, FailureReport ► the worker's ActorServer / the owner's meshes
               Registry: peers by address, pids, deaths ──► listeners above
               Driver: the event loop it is bound to, or a synchronous caller's pump
@@ -40,6 +41,7 @@ from ._inbox import DropLog, Inbox
 from ._liveness import ProcRef
 from ._main_loader import loading_main
 from ._outbox import Outbox
+from ._peer_news import PeerNews
 from ._procs import Registry
 from ._receivers import Receivers
 from ._session import SESSION_ENV, inbox_address, make_runtime_dir, remove_socket_file, session_keys
@@ -79,6 +81,8 @@ class Runtime:
         self.inbox = Inbox(sock, self.dir, self.address, self._learn_sender, self.drops)
         self.driver = Driver(self.inbox, self.registry, self.outbox)
         self._wire_handlers()
+        #: Deaths and restarts of processes on other hosts, told to and heard from peers.
+        self.news = PeerNews(self)
         #: Proc meshes this process spawned, by worker address (their failures and deaths come here).
         self.meshes: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
         #: Proc meshes received from elsewhere that this process spawned actors on, by (worker address,
@@ -118,6 +122,21 @@ class Runtime:
         self.outbox.drop(ref.address)
         self.windows.drop(ref.address)
         self.driver.notify_progress()
+
+    def relocate(self, ref: ProcRef, address: str, remote: bool | None = None) -> None:
+        """``ref``'s process was replaced by one at ``address`` (another host): route everything there now."""
+        old = self.registry.relocate(ref, address, remote)
+        if old == address:
+            return
+        self.outbox.drop(old)
+        self.windows.drop(old)
+        mesh = self.meshes.pop(old, None)
+        if mesh is not None:
+            self.meshes[address] = mesh
+        for key in [key for key in self.actor_supervisors if key[0] == old]:
+            supervisor = self.actor_supervisors.pop(key, None)
+            if supervisor is not None:
+                self.actor_supervisors[(address, key[1])] = supervisor
 
     def _credit(self, address: str, port_id: int, messages: int, nbytes: int) -> None:
         """Give a port's sender its window back (urgent: a busy consumer may never yield)."""

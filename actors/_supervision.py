@@ -155,6 +155,8 @@ def install_owner_handlers(rt: Runtime) -> None:
                 from .tensors._slots import remove_segments
 
                 remove_segments(rt.session, ref.pid)
+            if not mesh.stopping:
+                rt.news.lost(ref)  # peers on other hosts cannot see it go
             mesh.on_death(ref)
 
     rt.inbox.on(FailureReport, on_failure)

@@ -16,6 +16,8 @@ PORT       :class:`PortMessage`: one value for a port (the hot path)
 CREDIT     :class:`Credit`: flow-control window given back to a port's sender
 ATTACH     :class:`Attach`: a process now holds a sender of a port
 FAILURE    :class:`FailureReport`: a worker tells its owner an actor failed
+LOST       :class:`ProcessLost`: an owner tells peers one of its processes died
+RESTARTED  :class:`ProcessRestarted`: an owner tells peers where a replacement serves
 =========  ==================================================================
 
 ``Call.args`` is itself an encoded ``[args, kwargs]``: it is decoded only once
@@ -46,6 +48,8 @@ __all__ = [
     "Header",
     "Kind",
     "PortMessage",
+    "ProcessLost",
+    "ProcessRestarted",
     "Reply",
     "decode_record",
     "port_prefix",
@@ -66,6 +70,8 @@ class Kind(IntEnum):
     CREDIT = 4
     ATTACH = 5
     FAILURE = 6
+    LOST = 7
+    RESTARTED = 8
 
 
 _new_tuple = tuple.__new__
@@ -288,7 +294,41 @@ class FailureReport(NamedTuple):
         return cls(*f[1:])
 
 
-Record = Call | Reply | PortMessage | Credit | Attach | FailureReport
+class ProcessLost(NamedTuple):
+    """The process at ``address`` died: its owner tells the peers that cannot watch its pid (another host's)."""
+
+    address: str
+    reason: str
+
+    def to_wire(self) -> list[Any]:
+        return [Kind.LOST, *self]
+
+    @classmethod
+    def from_wire(cls, fields: Any) -> ProcessLost:
+        f = _check(fields, Kind.LOST, 3)
+        if type(f[1]) is not str or type(f[2]) is not str:
+            raise DecodeError("malformed LOST record")
+        return cls(f[1], f[2])
+
+
+class ProcessRestarted(NamedTuple):
+    """The process once at ``address`` was replaced; the replacement serves ``new_address`` (maybe the same)."""
+
+    address: str
+    new_address: str
+
+    def to_wire(self) -> list[Any]:
+        return [Kind.RESTARTED, *self]
+
+    @classmethod
+    def from_wire(cls, fields: Any) -> ProcessRestarted:
+        f = _check(fields, Kind.RESTARTED, 3)
+        if type(f[1]) is not str or type(f[2]) is not str:
+            raise DecodeError("malformed RESTARTED record")
+        return cls(f[1], f[2])
+
+
+Record = Call | Reply | PortMessage | Credit | Attach | FailureReport | ProcessLost | ProcessRestarted
 
 #: Each record type by its kind: ``RECORDS[fields[0]].from_wire(fields)`` decodes one.
 RECORDS: dict[int, type[Record]] = {
@@ -298,6 +338,8 @@ RECORDS: dict[int, type[Record]] = {
     Kind.CREDIT: Credit,
     Kind.ATTACH: Attach,
     Kind.FAILURE: FailureReport,
+    Kind.LOST: ProcessLost,
+    Kind.RESTARTED: ProcessRestarted,
 }
 
 

@@ -26,7 +26,7 @@ import sys
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 import uvloop
 
@@ -124,14 +124,25 @@ def _raise_if_failed(tasks: dict[str, asyncio.Task[Any]], task: asyncio.Task[Any
         raise PipelineError(f"the {role} failed: {exc}") from exc
 
 
-async def _hosts(config: Config) -> tuple[HostMesh, HostMesh, RayHostMesh | None]:
-    """Where the roles go: (the trainer's host, every host for generators, the Ray host mesh if any).
+class _Hosts(NamedTuple):
+    """Where the roles go."""
 
-    On a Ray cluster the trainer, scorer and reference model share host 0
-    and the generators spread evenly over every host.
+    head: HostMesh  # the trainer's, scorer's and reference model's host
+    everywhere: HostMesh  # the generators' hosts
+    cluster: RayHostMesh | None  # the Ray host mesh, if any
+    head_described: str  # the head host in words, for the run's log
+
+
+async def _hosts(config: Config) -> _Hosts:
+    """Where the roles go: the trainer's host, every host for generators, the Ray host mesh if any.
+
+    On a Ray cluster the trainer, scorer and reference model share one host:
+    this program's own node when Ray reserved it (so checkpoints land in
+    this machine's run directory), else host 0. The generators spread
+    evenly over every host.
     """
     if not config.ray:
-        return this_host(), this_host(), None
+        return _Hosts(this_host(), this_host(), None, "this host")
     try:
         import ray
     except ImportError:
@@ -148,7 +159,12 @@ async def _hosts(config: Config) -> tuple[HostMesh, HostMesh, RayHostMesh | None
     if config.generators % count:
         raise ValueError(f"--generators {config.generators} must be a multiple of the {count} Ray hosts")
     cluster = await host_mesh_async(config.ray, hosts=count)
-    return cluster.slice(0), cluster, cluster
+    here = ray.get_runtime_context().get_node_id()
+    hosts = cluster.hosts
+    head = next((i for i, host in enumerate(hosts) if host["node"] == here), None)
+    if head is None:  # Ray reserved other nodes than this one: the checkpoints go to host 0's disk
+        return _Hosts(cluster.slice(0), cluster, cluster, f"host 0 ({hosts[0]['ip']}; checkpoints go to its disk)")
+    return _Hosts(cluster.slice(head), cluster, cluster, f"host {head} (this node, {hosts[head]['ip']})")
 
 
 async def run_pipeline(
@@ -183,7 +199,7 @@ async def run_pipeline(
     trainer = None
     cluster: RayHostMesh | None = None
     try:
-        head, everywhere, cluster = await _hosts(config)
+        head, everywhere, cluster, head_described = await _hosts(config)
         trainer_procs = head.spawn_procs(per_host={"procs": 1}, name="trainer")
         scorer_procs = head.spawn_procs(per_host={"procs": 1}, name="scorer")
         ref_procs = head.spawn_procs(per_host={"procs": 1}, name="ref")
@@ -210,7 +226,9 @@ async def run_pipeline(
         gens: Generator = spawned.flatten("procs")  # one dimension of ranks, however many hosts
         weight_routes = await trainer.route_weights.call_one(gens)
         if cluster is not None:  # on one host there is nothing to choose: the run's transport reaches all
-            progress.note(f"placed on {len(cluster.hosts)} Ray hosts: trainer, scorer and reference on host 0")
+            progress.note(
+                f"placed on {len(cluster.hosts)} Ray hosts: trainer, scorer and reference on {head_described}"
+            )
             progress.note("weights: " + "; ".join(weight_routes))
         ref = ref_procs.spawn("ref", roles.ref, config, ref_manifest)
         scored_in = await ref.inlet.call_one()

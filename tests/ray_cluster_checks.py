@@ -9,6 +9,7 @@ check: ``{"check": name, "ok": bool, "detail": ...}``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -51,6 +52,31 @@ class Where(Actor):
         return await peer.where.call_one()
 
     @endpoint
+    async def wait_on_peer(self, peer: Where) -> str:
+        """Call ``peer.hang`` and say how it ended: only the peer's death can end it."""
+        started = time.monotonic()
+        try:
+            await peer.hang.call_one()
+        except ActorDied as exc:
+            return f"ActorDied after {time.monotonic() - started:.3f}s: {exc}"
+        return "answered"
+
+    @endpoint
+    async def remember(self, peer: Where) -> None:
+        self.peer = peer
+
+    @endpoint
+    async def ask_remembered(self) -> list[object]:
+        return await self.peer.where.call_one()
+
+    @endpoint
+    async def freeze(self, fifo: str, seconds: float) -> None:
+        """Say so through ``fifo``, then block this worker's event loop: it can no longer obey a stop."""
+        with open(fifo, "w") as f:
+            f.write("frozen")
+        time.sleep(seconds)
+
+    @endpoint
     async def stream_to(self, port: Port[int], n: int) -> None:
         for i in range(n):
             port.send(i)
@@ -65,7 +91,9 @@ def check(name: str):  # type: ignore[no-untyped-def]
                 detail = await fn(*args)
                 RESULTS.append({"check": name, "ok": True, "detail": detail, "s": round(time.monotonic() - started, 3)})
             except BaseException as exc:
-                RESULTS.append({"check": name, "ok": False, "detail": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()})
+                RESULTS.append(
+                    {"check": name, "ok": False, "detail": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()}
+                )
             print(json.dumps(RESULTS[-1]), flush=True)
 
         return run
@@ -230,7 +258,7 @@ async def weights_across_nodes(hosts):  # type: ignore[no-untyped-def]
 
 @check("pipeline_across_nodes")
 async def pipeline_across_nodes(address):  # type: ignore[no-untyped-def]
-    """``--ray``: trainer on host 0, generators on both, weights over shm here and tcp there, 300 steps."""
+    """``--ray``: trainer on this node, generators on both, weights over shm here and tcp there, 300 steps."""
     import tempfile
 
     from pipeline import Config, run_pipeline
@@ -240,7 +268,10 @@ async def pipeline_across_nodes(address):  # type: ignore[no-untyped-def]
     result = await asyncio.wait_for(run_pipeline(config, quiet=True), 240)
     assert result.steps == 300, result
     routes = result.weight_routes
-    assert len(routes) == 2 and routes[0].endswith(": shm") and routes[1].endswith(": tcp"), routes
+    assert len(routes) == 2, routes
+    here = [route for route in routes if route.endswith(": shm")]  # the trainer is on this node: shm there
+    assert len(here) == 1 and "the trainer's host" in here[0], routes
+    assert sum(route.endswith(": tcp") for route in routes) == 1, routes
     assert all(count > 0 for count in result.rollouts.values()), result.rollouts
     return {"routes": routes, "rollouts": result.rollouts, "score": result.score, "seconds": round(result.seconds, 2)}
 
@@ -302,13 +333,231 @@ async def raylet_killed_fails_calls(cluster):  # type: ignore[no-untyped-def]
         await hosts.shutdown_async()
 
 
+@check("stop_kills_a_wedged_worker_on_another_node")
+async def stop_kills_a_wedged_worker_on_another_node(hosts):  # type: ignore[no-untyped-def]
+    """A worker whose loop is blocked ignores the stop: its node host kills it (its pid means nothing here)."""
+    import tempfile
+
+    procs = hosts.spawn_procs(per_host={"procs": 1})
+    mesh = procs.spawn("wedged", Where)
+    far = mesh.slice(hosts=1)
+    pid = (await far.where.call_one())[0]
+    fifo = os.path.join(tempfile.mkdtemp(prefix="ray-wedged-"), "frozen")
+    os.mkfifo(fifo)
+    frozen = asyncio.ensure_future(far.freeze.call_one(fifo, 120))
+    said = await asyncio.wait_for(asyncio.to_thread(lambda: open(fifo).read()), 30)
+    assert said == "frozen", said
+    watch = os.pidfd_open(pid)
+    started = time.monotonic()
+    await asyncio.wait_for(procs.stop(timeout=0.5), 30)
+    took = time.monotonic() - started
+    assert wait_exited({watch: pid}, 5.0) == {pid}, f"worker {pid} outlived stop()"
+    try:
+        await asyncio.wait_for(frozen, 10)
+        raise AssertionError("the frozen call answered")
+    except SupervisionError:  # ActorDied, or the mesh's stop
+        pass
+    return {"stopped_s": round(took, 3)}
+
+
+@check("worker_hears_of_a_death_on_another_node")
+async def worker_hears_of_a_death_on_another_node(hosts):  # type: ignore[no-untyped-def]
+    """A worker waiting on a peer on another node: the peer killed, the worker's call fails within 2 s.
+
+    The worker cannot watch a pid on another host; the controller, told by
+    the peer's node host, passes the death on.
+    """
+    async with hosts.spawn_procs(per_host={"procs": 1}) as procs:
+        mesh = procs.spawn("waiter", Where)
+        far = mesh.slice(hosts=1)
+        pid = (await far.where.call_one())[0]
+        waiting = asyncio.ensure_future(mesh.slice(hosts=0).wait_on_peer.call_one(far))
+        await asyncio.sleep(0.2)  # the call is on its way (a guard: either order must fail it)
+        started = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        outcome = await asyncio.wait_for(waiting, 10)
+        took = time.monotonic() - started
+        assert outcome.startswith("ActorDied"), outcome
+        assert took < 2.0, (took, outcome)
+        return {"seconds": round(took, 3), "outcome": outcome[:200]}
+
+
+@check("controller_killed_ends_every_worker")
+async def controller_killed_ends_every_worker(address):  # type: ignore[no-untyped-def]
+    """A controller holding workers on two nodes is killed with SIGKILL: every worker, on every node, ends."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACTORS_")}
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, __file__, "controller", address, stdout=asyncio.subprocess.PIPE, env=env
+    )
+    try:
+        assert child.stdout is not None
+        line = await asyncio.wait_for(child.stdout.readline(), 120)
+        spawned = json.loads(line)
+        workers, node_hosts = spawned["workers"], spawned["node_hosts"]
+        assert len(workers) == 4 and len(set(spawned["hosts"])) == 2, spawned
+        fds = {os.pidfd_open(pid): pid for pid in workers}  # readable once that process has exited
+        started = time.monotonic()
+        child.kill()
+        await child.wait()
+        gone = await asyncio.to_thread(wait_exited, fds, 10.0)
+        took = time.monotonic() - started
+        assert gone == set(workers), f"workers {set(workers) - gone} outlived their controller"
+        host_fds = {os.pidfd_open(pid): pid for pid in node_hosts if pid_exists(pid)}
+        hosts_gone = await asyncio.to_thread(wait_exited, host_fds, 60.0)
+        assert hosts_gone == set(host_fds.values()), f"node hosts {set(host_fds.values()) - hosts_gone} outlived it"
+        assert took < 5.0, took
+        return {"workers_gone_s": round(took, 3), "workers": len(workers), "node_hosts": len(node_hosts)}
+    finally:
+        if child.returncode is None:
+            child.kill()
+            await child.wait()
+
+
+def pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def wait_exited(fds: dict[int, int], timeout: float) -> set[int]:
+    """The pids of ``fds`` (pidfds) that exited within ``timeout`` s; closes the fds."""
+    import select
+
+    gone: set[int] = set()
+    deadline = time.monotonic() + timeout
+    waiting = dict(fds)
+    while waiting and (left := deadline - time.monotonic()) > 0:
+        ready, _, _ = select.select(list(waiting), [], [], left)
+        for fd in ready:
+            gone.add(waiting.pop(fd))
+            os.close(fd)
+    for fd in waiting:
+        os.close(fd)
+    return gone
+
+
+async def run_controller(address: str) -> None:
+    """The controller ``controller_killed_ends_every_worker`` kills: workers on two nodes, then it waits."""
+    import ray
+
+    from actors.ray import host_mesh_async
+
+    ray.init(address=address, log_to_driver=False)
+    hosts = await host_mesh_async(hosts=2)
+    procs = hosts.spawn_procs(per_host={"procs": 2})
+    mesh = procs.spawn("orphan", Where)
+    found = [v for _, v in await mesh.where.call()]
+    line = {
+        "workers": [r[0] for r in found],
+        "hosts": [r[1] for r in found],
+        "node_hosts": [h["pid"] for h in hosts.hosts],
+    }
+    print(json.dumps(line), flush=True)
+    await asyncio.Event().wait()  # until killed
+
+
+@check("restart_on_a_live_node")
+async def restart_on_a_live_node(cluster):  # type: ignore[no-untyped-def]
+    """A node removed under a restartable mesh: its rank restarts on the live node, at a new address.
+
+    The controller's handles follow at once; a worker that held a handle to
+    the lost process hears of the move and reaches the replacement; its call
+    pending on the lost one failed with ActorDied.
+    """
+    from actors.ray import host_mesh_async
+
+    hosts = await host_mesh_async(hosts=2)
+    try:
+        procs = hosts.spawn_procs(per_host={"procs": 1}, restart="on-failure")
+        restarted = asyncio.Event()
+        procs.add_failure_handler(lambda failure: failure.restarted and restarted.set())
+        mesh = procs.spawn("mover", Where, "built again")
+        head = cluster.head_node.node_id
+        index = next(i for i, h in enumerate(hosts.hosts) if h["node"] != head)
+        far, near = mesh.slice(hosts=index), mesh.slice(hosts=1 - index)
+        before = await far.where.call_one()
+        old_address = await far.address.call_one()
+        await near.remember.call_one(far)
+        assert (await near.ask_remembered.call_one())[0] == before[0]
+        waiting = asyncio.ensure_future(near.wait_on_peer.call_one(far))
+        await asyncio.sleep(0.2)  # the call is on its way (a guard: either order must fail it)
+        victim = next(n for n in cluster.list_all_nodes() if n.node_id == hosts.hosts[index]["node"])
+        started = time.monotonic()
+        removing = asyncio.ensure_future(asyncio.to_thread(cluster.remove_node, victim, False))
+        outcome = await asyncio.wait_for(waiting, 30)
+        failed_after = time.monotonic() - started
+        assert outcome.startswith("ActorDied"), outcome
+        await asyncio.wait_for(restarted.wait(), 30)
+        after = await asyncio.wait_for(far.where.call_one(), 60)
+        answered_after = time.monotonic() - started
+        await removing
+        new_address = await far.address.call_one()
+        near_where = await near.where.call_one()
+        assert hosts.hosts[index]["lost"], hosts.hosts
+        assert after[0] != before[0] and after[2] == "built again", (before, after)
+        assert after[1] == near_where[1] and new_address != old_address, (after, near_where, new_address)
+        assert procs.restarts[index] == 1, procs.restarts
+        via_worker = await asyncio.wait_for(near.ask_remembered.call_one(), 30)
+        assert via_worker[0] == after[0], (via_worker, after)
+        await procs.stop()
+        return {
+            "worker_call_failed_s": round(failed_after, 3),
+            "replacement_answered_s": round(answered_after, 3),
+            "moved": [old_address, new_address],
+        }
+    finally:
+        await hosts.shutdown_async()
+
+
+@check("pipeline_survives_a_lost_node")
+async def pipeline_survives_a_lost_node(cluster):  # type: ignore[no-untyped-def]
+    """``--ray`` with a node removed mid-run: its generator restarts on the trainer's node and the run finishes.
+
+    The trainer goes on the controller's own node, so only a generator's node is lost.
+    """
+    import tempfile
+
+    from pipeline import Config, run_pipeline
+
+    node = cluster.add_node(num_cpus=1, node_ip_address="127.0.0.4")
+    cluster.wait_for_nodes()
+    config = Config(task="bandit", steps=4000, generators=2, ray=cluster.address, ray_hosts=2, target_score=None)
+    config.run_dir = tempfile.mkdtemp(prefix="ray-lost-node-")
+    run = asyncio.ensure_future(run_pipeline(config, quiet=True))
+    metrics = os.path.join(config.run_dir, "metrics.jsonl")
+    deadline, steps_logged = time.monotonic() + 120, 0
+    while not run.done() and time.monotonic() < deadline:  # an outside condition: the run's own log
+        with contextlib.suppress(FileNotFoundError), open(metrics) as f:
+            steps_logged = sum(1 for _ in f)
+        if steps_logged >= 200:
+            break
+        await asyncio.sleep(0.05)
+    assert not run.done(), run.result() if not run.exception() else run.exception()
+    removing = asyncio.ensure_future(asyncio.to_thread(cluster.remove_node, node, False))
+    result = await asyncio.wait_for(run, 240)
+    await removing
+    assert result.steps == 4000, result
+    assert len(result.restarts) == 1 and list(result.restarts.values()) == [1], result.restarts
+    (moved,) = result.restarts
+    assert result.rollouts[moved] > 0, f"{moved} never produced after its restart: {result.rollouts}"
+    return {
+        "removed_after_steps": steps_logged,
+        "restarts": result.restarts,
+        "rollouts": result.rollouts,
+        "routes": result.weight_routes,
+        "seconds": round(result.seconds, 2),
+    }
+
+
 async def main() -> None:
     import ray
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    for _ in range(2):
-        cluster.add_node(num_cpus=1)
+    for n in range(2):  # each node on its own loopback address: to every other node it is another machine
+        cluster.add_node(num_cpus=1, node_ip_address=f"127.0.0.{n + 2}")
     ray.init(address=cluster.address, log_to_driver=False)
     try:
         from actors.ray import host_mesh
@@ -321,12 +570,17 @@ async def main() -> None:
             await key_refused(hosts)
             await spawn_beyond_ready_addresses_refused_on_a_loop(hosts)
             await weights_across_nodes(hosts)
+            await worker_hears_of_a_death_on_another_node(hosts)
+            await stop_kills_a_wedged_worker_on_another_node(hosts)
             await node_host_lost_fails_calls(hosts)
         finally:
             hosts.shutdown()
         await pipeline_placement_refused(cluster.address)
         await pipeline_across_nodes(cluster.address)
+        await controller_killed_ends_every_worker(cluster.address)
         await raylet_killed_fails_calls(cluster)
+        await restart_on_a_live_node(cluster)
+        await pipeline_survives_a_lost_node(cluster)
     finally:
         ray.shutdown()
         cluster.shutdown()
@@ -334,5 +588,8 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    if sys.argv[1:2] == ["controller"]:
+        asyncio.run(run_controller(sys.argv[2]))
+    else:
+        asyncio.run(main())
     sys.exit(0)

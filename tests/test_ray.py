@@ -22,10 +22,15 @@ CHECKS = [
     "key_refused",
     "spawn_beyond_ready_addresses_refused_on_a_loop",
     "weights_across_nodes",
+    "worker_hears_of_a_death_on_another_node",
+    "stop_kills_a_wedged_worker_on_another_node",
     "node_host_lost_fails_calls",
     "pipeline_placement_refused",
     "pipeline_across_nodes",
+    "controller_killed_ends_every_worker",
     "raylet_killed_fails_calls",
+    "restart_on_a_live_node",
+    "pipeline_survives_a_lost_node",
 ]
 
 
@@ -51,7 +56,9 @@ def results() -> dict[str, dict[str, object]]:
             elif record.get("done"):
                 found["done"] = record
     if "done" not in found:
-        pytest.fail(f"the cluster checks did not finish (exit {out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}")
+        pytest.fail(
+            f"the cluster checks did not finish (exit {out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
+        )
     return found
 
 

@@ -91,6 +91,27 @@ async def test_a_constructor_failing_after_a_restart_is_reported(restartable):
     assert again.actor == "bad" and again.endpoint == "__init__" and "constructor exploded" in again.message
 
 
+async def test_a_process_that_cannot_be_started_again_stays_dead_and_says_why(restartable):
+    """The placer refuses (say, every host lost): the rank is not restarted, and the failure escalates."""
+    procs = restartable()
+    seen: list[Failure] = []
+    procs.add_failure_handler(seen.append)
+    echo = procs.spawn("echo", Echo).slice(procs=1)
+    pid = await echo.pid.call_one()
+
+    def refuse(rank: int, ref: object) -> str:
+        raise RuntimeError("every host of this mesh is lost")
+
+    procs._respawn = refuse  # what a Ray host mesh does with no live host left
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises((ActorDied, SupervisionError)):
+        await asyncio.wait_for(echo.sleep.call_one(60), 10)
+    assert procs.restarts == [0, 0] and [f.restarted for f in seen] == [False]
+    assert "could not restart it: every host of this mesh is lost" in seen[0].message
+    with pytest.raises(SupervisionError, match="could not restart it"):
+        await echo.add.call_one(1)
+
+
 def test_restart_options_are_checked():
     with pytest.raises(ValueError, match="restart must be one of"):
         this_host().spawn_procs(restart="always")

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._context import loop_running
-from .._devices import gpu_env
+from .._devices import GPU_DIM, gpu_env
 from .._host_mesh import HostMesh, check_spawn, main_module, worker_config
 from .._liveness import ProcRef
 from .._proc_mesh import ProcMesh
@@ -167,6 +167,7 @@ class RayHostMesh(HostMesh):
         mesh_name = name or f"procs{rt.counter('mesh')}"
         procs: list[ProcRef] = []
         configs: list[dict[str, Any]] = []
+        homes: list[_Node] = []
         for position, node in enumerate(self._nodes):
             for local in range(count):
                 rank = position * count + local
@@ -176,16 +177,31 @@ class RayHostMesh(HostMesh):
                 ref = rt.registry.placed(address)
                 configs.append(config.to_wire())
                 procs.append(ref)
+                homes.append(node)
                 self._start(node, ref, configs[-1])
         self._refill()
 
-        def respawn(rank: int, ref: ProcRef) -> None:
-            node = self._nodes[rank // count]
-            if node.lost:
-                raise RuntimeError(f"its {node} is lost")
+        def respawn(rank: int, ref: ProcRef) -> str:
+            """Start rank's replacement: on its host if that lives, else at a new address on the least busy one."""
+            home = homes[rank]
+            if not home.lost:
+                self._start(home, ref, configs[rank])
+                return ref.address
+            node = self._live_node()
+            if not node.addresses:
+                raise RuntimeError(f"{node} has no free address ready yet")
+            address = node.addresses.pop()
+            if GPU_DIM in per:
+                log.warning("rank %d moves to %s, sharing GPU %d of its own rank there", rank, node, rank % count)
+            env = gpu_env(per, rank % count, node.gpus)
+            config = worker_config(rt, f"{mesh_name}.{rank}", address, rank, main, boot, threads, env)
+            configs[rank], homes[rank] = config.to_wire(), node
             self._start(node, ref, configs[rank])
+            self._refill()
+            log.warning("rank %d of %s restarts on %s at %s: %s was lost", rank, mesh_name, node, address, home)
+            return address
 
-        return ProcMesh(mesh_name, {"hosts": len(self._nodes), **per}, procs, policy, respawn)
+        return ProcMesh(mesh_name, {"hosts": len(self._nodes), **per}, procs, policy, respawn, kill=self._kill)
 
     def shutdown(self) -> None:
         """End every process on every host, the node hosts and the Ray reservation (blocks until done)."""
@@ -208,7 +224,7 @@ class RayHostMesh(HostMesh):
                 with contextlib.suppress(Exception):
                     ray.util.remove_placement_group(self._pg)
         for node in self._nodes:
-            for ref in node.procs.values():
+            for ref in list(node.procs.values()):
                 self._rt.registry.mark_dead(ref, "its Ray host mesh was shut down")
             node.procs.clear()
 
@@ -237,6 +253,14 @@ class RayHostMesh(HostMesh):
 
         self._relay.when_done(node.handle.spawn.remote(index, config), spawned)
 
+    def _kill(self, ref: ProcRef) -> None:
+        """Have its node host SIGKILL the worker serving ``ref`` (one that ignored a stop); its exit reports back."""
+        for node in self._nodes:
+            for index, placed in node.procs.items():
+                if placed is ref and not node.lost:
+                    self._relay.when_done(node.handle.kill.remote(index), lambda _value, _error: None)
+                    return
+
     def _watch(self, node: _Node) -> None:
         def exited(reports: Any, error: BaseException | None) -> None:
             if self.closed:
@@ -258,9 +282,16 @@ class RayHostMesh(HostMesh):
             return
         node.lost = why
         log.error("lost %s: %s", node, node.lost)
-        for ref in node.procs.values():
+        for ref in list(node.procs.values()):
             self._rt.registry.mark_dead(ref, f"its {node} was lost ({node.lost})")
         node.procs.clear()
+
+    def _live_node(self) -> _Node:
+        """The live host of this mesh running the fewest workers (a lost host's replacements go there)."""
+        live = [node for node in self._nodes if not node.lost]
+        if not live:
+            raise RuntimeError(f"every host of {self!r} is lost")
+        return min(live, key=lambda node: (len(node.procs), node.index))
 
     def _ensure_addresses(self, count: int) -> None:
         """At least ``count`` ready addresses on every node; a round trip to Ray only off the event loop."""

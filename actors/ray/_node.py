@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import threading
 from collections.abc import Callable
@@ -60,6 +61,7 @@ class NodeHost:
         self._lock = threading.Condition()
         self._reports: dict[int, Any] = {}  # index -> ["spawned", index, pid] or ["failed", index, why]
         self._exits: list[list[Any]] = []  # [index, pid, exit code], not yet collected
+        self._pids: dict[int, int] = {}  # index -> pid of each worker not yet reaped
         self._lost = False
         threading.Thread(target=self._read_reports, name="actors-node-reports", daemon=True).start()
         self._cut_lifeline: Callable[[], None] | None = None
@@ -101,7 +103,22 @@ class NodeHost:
             raise RuntimeError("this node's forkserver exited before starting the worker")
         if report[0] == "failed":
             raise RuntimeError(f"could not start the worker: {report[2]}")
-        return int(report[2])
+        pid = int(report[2])
+        with self._lock:
+            self._pids[index] = pid
+        return pid
+
+    def kill(self, index: int) -> bool:
+        """SIGKILL worker ``index`` (one that did not stop when asked); False if it is already gone."""
+        with self._lock:
+            pid = self._pids.get(index)
+        if pid is None:
+            return False
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return False
+        return True
 
     def exits(self, timeout: float = 10.0) -> list[list[Any]]:
         """Workers reaped since the last call, as ``[index, pid, exit code]`` (waits up to ``timeout`` s for one).
@@ -145,6 +162,7 @@ class NodeHost:
                 for report in _frames(buffer):
                     if report[0] == "exited":
                         self._exits.append(report[1:])
+                        self._pids.pop(report[1], None)
                     else:
                         self._reports[report[1]] = report
                 self._lock.notify_all()

@@ -1,0 +1,172 @@
+"""News of peers on other hosts: deaths and restarts told by their owner, and handles that follow a move.
+
+The whole path (a node lost, a worker's call failing, a rank restarted on a
+live node) runs on a Ray cluster in ``test_ray.py``; these pin each piece.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from actors import DecodeError
+from actors._peer_news import PeerNews
+from actors._procs import Registry
+from actors._runtime import runtime
+from actors._wire import Header, Kind, ProcessLost, ProcessRestarted, decode_record
+
+FAR = "tcp://10.255.0.7:41000"  # another machine's address: no pid of it is watched here
+ELSEWHERE = "tcp://10.255.0.8:42000"
+OWNER = Header("tcp://10.255.0.1:40000", 4242)
+
+
+class FakeRuntime:
+    """What PeerNews uses of a runtime: a registry, routes, and a send that records instead of sending."""
+
+    def __init__(self, registry: Registry, address: str = "ipc:///nowhere/c1.sock") -> None:
+        self.registry = registry
+        self.address = address
+        self.closed = False
+        self.routes: dict[Any, Any] = {}
+        self.inbox = SimpleNamespace(on=lambda kind, handler: self.routes.__setitem__(kind, handler))
+        self.sent: list[tuple[str, Any]] = []
+
+    def send(self, ref: Any, record: Any, *, urgent: bool) -> None:
+        self.sent.append((ref.address, record))
+
+    def relocate(self, ref: Any, address: str, remote: bool | None = None) -> None:
+        self.registry.relocate(ref, address, remote)
+
+
+@pytest.fixture
+def news(tmp_path):
+    registry = Registry(str(tmp_path), os.getpid())
+    rt = FakeRuntime(registry)
+    yield SimpleNamespace(news=PeerNews(rt), rt=rt, registry=registry)  # type: ignore[arg-type]
+    registry.close()
+
+
+def test_the_records_round_trip_and_malformed_ones_are_refused():
+    for record in (ProcessLost(FAR, "killed by SIGKILL"), ProcessRestarted(FAR, ELSEWHERE)):
+        assert decode_record(record.to_wire()) == record
+    for fields in (
+        [Kind.LOST, FAR],
+        [Kind.LOST, FAR, 3],
+        [Kind.RESTARTED, FAR, None],
+        [Kind.RESTARTED, 1, ELSEWHERE],
+        [Kind.RESTARTED, FAR, ELSEWHERE, "extra"],
+    ):
+        with pytest.raises(DecodeError):
+            decode_record(fields)
+
+
+def test_news_of_a_remote_death_marks_it_dead_once(news):
+    rt, registry = news.rt, news.registry
+    deaths: list[Any] = []
+    registry.death_listeners.append(deaths.append)
+    far = registry.proc(FAR, 77)
+    assert far.remote, "a tcp host that is not this machine's"
+    rt.routes[ProcessLost](ProcessLost(FAR, "killed by SIGKILL"), [], OWNER, 0)
+    assert far.dead and deaths == [far]
+    assert "killed by SIGKILL" in far.exit_reason and OWNER.address in far.exit_reason
+    rt.routes[ProcessLost](ProcessLost(FAR, "again"), [], OWNER, 0)
+    assert deaths == [far], "a death is announced to the listeners once"
+
+
+def test_news_of_a_death_on_this_host_or_of_a_stranger_changes_nothing(news, tmp_path):
+    rt, registry = news.rt, news.registry
+    local = registry.proc(f"ipc://{tmp_path}/w1-0.sock", os.getpid())  # watched here, by its pidfd
+    rt.routes[ProcessLost](ProcessLost(local.address, "rumour"), [], OWNER, 0)
+    rt.routes[ProcessLost](ProcessLost(ELSEWHERE, "never met"), [], OWNER, 0)
+    assert not local.dead and ELSEWHERE not in registry.procs
+
+
+def test_a_restart_elsewhere_moves_every_handle_to_the_new_address(news):
+    rt, registry = news.rt, news.registry
+    far = registry.proc(FAR, 77)
+    rt.routes[ProcessLost](ProcessLost(FAR, "its node was lost"), [], OWNER, 0)
+    rt.routes[ProcessRestarted](ProcessRestarted(FAR, ELSEWHERE), [], OWNER, 0)
+    assert far.address == ELSEWHERE and not far.dead and far.pid is None
+    assert registry.procs[ELSEWHERE] is far and FAR not in registry.procs
+    assert registry.proc(FAR, 77) is far, "a handle sent before the move still means the replacement"
+    assert registry.find(FAR) is far
+    assert registry.proc(ELSEWHERE, 91) is far and far.pid == 91, "the replacement's first message gives its pid"
+
+
+def test_a_restart_news_without_the_death_first_still_fails_what_waited_on_the_old_process(news):
+    rt, registry = news.rt, news.registry
+    deaths: list[Any] = []
+    registry.death_listeners.append(deaths.append)
+    far = registry.proc(FAR, 77)
+    rt.routes[ProcessRestarted](ProcessRestarted(FAR, FAR), [], OWNER, 0)  # same address, same host
+    assert deaths == [far], "calls in flight to the old process fail"
+    assert not far.dead and far.address == FAR
+
+
+def test_moves_chain_and_a_fresh_process_at_an_old_address_is_not_a_moved_one(news):
+    registry = news.registry
+    far = registry.proc(FAR, 77)
+    third = "tcp://10.255.0.9:43000"
+    registry.relocate(far, ELSEWHERE)
+    registry.relocate(far, third)
+    assert registry.find(FAR) is far and registry.find(ELSEWHERE) is far and far.address == third
+    fresh = registry.placed(FAR)
+    assert fresh is not far and registry.find(FAR) is fresh
+
+
+def test_a_process_moved_onto_this_host_is_no_longer_remote(news, tmp_path):
+    registry = news.registry
+    far = registry.proc(FAR, 77)
+    registry.relocate(far, "tcp://127.0.0.1:45000")
+    assert not far.remote, "its pid is a process of this machine now"
+    assert registry.relocate(far, "tcp://127.0.0.1:45000") == "tcp://127.0.0.1:45000", "a move to itself: no-op"
+
+
+def test_deaths_on_one_host_are_told_to_nobody(news, tmp_path):
+    peer_news, rt, registry = news.news, news.rt, news.registry
+    dead = registry.proc(f"ipc://{tmp_path}/w1-1.sock", None)
+    registry.proc(f"ipc://{tmp_path}/w1-2.sock", None)
+    dead.exit_reason = "killed by SIGKILL"
+    peer_news.lost(dead)
+    assert rt.sent == [], "every peer here sees the death through its own pidfd"
+
+
+def test_a_death_is_told_to_every_live_peer_that_may_be_elsewhere(news, tmp_path):
+    peer_news, rt, registry = news.news, news.rt, news.registry
+    local = registry.proc(f"ipc://{tmp_path}/w1-3.sock", None)
+    far = registry.proc(FAR, 77)
+    gone = registry.proc(ELSEWHERE, 78)
+    gone.dead = True
+    local.exit_reason = "exited with code 1"
+    peer_news.lost(local)
+    assert rt.sent == [(FAR, ProcessLost(local.address, "exited with code 1"))], "not itself, not the dead"
+    rt.sent.clear()
+    peer_news.restarted(FAR, far)  # a remote process: everyone may hold a handle that cannot see it
+    assert [address for address, _ in rt.sent] == [local.address]
+
+
+def test_the_runtime_moves_its_meshes_and_links_with_the_process():
+    rt = runtime()
+    ref = rt.registry.proc(FAR, 77)
+
+    class Mesh:
+        pass
+
+    mesh = Mesh()
+    rt.meshes[FAR] = mesh
+    rt.actor_supervisors[(FAR, "gen")] = mesh
+    try:
+        rt.relocate(ref, ELSEWHERE)
+        assert rt.meshes.get(ELSEWHERE) is mesh and FAR not in rt.meshes
+        assert rt.actor_supervisors.get((ELSEWHERE, "gen")) is mesh and (FAR, "gen") not in rt.actor_supervisors
+        assert FAR not in rt.outbox.links
+    finally:
+        rt.meshes.pop(ELSEWHERE, None)
+        rt.actor_supervisors.pop((ELSEWHERE, "gen"), None)
+        rt.registry.procs.pop(ELSEWHERE, None)
+        rt.registry.moved.pop(FAR, None)
+    assert isinstance(rt.meshes, weakref.WeakValueDictionary)
