@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 import uvloop
 
-from actors import ActorsError, Channel, Failure, HostMesh, ProcMesh, this_host
+from actors import ActorDied, ActorError, ActorsError, Channel, Failure, HostMesh, PortClosed, ProcMesh, this_host
 
 from . import checkpoint
 from .messages import Config, StepReport
@@ -85,14 +85,20 @@ def _default_run_dir() -> str:
     return os.path.join("runs", time.strftime("grpo-%Y%m%d-%H%M%S"))
 
 
+#: How long a role that failed because a peer's port closed waits for that peer's own failure to be named.
+KNOCK_ON_GRACE = 1.0
+
+
 async def _first_failure(tasks: dict[str, asyncio.Task[Any]], until: asyncio.Task[Any]) -> None:
     """Wait for ``until``; raise PipelineError naming the first role that fails before it.
 
     ``tasks`` may change while this waits (a restarted generator's new task
     replaces the one that failed with its old process); a replaced task's
-    outcome is ignored. If ``until`` itself fails (the trainer's report stream
-    ended because the trainer died), give the roles a moment to report which
-    of them failed.
+    outcome is ignored. A role that failed only because a peer's port closed
+    (the peer died) waits up to ``KNOCK_ON_GRACE`` s for the peer's own
+    failure, which is then the one named. If ``until`` itself fails (the
+    trainer's report stream ended because the trainer died), give the roles a
+    moment to report which of them failed.
     """
     finished: set[asyncio.Task[Any]] = set()
     while not until.done():
@@ -103,6 +109,10 @@ async def _first_failure(tasks: dict[str, asyncio.Task[Any]], until: asyncio.Tas
                 continue
             finished.add(task)
             if task in tasks.values():
+                if _knock_on(task):  # its peer died: name the peer, whose failure is a moment behind
+                    cause = await _dead_role(tasks)
+                    if cause is not None:
+                        _raise_if_failed(tasks, cause)
                 _raise_if_failed(tasks, task)
             elif not task.cancelled():
                 task.exception()  # replaced: its failure was the restart's cause, already handled
@@ -115,6 +125,27 @@ async def _first_failure(tasks: dict[str, asyncio.Task[Any]], until: asyncio.Tas
     for task in tasks.values():  # a role that failed just as the run ended
         if task.done():
             _raise_if_failed(tasks, task)
+
+
+async def _dead_role(tasks: dict[str, asyncio.Task[Any]]) -> asyncio.Task[Any] | None:
+    """The task of a role whose process died (``ActorDied``), waiting up to ``KNOCK_ON_GRACE`` s for one."""
+    deadline = asyncio.get_running_loop().time() + KNOCK_ON_GRACE
+    while True:
+        for task in tasks.values():
+            if task.done() and not task.cancelled() and isinstance(task.exception(), ActorDied):
+                return task
+        pending = [task for task in tasks.values() if not task.done()]
+        left = deadline - asyncio.get_running_loop().time()
+        if not pending or left <= 0:
+            return None
+        await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+
+
+def _knock_on(task: asyncio.Task[Any]) -> bool:
+    """Whether ``task`` failed only because a peer's port closed (that peer died: the cause lies there)."""
+    exc = None if task.cancelled() else task.exception()
+    closed = f"{PortClosed.__module__}.{PortClosed.__qualname__}"  # as a remote error names it
+    return isinstance(exc, PortClosed) or (isinstance(exc, ActorError) and exc.exception_type == closed)
 
 
 def _raise_if_failed(tasks: dict[str, asyncio.Task[Any]], task: asyncio.Task[Any]) -> None:

@@ -233,6 +233,29 @@ def test_kill_9_of_a_role_stops_the_run_naming_it(tmp_path, role, title):
         proc.wait()
 
 
+async def test_a_role_failing_because_a_peer_died_is_not_named_for_it():
+    """The scorer dies; a generator's send to it fails first (PortClosed): the scorer is the one named."""
+    from actors import ActorDied, ActorError
+    from pipeline.grpo import _first_failure
+
+    async def generator() -> None:
+        raise ActorError("actors._errors.PortClosed", "the receiver of port 1 (pid 7) has exited", actor="generator")
+
+    async def scorer(peer: asyncio.Task[None]) -> None:
+        await asyncio.wait([peer])  # its death is seen just after the generator's knock-on failure
+        raise ActorDied("process 7 died: killed by SIGKILL", pid=7)
+
+    gen = asyncio.ensure_future(generator())
+    tasks = {"generator 0": gen, "scorer": asyncio.ensure_future(scorer(gen))}
+    until = asyncio.ensure_future(asyncio.Event().wait())
+    with pytest.raises(PipelineError, match="the scorer failed: process 7 died"):
+        await asyncio.wait_for(_first_failure(tasks, until), 10)
+    lonely = {"generator 0": asyncio.ensure_future(generator())}  # no dead peer to blame: named itself
+    with pytest.raises(PipelineError, match="the generator 0 failed"):
+        await asyncio.wait_for(_first_failure(lonely, until), 10)
+    until.cancel()
+
+
 def _title(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
