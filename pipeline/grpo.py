@@ -129,13 +129,14 @@ async def _first_failure(tasks: dict[str, asyncio.Task[Any]], until: asyncio.Tas
 
 async def _dead_role(tasks: dict[str, asyncio.Task[Any]]) -> asyncio.Task[Any] | None:
     """The task of a role whose process died (``ActorDied``), waiting up to ``KNOCK_ON_GRACE`` s for one."""
-    deadline = asyncio.get_running_loop().time() + KNOCK_ON_GRACE
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + KNOCK_ON_GRACE
     while True:
         for task in tasks.values():
             if task.done() and not task.cancelled() and isinstance(task.exception(), ActorDied):
                 return task
         pending = [task for task in tasks.values() if not task.done()]
-        left = deadline - asyncio.get_running_loop().time()
+        left = deadline - loop.time()
         if not pending or left <= 0:
             return None
         await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)

@@ -211,6 +211,11 @@ def wait_for(condition, timeout: float = 5.0, interval: float = 0.02) -> bool:
 # ---------------------------------------------------------------- weight sync
 
 
+def models_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    """Whether two models hold the same tensors, entry by entry."""
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+
+
 def filled_model(value: float, width: int = 64) -> torch.nn.Module:
     """A small model whose every parameter equals ``value`` (so a mix of versions is visible)."""
     model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, 8))

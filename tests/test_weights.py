@@ -10,7 +10,7 @@ import struct
 
 import pytest
 import torch
-from support import WeightSink, WeightSource, actor_pids, filled_model, wait_for
+from support import WeightSink, WeightSource, actor_pids, filled_model, models_equal, wait_for
 
 from actors import (
     ChecksumError,
@@ -29,10 +29,6 @@ from actors import (
 from actors._codec import Decoder, Encoder
 from actors.tensors._slots import segment_prefix
 from actors.tensors.shm import HEADER_BYTES, SHM_DIR
-
-
-def models_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
 
 
 @pytest.fixture

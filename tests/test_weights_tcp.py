@@ -10,7 +10,7 @@ import threading
 
 import pytest
 import torch
-from support import WeightSink, WeightSource, filled_model
+from support import WeightSink, WeightSource, filled_model, models_equal
 
 from actors import (
     ChecksumError,
@@ -29,10 +29,6 @@ from actors._codec import Decoder, Encoder
 from actors.tensors import TcpHandle
 from actors.tensors._stream import HELLO, MAGIC, OK, REPLY
 from actors.tensors.tcp import TcpReader
-
-
-def models_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
 
 
 def weight_threads() -> set[str]:

@@ -168,14 +168,17 @@ class RayHostMesh(HostMesh):
         procs: list[ProcRef] = []
         configs: list[dict[str, Any]] = []
         homes: list[_Node] = []
-        for position, node in enumerate(self._nodes):
-            for local in range(count):
-                rank = position * count + local
-                address = node.addresses.pop()
-                env = gpu_env(per, local, node.gpus)
-                config = worker_config(rt, f"{mesh_name}.{rank}", address, rank, main, boot, threads, env)
+
+        def config_for(rank: int, node: _Node, address: str) -> dict[str, Any]:
+            """Rank's worker on ``node``: the GPU of its place among its host's ``count`` processes."""
+            env = gpu_env(per, rank % count, node.gpus)
+            return worker_config(rt, f"{mesh_name}.{rank}", address, rank, main, boot, threads, env).to_wire()
+
+        for node in self._nodes:
+            for _ in range(count):
+                rank, address = len(procs), node.addresses.pop()
                 ref = rt.registry.placed(address)
-                configs.append(config.to_wire())
+                configs.append(config_for(rank, node, address))
                 procs.append(ref)
                 homes.append(node)
                 self._start(node, ref, configs[-1])
@@ -193,9 +196,7 @@ class RayHostMesh(HostMesh):
             address = node.addresses.pop()
             if GPU_DIM in per:
                 log.warning("rank %d moves to %s, sharing GPU %d of its own rank there", rank, node, rank % count)
-            env = gpu_env(per, rank % count, node.gpus)
-            config = worker_config(rt, f"{mesh_name}.{rank}", address, rank, main, boot, threads, env)
-            configs[rank], homes[rank] = config.to_wire(), node
+            configs[rank], homes[rank] = config_for(rank, node, address), node
             self._start(node, ref, configs[rank])
             self._refill()
             log.warning("rank %d of %s restarts on %s at %s: %s was lost", rank, mesh_name, node, address, home)
