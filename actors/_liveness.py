@@ -88,9 +88,11 @@ class ProcRef:
 
     A ``remote`` process runs on another host: its pid means nothing here, so
     no pidfd watches it and its death is reported by whoever placed it.
+    ``generation`` counts the times its owner replaced the process; ``heard``
+    orders the news of it applied here (:mod:`actors._peer_news`).
     """
 
-    __slots__ = ("address", "dead", "exit_reason", "pid", "remote")
+    __slots__ = ("address", "dead", "exit_reason", "generation", "heard", "pid", "remote")
 
     def __init__(self, address: str, pid: int | None, remote: bool = False) -> None:
         self.address = address
@@ -98,6 +100,8 @@ class ProcRef:
         self.dead = False
         self.exit_reason = ""
         self.remote = remote
+        self.generation = 0
+        self.heard = -1
 
     def __repr__(self) -> str:
         return f"ProcRef({self.address!r}, pid={self.pid})"

@@ -9,6 +9,16 @@ host, a lifeline). So an owner tells every process it knows of each death
 when it moved to another host): a worker's call to a peer on a lost node
 then fails at once with ``ActorDied`` instead of waiting for its timeout,
 and its handles follow the replacement. Within one host nothing is sent.
+
+The owner does not know the processes its workers spawned, so whoever hears
+news passes it down to the processes it spawned itself, and they to theirs:
+the spawning relation has no cycles, so this ends. The same news may still
+reach a process by two paths (its parent, and an owner that knows it), and
+the copies may interleave with the restart's news. Each record carries the
+generation of the process it speaks of, and each ref keeps the order of the
+latest news applied (``ProcRef.heard``: ``2g`` for the death of generation
+``g``, ``2g - 1`` for the restart that made it); older or repeated news
+changes nothing and goes no further.
 """
 
 from __future__ import annotations
@@ -29,8 +39,13 @@ __all__ = ["PeerNews"]
 log = logging.getLogger("actors")
 
 
+def _order(record: ProcessLost | ProcessRestarted) -> int:
+    """Where ``record`` stands in its process's history: each restart after the death before it."""
+    return 2 * record.generation - (1 if isinstance(record, ProcessRestarted) else 0)
+
+
 class PeerNews:
-    """Tells peers on other hosts of deaths and restarts this process saw, and takes such news from them."""
+    """Tells peers on other hosts of deaths and restarts this process saw or heard, and takes such news from them."""
 
     def __init__(self, rt: Runtime) -> None:
         self._rt = rt
@@ -38,50 +53,85 @@ class PeerNews:
         rt.inbox.on(ProcessRestarted, self._on_restarted)
 
     def lost(self, ref: ProcRef) -> None:
-        """``ref`` died: tell the peers that cannot watch it themselves."""
-        self._tell(ref, ProcessLost(ref.address, ref.exit_reason or "process exited"))
+        """``ref``, a process this one owns, died: tell the peers that cannot watch it themselves."""
+        record = ProcessLost(ref.address, ref.exit_reason or "process exited", ref.generation)
+        ref.heard = max(ref.heard, _order(record))  # the same news coming back down the tree is old
+        self._tell(self._audience(ref.address, ref.remote, self._known()), record)
 
     def restarted(self, old_address: str, ref: ProcRef) -> None:
-        """``ref``'s process, once at ``old_address``, was replaced by one at ``ref.address``."""
-        self._tell(ref, ProcessRestarted(old_address, ref.address))
+        """``ref``'s process, once at ``old_address``, was replaced by one at ``ref.address`` (``ref.generation``)."""
+        record = ProcessRestarted(old_address, ref.address, ref.generation)
+        ref.heard = max(ref.heard, _order(record))
+        self._tell(self._audience(ref.address, ref.remote, self._known()), record)
 
-    def _tell(self, about: ProcRef, record: Any) -> None:
+    def _tell(self, audience: list[ProcRef], record: Any) -> None:
         rt = self._rt
         if rt.closed:
             return
-        for peer in self._audience(about):
+        for peer in audience:
             with contextlib.suppress(ActorDied):  # one that just died needs no news
                 rt.send(peer, record, urgent=True)
 
-    def _audience(self, about: ProcRef) -> list[ProcRef]:
-        """Every live peer this process knows, but only those that may be on another host than ``about``.
+    def _known(self) -> list[ProcRef]:
+        return list(self._rt.registry.procs.values())
+
+    def _spawned(self) -> list[ProcRef]:
+        """The processes this one spawned (its proc meshes' ranks): the only ones it passes news on to."""
+        procs = self._rt.registry.procs
+        return [ref for ref in (procs.get(address) for address in list(self._rt.meshes.keys())) if ref is not None]
+
+    def _audience(self, about: str, about_remote: bool, peers: list[ProcRef], sender: str = "") -> list[ProcRef]:
+        """The live ``peers`` that may be on another host than the process at ``about``.
 
         A peer on this host sees a death on this host by itself; when every
         process is here (``about`` and the peers all local), nobody is told.
+        Neither the process spoken of nor whoever told us is told.
         """
         own = self._rt.address
         return [
             peer
-            for peer in list(self._rt.registry.procs.values())
-            if peer is not about and not peer.dead and peer.address != own and (about.remote or peer.remote)
+            for peer in peers
+            if peer.address not in (about, own, sender) and not peer.dead and (about_remote or peer.remote)
         ]
 
-    def _on_lost(self, record: ProcessLost, frames: list[Any], sender: Header, size: int) -> None:
+    def _stale(self, record: ProcessLost | ProcessRestarted, ref: ProcRef | None) -> bool:
+        """Whether ``record`` was heard already (or something later was); if not, ``ref`` now counts it heard."""
+        if ref is None:  # nothing here to order it by: a process holding no handle passes it on
+            return False
+        order = _order(record)
+        if order <= ref.heard:
+            return True
+        ref.heard = order
+        ref.generation = max(ref.generation, record.generation)
+        return False
+
+    def _pass_down(self, record: ProcessLost | ProcessRestarted, sender: Header, *addresses: str) -> None:
+        """Give ``record`` to the processes this one spawned that may be on another host than its subject."""
         registry = self._rt.registry
-        ref = registry.find(record.address)
-        if ref is None or ref.dead or not ref.remote:  # one on this host is watched here, by its pidfd
+        remote = any(not registry.is_local(address) for address in addresses)
+        self._tell(self._audience(record.address, remote, self._spawned(), sender.address), record)
+
+    def _on_lost(self, record: ProcessLost, frames: list[Any], sender: Header, size: int) -> None:
+        ref = self._rt.registry.find(record.address)
+        if self._stale(record, ref):
             return
-        registry.mark_dead(ref, f"{record.reason} (reported by its owner, {sender.address})")
+        if ref is not None and not ref.dead and ref.remote:  # one on this host is watched here, by its pidfd
+            self._rt.registry.mark_dead(ref, f"{record.reason} (reported by {sender.address})")
+        self._pass_down(record, sender, record.address)
 
     def _on_restarted(self, record: ProcessRestarted, frames: list[Any], sender: Header, size: int) -> None:
         rt = self._rt
-        registry = rt.registry
-        ref = registry.find(record.address)
-        if ref is None or record.new_address == rt.address:
-            return  # never held a handle to it (later handles carry the new address), or the news is of us
-        if not ref.dead:  # the old process is gone, whether or not this process saw it go
-            registry.mark_dead(ref, f"replaced by a restarted process (reported by its owner, {sender.address})")
-        rt.relocate(ref, record.new_address)
-        registry.revive(ref, None)
-        registry.resolve_pid(ref)  # on this host, its pid is in the session directory
-        log.info("peer %s restarted at %s (reported by %s)", record.address, record.new_address, sender.address)
+        if record.new_address == rt.address:
+            return  # the news is of us
+        ref = rt.registry.find(record.address)
+        if self._stale(record, ref):
+            return
+        if ref is not None:  # (one holding no handle needs nothing: later handles carry the new address)
+            registry = rt.registry
+            if not ref.dead:  # the old process is gone, whether or not this process saw it go
+                registry.mark_dead(ref, f"replaced by a restarted process (reported by {sender.address})")
+            rt.relocate(ref, record.new_address)
+            registry.revive(ref, None)
+            registry.resolve_pid(ref)  # on this host, its pid is in the session directory
+            log.info("peer %s restarted at %s (reported by %s)", record.address, record.new_address, sender.address)
+        self._pass_down(record, sender, record.address, record.new_address)

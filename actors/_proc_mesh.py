@@ -267,6 +267,7 @@ class ProcMesh:
         if address is not None and address != old:
             rt.relocate(ref, address, remote=ref.remote)
         self.restarts[rank] += 1
+        ref.generation += 1
         rt.news.restarted(old, ref)
         for name, class_ref, args, kwargs in self._spawned:  # a constructor failing reports itself (__init__)
             self._send_spawn(rt, [(rank, ref)], name, class_ref, args, kwargs)

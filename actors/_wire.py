@@ -295,37 +295,47 @@ class FailureReport(NamedTuple):
 
 
 class ProcessLost(NamedTuple):
-    """The process at ``address`` died: its owner tells the peers that cannot watch its pid (another host's)."""
+    """The process at ``address`` died: its owner tells the peers that cannot watch its pid (another host's).
+
+    ``generation`` counts the restarts before the one that died, so news of an
+    old death that arrives after news of the restart (by another path) is
+    recognised as stale.
+    """
 
     address: str
     reason: str
+    generation: int
 
     def to_wire(self) -> list[Any]:
         return [Kind.LOST, *self]
 
     @classmethod
     def from_wire(cls, fields: Any) -> ProcessLost:
-        f = _check(fields, Kind.LOST, 3)
-        if type(f[1]) is not str or type(f[2]) is not str:
+        f = _check(fields, Kind.LOST, 4)
+        if type(f[1]) is not str or type(f[2]) is not str or type(f[3]) is not int or f[3] < 0:
             raise DecodeError("malformed LOST record")
-        return cls(f[1], f[2])
+        return cls(f[1], f[2], f[3])
 
 
 class ProcessRestarted(NamedTuple):
-    """The process once at ``address`` was replaced; the replacement serves ``new_address`` (maybe the same)."""
+    """The process once at ``address`` was replaced; the replacement serves ``new_address`` (maybe the same).
+
+    ``generation`` is the replacement's: how many restarts it took to make it.
+    """
 
     address: str
     new_address: str
+    generation: int
 
     def to_wire(self) -> list[Any]:
         return [Kind.RESTARTED, *self]
 
     @classmethod
     def from_wire(cls, fields: Any) -> ProcessRestarted:
-        f = _check(fields, Kind.RESTARTED, 3)
-        if type(f[1]) is not str or type(f[2]) is not str:
+        f = _check(fields, Kind.RESTARTED, 4)
+        if type(f[1]) is not str or type(f[2]) is not str or type(f[3]) is not int or f[3] < 1:
             raise DecodeError("malformed RESTARTED record")
-        return cls(f[1], f[2])
+        return cls(f[1], f[2], f[3])
 
 
 Record = Call | Reply | PortMessage | Credit | Attach | FailureReport | ProcessLost | ProcessRestarted

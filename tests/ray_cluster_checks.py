@@ -16,6 +16,7 @@ import signal
 import sys
 import time
 import traceback
+from typing import Any
 
 import zmq
 
@@ -52,22 +53,36 @@ class Where(Actor):
         return await peer.where.call_one()
 
     @endpoint
-    async def wait_on_peer(self, peer: Where) -> str:
-        """Call ``peer.hang`` and say how it ended: only the peer's death can end it."""
-        started = time.monotonic()
-        try:
-            await peer.hang.call_one()
-        except ActorDied as exc:
-            return f"ActorDied after {time.monotonic() - started:.3f}s: {exc}"
-        return "answered"
-
-    @endpoint
     async def remember(self, peer: Where) -> None:
         self.peer = peer
 
     @endpoint
     async def ask_remembered(self) -> list[object]:
         return await self.peer.where.call_one()
+
+    @endpoint
+    async def wait_on_remembered(self) -> str:
+        return await wait_for_death(self.peer)
+
+    @endpoint
+    async def start_child(self) -> list[object]:
+        """Spawn a process of this worker's own, on its node (the controller never hears of it)."""
+        self.child_procs = actors.this_host().spawn_procs(per_host={"procs": 1}, name="child")
+        self.child = self.child_procs.spawn("child", Where, "grandchild")
+        return await self.child.where.call_one()
+
+    @endpoint
+    async def child_remember(self, peer: Where) -> None:
+        await self.child.remember.call_one(peer)
+
+    @endpoint
+    async def child_waits_on_remembered(self) -> str:
+        return await self.child.wait_on_remembered.call_one()
+
+    async def __cleanup__(self, exc: BaseException | None) -> None:
+        procs = getattr(self, "child_procs", None)
+        if procs is not None:
+            await procs.stop()
 
     @endpoint
     async def freeze(self, fifo: str, seconds: float) -> None:
@@ -81,6 +96,16 @@ class Where(Actor):
         for i in range(n):
             port.send(i)
         port.send(None)
+
+
+async def wait_for_death(peer: Where) -> str:
+    """Call ``peer.hang`` and say how it ended: only the peer's death can end it."""
+    started = time.monotonic()
+    try:
+        await peer.hang.call_one()
+    except ActorDied as exc:
+        return f"ActorDied after {time.monotonic() - started:.3f}s: {exc}"
+    return "answered"
 
 
 def check(name: str):  # type: ignore[no-untyped-def]
@@ -371,15 +396,38 @@ async def worker_hears_of_a_death_on_another_node(hosts):  # type: ignore[no-unt
         mesh = procs.spawn("waiter", Where)
         far = mesh.slice(hosts=1)
         pid = (await far.where.call_one())[0]
-        waiting = asyncio.ensure_future(mesh.slice(hosts=0).wait_on_peer.call_one(far))
-        await asyncio.sleep(0.2)  # the call is on its way (a guard: either order must fail it)
-        started = time.monotonic()
-        os.kill(pid, signal.SIGKILL)
-        outcome = await asyncio.wait_for(waiting, 10)
-        took = time.monotonic() - started
-        assert outcome.startswith("ActorDied"), outcome
-        assert took < 2.0, (took, outcome)
-        return {"seconds": round(took, 3), "outcome": outcome[:200]}
+        waiter = mesh.slice(hosts=0)
+        await waiter.remember.call_one(far)  # it holds the handle: whether its call leaves first or not, it fails
+        return await kill_while_waiting(pid, waiter.wait_on_remembered.call_one())
+
+
+@check("grandchild_hears_of_a_death_on_another_node")
+async def grandchild_hears_of_a_death_on_another_node(hosts):  # type: ignore[no-untyped-def]
+    """A process spawned by a worker, waiting on a peer on another node: the peer killed, its call fails within 2 s.
+
+    The controller never heard of that process: it tells the worker, which
+    passes the news down to the processes it spawned.
+    """
+    async with hosts.spawn_procs(per_host={"procs": 1}) as procs:
+        mesh = procs.spawn("parent", Where)
+        far, parent = mesh.slice(hosts=1), mesh.slice(hosts=0)
+        pid = (await far.where.call_one())[0]
+        child = await parent.start_child.call_one()
+        assert child[1] == (await parent.where.call_one())[1] and child[2] == "grandchild", child
+        await parent.child_remember.call_one(far)  # the grandchild holds its handle: any order of what follows fails
+        return await kill_while_waiting(pid, parent.child_waits_on_remembered.call_one())
+
+
+async def kill_while_waiting(pid: int, wait: Any) -> dict[str, object]:
+    """Kill ``pid`` while ``wait`` (a call ending only by that death) runs; it must fail within 2 s."""
+    waiting = asyncio.ensure_future(wait)
+    started = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    outcome = await asyncio.wait_for(waiting, 10)
+    took = time.monotonic() - started
+    assert outcome.startswith("ActorDied"), outcome
+    assert took < 2.0, (took, outcome)
+    return {"seconds": round(took, 3), "outcome": outcome[:200]}
 
 
 @check("controller_killed_ends_every_worker")
@@ -481,8 +529,7 @@ async def restart_on_a_live_node(cluster):  # type: ignore[no-untyped-def]
         old_address = await far.address.call_one()
         await near.remember.call_one(far)
         assert (await near.ask_remembered.call_one())[0] == before[0]
-        waiting = asyncio.ensure_future(near.wait_on_peer.call_one(far))
-        await asyncio.sleep(0.2)  # the call is on its way (a guard: either order must fail it)
+        waiting = asyncio.ensure_future(near.wait_on_remembered.call_one())  # it holds the handle: either order fails
         victim = next(n for n in cluster.list_all_nodes() if n.node_id == hosts.hosts[index]["node"])
         started = time.monotonic()
         removing = asyncio.ensure_future(asyncio.to_thread(cluster.remove_node, victim, False))
@@ -571,6 +618,7 @@ async def main() -> None:
             await spawn_beyond_ready_addresses_refused_on_a_loop(hosts)
             await weights_across_nodes(hosts)
             await worker_hears_of_a_death_on_another_node(hosts)
+            await grandchild_hears_of_a_death_on_another_node(hosts)
             await stop_kills_a_wedged_worker_on_another_node(hosts)
             await node_host_lost_fails_calls(hosts)
         finally:

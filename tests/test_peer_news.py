@@ -34,6 +34,7 @@ class FakeRuntime:
         self.routes: dict[Any, Any] = {}
         self.inbox = SimpleNamespace(on=lambda kind, handler: self.routes.__setitem__(kind, handler))
         self.sent: list[tuple[str, Any]] = []
+        self.meshes: dict[str, Any] = {}  # the processes this one spawned, by address
 
     def send(self, ref: Any, record: Any, *, urgent: bool) -> None:
         self.sent.append((ref.address, record))
@@ -51,14 +52,18 @@ def news(tmp_path):
 
 
 def test_the_records_round_trip_and_malformed_ones_are_refused():
-    for record in (ProcessLost(FAR, "killed by SIGKILL"), ProcessRestarted(FAR, ELSEWHERE)):
+    for record in (ProcessLost(FAR, "killed by SIGKILL", 0), ProcessRestarted(FAR, ELSEWHERE, 1)):
         assert decode_record(record.to_wire()) == record
     for fields in (
-        [Kind.LOST, FAR],
-        [Kind.LOST, FAR, 3],
-        [Kind.RESTARTED, FAR, None],
-        [Kind.RESTARTED, 1, ELSEWHERE],
-        [Kind.RESTARTED, FAR, ELSEWHERE, "extra"],
+        [Kind.LOST, FAR, "x"],
+        [Kind.LOST, FAR, 3, 0],
+        [Kind.LOST, FAR, "x", -1],
+        [Kind.LOST, FAR, "x", True],
+        [Kind.LOST, FAR, "x", 1.0],
+        [Kind.RESTARTED, FAR, None, 1],
+        [Kind.RESTARTED, 1, ELSEWHERE, 1],
+        [Kind.RESTARTED, FAR, ELSEWHERE, 0],
+        [Kind.RESTARTED, FAR, ELSEWHERE, 1, "extra"],
     ):
         with pytest.raises(DecodeError):
             decode_record(fields)
@@ -70,26 +75,26 @@ def test_news_of_a_remote_death_marks_it_dead_once(news):
     registry.death_listeners.append(deaths.append)
     far = registry.proc(FAR, 77)
     assert far.remote, "a tcp host that is not this machine's"
-    rt.routes[ProcessLost](ProcessLost(FAR, "killed by SIGKILL"), [], OWNER, 0)
+    rt.routes[ProcessLost](ProcessLost(FAR, "killed by SIGKILL", 0), [], OWNER, 0)
     assert far.dead and deaths == [far]
     assert "killed by SIGKILL" in far.exit_reason and OWNER.address in far.exit_reason
-    rt.routes[ProcessLost](ProcessLost(FAR, "again"), [], OWNER, 0)
+    rt.routes[ProcessLost](ProcessLost(FAR, "again", 0), [], OWNER, 0)
     assert deaths == [far], "a death is announced to the listeners once"
 
 
 def test_news_of_a_death_on_this_host_or_of_a_stranger_changes_nothing(news, tmp_path):
     rt, registry = news.rt, news.registry
     local = registry.proc(f"ipc://{tmp_path}/w1-0.sock", os.getpid())  # watched here, by its pidfd
-    rt.routes[ProcessLost](ProcessLost(local.address, "rumour"), [], OWNER, 0)
-    rt.routes[ProcessLost](ProcessLost(ELSEWHERE, "never met"), [], OWNER, 0)
+    rt.routes[ProcessLost](ProcessLost(local.address, "rumour", 0), [], OWNER, 0)
+    rt.routes[ProcessLost](ProcessLost(ELSEWHERE, "never met", 0), [], OWNER, 0)
     assert not local.dead and ELSEWHERE not in registry.procs
 
 
 def test_a_restart_elsewhere_moves_every_handle_to_the_new_address(news):
     rt, registry = news.rt, news.registry
     far = registry.proc(FAR, 77)
-    rt.routes[ProcessLost](ProcessLost(FAR, "its node was lost"), [], OWNER, 0)
-    rt.routes[ProcessRestarted](ProcessRestarted(FAR, ELSEWHERE), [], OWNER, 0)
+    rt.routes[ProcessLost](ProcessLost(FAR, "its node was lost", 0), [], OWNER, 0)
+    rt.routes[ProcessRestarted](ProcessRestarted(FAR, ELSEWHERE, 1), [], OWNER, 0)
     assert far.address == ELSEWHERE and not far.dead and far.pid is None
     assert registry.procs[ELSEWHERE] is far and FAR not in registry.procs
     assert registry.proc(FAR, 77) is far, "a handle sent before the move still means the replacement"
@@ -102,7 +107,7 @@ def test_a_restart_news_without_the_death_first_still_fails_what_waited_on_the_o
     deaths: list[Any] = []
     registry.death_listeners.append(deaths.append)
     far = registry.proc(FAR, 77)
-    rt.routes[ProcessRestarted](ProcessRestarted(FAR, FAR), [], OWNER, 0)  # same address, same host
+    rt.routes[ProcessRestarted](ProcessRestarted(FAR, FAR, 1), [], OWNER, 0)  # same address, same host
     assert deaths == [far], "calls in flight to the old process fail"
     assert not far.dead and far.address == FAR
 
@@ -143,10 +148,98 @@ def test_a_death_is_told_to_every_live_peer_that_may_be_elsewhere(news, tmp_path
     gone.dead = True
     local.exit_reason = "exited with code 1"
     peer_news.lost(local)
-    assert rt.sent == [(FAR, ProcessLost(local.address, "exited with code 1"))], "not itself, not the dead"
+    assert rt.sent == [(FAR, ProcessLost(local.address, "exited with code 1", 0))], "not itself, not the dead"
     rt.sent.clear()
+    far.generation = 1  # its owner counts the restart before telling of it
     peer_news.restarted(FAR, far)  # a remote process: everyone may hold a handle that cannot see it
     assert [address for address, _ in rt.sent] == [local.address]
+
+
+SPAWNED = "tcp://10.255.0.20:44000"  # a process this one spawned, on another host than the news' subject
+SPAWNED_HERE = "ipc:///nowhere/w9-0.sock"  # one it spawned on this host
+SENDER = Header("tcp://10.255.0.21:40000", 4343)
+
+
+def spawned(news: Any, *addresses: str) -> None:
+    for address in addresses:
+        news.registry.proc(address, None)
+        news.rt.meshes[address] = object()  # (a proc mesh: only its key is read)
+
+
+def told(news: Any) -> list[tuple[str, Any]]:
+    sent, news.rt.sent = news.rt.sent, []
+    return sent
+
+
+def test_news_heard_is_passed_down_to_the_processes_spawned_here_on_other_hosts(news, tmp_path):
+    rt = news.rt
+    spawned(news, SPAWNED, SPAWNED_HERE, SENDER.address)
+    news.registry.proc(ELSEWHERE, 5)  # a peer this process knows but did not spawn: its owner tells it
+    lost = ProcessLost(FAR, "its node was lost", 0)
+    rt.routes[ProcessLost](lost, [], SENDER, 0)
+    assert told(news) == [(SPAWNED, lost), (SPAWNED_HERE, lost)], "not the sender; the subject is on another host"
+    restarted = ProcessRestarted(FAR, "tcp://10.255.0.9:43000", 1)
+    rt.routes[ProcessRestarted](restarted, [], SENDER, 0)
+    assert told(news) == [(SPAWNED, restarted), (SPAWNED_HERE, restarted)]
+    local = f"ipc://{tmp_path}/w1-5.sock"
+    rt.routes[ProcessLost](ProcessLost(local, "exited", 0), [], SENDER, 0)
+    assert [address for address, _ in told(news)] == [SPAWNED], "one on this host sees a death here by itself"
+
+
+def test_news_of_a_process_this_one_never_met_still_goes_down(news):
+    spawned(news, SPAWNED)
+    news.rt.routes[ProcessLost](ProcessLost(ELSEWHERE, "never met", 0), [], SENDER, 0)
+    assert ELSEWHERE not in news.registry.procs, "no handle is made for it"
+    assert told(news) == [(SPAWNED, ProcessLost(ELSEWHERE, "never met", 0))], "a process spawned here may hold one"
+
+
+def test_news_arriving_twice_is_applied_and_passed_down_once(news):
+    rt, registry = news.rt, news.registry
+    deaths: list[Any] = []
+    registry.death_listeners.append(deaths.append)
+    far = registry.proc(FAR, 77)
+    spawned(news, SPAWNED)
+    lost = ProcessLost(FAR, "its node was lost", 0)
+    rt.routes[ProcessLost](lost, [], OWNER, 0)
+    rt.routes[ProcessLost](lost, [], SENDER, 0)  # the same news, by another path
+    assert deaths == [far] and told(news) == [(SPAWNED, lost)]
+    restarted = ProcessRestarted(FAR, FAR, 1)
+    rt.routes[ProcessRestarted](restarted, [], OWNER, 0)
+    rt.routes[ProcessRestarted](restarted, [], SENDER, 0)
+    assert deaths == [far] and told(news) == [(SPAWNED, restarted)]
+
+
+@pytest.mark.parametrize("new_address", [FAR, ELSEWHERE], ids=["same-address", "moved"])
+def test_news_of_a_death_arriving_after_the_restart_cannot_undo_it(news, new_address):
+    rt, registry = news.rt, news.registry
+    far = registry.proc(FAR, 77)
+    spawned(news, SPAWNED)
+    rt.routes[ProcessLost](ProcessLost(FAR, "its node was lost", 0), [], OWNER, 0)
+    rt.routes[ProcessRestarted](ProcessRestarted(FAR, new_address, 1), [], OWNER, 0)
+    told(news)
+    rt.routes[ProcessLost](ProcessLost(FAR, "its node was lost", 0), [], SENDER, 0)  # late, by a longer path
+    assert not far.dead and far.address == new_address and far.generation == 1
+    assert told(news) == [], "stale news goes no further"
+    rt.routes[ProcessLost](ProcessLost(new_address, "lost again", 1), [], OWNER, 0)
+    assert far.dead and "lost again" in far.exit_reason, "the replacement's own death is news"
+
+
+def test_a_handle_made_after_a_restart_takes_the_next_death(news):
+    rt, registry = news.rt, news.registry
+    far = registry.proc(ELSEWHERE, 80)  # learned only after its owner restarted it once
+    rt.routes[ProcessLost](ProcessLost(ELSEWHERE, "lost", 1), [], OWNER, 0)
+    assert far.dead and far.generation == 1
+
+
+def test_news_this_process_gave_comes_back_as_old(news, tmp_path):
+    peer_news, rt, registry = news.news, news.rt, news.registry
+    mine = registry.proc(FAR, 77)  # one this process owns, on another host
+    spawned(news, SPAWNED)
+    mine.exit_reason = "its node was lost"
+    peer_news.lost(mine)
+    assert told(news) == [(SPAWNED, ProcessLost(FAR, "its node was lost", 0))]
+    rt.routes[ProcessLost](ProcessLost(FAR, "its node was lost", 0), [], SENDER, 0)
+    assert told(news) == [], "a peer passing it back starts no second round"
 
 
 def test_the_runtime_moves_its_meshes_and_links_with_the_process():

@@ -23,6 +23,7 @@ CHECKS = [
     "spawn_beyond_ready_addresses_refused_on_a_loop",
     "weights_across_nodes",
     "worker_hears_of_a_death_on_another_node",
+    "grandchild_hears_of_a_death_on_another_node",
     "stop_kills_a_wedged_worker_on_another_node",
     "node_host_lost_fails_calls",
     "pipeline_placement_refused",
