@@ -112,6 +112,8 @@ class PeerNews:
         self._tell(self._audience(record.address, remote, self._spawned(), sender.address), record)
 
     def _on_lost(self, record: ProcessLost, frames: list[Any], sender: Header, size: int) -> None:
+        if record.address == self._rt.address:
+            return  # news of our own death (an owner that lost sight of us): ours to hear, not to spread
         ref = self._rt.registry.find(record.address)
         if self._stale(record, ref):
             return

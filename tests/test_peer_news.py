@@ -193,6 +193,13 @@ def test_news_of_a_process_this_one_never_met_still_goes_down(news):
     assert told(news) == [(SPAWNED, ProcessLost(ELSEWHERE, "never met", 0))], "a process spawned here may hold one"
 
 
+def test_news_of_this_process_itself_is_not_passed_down(news):
+    spawned(news, SPAWNED)
+    news.rt.routes[ProcessLost](ProcessLost(news.rt.address, "its node was lost", 0), [], OWNER, 0)
+    news.rt.routes[ProcessRestarted](ProcessRestarted(FAR, news.rt.address, 1), [], OWNER, 0)
+    assert told(news) == [], "its own children would take a live parent for dead"
+
+
 def test_news_arriving_twice_is_applied_and_passed_down_once(news):
     rt, registry = news.rt, news.registry
     deaths: list[Any] = []
