@@ -126,14 +126,16 @@ class PeerNews:
         if record.new_address == rt.address:
             return  # the news is of us
         ref = rt.registry.find(record.address)
+        death_heard = ref is not None and ref.heard >= _order(record) - 1
         if self._stale(record, ref):
             return
         if ref is not None:  # (one holding no handle needs nothing: later handles carry the new address)
             registry = rt.registry
-            if not ref.dead:  # the old process is gone, whether or not this process saw it go
+            if not ref.dead and not death_heard:  # the old process is gone, whether or not this one saw it go
                 registry.mark_dead(ref, f"replaced by a restarted process (reported by {sender.address})")
             rt.relocate(ref, record.new_address)
-            registry.revive(ref, None)
-            registry.resolve_pid(ref)  # on this host, its pid is in the session directory
+            if ref.dead:  # (alive after its death was heard: the replacement spoke first, and that revived it)
+                registry.revive(ref, None)
+                registry.resolve_pid(ref)  # on this host, its pid is in the session directory
             log.info("peer %s restarted at %s (reported by %s)", record.address, record.new_address, sender.address)
         self._pass_down(record, sender, record.address, record.new_address)

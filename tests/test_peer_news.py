@@ -112,6 +112,17 @@ def test_a_restart_news_without_the_death_first_still_fails_what_waited_on_the_o
     assert not far.dead and far.address == FAR
 
 
+def test_a_replacement_that_spoke_before_its_restart_news_is_not_failed_again(news):
+    rt, registry = news.rt, news.registry
+    deaths: list[Any] = []
+    registry.death_listeners.append(deaths.append)
+    far = registry.proc(FAR, 77)
+    rt.routes[ProcessLost](ProcessLost(FAR, "its node was lost", 0), [], OWNER, 0)
+    assert registry.proc(FAR, 91) is far and not far.dead, "its first message, from a new pid, revives the handle"
+    rt.routes[ProcessRestarted](ProcessRestarted(FAR, FAR, 1), [], OWNER, 0)  # the owner's news, by another link
+    assert deaths == [far] and not far.dead and far.pid == 91, "calls already on their way to it must not fail"
+
+
 def test_moves_chain_and_a_fresh_process_at_an_old_address_is_not_a_moved_one(news):
     registry = news.registry
     far = registry.proc(FAR, 77)
