@@ -8,17 +8,23 @@ host, a lifeline). So an owner tells every process it knows of each death
 (:class:`~actors._wire.ProcessRestarted`, with the replacement's address
 when it moved to another host): a worker's call to a peer on a lost node
 then fails at once with ``ActorDied`` instead of waiting for its timeout,
-and its handles follow the replacement. Within one host nothing is sent.
+and its handles follow the replacement. A session on ipc (one host, every
+death seen through pidfds) sends nothing.
 
 The owner does not know the processes its workers spawned, so whoever hears
 news passes it down to the processes it spawned itself, and they to theirs:
-the spawning relation has no cycles, so this ends. The same news may still
-reach a process by two paths (its parent, and an owner that knows it), and
-the copies may interleave with the restart's news. Each record carries the
-generation of the process it speaks of, and each ref keeps the order of the
-latest news applied (``ProcRef.heard``: ``2g`` for the death of generation
-``g``, ``2g - 1`` for the restart that made it); older or repeated news
-changes nothing and goes no further.
+the spawning relation has no cycles, so this ends. A death a process saw
+for itself, through the pidfd of a peer on its own host, goes down the same
+way to the processes it spawned on other hosts; so that the restart can
+follow it, an owner also tells a restart on its own host to the processes
+there that speak tcp (those that may have spawned elsewhere).
+
+The same news may still reach a process by two paths (its parent, and an
+owner that knows it), and the copies may interleave with the restart's
+news. Each record carries the generation of the process it speaks of, and
+each ref keeps the order of the latest news applied (``ProcRef.heard``:
+``2g`` for the death of generation ``g``, ``2g - 1`` for the restart that
+made it); older or repeated news changes nothing and goes no further.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._errors import ActorDied
 from ._liveness import ProcRef
+from ._session import tcp_host
 from ._wire import Header, ProcessLost, ProcessRestarted
 
 if TYPE_CHECKING:
@@ -51,11 +58,14 @@ class PeerNews:
         self._rt = rt
         rt.inbox.on(ProcessLost, self._on_lost)
         rt.inbox.on(ProcessRestarted, self._on_restarted)
+        rt.registry.on_seen_death = self.seen_dying
+        #: News of processes this one holds no handle to: the latest order passed on, by address.
+        self._heard: dict[str, int] = {}
 
     def lost(self, ref: ProcRef) -> None:
         """``ref``, a process this one owns, died: tell the peers that cannot watch it themselves."""
         record = ProcessLost(ref.address, ref.exit_reason or "process exited", ref.generation)
-        ref.heard = max(ref.heard, _order(record))  # the same news coming back down the tree is old
+        ref.heard = max(ref.heard, _order(record))  # the same news coming back by another path is old
         self._tell(self._audience(ref.address, ref.remote, self._known()), record)
 
     def restarted(self, old_address: str, ref: ProcRef) -> None:
@@ -63,6 +73,18 @@ class PeerNews:
         record = ProcessRestarted(old_address, ref.address, ref.generation)
         ref.heard = max(ref.heard, _order(record))
         self._tell(self._audience(ref.address, ref.remote, self._known()), record)
+
+    def seen_dying(self, ref: ProcRef) -> None:
+        """This process saw ``ref``, a peer on its host, die (its pidfd): pass it on along the spawning tree.
+
+        Its owner tells only the processes it knows; those that spawned this
+        one, or that it spawned, may be elsewhere and hold a handle.
+        """
+        if ref.address in self._rt.meshes:
+            return  # one of ours: ``lost`` told everyone
+        record = ProcessLost(ref.address, ref.exit_reason or "process exited", ref.generation)
+        if not self._stale(record, ref):
+            self._tell(self._audience(ref.address, ref.remote, self._tree()), record)
 
     def _tell(self, audience: list[ProcRef], record: Any) -> None:
         rt = self._rt
@@ -75,51 +97,63 @@ class PeerNews:
     def _known(self) -> list[ProcRef]:
         return list(self._rt.registry.procs.values())
 
-    def _spawned(self) -> list[ProcRef]:
-        """The processes this one spawned (its proc meshes' ranks): the only ones it passes news on to."""
-        procs = self._rt.registry.procs
-        return [ref for ref in (procs.get(address) for address in list(self._rt.meshes.keys())) if ref is not None]
+    def _tree(self) -> list[ProcRef]:
+        """This process's neighbours in the spawning tree: the processes it spawned, and its owner."""
+        rt = self._rt
+        procs = rt.registry.procs
+        near = [ref for ref in (procs.get(address) for address in list(rt.meshes.keys())) if ref is not None]
+        owner = getattr(rt.server, "owner", None)  # (the controller has none)
+        return [*near, owner] if owner is not None else near
 
     def _audience(self, about: str, about_remote: bool, peers: list[ProcRef], sender: str = "") -> list[ProcRef]:
-        """The live ``peers`` that may be on another host than the process at ``about``.
+        """The live ``peers`` that may be on another host than the process at ``about``, or lead to one that is.
 
-        A peer on this host sees a death on this host by itself; when every
-        process is here (``about`` and the peers all local), nobody is told.
-        Neither the process spoken of nor whoever told us is told.
+        A peer on this host sees a death here by itself. One that speaks
+        tcp may still have neighbours elsewhere, so it is told; one on ipc
+        cannot, and is not: in an ipc session nothing is sent. Neither the
+        process spoken of nor whoever told us is told.
         """
         own = self._rt.address
         return [
             peer
             for peer in peers
-            if peer.address not in (about, own, sender) and not peer.dead and (about_remote or peer.remote)
+            if peer.address not in (about, own, sender)
+            and not peer.dead
+            and (about_remote or peer.remote or tcp_host(peer.address) is not None)
         ]
 
     def _stale(self, record: ProcessLost | ProcessRestarted, ref: ProcRef | None) -> bool:
-        """Whether ``record`` was heard already (or something later was); if not, ``ref`` now counts it heard."""
-        if ref is None:  # nothing here to order it by: a process holding no handle passes it on
-            return False
+        """Whether ``record`` was heard already (or something later was); if not, it now counts as heard."""
         order = _order(record)
+        if ref is None:  # no handle here: the news is remembered by address, to pass each on once
+            if order <= self._heard.get(record.address, -1):
+                return True
+            self._heard[record.address] = order
+            return False
         if order <= ref.heard:
             return True
         ref.heard = order
         ref.generation = max(ref.generation, record.generation)
         return False
 
-    def _pass_down(self, record: ProcessLost | ProcessRestarted, sender: Header, *addresses: str) -> None:
-        """Give ``record`` to the processes this one spawned that may be on another host than its subject."""
+    def _pass_on(self, record: ProcessLost | ProcessRestarted, sender: Header, *addresses: str) -> None:
+        """Give ``record`` to this process's neighbours in the spawning tree, but not back to ``sender``."""
         registry = self._rt.registry
         remote = any(not registry.is_local(address) for address in addresses)
-        self._tell(self._audience(record.address, remote, self._spawned(), sender.address), record)
+        self._tell(self._audience(record.address, remote, self._tree(), sender.address), record)
 
     def _on_lost(self, record: ProcessLost, frames: list[Any], sender: Header, size: int) -> None:
-        if record.address == self._rt.address:
+        rt = self._rt
+        if record.address == rt.address:
             return  # news of our own death (an owner that lost sight of us): ours to hear, not to spread
-        ref = self._rt.registry.find(record.address)
+        if record.address in rt.meshes:
+            return  # one of ours: its placer or pidfd tells us, and ``lost`` tells the others
+        ref = rt.registry.find(record.address)
         if self._stale(record, ref):
             return
         if ref is not None and not ref.dead and ref.remote:  # one on this host is watched here, by its pidfd
-            self._rt.registry.mark_dead(ref, f"{record.reason} (reported by {sender.address})")
-        self._pass_down(record, sender, record.address)
+            rt.registry.mark_dead(ref, f"{record.reason} (reported by {sender.address})")
+        self._pass_on(record, sender, record.address)
 
     def _on_restarted(self, record: ProcessRestarted, frames: list[Any], sender: Header, size: int) -> None:
         rt = self._rt
@@ -138,4 +172,4 @@ class PeerNews:
                 registry.revive(ref, None)
                 registry.resolve_pid(ref)  # on this host, its pid is in the session directory
             log.info("peer %s restarted at %s (reported by %s)", record.address, record.new_address, sender.address)
-        self._pass_down(record, sender, record.address, record.new_address)
+        self._pass_on(record, sender, record.address, record.new_address)

@@ -8,7 +8,8 @@ the forkserver writes it when it forks, and an owner rewrites it when it
 restarts a process at the same address. Nothing here ever waits.
 
 Deaths come from :class:`~actors._liveness.Watcher` (pidfds) or from
-:meth:`Registry.mark_dead`; each is announced once to the listeners.
+:meth:`Registry.mark_dead`; each is announced once to the listeners, and
+one seen through a pidfd also to ``on_seen_death`` (news to pass on).
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class Registry:
         self._local_hosts = local_hosts()
         #: Addresses whose process was restarted elsewhere, to the address it serves now.
         self.moved: dict[str, str] = {}
+        #: Called with each peer whose death this process saw for itself (its pidfd), after the listeners.
+        self.on_seen_death: Callable[[ProcRef], None] | None = None
 
     def is_local(self, address: str) -> bool:
         """Whether ``address`` is served on this machine (ipc always is; tcp by its host)."""
@@ -196,8 +199,13 @@ class Registry:
 
     def _pid_died(self, pid: int) -> None:
         ref = self._by_pid.get(pid)
-        if ref is not None and ref.pid == pid:
+        if ref is not None and ref.pid == pid and not ref.dead:
             self.mark_dead(ref, "process exited")
+            if self.on_seen_death is not None:
+                try:
+                    self.on_seen_death(ref)
+                except Exception:
+                    log.exception("seen-death callback failed")
         for listener in list(self.pid_listeners):
             try:
                 listener(pid)

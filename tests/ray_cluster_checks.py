@@ -72,8 +72,28 @@ class Where(Actor):
         return await self.child.where.call_one()
 
     @endpoint
+    async def start_child_elsewhere(self, address: str) -> list[object]:
+        """Spawn a process of this worker's own on another Ray node, through a host mesh of its own."""
+        from actors.ray import host_mesh_async
+
+        self.far_hosts = await host_mesh_async(address, hosts=3)  # every node: at least two are not this one
+        here = os.environ.get("ACTORS_TCP_HOST")
+        index = next(i for i, host in enumerate(self.far_hosts.hosts) if host["ip"] != here)
+        self.child_procs = self.far_hosts.slice(index).spawn_procs(per_host={"procs": 1}, name="child")
+        self.child = self.child_procs.spawn("child", Where, "grandchild")
+        return await self.child.where.call_one()
+
+    @endpoint
+    async def child_handle(self) -> Where:
+        return self.child  # type: ignore[no-any-return]
+
+    @endpoint
     async def child_remember(self, peer: Where) -> None:
         await self.child.remember.call_one(peer)
+
+    @endpoint
+    async def child_asks_remembered(self) -> list[object]:
+        return await self.child.ask_remembered.call_one()
 
     @endpoint
     async def child_waits_on_remembered(self) -> str:
@@ -83,6 +103,9 @@ class Where(Actor):
         procs = getattr(self, "child_procs", None)
         if procs is not None:
             await procs.stop()
+        far_hosts = getattr(self, "far_hosts", None)
+        if far_hosts is not None:
+            await far_hosts.shutdown_async()
 
     @endpoint
     async def freeze(self, fifo: str, seconds: float) -> None:
@@ -418,6 +441,65 @@ async def grandchild_hears_of_a_death_on_another_node(hosts):  # type: ignore[no
         return await kill_while_waiting(pid, parent.child_waits_on_remembered.call_one())
 
 
+@check("cousin_hears_of_a_death_on_another_node")
+async def cousin_hears_of_a_death_on_another_node(hosts):  # type: ignore[no-untyped-def]
+    """Each of two workers spawns a child: one on the controller's node, one on another; the first child killed.
+
+    The second child got the first one's handle through the controller.
+    The first child's owner, its parent, tells the controller (on the same
+    node, but on tcp), which passes the news down to the other worker, and
+    that one to its child: the wait fails within 2 s.
+    """
+    here = os.environ["ACTORS_TCP_HOST"]
+    far_index = next(i for i, host in enumerate(hosts.hosts) if host["ip"] != here)
+    near_procs = actors.this_host().spawn_procs(per_host={"procs": 1})
+    far_procs = hosts.slice(far_index).spawn_procs(per_host={"procs": 1})
+    try:
+        near, far = near_procs.spawn("near", Where), far_procs.spawn("far", Where)
+        victim = await near.start_child.call_one()
+        cousin = await far.start_child.call_one()
+        assert victim[1] == here != cousin[1], (victim, cousin)
+        await far.child_remember.call_one(await near.child_handle.call_one())
+        return await kill_while_waiting(victim[0], far.child_waits_on_remembered.call_one())
+    finally:
+        await near_procs.stop()
+        await far_procs.stop()
+
+
+@check("child_elsewhere_hears_of_a_death_on_its_parents_node")
+async def child_elsewhere_hears_of_a_death_on_its_parents_node(address):  # type: ignore[no-untyped-def]
+    """A worker's child on another node, waiting on a peer of the worker's node: killed, then restarted.
+
+    The peer shares a host with the worker and with its owner (the
+    controller), so neither is told; the worker sees the death through the
+    peer's pidfd and passes it down, then passes down the owner's news of
+    the restart at the same address, and the child's handle reaches the
+    replacement.
+    """
+    procs = actors.this_host().spawn_procs(per_host={"procs": 2}, restart="on-failure")
+    try:
+        restarted = asyncio.Event()
+        procs.add_failure_handler(lambda failure: failure.restarted and restarted.set())
+        mesh = procs.spawn("local", Where, "built again")
+        parent, peer = mesh.slice(procs=0), mesh.slice(procs=1)
+        before = await peer.where.call_one()
+        child = await parent.start_child_elsewhere.call_one(address)
+        here = (await parent.where.call_one())[1]
+        assert here == before[1] != child[1], (
+            f"worker and peer on one node, the child on another: {here}, {before}, {child}"
+        )
+        await parent.child_remember.call_one(peer)
+        waited = await kill_while_waiting(before[0], parent.child_waits_on_remembered.call_one())
+        await asyncio.wait_for(restarted.wait(), 30)
+        after = await asyncio.wait_for(peer.where.call_one(), 30)  # the replacement has its actor again
+        started = time.monotonic()
+        via_child = await asyncio.wait_for(parent.child_asks_remembered.call_one(), 10)
+        assert after[0] != before[0] and via_child[0] == after[0] and via_child[2] == "built again", (after, via_child)
+        return {**waited, "child_reached_replacement_s": round(time.monotonic() - started, 3), "child_on": child[1]}
+    finally:
+        await procs.stop()
+
+
 async def kill_while_waiting(pid: int, wait: Any) -> dict[str, object]:
     """Kill ``pid`` while ``wait`` (a call ending only by that death) runs; it must fail within 2 s."""
     waiting = asyncio.ensure_future(wait)
@@ -619,10 +701,12 @@ async def main() -> None:
             await weights_across_nodes(hosts)
             await worker_hears_of_a_death_on_another_node(hosts)
             await grandchild_hears_of_a_death_on_another_node(hosts)
+            await cousin_hears_of_a_death_on_another_node(hosts)
             await stop_kills_a_wedged_worker_on_another_node(hosts)
             await node_host_lost_fails_calls(hosts)
         finally:
             hosts.shutdown()
+        await child_elsewhere_hears_of_a_death_on_its_parents_node(cluster.address)
         await pipeline_placement_refused(cluster.address)
         await pipeline_across_nodes(cluster.address)
         await controller_killed_ends_every_worker(cluster.address)

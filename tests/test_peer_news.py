@@ -7,6 +7,8 @@ live node) runs on a Ray cluster in ``test_ray.py``; these pin each piece.
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import weakref
 from types import SimpleNamespace
 from typing import Any
@@ -17,6 +19,7 @@ from actors import DecodeError
 from actors._peer_news import PeerNews
 from actors._procs import Registry
 from actors._runtime import runtime
+from actors._session import write_incarnation
 from actors._wire import Header, Kind, ProcessLost, ProcessRestarted, decode_record
 
 FAR = "tcp://10.255.0.7:41000"  # another machine's address: no pid of it is watched here
@@ -35,6 +38,7 @@ class FakeRuntime:
         self.inbox = SimpleNamespace(on=lambda kind, handler: self.routes.__setitem__(kind, handler))
         self.sent: list[tuple[str, Any]] = []
         self.meshes: dict[str, Any] = {}  # the processes this one spawned, by address
+        self.server: Any = None  # a worker's: ``server.owner`` is the process that spawned it
 
     def send(self, ref: Any, record: Any, *, urgent: bool) -> None:
         self.sent.append((ref.address, record))
@@ -258,6 +262,125 @@ def test_news_this_process_gave_comes_back_as_old(news, tmp_path):
     assert told(news) == [(SPAWNED, ProcessLost(FAR, "its node was lost", 0))]
     rt.routes[ProcessLost](ProcessLost(FAR, "its node was lost", 0), [], SENDER, 0)
     assert told(news) == [], "a peer passing it back starts no second round"
+
+
+HERE_TCP = "tcp://127.0.0.1:45001"  # a peer on this host that speaks tcp (it may have spawned elsewhere)
+
+
+@pytest.fixture
+def sleepers():
+    """Real processes to watch and kill: their deaths reach the registry through pidfds."""
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start() -> subprocess.Popen[bytes]:
+        started.append(subprocess.Popen(["sleep", "600"]))
+        return started[-1]
+
+    yield start
+    for proc in started:
+        proc.kill()
+        proc.wait()
+
+
+def see_die(registry: Registry, proc: subprocess.Popen[bytes]) -> None:
+    """Kill ``proc`` and hand the registry its pidfd's event (what the event loop does when it turns readable)."""
+    fds = set(registry.watcher.fds())
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    for fd in fds:
+        registry.watcher.check(fd)
+
+
+def test_a_death_seen_here_is_passed_down_to_the_processes_spawned_elsewhere(news, sleepers):
+    rt, registry = news.rt, news.registry
+    spawned(news, SPAWNED, SPAWNED_HERE)
+    peer = sleepers()
+    here = registry.proc(HERE_TCP, peer.pid)
+    see_die(registry, peer)
+    assert here.dead and "process exited" in here.exit_reason
+    lost = ProcessLost(HERE_TCP, "process exited", 0)
+    assert told(news) == [(SPAWNED, lost)], "one spawned on this host watches the pid itself"
+    rt.routes[ProcessLost](lost, [], OWNER, 0)  # the owner's copy, if it knows that process too
+    assert told(news) == [], "seen and passed on once"
+
+
+def test_a_death_seen_here_of_a_process_this_one_owns_is_told_once(news, sleepers):
+    rt, registry = news.rt, news.registry
+    spawned(news, SPAWNED)
+    peer = sleepers()
+    mine = registry.proc(HERE_TCP, peer.pid)
+    rt.meshes[HERE_TCP] = object()  # one of ours: the owner's death listener tells everyone (``lost``)
+    see_die(registry, peer)
+    assert mine.dead and told(news) == []
+
+
+@pytest.mark.parametrize("kind", ["death", "restart"])
+def test_news_of_a_process_here_is_told_to_the_peers_here_on_tcp(news, tmp_path, kind):
+    peer_news, registry = news.news, news.registry
+    here = registry.proc("tcp://127.0.0.1:45002", None)
+    ipc_peer = registry.proc(f"ipc://{tmp_path}/w1-6.sock", None)
+    registry.proc(FAR, 77)
+    tcp_peer = registry.proc(HERE_TCP, None)
+    if kind == "death":
+        here.exit_reason = "exited with code 1"
+        peer_news.lost(here)
+    else:
+        here.generation = 1
+        peer_news.restarted(here.address, here)
+    assert [address for address, _ in told(news)] == [FAR, HERE_TCP], "not the ipc peer: it has none elsewhere"
+    assert not ipc_peer.dead and not tcp_peer.dead
+
+
+def test_a_restart_follows_a_death_seen_here_down_the_tree(news, sleepers, tmp_path):
+    rt, registry = news.rt, news.registry
+    spawned(news, SPAWNED, SPAWNED_HERE, HERE_TCP)
+    old, new = sleepers(), sleepers()
+    subject = "tcp://127.0.0.1:45003"
+    here = registry.proc(subject, old.pid)
+    see_die(registry, old)
+    assert [address for address, _ in told(news)] == [SPAWNED, HERE_TCP], "not the one on ipc"
+    write_incarnation(str(tmp_path), subject, new.pid)  # its owner restarted it at the same address
+    restarted = ProcessRestarted(subject, subject, 1)
+    rt.routes[ProcessRestarted](restarted, [], OWNER, 0)
+    assert not here.dead and here.pid == new.pid and here.generation == 1, "the handle follows the new process"
+    assert told(news) == [(SPAWNED, restarted), (HERE_TCP, restarted)], "who may have passed the death on hears"
+    see_die(registry, new)
+    lost = ProcessLost(subject, "process exited", 1)
+    assert here.dead and told(news) == [(SPAWNED, lost), (HERE_TCP, lost)], "a new generation"
+
+
+def test_news_goes_up_to_this_process_owner_too_but_not_back_to_whoever_told_it(news):
+    rt, registry = news.rt, news.registry
+    owner = registry.proc(ELSEWHERE, 66)
+    rt.server = SimpleNamespace(owner=owner)  # a worker: the process that spawned it is a neighbour too
+    spawned(news, SPAWNED)
+    lost = ProcessLost(FAR, "its node was lost", 0)
+    rt.routes[ProcessLost](lost, [], SENDER, 0)  # from a process this one spawned... or any other
+    assert told(news) == [(SPAWNED, lost), (ELSEWHERE, lost)], "a cousin elsewhere is reached through the owner"
+    restarted = ProcessRestarted(FAR, FAR, 1)
+    rt.routes[ProcessRestarted](restarted, [], Header(ELSEWHERE, 66), 0)  # from the owner: only down
+    assert told(news) == [(SPAWNED, restarted)]
+
+
+def test_news_of_a_stranger_is_passed_on_once(news):
+    spawned(news, SPAWNED)
+    lost = ProcessLost(ELSEWHERE, "never met", 0)
+    for sender in (OWNER, SENDER, OWNER):  # copies by several paths: the tree with the owner's shortcuts
+        news.rt.routes[ProcessLost](lost, [], sender, 0)
+    assert told(news) == [(SPAWNED, lost)] and ELSEWHERE not in news.registry.procs
+    restarted = ProcessRestarted(ELSEWHERE, ELSEWHERE, 1)
+    news.rt.routes[ProcessRestarted](restarted, [], SENDER, 0)
+    news.rt.routes[ProcessLost](lost, [], SENDER, 0)  # late
+    assert told(news) == [(SPAWNED, restarted)]
+
+
+def test_peers_news_of_a_process_this_one_owns_changes_nothing(news):
+    rt, registry = news.rt, news.registry
+    mine = registry.proc(FAR, 77)
+    spawned(news, FAR, SPAWNED)
+    rt.routes[ProcessLost](ProcessLost(FAR, "seen by a neighbour", 0), [], SENDER, 0)
+    assert not mine.dead, "its placer (or pidfd) says when it died, and the restart follows that"
+    assert told(news) == [], "the owner tells the others itself"
 
 
 def test_the_runtime_moves_its_meshes_and_links_with_the_process():
