@@ -29,7 +29,7 @@ from typing import Any
 
 from ._config import WorkerConfig
 from ._forkserver import _PR_SET_PDEATHSIG, TERM_GRACE, _frame, _frames
-from ._session import remove_socket_file, write_incarnation
+from ._session import forget_incarnation, remove_socket_file, write_incarnation
 
 __all__ = ["main", "serve"]
 
@@ -67,6 +67,9 @@ def serve(status_fd: int, session_dir: str, session: str, owns_session: bool) ->
             if pid == 0:
                 return
             index = children.pop(pid, None)
+            if pid in addresses:
+                with contextlib.suppress(OSError):
+                    forget_incarnation(session_dir, addresses[pid], pid)
             if index is not None:  # for a host placed by Ray, whose controller cannot watch this pid
                 report(["exited", index, pid, os.waitstatus_to_exitcode(status)])
 

@@ -7,6 +7,8 @@ by the event loop (or the synchronous pump) without polling or heartbeats.
 from __future__ import annotations
 
 import os
+import select
+import time
 from collections.abc import Callable
 
 
@@ -52,6 +54,16 @@ class Watcher:
         """Called when ``fd`` is readable: its process has exited."""
         self._readable(fd)
 
+    def take_pending(self, pid: int) -> None:
+        """Report ``pid``'s death now if it already happened (its pidfd readable) but is not yet handled.
+
+        For news that must come after it: a restart heard before this
+        process's own event loop got to the old process's exit.
+        """
+        fd = self._fds.get(pid)
+        if fd is not None and select.select([fd], [], [], 0)[0]:
+            self._readable(fd)
+
     def _readable(self, fd: int) -> None:
         pid = self._pids.pop(fd, None)
         if pid is None:
@@ -88,11 +100,12 @@ class ProcRef:
 
     A ``remote`` process runs on another host: its pid means nothing here, so
     no pidfd watches it and its death is reported by whoever placed it.
-    ``generation`` counts the times its owner replaced the process; ``heard``
-    orders the news of it applied here (:mod:`actors._peer_news`).
+    ``incarnation`` stamps the process now at the address (its owner's clock
+    when it started it; 0 until known); ``heard`` orders the news of it
+    applied here (:mod:`actors._peer_news`).
     """
 
-    __slots__ = ("address", "dead", "exit_reason", "generation", "heard", "pid", "remote")
+    __slots__ = ("address", "dead", "exit_reason", "heard", "incarnation", "pid", "remote")
 
     def __init__(self, address: str, pid: int | None, remote: bool = False) -> None:
         self.address = address
@@ -100,8 +113,13 @@ class ProcRef:
         self.dead = False
         self.exit_reason = ""
         self.remote = remote
-        self.generation = 0
+        self.incarnation = 0
         self.heard = -1
 
     def __repr__(self) -> str:
         return f"ProcRef({self.address!r}, pid={self.pid})"
+
+
+def new_incarnation(ref: ProcRef) -> int:
+    """A stamp for the process an owner starts at ``ref`` now: its clock in ns, always later than the last one."""
+    return max(time.time_ns(), ref.incarnation + 1)

@@ -11,20 +11,22 @@ then fails at once with ``ActorDied`` instead of waiting for its timeout,
 and its handles follow the replacement. A session on ipc (one host, every
 death seen through pidfds) sends nothing.
 
-The owner does not know the processes its workers spawned, so whoever hears
-news passes it down to the processes it spawned itself, and they to theirs:
-the spawning relation has no cycles, so this ends. A death a process saw
-for itself, through the pidfd of a peer on its own host, goes down the same
-way to the processes it spawned on other hosts; so that the restart can
-follow it, an owner also tells a restart on its own host to the processes
-there that speak tcp (those that may have spawned elsewhere).
+The owner does not know every process that may hold a handle (those its
+workers spawned, or a cousin given the handle by a third process). So
+whoever hears news passes it on to its neighbours in the spawning tree (the
+processes it spawned and its own owner), never back to the one it came
+from; a process that sees a peer on its own host die (its pidfd) starts the
+same passing. Peers on ipc are left out of news about their own host: they
+watch those pids themselves and have no neighbours elsewhere.
 
-The same news may still reach a process by two paths (its parent, and an
-owner that knows it), and the copies may interleave with the restart's
-news. Each record carries the generation of the process it speaks of, and
-each ref keeps the order of the latest news applied (``ProcRef.heard``:
-``2g`` for the death of generation ``g``, ``2g - 1`` for the restart that
-made it); older or repeated news changes nothing and goes no further.
+The same news reaches a process by several paths, in any order relative to
+the restart that followed. Each record carries the incarnation stamp of the
+process it speaks of (its owner's clock when it started it), and each ref
+keeps the order of the latest news applied (``ProcRef.heard``: ``2t`` for
+the death of incarnation ``t``, ``2t' - 1`` for the restart that made
+``t'``; by address for a process with no handle here). Older or repeated
+news changes nothing and goes no further, so the passing ends; news of a
+new process that took a dead one's address is later, so it is not lost.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ log = logging.getLogger("actors")
 
 def _order(record: ProcessLost | ProcessRestarted) -> int:
     """Where ``record`` stands in its process's history: each restart after the death before it."""
-    return 2 * record.generation - (1 if isinstance(record, ProcessRestarted) else 0)
+    return 2 * record.incarnation - (1 if isinstance(record, ProcessRestarted) else 0)
 
 
 class PeerNews:
@@ -64,13 +66,13 @@ class PeerNews:
 
     def lost(self, ref: ProcRef) -> None:
         """``ref``, a process this one owns, died: tell the peers that cannot watch it themselves."""
-        record = ProcessLost(ref.address, ref.exit_reason or "process exited", ref.generation)
+        record = ProcessLost(ref.address, ref.exit_reason or "process exited", ref.incarnation)
         ref.heard = max(ref.heard, _order(record))  # the same news coming back by another path is old
         self._tell(self._audience(ref.address, ref.remote, self._known()), record)
 
     def restarted(self, old_address: str, ref: ProcRef) -> None:
-        """``ref``'s process, once at ``old_address``, was replaced by one at ``ref.address`` (``ref.generation``)."""
-        record = ProcessRestarted(old_address, ref.address, ref.generation)
+        """``ref``'s process, once at ``old_address``, was replaced by one at ``ref.address`` (``ref.incarnation``)."""
+        record = ProcessRestarted(old_address, ref.address, ref.incarnation)
         ref.heard = max(ref.heard, _order(record))
         self._tell(self._audience(ref.address, ref.remote, self._known()), record)
 
@@ -82,7 +84,7 @@ class PeerNews:
         """
         if ref.address in self._rt.meshes:
             return  # one of ours: ``lost`` told everyone
-        record = ProcessLost(ref.address, ref.exit_reason or "process exited", ref.generation)
+        record = ProcessLost(ref.address, ref.exit_reason or "process exited", ref.incarnation)
         if not self._stale(record, ref):
             self._tell(self._audience(ref.address, ref.remote, self._tree()), record)
 
@@ -133,7 +135,7 @@ class PeerNews:
         if order <= ref.heard:
             return True
         ref.heard = order
-        ref.generation = max(ref.generation, record.generation)
+        ref.incarnation = max(ref.incarnation, record.incarnation)
         return False
 
     def _pass_on(self, record: ProcessLost | ProcessRestarted, sender: Header, *addresses: str) -> None:
@@ -159,17 +161,22 @@ class PeerNews:
         rt = self._rt
         if record.new_address == rt.address:
             return  # the news is of us
-        ref = rt.registry.find(record.address)
-        death_heard = ref is not None and ref.heard >= _order(record) - 1
+        registry = rt.registry
+        ref = registry.find(record.address)
+        if ref is not None and not ref.remote and ref.pid is not None:
+            registry.watcher.take_pending(ref.pid)  # the old process's exit, if not yet handled here, comes first
+        death_heard = ref is not None and ref.heard >= 0 and ref.heard % 2 == 0  # the latest news here: a death
         if self._stale(record, ref):
             return
         if ref is not None:  # (one holding no handle needs nothing: later handles carry the new address)
-            registry = rt.registry
-            if not ref.dead and not death_heard:  # the old process is gone, whether or not this one saw it go
+            moved = record.new_address != ref.address
+            # Alive after its death was heard: the replacement spoke first and revived it, unless the
+            # replacement is elsewhere (then this is still the old process, which must let go of the ref).
+            if not ref.dead and (not death_heard or moved):
                 registry.mark_dead(ref, f"replaced by a restarted process (reported by {sender.address})")
             rt.relocate(ref, record.new_address)
-            if ref.dead:  # (alive after its death was heard: the replacement spoke first, and that revived it)
-                registry.revive(ref, None)
+            if ref.dead:
+                registry.revive(ref, None)  # the old pid no longer names it
                 registry.resolve_pid(ref)  # on this host, its pid is in the session directory
             log.info("peer %s restarted at %s (reported by %s)", record.address, record.new_address, sender.address)
         self._pass_on(record, sender, record.address, record.new_address)

@@ -24,7 +24,7 @@ from ._context import _context
 from ._errors import ActorDied, CallTimeout, DecodeError, SupervisionError
 from ._future import Future
 from ._invoke import encode_arguments, pending_future, send_call
-from ._liveness import ProcRef
+from ._liveness import ProcRef, new_incarnation
 from ._names import shown, wire_name
 from ._restart import RestartBudget, RestartPolicy
 from ._runtime import Runtime, runtime
@@ -79,6 +79,7 @@ class ProcMesh:
         if owned:  # a handle received from elsewhere (or this_proc()) supervises nothing
             for ref in procs:
                 rt.meshes[ref.address] = self
+                ref.incarnation = new_incarnation(ref)
             install_owner_handlers(rt)
             if self._owner_actor is not None and rt.server is not None:
                 rt.server.adopt(self._owner_actor, self)  # stopped when that actor stops
@@ -267,7 +268,7 @@ class ProcMesh:
         if address is not None and address != old:
             rt.relocate(ref, address, remote=ref.remote)
         self.restarts[rank] += 1
-        ref.generation += 1
+        ref.incarnation = new_incarnation(ref)
         rt.news.restarted(old, ref)
         for name, class_ref, args, kwargs in self._spawned:  # a constructor failing reports itself (__init__)
             self._send_spawn(rt, [(rank, ref)], name, class_ref, args, kwargs)

@@ -179,6 +179,16 @@ def write_incarnation(session_dir: str, address: str, pid: int) -> None:
     os.replace(tmp, path)
 
 
+def forget_incarnation(session_dir: str, address: str, pid: int) -> None:
+    """Remove the record of ``address`` if it still names ``pid``, a process that has exited.
+
+    A peer looking up a restarted process's pid must never find the old one.
+    """
+    if read_incarnation(session_dir, address) == pid:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(incarnation_path(session_dir, address))
+
+
 def read_incarnation(session_dir: str, address: str) -> int | None:
     """The pid recorded for ``address``, or None if none is (yet)."""
     try:

@@ -297,14 +297,15 @@ class FailureReport(NamedTuple):
 class ProcessLost(NamedTuple):
     """The process at ``address`` died: its owner tells the peers that cannot watch its pid (another host's).
 
-    ``generation`` counts the restarts before the one that died, so news of an
-    old death that arrives after news of the restart (by another path) is
-    recognised as stale.
+    ``incarnation`` stamps the process that died (its owner's clock, in ns,
+    when it started it; 0 when the sender never learned it), so news of an
+    old death that arrives after news of the restart (by another path), or
+    after a new process took the address, is recognised as stale.
     """
 
     address: str
     reason: str
-    generation: int
+    incarnation: int
 
     def to_wire(self) -> list[Any]:
         return [Kind.LOST, *self]
@@ -320,12 +321,12 @@ class ProcessLost(NamedTuple):
 class ProcessRestarted(NamedTuple):
     """The process once at ``address`` was replaced; the replacement serves ``new_address`` (maybe the same).
 
-    ``generation`` is the replacement's: how many restarts it took to make it.
+    ``incarnation`` is the replacement's stamp (later than the one it replaced).
     """
 
     address: str
     new_address: str
-    generation: int
+    incarnation: int
 
     def to_wire(self) -> list[Any]:
         return [Kind.RESTARTED, *self]

@@ -7,6 +7,7 @@ live node) runs on a Ray cluster in ``test_ray.py``; these pin each piece.
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import weakref
@@ -165,7 +166,7 @@ def test_a_death_is_told_to_every_live_peer_that_may_be_elsewhere(news, tmp_path
     peer_news.lost(local)
     assert rt.sent == [(FAR, ProcessLost(local.address, "exited with code 1", 0))], "not itself, not the dead"
     rt.sent.clear()
-    far.generation = 1  # its owner counts the restart before telling of it
+    far.incarnation = 1  # its owner stamps the replacement before telling of it
     peer_news.restarted(FAR, far)  # a remote process: everyone may hold a handle that cannot see it
     assert [address for address, _ in rt.sent] == [local.address]
 
@@ -240,7 +241,7 @@ def test_news_of_a_death_arriving_after_the_restart_cannot_undo_it(news, new_add
     rt.routes[ProcessRestarted](ProcessRestarted(FAR, new_address, 1), [], OWNER, 0)
     told(news)
     rt.routes[ProcessLost](ProcessLost(FAR, "its node was lost", 0), [], SENDER, 0)  # late, by a longer path
-    assert not far.dead and far.address == new_address and far.generation == 1
+    assert not far.dead and far.address == new_address and far.incarnation == 1
     assert told(news) == [], "stale news goes no further"
     rt.routes[ProcessLost](ProcessLost(new_address, "lost again", 1), [], OWNER, 0)
     assert far.dead and "lost again" in far.exit_reason, "the replacement's own death is news"
@@ -250,7 +251,7 @@ def test_a_handle_made_after_a_restart_takes_the_next_death(news):
     rt, registry = news.rt, news.registry
     far = registry.proc(ELSEWHERE, 80)  # learned only after its owner restarted it once
     rt.routes[ProcessLost](ProcessLost(ELSEWHERE, "lost", 1), [], OWNER, 0)
-    assert far.dead and far.generation == 1
+    assert far.dead and far.incarnation == 1
 
 
 def test_news_this_process_gave_comes_back_as_old(news, tmp_path):
@@ -282,13 +283,18 @@ def sleepers():
         proc.wait()
 
 
+def handle_exits(registry: Registry) -> None:
+    """What the event loop does with every pidfd that turned readable: report that process's death."""
+    ready, _, _ = select.select(registry.watcher.fds(), [], [], 0)
+    for fd in ready:
+        registry.watcher.check(fd)
+
+
 def see_die(registry: Registry, proc: subprocess.Popen[bytes]) -> None:
-    """Kill ``proc`` and hand the registry its pidfd's event (what the event loop does when it turns readable)."""
-    fds = set(registry.watcher.fds())
+    """Kill ``proc`` and let the registry see it go through its pidfd."""
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    for fd in fds:
-        registry.watcher.check(fd)
+    handle_exits(registry)
 
 
 def test_a_death_seen_here_is_passed_down_to_the_processes_spawned_elsewhere(news, sleepers):
@@ -325,7 +331,7 @@ def test_news_of_a_process_here_is_told_to_the_peers_here_on_tcp(news, tmp_path,
         here.exit_reason = "exited with code 1"
         peer_news.lost(here)
     else:
-        here.generation = 1
+        here.incarnation = 1
         peer_news.restarted(here.address, here)
     assert [address for address, _ in told(news)] == [FAR, HERE_TCP], "not the ipc peer: it has none elsewhere"
     assert not ipc_peer.dead and not tcp_peer.dead
@@ -342,11 +348,82 @@ def test_a_restart_follows_a_death_seen_here_down_the_tree(news, sleepers, tmp_p
     write_incarnation(str(tmp_path), subject, new.pid)  # its owner restarted it at the same address
     restarted = ProcessRestarted(subject, subject, 1)
     rt.routes[ProcessRestarted](restarted, [], OWNER, 0)
-    assert not here.dead and here.pid == new.pid and here.generation == 1, "the handle follows the new process"
+    assert not here.dead and here.pid == new.pid and here.incarnation == 1, "the handle follows the new process"
     assert told(news) == [(SPAWNED, restarted), (HERE_TCP, restarted)], "who may have passed the death on hears"
     see_die(registry, new)
     lost = ProcessLost(subject, "process exited", 1)
-    assert here.dead and told(news) == [(SPAWNED, lost), (HERE_TCP, lost)], "a new generation"
+    assert here.dead and told(news) == [(SPAWNED, lost), (HERE_TCP, lost)], "a new incarnation"
+
+
+def kill_unseen(proc: subprocess.Popen[bytes]) -> None:
+    """Kill ``proc`` but leave its pidfd's event unhandled: the event loop has not got to it yet."""
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
+def test_a_restart_heard_before_the_old_process_exit_was_handled_here(news, sleepers, tmp_path):
+    rt, registry = news.rt, news.registry
+    spawned(news, SPAWNED)
+    old, new = sleepers(), sleepers()
+    subject = "tcp://127.0.0.1:45004"
+    here = registry.proc(subject, old.pid)
+    kill_unseen(old)
+    lost = ProcessLost(subject, "process exited", 5)
+    rt.routes[ProcessLost](lost, [], OWNER, 0)  # the owner's news outran this process's own pidfd event
+    assert not here.dead, "a peer on this host is declared dead by its pidfd only"
+    write_incarnation(str(tmp_path), subject, new.pid)
+    restarted = ProcessRestarted(subject, subject, 9)
+    rt.routes[ProcessRestarted](restarted, [], OWNER, 0)
+    handle_exits(registry)  # the loop gets to the old exit at last
+    assert not here.dead and here.pid == new.pid, "the old exit was taken first; it cannot fail the replacement"
+    assert told(news) == [(SPAWNED, lost), (SPAWNED, restarted)], "no death of the replacement is made up"
+
+
+def test_a_restart_does_not_take_the_old_pid_back_from_a_stale_record(news, sleepers, tmp_path):
+    rt, registry = news.rt, news.registry
+    old, new = sleepers(), sleepers()
+    subject = "tcp://127.0.0.1:45005"
+    write_incarnation(str(tmp_path), subject, old.pid)  # not yet rewritten by the replacement's fork
+    here = registry.proc(subject, None)
+    assert here.pid == old.pid
+    kill_unseen(old)
+    rt.routes[ProcessRestarted](ProcessRestarted(subject, subject, 9), [], OWNER, 0)
+    assert not here.dead and here.pid is None and here in registry.unresolved, "waits for the replacement's pid"
+    write_incarnation(str(tmp_path), subject, new.pid)
+    registry.retry_unresolved()
+    assert here.pid == new.pid and not here.dead
+
+
+def test_a_peer_here_restarted_elsewhere_lets_go_of_its_old_pid(news, sleepers):
+    rt, registry = news.rt, news.registry
+    deaths: list[Any] = []
+    registry.death_listeners.append(deaths.append)
+    old = sleepers()  # still running: its host was lost to its owner, not to this process
+    subject = "tcp://127.0.0.1:45006"
+    here = registry.proc(subject, old.pid)
+    rt.routes[ProcessLost](ProcessLost(subject, "its host was lost", 5), [], OWNER, 0)
+    rt.routes[ProcessRestarted](ProcessRestarted(subject, FAR, 9), [], OWNER, 0)
+    assert deaths == [here], "calls in flight to the old process fail"
+    assert here.address == FAR and here.remote and not here.dead and here.pid is None
+    see_die(registry, old)
+    assert deaths == [here] and not here.dead, "the old process ending later is not the replacement's death"
+
+
+def test_news_of_a_new_process_at_a_dead_one_s_address_is_not_stale(news):
+    rt, registry = news.rt, news.registry
+    spawned(news, SPAWNED)
+    far = registry.proc(FAR, 77)
+    first = ProcessLost(FAR, "killed", 100)
+    rt.routes[ProcessLost](first, [], OWNER, 0)
+    assert far.dead
+    assert registry.proc(FAR, 88) is far and not far.dead, "another process took the address"
+    second = ProcessLost(FAR, "killed too", 200)  # stamped later by whoever started it
+    rt.routes[ProcessLost](second, [], OWNER, 0)
+    assert far.dead and "killed too" in far.exit_reason
+    stranger = [ProcessLost(ELSEWHERE, "gone", 100), ProcessLost(ELSEWHERE, "gone", 200)]
+    for record in stranger:
+        rt.routes[ProcessLost](record, [], OWNER, 0)
+    assert told(news) == [(SPAWNED, first), (SPAWNED, second), *[(SPAWNED, r) for r in stranger]]
 
 
 def test_news_goes_up_to_this_process_owner_too_but_not_back_to_whoever_told_it(news):

@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
+from actors._liveness import ProcRef, new_incarnation
 from actors._procs import Registry
-from actors._session import write_incarnation
+from actors._session import forget_incarnation, read_incarnation, write_incarnation
 
 
 def test_a_peer_whose_pid_appears_later_is_watched_and_its_death_seen(tmp_path):
@@ -58,3 +60,22 @@ def test_a_pid_that_cannot_be_opened_counts_as_dead(tmp_path, monkeypatch):
     ref = registry.proc(f"ipc://{tmp_path}/w1-2.sock", 4_000_000)
     assert ref.dead and deaths == [ref]
     registry.close()
+
+
+def test_a_reaped_process_record_is_forgotten_only_if_it_still_names_it(tmp_path):
+    address = "tcp://127.0.0.1:45100"
+    write_incarnation(str(tmp_path), address, 1234)
+    forget_incarnation(str(tmp_path), address, 999)  # a replacement already wrote its pid: kept
+    assert read_incarnation(str(tmp_path), address) == 1234
+    forget_incarnation(str(tmp_path), address, 1234)
+    assert read_incarnation(str(tmp_path), address) is None
+    forget_incarnation(str(tmp_path), address, 1234)  # nothing left: no error
+
+
+def test_each_incarnation_is_stamped_later_than_the_last(monkeypatch):
+    ref = ProcRef("tcp://127.0.0.1:45101", None)
+    first = new_incarnation(ref)
+    assert first > 0
+    ref.incarnation = first
+    monkeypatch.setattr(time, "time_ns", lambda: first - 10**9)  # the clock stepped back
+    assert new_incarnation(ref) == first + 1
