@@ -256,11 +256,20 @@ class RayHostMesh(HostMesh):
 
     def _kill(self, ref: ProcRef) -> None:
         """Have its node host SIGKILL the worker serving ``ref`` (one that ignored a stop); its exit reports back."""
-        for node in self._nodes:
-            for index, placed in node.procs.items():
-                if placed is ref and not node.lost:
-                    self._relay.when_done(node.handle.kill.remote(index), lambda _value, _error: None)
-                    return
+        serving = [(index, node) for node in self._nodes for index, placed in node.procs.items() if placed is ref]
+        if serving:
+            index, node = max(serving, key=lambda pair: pair[0])
+            if not node.lost:
+                self._relay.when_done(node.handle.kill.remote(index), lambda _value, _error: None)
+
+    def _superseded(self, ref: ProcRef, index: int) -> bool:
+        """Whether a worker started after spawn ``index`` serves ``ref`` now.
+
+        A tcp address, and so its ref, passes to a new worker once the old
+        one stopped and its port was handed out again: news of the old one
+        (its exit, reported late) must not fail the new one.
+        """
+        return any(placed is ref and later > index for node in self._nodes for later, placed in node.procs.items())
 
     def _watch(self, node: _Node) -> None:
         def exited(reports: Any, error: BaseException | None) -> None:
@@ -272,7 +281,7 @@ class RayHostMesh(HostMesh):
                 return
             for index, pid, code in reports:
                 ref = node.procs.pop(index, None)
-                if ref is not None:
+                if ref is not None and not self._superseded(ref, index):
                     self._rt.registry.mark_dead(ref, f"process {pid} on {node.ip} {exit_reason(code)}")
             self._watch(node)
 
@@ -283,8 +292,9 @@ class RayHostMesh(HostMesh):
             return
         node.lost = why
         log.error("lost %s: %s", node, node.lost)
-        for ref in list(node.procs.values()):
-            self._rt.registry.mark_dead(ref, f"its {node} was lost ({node.lost})")
+        for index, ref in list(node.procs.items()):
+            if not self._superseded(ref, index):
+                self._rt.registry.mark_dead(ref, f"its {node} was lost ({node.lost})")
         node.procs.clear()
 
     def _live_node(self) -> _Node:
