@@ -290,10 +290,15 @@ def handle_exits(registry: Registry) -> None:
         registry.watcher.check(fd)
 
 
-def see_die(registry: Registry, proc: subprocess.Popen[bytes]) -> None:
-    """Kill ``proc`` and let the registry see it go through its pidfd."""
+def kill_unseen(proc: subprocess.Popen[bytes]) -> None:
+    """Kill ``proc`` but leave its pidfd's event unhandled: the event loop has not got to it yet."""
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+
+
+def see_die(registry: Registry, proc: subprocess.Popen[bytes]) -> None:
+    """Kill ``proc`` and let the registry see it go through its pidfd."""
+    kill_unseen(proc)
     handle_exits(registry)
 
 
@@ -353,12 +358,6 @@ def test_a_restart_follows_a_death_seen_here_down_the_tree(news, sleepers, tmp_p
     see_die(registry, new)
     lost = ProcessLost(subject, "process exited", 1)
     assert here.dead and told(news) == [(SPAWNED, lost), (HERE_TCP, lost)], "a new incarnation"
-
-
-def kill_unseen(proc: subprocess.Popen[bytes]) -> None:
-    """Kill ``proc`` but leave its pidfd's event unhandled: the event loop has not got to it yet."""
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
 
 
 def test_a_restart_heard_before_the_old_process_exit_was_handled_here(news, sleepers, tmp_path):

@@ -256,20 +256,24 @@ class RayHostMesh(HostMesh):
 
     def _kill(self, ref: ProcRef) -> None:
         """Have its node host SIGKILL the worker serving ``ref`` (one that ignored a stop); its exit reports back."""
-        serving = [(index, node) for node in self._nodes for index, placed in node.procs.items() if placed is ref]
-        if serving:
-            index, node = max(serving, key=lambda pair: pair[0])
-            if not node.lost:
-                self._relay.when_done(node.handle.kill.remote(index), lambda _value, _error: None)
+        serving = self._serving(ref)
+        if serving is not None and not serving[1].lost:
+            self._relay.when_done(serving[1].handle.kill.remote(serving[0]), lambda _value, _error: None)
 
-    def _superseded(self, ref: ProcRef, index: int) -> bool:
-        """Whether a worker started after spawn ``index`` serves ``ref`` now.
+    def _serving(self, ref: ProcRef) -> tuple[int, _Node] | None:
+        """The spawn index and node of the latest worker started for ``ref`` and not yet reaped.
 
         A tcp address, and so its ref, passes to a new worker once the old
         one stopped and its port was handed out again: news of the old one
         (its exit, reported late) must not fail the new one.
         """
-        return any(placed is ref and later > index for node in self._nodes for later, placed in node.procs.items())
+        started = [(index, node) for node in self._nodes for index, placed in node.procs.items() if placed is ref]
+        return max(started, key=lambda pair: pair[0], default=None)
+
+    def _superseded(self, ref: ProcRef, index: int) -> bool:
+        """Whether a worker started after spawn ``index`` serves ``ref`` now."""
+        serving = self._serving(ref)
+        return serving is not None and serving[0] > index
 
     def _watch(self, node: _Node) -> None:
         def exited(reports: Any, error: BaseException | None) -> None:
