@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 from .bandit import BanditSamples, BanditTask
 from .learner import Learner, Update
-from .messages import Config, GeneratorTimes, Grant, RefScoredRollout, Rollout, ScoredRollout, StepReport
+from .messages import Config, GeneratorTimes, Grant, Rollout, ScoredRollout, StepReport
 from .reference import ReferenceResult, train_one_process
-from .roles import Generator, RefModel, Scorer, Trainer
+from .roles import Generator, RefModel, Scorer
 from .task import LossReport, Scores, Task, load_task, resolve, task_class, to_device
 from .token_task import DigitsTask, TokenBatch
+from .trainer import Trainer
 
 if TYPE_CHECKING:
     from .grpo import PipelineError, Roles, RunResult, main, run_pipeline
@@ -46,7 +47,6 @@ __all__ = [
     "LossReport",
     "PipelineError",
     "RefModel",
-    "RefScoredRollout",
     "ReferenceResult",
     "Roles",
     "Rollout",

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from .task import LossReport, Scores, Task
-from .token_loss import group_advantages, token_grpo_loss
+from .task import LossReport, Scores, Task, loss_spec
+from .token_loss import group_advantages, token_grpo_loss, token_weights
 
 if TYPE_CHECKING:
     from .messages import Config
@@ -100,23 +100,34 @@ class BanditTask(Task):
             return torch.log_softmax(reference(samples.state), dim=-1)[samples.actions]
 
     def loss(
-        self, policy: torch.nn.Module, samples: BanditSamples, rewards: torch.Tensor, ref_logps: torch.Tensor
+        self,
+        policy: torch.nn.Module,
+        samples: BanditSamples,
+        rewards: torch.Tensor,
+        ref_logps: torch.Tensor | None,
+        rows: slice | None = None,
     ) -> LossReport:
+        part = slice(None) if rows is None else rows
+        spec = loss_spec(self.config, 1)
         logp_all = torch.log_softmax(policy(samples.state), dim=-1)
-        logps = logp_all[samples.actions]
-        entropy = -(logp_all.exp() * logp_all).sum().expand(len(samples.actions))
-        ones = torch.ones_like(logps).unsqueeze(1)
+        actions = samples.actions[part]
+        ones = torch.ones(len(samples.actions), 1)
+        entropy = -(logp_all.exp() * logp_all).sum().expand(len(actions), 1)
         out = token_grpo_loss(
-            logps.unsqueeze(1),
-            samples.logps.unsqueeze(1),
-            ref_logps.unsqueeze(1),
-            ones,
-            group_advantages(rewards, len(rewards)),
-            clip=self.config.hyper("clip"),
-            kl_coeff=self.config.hyper("kl_coeff"),
-            entropy=entropy.unsqueeze(1),
+            logp_all[actions].unsqueeze(1),
+            samples.logps[part].unsqueeze(1),
+            None if ref_logps is None else ref_logps[part].unsqueeze(1),
+            ones[part],
+            group_advantages(rewards, len(rewards), self.config.scale_rewards or "group")[part],
+            spec,
+            entropy=entropy,
+            weights=token_weights(ones, spec.kind, 1)[part],
+            tokens=float(len(samples.actions)),
         )
-        return LossReport(out.loss, out.policy_loss, out.kl, out.clip_fraction, out.entropy)
+        return LossReport(out.loss, out.policy_loss, out.kl, out.clip_fraction, out.entropy, out.dual_clip_fraction)
+
+    def rows(self, samples: BanditSamples) -> int:
+        return len(samples.actions)
 
     def eval_states(self, count: int) -> torch.Tensor:
         """A fixed batch of states for measuring the policy."""

@@ -49,17 +49,37 @@ class DigitProblem:
     def answer_length(self) -> int:
         return self.digits + 1 if self.kind == "add" else self.digits
 
+    @property
+    def space(self) -> int:
+        """How many distinct prompts the task has."""
+        return int(10 ** (2 * self.digits if self.kind == "add" else self.digits))
+
     def prompts(
-        self, count: int, generator: torch.Generator, exclude: set[tuple[int, ...]] | None = None
+        self,
+        count: int,
+        generator: torch.Generator,
+        exclude: set[tuple[int, ...]] | None = None,
+        distinct: bool = False,
     ) -> torch.Tensor:
-        """``count`` random prompts [count, prompt_length], none of them in ``exclude`` (a held-out set)."""
+        """``count`` random prompts [count, prompt_length], none of them in ``exclude`` (a held-out set).
+
+        ``distinct`` draws no prompt twice. The caller keeps ``count`` (when
+        distinct) and ``exclude`` within :attr:`space`, so the draw ends.
+        """
         n = self.digits
+        available = self.space - len(exclude or ())
+        if available < (count if distinct else 1):
+            raise ValueError(f"{self.kind} over {n} digits has {available} prompts left to draw {count} from")
         rows: list[torch.Tensor] = []
+        taken = set(exclude or ())
         while len(rows) < count:
             values = torch.randint(0, 10, (count, 2 * n if self.kind == "add" else n), generator=generator)
             for row in values:
-                if exclude is not None and tuple(row.tolist()) in exclude:
+                key = tuple(row.tolist())
+                if key in taken:
                     continue
+                if distinct:
+                    taken.add(key)
                 rows.append(row)
                 if len(rows) == count:
                     break

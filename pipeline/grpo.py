@@ -37,8 +37,11 @@ from .messages import Config, StepReport
 from .metrics import MetricsLog, Progress, plot
 from .model import PRESETS
 from .placement import ROLES, check_placement
-from .roles import Generator, RefModel, Scorer, Trainer
+from .roles import Generator, RefModel, Scorer, uses_reference
+from .settings import SettingsError, check_settings
 from .task import load_task, resolve, task_class
+from .token_loss import LOSSES, REWARD_SCALES
+from .trainer import Trainer
 
 if TYPE_CHECKING:
     from actors.ray import RayHostMesh
@@ -204,13 +207,10 @@ async def run_pipeline(
 ) -> RunResult:
     """Run the pipeline described by ``config``; raises PipelineError if a role fails."""
     roles = roles or Roles()
-    check_placement(config)  # before anything starts: a run that cannot place its roles starts nothing
+    check_settings(config)  # before anything starts: settings that cannot train start nothing
+    check_placement(config)  # nor do roles that cannot be placed
     config = resolve(config)
     load_task(config)  # a task that cannot be built fails here, with its own message, before any process starts
-    if config.mode not in ("async", "sync"):
-        raise ValueError("mode must be 'async' or 'sync'")
-    if config.generators < 1:
-        raise ValueError("at least one generator is needed")
     os.makedirs(config.run_dir, exist_ok=True)
     if resume and not checkpoint.exists(config.run_dir):
         raise FileNotFoundError(f"no checkpoint in {config.run_dir!r} to resume from")
@@ -234,7 +234,7 @@ async def run_pipeline(
         head, everywhere, cluster, head_described = await _hosts(config)
         trainer_procs = head.spawn_procs(per_host={"procs": 1}, name="trainer")
         scorer_procs = head.spawn_procs(per_host={"procs": 1}, name="scorer")
-        ref_procs = head.spawn_procs(per_host={"procs": 1}, name="ref")
+        ref_procs = head.spawn_procs(per_host={"procs": 1}, name="ref") if uses_reference(config) else None
         per_host = config.generators // (len(cluster.hosts) if cluster is not None else 1)
         gen_procs = everywhere.spawn_procs(
             per_host={"procs": per_host},
@@ -243,7 +243,7 @@ async def run_pipeline(
             max_restarts=max(1, config.generator_restarts),
             restart_period=60.0,
         )
-        meshes = [gen_procs, scorer_procs, ref_procs, trainer_procs]
+        meshes = [mesh for mesh in (gen_procs, scorer_procs, ref_procs, trainer_procs) if mesh is not None]
         # Only now, with the roles' processes forked from a still single-threaded
         # launcher, the threads of a runtime and of TensorBoard's writer start.
         reports_port, reports = Channel.open(StepReport)
@@ -262,9 +262,13 @@ async def run_pipeline(
                 f"placed on {len(cluster.hosts)} Ray hosts: trainer, scorer and reference on {head_described}"
             )
             progress.note("weights: " + "; ".join(weight_routes))
-        ref = ref_procs.spawn("ref", roles.ref, config, ref_manifest)
-        scored_in = await ref.inlet.call_one()
-        ref_scored_in = await trainer.inlet.call_one()
+        trainer_in = await trainer.inlet.call_one()
+        ref = None
+        if ref_procs is not None and ref_manifest is not None:  # β > 0: scorer -> reference model -> trainer
+            ref = ref_procs.spawn("ref", roles.ref, config, ref_manifest)
+            scored_in = await ref.inlet.call_one()
+        else:  # β = 0: the scorer feeds the trainer
+            scored_in = trainer_in
         grants = list((await gens.grant_inlet.call()).values())
         startup = time.perf_counter() - started
 
@@ -275,7 +279,7 @@ async def run_pipeline(
                 for r, name in enumerate(generator_names)
             },
             "scorer": asyncio.ensure_future(scorer.run.call_one(scored_in)),
-            "reference model": asyncio.ensure_future(ref.run.call_one(ref_scored_in)),
+            **({"reference model": asyncio.ensure_future(ref.run.call_one(trainer_in))} if ref is not None else {}),
             "trainer": asyncio.ensure_future(trainer.run.call_one(gens, grants)),
         }
         training_started = time.perf_counter()
@@ -312,7 +316,9 @@ async def run_pipeline(
         progress.done()
         await gens.drain.call()
         produced = [await tasks[name] for name in generator_names]
-        await asyncio.wait_for(asyncio.gather(tasks["scorer"], tasks["reference model"]), 10)
+        await asyncio.wait_for(
+            asyncio.gather(*(tasks[role] for role in ("scorer", "reference model") if role in tasks)), 10
+        )
         stop_started = time.perf_counter()
         for mesh in meshes:
             await mesh.stop(timeout=2)
@@ -391,15 +397,74 @@ def _build_parser() -> argparse.ArgumentParser:
         help="stop once the task's held-out metric reaches this; 'none' runs every step "
         "(default: the task's own target, 0.99 exact match for the digit tasks)",
     )
-    train.add_argument("--lr", type=float, help="Adam learning rate (default: the task's, 2e-3 for digits)")
-    train.add_argument("--kl-coeff", type=float, help="weight of the k3 KL to the reference (default: the task's)")
-    train.add_argument("--clip", type=float, help="PPO ratio clip (default: the task's, 0.2)")
+    digits = task_class("reverse").defaults
+    train.add_argument(
+        "--lr", type=float, help=f"Adam learning rate (default: the task's, {digits['lr']:g} for the digit tasks)"
+    )
+    train.add_argument(
+        "--kl-coeff",
+        type=float,
+        help=f"β, weight of the k3 KL to the reference; 0 runs no reference model (default: the task's, "
+        f"{digits['kl_coeff']:g} for the digit tasks)",
+    )
+    train.add_argument("--clip", type=float, help=f"PPO ratio clip ε (default: the task's, {digits['clip']:g})")
+    train.add_argument("--epsilon-high", type=float, help="upper ratio clip, 1 + ε_high (clip-higher; default: ε)")
+    train.add_argument(
+        "--dual-clip", type=float, default=3.0, help="a negative advantage's term is at most C·|A| (default 3; 0: off)"
+    )
+    train.add_argument(
+        "--loss",
+        choices=LOSSES,
+        default="dapo",
+        help="how token terms are averaged: grpo (per completion, then over completions), dr_grpo (constant "
+        "normaliser, no std scaling), dapo (over every token of the batch; default)",
+    )
+    train.add_argument(
+        "--scale-rewards",
+        choices=REWARD_SCALES,
+        help="divide centred rewards by the group's std, the batch's, or nothing (default: none for dr_grpo, "
+        "else group)",
+    )
+    train.add_argument(
+        "--mask-truncated", action="store_true", help="completions that hit the length limit do not train"
+    )
+    train.add_argument(
+        "--micro-batch",
+        type=int,
+        default=0,
+        help="samples per forward/backward pass, gradients accumulated (default 0: the whole rollout at once)",
+    )
+    train.add_argument(
+        "--max-grad-norm", type=float, default=1.0, help="clip the gradient's L2 norm (default 1.0; 0: off)"
+    )
+    train.add_argument(
+        "--lr-schedule", choices=["constant", "cosine"], default="constant", help="cosine: decay to 0 at --steps"
+    )
+    train.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up (default 0)")
+    train.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="trainer compute precision (bfloat16: autocast; weights stay and are published in float32)",
+    )
     train.add_argument("--seed", type=int, default=0)
     pipe = parser.add_argument_group("pipeline")
     pipe.add_argument("--generators", type=int, default=2, help="generator actors (default 2)")
     pipe.add_argument("--mode", choices=["async", "sync"], default="async", help="async (default) or lock-step sync")
-    pipe.add_argument("--max-staleness", type=int, default=8, help="drop rollouts more than K versions old")
-    pipe.add_argument("--max-inflight", type=int, default=2, help="rollouts a generator may run ahead (default 2)")
+    defaults = Config()
+    pipe.add_argument(
+        "--max-staleness",
+        type=int,
+        default=defaults.max_staleness,
+        help="the oldest a trained rollout may be, in policy versions: generators wait for newer weights rather "
+        f"than draw a rollout that would be older (0: on-policy; default {defaults.max_staleness})",
+    )
+    pipe.add_argument(
+        "--max-inflight",
+        type=int,
+        default=defaults.max_inflight,
+        help=f"rollouts a generator may have granted and not yet trained (default {defaults.max_inflight})",
+    )
     pipe.add_argument("--threads", type=int, default=1, help="torch threads per role process (default 1)")
     pipe.add_argument("--transport", choices=["shm", "cuda-ipc", "local"], default="shm", help="weight transport")
     pipe.add_argument("--device", default="cpu", help="device of every role: cpu, cuda or cuda:N (default cpu)")
@@ -430,54 +495,79 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
+    """The run's config from the command line; a setting no run can train with is a :class:`SettingsError`."""
     parser = _build_parser()
     args = parser.parse_args(argv)
     if args.resume:
-        with open(os.path.join(args.resume, "config.json")) as f:
-            config = Config.from_dict(json.load(f))
-        config.run_dir = args.resume
-        given = argv if argv is not None else sys.argv
-        for flag, attr in (("--steps", "steps"), ("--target-score", "target_score"), ("--device", "device")):
-            if flag in given and getattr(args, attr) != "auto":
-                setattr(config, attr, getattr(args, attr))
-        config.devices.update(_role_devices(args))
-        return config, args
-    try:
-        target = task_class(args.task).target if args.target_score == "auto" else args.target_score
-    except (ImportError, AttributeError, TypeError, ValueError) as exc:
-        parser.error(f"--task {args.task}: {exc}")
-    config = Config(
-        task=args.task,
-        digits=args.digits,
-        model=args.model,
-        prompts=args.prompts,
-        group=args.group,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        eval_size=args.eval_size,
-        eval_every=args.eval_every,
-        steps=args.steps,
-        target_score=target,
-        lr=args.lr,
-        kl_coeff=args.kl_coeff,
-        clip=args.clip,
-        seed=args.seed,
-        generators=args.generators,
-        mode=args.mode,
-        max_staleness=args.max_staleness,
-        max_inflight=args.max_inflight,
-        threads=args.threads,
-        transport=args.transport,
-        generator_restarts=args.generator_restarts,
-        run_dir=args.run_dir or _default_run_dir(),
-        device=args.device,
-        devices=_role_devices(args),
-        install=args.weights_install,
-        ray=args.ray,
-        ray_hosts=args.ray_hosts,
-    )
+        config = _resumed(args, argv if argv is not None else sys.argv)
+    else:
+        try:
+            target = task_class(args.task).target if args.target_score == "auto" else args.target_score
+        except (ImportError, AttributeError, TypeError, ValueError) as exc:
+            parser.error(f"--task {args.task}: {exc}")
+        config = Config(
+            task=args.task,
+            digits=args.digits,
+            model=args.model,
+            prompts=args.prompts,
+            group=args.group,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            eval_size=args.eval_size,
+            eval_every=args.eval_every,
+            steps=args.steps,
+            target_score=target,
+            lr=args.lr,
+            kl_coeff=args.kl_coeff,
+            clip=args.clip,
+            epsilon_high=args.epsilon_high,
+            dual_clip=args.dual_clip,
+            loss=args.loss,
+            scale_rewards=args.scale_rewards,
+            mask_truncated=args.mask_truncated,
+            micro_batch=args.micro_batch,
+            max_grad_norm=args.max_grad_norm,
+            lr_schedule=args.lr_schedule,
+            warmup_steps=args.warmup_steps,
+            dtype=args.dtype,
+            seed=args.seed,
+            generators=args.generators,
+            mode=args.mode,
+            max_staleness=args.max_staleness,
+            max_inflight=args.max_inflight,
+            threads=args.threads,
+            transport=args.transport,
+            generator_restarts=args.generator_restarts,
+            run_dir=args.run_dir or _default_run_dir(),
+            device=args.device,
+            devices=_role_devices(args),
+            install=args.weights_install,
+            ray=args.ray,
+            ray_hosts=args.ray_hosts,
+        )
+    check_settings(config)
     return config, args
+
+
+def _resumed(args: argparse.Namespace, given: list[str]) -> Config:
+    """The config of the run ``--resume`` names, with the flags a resumed run may change."""
+    saved = os.path.join(args.resume, "config.json")
+    if not os.path.isdir(args.resume):
+        raise SettingsError(f"--resume {args.resume}: no such folder")
+    if not os.path.exists(saved):
+        raise SettingsError(f"--resume {args.resume}: not a run folder (it has no config.json)")
+    try:
+        with open(saved) as f:
+            config = Config.from_dict(json.load(f))
+    except (OSError, ValueError, TypeError) as exc:
+        raise SettingsError(f"--resume {args.resume}: its config.json cannot be read ({exc})") from None
+    config.run_dir = args.resume
+    for flag, attr in (("--steps", "steps"), ("--target-score", "target_score"), ("--device", "device")):
+        if flag in given and getattr(args, attr) != "auto":
+            setattr(config, attr, getattr(args, attr))
+    config.devices.update(_role_devices(args))
+    return config
 
 
 def _role_devices(args: argparse.Namespace) -> dict[str, str]:
@@ -496,7 +586,11 @@ async def _until_terminated(run: Coroutine[Any, Any, RunResult]) -> RunResult:
 
 
 def main(argv: list[str] | None = None) -> int:
-    config, args = parse_args(argv)
+    try:
+        config, args = parse_args(argv)
+    except SettingsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     resume_hint = f"the last checkpoint is in {config.run_dir} (resume with --resume {config.run_dir})"
     try:
         result = uvloop.run(_until_terminated(run_pipeline(config, resume=bool(args.resume), quiet=args.quiet)))

@@ -10,22 +10,32 @@ import torch
 
 from actors import WeightManifest
 
+from .token_loss import LossKind, RewardScale
+
 __all__ = [
+    "WAKE",
     "Config",
     "GeneratorTimes",
     "Grant",
     "InstallMode",
+    "LrSchedule",
     "Mode",
-    "RefScoredRollout",
     "Rollout",
     "ScoredRollout",
     "StepReport",
+    "TrainDtype",
 ]
 
+#: The ticket of a :class:`Grant` that only wakes a generator.
+WAKE = -1
 #: ``async``: generators run ahead of the trainer (bounded); ``sync``: lock-step, on-policy.
 Mode = Literal["async", "sync"]
 #: How generators install weights: ``copy`` into their parameters, or ``alias`` the published slot.
 InstallMode = Literal["copy", "alias"]
+#: The learning rate over the run: ``constant``, or ``cosine`` decay to 0 at the last step (after any warm-up).
+LrSchedule = Literal["constant", "cosine"]
+#: The trainer's compute precision; weights are kept and published in the policy's own dtype.
+TrainDtype = Literal["float32", "bfloat16"]
 
 
 @dataclass
@@ -55,40 +65,38 @@ class Rollout:
     tokens: int = 0
     response_length: float = 0.0
     times: GeneratorTimes = field(default_factory=GeneratorTimes)
+    ticket: int = -1  # the trainer step it was granted for (pipeline.tickets)
 
 
 @dataclass
 class ScoredRollout:
-    """A rollout with the verifier's reward per sample (and exact correctness, if the task has it)."""
+    """A rollout with the verifier's reward per sample (and exact correctness, if the task has it).
+
+    The RefModel passes it on with ``ref_logps``, the reference policy's
+    log-probabilities of the samples; a run without a KL term (β = 0) has
+    no RefModel and the scorer's rollouts reach the trainer without them.
+    """
 
     rollout: Rollout
     rewards: torch.Tensor
     accuracy: torch.Tensor | None = None
     scorer_queue: int = 0  # scorer's backlog when it forwarded this
-
-
-@dataclass
-class RefScoredRollout:
-    """A scored rollout with the reference policy's log-probabilities of its samples."""
-
-    rollout: Rollout
-    rewards: torch.Tensor
-    ref_logps: torch.Tensor
-    accuracy: torch.Tensor | None = None
-    scorer_queue: int = 0
-    ref_queue: int = 0
+    ref_logps: torch.Tensor | None = None
+    ref_queue: int = 0  # reference model's backlog when it forwarded this
 
 
 @dataclass
 class Grant:
-    """Permission for a generator to produce ``count`` more rollouts.
+    """A ticket: permission for a generator to produce the rollout the trainer trains at step ``ticket``.
 
-    ``min_version`` (sync mode) makes the generator wait for that policy
-    version before producing; ``manifest`` carries it when the trainer
-    sends weights with the grant.
+    The generator draws it with policy version ``min_version`` or newer,
+    so it is at most ``max_staleness`` versions old when trained
+    (:mod:`pipeline.tickets`); ``manifest`` carries the weights when the
+    trainer knows the generator lacks them. A ticket of :data:`WAKE` only
+    wakes a generator waiting for one (``drain``).
     """
 
-    count: int
+    ticket: int
     min_version: int = 0
     manifest: WeightManifest | None = None
 
@@ -113,7 +121,7 @@ class StepReport:
     kl: float
     clip_fraction: float
     entropy: float
-    grad_norm: float
+    grad_norm: float  # before clipping
     response_length: float
     tokens: int  # tokens in the trained rollout
     tokens_received: int  # cumulative tokens of every rollout that reached the trainer (dropped ones too)
@@ -124,6 +132,8 @@ class StepReport:
     trainer_queue: int
     scorer_queue: int
     ref_queue: int
+    dual_clip_fraction: float = 0.0
+    lr: float = 0.0  # the learning rate this step used
 
 
 @dataclass
@@ -146,13 +156,23 @@ class Config:
     steps: int = 1000
     generators: int = 2
     mode: Mode = "async"
-    max_staleness: int = 8
+    max_staleness: int = 1  # the oldest a trained rollout may be, in policy versions (0: on-policy)
     transport: str = "shm"
     seed: int = 0
     lr: float | None = None
     clip: float | None = None
     kl_coeff: float | None = None
     max_inflight: int = 2  # rollouts a generator may have ahead of the trainer
+    loss: LossKind = "dapo"  # grpo | dr_grpo | dapo: how token terms are averaged (pipeline.token_loss)
+    scale_rewards: RewardScale | None = None  # group | batch | none; None: none for dr_grpo, else group
+    epsilon_high: float | None = None  # the clip's upper bound (clip-higher); None: the same as ``clip``
+    dual_clip: float = 3.0  # a negative advantage's term is at most C |A| (0: off)
+    mask_truncated: bool = False  # completions that hit the length limit do not train
+    micro_batch: int = 0  # samples per forward/backward pass; 0: the whole rollout at once
+    max_grad_norm: float = 1.0  # clip the gradient's L2 norm to this (0: no clipping)
+    lr_schedule: LrSchedule = "constant"  # constant | cosine (to 0 at ``steps``)
+    warmup_steps: int = 0  # linear warm-up of the learning rate from 0
+    dtype: TrainDtype = "float32"  # the trainer's compute: bfloat16 runs forward and backward under autocast
     eval_every: int = 10
     checkpoint_every: int = 200
     generator_restarts: int = 3  # a dead generator is restarted at most this often per minute

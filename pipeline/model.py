@@ -5,8 +5,8 @@ blocks of causal multi-head attention and a GELU MLP, a final norm and an
 output head. :func:`generate` samples completions for a batch of prompts of
 equal length (``G`` samples each) with a per-layer key/value cache, so each
 new token costs one position, not the whole prefix; it returns the tokens,
-their log-probabilities under the sampling distribution (the behaviour
-policy that GRPO's ratio needs) and the completion mask.
+their log-probabilities under the policy that drew them (the behaviour
+log-probabilities GRPO's ratio needs) and the completion mask.
 """
 
 from __future__ import annotations
@@ -148,8 +148,12 @@ def generate(
 ) -> Generation:
     """``samples`` completions of each prompt (prompts [B, P], all of one length), batched.
 
-    ``temperature`` 0 is greedy. The behaviour log-probabilities are those of
-    the distribution the tokens were drawn from (after temperature and top-p).
+    ``temperature`` 0 is greedy. Tokens are drawn from the temperature-scaled
+    distribution cut to its top-p nucleus, but the behaviour log-probability
+    recorded for each is under the whole temperature-scaled distribution:
+    the one :func:`completion_logps` computes, so the trainer's ratio is 1
+    for the policy that sampled, whatever ``top_p`` (the nucleus is part of
+    the sampler, as in TRL and verl, not of the policy being trained).
     A completion ends at EOS; later positions hold ``pad`` with mask 0.
     """
     if prompts.shape[1] + max_new_tokens > model.config.max_len:
@@ -166,8 +170,10 @@ def generate(
             logp = step_logits.log_softmax(-1)
             token = logp.argmax(-1)
         else:
-            logp = _top_p(step_logits / temperature, top_p).log_softmax(-1)
-            token = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+            scaled = step_logits / temperature if temperature != 1 else step_logits
+            logp = scaled.log_softmax(-1)
+            nucleus = logp if top_p >= 1.0 else _top_p(scaled, top_p).log_softmax(-1)
+            token = torch.multinomial(nucleus.exp(), 1, generator=generator).squeeze(-1)
         token = token.masked_fill(done, pad)
         out_tokens.append(token)
         out_logps.append(logp.gather(-1, token.unsqueeze(-1)).squeeze(-1).masked_fill(done, 0.0))

@@ -40,7 +40,7 @@ def train_one_process(config: Config) -> ReferenceResult:
     task = load_task(config)
     device = torch.device(config.device_of("trainer"))
     learner = Learner(task, device)
-    reference = learner.reference()
+    reference = learner.reference() if config.hyper("kl_coeff") > 0 else None  # β = 0: no reference at all
     scorer = task.build_scorer(device)
     rng = torch.Generator(device=device).manual_seed(1_000_003 * (config.seed + 1) + 7_919)
     curve: list[tuple[int, float]] = []
@@ -52,7 +52,7 @@ def train_one_process(config: Config) -> ReferenceResult:
         with torch.no_grad():
             samples = task.sample(learner.policy, rng)
             scores = task.score(scorer, samples)
-            ref_logps = task.reference_logps(reference, samples)
+            ref_logps = None if reference is None else task.reference_logps(reference, samples)
         learner.update(samples, scores.rewards, ref_logps)
         step += 1
         if step % config.eval_every == 0 or step == config.steps:

@@ -29,10 +29,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from .token_loss import LossSpec
+
 if TYPE_CHECKING:
     from .messages import Config
 
-__all__ = ["LossReport", "Scores", "Task", "load_task", "resolve", "task_class", "to_device"]
+__all__ = ["LossReport", "Scores", "Task", "load_task", "loss_spec", "resolve", "task_class", "to_device"]
 
 
 @dataclass
@@ -45,13 +47,29 @@ class Scores:
 
 @dataclass
 class LossReport:
-    """One update's loss and the quantities RL users watch."""
+    """One update's loss and the quantities RL users watch (token means over the whole batch).
+
+    A micro-batch's report holds its share of each: the reports of a batch's
+    micro-batches add up (:meth:`add`) to the batch's.
+    """
 
     loss: torch.Tensor
     policy_loss: float
     kl: float
     clip_fraction: float = 0.0
     entropy: float = 0.0
+    dual_clip_fraction: float = 0.0
+
+    def add(self, other: LossReport) -> LossReport:
+        """The report of this part and ``other`` together (the loss detached: each part was backpropagated)."""
+        return LossReport(
+            self.loss.detach() + other.loss.detach(),
+            self.policy_loss + other.policy_loss,
+            self.kl + other.kl,
+            self.clip_fraction + other.clip_fraction,
+            self.entropy + other.entropy,
+            self.dual_clip_fraction + other.dual_clip_fraction,
+        )
 
 
 class Task:
@@ -88,9 +106,32 @@ class Task:
         """Log-probabilities of the sampled choices under the frozen reference policy."""
         raise NotImplementedError
 
-    def loss(self, policy: torch.nn.Module, samples: Any, rewards: torch.Tensor, ref_logps: torch.Tensor) -> LossReport:
-        """The GRPO loss of one rollout for ``policy``."""
+    def loss(
+        self,
+        policy: torch.nn.Module,
+        samples: Any,
+        rewards: torch.Tensor,
+        ref_logps: torch.Tensor | None,
+        rows: slice | None = None,
+    ) -> LossReport:
+        """The GRPO loss of one rollout for ``policy`` (``ref_logps`` None: no KL term, β = 0).
+
+        ``rows`` (one of :meth:`micro_batches`) asks for those samples' share
+        of the whole rollout's loss: normalisers and advantages come from
+        every sample, so the shares' gradients add up to the whole's.
+        """
         raise NotImplementedError
+
+    def rows(self, samples: Any) -> int | None:
+        """How many samples ``samples`` holds along the dimension micro-batches split (None: not splittable)."""
+        return None
+
+    def micro_batches(self, samples: Any, size: int) -> list[slice]:
+        """Row ranges of ``samples`` taking one forward and backward pass each (``size`` 0: one for all)."""
+        rows = self.rows(samples)
+        if size <= 0 or rows is None or rows <= size:
+            return [slice(None)]
+        return [slice(start, min(start + size, rows)) for start in range(0, rows, size)]
 
     def evaluate(self, policy: torch.nn.Module) -> dict[str, float]:
         """Held-out metrics of ``policy``; must include :attr:`primary`."""
@@ -138,9 +179,30 @@ def load_task(config: Config) -> Task:
 
 
 def resolve(config: Config) -> Config:
-    """``config`` with every hyper-parameter it leaves unset taken from its task's defaults."""
+    """``config`` with every setting it leaves unset filled in: the task's defaults, then those that follow.
+
+    The clip's upper bound defaults to the lower one; the reward scaling to
+    none for ``dr_grpo`` (the paper drops the std) and to the group's std
+    otherwise.
+    """
     defaults = task_class(config.task).defaults
     changes: dict[str, Any] = {
         name: defaults[name] for name in ("lr", "clip", "kl_coeff") if getattr(config, name) is None
     }
+    if config.epsilon_high is None:
+        changes["epsilon_high"] = changes.get("clip", config.clip)
+    if config.scale_rewards is None:
+        changes["scale_rewards"] = "none" if config.loss == "dr_grpo" else "group"
     return dataclasses.replace(config, **changes) if changes else config
+
+
+def loss_spec(config: Config, max_length: int = 0) -> LossSpec:
+    """The GRPO variant a resolved ``config`` names; ``max_length`` is the completion limit (``dr_grpo``'s L)."""
+    return LossSpec(
+        kind=config.loss,
+        clip_low=config.hyper("clip"),
+        clip_high=config.hyper("epsilon_high"),
+        dual_clip=config.dual_clip,
+        kl_coeff=config.hyper("kl_coeff"),
+        max_length=max_length,
+    )

@@ -1,70 +1,152 @@
-"""GRPO on tokens: group-relative advantages, a clipped ratio per token, k3 KL to the reference.
+"""GRPO's loss on tokens: group advantages, the clipped ratio and its variants, the k3 KL, token weights.
 
-For ``N = B x G`` completions of ``B`` prompts (``G`` each), with rewards
-``r`` [N]:
+For ``N`` completions (``G`` per prompt) with rewards ``r`` [N] and a
+completion mask ``m`` [N, T]:
 
-* advantage ``A_i = (r_i - mean(r of its group)) / (std(r of its group) + 1e-6)``,
-  the same for every token of completion ``i``;
-* ratio ``rho_t = exp(log pi(y_t) - log pi_behaviour(y_t))`` against the
-  log-probabilities the generator sampled with, carried in the rollout, so a
-  stale sample is corrected, not just counted;
-* policy loss ``-min(rho_t A, clip(rho_t, 1 - eps, 1 + eps) A)``;
-* KL to the reference, the k3 estimator ``exp(d) - d - 1`` with
-  ``d = log pi_ref(y_t) - log pi(y_t)`` (non-negative, low variance);
-* loss = mean over every completion token (the mask ends each completion at
-  its EOS) of ``policy loss + beta * KL``.
+* **advantage** ``A_i = (r_i - mean_g(r)) / (s + 1e-6)``, the same for every
+  token of completion ``i``; ``s`` is the std of its group (``scale="group"``),
+  of the whole batch (``"batch"``), or 1 with no ``+ 1e-6`` (``"none"``);
+* **ratio** ``rho = exp(log pi(y_t) - log mu(y_t))`` against the behaviour
+  log-probabilities the generator recorded;
+* **policy term** ``max(-rho A, -clip(rho, 1 - eps_low, 1 + eps_high) A)``,
+  and where ``A < 0`` at most ``-C A`` (the dual clip; ``C = 0`` turns it off);
+* **KL** to the reference, k3: ``exp(d) - d - 1`` with ``d = log pi_ref - log pi``;
+* **loss** ``sum_{i,t} w_{i,t} (policy + beta KL)``, the weights ``w`` set by
+  the variant (:func:`token_weights`): ``grpo`` averages each completion's
+  tokens, then the completions; ``dapo`` averages every token of the batch;
+  ``dr_grpo`` divides by the constant ``N x L`` (``L`` the completion limit).
+
+Weights are computed over a whole batch, so a micro-batch's loss is its share
+of the batch's loss and gradients accumulated over micro-batches equal the
+batch's. Masked positions are excluded before any ``exp``: whatever numbers
+padding holds, they can neither overflow nor turn ``inf x 0`` into NaN.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 
-__all__ = ["TokenLoss", "group_advantages", "token_grpo_loss"]
+__all__ = [
+    "LOSSES",
+    "REWARD_SCALES",
+    "LossKind",
+    "LossSpec",
+    "RewardScale",
+    "TokenLoss",
+    "group_advantages",
+    "token_grpo_loss",
+    "token_weights",
+]
+
+#: ``grpo``: per-completion token mean; ``dr_grpo``: constant normaliser; ``dapo``: token mean over the batch.
+LossKind = Literal["grpo", "dr_grpo", "dapo"]
+#: What divides a group's centred rewards: its own std, the batch's, or nothing.
+RewardScale = Literal["group", "batch", "none"]
+LOSSES: tuple[str, ...] = get_args(LossKind)
+REWARD_SCALES: tuple[str, ...] = get_args(RewardScale)
 
 
-def group_advantages(rewards: torch.Tensor, group: int, eps: float = 1e-6) -> torch.Tensor:
-    """Rewards [N] normalised within consecutive groups of ``group`` samples."""
+@dataclass(frozen=True)
+class LossSpec:
+    """Which GRPO: the normalisation, the clip range, the dual clip and the KL weight."""
+
+    kind: LossKind = "dapo"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float = 3.0  # 0: off
+    kl_coeff: float = 0.0
+    max_length: int = 0  # dr_grpo's L; 0: the width of the mask
+
+
+def group_advantages(
+    rewards: torch.Tensor, group: int, scale: RewardScale = "group", eps: float = 1e-6
+) -> torch.Tensor:
+    """Rewards [N] centred within consecutive groups of ``group`` samples, scaled as ``scale`` says."""
     grouped = rewards.view(-1, group)
-    mean = grouped.mean(1, keepdim=True)
-    std = grouped.std(1, keepdim=True, unbiased=False) if group > 1 else torch.ones_like(mean)
-    return ((grouped - mean) / (std + eps)).view(-1)
+    centred = grouped - grouped.mean(1, keepdim=True)
+    if scale == "group":
+        centred = centred / (grouped.std(1, keepdim=True, unbiased=False) + eps)
+    elif scale == "batch":
+        centred = centred / (rewards.std(unbiased=False) + eps)
+    elif scale != "none":
+        raise ValueError(f"unknown reward scaling {scale!r}; choose one of {', '.join(REWARD_SCALES)}")
+    return centred.reshape(-1)
+
+
+def token_weights(mask: torch.Tensor, kind: LossKind, max_length: int = 0) -> torch.Tensor:
+    """Each token's weight [N, T] in the loss of the batch ``mask`` [N, T] describes (0 where masked)."""
+    mask = mask.to(torch.float32)
+    rows = max(1, mask.shape[0])
+    if kind == "dapo":
+        return mask / mask.sum().clamp_min(1.0)
+    if kind == "grpo":
+        return mask / (mask.sum(1, keepdim=True).clamp_min(1.0) * rows)
+    if kind == "dr_grpo":
+        return mask / (rows * (max_length or mask.shape[1]))
+    raise ValueError(f"unknown loss {kind!r}; choose one of {', '.join(LOSSES)}")
 
 
 @dataclass
 class TokenLoss:
+    """The loss to minimise and, as token means over the batch, what RL users watch."""
+
     loss: torch.Tensor
     policy_loss: float
     kl: float
-    clip_fraction: float
+    clip_fraction: float  # tokens whose clipped term was the one taken
+    dual_clip_fraction: float  # tokens (A < 0) held at -C A by the dual clip
     entropy: float
 
 
 def token_grpo_loss(
     logps: torch.Tensor,
     behaviour_logps: torch.Tensor,
-    ref_logps: torch.Tensor,
+    ref_logps: torch.Tensor | None,
     mask: torch.Tensor,
     advantages: torch.Tensor,
+    spec: LossSpec,
     *,
-    clip: float,
-    kl_coeff: float,
     entropy: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
+    tokens: float | None = None,
 ) -> TokenLoss:
-    """The loss over completion tokens ([N, T] each; ``advantages`` [N])."""
-    tokens = mask.sum().clamp_min(1.0)
-    ratio = (logps - behaviour_logps).exp()
-    adv = advantages.unsqueeze(1)
-    unclipped = ratio * adv
-    clipped = ratio.clamp(1 - clip, 1 + clip) * adv
-    policy = -torch.min(unclipped, clipped)
-    d = ref_logps - logps
-    kl = d.exp() - d - 1
-    loss = ((policy + kl_coeff * kl) * mask).sum() / tokens
+    """The loss of completions [N, T] (``advantages`` [N]); ``ref_logps`` None means no KL term.
+
+    ``weights`` and ``tokens`` (the batch's unmasked token count) default to
+    this batch's own; a micro-batch passes its rows of the whole batch's, so
+    its loss and figures are its share of the batch's and add up to them.
+    """
+    real = mask > 0
+    if weights is None:
+        weights = token_weights(mask, spec.kind, spec.max_length)
+    per_token_mean = real.to(logps.dtype) / (tokens if tokens is not None else float(real.sum().clamp_min(1)))
+    log_ratio = torch.where(real, logps - behaviour_logps, torch.zeros_like(logps))
+    ratio = log_ratio.exp()
+    adv = advantages.unsqueeze(1).to(logps.dtype)
+    unclipped = -ratio * adv
+    clipped = -ratio.clamp(1 - spec.clip_low, 1 + spec.clip_high) * adv
+    policy = torch.maximum(unclipped, clipped)
+    dual = torch.zeros_like(real)
+    if spec.dual_clip > 0:
+        cap = -spec.dual_clip * adv
+        dual = (adv < 0) & (policy > cap)
+        policy = torch.where(dual, cap.expand_as(policy), policy)
+    per_token = policy
+    kl = torch.zeros_like(logps)
+    if ref_logps is not None:
+        d = torch.where(real, ref_logps - logps, torch.zeros_like(logps))
+        kl = d.exp() - d - 1
+        per_token = per_token + spec.kl_coeff * kl
+    loss = (per_token * weights.to(per_token.dtype)).sum()
     with torch.no_grad():
-        clip_fraction = float(((clipped < unclipped).float() * mask).sum() / tokens)
-        mean_entropy = float((entropy * mask).sum() / tokens) if entropy is not None else 0.0
         return TokenLoss(
-            loss, float((policy * mask).sum() / tokens), float((kl * mask).sum() / tokens), clip_fraction, mean_entropy
+            loss,
+            float((policy * per_token_mean).sum()),
+            float((kl * per_token_mean).sum()),
+            float(((clipped > unclipped) & real).to(logps.dtype).mul(per_token_mean).sum()),
+            float((dual & real).to(logps.dtype).mul(per_token_mean).sum()),
+            float((entropy * per_token_mean).sum()) if entropy is not None else 0.0,
         )

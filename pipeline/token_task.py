@@ -16,8 +16,8 @@ import torch
 
 from .digits import EOS, PAD, VOCAB, DigitProblem, verify
 from .model import PRESETS, TinyTransformer, completion_logps, generate
-from .task import LossReport, Scores, Task
-from .token_loss import group_advantages, token_grpo_loss
+from .task import LossReport, Scores, Task, loss_spec
+from .token_loss import group_advantages, token_grpo_loss, token_weights
 
 if TYPE_CHECKING:
     from .messages import Config
@@ -56,8 +56,15 @@ class DigitsTask(Task):
         self.max_new_tokens = config.max_new_tokens or self.problem.answer_length + 2
         if self.problem.prompt_length + self.max_new_tokens > preset.max_len or VOCAB > preset.vocab:
             raise ValueError(f"{config.task} with {config.digits} digits does not fit model preset {config.model!r}")
+        space = self.problem.space
+        if config.eval_size > space // 2:
+            raise ValueError(
+                f"--digits {config.digits}: {config.task} has {space} distinct prompts, too few for "
+                f"{config.eval_size} held-out ones and as many to train on (--eval-size at most {space // 2}, "
+                "or more digits)"
+            )
         generator = torch.Generator().manual_seed(EVAL_SEED + config.seed)
-        self.eval_prompts = self.problem.prompts(config.eval_size, generator)
+        self.eval_prompts = self.problem.prompts(config.eval_size, generator, distinct=True)
         self.held_out = {self.problem.key(prompt) for prompt in self.eval_prompts}
 
     def build_policy(self) -> torch.nn.Module:
@@ -98,25 +105,48 @@ class DigitsTask(Task):
         return logps * samples.mask
 
     def loss(
-        self, policy: torch.nn.Module, samples: TokenBatch, rewards: torch.Tensor, ref_logps: torch.Tensor
+        self,
+        policy: torch.nn.Module,
+        samples: TokenBatch,
+        rewards: torch.Tensor,
+        ref_logps: torch.Tensor | None,
+        rows: slice | None = None,
     ) -> LossReport:
+        config = self.config
+        spec = loss_spec(config, self.max_new_tokens)
+        mask = samples.mask
+        if config.mask_truncated:  # a completion cut off at the limit has no verdict on its end: it does not train
+            mask = mask * (~self.truncated(samples)).to(mask.dtype).unsqueeze(1)
+        part = slice(None) if rows is None else rows
+        advantages = group_advantages(rewards, samples.group, config.scale_rewards or "group")
+        weights = token_weights(mask, spec.kind, spec.max_length)
         logps, entropy = completion_logps(
             policy,  # type: ignore[arg-type]
-            samples.tokens,
+            samples.tokens[part],
             samples.prompts.shape[1],
-            self.config.temperature,
+            config.temperature,
         )
         out = token_grpo_loss(
             logps,
-            samples.logps,
-            ref_logps,
-            samples.mask,
-            group_advantages(rewards, samples.group),
-            clip=self.config.hyper("clip"),
-            kl_coeff=self.config.hyper("kl_coeff"),
+            samples.logps[part],
+            None if ref_logps is None else ref_logps[part],
+            mask[part],
+            advantages[part],
+            spec,
             entropy=entropy,
+            weights=weights[part],
+            tokens=float(mask.sum().clamp_min(1.0)),
         )
-        return LossReport(out.loss, out.policy_loss, out.kl, out.clip_fraction, out.entropy)
+        return LossReport(out.loss, out.policy_loss, out.kl, out.clip_fraction, out.entropy, out.dual_clip_fraction)
+
+    def rows(self, samples: TokenBatch) -> int:
+        return int(samples.tokens.shape[0])
+
+    @staticmethod
+    def truncated(samples: TokenBatch) -> torch.Tensor:
+        """[N] bool: completions that reached the length limit without their EOS."""
+        completions = samples.tokens[:, samples.prompts.shape[1] :]
+        return ~((completions == EOS) & (samples.mask > 0)).any(1)
 
     def evaluate(self, policy: torch.nn.Module) -> dict[str, float]:
         """Greedy exact match and mean reward on the held-out prompts."""

@@ -290,7 +290,7 @@ class WeightSource(Actor):
 
 # ---------------------------------------------------------------- pipeline roles for tests
 
-from pipeline import BanditTask, Generator, Scorer  # noqa: E402
+from pipeline import BanditTask, Generator, RefModel, Scorer  # noqa: E402
 
 
 class WideBandit(BanditTask):
@@ -307,6 +307,13 @@ class FailingScorer(Scorer):
         if self.seen == 20:
             raise RuntimeError("scorer exploded on purpose")
         return super().score(rollout)
+
+
+class ForbiddenRefModel(RefModel):
+    """A reference model that fails the run if it is ever built (a run with β = 0 must not build one)."""
+
+    def __init__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("a run without a KL term built a reference model")
 
 
 class HookedGenerator(Generator):

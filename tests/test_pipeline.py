@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from support import FailingScorer, HookedGenerator, ProbeGenerator, actor_pids, wait_for
+from support import FailingScorer, ForbiddenRefModel, HookedGenerator, ProbeGenerator, actor_pids, wait_for
 
 from pipeline import Config, PipelineError, Roles, run_pipeline
 from pipeline.checkpoint import load as load_checkpoint
@@ -33,8 +33,10 @@ FIELDS = {
     "actor/pg_loss",
     "actor/kl",
     "actor/clip_fraction",
+    "actor/dual_clip_fraction",
     "actor/entropy",
     "actor/grad_norm",
+    "actor/lr",
     "response_length/mean",
     "tokens/step",
     "staleness/lag",
@@ -106,12 +108,23 @@ async def test_sync_mode_is_on_policy(tmp_path, sockets_dir):
     assert {r["generator"] for r in rows} == {0, 1}, "sync mode takes turns over the generators"
 
 
-async def test_staleness_bound_is_enforced(tmp_path, sockets_dir):
-    config = Config(steps=60, task=BANDIT, generators=2, max_staleness=0, max_inflight=3, run_dir=str(tmp_path))
+async def test_without_a_kl_term_no_reference_model_runs(tmp_path, sockets_dir):
+    """β = 0: the scorer feeds the trainer; no RefModel process, no reference pass."""
+    config = Config(steps=30, task=BANDIT, kl_coeff=0.0, run_dir=str(tmp_path))
+    result = await run_pipeline(config, quiet=True, roles=Roles(ref=ForbiddenRefModel))
+    rows = read_rows(str(tmp_path))
+    assert result.steps == 30 and all(r["actor/kl"] == 0 and r["queue/ref"] == 0 for r in rows)
+
+
+@pytest.mark.parametrize("staleness", [0, 2])
+async def test_the_staleness_bound_holds_and_nothing_is_generated_to_be_dropped(tmp_path, sockets_dir, staleness):
+    config = Config(steps=60, task=BANDIT, generators=2, max_staleness=staleness, max_inflight=3, run_dir=str(tmp_path))
     result = await run_pipeline(config, quiet=True)
     rows = read_rows(str(tmp_path))
-    assert all(r["staleness/lag"] <= 0 for r in rows), "no rollout older than the bound is trained on"
-    assert result.dropped > 0 and rows[-1]["staleness/dropped"] == result.dropped
+    assert all(0 <= r["staleness/lag"] <= staleness for r in rows), "no rollout older than the bound is trained on"
+    assert result.dropped == 0 and rows[-1]["staleness/dropped"] == 0
+    assert sum(result.rollouts.values()) == 60, "one rollout per step: none wasted, none past the last step"
+    assert {r["generator"] for r in rows} == {0, 1}
 
 
 async def test_resume_continues_steps_and_versions(tmp_path, sockets_dir):

@@ -1,0 +1,251 @@
+"""GRPO's arithmetic on hand-computed batches: every loss variant, clip, dual clip, KL, masks, micro-batches,
+the behaviour log-probs under top-p, gradient clipping, the learning-rate schedule and bfloat16."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from pipeline import Config, DigitsTask, Learner, resolve, train_one_process
+from pipeline.digits import EOS, PAD
+from pipeline.learner import lr_factor
+from pipeline.model import completion_logps
+from pipeline.token_loss import LossSpec, group_advantages, token_grpo_loss, token_weights
+from pipeline.token_task import TokenBatch
+
+# Two completions of one prompt; the second is one token long. Ratios e^0.5, 1 | e^-0.5, (masked).
+MASK = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+ADVANTAGES = torch.tensor([1.0, -1.0])
+BEHAVIOUR = torch.tensor([[-1.0, -1.0], [-1.0, 0.0]])
+LOGPS = torch.tensor([[-0.5, -1.0], [-1.5, -7.0]])
+REF = torch.tensor([[-1.0, -1.0], [-1.0, -3.0]])
+# Policy terms: token 1: max(-1.6487, -1.2) = -1.2 (clipped); token 2: -1; token 3 (A = -1, ratio 0.6065):
+# max(0.6065, 0.8) = 0.8 (clipped). k3 with d = ref - logp = -0.5, 0, 0.5.
+POLICY = [-1.2, -1.0, 0.8]
+KL = [math.exp(-0.5) + 0.5 - 1, 0.0, math.exp(0.5) - 0.5 - 1]
+
+
+def loss(spec: LossSpec, **kwargs):  # type: ignore[no-untyped-def]
+    return token_grpo_loss(LOGPS, BEHAVIOUR, REF, MASK, ADVANTAGES, spec, **kwargs)
+
+
+def test_dapo_averages_every_token_of_the_batch():
+    out = loss(LossSpec(kind="dapo", kl_coeff=0.1))
+    assert out.policy_loss == pytest.approx(sum(POLICY) / 3, abs=1e-5)
+    assert out.kl == pytest.approx(sum(KL) / 3, abs=1e-5)
+    assert float(out.loss) == pytest.approx((sum(POLICY) + 0.1 * sum(KL)) / 3, abs=1e-5)
+    assert out.clip_fraction == pytest.approx(2 / 3) and out.dual_clip_fraction == 0
+
+
+def test_grpo_averages_each_completion_then_the_completions():
+    out = loss(LossSpec(kind="grpo", kl_coeff=0.1))
+    first = (POLICY[0] + POLICY[1] + 0.1 * (KL[0] + KL[1])) / 2
+    second = POLICY[2] + 0.1 * KL[2]
+    assert float(out.loss) == pytest.approx((first + second) / 2, abs=1e-5)
+    assert out.policy_loss == pytest.approx(sum(POLICY) / 3, abs=1e-5), "figures stay token means"
+
+
+def test_dr_grpo_divides_by_a_constant():
+    out = loss(LossSpec(kind="dr_grpo", kl_coeff=0.1, max_length=4))
+    assert float(out.loss) == pytest.approx((sum(POLICY) + 0.1 * sum(KL)) / (2 * 4), abs=1e-5)
+    no_limit = loss(LossSpec(kind="dr_grpo", kl_coeff=0.1))  # L defaults to the mask's width, 2
+    assert float(no_limit.loss) == pytest.approx((sum(POLICY) + 0.1 * sum(KL)) / (2 * 2), abs=1e-5)
+
+
+def test_clip_higher_raises_only_the_upper_bound():
+    out = loss(LossSpec(kind="dapo", clip_high=0.28))
+    assert out.policy_loss == pytest.approx((-1.28 - 1.0 + 0.8) / 3, abs=1e-5)
+
+
+def test_dual_clip_bounds_a_negative_advantage_with_a_large_ratio():
+    logps = torch.tensor([[math.log(5.0) - 1.0]], requires_grad=True)  # ratio 5 against behaviour -1
+    behaviour, ref, mask, advantage = torch.tensor([[-1.0]]), None, torch.ones(1, 1), torch.tensor([-1.0])
+    free = token_grpo_loss(logps, behaviour, ref, mask, advantage, LossSpec(dual_clip=0))
+    assert float(free.loss.detach()) == pytest.approx(5.0, abs=1e-5), "unbounded: -ratio * A"
+    held = token_grpo_loss(logps, behaviour, ref, mask, advantage, LossSpec(dual_clip=3.0))
+    assert float(held.loss.detach()) == pytest.approx(3.0, abs=1e-5) and held.dual_clip_fraction == 1.0
+    held.loss.backward()  # type: ignore[no-untyped-call]
+    assert logps.grad is not None and float(logps.grad) == 0.0, "the capped term is flat"
+    positive = token_grpo_loss(logps, behaviour, ref, mask, -advantage, LossSpec(dual_clip=3.0))
+    assert float(positive.loss.detach()) == pytest.approx(-1.2, abs=1e-5), "a positive advantage is never dual-clipped"
+
+
+def test_no_reference_means_no_kl_term():
+    out = token_grpo_loss(LOGPS, BEHAVIOUR, None, MASK, ADVANTAGES, LossSpec(kl_coeff=0.5))
+    assert out.kl == 0 and float(out.loss) == pytest.approx(sum(POLICY) / 3, abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    "scale, expected",
+    [
+        ("group", [1.0, -1.0, 0.0, 0.0]),
+        ("none", [0.5, -0.5, 0.0, 0.0]),
+        ("batch", [0.5 / math.sqrt(5.1875), -0.5 / math.sqrt(5.1875), 0.0, 0.0]),  # population std of 1, 0, 5, 5
+    ],
+)
+def test_reward_scaling(scale, expected):
+    advantages = group_advantages(torch.tensor([1.0, 0.0, 5.0, 5.0]), group=2, scale=scale)
+    torch.testing.assert_close(advantages, torch.tensor(expected), atol=1e-5, rtol=0)
+
+
+def test_padding_cannot_make_nan_whatever_it_holds():
+    """Padded positions with huge log-ratio and KL exponents: excluded before exp, so no inf * 0."""
+    mask = torch.tensor([[1.0, 0.0]])
+    logps = torch.tensor([[-0.5, -1000.0]], requires_grad=True)
+    behaviour = torch.tensor([[-0.5, -2000.0]])  # exp(1000) at the pad
+    ref = torch.tensor([[-0.5, 0.0]])  # exp(1000) at the pad again
+    out = token_grpo_loss(logps, behaviour, ref, mask, torch.tensor([1.0]), LossSpec(kl_coeff=0.1, dual_clip=0))
+    out.loss.backward()  # type: ignore[no-untyped-call]
+    assert math.isfinite(float(out.loss.detach())) and math.isfinite(out.kl) and math.isfinite(out.policy_loss)
+    assert logps.grad is not None and torch.isfinite(logps.grad).all() and logps.grad[0, 1] == 0
+
+
+def test_weights_of_each_variant_sum_as_their_normalisers_say():
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    assert float(token_weights(mask, "dapo").sum()) == pytest.approx(1.0)
+    assert float(token_weights(mask, "grpo").sum()) == pytest.approx(2 / 3), "an empty completion counts as 0"
+    assert float(token_weights(mask, "dr_grpo", 6).sum()) == pytest.approx(4 / 18)
+
+
+def _task(**settings) -> tuple[DigitsTask, torch.nn.Module, TokenBatch, torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
+    task = DigitsTask(resolve(Config(digits=3, prompts=6, group=4, eval_size=16, **settings)))
+    torch.manual_seed(0)
+    net = task.build_policy()
+    batch = task.sample(net, torch.Generator().manual_seed(0))
+    rewards = task.score(None, batch).rewards
+    ref = task.reference_logps(net, batch) - 0.05  # not the policy itself, so the KL term has a gradient
+    return task, net, batch, rewards, ref
+
+
+def _gradient(net: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for p in net.parameters() if p.grad is not None])
+
+
+@pytest.mark.parametrize("kind", ["grpo", "dr_grpo", "dapo"])
+def test_micro_batches_accumulate_the_whole_batchs_gradient(kind):
+    task, net, batch, rewards, ref = _task(loss=kind, micro_batch=5, mask_truncated=True)
+    whole = task.loss(net, batch, rewards, ref)
+    whole.loss.backward()  # type: ignore[no-untyped-call]
+    expected = _gradient(net)
+    net.zero_grad()
+    parts = task.micro_batches(batch, 5)
+    assert len(parts) == 5, "24 samples in micro-batches of 5"
+    total = None
+    for rows in parts:
+        report = task.loss(net, batch, rewards, ref, rows)
+        report.loss.backward()  # type: ignore[no-untyped-call]
+        total = report if total is None else total.add(report)
+    assert total is not None
+    torch.testing.assert_close(_gradient(net), expected, atol=1e-6, rtol=0)
+    assert float(total.loss) == pytest.approx(float(whole.loss.detach()), abs=1e-6)
+    for name in ("policy_loss", "kl", "clip_fraction", "entropy"):
+        assert getattr(total, name) == pytest.approx(getattr(whole, name), abs=1e-6), name
+
+
+def test_the_learner_steps_in_micro_batches_as_in_one():
+    updates = []
+    for micro in (0, 7):
+        task, _, batch, rewards, ref = _task(micro_batch=micro, lr=1e-2)
+        learner = Learner(task, torch.device("cpu"))
+        updates.append((learner.update(batch, rewards, ref), _gradient(learner.policy)))
+    (whole, whole_gradient), (parts, parts_gradient) = updates
+    assert parts.grad_norm == pytest.approx(whole.grad_norm, abs=1e-6)
+    torch.testing.assert_close(parts_gradient, whole_gradient, atol=1e-6, rtol=0)
+    assert float(parts.report.loss) == pytest.approx(float(whole.report.loss), abs=1e-6)
+
+
+def test_mask_truncated_takes_cut_off_completions_out_of_the_loss():
+    task, net, batch, rewards, ref = _task(mask_truncated=True, max_new_tokens=4)
+    truncated = task.truncated(batch)
+    assert truncated.any() and not truncated.all(), "the random policy ends some completions in time, not all"
+    before = float(task.loss(net, batch, rewards, ref).loss.detach())
+    changed = dataclasses.replace(batch, logps=batch.logps - 0.3 * truncated.unsqueeze(1).float())
+    assert float(task.loss(net, changed, rewards, ref).loss.detach()) == pytest.approx(before, abs=1e-7)
+    task.config = dataclasses.replace(task.config, mask_truncated=False)
+    assert float(task.loss(net, changed, rewards, ref).loss.detach()) != pytest.approx(before, abs=1e-4), (
+        "without the flag they train"
+    )
+
+
+def test_truncated_means_no_eos_within_the_limit():
+    prompts = torch.tensor([[11, 1, 2, 12]] * 3)
+    tokens = torch.cat([prompts, torch.tensor([[1, 2, EOS], [1, 2, 3], [EOS, PAD, PAD]])], dim=1)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    batch = TokenBatch(prompts, tokens, torch.zeros(3, 3), mask, group=3)
+    assert DigitsTask.truncated(batch).tolist() == [False, True, False]
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.7, 0.9, 1.0])
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_the_ratio_is_one_at_lag_zero_whatever_the_sampling(top_p, temperature):
+    """The generator's behaviour log-probs are the trainer's log-probs of the same policy."""
+    task = DigitsTask(resolve(Config(digits=4, prompts=16, group=8, top_p=top_p, temperature=temperature)))
+    torch.manual_seed(1)
+    net = task.build_policy().eval()
+    with torch.no_grad():
+        for p in net.parameters():  # a sharper policy than the initial one: the nucleus then cuts
+            p.mul_(4.0)
+    batch = task.sample(net, torch.Generator().manual_seed(2))
+    logps, _ = completion_logps(net, batch.tokens, batch.prompts.shape[1], temperature)  # type: ignore[arg-type]
+    ratio = torch.where(batch.mask > 0, (logps - batch.logps).exp(), torch.ones_like(logps))
+    assert (ratio - 1).abs().max() < 1e-5
+
+
+def test_gradients_are_clipped_and_the_norm_before_is_reported():
+    task, _, batch, rewards, ref = _task(max_grad_norm=1e-3)
+    learner = Learner(task, torch.device("cpu"))
+    update = learner.update(batch, rewards, ref)
+    after = float(torch.linalg.vector_norm(_gradient(learner.policy)))
+    assert update.grad_norm > 1e-2 and after == pytest.approx(1e-3, rel=1e-3)
+    unclipped = Learner(_task(max_grad_norm=0)[0], torch.device("cpu"))
+    assert unclipped.update(batch, rewards, ref).grad_norm == pytest.approx(update.grad_norm, rel=1e-5)
+    assert float(torch.linalg.vector_norm(_gradient(unclipped.policy))) == pytest.approx(update.grad_norm, rel=1e-5)
+
+
+def test_learning_rate_schedules():
+    cosine = lr_factor(Config(steps=10, warmup_steps=2, lr_schedule="cosine"))
+    assert [round(cosine(s), 4) for s in range(11)] == [
+        0.5,
+        1.0,
+        1.0,
+        round(0.5 * (1 + math.cos(math.pi / 8)), 4),
+        round(0.5 * (1 + math.cos(math.pi * 2 / 8)), 4),
+        round(0.5 * (1 + math.cos(math.pi * 3 / 8)), 4),
+        0.5,
+        round(0.5 * (1 + math.cos(math.pi * 5 / 8)), 4),
+        round(0.5 * (1 + math.cos(math.pi * 6 / 8)), 4),
+        round(0.5 * (1 + math.cos(math.pi * 7 / 8)), 4),
+        0.0,
+    ]
+    constant = lr_factor(Config(steps=10, warmup_steps=4))
+    assert [constant(s) for s in (0, 1, 3, 4, 9)] == [0.25, 0.5, 1.0, 1.0, 1.0]
+    task, _, batch, rewards, ref = _task(lr=1e-2, steps=4, lr_schedule="cosine", warmup_steps=1)
+    learner = Learner(task, torch.device("cpu"))
+    lrs = [learner.update(batch, rewards, ref).lr for _ in range(4)]
+    assert lrs == pytest.approx([1e-2, 1e-2, 0.75e-2, 0.25e-2], abs=1e-9), "each step reports the rate it used"
+    resumed = Learner(task, torch.device("cpu"))
+    resumed.load_state(learner.state())
+    assert resumed.optim.param_groups[0]["lr"] == learner.optim.param_groups[0]["lr"], "a checkpoint keeps it"
+
+
+def test_bfloat16_trains_under_autocast_and_keeps_float32_weights():
+    task, _, batch, rewards, ref = _task(dtype="bfloat16", lr=1e-2)
+    learner = Learner(task, torch.device("cpu"))
+    before = {name: value.clone() for name, value in learner.policy.state_dict().items()}
+    update = learner.update(batch, rewards, ref)
+    assert math.isfinite(float(update.report.loss)) and update.grad_norm > 0
+    state = learner.policy.state_dict()
+    assert all(value.dtype == torch.float32 for value in state.values()), "weights stay (and publish) in float32"
+    assert any(not torch.equal(state[name], before[name]) for name in state)
+
+
+def test_one_process_training_without_a_kl_term_builds_no_reference(monkeypatch):
+    def no_reference(self):  # type: ignore[no-untyped-def]
+        raise AssertionError("β = 0 must not build a reference model")
+
+    monkeypatch.setattr(Learner, "reference", no_reference)
+    result = train_one_process(Config(task="bandit", steps=20, kl_coeff=0.0))
+    assert result.steps == 20

@@ -1,0 +1,116 @@
+"""Settings no run can train with are refused before anything starts: one line, a non-zero exit, no traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from support import actor_pids
+
+from pipeline import Config, DigitsTask, resolve
+from pipeline.grpo import main, parse_args
+from pipeline.settings import SettingsError, check_settings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--group", "1"], "--group 1: GRPO needs at least 2 samples per prompt"),
+        (["--temperature", "0"], "--temperature 0.0: training samples at a temperature above 0"),
+        (["--prompts", "0"], "--prompts 0: must be at least 1"),
+        (["--top-p", "0"], "--top-p 0.0: the nucleus mass must be in (0, 1]"),
+        (["--top-p", "1.5"], "--top-p 1.5: the nucleus mass must be in (0, 1]"),
+        (["--clip", "1.5"], "--clip 1.5: the ratio clip must be in (0, 1)"),
+        (["--dual-clip", "0.5"], "--dual-clip 0.5: the dual clip C must be above 1 (or 0: off)"),
+        (["--epsilon-high", "0"], "--epsilon-high 0.0: the clip's upper bound must be above 0"),
+        (["--lr", "0"], "--lr 0.0: the learning rate must be above 0"),
+        (["--kl-coeff", "-0.1"], "--kl-coeff -0.1: must be at least 0"),
+        (["--max-staleness", "-1"], "--max-staleness -1: must be at least 0"),
+        (["--micro-batch", "-2"], "--micro-batch -2: must be at least 0"),
+        (["--max-grad-norm", "-1"], "--max-grad-norm -1.0: must be at least 0 (0 turns clipping off)"),
+        (["--generators", "0"], "--generators 0: must be at least 1"),
+        (["--resume", "no/such/run"], "--resume no/such/run: no such folder"),
+    ],
+)
+def test_a_setting_that_cannot_train_is_one_line_and_exit_2(tmp_path, capsys, flags, message):
+    run_dir = tmp_path / "run"
+    code = main([*flags, "--run-dir", str(run_dir), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"error: {message}"), err
+    assert err.count("\n") == 1 and not run_dir.exists()
+
+
+def test_resume_of_a_folder_that_is_no_run(tmp_path, capsys):
+    assert main(["--resume", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"error: --resume {tmp_path}: not a run folder (it has no config.json)\n"
+    (tmp_path / "config.json").write_text("{not json")
+    assert main(["--resume", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: --resume {tmp_path}: its config.json cannot be read")
+
+
+@pytest.mark.parametrize("digits, eval_size", [(1, 256), (2, 256), (2, 51), (3, 501)])
+def test_a_prompt_space_too_small_for_both_sets_is_refused_before_anything_starts(tmp_path, capsys, digits, eval_size):
+    before = actor_pids()
+    run_dir = tmp_path / "run"
+    code = main(["--digits", str(digits), "--eval-size", str(eval_size), "--run-dir", str(run_dir), "--quiet"])
+    err = capsys.readouterr().err
+    space = 10**digits
+    assert code == 1 and err.count("\n") == 1, err
+    assert f"reverse has {space} distinct prompts, too few for {eval_size} held-out ones" in err
+    assert f"--eval-size at most {space // 2}" in err
+    assert actor_pids() == before
+
+
+@pytest.mark.parametrize("digits, eval_size", [(1, 5), (2, 50)])
+def test_a_small_prompt_space_splits_into_disjoint_held_out_and_training_sets(digits, eval_size):
+    task = DigitsTask(resolve(Config(digits=digits, eval_size=eval_size, prompts=64)))
+    assert len(task.held_out) == eval_size, "the held-out prompts are distinct"
+    batch = task.sample(task.build_policy(), torch.Generator().manual_seed(0))
+    drawn = {task.problem.key(prompt) for prompt in batch.prompts}
+    assert drawn and not drawn & task.held_out
+    assert len(drawn) <= 10**digits - eval_size
+
+
+def test_every_setting_a_run_refuses_is_refused_by_the_api_too():
+    with pytest.raises(SettingsError, match="--group 1"):
+        check_settings(Config(group=1))
+    with pytest.raises(SettingsError, match="--loss ppo: choose one of grpo, dr_grpo, dapo"):
+        check_settings(Config(loss="ppo"))  # type: ignore[arg-type]
+    with pytest.raises(SettingsError, match="--scale-rewards mean: choose one of group, batch, none"):
+        check_settings(Config(scale_rewards="mean"))  # type: ignore[arg-type]
+    check_settings(Config())  # the defaults train
+
+
+def test_new_flags_reach_the_config_and_its_resolved_defaults():
+    config, _ = parse_args(
+        ["--loss", "dr_grpo", "--clip", "0.1", "--mask-truncated", "--micro-batch", "64", "--kl-coeff", "0"]
+    )
+    resolved = resolve(config)
+    assert (resolved.loss, resolved.scale_rewards, resolved.epsilon_high) == ("dr_grpo", "none", 0.1)
+    assert resolved.mask_truncated and resolved.micro_batch == 64 and resolved.kl_coeff == 0
+    assert (resolved.dual_clip, resolved.max_grad_norm, resolved.lr_schedule, resolved.dtype) == (
+        3.0,
+        1.0,
+        "constant",
+        "float32",
+    )
+    assert resolve(parse_args([])[0]).scale_rewards == "group"
+
+
+def test_the_command_line_refuses_with_one_line_and_no_traceback(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), ROOT]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline.grpo", "--group", "1", "--run-dir", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --group 1:") and proc.stderr.count("\n") == 1
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
