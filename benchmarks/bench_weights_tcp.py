@@ -175,7 +175,9 @@ def main() -> None:
     if not args.json:
         print(f"weights over tcp, {args.mb} MiB, {result['where']}, median of {args.repeats}:")
         print(f"  fetch   {result['fetch_s'] * 1e3:8.1f} ms  {result['fetch_gib_s']:6.2f} GiB/s  (transport)")
-        print(f"  raw     {result['raw_s'] * 1e3:8.1f} ms  {result['raw_gib_s']:6.2f} GiB/s  (baseline, same processes)")
+        print(
+            f"  raw     {result['raw_s'] * 1e3:8.1f} ms  {result['raw_gib_s']:6.2f} GiB/s  (baseline, same processes)"
+        )
         print(f"  ratio   {result['ratio_vs_raw']:.2f}x raw throughput (goal >= 0.7x)")
         print(f"  publish {result['publish_s'] * 1e3:8.1f} ms  (trainer: staging copy + chunk CRCs)")
     print(json.dumps(result))

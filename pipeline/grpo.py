@@ -232,13 +232,19 @@ async def run_pipeline(
     cluster: RayHostMesh | None = None
     try:
         head, everywhere, cluster, head_described = await _hosts(config)
-        trainer_procs = head.spawn_procs(per_host={"procs": 1}, name="trainer")
-        scorer_procs = head.spawn_procs(per_host={"procs": 1}, name="scorer")
-        ref_procs = head.spawn_procs(per_host={"procs": 1}, name="ref") if uses_reference(config) else None
+        # torch threads are set where the processes start: a worker with more than one is forked from a fresh
+        # forkserver (GNU OpenMP hangs in a child of a process that already ran its thread pool)
+        threads = config.threads
+        trainer_procs = head.spawn_procs(per_host={"procs": 1}, name="trainer", threads=threads)
+        scorer_procs = head.spawn_procs(per_host={"procs": 1}, name="scorer", threads=threads)
+        ref_procs = (
+            head.spawn_procs(per_host={"procs": 1}, name="ref", threads=threads) if uses_reference(config) else None
+        )
         per_host = config.generators // (len(cluster.hosts) if cluster is not None else 1)
         gen_procs = everywhere.spawn_procs(
             per_host={"procs": per_host},
             name="generators",
+            threads=threads,
             restart="on-failure" if config.generator_restarts > 0 else "never",
             max_restarts=max(1, config.generator_restarts),
             restart_period=60.0,

@@ -156,7 +156,7 @@ class Config:
     steps: int = 1000
     generators: int = 2
     mode: Mode = "async"
-    max_staleness: int = 1  # the oldest a trained rollout may be, in policy versions (0: on-policy)
+    max_staleness: int = 2  # the oldest a trained rollout may be, in policy versions (0: on-policy)
     transport: str = "shm"
     seed: int = 0
     lr: float | None = None

@@ -14,7 +14,7 @@ import pytest
 import torch
 from support import FailingScorer, ForbiddenRefModel, HookedGenerator, ProbeGenerator, actor_pids, wait_for
 
-from pipeline import Config, PipelineError, Roles, run_pipeline
+from pipeline import Config, DigitsTask, PipelineError, Roles, run_pipeline
 from pipeline.checkpoint import load as load_checkpoint
 from pipeline.metrics import read_rows
 
@@ -91,11 +91,20 @@ def test_the_default_run_learns_the_digit_task_and_writes_its_outputs(tmp_path):
     assert rows[0]["reward/mean"] < 0.3 < rows[-1]["reward/mean"]
     assert all(r["tokens/step"] > 0 and 1 <= r["response_length/mean"] <= 8 for r in rows)
     assert all(0 <= r["perf/trainer_idle_ratio"] <= 1 and 0 <= r["perf/generator_idle_ratio"] <= 1 for r in rows)
-    assert all(r["staleness/max"] <= 8 and r["actor/kl"] >= 0 for r in rows)
+    assert all(r["staleness/max"] <= Config().max_staleness and r["actor/kl"] >= 0 for r in rows)
+    assert rows[-1]["staleness/dropped"] == 0, "nothing is generated to be dropped"
     assert any(r["timing/delivery_ms"] is not None for r in rows), "generators report when updates reached them"
     assert (run_dir / "learning_curve.png").stat().st_size > 10_000
     saved = json.loads((run_dir / "config.json").read_text())
-    assert saved["task"] == "reverse" and saved["lr"] == 1e-3, "the task's defaults are recorded"
+    assert saved["task"] == "reverse" and saved["lr"] == DigitsTask.defaults["lr"], "the task's defaults are recorded"
+    assert (saved["loss"], saved["scale_rewards"], saved["epsilon_high"], saved["dual_clip"]) == (
+        "dapo",
+        "group",
+        saved["clip"],
+        3.0,
+    ), "every setting of the run is recorded, resolved"
+    for name in ("mask_truncated", "micro_batch", "max_grad_norm", "lr_schedule", "warmup_steps", "dtype"):
+        assert name in saved, name
     state = load_checkpoint(str(run_dir))
     assert state["step"] == len(rows) and state["version"] == len(rows)
 
@@ -140,6 +149,21 @@ async def test_resume_continues_steps_and_versions(tmp_path, sockets_dir):
     after = load_checkpoint(str(tmp_path))
     assert torch.equal(after["ref"]["embed.weight"], before["ref"]["embed.weight"]), "the reference stays frozen"
     assert not torch.equal(after["policy"]["embed.weight"], before["policy"]["embed.weight"])
+
+
+def test_roles_with_several_torch_threads_start_after_the_program_ran_its_own_pool(tmp_path):
+    """A program that ran torch on 2 threads, then a run with --threads 2: no worker hangs on the inherited pool."""
+    script = (
+        "import torch, uvloop\n"
+        "from pipeline import Config, run_pipeline\n"
+        "torch.set_num_threads(2)\n"
+        "torch.ones(512, 512) @ torch.ones(512, 512)  # starts the OpenMP pool in this process\n"
+        f"config = Config(task='bandit', steps=10, threads=2, run_dir={str(tmp_path)!r})\n"
+        "print('steps', uvloop.run(run_pipeline(config, quiet=True)).steps)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), ROOT]))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=90)
+    assert proc.returncode == 0 and "steps 10" in proc.stdout, proc.stdout + proc.stderr
 
 
 def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
