@@ -29,6 +29,7 @@ RESULTS: list[dict[str, object]] = []
 class Where(Actor):
     def __init__(self, tag: str = "") -> None:
         self.tag = tag
+        self.hung = asyncio.Event()
 
     @endpoint
     async def where(self) -> list[object]:
@@ -40,7 +41,13 @@ class Where(Actor):
 
     @endpoint
     async def hang(self) -> None:
+        self.hung.set()
         await asyncio.Event().wait()  # answers only by its process dying
+
+    @endpoint
+    async def hanging(self) -> None:
+        """Answer once a ``hang`` call is running here (endpoints run concurrently)."""
+        await self.hung.wait()
 
     @endpoint
     async def address(self) -> str:
@@ -489,7 +496,10 @@ async def child_elsewhere_hears_of_a_death_on_its_parents_node(address):  # type
             f"worker and peer on one node, the child on another: {here}, {before}, {child}"
         )
         await parent.child_remember.call_one(peer)
-        waited = await kill_while_waiting(before[0], parent.child_waits_on_remembered.call_one())
+        # The call must be in the peer before the kill: sent later, it would reach the replacement and hang there.
+        waited = await kill_while_waiting(
+            before[0], parent.child_waits_on_remembered.call_one(), arrived=peer.hanging.call_one()
+        )
         await asyncio.wait_for(restarted.wait(), 30)
         after = await asyncio.wait_for(peer.where.call_one(), 30)  # the replacement has its actor again
         started = time.monotonic()
@@ -500,9 +510,15 @@ async def child_elsewhere_hears_of_a_death_on_its_parents_node(address):  # type
         await procs.stop()
 
 
-async def kill_while_waiting(pid: int, wait: Any) -> dict[str, object]:
-    """Kill ``pid`` while ``wait`` (a call ending only by that death) runs; it must fail within 2 s."""
+async def kill_while_waiting(pid: int, wait: Any, arrived: Any = None) -> dict[str, object]:
+    """Kill ``pid`` while ``wait`` (a call ending only by that death) runs; it must fail within 2 s.
+
+    ``arrived``, if given, is awaited before the kill: a call answering once
+    the wait has reached its target.
+    """
     waiting = asyncio.ensure_future(wait)
+    if arrived is not None:
+        await asyncio.wait_for(arrived, 30)
     started = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     outcome = await asyncio.wait_for(waiting, 10)
