@@ -77,7 +77,7 @@ class BanditTask(Task):
         """A random state on ``generator``'s device."""
         return torch.randn(self.state_dim, generator=generator, device=generator.device)
 
-    def sample(self, policy: torch.nn.Module, generator: torch.Generator) -> BanditSamples:
+    def sample(self, policy: torch.nn.Module, generator: torch.Generator, ticket: int = 0) -> BanditSamples:
         state = self.sample_state(generator)
         with torch.no_grad():
             logps = torch.log_softmax(policy(state), dim=-1)

@@ -15,7 +15,6 @@ SIGTERM (both after a final checkpoint).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import atexit
 import contextlib
@@ -33,14 +32,13 @@ import uvloop
 from actors import ActorDied, ActorError, ActorsError, Channel, Failure, HostMesh, PortClosed, ProcMesh, this_host
 
 from . import checkpoint
+from .cli import parse_args
 from .messages import Config, StepReport
 from .metrics import MetricsLog, Progress, plot
-from .model import PRESETS
-from .placement import ROLES, check_placement
+from .placement import check_placement
 from .roles import Generator, RefModel, Scorer, uses_reference
 from .settings import SettingsError, check_settings
-from .task import load_task, resolve, task_class
-from .token_loss import LOSSES, REWARD_SCALES
+from .task import load_task, resolve
 from .trainer import Trainer
 
 if TYPE_CHECKING:
@@ -82,10 +80,6 @@ class RunResult:
     @property
     def steps_per_second(self) -> float:
         return self.steps / self.seconds if self.seconds else 0.0
-
-
-def _default_run_dir() -> str:
-    return os.path.join("runs", time.strftime("grpo-%Y%m%d-%H%M%S"))
 
 
 #: How long a role that failed because a peer's port closed waits for that peer's own failure to be named.
@@ -368,216 +362,6 @@ async def run_pipeline(
             await cluster.shutdown_async()
         with contextlib.suppress(Exception):
             plot(config.run_dir)
-
-
-def _target(value: str) -> float | str | None:
-    if value in ("none", "auto"):
-        return None if value == "none" else "auto"
-    try:
-        return float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a number, 'none' or 'auto'") from None
-
-
-def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.grpo", description=__doc__.splitlines()[0])
-    task = parser.add_argument_group("task")
-    task.add_argument(
-        "--task", default="reverse", help="reverse (default), sort, add, bandit, or a Task subclass as module:Class"
-    )
-    task.add_argument("--digits", type=int, default=6, help="digit tasks: digits per input (default 6)")
-    task.add_argument("--model", choices=list(PRESETS), default="tiny", help="digit tasks: model preset (default tiny)")
-    task.add_argument("--prompts", type=int, default=32, help="prompts per rollout, one trainer step (default 32)")
-    task.add_argument("--group", type=int, default=8, help="samples per prompt, the GRPO group (default 8)")
-    task.add_argument("--max-new-tokens", type=int, default=0, help="completion limit (default: answer length + 2)")
-    task.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1)")
-    task.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: off)")
-    task.add_argument("--eval-size", type=int, default=256, help="held-out prompts per evaluation (default 256)")
-    task.add_argument("--eval-every", type=int, default=10, help="evaluate every N steps (default 10)")
-    train = parser.add_argument_group("training")
-    train.add_argument("--steps", type=int, default=1000, help="most trainer steps (default 1000)")
-    train.add_argument(
-        "--target-score",
-        type=_target,
-        default="auto",
-        help="stop once the task's held-out metric reaches this; 'none' runs every step "
-        "(default: the task's own target, 0.99 exact match for the digit tasks)",
-    )
-    digits = task_class("reverse").defaults
-    train.add_argument(
-        "--lr", type=float, help=f"Adam learning rate (default: the task's, {digits['lr']:g} for the digit tasks)"
-    )
-    train.add_argument(
-        "--kl-coeff",
-        type=float,
-        help=f"β, weight of the k3 KL to the reference; 0 runs no reference model (default: the task's, "
-        f"{digits['kl_coeff']:g} for the digit tasks)",
-    )
-    train.add_argument("--clip", type=float, help=f"PPO ratio clip ε (default: the task's, {digits['clip']:g})")
-    train.add_argument("--epsilon-high", type=float, help="upper ratio clip, 1 + ε_high (clip-higher; default: ε)")
-    train.add_argument(
-        "--dual-clip", type=float, default=3.0, help="a negative advantage's term is at most C·|A| (default 3; 0: off)"
-    )
-    train.add_argument(
-        "--loss",
-        choices=LOSSES,
-        default="dapo",
-        help="how token terms are averaged: grpo (per completion, then over completions), dr_grpo (constant "
-        "normaliser, no std scaling), dapo (over every token of the batch; default)",
-    )
-    train.add_argument(
-        "--scale-rewards",
-        choices=REWARD_SCALES,
-        help="divide centred rewards by the group's std, the batch's, or nothing (default: none for dr_grpo, "
-        "else group)",
-    )
-    train.add_argument(
-        "--mask-truncated", action="store_true", help="completions that hit the length limit do not train"
-    )
-    train.add_argument(
-        "--micro-batch",
-        type=int,
-        default=0,
-        help="samples per forward/backward pass, gradients accumulated (default 0: the whole rollout at once)",
-    )
-    train.add_argument(
-        "--max-grad-norm", type=float, default=1.0, help="clip the gradient's L2 norm (default 1.0; 0: off)"
-    )
-    train.add_argument(
-        "--lr-schedule", choices=["constant", "cosine"], default="constant", help="cosine: decay to 0 at --steps"
-    )
-    train.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up (default 0)")
-    train.add_argument(
-        "--dtype",
-        choices=["float32", "bfloat16"],
-        default="float32",
-        help="trainer compute precision (bfloat16: autocast; weights stay and are published in float32)",
-    )
-    train.add_argument("--seed", type=int, default=0)
-    pipe = parser.add_argument_group("pipeline")
-    pipe.add_argument("--generators", type=int, default=2, help="generator actors (default 2)")
-    pipe.add_argument("--mode", choices=["async", "sync"], default="async", help="async (default) or lock-step sync")
-    defaults = Config()
-    pipe.add_argument(
-        "--max-staleness",
-        type=int,
-        default=defaults.max_staleness,
-        help="the oldest a trained rollout may be, in policy versions: generators wait for newer weights rather "
-        f"than draw a rollout that would be older (0: on-policy; default {defaults.max_staleness})",
-    )
-    pipe.add_argument(
-        "--max-inflight",
-        type=int,
-        default=defaults.max_inflight,
-        help=f"rollouts a generator may have granted and not yet trained (default {defaults.max_inflight})",
-    )
-    pipe.add_argument("--threads", type=int, default=1, help="torch threads per role process (default 1)")
-    pipe.add_argument("--transport", choices=["shm", "cuda-ipc", "local"], default="shm", help="weight transport")
-    pipe.add_argument("--device", default="cpu", help="device of every role: cpu, cuda or cuda:N (default cpu)")
-    for role, name in zip(ROLES, ("trainer", "generators", "scorer", "reference model"), strict=True):
-        pipe.add_argument(f"--{role}-device", metavar="DEVICE", help=f"device of the {name} (overrides --device)")
-    pipe.add_argument(
-        "--weights-install",
-        choices=["copy", "alias"],
-        default="copy",
-        help="generators copy each update into their parameters (default) or alias them to it (zero-copy)",
-    )
-    pipe.add_argument(
-        "--ray",
-        metavar="ADDRESS",
-        default="",
-        help="run on a Ray cluster ('auto': the one this machine joined): trainer, scorer and reference on one "
-        "node, generators spread over the nodes, weights over tcp between nodes (needs the ray extra)",
-    )
-    pipe.add_argument("--ray-hosts", type=int, default=0, help="Ray nodes to use (default: every live node)")
-    pipe.add_argument(
-        "--generator-restarts", type=int, default=3, help="restarts of a dead generator allowed per minute (0: none)"
-    )
-    run = parser.add_argument_group("run")
-    run.add_argument("--run-dir", help="where outputs go (default runs/grpo-<time>)")
-    run.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last checkpoint")
-    run.add_argument("--quiet", action="store_true", help="no live progress line")
-    return parser
-
-
-def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
-    """The run's config from the command line; a setting no run can train with is a :class:`SettingsError`."""
-    parser = _build_parser()
-    args = parser.parse_args(argv)
-    if args.resume:
-        config = _resumed(args, argv if argv is not None else sys.argv)
-    else:
-        try:
-            target = task_class(args.task).target if args.target_score == "auto" else args.target_score
-        except (ImportError, AttributeError, TypeError, ValueError) as exc:
-            parser.error(f"--task {args.task}: {exc}")
-        config = Config(
-            task=args.task,
-            digits=args.digits,
-            model=args.model,
-            prompts=args.prompts,
-            group=args.group,
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            eval_size=args.eval_size,
-            eval_every=args.eval_every,
-            steps=args.steps,
-            target_score=target,
-            lr=args.lr,
-            kl_coeff=args.kl_coeff,
-            clip=args.clip,
-            epsilon_high=args.epsilon_high,
-            dual_clip=args.dual_clip,
-            loss=args.loss,
-            scale_rewards=args.scale_rewards,
-            mask_truncated=args.mask_truncated,
-            micro_batch=args.micro_batch,
-            max_grad_norm=args.max_grad_norm,
-            lr_schedule=args.lr_schedule,
-            warmup_steps=args.warmup_steps,
-            dtype=args.dtype,
-            seed=args.seed,
-            generators=args.generators,
-            mode=args.mode,
-            max_staleness=args.max_staleness,
-            max_inflight=args.max_inflight,
-            threads=args.threads,
-            transport=args.transport,
-            generator_restarts=args.generator_restarts,
-            run_dir=args.run_dir or _default_run_dir(),
-            device=args.device,
-            devices=_role_devices(args),
-            install=args.weights_install,
-            ray=args.ray,
-            ray_hosts=args.ray_hosts,
-        )
-    check_settings(config)
-    return config, args
-
-
-def _resumed(args: argparse.Namespace, given: list[str]) -> Config:
-    """The config of the run ``--resume`` names, with the flags a resumed run may change."""
-    saved = os.path.join(args.resume, "config.json")
-    if not os.path.isdir(args.resume):
-        raise SettingsError(f"--resume {args.resume}: no such folder")
-    if not os.path.exists(saved):
-        raise SettingsError(f"--resume {args.resume}: not a run folder (it has no config.json)")
-    try:
-        with open(saved) as f:
-            config = Config.from_dict(json.load(f))
-    except (OSError, ValueError, TypeError) as exc:
-        raise SettingsError(f"--resume {args.resume}: its config.json cannot be read ({exc})") from None
-    config.run_dir = args.resume
-    for flag, attr in (("--steps", "steps"), ("--target-score", "target_score"), ("--device", "device")):
-        if flag in given and getattr(args, attr) != "auto":
-            setattr(config, attr, getattr(args, attr))
-    config.devices.update(_role_devices(args))
-    return config
-
-
-def _role_devices(args: argparse.Namespace) -> dict[str, str]:
-    return {role: device for role in ROLES if (device := getattr(args, f"{role}_device")) is not None}
 
 
 async def _until_terminated(run: Coroutine[Any, Any, RunResult]) -> RunResult:

@@ -100,6 +100,13 @@ class Learner:
             raise KeyError(f"{type(self.task).__name__}.evaluate must report {self.task.primary!r}")
         return metrics
 
+    async def evaluate_async(self) -> dict[str, float]:
+        """:meth:`evaluate` on an event loop (the task's reward functions are awaited)."""
+        metrics = await self.task.evaluate_async(self.policy)
+        if self.task.primary not in metrics:
+            raise KeyError(f"{type(self.task).__name__}.evaluate must report {self.task.primary!r}")
+        return metrics
+
     def reference(self) -> torch.nn.Module:
         """A frozen copy of the initial policy (the one-process baseline's RefModel)."""
         model = self.task.build_policy().to(self.device)

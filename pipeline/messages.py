@@ -83,6 +83,7 @@ class ScoredRollout:
     scorer_queue: int = 0  # scorer's backlog when it forwarded this
     ref_logps: torch.Tensor | None = None
     ref_queue: int = 0  # reference model's backlog when it forwarded this
+    reward_components: dict[str, float] = field(default_factory=dict)  # each reward function's mean
 
 
 @dataclass
@@ -134,6 +135,7 @@ class StepReport:
     ref_queue: int
     dual_clip_fraction: float = 0.0
     lr: float = 0.0  # the learning rate this step used
+    reward_components: dict[str, float] = field(default_factory=dict)  # each reward function's mean
 
 
 @dataclass
@@ -144,9 +146,18 @@ class Config:
     (:attr:`pipeline.task.Task.defaults`) when the run starts.
     """
 
-    task: str = "reverse"  # reverse | sort | add | bandit | module:Class
+    task: str = "reverse"  # reverse | sort | add | bandit | hf | module:Class
     digits: int = 6  # digit tasks: input length
-    model: str = "tiny"  # digit tasks: model preset (pipeline.model.PRESETS)
+    model: str = "tiny"  # a preset (pipeline.model.PRESETS), or for ``hf`` a Hugging Face model folder or name
+    dataset: str = ""  # hf: a .jsonl/.json/.parquet/.csv file or a Hub dataset name
+    dataset_split: str = "train"  # hf: the split of a Hub dataset
+    prompt_column: str = "prompt"  # hf: text, or a list of chat messages
+    eval_dataset: str = ""  # hf: held-out prompts; "" holds out ``eval_fraction`` of ``dataset``
+    eval_fraction: float = 0.1
+    rewards: list[str] = field(default_factory=list)  # hf: module:function | file.py:function | built-in [=weight]
+    reward_timeout: float = 60.0  # hf: the most seconds one reward function may take on one batch
+    log_completions: int = 0  # hf: held-out (prompt, completion, rewards) rows appended per evaluation
+    top_k: int = 0  # 0: off
     prompts: int = 32  # prompts per rollout (one trainer step)
     group: int = 8  # samples per prompt (GRPO group)
     max_new_tokens: int = 0  # 0: the answer's length + 2

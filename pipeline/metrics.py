@@ -100,6 +100,8 @@ def metric_row(report: StepReport, windowed: dict[str, float]) -> dict[str, Any]
         "queue/scorer": report.scorer_queue,
         "queue/ref": report.ref_queue,
     }
+    for name, value in report.reward_components.items():  # one per reward function, as TRL logs them
+        row[f"reward/{name}"] = value
     row.update({name: round(value, 6) for name, value in windowed.items()})
     for name, value in (report.evaluation or {}).items():
         row[f"eval/{name}"] = value
@@ -234,6 +236,10 @@ def plot(run_dir: str) -> str | None:
     window = max(1, len(rows) // 50)
     fig, (top, middle, bottom) = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
     top.plot(steps, _smooth([r["reward/mean"] for r in rows], window), label=f"reward (mean of {window} steps)")
+    components = sorted({k for r in rows for k in r if k.startswith("reward/")} - {"reward/mean", "reward/std"})
+    for name in components:  # each reward function's mean
+        points = [(r["step"], r[name]) for r in rows if r.get(name) is not None]
+        top.plot(*zip(*points, strict=True), linewidth=0.7, label=name)
     if rows[0].get("accuracy/train") is not None:
         train_acc = [r["accuracy/train"] for r in rows]
         top.plot(steps, _smooth(train_acc, window), label="exact match, samples")

@@ -50,7 +50,7 @@ def train_one_process(config: Config) -> ReferenceResult:
     step = 0
     while step < config.steps:
         with torch.no_grad():
-            samples = task.sample(learner.policy, rng)
+            samples = task.sample(learner.policy, rng, ticket=step)
             scores = task.score(scorer, samples)
             ref_logps = None if reference is None else task.reference_logps(reference, samples)
         learner.update(samples, scores.rewards, ref_logps)

@@ -41,11 +41,16 @@ from actors import (
 from .messages import WAKE, Config, GeneratorTimes, Grant, Rollout, ScoredRollout
 from .task import Scores, load_task, to_device
 
-__all__ = ["Generator", "RefModel", "Scorer", "role_device", "uses_reference"]
+__all__ = ["Generator", "RefModel", "Scorer", "role_device", "sampling_seed", "uses_reference"]
 
 #: How long a generator waits for the policy version a grant requires.
 WEIGHTS_TIMEOUT = 60.0
 CPU = torch.device("cpu")
+
+
+def sampling_seed(seed: int, ticket: int) -> int:
+    """The seed of rollout ``ticket``'s sampling: the same whichever generator draws it, and when."""
+    return (1_000_003 * (seed + 1) + 7_919 * (ticket + 1)) % (2**63)
 
 
 def uses_reference(config: Config) -> bool:
@@ -121,7 +126,9 @@ class Generator(ReceivesWeights):
     def collect(self, ticket: int = -1) -> Rollout:
         """One rollout drawn with the current policy for ``ticket`` (its samples sent as CPU tensors)."""
         started = time.perf_counter()
-        samples = to_device(self.task.sample(self.policy, self.rng), CPU)
+        if ticket >= 0:  # a rollout's randomness follows its ticket: restarts and resumed runs draw it again alike
+            self.rng.manual_seed(sampling_seed(self.config.seed, ticket))
+        samples = to_device(self.task.sample(self.policy, self.rng, ticket=ticket), CPU)
         self.times.generate = time.perf_counter() - started
         tokens, length = self.task.measure(samples)
         return Rollout(self.id, self.produced, self.version, samples, tokens, length, self.times, ticket)
@@ -212,16 +219,19 @@ class Scorer(Actor):
     async def inlet(self) -> Port[Rollout]:
         return self.port
 
-    def score(self, rollout: Rollout) -> Scores:
-        return self.task.score(self.scorer, to_device(rollout.samples, self.device))
+    async def score(self, rollout: Rollout) -> Scores:
+        return await self.task.score_async(self.scorer, to_device(rollout.samples, self.device))
 
     @endpoint
     async def run(self, out: Port[ScoredRollout]) -> int:
         count = 0
         while (rollout := await self.inbox.recv()) is not None:
-            scores = self.score(rollout)
+            scores = await self.score(rollout)
             accuracy = None if scores.accuracy is None else scores.accuracy.cpu()
-            out.send(ScoredRollout(rollout, scores.rewards.cpu(), accuracy, self.inbox.qsize()))
+            components = scores.components or {}
+            out.send(
+                ScoredRollout(rollout, scores.rewards.cpu(), accuracy, self.inbox.qsize(), reward_components=components)
+            )
             count += 1
         out.send(None)
         return count

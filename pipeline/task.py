@@ -24,17 +24,28 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from .token_loss import LossSpec
+from .token_loss import LossSpec, group_advantages, token_grpo_loss, token_weights
 
 if TYPE_CHECKING:
     from .messages import Config
 
-__all__ = ["LossReport", "Scores", "Task", "load_task", "loss_spec", "resolve", "task_class", "to_device"]
+__all__ = [
+    "LossReport",
+    "Scores",
+    "Task",
+    "completion_loss",
+    "load_task",
+    "loss_spec",
+    "resolve",
+    "task_class",
+    "to_device",
+]
 
 
 @dataclass
@@ -43,6 +54,7 @@ class Scores:
 
     rewards: torch.Tensor  # [N]
     accuracy: torch.Tensor | None = None  # [N] in {0, 1}
+    components: dict[str, float] | None = None  # each reward function's mean, logged as reward/<name>
 
 
 @dataclass
@@ -90,8 +102,12 @@ class Task:
         """A freshly initialised policy (the trainer seeds torch first; every role builds the same one)."""
         raise NotImplementedError
 
-    def sample(self, policy: torch.nn.Module, generator: torch.Generator) -> Any:
-        """One rollout's samples, drawn with ``policy``: a dataclass of tensors (behaviour log-probs included)."""
+    def sample(self, policy: torch.nn.Module, generator: torch.Generator, ticket: int = 0) -> Any:
+        """One rollout's samples, drawn with ``policy``: a dataclass of tensors (behaviour log-probs included).
+
+        ``ticket`` is the trainer step the rollout is for (a dataset's
+        position: :meth:`pipeline.data.PromptData.rows_for`).
+        """
         raise NotImplementedError
 
     def build_scorer(self, device: torch.device) -> Any:
@@ -101,6 +117,10 @@ class Task:
     def score(self, scorer: Any, samples: Any) -> Scores:
         """The reward of each sample."""
         raise NotImplementedError
+
+    async def score_async(self, scorer: Any, samples: Any) -> Scores:
+        """:meth:`score` for the Scorer's event loop; a task whose rewards wait on I/O or threads overrides it."""
+        return self.score(scorer, samples)
 
     def reference_logps(self, reference: torch.nn.Module, samples: Any) -> torch.Tensor:
         """Log-probabilities of the sampled choices under the frozen reference policy."""
@@ -137,6 +157,14 @@ class Task:
         """Held-out metrics of ``policy``; must include :attr:`primary`."""
         raise NotImplementedError
 
+    async def evaluate_async(self, policy: torch.nn.Module) -> dict[str, float]:
+        """:meth:`evaluate` for the Trainer's event loop (reward functions awaited, not blocked on)."""
+        return self.evaluate(policy)
+
+    def export(self, policy: torch.nn.Module, run_dir: str) -> str | None:
+        """Write ``policy`` where other tools load it (a Hugging Face folder); the path, or None if the task has none."""
+        return None
+
     def measure(self, samples: Any) -> tuple[int, float]:
         """(tokens generated, mean response length) of one rollout's samples."""
         return 0, 0.0
@@ -160,11 +188,15 @@ def task_class(name: str) -> type[Task]:
 
     if name == "bandit":
         return BanditTask
+    if name == "hf":
+        from .hf_task import HFTask
+
+        return HFTask
     if name in DIGIT_TASKS:
         return DigitsTask
     module_name, sep, qualname = name.partition(":")
     if not sep:
-        raise ValueError(f"unknown task {name!r}: use bandit, {', '.join(DIGIT_TASKS)}, or module:Class")
+        raise ValueError(f"unknown task {name!r}: use bandit, {', '.join(DIGIT_TASKS)}, hf, or module:Class")
     obj: Any = importlib.import_module(module_name)
     for part in qualname.split("."):
         obj = getattr(obj, part)
@@ -206,3 +238,43 @@ def loss_spec(config: Config, max_length: int = 0) -> LossSpec:
         kl_coeff=config.hyper("kl_coeff"),
         max_length=max_length,
     )
+
+
+def completion_loss(
+    config: Config,
+    max_length: int,
+    policy_logps: Callable[[slice], tuple[torch.Tensor, torch.Tensor]],
+    behaviour: torch.Tensor,
+    ref_logps: torch.Tensor | None,
+    mask: torch.Tensor,
+    rewards: torch.Tensor,
+    group: int,
+    truncated: torch.Tensor,
+    rows: slice | None,
+) -> LossReport:
+    """The GRPO loss of the completions in ``rows`` of one rollout of token completions.
+
+    ``policy_logps(part)`` gives the policy's log-probabilities and entropies
+    [n, T] of those rows; ``behaviour``, ``ref_logps`` and ``mask`` [N, T],
+    ``rewards`` and ``truncated`` [N] are the whole rollout's, so advantages
+    and normalisers are the whole batch's whatever the micro-batch.
+    """
+    spec = loss_spec(config, max_length)
+    if config.mask_truncated:  # a completion cut off at the limit has no verdict on its end: it does not train
+        mask = mask * (~truncated).to(mask.dtype).unsqueeze(1)
+    part = slice(None) if rows is None else rows
+    advantages = group_advantages(rewards, group, config.scale_rewards or "group")
+    weights = token_weights(mask, spec.kind, spec.max_length)
+    logps, entropy = policy_logps(part)
+    out = token_grpo_loss(
+        logps,
+        behaviour[part],
+        None if ref_logps is None else ref_logps[part],
+        mask[part],
+        advantages[part],
+        spec,
+        entropy=entropy,
+        weights=weights[part],
+        tokens=float(mask.sum().clamp_min(1.0)),
+    )
+    return LossReport(out.loss, out.policy_loss, out.kl, out.clip_fraction, out.entropy, out.dual_clip_fraction)

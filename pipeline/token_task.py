@@ -16,8 +16,7 @@ import torch
 
 from .digits import EOS, PAD, VOCAB, DigitProblem, verify
 from .model import PRESETS, TinyTransformer, completion_logps, generate
-from .task import LossReport, Scores, Task, loss_spec
-from .token_loss import group_advantages, token_grpo_loss, token_weights
+from .task import LossReport, Scores, Task, completion_loss
 
 if TYPE_CHECKING:
     from .messages import Config
@@ -70,7 +69,7 @@ class DigitsTask(Task):
     def build_policy(self) -> torch.nn.Module:
         return TinyTransformer(self.model_config)
 
-    def sample(self, policy: torch.nn.Module, generator: torch.Generator) -> TokenBatch:
+    def sample(self, policy: torch.nn.Module, generator: torch.Generator, ticket: int = 0) -> TokenBatch:
         config = self.config
         prompts = self.problem.prompts(config.prompts, _cpu_generator(generator), exclude=self.held_out)
         device = next(policy.parameters()).device
@@ -112,32 +111,23 @@ class DigitsTask(Task):
         ref_logps: torch.Tensor | None,
         rows: slice | None = None,
     ) -> LossReport:
-        config = self.config
-        spec = loss_spec(config, self.max_new_tokens)
-        mask = samples.mask
-        if config.mask_truncated:  # a completion cut off at the limit has no verdict on its end: it does not train
-            mask = mask * (~self.truncated(samples)).to(mask.dtype).unsqueeze(1)
-        part = slice(None) if rows is None else rows
-        advantages = group_advantages(rewards, samples.group, config.scale_rewards or "group")
-        weights = token_weights(mask, spec.kind, spec.max_length)
-        logps, entropy = completion_logps(
-            policy,  # type: ignore[arg-type]
-            samples.tokens[part],
-            samples.prompts.shape[1],
-            config.temperature,
+        prompt_length = samples.prompts.shape[1]
+
+        def policy_logps(part: slice) -> tuple[torch.Tensor, torch.Tensor]:
+            return completion_logps(policy, samples.tokens[part], prompt_length, self.config.temperature)  # type: ignore[arg-type]
+
+        return completion_loss(
+            self.config,
+            self.max_new_tokens,
+            policy_logps,
+            samples.logps,
+            ref_logps,
+            samples.mask,
+            rewards,
+            samples.group,
+            self.truncated(samples),
+            rows,
         )
-        out = token_grpo_loss(
-            logps,
-            samples.logps[part],
-            None if ref_logps is None else ref_logps[part],
-            mask[part],
-            advantages[part],
-            spec,
-            entropy=entropy,
-            weights=weights[part],
-            tokens=float(mask.sum().clamp_min(1.0)),
-        )
-        return LossReport(out.loss, out.policy_loss, out.kl, out.clip_fraction, out.entropy, out.dual_clip_fraction)
 
     def rows(self, samples: TokenBatch) -> int:
         return int(samples.tokens.shape[0])

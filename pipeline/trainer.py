@@ -130,9 +130,9 @@ class Trainer(Actor):
         ref_logps = None if item.ref_logps is None else item.ref_logps.to(device)
         return self.learner.update(samples, item.rewards.to(device), ref_logps)
 
-    def evaluate(self) -> float:
+    async def evaluate(self) -> float:
         """Held-out metrics of the current policy; returns the task's primary one."""
-        self.evaluation = self.learner.evaluate()
+        self.evaluation = await self.learner.evaluate_async()
         self.score = self.evaluation[self.task.primary]
         return self.score
 
@@ -181,7 +181,7 @@ class Trainer(Actor):
             final = self.step >= config.steps
             evaluation = None
             if self.step % config.eval_every == 0 or final:
-                self.evaluate()
+                await self.evaluate()
                 evaluation = self.evaluation
             self._reports.append(self._report(item, update, lag, waited, published, evaluation, started))
             waited = 0.0
@@ -281,6 +281,7 @@ class Trainer(Actor):
             trainer_queue=self.inbox.qsize() + self.tickets.waiting(),
             scorer_queue=item.scorer_queue,
             ref_queue=item.ref_queue,
+            reward_components=item.reward_components,
         )
 
     def grant(self, generator: int, grant: Grant) -> None:
@@ -306,6 +307,8 @@ class Trainer(Actor):
         self._reports.clear()
 
     def save(self) -> str:
+        """Write the checkpoint, and the policy where other tools load it if the task exports one."""
+        self.task.export(self.learner.policy, self.config.run_dir)
         return checkpoint.save(
             self.config.run_dir, {"step": self.step, "version": self.version, **self.learner.state()}
         )

@@ -1,0 +1,135 @@
+"""Build a small random Hugging Face model, a task and a reward file to try ``--task hf`` offline.
+
+    python examples/tiny_hf_model.py runs/tiny-hf             # Qwen2-style; --arch llama for Llama
+    python -m pipeline.grpo --model runs/tiny-hf/model --dataset runs/tiny-hf/train.jsonl \\
+        --reward runs/tiny-hf/rewards.py:reversed_digits --lr 1e-3 --max-new-tokens 6 --steps 300
+
+writes, into DIR:
+
+- ``model/``: a randomly initialised causal LM (about 100 k parameters) with a
+  character-level tokenizer built with ``tokenizers`` and a chat template,
+  loadable by ``AutoModelForCausalLM`` / ``AutoTokenizer``;
+- ``train.jsonl``: prompts ``"reverse:4821="`` with an ``answer`` column
+  (``"1284"``); ``--chat`` writes the prompts as chat messages instead;
+- ``rewards.py``: ``reversed_digits``, a reward function in TRL's signature
+  (1 for the exact answer; partial credit for digits in place and for the right length).
+
+Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+
+#: Every character the tokenizer knows, after its special tokens.
+CHARACTERS = list("0123456789=+ abcdefghijklmnopqrstuvwxyz:,.?!<>/")
+SPECIAL = ["<pad>", "<bos>", "<eos>"]
+#: Renders chat messages as plain text; the generation prompt is the empty assistant turn.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'][0] }}:{{ message['content'] }}{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}a:{% endif %}"
+)
+
+REWARDS = '''"""Reward functions for the example task, in TRL's signature."""
+
+
+def _text(completion):
+    return completion if isinstance(completion, str) else completion[-1]["content"]
+
+
+def reversed_digits(prompts, completions, answer, **kwargs):
+    """1 for the reversed digits exactly; else 0.2 per digit in its place and 0.2 for the right length."""
+    rewards = []
+    for completion, expected in zip(completions, answer):
+        got = _text(completion).strip()
+        in_place = sum(a == b for a, b in zip(got, expected))
+        rewards.append(0.2 * in_place / len(expected) * 4 + 0.2 * (len(got) == len(expected)))
+    return rewards
+'''
+
+
+def build_tokenizer(folder: str):  # type: ignore[no-untyped-def]
+    """A character-level fast tokenizer with pad, bos and eos tokens and a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(SPECIAL + CHARACTERS)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def build_model(folder: str, arch: str, vocab: int, seed: int) -> int:
+    """A random causal LM of the chosen architecture saved to ``folder``; returns its parameter count."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    shape = {
+        "vocab_size": vocab,
+        "hidden_size": 64,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 128,
+        "tie_word_embeddings": True,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    if arch == "llama":
+        config = transformers.LlamaConfig(**shape)
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        config = transformers.Qwen2Config(**shape)
+        model = transformers.Qwen2ForCausalLM(config)
+    model.save_pretrained(folder, safe_serialization=True)
+    return sum(p.numel() for p in model.parameters())
+
+
+def write_task(folder: str, rows: int, digits: int, chat: bool, seed: int) -> str:
+    """``rows`` distinct digit-reversal prompts as JSONL; the path."""
+    rng = random.Random(seed)
+    seen: set[str] = set()
+    while len(seen) < rows:
+        seen.add("".join(rng.choice("0123456789") for _ in range(digits)))
+    path = os.path.join(folder, "train.jsonl")
+    with open(path, "w") as f:
+        for number in sorted(seen, key=lambda _: rng.random()):
+            text = f"reverse:{number}="
+            prompt: object = [{"role": "user", "content": text}] if chat else text
+            f.write(json.dumps({"prompt": prompt, "answer": number[::-1]}) + "\n")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folder")
+    parser.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2")
+    parser.add_argument("--rows", type=int, default=2000, help="prompts in train.jsonl (default 2000)")
+    parser.add_argument("--digits", type=int, default=4)
+    parser.add_argument("--chat", action="store_true", help="prompts as chat messages")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    model_dir = os.path.join(args.folder, "model")
+    os.makedirs(model_dir, exist_ok=True)
+    tokenizer = build_tokenizer(model_dir)
+    parameters = build_model(model_dir, args.arch, len(tokenizer), args.seed)
+    data = write_task(args.folder, args.rows, args.digits, args.chat, args.seed)
+    rewards = os.path.join(args.folder, "rewards.py")
+    with open(rewards, "w") as f:
+        f.write(REWARDS)
+    print(f"model: {model_dir} ({args.arch}, {parameters:,} parameters); prompts: {data}; rewards: {rewards}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,279 @@
+"""Reward functions in TRL's signature: loading them by name, calling them with a deadline, combining them.
+
+A reward function is ``f(prompts, completions, **columns) -> list[float | None]``
+(as TRL's ``GRPOTrainer`` calls it): ``prompts`` as the dataset holds them
+(text, or chat messages), ``completions`` as text, or as a one-message list
+``[{"role": "assistant", "content": text}]`` when the prompts are messages,
+and every other dataset column as a keyword argument, one value per
+completion. ``None`` means "not applicable": the weighted sum skips it
+(TRL's ``nansum``). Functions may be ``async def``. Named on the command line
+as ``module:function`` or ``path/to/file.py:function``, optionally
+``=WEIGHT``, or by a built-in name (:data:`BUILTINS`).
+
+The scorer awaits them off its event loop's thread (a synchronous one runs in
+a worker thread), each with a deadline; a function that raises, returns the
+wrong number of values or misses its deadline fails the run with a
+:class:`RewardError` naming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import inspect
+import math
+import numbers
+import os
+import re
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "BUILTINS",
+    "RewardError",
+    "RewardFunction",
+    "RewardSet",
+    "exact_match",
+    "final_number",
+    "load_reward",
+    "parse_spec",
+    "think_answer_format",
+]
+
+
+class RewardError(RuntimeError):
+    """A reward function that cannot be loaded, or failed while scoring; the message names it."""
+
+
+# -- built-ins ------------------------------------------------------------------------------------------------
+
+
+def _text(completion: Any) -> str:
+    """A completion's text, whether it came as a string or as chat messages."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
+        return str(completion[-1].get("content", ""))
+    return str(completion)
+
+
+def exact_match(prompts: list[Any], completions: list[Any], answer: list[Any], **_: Any) -> list[float | None]:
+    """1 where the completion, stripped, equals the ``answer`` column; None where a row has no answer."""
+    return [
+        None if a is None else float(_text(c).strip() == str(a).strip())
+        for c, a in zip(completions, answer, strict=True)
+    ]
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def _last_number(text: str) -> float | None:
+    """The last number in ``text`` (GSM8K's answers end with ``#### 42``); None if there is none."""
+    found = _NUMBER.findall(text.split("####")[-1]) or _NUMBER.findall(text)
+    if not found:
+        return None
+    try:
+        return float(found[-1].replace(",", ""))
+    except ValueError:
+        return None
+
+
+def final_number(prompts: list[Any], completions: list[Any], answer: list[Any], **_: Any) -> list[float | None]:
+    """1 where the last number of the completion equals the ``answer`` column's final number (GSM8K style)."""
+    rewards: list[float | None] = []
+    for completion, reference in zip(completions, answer, strict=True):
+        expected = None if reference is None else _last_number(str(reference))
+        if expected is None:
+            rewards.append(None)
+            continue
+        got = _last_number(_text(completion))
+        rewards.append(float(got is not None and math.isclose(got, expected, rel_tol=0, abs_tol=1e-6)))
+    return rewards
+
+
+_THINK_ANSWER = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
+
+
+def think_answer_format(prompts: list[Any], completions: list[Any], **_: Any) -> list[float | None]:
+    """1 where the completion is ``<think>…</think><answer>…</answer>`` (the format reward of R1-style runs)."""
+    return [float(bool(_THINK_ANSWER.match(_text(c)))) for c in completions]
+
+
+#: Reward functions ``--reward`` knows by name.
+BUILTINS: dict[str, Callable[..., list[float | None]]] = {
+    "exact_match": exact_match,
+    "final_number": final_number,
+    "think_answer_format": think_answer_format,
+}
+
+
+# -- loading --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RewardFunction:
+    """A loaded reward function, its name (``reward/<name>`` in the metrics) and weight."""
+
+    name: str
+    source: str
+    function: Callable[..., Any]
+    weight: float = 1.0
+
+    @property
+    def is_async(self) -> bool:
+        return inspect.iscoroutinefunction(self.function)
+
+    def keywords(self, columns: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        """The columns it takes: all of them if it has ``**kwargs``, else those it names."""
+        parameters = inspect.signature(self.function).parameters
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+            return columns
+        return {name: values for name, values in columns.items() if name in parameters}
+
+
+def parse_spec(spec: str) -> tuple[str, float]:
+    """``source[=weight]`` split into its source and weight."""
+    source, sep, weight = spec.rpartition("=") if "=" in spec else (spec, "", "")
+    if not sep:
+        return spec, 1.0
+    try:
+        return source, float(weight)
+    except ValueError:
+        raise RewardError(f"--reward {spec}: the weight after '=' must be a number") from None
+
+
+def _import(source: str) -> Callable[..., Any]:
+    if source in BUILTINS:
+        return BUILTINS[source]
+    location, sep, attribute = source.rpartition(":")
+    if not sep or not location or not attribute:
+        raise RewardError(
+            f"--reward {source}: use module:function, path/to/file.py:function, or one of {', '.join(BUILTINS)}"
+        )
+    try:
+        if location.endswith(".py"):
+            if not os.path.isfile(location):
+                raise RewardError(f"--reward {source}: no file {location}")
+            module_name = f"_reward_{abs(hash(os.path.abspath(location)))}"
+            module = sys.modules.get(module_name)
+            if module is None:
+                spec = importlib.util.spec_from_file_location(module_name, location)
+                if spec is None or spec.loader is None:
+                    raise RewardError(f"--reward {source}: {location} cannot be imported")
+                module = importlib.util.module_from_spec(spec)
+                sys.modules[module_name] = module
+                spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(location)
+    except RewardError:
+        raise
+    except Exception as exc:  # the user's module failed to import: say so in one line
+        raise RewardError(f"--reward {source}: importing {location} failed: {type(exc).__name__}: {exc}") from None
+    function = getattr(module, attribute, None)
+    if function is None:
+        raise RewardError(f"--reward {source}: {location} has no {attribute!r}")
+    if not callable(function):
+        raise RewardError(f"--reward {source}: {attribute!r} is not callable")
+    return function  # type: ignore[no-any-return]
+
+
+def load_reward(spec: str) -> RewardFunction:
+    """The reward function ``spec`` names, its signature checked against TRL's."""
+    source, weight = parse_spec(spec)
+    function = _import(source)
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        raise RewardError(f"--reward {source}: its signature cannot be read") from None
+    named = {p.name for p in parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD}
+    if not {"prompts", "completions"} <= named:
+        raise RewardError(
+            f"--reward {source}: a reward function takes (prompts, completions, **columns) as TRL calls it; "
+            f"{getattr(function, '__name__', source)} takes ({', '.join(parameters)})"
+        )
+    name = getattr(function, "__name__", source.rpartition(":")[2])
+    return RewardFunction(name=name, source=source, function=function, weight=weight)
+
+
+# -- calling --------------------------------------------------------------------------------------------------
+
+
+class RewardSet:
+    """The run's reward functions, called together on one batch of completions."""
+
+    def __init__(self, specs: Sequence[str], timeout: float = 60.0) -> None:
+        if not specs:
+            raise RewardError("a dataset run needs at least one --reward")
+        self.functions = [load_reward(spec) for spec in specs]
+        names = [f.name for f in self.functions]
+        duplicate = next((name for name in names if names.count(name) > 1), None)
+        if duplicate is not None:
+            raise RewardError(f"two reward functions are named {duplicate!r}: each is logged as reward/<name>")
+        self.weights = torch.tensor([f.weight for f in self.functions], dtype=torch.float32)
+        self.timeout = timeout
+
+    @property
+    def names(self) -> list[str]:
+        return [f.name for f in self.functions]
+
+    async def score(self, prompts: list[Any], completions: list[Any], columns: dict[str, list[Any]]) -> torch.Tensor:
+        """[F, N] rewards, one row per function, NaN where a function returned None."""
+        rows = await asyncio.gather(*(self._call(f, prompts, completions, columns) for f in self.functions))
+        return torch.tensor(rows, dtype=torch.float32).reshape(len(self.functions), len(completions))
+
+    async def _call(
+        self, reward: RewardFunction, prompts: list[Any], completions: list[Any], columns: dict[str, list[Any]]
+    ) -> list[float]:
+        kwargs = reward.keywords(columns)
+        try:
+            if reward.is_async:
+                result = await asyncio.wait_for(reward.function(prompts, completions, **kwargs), self.timeout)
+            else:
+                result = await asyncio.wait_for(
+                    asyncio.to_thread(reward.function, prompts, completions, **kwargs), self.timeout
+                )
+        except asyncio.TimeoutError:
+            raise RewardError(
+                f"reward function {reward.name} ({reward.source}) took longer than {self.timeout:g} s "
+                "(--reward-timeout)"
+            ) from None
+        except Exception as exc:
+            raise RewardError(
+                f"reward function {reward.name} ({reward.source}) raised {type(exc).__name__}: {exc}"
+            ) from None
+        return _checked(reward, result, len(completions))
+
+    def combine(self, per_function: torch.Tensor) -> torch.Tensor:
+        """[N] weighted sums over functions, a None (NaN) counting as nothing."""
+        return (per_function * self.weights.unsqueeze(1)).nansum(0)
+
+    def means(self, per_function: torch.Tensor) -> dict[str, float]:
+        """Each function's mean over the completions it applied to (NaN if none)."""
+        out = {}
+        for name, row in zip(self.names, per_function, strict=True):
+            kept = row[~row.isnan()]
+            out[name] = float(kept.mean()) if kept.numel() else math.nan
+        return out
+
+
+def _checked(reward: RewardFunction, result: Any, count: int) -> list[float]:
+    where = f"reward function {reward.name} ({reward.source})"
+    if not isinstance(result, (list, tuple)):
+        raise RewardError(f"{where} returned a {type(result).__name__}, not a list of floats")
+    if len(result) != count:
+        raise RewardError(f"{where} returned {len(result)} values for {count} completions")
+    values = []
+    for value in result:
+        if value is None:
+            values.append(math.nan)
+        elif isinstance(value, numbers.Real):  # numpy and torch scalars too
+            values.append(float(value))
+        else:
+            raise RewardError(f"{where} returned a {type(value).__name__} among its rewards (floats or None only)")
+    return values

@@ -1,0 +1,349 @@
+"""The user's model, prompts and rewards: a tiny random Hugging Face model built here, nothing downloaded."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
+pytest.importorskip("datasets", reason="needs the hf extra: pip install -e '.[hf]'")
+
+from pipeline import Config, PipelineError, resolve, run_pipeline
+from pipeline.causal_lm import causal_logps, load_model, load_tokenizer
+from pipeline.data import DataError, PromptData, load_rows
+from pipeline.engines import HFEngine, SamplingParams
+from pipeline.grpo import main
+from pipeline.hf_task import HFTask
+from pipeline.metrics import read_rows
+from pipeline.rewards import RewardError, RewardSet, load_reward
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _example():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("tiny_hf_model", os.path.join(ROOT, "examples", "tiny_hf_model.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """A folder with model/ (Qwen2-style, random), train.jsonl, chat.jsonl and rewards.py."""
+    folder = tmp_path_factory.mktemp("tiny-hf")
+    example = _example()
+    assert example.main([str(folder), "--rows", "200"]) == 0
+    chat = folder / "chat"  # the same kind of prompts, as chat messages
+    chat.mkdir()
+    example.write_task(str(chat), 50, 4, True, 0)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(tiny):  # type: ignore[no-untyped-def]
+    return load_model(str(tiny / "model")).eval(), load_tokenizer(str(tiny / "model"))
+
+
+# -- generation ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature, top_p, top_k", [(1.0, 1.0, 0), (0.7, 0.8, 0), (1.3, 0.5, 5)])
+def test_behaviour_logps_equal_the_trainers_at_lag_0_across_mixed_prompt_lengths(
+    model_and_tokenizer, temperature, top_p, top_k
+):
+    model, tokenizer = model_and_tokenizer
+    prompts = [tokenizer(text)["input_ids"] for text in ("reverse:1234=", "ab=", "reverse:98765432=", "x")]
+    engine = HFEngine(model, tokenizer)
+    params = SamplingParams(max_new_tokens=8, temperature=temperature, top_p=top_p, top_k=top_k, samples=3)
+    out = engine.generate(prompts, params, torch.Generator().manual_seed(0))
+    assert out.tokens.shape[0] == 12 and out.prompt_mask.shape == (12, 17)
+    assert [int(out.prompt_mask[row].sum()) for row in (0, 3, 6, 9)] == [13, 3, 17, 1]  # left padding
+    with torch.no_grad():
+        logps, _ = causal_logps(model, out.tokens, out.prompt_mask, temperature)
+    gap = ((logps - out.logps) * out.mask).abs().max().item()
+    assert gap < 1e-4, gap
+
+
+def test_a_prompt_completes_the_same_alone_and_in_a_padded_batch(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    engine = HFEngine(model, tokenizer)
+    short = tokenizer("ab=")["input_ids"]
+    long = tokenizer("reverse:98765432=")["input_ids"]
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+    alone = engine.generate([short], greedy)
+    batched = engine.generate([long, short], greedy)
+    assert batched.texts[1] == alone.texts[0]
+    width = alone.logps.shape[1]
+    assert torch.allclose(batched.logps[1, :width], alone.logps[0], atol=1e-5)
+
+
+def test_the_completion_ends_at_the_end_token_and_text_leaves_it_out(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    eos = tokenizer.eos_token_id
+    with torch.no_grad():  # make the end token the likeliest everywhere
+        model.lm_head.weight[eos] += 50.0
+    try:
+        out = HFEngine(model, tokenizer).generate([tokenizer("ab=")["input_ids"]], SamplingParams(6, temperature=0.0))
+    finally:
+        with torch.no_grad():
+            model.lm_head.weight[eos] -= 50.0
+    assert out.tokens[0, -1] == eos and out.mask.tolist() == [[1.0]] and out.texts == [""]
+
+
+# -- rewards ---------------------------------------------------------------------------------------------------
+
+
+def _reward_file(tmp_path, body: str) -> str:  # type: ignore[no-untyped-def]
+    path = tmp_path / "my_rewards.py"
+    path.write_text(body)
+    return str(path)
+
+
+def test_rewards_load_by_file_module_and_builtin_name_with_weights(tiny):
+    from_file = load_reward(f"{tiny / 'rewards.py'}:reversed_digits=0.5")
+    builtin = load_reward("exact_match")
+    module = load_reward("pipeline.rewards:final_number=2")
+    assert (from_file.name, from_file.weight) == ("reversed_digits", 0.5)
+    assert (builtin.name, builtin.weight, module.weight) == ("exact_match", 1.0, 2.0)
+
+
+def test_rewards_combine_with_weights_and_skip_none(tmp_path):
+    path = _reward_file(
+        tmp_path,
+        "async def slow_half(prompts, completions, **kw):\n    return [0.5] * len(completions)\n"
+        "def sometimes(prompts, completions, answer, **kw):\n    return [None if a is None else 1.0 for a in answer]\n",
+    )
+    rewards = RewardSet([f"{path}:slow_half=2", f"{path}:sometimes"])
+    per = asyncio.run(rewards.score(["p", "q"], ["a", "b"], {"answer": ["x", None]}))
+    assert torch.isnan(per[1, 1]) and rewards.combine(per).tolist() == [2.0, 1.0]
+    assert rewards.means(per) == {"slow_half": 0.5, "sometimes": 1.0}
+
+
+@pytest.mark.parametrize(
+    "body, spec, message",
+    [
+        ("def f(x):\n    return []\n", "f", r"takes \(prompts, completions, \*\*columns\)"),
+        ("raise ImportError('no numpy here')\n", "f", "importing"),
+        ("", "f", "has no 'f'"),
+    ],
+)
+def test_a_reward_that_cannot_load_names_itself(tmp_path, body, spec, message):
+    path = _reward_file(tmp_path, body)
+    with pytest.raises(RewardError, match=message):
+        load_reward(f"{path}:{spec}")
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ("def r(prompts, completions, **kw):\n    raise ValueError('bad row')\n", r"r \(.*\) raised ValueError: bad row"),
+        ("def r(prompts, completions, **kw):\n    return [1.0]\n", "returned 1 values for 2 completions"),
+        ("def r(prompts, completions, **kw):\n    return ['x', 'y']\n", "returned a str among its rewards"),
+        ("import asyncio\nasync def r(prompts, completions, **kw):\n    await asyncio.Event().wait()\n", "longer than"),
+    ],
+)
+def test_a_reward_that_fails_while_scoring_names_itself(tmp_path, body, message):
+    rewards = RewardSet([f"{_reward_file(tmp_path, body)}:r"], timeout=0.5)
+    with pytest.raises(RewardError, match=message):
+        asyncio.run(rewards.score(["p", "q"], ["a", "b"], {}))
+
+
+def test_builtin_rewards():
+    from pipeline.rewards import exact_match, final_number, think_answer_format
+
+    assert exact_match([], [" 42 ", "41"], ["42", "42"]) == [1.0, 0.0]
+    assert final_number([], ["so it is 1,234.", "it is 7"], ["work... #### 1234", "#### 8"]) == [1.0, 0.0]
+    assert think_answer_format([], ["<think>hm</think> <answer>3</answer>", "3"]) == [1.0, 0.0]
+    assert exact_match([], [[{"role": "assistant", "content": "x"}]], ["x"]) == [1.0]
+
+
+# -- data ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "csv", "parquet", "json"])
+def test_datasets_load_from_each_file_kind(tmp_path, model_and_tokenizer, kind):
+    import datasets
+
+    rows = [{"prompt": f"reverse:{n}=", "answer": f"r{str(n)[::-1]}"} for n in (12, 345, 6789)]  # text in csv too
+    table = datasets.Dataset.from_list(rows)
+    path = str(tmp_path / f"data.{kind}")
+    {"jsonl": table.to_json, "csv": table.to_csv, "parquet": table.to_parquet, "json": table.to_json}[kind](path)
+    data = PromptData(load_rows(path), "prompt", model_and_tokenizer[1])
+    assert len(data) == 3 and data.columns_of([2]) == {"answer": ["r9876"]}
+    assert model_and_tokenizer[1].decode(data.prompt_ids(0)) == "reverse:12="
+
+
+def test_a_missing_prompt_column_and_a_missing_file_are_refused(tmp_path, tiny, model_and_tokenizer):
+    with pytest.raises(DataError, match="no column 'question'"):
+        PromptData(load_rows(str(tiny / "train.jsonl")), "question", model_and_tokenizer[1])
+    with pytest.raises(DataError, match="no such file"):
+        load_rows(str(tmp_path / "absent.jsonl"))
+
+
+def test_chat_prompts_render_with_the_template_and_rows_follow_the_ticket(tiny, model_and_tokenizer):
+    tokenizer = model_and_tokenizer[1]
+    data = PromptData(load_rows(str(tiny / "chat" / "train.jsonl")), "prompt", tokenizer)
+    assert data.chat and tokenizer.decode(data.prompt_ids(0)).endswith("<eos>a:")
+    assert data.completion("12") == [{"role": "assistant", "content": "12"}]
+    first = [data.rows_for(t, 8, seed=0) for t in range(7)]  # 56 samples: past one epoch of 50
+    assert first == [data.rows_for(t, 8, seed=0) for t in range(7)]
+    assert sorted([row for rows in first for row in rows][:50]) == list(range(50))  # each epoch visits every row once
+    tokenizer_without = load_tokenizer(str(tiny / "model"))
+    tokenizer_without.chat_template = None
+    with pytest.raises(DataError, match="no chat template"):
+        PromptData(load_rows(str(tiny / "chat" / "train.jsonl")), "prompt", tokenizer_without)
+
+
+# -- the launcher refuses what it cannot use --------------------------------------------------------------------
+
+
+def _encoder_only(folder) -> str:  # type: ignore[no-untyped-def]
+    import transformers
+
+    transformers.DistilBertConfig(vocab_size=50, dim=16, n_layers=1, n_heads=2, hidden_dim=32).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("not_causal", "a 'distilbert' model is not a causal language model"),
+        ("no_column", "no column 'question'"),
+        ("bad_reward", "has no 'nope'"),
+        ("no_reward", "--dataset needs at least one --reward"),
+        ("no_template", "no chat template"),
+        ("preset_with_data", None),
+    ],
+)
+def test_bad_model_data_or_reward_is_one_line_and_exit_2(tmp_path, tiny, capsys, case, message):
+    model, data, reward = str(tiny / "model"), str(tiny / "train.jsonl"), f"{tiny / 'rewards.py'}:reversed_digits"
+    extra: list[str] = []
+    if case == "not_causal":
+        model = _encoder_only(tmp_path / "distilbert")
+    elif case == "no_column":
+        extra = ["--prompt-column", "question"]
+    elif case == "bad_reward":
+        reward = f"{tiny / 'rewards.py'}:nope"
+    elif case == "no_template":
+        import shutil
+
+        model = str(tmp_path / "plain")
+        shutil.copytree(tiny / "model", model)
+        os.remove(os.path.join(model, "chat_template.jinja"))
+        data = str(tiny / "chat" / "train.jsonl")
+    run_dir = tmp_path / "run"
+    flags = ["--model", model, "--dataset", data, *([] if case == "no_reward" else ["--reward", reward]), *extra]
+    if case == "preset_with_data":
+        flags = ["--model", model]  # an HF model without a dataset
+        message = "the built-in tasks train a preset"
+    code = main([*flags, "--run-dir", str(run_dir), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and message in err, err
+    assert err.count("\n") == 1 and not run_dir.exists()
+
+
+# -- the pipeline ----------------------------------------------------------------------------------------------
+
+
+def _config(tiny, run_dir, **changes) -> Config:  # type: ignore[no-untyped-def]
+    values = dict(
+        task="hf",
+        model=str(tiny / "model"),
+        dataset=str(tiny / "train.jsonl"),
+        rewards=[f"{tiny / 'rewards.py'}:reversed_digits", "exact_match=0.5"],
+        lr=1e-3,
+        prompts=8,
+        group=4,
+        max_new_tokens=6,
+        steps=6,
+        eval_every=3,
+        eval_size=16,
+        log_completions=2,
+        run_dir=str(run_dir),
+    )
+    values.update(changes)
+    return Config(**values)  # type: ignore[arg-type]
+
+
+async def test_a_hf_model_trains_in_the_pipeline_and_saves_what_transformers_loads(tmp_path, tiny, sockets_dir):
+    import transformers
+
+    result = await run_pipeline(_config(tiny, tmp_path, kl_coeff=0.02), quiet=True)
+    assert result.steps == 6 and set(result.evaluation) == {"reward", "reward/reversed_digits", "reward/exact_match"}
+    rows = read_rows(str(tmp_path))
+    assert all("reward/reversed_digits" in row and "reward/exact_match" in row for row in rows)
+    logged = [json.loads(line) for line in open(tmp_path / "completions.jsonl")]
+    assert len(logged) == 4 and set(logged[0]["rewards"]) == {"reversed_digits", "exact_match"}
+    # the exported folder gives the trainer's logits
+    saved = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "model")).eval()
+    from pipeline.checkpoint import load
+
+    task = HFTask(resolve(_config(tiny, tmp_path)))
+    policy = task.build_policy().eval()
+    policy.load_state_dict(load(str(tmp_path))["policy"])
+    ids = torch.tensor([task.tokenizer("reverse:1234=")["input_ids"]])
+    with torch.no_grad():
+        assert torch.equal(saved(ids).logits, policy(ids).logits)
+    assert not torch.equal(saved(ids).logits, load_model(str(tiny / "model")).eval()(ids).logits)  # it trained
+
+
+async def test_a_reward_that_raises_ends_the_run_naming_it(tmp_path, tiny, sockets_dir):
+    broken = tmp_path / "broken.py"
+    broken.write_text("def grumpy(prompts, completions, **kw):\n    raise KeyError('answer2')\n")
+    config = _config(tiny, tmp_path / "run", rewards=[f"{broken}:grumpy"], steps=20)
+    with pytest.raises(PipelineError, match=r"reward function grumpy \(.*\) raised KeyError: 'answer2'"):
+        await run_pipeline(config, quiet=True)
+
+
+async def test_a_resumed_run_repeats_an_uninterrupted_one_step_for_step(tmp_path, tiny, sockets_dir):
+    """On-policy with one generator, a run cut after step 3 and resumed trains steps 4-6 exactly as one that ran on.
+
+    Each rollout's prompts and sampling randomness follow its ticket (its step), so nothing depends on
+    which process drew it or when; the checkpoint holds the policy, the optimiser and the schedule.
+    """
+    from pipeline.checkpoint import load
+
+    settings = dict(mode="sync", generators=1, steps=6, eval_every=3, log_completions=0, kl_coeff=0.02)
+    await run_pipeline(_config(tiny, tmp_path / "whole", **settings), quiet=True)
+    cut = _config(tiny, tmp_path / "cut", **{**settings, "steps": 3})
+    await run_pipeline(cut, quiet=True)
+    saved = Config.from_dict(json.loads((tmp_path / "cut" / "config.json").read_text()))
+    saved.steps = 6
+    await run_pipeline(saved, resume=True, quiet=True)
+    keys = ("reward/mean", "actor/loss", "actor/kl", "actor/grad_norm", "eval/reward")
+    whole = [[row.get(k) for k in keys] for row in read_rows(str(tmp_path / "whole"))]
+    resumed = [[row.get(k) for k in keys] for row in read_rows(str(tmp_path / "cut"))]
+    assert [row[0] for row in resumed] == [row[0] for row in whole] and resumed == whole
+    first, second = load(str(tmp_path / "whole"))["policy"], load(str(tmp_path / "cut"))["policy"]
+    assert all(torch.equal(first[name], second[name]) for name in first)
+
+
+def test_weights_of_a_tied_hf_model_install_by_copy_and_by_alias(tiny):
+    from actors import WeightConsumer, WeightPublisher
+
+    trained = load_model(str(tiny / "model"))
+    with torch.no_grad():
+        for parameter in trained.parameters():
+            parameter.add_(0.01)
+    assert trained.lm_head.weight is trained.model.embed_tokens.weight  # tied
+    publisher = WeightPublisher("shm", slots=3)
+    consumer = WeightConsumer()
+    try:
+        ids = torch.tensor([[5, 6, 7, 8]])
+        for alias in (False, True):
+            target = load_model(str(tiny / "model")).eval()
+            manifest = publisher.publish(trained, 1 + alias)
+            consumer.install(manifest, target, alias=alias)
+            with torch.no_grad():
+                assert torch.equal(target(ids).logits, trained.eval()(ids).logits)
+            if not alias:
+                consumer.release(manifest.update_id)
+    finally:
+        consumer.close()
+        publisher.close()
