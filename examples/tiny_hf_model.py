@@ -71,6 +71,7 @@ def build_model(folder: str, arch: str, vocab: int, seed: int) -> int:
     import torch
     import transformers
 
+    transformers.utils.logging.disable_progress_bar()
     torch.manual_seed(seed)
     shape = {
         "vocab_size": vocab,

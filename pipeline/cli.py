@@ -67,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     data = parser.add_argument_group("your model, data and rewards (--task hf)")
     data.add_argument("--dataset", default="", help="prompts: a .jsonl, .json, .parquet or .csv file, or a Hub dataset")
     data.add_argument("--dataset-split", default="train", help="the split of a Hub dataset (default train)")
+    data.add_argument("--dataset-config", default="", help="the subset of a Hub dataset (e.g. gsm8k's main)")
     data.add_argument("--prompt-column", default="prompt", help="text, or a list of chat messages (default prompt)")
     data.add_argument("--eval-dataset", default="", help="held-out prompts (default: --eval-fraction of --dataset)")
     data.add_argument(
@@ -227,6 +228,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
             top_k=args.top_k,
             dataset=args.dataset,
             dataset_split=args.dataset_split,
+            dataset_config=args.dataset_config,
             prompt_column=args.prompt_column,
             eval_dataset=args.eval_dataset,
             eval_fraction=args.eval_fraction,

@@ -29,8 +29,8 @@ class DataError(ValueError):
     """A dataset that cannot be loaded or used; the message names the flag."""
 
 
-def load_rows(source: str, split: str = "train", flag: str = "--dataset") -> Any:
-    """The ``datasets.Dataset`` that ``source`` (a local file or a Hub name) holds."""
+def load_rows(source: str, split: str = "train", flag: str = "--dataset", subset: str = "") -> Any:
+    """The ``datasets.Dataset`` that ``source`` (a local file, or a Hub name with its ``subset``) holds."""
     try:
         import datasets
     except ImportError:
@@ -45,7 +45,7 @@ def load_rows(source: str, split: str = "train", flag: str = "--dataset") -> Any
             return datasets.load_dataset(builder, data_files=source, split="train")
         if extension in _BUILDERS:
             raise DataError(f"{flag} {source}: no such file")
-        return datasets.load_dataset(source, split=split)
+        return datasets.load_dataset(source, subset or None, split=split)
     except DataError:
         raise
     except Exception as exc:  # the library's own errors: one line, naming the flag

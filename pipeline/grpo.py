@@ -146,10 +146,16 @@ def _knock_on(task: asyncio.Task[Any]) -> bool:
     return isinstance(exc, PortClosed) or (isinstance(exc, ActorError) and exc.exception_type == closed)
 
 
+#: Failures of the user's own code whose message says everything: reported without the remote traceback.
+USER_ERRORS = ("pipeline.rewards.RewardError",)
+
+
 def _raise_if_failed(tasks: dict[str, asyncio.Task[Any]], task: asyncio.Task[Any]) -> None:
     exc = task.exception()
     if exc is not None:
         role = next(name for name, t in tasks.items() if t is task)
+        if isinstance(exc, ActorError) and exc.exception_type in USER_ERRORS:
+            raise PipelineError(f"the {role} failed: {exc.message}") from exc
         raise PipelineError(f"the {role} failed: {exc}") from exc
 
 

@@ -76,10 +76,10 @@ class HFTask(Task):
     @cached_property
     def _splits(self) -> tuple[PromptData, PromptData]:
         config = self.config
-        rows = load_rows(config.dataset, config.dataset_split)
+        rows = load_rows(config.dataset, config.dataset_split, subset=config.dataset_config)
         if config.eval_dataset:
             train = PromptData(rows, config.prompt_column, self.tokenizer)
-            held = load_rows(config.eval_dataset, config.dataset_split, flag="--eval-dataset")
+            held = load_rows(config.eval_dataset, config.dataset_split, "--eval-dataset", config.dataset_config)
             return train, PromptData(held, config.prompt_column, self.tokenizer, flag="--eval-dataset")
         train_rows, held_rows = split_held_out(len(rows), config.eval_fraction, config.seed)
         return (

@@ -151,6 +151,7 @@ class Config:
     model: str = "tiny"  # a preset (pipeline.model.PRESETS), or for ``hf`` a Hugging Face model folder or name
     dataset: str = ""  # hf: a .jsonl/.json/.parquet/.csv file or a Hub dataset name
     dataset_split: str = "train"  # hf: the split of a Hub dataset
+    dataset_config: str = ""  # hf: the subset of a Hub dataset (gsm8k's "main")
     prompt_column: str = "prompt"  # hf: text, or a list of chat messages
     eval_dataset: str = ""  # hf: held-out prompts; "" holds out ``eval_fraction`` of ``dataset``
     eval_fraction: float = 0.1

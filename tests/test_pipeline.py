@@ -180,7 +180,7 @@ def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
         (["--task", "support:Echo"], "must be a subclass of pipeline.task.Task"),
         (["--task", "no_such_module:Task"], "No module named 'no_such_module'"),
         (["--target-score", "high"], "'high' is not a number"),
-        (["--model", "huge"], "invalid choice: 'huge'"),
+        (["--model", "huge"], "--model huge: the built-in tasks train a preset (tiny, small, gpu-300m)"),
     ],
 )
 def test_a_bad_task_flag_is_one_clear_usage_error(tmp_path, flags, message):
