@@ -23,6 +23,7 @@ from .model import PRESETS
 from .placement import ROLES
 from .rewards import BUILTINS, RewardError
 from .settings import SettingsError, check_settings
+from .sinks import REPORT_TO, missing_tracker
 from .task import load_task, resolve, task_class
 from .token_loss import LOSSES, REWARD_SCALES
 
@@ -201,6 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default {Config().checkpoint_every}; 0: only at the end)",
     )
     run.add_argument("--quiet", action="store_true", help="no live progress line")
+    run.add_argument(
+        "--report-to",
+        choices=REPORT_TO,
+        default="tensorboard",
+        help="where metric rows go besides metrics.jsonl: tensorboard (if installed; default), wandb (WANDB_MODE=offline "
+        "keeps it local), none",
+    )
     return parser
 
 
@@ -235,6 +243,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
             rewards=list(args.reward),
             reward_timeout=args.reward_timeout,
             log_completions=args.log_completions,
+            report_to=args.report_to,
             checkpoint_every=args.save_every,
             eval_size=args.eval_size,
             eval_every=args.eval_every,
@@ -269,6 +278,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
             ray_hosts=args.ray_hosts,
         )
     check_settings(config)
+    missing = missing_tracker(config.report_to)
+    if missing is not None:
+        raise SettingsError(missing)
     if config.task == "hf":
         check_hf(config)
     return config, args

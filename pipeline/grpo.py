@@ -253,7 +253,7 @@ async def run_pipeline(
         # Only now, with the roles' processes forked from a still single-threaded
         # launcher, the threads of a runtime and of TensorBoard's writer start.
         reports_port, reports = Channel.open(StepReport)
-        log = metrics_log = MetricsLog(config.run_dir)
+        log = metrics_log = MetricsLog(config.run_dir, config.report_to, config.to_dict())
 
         trainer = trainer_procs.spawn("trainer", roles.trainer, config, reports_port, resume)
         scorer = scorer_procs.spawn("scorer", roles.scorer, config)

@@ -1,4 +1,4 @@
-"""Run outputs: metrics.jsonl rows, the live progress line, TensorBoard, and the learning-curve plot.
+"""Run outputs: metrics.jsonl rows, the live progress line, and the learning-curve plot (trackers: :mod:`.sinks`).
 
 The trainer sends one :class:`~pipeline.messages.StepReport` per step;
 :func:`metric_row` turns it into the row written to ``metrics.jsonl``, with
@@ -18,14 +18,12 @@ from collections import deque
 from typing import Any, TextIO
 
 from .messages import StepReport
+from .sinks import open_sink
 
 __all__ = ["METRICS", "PLOT", "WINDOW", "MetricsLog", "Progress", "RateWindow", "metric_row", "plot", "read_rows"]
 
 METRICS = "metrics.jsonl"
 PLOT = "learning_curve.png"
-TENSORBOARD = "tensorboard"
-#: Shortest run time (s) between two rows written to TensorBoard, evaluation rows excepted.
-TENSORBOARD_PERIOD = 0.1
 #: Steps that windowed metrics (rates, idle ratios, staleness mean/max) cover.
 WINDOW = 20
 
@@ -108,61 +106,26 @@ def metric_row(report: StepReport, windowed: dict[str, float]) -> dict[str, Any]
     return row
 
 
-class _TensorBoard:
-    """Scalars to ``<run_dir>/tensorboard`` when the ``tensorboard`` package is installed.
-
-    Each scalar costs ~60 us to encode, so rows go at most every
-    :data:`TENSORBOARD_PERIOD` s of run time (evaluation rows always): a fast
-    task's hundreds of steps per second would otherwise slow the controller.
-    """
-
-    def __init__(self, run_dir: str) -> None:
-        self._writer: Any = None
-        self._last = -float("inf")
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:  # optional: pip install tensorboard
-            return
-        self._writer = SummaryWriter(os.path.join(run_dir, TENSORBOARD))
-
-    def write(self, row: dict[str, Any]) -> None:
-        if self._writer is None:
-            return
-        evaluated = any(name.startswith("eval/") for name in row)
-        if not evaluated and row["time"] - self._last < TENSORBOARD_PERIOD:
-            return
-        self._last = row["time"]
-        for name, value in row.items():
-            if "/" in name and isinstance(value, (int, float)):
-                self._writer.add_scalar(name, value, row["step"])
-
-    def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-
-
 class MetricsLog:
-    """Appends one JSON row per trainer step to ``<run_dir>/metrics.jsonl`` (and to TensorBoard)."""
+    """Appends one JSON row per trainer step to ``<run_dir>/metrics.jsonl``, and sends it to ``--report-to``'s sink."""
 
-    def __init__(self, run_dir: str, tensorboard: bool = True) -> None:
+    def __init__(self, run_dir: str, report_to: str = "tensorboard", config: dict[str, Any] | None = None) -> None:
         self.path = os.path.join(run_dir, METRICS)
         self._file = open(self.path, "a", buffering=1)
         self._window = RateWindow()
-        self._tensorboard = _TensorBoard(run_dir) if tensorboard else None
+        self._sink = open_sink(report_to, run_dir, config)
         self.rows = 0
 
     def write(self, report: StepReport) -> dict[str, Any]:
         row = metric_row(report, self._window.add(report))
         self._file.write(json.dumps(row) + "\n")
-        if self._tensorboard is not None:
-            self._tensorboard.write(row)
+        self._sink.write(row)
         self.rows += 1
         return row
 
     def close(self) -> None:
         self._file.close()
-        if self._tensorboard is not None:
-            self._tensorboard.close()
+        self._sink.close()
 
 
 def read_rows(run_dir: str) -> list[dict[str, Any]]:

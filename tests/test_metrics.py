@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 
 import pytest
 
@@ -93,7 +94,7 @@ def test_the_progress_line_shows_reward_accuracy_and_pace():
 
 
 def test_the_log_writes_rows_and_the_plot(tmp_path):
-    log = MetricsLog(str(tmp_path), tensorboard=False)
+    log = MetricsLog(str(tmp_path), report_to="none")
     for step in range(1, 41):
         log.write(report(step))
     log.close()
@@ -131,3 +132,32 @@ def test_tensorboard_takes_at_most_ten_rows_a_second_but_every_evaluation(tmp_pa
     events.Reload()
     steps = [e.step for e in events.Scalars("reward/mean")]
     assert {25, 50, 75, 100} <= set(steps) and len(steps) <= 15, steps
+
+
+async def test_report_to_wandb_writes_an_offline_run(tmp_path, sockets_dir, monkeypatch):
+    pytest.importorskip("wandb", reason="needs the wandb extra: pip install -e '.[wandb]'")
+    import glob
+
+    from pipeline import Config, run_pipeline
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    config = Config(task="bandit", steps=20, eval_every=10, report_to="wandb", run_dir=str(tmp_path))
+    await run_pipeline(config, quiet=True)
+    [run] = glob.glob(str(tmp_path / "wandb" / "offline-run-*"))
+    [history] = glob.glob(os.path.join(run, "run-*.wandb"))
+    with open(history, "rb") as f:  # wandb's own record log; its keys are stored as text
+        records = f.read()
+    for key in (b"reward/mean", b"actor/kl", b"eval/score", b"max_staleness"):  # rows, evaluations, the config
+        assert key in records, key
+
+
+def test_report_to_wandb_without_the_package_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    from pipeline.grpo import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    assert main(["--report-to", "wandb", "--run-dir", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err == "error: --report-to wandb needs the wandb package: pip install -e '.[wandb]'\n"
