@@ -3,7 +3,9 @@
 Generator xN -> Scorer -> RefModel -> Trainer, each an actor in its own
 process, linked by typed ports; fresh weights go to the generators as
 shared-memory (or CUDA IPC) manifests. The default task teaches a tiny
-transformer to reverse digit strings; ``--task bandit`` and user
+transformer to reverse digit strings; ``--task hf`` trains a Hugging Face
+causal LM on the user's prompts with TRL-style reward functions
+(:class:`HFTask`, the ``hf`` extra); ``--task bandit`` and user
 :class:`Task` subclasses plug in the same way. Run it with
 ``python -m pipeline.grpo``.
 """
@@ -11,9 +13,12 @@ transformer to reverse digit strings; ``--task bandit`` and user
 from typing import TYPE_CHECKING, Any
 
 from .bandit import BanditSamples, BanditTask
+from .engines import Completions, Engine, HFEngine, SamplingParams
+from .hf_task import HFBatch, HFTask
 from .learner import Learner, Update
 from .messages import Config, GeneratorTimes, Grant, Rollout, ScoredRollout, StepReport
 from .reference import ReferenceResult, train_one_process
+from .rewards import RewardError, RewardSet
 from .roles import Generator, RefModel, Scorer
 from .task import LossReport, Scores, Task, load_task, resolve, task_class, to_device
 from .token_task import DigitsTask, TokenBatch
@@ -38,19 +43,27 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "BanditSamples",
     "BanditTask",
+    "Completions",
     "Config",
     "DigitsTask",
+    "Engine",
     "Generator",
     "GeneratorTimes",
     "Grant",
+    "HFBatch",
+    "HFEngine",
+    "HFTask",
     "Learner",
     "LossReport",
     "PipelineError",
     "RefModel",
     "ReferenceResult",
+    "RewardError",
+    "RewardSet",
     "Roles",
     "Rollout",
     "RunResult",
+    "SamplingParams",
     "ScoredRollout",
     "Scorer",
     "Scores",

@@ -18,13 +18,14 @@ import time
 
 from .causal_lm import ModelError
 from .data import DataError
+from .hf_task import HFTask
 from .messages import Config
 from .model import PRESETS
 from .placement import ROLES
 from .rewards import BUILTINS, RewardError
 from .settings import SettingsError, check_settings
 from .sinks import REPORT_TO, missing_tracker
-from .task import load_task, resolve, task_class
+from .task import resolve, task_class
 from .token_loss import LOSSES, REWARD_SCALES
 
 __all__ = ["build_parser", "parse_args"]
@@ -309,7 +310,7 @@ def check_hf(config: Config) -> None:
             f"--dataset needs at least one --reward (module:function, file.py:function, or {', '.join(BUILTINS)})"
         )
     try:
-        load_task(resolve(config)).check()  # type: ignore[attr-defined]
+        HFTask(resolve(config)).check()
     except (ModelError, DataError, RewardError) as exc:
         raise SettingsError(str(exc)) from None
 

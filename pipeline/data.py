@@ -82,6 +82,7 @@ class PromptData:
         if self.chat and not getattr(tokenizer, "chat_template", None):
             raise DataError(f"{flag}: the prompts are chat messages, but the model's tokenizer has no chat template")
         self._ids: dict[int, list[int]] = {}
+        self._order: tuple[tuple[int, int], list[int]] | None = None
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -119,12 +120,14 @@ class PromptData:
     def rows_for(self, ticket: int, batch: int, seed: int) -> list[int]:
         """The ``batch`` dataset rows of rollout ``ticket``: consecutive samples of seeded, reshuffled epochs."""
         count = len(self.indices)
-        out, epoch_order, epoch = [], None, -1
-        for sample in range(ticket * batch, (ticket + 1) * batch):
-            if sample // count != epoch:
-                epoch = sample // count
-                generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-                epoch_order = torch.randperm(count, generator=generator).tolist()
-            assert epoch_order is not None
-            out.append(self.indices[epoch_order[sample % count]])
-        return out
+        return [
+            self.indices[self._epoch_order(sample // count, seed)[sample % count]]
+            for sample in range(ticket * batch, (ticket + 1) * batch)
+        ]
+
+    def _epoch_order(self, epoch: int, seed: int) -> list[int]:
+        """Epoch ``epoch``'s permutation of the rows (the newest kept: consecutive tickets share one)."""
+        if self._order is None or self._order[0] != (epoch, seed):
+            generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+            self._order = ((epoch, seed), torch.randperm(len(self.indices), generator=generator).tolist())
+        return self._order[1]

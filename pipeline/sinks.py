@@ -9,10 +9,20 @@ them, and started by the launcher only after the roles' processes exist
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from typing import Any, Literal, Protocol
 
-__all__ = ["REPORT_TO", "ReportTo", "Sink", "TensorBoardSink", "WandbSink", "missing_tracker", "open_sink"]
+__all__ = [
+    "REPORT_TO",
+    "CompletionsFeed",
+    "ReportTo",
+    "Sink",
+    "TensorBoardSink",
+    "WandbSink",
+    "missing_tracker",
+    "open_sink",
+]
 
 #: ``--report-to`` choices.
 ReportTo = Literal["tensorboard", "wandb", "none"]
@@ -47,6 +57,7 @@ class TensorBoardSink:
     def __init__(self, run_dir: str) -> None:
         self._writer: Any = None
         self._last = -float("inf")
+        self._completions = CompletionsFeed(run_dir)
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:  # optional: pip install tensorboard
@@ -59,10 +70,54 @@ class TensorBoardSink:
         self._last = row["time"]
         for name, value in _scalars(row).items():
             self._writer.add_scalar(name, value, row["step"])
+        if any(name.startswith("eval/") for name in row):
+            text = self._completions.new_as_markdown()
+            if text:
+                self._writer.add_text("completions", text, row["step"])
 
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
+
+
+class CompletionsFeed:
+    """The rows the trainer appended to ``<run_dir>/completions.jsonl`` (``--log-completions``) since last asked.
+
+    The trainer writes the file where it runs; a trainer on another host
+    (Ray) leaves none here, and the feed stays empty.
+    """
+
+    def __init__(self, run_dir: str) -> None:
+        self.path = os.path.join(run_dir, "completions.jsonl")
+        self._offset = os.path.getsize(self.path) if os.path.exists(self.path) else 0  # a resumed run's old rows
+
+    def new_rows(self) -> list[dict[str, Any]]:
+        if not os.path.exists(self.path):
+            return []
+        with open(self.path) as f:
+            f.seek(self._offset)
+            lines = f.read()
+        complete = lines[: lines.rfind("\n") + 1]  # a row still being written waits for the next call
+        self._offset += len(complete.encode())
+        return [json.loads(line) for line in complete.splitlines() if line.strip()]
+
+    def new_as_markdown(self) -> str:
+        """The new rows as a Markdown table (TensorBoard's text plugin renders it)."""
+        rows = self.new_rows()
+        if not rows:
+            return ""
+        names = sorted({name for row in rows for name in row.get("rewards", {})})
+        lines = ["| prompt | completion | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+        for row in rows:
+            cells = [_cell(row.get("prompt")), _cell(row.get("completion"))]
+            cells += [_cell(row.get("rewards", {}).get(name)) for name in names]
+            lines.append("| " + " | ".join(cells) + " |")
+        return "\n".join(lines)
+
+
+def _cell(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value)
+    return text.replace("|", "\\|").replace("\n", "<br>")
 
 
 class WandbSink:

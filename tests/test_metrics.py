@@ -161,3 +161,26 @@ def test_report_to_wandb_without_the_package_is_refused_in_one_line(tmp_path, ca
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     assert main(["--report-to", "wandb", "--run-dir", str(tmp_path / "run")]) == 2
     assert capsys.readouterr().err == "error: --report-to wandb needs the wandb package: pip install -e '.[wandb]'\n"
+
+
+def test_logged_completions_reach_tensorboard_as_text_once_each(tmp_path):
+    pytest.importorskip("tensorboard", reason="needs the tensorboard package")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from pipeline.sinks import CompletionsFeed, TensorBoardSink
+
+    path = tmp_path / "completions.jsonl"
+    path.write_text(json.dumps({"prompt": "old", "completion": "x", "rewards": {"r": 1.0}}) + "\n")
+    sink = TensorBoardSink(str(tmp_path))  # a resumed run: rows already there are not sent again
+    with open(path, "a") as f:
+        f.write(json.dumps({"prompt": "a|b", "completion": "c\nd", "rewards": {"r": 0.5, "s": None}}) + "\n")
+        f.write('{"prompt": "half a ro')  # still being written
+    sink.write({"step": 10, "time": 1.0, "eval/reward": 0.5})
+    sink.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    [text] = events.Tensors("completions/text_summary")
+    table = text.tensor_proto.string_val[0].decode()
+    assert "a\\|b" in table and "c<br>d" in table and "old" not in table and "half" not in table
+    feed = CompletionsFeed(str(tmp_path))
+    assert feed.new_rows() == []  # a new feed starts at the end

@@ -273,7 +273,7 @@ def test_kill_9_of_a_role_stops_the_run_naming_it(tmp_path, role, title):
 async def test_a_role_failing_because_a_peer_died_is_not_named_for_it():
     """The scorer dies; a generator's send to it fails first (PortClosed): the scorer is the one named."""
     from actors import ActorDied, ActorError
-    from pipeline.grpo import _first_failure
+    from pipeline.failures import first_failure as _first_failure
 
     async def generator() -> None:
         raise ActorError("actors._errors.PortClosed", "the receiver of port 1 (pid 7) has exited", actor="generator")
