@@ -305,6 +305,8 @@ def _task_name(args: argparse.Namespace) -> str:
 
 def check_hf(config: Config) -> None:
     """Load what a Hugging Face run needs (model config, tokenizer, prompts, rewards); refuse it if any fails."""
+    if not config.dataset:
+        raise SettingsError("--task hf trains on your prompts: add --dataset FILE (or a Hub dataset) and --reward SPEC")
     if not config.rewards:
         raise SettingsError(
             f"--dataset needs at least one --reward (module:function, file.py:function, or {', '.join(BUILTINS)})"

@@ -1,9 +1,9 @@
 """Generation engines: prompts in; token ids, behaviour log-probabilities and text out.
 
-A generator holds one :class:`Engine`. The interface is deliberately small —
-:meth:`Engine.generate` and the module its weights are installed into
-(:attr:`Engine.model`) — so another engine (vLLM) can take the generator's
-place without the roles changing. :class:`HFEngine` samples with a Hugging
+A generator holds one :class:`Engine` (its task builds it:
+:meth:`pipeline.task.Task.build_engine`). The interface is deliberately
+small — :meth:`Engine.generate` and :meth:`Engine.load_weights` — so another
+engine (vLLM) can take the generator's place without the roles changing. :class:`HFEngine` samples with a Hugging
 Face model's own KV cache (``past_key_values``): left-padded prompts,
 temperature, top-k and top-p, stopping at any end-of-sequence token or the
 token limit. The log-probability it records for each token is under the whole
@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+
+from actors import WeightInbox, WeightManifest
 
 from .causal_lm import positions
 
@@ -53,13 +55,19 @@ class Completions:
 class Engine(Protocol):
     """What a generator needs from whatever produces its completions."""
 
-    #: The module the trainer's weight updates are installed into.
-    model: torch.nn.Module
-
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator | None = None
     ) -> Completions:
         """Completions of ``prompts`` (token ids each, any lengths)."""
+        ...
+
+    async def load_weights(self, inbox: WeightInbox, *, alias: bool = False) -> WeightManifest | None:
+        """Install the newest manifest waiting in ``inbox`` into the engine's parameters; None if none waited.
+
+        The inbox acknowledges, rejects and releases the update; the engine
+        decides how its tensors reach the parameters it samples with. A
+        manifest that does not fit is raised, the engine's weights unchanged.
+        """
         ...
 
 
@@ -107,6 +115,9 @@ class HFEngine:
         # transformers 5 names the KV cache ``cache``; 4.x ``past_key_values``
         forward = inspect.signature(model.forward).parameters
         self._cache_argument = "cache" if "cache" in forward else "past_key_values"
+
+    async def load_weights(self, inbox: WeightInbox, *, alias: bool = False) -> WeightManifest | None:
+        return await inbox.install_newest_async(self.model, alias=alias)
 
     def _cache(self, out: Any) -> Any:
         return getattr(out, self._cache_argument)

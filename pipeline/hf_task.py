@@ -66,6 +66,7 @@ class HFTask(Task):
         if not config.dataset:
             raise ValueError("--task hf needs --dataset")
         self.max_new_tokens = config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+        self._engines: dict[int, HFEngine] = {}
 
     # -- what each role loads, once, when it first needs it ------------------------------------------------
 
@@ -121,8 +122,15 @@ class HFTask(Task):
             samples=samples,
         )
 
+    def build_engine(self, policy: torch.nn.Module) -> HFEngine:
+        return self.engine(policy)
+
     def engine(self, policy: torch.nn.Module) -> HFEngine:
-        return HFEngine(policy, self.tokenizer)
+        """The engine that samples ``policy`` (one per module, built on first use)."""
+        engine = self._engines.get(id(policy))
+        if engine is None or engine.model is not policy:
+            engine = self._engines[id(policy)] = HFEngine(policy, self.tokenizer)
+        return engine
 
     def sample(self, policy: torch.nn.Module, generator: torch.Generator, ticket: int = 0) -> HFBatch:
         data = self.train_data

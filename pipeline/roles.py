@@ -82,6 +82,7 @@ class Generator(ReceivesWeights):
         self.id = current_rank().rank
         self.device = role_device(config, "generator")
         self.policy = self.task.build_policy().to(self.device).requires_grad_(False).eval()
+        self.engine = self.task.build_engine(self.policy)
         self.rollouts = rollouts
         seed = 1_000_003 * (config.seed + 1) + 7_919 * (self.id + 1)
         self.rng = torch.Generator(device=self.device).manual_seed(seed)
@@ -115,7 +116,11 @@ class Generator(ReceivesWeights):
     async def install_weights(self) -> None:
         """Install the newest update waiting in the inbox, if any, and time it (a ``tcp`` fetch is awaited)."""
         started = time.perf_counter()
-        manifest = await self.weight_inbox.install_newest_async(self.policy, alias=self.config.install == "alias")
+        alias = self.config.install == "alias"
+        if self.engine is not None:  # the engine decides how an update reaches the parameters it samples with
+            manifest = await self.engine.load_weights(self.weight_inbox, alias=alias)
+        else:
+            manifest = await self.weight_inbox.install_newest_async(self.policy, alias=alias)
         if manifest is not None:
             self.version = manifest.version
             self.times.install += time.perf_counter() - started

@@ -33,6 +33,7 @@ import torch
 from .token_loss import LossSpec, group_advantages, token_grpo_loss, token_weights
 
 if TYPE_CHECKING:
+    from .engines import Engine
     from .messages import Config
 
 __all__ = [
@@ -109,6 +110,14 @@ class Task:
         position: :meth:`pipeline.data.PromptData.rows_for`).
         """
         raise NotImplementedError
+
+    def build_engine(self, policy: torch.nn.Module) -> Engine | None:
+        """The generation engine a generator samples ``policy`` with, and installs weights through.
+
+        None (the default): :meth:`sample` samples the module itself and the
+        generator installs updates straight into it.
+        """
+        return None
 
     def build_scorer(self, device: torch.device) -> Any:
         """What :meth:`score` needs besides the samples (a reward model, say); None for a verifier."""

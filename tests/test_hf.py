@@ -219,6 +219,7 @@ def _encoder_only(folder) -> str:  # type: ignore[no-untyped-def]
         ("no_reward", "--dataset needs at least one --reward"),
         ("no_template", "no chat template"),
         ("preset_with_data", None),
+        ("hf_without_data", "--task hf trains on your prompts: add --dataset"),
     ],
 )
 def test_bad_model_data_or_reward_is_one_line_and_exit_2(tmp_path, tiny, capsys, case, message):
@@ -242,6 +243,8 @@ def test_bad_model_data_or_reward_is_one_line_and_exit_2(tmp_path, tiny, capsys,
     if case == "preset_with_data":
         flags = ["--model", model]  # an HF model without a dataset
         message = "the built-in tasks train a preset"
+    elif case == "hf_without_data":
+        flags = ["--task", "hf", "--model", model, "--reward", reward]
     code = main([*flags, "--run-dir", str(run_dir), "--quiet"])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: ") and message in err, err
@@ -347,4 +350,28 @@ def test_weights_of_a_tied_hf_model_install_by_copy_and_by_alias(tiny):
                 consumer.release(manifest.update_id)
     finally:
         consumer.close()
+        publisher.close()
+
+
+async def test_the_engine_installs_the_newest_manifest_and_refuses_one_that_does_not_fit(tiny):
+    from actors import WeightInbox, WeightPublisher, WeightSyncError
+
+    trained = load_model(str(tiny / "model"))
+    with torch.no_grad():
+        trained.lm_head.weight.add_(0.5)
+    engine = HFEngine(load_model(str(tiny / "model")).eval(), load_tokenizer(str(tiny / "model")))
+    publisher, inbox = WeightPublisher("shm", slots=3), WeightInbox()
+    try:
+        assert await engine.load_weights(inbox) is None  # nothing waiting
+        inbox.put(publisher.publish(trained, 1))
+        inbox.put(newest := publisher.publish(trained, 2))
+        assert (await engine.load_weights(inbox)).version == newest.version  # type: ignore[union-attr]
+        assert torch.equal(engine.model.lm_head.weight, trained.lm_head.weight)
+        before = {name: value.clone() for name, value in engine.model.state_dict().items()}
+        inbox.put(publisher.publish({"lm_head.weight": torch.zeros(3, 3)}, 3))
+        with pytest.raises(WeightSyncError):
+            await engine.load_weights(inbox)
+        assert all(torch.equal(before[name], value) for name, value in engine.model.state_dict().items())
+    finally:
+        inbox.close()
         publisher.close()
