@@ -158,8 +158,10 @@ class Progress:
     def line(self, row: dict[str, Any]) -> str:
         score = "  -  " if row["score"] is None else f"{row['score']:5.3f}"
         accuracy = "" if row["accuracy/train"] is None else f"  acc {row['accuracy/train']:.2f}"
+        parts = [f"{name[7:]} {value:.2f}" for name, value in row.items() if _reward_component(name, value)]
+        components = f" ({', '.join(parts)})" if len(parts) > 1 else ""  # one function: the reward itself
         return (
-            f"step {row['step']:>5}/{self.total}  reward {row['reward/mean']:.3f}{accuracy}  eval {score}  "
+            f"step {row['step']:>5}/{self.total}  reward {row['reward/mean']:.3f}{components}{accuracy}  eval {score}  "
             f"kl {row['actor/kl']:.4f}  lag {row['staleness/mean']:.1f}  "
             f"{row['perf/steps_per_s']:.1f} steps/s  {row['perf/tokens_trained_per_s'] / 1000:.1f}k tok/s  "
             f"idle trainer {row['perf/trainer_idle_ratio']:.2f}"
@@ -175,6 +177,11 @@ class Progress:
         if self.tty and not self.quiet:
             self.stream.write("\n")
             self.stream.flush()
+
+
+def _reward_component(name: str, value: Any) -> bool:
+    """Whether a row's ``name`` is one reward function's mean (``reward/<name>``, not the mean or std)."""
+    return name.startswith("reward/") and name not in ("reward/mean", "reward/std") and isinstance(value, float)
 
 
 def _smooth(values: list[float], window: int) -> list[float]:
@@ -199,7 +206,7 @@ def plot(run_dir: str) -> str | None:
     window = max(1, len(rows) // 50)
     fig, (top, middle, bottom) = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
     top.plot(steps, _smooth([r["reward/mean"] for r in rows], window), label=f"reward (mean of {window} steps)")
-    components = sorted({k for r in rows for k in r if k.startswith("reward/")} - {"reward/mean", "reward/std"})
+    components = sorted({k for r in rows for k, v in r.items() if _reward_component(k, v)})
     for name in components:  # each reward function's mean
         points = [(r["step"], r[name]) for r in rows if r.get(name) is not None]
         top.plot(*zip(*points, strict=True), linewidth=0.7, label=name)

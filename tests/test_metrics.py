@@ -184,3 +184,14 @@ def test_logged_completions_reach_tensorboard_as_text_once_each(tmp_path):
     assert "a\\|b" in table and "c<br>d" in table and "old" not in table and "half" not in table
     feed = CompletionsFeed(str(tmp_path))
     assert feed.new_rows() == []  # a new feed starts at the end
+
+
+def test_the_progress_line_shows_each_reward_function_when_there_are_several():
+    import dataclasses
+
+    def line(components: dict[str, float]) -> str:
+        step = dataclasses.replace(report(3), reward_components=components)
+        return Progress(100, quiet=True).line(metric_row(step, RateWindow().add(step)))
+
+    assert "reward 0.300 (exact 0.25, format 1.00)  acc" in line({"exact": 0.25, "format": 1.0})
+    assert "reward 0.300  acc" in line({"exact": 0.25})  # one function: the reward itself
