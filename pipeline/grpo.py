@@ -324,9 +324,31 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"done: {result.steps} steps in {result.seconds:.1f}s ({result.steps_per_second:.1f} steps/s), "
         f"held-out {held_out}{reached}; {result.dropped} stale rollouts dropped, policy version {result.version}\n"
-        f"outputs in {result.run_dir}: config.json, metrics.jsonl, learning_curve.png, checkpoint.pt"
+        f"outputs in {result.run_dir}: {', '.join(_outputs(result.run_dir))}"
     )
     return 0
+
+
+#: What a run folder may hold, in the order the summary names it.
+OUTPUTS = (
+    "config.json",
+    "metrics.jsonl",
+    "learning_curve.png",
+    "checkpoint.pt",
+    "model",
+    "completions.jsonl",
+    "tensorboard",
+    "wandb",
+)
+
+
+def _outputs(run_dir: str) -> list[str]:
+    """The outputs the run left in ``run_dir`` (a folder with a trailing slash)."""
+    return [
+        name + ("/" if os.path.isdir(os.path.join(run_dir, name)) else "")
+        for name in OUTPUTS
+        if os.path.exists(os.path.join(run_dir, name))
+    ]
 
 
 def exit_now(code: int) -> NoReturn:
