@@ -54,6 +54,8 @@ log = logging.getLogger("actors")
 
 #: How long closing a process's links may keep trying to deliver what is queued.
 CLOSE_LINGER_MS = 200
+#: How long after a port sender's process exits its receivers wait for what it sent last (seconds).
+HOLDER_SETTLE = 0.02
 
 
 class Runtime:
@@ -109,11 +111,32 @@ class Runtime:
     def _wire_handlers(self) -> None:
         registry, inbox, receivers = self.registry, self.inbox, self.receivers
         registry.death_listeners += [self._peer_died, self.calls.on_death]
-        registry.pid_listeners.append(receivers.holder_died)
+        registry.pid_listeners.append(self._holder_exited)
         inbox.on(Reply, lambda record, frames, sender, size: self.calls.on_reply(record))
         inbox.on(Credit, lambda record, frames, sender, size: self.windows.on_credit(sender.address, *record))
         inbox.on(PortMessage, receivers.on_port_message, raw=True, run=receivers.deliver_run)  # the hot path
         inbox.on(Attach, receivers.on_attach)
+
+    def _holder_exited(self, pid: int) -> None:
+        """Process ``pid`` exited: once what it sent has been taken in, its port senders are gone.
+
+        Messages it sent just before exiting can still be in ZeroMQ's I/O
+        thread when its pidfd fires, so the inbox is pumped now and, on a
+        running loop, again :data:`HOLDER_SETTLE` s later, before receivers
+        may report "every sender gone" (a port's last messages are never
+        mistaken for lost).
+        """
+        self.inbox.pump()
+        loop = self.driver.loop
+        if loop is None or not loop.is_running():
+            self.receivers.holder_died(pid)
+            return
+        loop.call_later(HOLDER_SETTLE, self._holder_settled, pid)
+
+    def _holder_settled(self, pid: int) -> None:
+        if not self.closed:
+            self.inbox.pump()
+        self.receivers.holder_died(pid)
 
     def _learn_sender(self, header: Header) -> None:
         self.registry.proc(header.address, header.pid)
