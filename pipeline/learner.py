@@ -95,14 +95,13 @@ class Learner:
 
     def evaluate(self) -> dict[str, float]:
         """The task's held-out metrics for the current policy."""
-        metrics = self.task.evaluate(self.policy)
-        if self.task.primary not in metrics:
-            raise KeyError(f"{type(self.task).__name__}.evaluate must report {self.task.primary!r}")
-        return metrics
+        return self._with_primary(self.task.evaluate(self.policy))
 
     async def evaluate_async(self) -> dict[str, float]:
         """:meth:`evaluate` on an event loop (the task's reward functions are awaited)."""
-        metrics = await self.task.evaluate_async(self.policy)
+        return self._with_primary(await self.task.evaluate_async(self.policy))
+
+    def _with_primary(self, metrics: dict[str, float]) -> dict[str, float]:
         if self.task.primary not in metrics:
             raise KeyError(f"{type(self.task).__name__}.evaluate must report {self.task.primary!r}")
         return metrics
