@@ -10,6 +10,7 @@ import torch
 
 from actors import WeightManifest
 
+from .sinks import ReportTo
 from .token_loss import LossKind, RewardScale
 
 __all__ = [
@@ -159,7 +160,7 @@ class Config:
     reward_timeout: float = 60.0  # hf: the most seconds one reward function may take on one batch
     log_completions: int = 0  # hf: held-out (prompt, completion, rewards) rows appended per evaluation
     top_k: int = 0  # 0: off
-    report_to: str = "tensorboard"  # tensorboard | wandb | none: where metric rows go besides metrics.jsonl
+    report_to: ReportTo = "tensorboard"  # tensorboard | wandb | none: where metric rows go besides metrics.jsonl
     prompts: int = 32  # prompts per rollout (one trainer step)
     group: int = 8  # samples per prompt (GRPO group)
     max_new_tokens: int = 0  # 0: the answer's length + 2

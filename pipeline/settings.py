@@ -11,6 +11,7 @@ prompts cannot fill a training and a held-out set), when it is built.
 from __future__ import annotations
 
 from .messages import Config
+from .sinks import REPORT_TO
 from .token_loss import LOSSES, REWARD_SCALES
 
 __all__ = ["SettingsError", "check_settings"]
@@ -48,7 +49,15 @@ def check_settings(config: Config) -> None:
         raise SettingsError(f"--top-p {config.top_p}: the nucleus mass must be in (0, 1]")
     for name in ("prompts", "steps", "eval_size", "eval_every", "generators", "max_inflight", "threads"):
         _at_least(config, name, 1)
-    for name in ("max_new_tokens", "max_staleness", "micro_batch", "warmup_steps", "generator_restarts"):
+    for name in (
+        "max_new_tokens",
+        "max_staleness",
+        "micro_batch",
+        "warmup_steps",
+        "generator_restarts",
+        "top_k",
+        "log_completions",
+    ):
         _at_least(config, name, 0)
     _at_least(config, "kl_coeff", 0)
     _at_least(config, "max_grad_norm", 0, " (0 turns clipping off)")
@@ -60,8 +69,13 @@ def check_settings(config: Config) -> None:
         raise SettingsError(f"--epsilon-high {config.epsilon_high}: the clip's upper bound must be above 0")
     if config.dual_clip != 0 and not config.dual_clip > 1:
         raise SettingsError(f"--dual-clip {config.dual_clip}: the dual clip C must be above 1 (or 0: off)")
+    if not config.reward_timeout > 0:
+        raise SettingsError(f"--reward-timeout {config.reward_timeout}: a reward function needs some time (above 0)")
+    if not 0 < config.eval_fraction < 1:
+        raise SettingsError(f"--eval-fraction {config.eval_fraction}: the held-out share must be in (0, 1)")
     _one_of(config, "loss", LOSSES)
     _one_of(config, "scale_rewards", REWARD_SCALES)
     _one_of(config, "lr_schedule", ("constant", "cosine"))
     _one_of(config, "dtype", ("float32", "bfloat16"))
     _one_of(config, "mode", ("async", "sync"))
+    _one_of(config, "report_to", REPORT_TO)

@@ -35,6 +35,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         (["--max-grad-norm", "-1"], "--max-grad-norm -1.0: must be at least 0 (0 turns clipping off)"),
         (["--generators", "0"], "--generators 0: must be at least 1"),
         (["--resume", "no/such/run"], "--resume no/such/run: no such folder"),
+        (["--top-k", "-1"], "--top-k -1: must be at least 0"),
+        (["--reward-timeout", "0"], "--reward-timeout 0.0: a reward function needs some time (above 0)"),
+        (["--eval-fraction", "1"], "--eval-fraction 1.0: the held-out share must be in (0, 1)"),
     ],
 )
 def test_a_setting_that_cannot_train_is_one_line_and_exit_2(tmp_path, capsys, flags, message):
