@@ -356,3 +356,35 @@ def test_inbox_treats_a_repeated_manifest_as_one_update(shm_publisher):
     inbox.put(manifest)  # delivered again after installing: dropped quietly
     assert inbox.install_newest(target) is None
     inbox.close()
+
+
+async def test_a_loader_takes_an_update_whose_names_are_not_the_destinations():
+    """An engine with fused layers loads through a callable: acknowledged and released, or rejected with the reason."""
+    publisher = WeightPublisher("shm", slots=2)
+    inbox = WeightInbox()
+    fused = torch.zeros(4, 3)
+    state = {"q.weight": torch.ones(2, 3), "k.weight": torch.full((2, 3), 2.0)}
+
+    def into_fused(tensors: dict[str, torch.Tensor]) -> None:
+        fused.copy_(torch.cat([tensors["q.weight"], tensors["k.weight"]]))
+
+    def refuses(tensors: dict[str, torch.Tensor]) -> None:
+        raise KeyError("v.weight")
+
+    try:
+        assert await inbox.load_newest_async(into_fused) is None  # nothing waiting
+        inbox.put(first := publisher.publish(state, 1))
+        assert await inbox.load_newest_async(into_fused) is first
+        assert fused[:2].eq(1).all() and fused[2:].eq(2).all()
+        assert inbox.consumer.installed_version == 1 and inbox.consumer.state(first.update_id) == "released"
+        inbox.put(second := publisher.publish({k: v * 3 for k, v in state.items()}, 2))
+        with pytest.raises(KeyError, match="v.weight"):
+            await inbox.load_newest_async(refuses)
+        assert inbox.consumer.rejection_reason(second.update_id) == "KeyError: 'v.weight'"
+        assert inbox.consumer.state(second.update_id) == "released" and inbox.consumer.installed_version == 1
+        assert fused[:2].eq(1).all()  # the last good weights stay
+        inbox.put(third := publisher.publish(state, 3))  # both slots are free again
+        assert await inbox.load_newest_async(into_fused) is third
+    finally:
+        inbox.close()
+        publisher.close()

@@ -7,6 +7,7 @@ import collections
 import contextlib
 import os
 import select
+from collections.abc import Callable
 
 import torch
 
@@ -271,6 +272,29 @@ class WeightConsumer:
             self._failed(manifest, exc)
             raise
         self._installed(manifest, alias)
+
+    async def load_async(
+        self,
+        manifest: WeightManifest,
+        loader: Callable[[dict[str, torch.Tensor]], None],
+        *,
+        timeout: float | None = None,
+    ) -> None:
+        """Import the update, hand its tensors to ``loader``, and acknowledge; reject on any failure.
+
+        For a destination that is not a module with the publisher's names (an
+        inference engine whose layers fuse or rename them): ``loader`` copies
+        what it needs out of the tensors, which are views valid only during
+        the call. The caller releases the update afterwards. A loader that
+        raises leaves the update rejected with its message.
+        """
+        try:
+            tensors = await self.import_update_async(manifest, timeout)
+            loader(tensors)
+        except BaseException as exc:
+            self._failed(manifest, exc)
+            raise
+        self._installed(manifest, alias=False)
 
     def _load(
         self,

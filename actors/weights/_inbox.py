@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+from collections.abc import Callable
 
 import torch
 
@@ -136,6 +137,25 @@ class WeightInbox:
             return None
         try:
             await self.consumer.install_async(manifest, model, alias=alias, timeout=timeout)
+        except StaleUpdateError:
+            return None
+        finally:
+            self._done_with(manifest)
+        return manifest
+
+    async def load_newest_async(
+        self, loader: Callable[[dict[str, torch.Tensor]], None], *, timeout: float | None = None
+    ) -> WeightManifest | None:
+        """:meth:`install_newest_async` for a destination that is not a module: ``loader`` takes the tensors.
+
+        See :meth:`WeightConsumer.load_async`; the update is released after
+        the loader returns (the loader must copy what it keeps).
+        """
+        manifest = self.take_newest()
+        if manifest is None:
+            return None
+        try:
+            await self.consumer.load_async(manifest, loader, timeout=timeout)
         except StaleUpdateError:
             return None
         finally:
