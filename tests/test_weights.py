@@ -378,7 +378,7 @@ async def test_a_loader_takes_an_update_whose_names_are_not_the_destinations():
         assert fused[:2].eq(1).all() and fused[2:].eq(2).all()
         assert inbox.consumer.installed_version == 1 and inbox.consumer.state(first.update_id) == "released"
         inbox.put(second := publisher.publish({k: v * 3 for k, v in state.items()}, 2))
-        with pytest.raises(KeyError, match="v.weight"):
+        with pytest.raises(KeyError, match=r"v\.weight"):
             await inbox.load_newest_async(refuses)
         assert inbox.consumer.rejection_reason(second.update_id) == "KeyError: 'v.weight'"
         assert inbox.consumer.state(second.update_id) == "released" and inbox.consumer.installed_version == 1
