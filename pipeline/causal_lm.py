@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from .sampling import token_logps
+
 __all__ = [
     "ModelError",
     "causal_logps",
@@ -119,14 +121,7 @@ def causal_logps(
     )
     inputs = tokens[:, :-1]
     out = model(input_ids=inputs, attention_mask=attention[:, :-1], position_ids=positions(attention[:, :-1]))
-    logits = out.logits[:, prompt_length - 1 :].float()
-    if temperature not in (0, 1):
-        logits = logits / temperature
-    logp_all = logits.log_softmax(-1)
-    targets = tokens[:, prompt_length:]
-    logps = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logps, entropy
+    return token_logps(out.logits[:, prompt_length - 1 :].float(), tokens[:, prompt_length:], temperature)
 
 
 def _first_line(exc: BaseException) -> str:

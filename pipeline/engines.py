@@ -15,7 +15,6 @@ whatever the top-k/top-p (those belong to the sampler, not the policy).
 from __future__ import annotations
 
 import inspect
-import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -24,6 +23,7 @@ import torch
 from actors import WeightInbox, WeightManifest
 
 from .causal_lm import positions
+from .sampling import draw
 
 __all__ = ["Completions", "Engine", "HFEngine", "SamplingParams", "left_pad"]
 
@@ -84,20 +84,6 @@ def left_pad(prompts: list[list[int]], pad: int, device: torch.device) -> tuple[
     return ids.to(device), mask.to(device)
 
 
-def _filter(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """``scaled`` logits with the tokens outside the top-k and outside the top-p nucleus masked out."""
-    if top_k > 0 and top_k < scaled.shape[-1]:
-        kth = scaled.topk(top_k, dim=-1).values[..., -1:]
-        scaled = scaled.masked_fill(scaled < kth, -math.inf)
-    if top_p < 1.0:
-        ordered, order = scaled.sort(dim=-1, descending=True)
-        probs = ordered.softmax(-1)
-        drop = probs.cumsum(-1) - probs > top_p  # keep the token that crosses top_p
-        ordered = ordered.masked_fill(drop, -math.inf)
-        scaled = torch.full_like(scaled, -math.inf).scatter(-1, order, ordered)
-    return scaled
-
-
 class HFEngine:
     """Batched sampling with a Hugging Face causal LM and its KV cache."""
 
@@ -141,14 +127,7 @@ class HFEngine:
         done = torch.zeros(count, dtype=torch.bool, device=device)
         tokens, logps, masks = [], [], []
         for _ in range(params.max_new_tokens):
-            if params.temperature == 0:
-                logp = step_logits.log_softmax(-1)
-                token = logp.argmax(-1)
-            else:
-                scaled = step_logits / params.temperature if params.temperature != 1 else step_logits
-                logp = scaled.log_softmax(-1)
-                nucleus = _filter(scaled, params.top_k, params.top_p).softmax(-1)
-                token = torch.multinomial(nucleus, 1, generator=generator).squeeze(-1)
+            token, logp = draw(step_logits, params.temperature, generator, params.top_k, params.top_p)
             token = token.masked_fill(done, self.pad)
             tokens.append(token)
             logps.append(logp.gather(-1, token.unsqueeze(-1)).squeeze(-1).masked_fill(done, 0.0))

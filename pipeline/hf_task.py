@@ -137,9 +137,8 @@ class HFTask(Task):
         rows = data.rows_for(max(0, ticket), self.config.prompts, self.config.seed)
         engine = self.engine(policy)
         out = engine.generate([data.prompt_ids(row) for row in rows], self.params(self.config.group), generator)
-        truncated = out.mask[:, -1].bool() & ~torch.isin(out.tokens[:, -1], torch.tensor(engine.eos))
-        if out.mask.shape[1] < self.max_new_tokens:  # every completion ended before the limit
-            truncated = torch.zeros_like(truncated)
+        completion = out.tokens[:, out.prompt_mask.shape[1] :]
+        truncated = ~(torch.isin(completion, torch.tensor(engine.eos)) & out.mask.bool()).any(1)  # no end token
         return HFBatch(
             torch.tensor(rows, dtype=torch.long),
             out.tokens,

@@ -11,12 +11,13 @@ log-probabilities GRPO's ratio needs) and the completion mask.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .sampling import draw, token_logps
 
 __all__ = ["PRESETS", "Generation", "ModelConfig", "TinyTransformer", "completion_logps", "generate"]
 
@@ -122,17 +123,6 @@ class Generation:
     mask: torch.Tensor
 
 
-def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """``logits`` with every token outside the smallest set of cumulative probability ``top_p`` masked."""
-    if top_p >= 1.0:
-        return logits
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    cumulative = sorted_logits.softmax(-1).cumsum(-1)
-    drop = cumulative - sorted_logits.softmax(-1) > top_p  # keep the token that crosses top_p
-    sorted_logits = sorted_logits.masked_fill(drop, -math.inf)
-    return torch.full_like(logits, -math.inf).scatter(-1, order, sorted_logits)
-
-
 @torch.no_grad()
 def generate(
     model: TinyTransformer,
@@ -166,14 +156,7 @@ def generate(
     out_tokens, out_logps, out_mask = [], [], []
     position = tokens.shape[1]
     for _ in range(max_new_tokens):
-        if temperature == 0:
-            logp = step_logits.log_softmax(-1)
-            token = logp.argmax(-1)
-        else:
-            scaled = step_logits / temperature if temperature != 1 else step_logits
-            logp = scaled.log_softmax(-1)
-            nucleus = logp if top_p >= 1.0 else _top_p(scaled, top_p).log_softmax(-1)
-            token = torch.multinomial(nucleus.exp(), 1, generator=generator).squeeze(-1)
+        token, logp = draw(step_logits, temperature, generator, top_p=top_p)
         token = token.masked_fill(done, pad)
         out_tokens.append(token)
         out_logps.append(logp.gather(-1, token.unsqueeze(-1)).squeeze(-1).masked_fill(done, 0.0))
@@ -198,11 +181,4 @@ def completion_logps(
     """Per-token log-probabilities [N, T] of the completion part of ``tokens`` under ``model``,
     and the per-token entropy of its distribution (teacher forcing, one forward pass)."""
     logits, _ = model(tokens[:, :-1])
-    logits = logits[:, prompt_length - 1 :]
-    if temperature not in (0, 1):
-        logits = logits / temperature
-    logp_all = logits.log_softmax(-1)
-    targets = tokens[:, prompt_length:]
-    logps = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logps, entropy
+    return token_logps(logits[:, prompt_length - 1 :], tokens[:, prompt_length:], temperature)

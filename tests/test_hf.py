@@ -375,3 +375,18 @@ async def test_the_engine_installs_the_newest_manifest_and_refuses_one_that_does
     finally:
         inbox.close()
         publisher.close()
+
+
+@pytest.mark.parametrize("push, expected", [(50.0, False), (-50.0, True)])
+def test_a_completion_without_its_end_token_is_marked_truncated(tmp_path, tiny, push, expected):
+    task = HFTask(resolve(_config(tiny, tmp_path, prompts=2, group=2, max_new_tokens=3)))
+    policy = task.build_policy().eval()
+    eos = task.tokenizer.eos_token_id
+
+    def shift(module, inputs, logits):  # type: ignore[no-untyped-def]
+        logits[..., eos] += push  # the end token the likeliest (every completion ends) or all but impossible (none)
+        return logits
+
+    policy.lm_head.register_forward_hook(shift)
+    batch = task.sample(policy, torch.Generator().manual_seed(0), ticket=0)
+    assert batch.truncated.tolist() == [expected] * 4

@@ -12,7 +12,8 @@ import torch
 
 from pipeline import Config, DigitsTask, resolve, train_one_process
 from pipeline.digits import BOS, EOS, PAD, PLUS, SEP, DigitProblem, verify
-from pipeline.model import ModelConfig, TinyTransformer, _top_p, completion_logps, generate
+from pipeline.model import ModelConfig, TinyTransformer, completion_logps, generate
+from pipeline.sampling import filter_logits
 
 
 def model(seed: int = 0) -> TinyTransformer:
@@ -68,9 +69,9 @@ def test_greedy_decoding_is_deterministic_and_top_p_keeps_the_smallest_sufficien
     again = generate(net, prompts, samples=2, max_new_tokens=5, eos=EOS, pad=PAD, temperature=0.0)
     assert torch.equal(first.tokens, again.tokens)
     logits = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.2)]])
-    assert torch.isinf(_top_p(logits, 0.4)).tolist() == [[False, True, True]]
-    assert torch.isinf(_top_p(logits, 0.7)).tolist() == [[False, False, True]]
-    assert not torch.isinf(_top_p(logits, 1.0)).any()
+    assert torch.isinf(filter_logits(logits, top_p=0.4)).tolist() == [[False, True, True]]
+    assert torch.isinf(filter_logits(logits, top_p=0.7)).tolist() == [[False, False, True]]
+    assert not torch.isinf(filter_logits(logits, top_p=1.0)).any()
 
 
 def test_generation_refuses_to_run_past_the_model_length():
