@@ -1,6 +1,7 @@
 """Build a small random Hugging Face model, a task and a reward file to try ``--task hf`` offline.
 
     python examples/tiny_hf_model.py runs/tiny-hf             # Qwen2-style; --arch llama for Llama
+    python examples/tiny_hf_model.py runs/tiny-hf --heads 2   # for --engine vllm on a CPU (head width 32)
     python -m pipeline.grpo --model runs/tiny-hf/model --dataset runs/tiny-hf/train.jsonl \\
         --reward runs/tiny-hf/rewards.py:reversed_digits --lr 1e-3 --max-new-tokens 6 --steps 300
 
@@ -66,7 +67,7 @@ def build_tokenizer(folder: str):  # type: ignore[no-untyped-def]
     return tokenizer
 
 
-def build_model(folder: str, arch: str, vocab: int, seed: int) -> int:
+def build_model(folder: str, arch: str, vocab: int, seed: int, heads: int = 4) -> int:
     """A random causal LM of the chosen architecture saved to ``folder``; returns its parameter count."""
     import torch
     import transformers
@@ -78,8 +79,8 @@ def build_model(folder: str, arch: str, vocab: int, seed: int) -> int:
         "hidden_size": 64,
         "intermediate_size": 256,
         "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
+        "num_attention_heads": heads,
+        "num_key_value_heads": max(1, heads // 2),
         "max_position_embeddings": 128,
         "tie_word_embeddings": True,
         "pad_token_id": 0,
@@ -119,11 +120,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--digits", type=int, default=4)
     parser.add_argument("--chat", action="store_true", help="prompts as chat messages")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--heads", type=int, default=4, help="attention heads of width 64/heads (vLLM's CPU backend needs 2: width 32)"
+    )
     args = parser.parse_args(argv)
     model_dir = os.path.join(args.folder, "model")
     os.makedirs(model_dir, exist_ok=True)
     tokenizer = build_tokenizer(model_dir)
-    parameters = build_model(model_dir, args.arch, len(tokenizer), args.seed)
+    parameters = build_model(model_dir, args.arch, len(tokenizer), args.seed, args.heads)
     data = write_task(args.folder, args.rows, args.digits, args.chat, args.seed)
     rewards = os.path.join(args.folder, "rewards.py")
     with open(rewards, "w") as f:

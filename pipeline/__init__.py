@@ -13,7 +13,7 @@ causal LM on the user's prompts with TRL-style reward functions
 from typing import TYPE_CHECKING, Any
 
 from .bandit import BanditSamples, BanditTask
-from .engines import Completions, Engine, HFEngine, SamplingParams
+from .engines import BuiltinEngine, Completions, Engine, GenerateEngine, SamplingParams
 from .hf_task import HFBatch, HFTask
 from .learner import Learner, Update
 from .messages import Config, GeneratorTimes, Grant, Rollout, ScoredRollout, StepReport
@@ -23,6 +23,7 @@ from .roles import Generator, RefModel, Scorer
 from .task import LossReport, Scores, Task, load_task, resolve, task_class, to_device
 from .token_task import DigitsTask, TokenBatch
 from .trainer import Trainer
+from .vllm_engine import VLLMEngine, VLLMUnavailable
 
 if TYPE_CHECKING:
     from .grpo import PipelineError, Roles, RunResult, main, run_pipeline
@@ -43,15 +44,16 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "BanditSamples",
     "BanditTask",
+    "BuiltinEngine",
     "Completions",
     "Config",
     "DigitsTask",
     "Engine",
+    "GenerateEngine",
     "Generator",
     "GeneratorTimes",
     "Grant",
     "HFBatch",
-    "HFEngine",
     "HFTask",
     "Learner",
     "LossReport",
@@ -72,6 +74,8 @@ __all__ = [
     "TokenBatch",
     "Trainer",
     "Update",
+    "VLLMEngine",
+    "VLLMUnavailable",
     "load_task",
     "main",
     "resolve",

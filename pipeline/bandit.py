@@ -124,7 +124,7 @@ class BanditTask(Task):
             weights=token_weights(ones, spec.kind, 1)[part],
             tokens=float(len(samples.actions)),
         )
-        return LossReport(out.loss, out.policy_loss, out.kl, out.clip_fraction, out.entropy, out.dual_clip_fraction)
+        return LossReport.of(out)
 
     def rows(self, samples: BanditSamples) -> int:
         return len(samples.actions)

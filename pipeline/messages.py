@@ -37,6 +37,10 @@ InstallMode = Literal["copy", "alias"]
 LrSchedule = Literal["constant", "cosine"]
 #: The trainer's compute precision; weights are kept and published in the policy's own dtype.
 TrainDtype = Literal["float32", "bfloat16"]
+#: What draws a generator's completions (pipeline.engines, pipeline.vllm_engine).
+EngineKind = Literal["builtin", "hf", "vllm"]
+#: How the loss corrects for a behaviour policy that is not the trainer's (pipeline.token_loss).
+IsCorrection = Literal["none", "tis"]
 
 
 @dataclass
@@ -135,6 +139,9 @@ class StepReport:
     scorer_queue: int
     ref_queue: int
     dual_clip_fraction: float = 0.0
+    logp_diff: float = 0.0  # mean |log π_trainer - log π_behaviour| of the rollout's tokens, before the update
+    is_weight: float = 1.0  # --is-correction tis: the mean token weight
+    is_truncated: float = 0.0  # --is-correction tis: the share of tokens whose weight was capped
     lr: float = 0.0  # the learning rate this step used
     reward_components: dict[str, float] = field(default_factory=dict)  # each reward function's mean
 
@@ -161,6 +168,12 @@ class Config:
     log_completions: int = 0  # hf: held-out (prompt, completion, rewards) rows appended per evaluation
     top_k: int = 0  # 0: off
     report_to: ReportTo = "tensorboard"  # tensorboard | wandb | none: where metric rows go besides metrics.jsonl
+    engine: EngineKind = "builtin"  # the generators' sampler: builtin | hf (transformers' generate) | vllm
+    vllm_dtype: str = "float32"  # vllm: the engine's weights (auto: the checkpoint's); updates are cast to it
+    vllm_gpu_memory: float = 0.3  # vllm on a GPU: the share of its memory the engine may take
+    vllm_max_model_len: int = 0  # vllm: the longest prompt + completion (0: the model's own limit)
+    is_correction: IsCorrection = "none"  # tis: truncated importance sampling against the behaviour policy
+    is_cap: float = 2.0  # tis: the most one token's importance weight may be
     prompts: int = 32  # prompts per rollout (one trainer step)
     group: int = 8  # samples per prompt (GRPO group)
     max_new_tokens: int = 0  # 0: the answer's length + 2

@@ -1,7 +1,7 @@
 """One sampling step and teacher-forced log-probabilities, shared by every generator and trainer.
 
 The built-in transformer's :func:`pipeline.model.generate`, the Hugging Face
-engine (:class:`pipeline.engines.HFEngine`) and both models' teacher-forced
+engine (:class:`pipeline.engines.BuiltinEngine`) and both models' teacher-forced
 log-probabilities use these, so the behaviour log-probability a generator
 records is computed exactly as the trainer computes it: under the whole
 temperature-scaled distribution, whatever top-k or top-p cut the sampler.

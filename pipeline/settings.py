@@ -79,3 +79,22 @@ def check_settings(config: Config) -> None:
     _one_of(config, "dtype", ("float32", "bfloat16"))
     _one_of(config, "mode", ("async", "sync"))
     _one_of(config, "report_to", REPORT_TO)
+    _one_of(config, "engine", ("builtin", "hf", "vllm"))
+    _one_of(config, "is_correction", ("none", "tis"))
+    _one_of(config, "vllm_dtype", ("auto", "float32", "bfloat16", "float16"))
+    if not config.is_cap >= 1:
+        raise SettingsError(f"--is-cap {config.is_cap}: a truncated importance weight's cap must be at least 1")
+    if not 0 < config.vllm_gpu_memory <= 1:
+        raise SettingsError(f"--vllm-gpu-memory {config.vllm_gpu_memory}: a share of the GPU's memory, in (0, 1]")
+    _at_least(config, "vllm_max_model_len", 0)
+    generator_device = config.device_of("generator")
+    if config.engine == "vllm" and generator_device.startswith("cuda:") and generator_device != "cuda:0":
+        raise SettingsError(
+            f"--engine vllm with generators on {generator_device}: vLLM runs on the first GPU its process sees; "
+            "choose the GPUs with CUDA_VISIBLE_DEVICES and place the generators on cuda"
+        )
+    if config.engine != "builtin" and config.task != "hf":
+        raise SettingsError(
+            f"--engine {config.engine} samples a Hugging Face model (--task hf, --dataset); the built-in tasks' "
+            "models sample with the built-in sampler"
+        )

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from .token_loss import LossSpec, group_advantages, token_grpo_loss, token_weights
+from .token_loss import LossSpec, TokenLoss, group_advantages, token_grpo_loss, token_weights
 
 if TYPE_CHECKING:
     from .engines import Engine
@@ -72,17 +72,44 @@ class LossReport:
     clip_fraction: float = 0.0
     entropy: float = 0.0
     dual_clip_fraction: float = 0.0
+    logp_diff: float = 0.0  # mean |log π_trainer - log π_behaviour| before the update
+    is_weight: float = 1.0  # --is-correction tis: the mean token weight
+    is_truncated: float = 0.0  # --is-correction tis: tokens whose weight hit --is-cap
+
+    @classmethod
+    def of(cls, out: TokenLoss) -> LossReport:
+        """The report of a token loss (:func:`pipeline.token_loss.token_grpo_loss`)."""
+        return cls(
+            out.loss,
+            out.policy_loss,
+            out.kl,
+            out.clip_fraction,
+            out.entropy,
+            out.dual_clip_fraction,
+            out.logp_diff,
+            out.is_weight,
+            out.is_truncated,
+        )
 
     def add(self, other: LossReport) -> LossReport:
         """The report of this part and ``other`` together (the loss detached: each part was backpropagated)."""
         return LossReport(
             self.loss.detach() + other.loss.detach(),
-            self.policy_loss + other.policy_loss,
-            self.kl + other.kl,
-            self.clip_fraction + other.clip_fraction,
-            self.entropy + other.entropy,
-            self.dual_clip_fraction + other.dual_clip_fraction,
+            *(getattr(self, name) + getattr(other, name) for name in _SHARES),
         )
+
+
+#: The report's figures that are shares of the batch's token means: a batch's parts add up to them.
+_SHARES = (
+    "policy_loss",
+    "kl",
+    "clip_fraction",
+    "entropy",
+    "dual_clip_fraction",
+    "logp_diff",
+    "is_weight",
+    "is_truncated",
+)
 
 
 class Task:
@@ -246,6 +273,7 @@ def loss_spec(config: Config, max_length: int = 0) -> LossSpec:
         dual_clip=config.dual_clip,
         kl_coeff=config.hyper("kl_coeff"),
         max_length=max_length,
+        is_cap=config.is_cap if config.is_correction == "tis" else 0.0,
     )
 
 
@@ -286,4 +314,4 @@ def completion_loss(
         weights=weights[part],
         tokens=float(mask.sum().clamp_min(1.0)),
     )
-    return LossReport(out.loss, out.policy_loss, out.kl, out.clip_fraction, out.entropy, out.dual_clip_fraction)
+    return LossReport.of(out)

@@ -59,6 +59,7 @@ class LossSpec:
     dual_clip: float = 3.0  # 0: off
     kl_coeff: float = 0.0
     max_length: int = 0  # dr_grpo's L; 0: the width of the mask
+    is_cap: float = 0.0  # > 0: truncated importance sampling (TIS) with this cap; 0: the ratio is to the behaviour
 
 
 def group_advantages(
@@ -99,6 +100,9 @@ class TokenLoss:
     clip_fraction: float  # tokens whose clipped term was the one taken
     dual_clip_fraction: float  # tokens (A < 0) held at -C A by the dual clip
     entropy: float
+    logp_diff: float = 0.0  # mean |log π_trainer - log π_behaviour| before the update: engine mismatch + staleness
+    is_weight: float = 1.0  # TIS: the mean token weight min(π_trainer/π_behaviour, cap)
+    is_truncated: float = 0.0  # TIS: tokens whose weight was capped
 
 
 def token_grpo_loss(
@@ -123,7 +127,17 @@ def token_grpo_loss(
     if weights is None:
         weights = token_weights(mask, spec.kind, spec.max_length)
     per_token_mean = real.to(logps.dtype) / (tokens if tokens is not None else float(real.sum().clamp_min(1)))
-    log_ratio = torch.where(real, logps - behaviour_logps, torch.zeros_like(logps))
+    trainer_gap = torch.where(real, logps.detach() - behaviour_logps, torch.zeros_like(logps))
+    is_weight = torch.ones_like(logps)
+    if spec.is_cap > 0:
+        # TIS: the ratio is to the trainer's own log-probs before this update (1 in value, the policy gradient in
+        # its gradient) and each token is weighted by the truncated π_trainer/π_behaviour, which absorbs both an
+        # engine whose numerics differ from the trainer's and the rollout's staleness, bounded by the cap
+        anchor = logps.detach()
+        is_weight = torch.where(real, trainer_gap.exp().clamp(max=spec.is_cap), is_weight)
+    else:
+        anchor = behaviour_logps
+    log_ratio = torch.where(real, logps - anchor, torch.zeros_like(logps))
     ratio = log_ratio.exp()
     adv = advantages.unsqueeze(1).to(logps.dtype)
     unclipped = -ratio * adv
@@ -134,6 +148,7 @@ def token_grpo_loss(
         cap = -spec.dual_clip * adv
         dual = (adv < 0) & (policy > cap)
         policy = torch.where(dual, cap.expand_as(policy), policy)
+    policy = policy * is_weight
     per_token = policy
     kl = torch.zeros_like(logps)
     if ref_logps is not None:
@@ -149,4 +164,9 @@ def token_grpo_loss(
             float(((clipped > unclipped) & real).to(logps.dtype).mul(per_token_mean).sum()),
             float((dual & real).to(logps.dtype).mul(per_token_mean).sum()),
             float((entropy * per_token_mean).sum()) if entropy is not None else 0.0,
+            float((trainer_gap.abs() * per_token_mean).sum()),
+            float((is_weight * per_token_mean).sum()),
+            float(((trainer_gap.exp() > spec.is_cap) & real).to(logps.dtype).mul(per_token_mean).sum())
+            if spec.is_cap > 0
+            else 0.0,
         )

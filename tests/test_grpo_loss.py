@@ -32,6 +32,30 @@ def loss(spec: LossSpec, **kwargs):  # type: ignore[no-untyped-def]
     return token_grpo_loss(LOGPS, BEHAVIOUR, REF, MASK, ADVANTAGES, spec, **kwargs)
 
 
+def test_tis_weights_each_token_by_the_truncated_ratio_to_the_behaviour_policy():
+    # the trainer's log-probs before the update vs the behaviour's: e^0.5 (capped at 1.5), 1, e^-0.5
+    out = loss(LossSpec(kind="dapo", is_cap=1.5))
+    weights = [1.5, 1.0, math.exp(-0.5)]
+    # the ratio is to the trainer's own log-probs (1 in value), so each term is -A times the weight
+    assert out.policy_loss == pytest.approx((-1.5 - 1.0 + math.exp(-0.5)) / 3, abs=1e-5)
+    assert out.is_weight == pytest.approx(sum(weights) / 3, abs=1e-5)
+    assert out.is_truncated == pytest.approx(1 / 3) and out.clip_fraction == 0
+    assert out.logp_diff == pytest.approx((0.5 + 0.0 + 0.5) / 3, abs=1e-5)
+
+
+def test_tis_gradient_is_the_weighted_policy_gradient():
+    logps = LOGPS.clone().requires_grad_(True)
+    out = token_grpo_loss(logps, BEHAVIOUR, None, MASK, ADVANTAGES, LossSpec(kind="dapo", is_cap=1.5))
+    out.loss.backward()
+    expected = torch.tensor([[-1.5, -1.0], [math.exp(-0.5), 0.0]]) / 3  # d/dlogp of -A·w·e^(logp - sg(logp))
+    assert torch.allclose(logps.grad, expected, atol=1e-6)
+
+
+def test_without_tis_the_mismatch_is_still_measured():
+    out = loss(LossSpec(kind="dapo"))
+    assert out.logp_diff == pytest.approx(1 / 3, abs=1e-5) and out.is_weight == pytest.approx(1.0)
+
+
 def test_dapo_averages_every_token_of_the_batch():
     out = loss(LossSpec(kind="dapo", kl_coeff=0.1))
     assert out.policy_loss == pytest.approx(sum(POLICY) / 3, abs=1e-5)

@@ -16,7 +16,7 @@ pytest.importorskip("datasets", reason="needs the hf extra: pip install -e '.[hf
 from pipeline import Config, PipelineError, resolve, run_pipeline
 from pipeline.causal_lm import causal_logps, load_model, load_tokenizer
 from pipeline.data import DataError, PromptData, load_rows
-from pipeline.engines import HFEngine, SamplingParams
+from pipeline.engines import BuiltinEngine, GenerateEngine, SamplingParams
 from pipeline.grpo import main
 from pipeline.hf_task import HFTask
 from pipeline.metrics import read_rows
@@ -53,13 +53,17 @@ def model_and_tokenizer(tiny):  # type: ignore[no-untyped-def]
 # -- generation ------------------------------------------------------------------------------------------------
 
 
+ENGINES = [BuiltinEngine, GenerateEngine]  # --engine builtin, --engine hf (vLLM: test_vllm.py)
+
+
+@pytest.mark.parametrize("engine_class", ENGINES)
 @pytest.mark.parametrize("temperature, top_p, top_k", [(1.0, 1.0, 0), (0.7, 0.8, 0), (1.3, 0.5, 5)])
 def test_behaviour_logps_equal_the_trainers_at_lag_0_across_mixed_prompt_lengths(
-    model_and_tokenizer, temperature, top_p, top_k
+    model_and_tokenizer, temperature, top_p, top_k, engine_class
 ):
     model, tokenizer = model_and_tokenizer
     prompts = [tokenizer(text)["input_ids"] for text in ("reverse:1234=", "ab=", "reverse:98765432=", "x")]
-    engine = HFEngine(model, tokenizer)
+    engine = engine_class(model, tokenizer)
     params = SamplingParams(max_new_tokens=8, temperature=temperature, top_p=top_p, top_k=top_k, samples=3)
     out = engine.generate(prompts, params, torch.Generator().manual_seed(0))
     assert out.tokens.shape[0] == 12 and out.prompt_mask.shape == (12, 17)
@@ -70,9 +74,22 @@ def test_behaviour_logps_equal_the_trainers_at_lag_0_across_mixed_prompt_lengths
     assert gap < 1e-4, gap
 
 
-def test_a_prompt_completes_the_same_alone_and_in_a_padded_batch(model_and_tokenizer):
+@pytest.mark.parametrize("engine_class", ENGINES)
+def test_the_same_generator_seed_draws_the_same_completions(model_and_tokenizer, engine_class):
     model, tokenizer = model_and_tokenizer
-    engine = HFEngine(model, tokenizer)
+    engine = engine_class(model, tokenizer)
+    prompts = [tokenizer("reverse:1234=")["input_ids"], tokenizer("ab=")["input_ids"]]
+    params = SamplingParams(max_new_tokens=6, samples=4)
+    first = engine.generate(prompts, params, torch.Generator().manual_seed(3))
+    again = engine.generate(prompts, params, torch.Generator().manual_seed(3))
+    other = engine.generate(prompts, params, torch.Generator().manual_seed(4))
+    assert torch.equal(first.tokens, again.tokens) and not torch.equal(first.tokens, other.tokens)
+
+
+@pytest.mark.parametrize("engine_class", ENGINES)
+def test_a_prompt_completes_the_same_alone_and_in_a_padded_batch(model_and_tokenizer, engine_class):
+    model, tokenizer = model_and_tokenizer
+    engine = engine_class(model, tokenizer)
     short = tokenizer("ab=")["input_ids"]
     long = tokenizer("reverse:98765432=")["input_ids"]
     greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
@@ -83,13 +100,14 @@ def test_a_prompt_completes_the_same_alone_and_in_a_padded_batch(model_and_token
     assert torch.allclose(batched.logps[1, :width], alone.logps[0], atol=1e-5)
 
 
-def test_the_completion_ends_at_the_end_token_and_text_leaves_it_out(model_and_tokenizer):
+@pytest.mark.parametrize("engine_class", ENGINES)
+def test_the_completion_ends_at_the_end_token_and_text_leaves_it_out(model_and_tokenizer, engine_class):
     model, tokenizer = model_and_tokenizer
     eos = tokenizer.eos_token_id
     with torch.no_grad():  # make the end token the likeliest everywhere
         model.lm_head.weight[eos] += 50.0
     try:
-        out = HFEngine(model, tokenizer).generate([tokenizer("ab=")["input_ids"]], SamplingParams(6, temperature=0.0))
+        out = engine_class(model, tokenizer).generate([tokenizer("ab=")["input_ids"]], SamplingParams(6, temperature=0.0))
     finally:
         with torch.no_grad():
             model.lm_head.weight[eos] -= 50.0
@@ -359,7 +377,7 @@ async def test_the_engine_installs_the_newest_manifest_and_refuses_one_that_does
     trained = load_model(str(tiny / "model"))
     with torch.no_grad():
         trained.lm_head.weight.add_(0.5)
-    engine = HFEngine(load_model(str(tiny / "model")).eval(), load_tokenizer(str(tiny / "model")))
+    engine = BuiltinEngine(load_model(str(tiny / "model")).eval(), load_tokenizer(str(tiny / "model")))
     publisher, inbox = WeightPublisher("shm", slots=3), WeightInbox()
     try:
         assert await engine.load_weights(inbox) is None  # nothing waiting
