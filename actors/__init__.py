@@ -11,14 +11,43 @@ memory or CUDA IPC.
 Programs written for Monarch's ``monarch.actor`` run with only their imports
 changed; ``docs/monarch.md`` lists Monarch's API name by name, with every
 difference and its reason.
+
+The package is built in layers; a module imports only from its own layer and
+those below (type-only imports aside), which ``lint-imports`` checks in CI::
+
+    ray          Ray-placed host meshes                                  (public)
+    _meshes      host, proc and actor meshes, accumulators, controllers
+    _processes   the forkserver (both sides), GPUs per process
+    weights      manifests, publisher, consumer, inbox                   (public)
+    _hosting     Actor, @endpoint, the actor server, the worker's entry
+    tensors      weight transports: shm, cuda-ipc, tcp, local            (public)
+    _runtime     a process's Runtime, calls, futures, ports, context, failures
+    _transport   sockets, links, flow control, the inbox pump, peers
+    _wire        the codec and the named records on the wire
+    _shared      errors, names, liveness, session, segments, loops, config
+
+This module defines nothing: it re-exports the public names.
 """
 
-from ._accumulator import Accumulator
-from ._actor import Actor, Endpoint, concurrent_endpoint, endpoint
-from ._actor_mesh import ActorMesh, MeshEndpoint, Selection, send
-from ._context import Context, Instance, context, current_actor_name, current_rank, current_size
-from ._controllers import get_or_spawn_controller
-from ._errors import (
+from ._hosting._actor import Actor, Endpoint, concurrent_endpoint, endpoint
+from ._hosting._response_port import ResponsePort
+from ._meshes._accumulator import Accumulator
+from ._meshes._actor_mesh import ActorMesh, MeshEndpoint, Selection, send
+from ._meshes._controllers import get_or_spawn_controller
+from ._meshes._host_mesh import HostMesh, attach_to_workers, this_host, this_proc
+from ._meshes._proc_mesh import ProcMesh
+from ._runtime._context import Context, Instance, context, current_actor_name, current_rank, current_size
+from ._runtime._future import Future
+from ._runtime._port import Channel, Port, PortReceiver
+from ._runtime._supervision import (
+    Failure,
+    MeshFailure,
+    add_failure_handler,
+    remove_failure_handler,
+    unhandled_fault_hook,
+)
+from ._runtime._value_mesh import Point, ValueMesh
+from ._shared._errors import (
     ActorDied,
     ActorError,
     ActorsError,
@@ -40,15 +69,8 @@ from ._errors import (
     VersionError,
     WeightSyncError,
 )
-from ._future import Future
-from ._host_mesh import HostMesh, attach_to_workers, this_host, this_proc
-from ._port import Channel, Port, PortReceiver
-from ._proc_mesh import ProcMesh
-from ._response_port import ResponsePort
-from ._restart import RestartMode, RestartPolicy
-from ._session import host_id
-from ._supervision import Failure, MeshFailure, add_failure_handler, remove_failure_handler, unhandled_fault_hook
-from ._value_mesh import Point, ValueMesh
+from ._shared._restart import RestartMode, RestartPolicy
+from ._shared._session import host_id
 from .weights import (
     ReceivesWeights,
     WeightConsumer,

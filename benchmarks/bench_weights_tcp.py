@@ -34,7 +34,7 @@ import torch
 from bench_weights import make_state, model_shapes
 
 from actors import Actor, WeightConsumer, WeightManifest, WeightPublisher, endpoint, this_host
-from actors._buffers import tensor_buffer
+from actors._wire._buffers import tensor_buffer
 
 
 class Sender(Actor):

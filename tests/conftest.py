@@ -36,7 +36,7 @@ def no_leaks():
 @pytest.fixture
 def sockets_dir():
     """The controller's private runtime directory; only the controller's own socket may remain in it."""
-    from actors._runtime import runtime
+    from actors._runtime._core import runtime
 
     rt = runtime()
     yield rt.dir

@@ -51,7 +51,7 @@ class Where(Actor):
 
     @endpoint
     async def address(self) -> str:
-        from actors._runtime import runtime
+        from actors._runtime._core import runtime
 
         return runtime().address
 
@@ -208,13 +208,13 @@ async def key_refused(hosts):  # type: ignore[no-untyped-def]
     """A client with CURVE but not the session's key, and one without CURVE, deliver nothing."""
     import msgpack
 
-    from actors._wire import PROTOCOL_VERSION, Kind, record_prefix
+    from actors._wire._records import PROTOCOL_VERSION, Kind, record_prefix
 
     procs = hosts.spawn_procs(per_host={"procs": 1})
     ctx = zmq.Context()
     try:
         port, recv = Channel.open(str)
-        from actors._runtime import runtime
+        from actors._runtime._core import runtime
 
         target = runtime().address
         body = msgpack.packb([int(Kind.PORT), port._id, "intruder"])
@@ -245,7 +245,7 @@ async def key_refused(hosts):  # type: ignore[no-untyped-def]
 @check("spawn_beyond_ready_addresses_refused_on_a_loop")
 async def spawn_beyond_ready_addresses_refused_on_a_loop(hosts):  # type: ignore[no-untyped-def]
     """Fetching more addresses would block this loop on Ray: refused, with the way out, and nothing started."""
-    from actors.ray._host_mesh import ADDRESS_POOL
+    from actors.ray._ray_host_mesh import ADDRESS_POOL
 
     try:
         hosts.spawn_procs(per_host={"procs": 3 * ADDRESS_POOL})

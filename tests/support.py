@@ -347,7 +347,7 @@ class Pinger(Actor):
 
     @endpoint
     async def dropped(self) -> int:
-        from actors._runtime import runtime
+        from actors._runtime._core import runtime
 
         return runtime().drops.count
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from support import Item, Triple
 
 from actors import DecodeError, EncodeError
-from actors._codec import EXT_DATACLASS, EXT_TENSOR, EXT_TUPLE, MAX_DEPTH, Decoder, Encoder
+from actors._wire._codec import EXT_DATACLASS, EXT_TENSOR, EXT_TUPLE, MAX_DEPTH, Decoder, Encoder
 
 
 def roundtrip(value):
@@ -207,7 +207,7 @@ def test_cuda_tensors_are_refused_with_advice():
 
 
 def test_a_header_claiming_an_impossible_pid_is_refused():
-    from actors._wire import PID_MAX, PROTOCOL_VERSION, Header
+    from actors._wire._records import PID_MAX, PROTOCOL_VERSION, Header
 
     for pid in (0, -3, PID_MAX + 1):
         with pytest.raises(DecodeError, match="bad header"):
@@ -215,7 +215,7 @@ def test_a_header_claiming_an_impossible_pid_is_refused():
 
 
 def test_a_call_whose_response_port_is_not_a_port_is_refused():
-    from actors._wire import Call, Kind
+    from actors._wire._records import Call, Kind
 
     with pytest.raises(DecodeError, match="malformed CALL"):
         Call.from_wire([Kind.CALL, 1, "a", "m", "ipc:///x.sock", 1, 0, b"", 7])

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from support import Echo
 
-from actors import _host_mesh as _host
-from actors._devices import gpu_env, visible_gpus
+from actors._meshes import _host_mesh as _host
+from actors._processes._devices import gpu_env, visible_gpus
 
 
 async def test_each_process_of_a_gpus_mesh_sees_its_own_device(monkeypatch, spawn):

@@ -60,7 +60,7 @@ def test_tcp_transport_binds_loopback(tmp_path):
     script.write_text(
         "import asyncio\n"
         "from actors import Channel, this_host\n"
-        "from actors._runtime import runtime\n"
+        "from actors._runtime._core import runtime\n"
         "from support import Echo\n"
         "async def main():\n"
         "    procs = this_host().spawn_procs(per_host={'procs': 2})\n"
@@ -103,9 +103,9 @@ CURVE_SCRIPT = """
 import asyncio, os, sys
 import msgpack, zmq
 from actors import Channel, this_host
-from actors._wire import PROTOCOL_VERSION, Kind
-from actors._runtime import runtime
-from actors._wire import record_prefix as message_prefix
+from actors._wire._records import PROTOCOL_VERSION, Kind
+from actors._runtime._core import runtime
+from actors._wire._records import record_prefix as message_prefix
 from support import Echo
 
 def push(address, text, keys):

@@ -17,7 +17,7 @@ import zmq
 from support import Echo, actor_pids, wait_for
 
 from actors import ActorDied, ProcMesh, this_host
-from actors._wire import PROTOCOL_VERSION, Kind
+from actors._wire._records import PROTOCOL_VERSION, Kind
 
 
 async def test_kill_9_fails_pending_and_later_calls_promptly(procs: ProcMesh):
@@ -79,9 +79,9 @@ def batch(*messages: object, frames: int = 0) -> bytes:
 
 async def test_a_bad_message_does_not_cost_the_rest_of_its_batch():
     from actors import Channel
-    from actors._codec import EXT_DATACLASS
+    from actors._wire._codec import EXT_DATACLASS
     PORT = int(Kind.PORT)
-    from actors._runtime import runtime
+    from actors._runtime._core import runtime
 
     port, recv = Channel.open()
     unknown = msgpack.ExtType(EXT_DATACLASS, msgpack.packb(["not_loaded_module:Thing", [1]]))
@@ -98,7 +98,7 @@ async def test_a_header_naming_a_foreign_address_is_refused():
     """Replies and credits go to the header's address, so it must belong to this session."""
     from actors import Channel
     PORT = int(Kind.PORT)
-    from actors._runtime import runtime
+    from actors._runtime._core import runtime
 
     port, recv = Channel.open()
     for address in (
@@ -129,7 +129,7 @@ async def test_malformed_frames_are_dropped_and_the_worker_keeps_serving(procs: 
     echo = procs.spawn("echo", Echo).slice(procs=0)
     assert await echo.add.call_one(1) == 1
     address = procs._procs[0].address
-    from actors._runtime import runtime
+    from actors._runtime._core import runtime
 
     header = msgpack.packb([PROTOCOL_VERSION, f"ipc://{runtime().dir}/nowhere.sock", 1])
     garbage = [
@@ -160,7 +160,7 @@ def _run_script(tmp_path, body: str, **env_vars: str) -> subprocess.Popen[str]:
 CONTROLLER = """
     import asyncio, os, sys
     from actors import this_host
-    from actors._runtime import runtime
+    from actors._runtime._core import runtime
     from support import Echo
 
     async def main():

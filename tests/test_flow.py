@@ -8,7 +8,7 @@ import time
 from support import Counter, Forwarder
 
 from actors import Channel
-from actors._flow import WINDOW as PORT_WINDOW
+from actors._transport._flow import WINDOW as PORT_WINDOW
 
 TOTAL = 1_000_000
 

@@ -10,9 +10,9 @@ import zmq
 from support import Pinger
 
 from actors import Channel
-from actors._codec import EXT_DATACLASS, EXT_HANDLE, EXT_TENSOR, EXT_TUPLE, Encoder
-from actors._wire import PROTOCOL_VERSION, Credit, Kind
-from actors._wire import record_prefix as message_prefix
+from actors._wire._codec import EXT_DATACLASS, EXT_HANDLE, EXT_TENSOR, EXT_TUPLE, Encoder
+from actors._wire._records import PROTOCOL_VERSION, Credit, Kind
+from actors._wire._records import record_prefix as message_prefix
 
 CALL, CREDIT, PORT, REPLY = int(Kind.CALL), int(Kind.CREDIT), int(Kind.PORT), int(Kind.REPLY)
 
@@ -79,7 +79,7 @@ async def test_worker_survives_100k_hostile_frames(procs):
     seeds = _seeds(rng, target._name)
     hostile = _hostile(rng)
     # A plausible sender (inside the session's directory) that never reads: the worst peer.
-    from actors._runtime import runtime
+    from actors._runtime._core import runtime
 
     header = msgpack.packb([PROTOCOL_VERSION, f"ipc://{runtime().dir}/fuzzer.sock", 1])
     ctx = zmq.Context()
@@ -133,7 +133,7 @@ async def _fuzz(sock, procs, target, rng, seeds, hostile, header) -> None:  # ty
 
 def test_a_message_whose_handling_fails_unexpectedly_does_not_stall_the_ones_behind_it(tmp_path):
     """pump() goes on past a message that raised something other than DecodeError."""
-    from actors._inbox import DropLog, Inbox
+    from actors._transport._inbox_pump import DropLog, Inbox
 
     ctx = zmq.Context()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)

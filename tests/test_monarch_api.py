@@ -36,8 +36,8 @@ from actors import (
     get_or_spawn_controller,
     this_proc,
 )
-from actors._controllers import stop_controllers
-from actors._runtime import runtime
+from actors._meshes._controllers import stop_controllers
+from actors._runtime._core import runtime
 
 
 class Who(Actor):
@@ -524,7 +524,7 @@ async def test_initialized_resolves_once_constructed_and_raises_if_not(procs: Pr
         with pytest.raises(SpawnError, match="no constructor today"):
             await procs.spawn("bad", BadInit).initialized
     finally:
-        actors.unhandled_fault_hook = actors._supervision.unhandled_fault_hook
+        actors.unhandled_fault_hook = actors._runtime._supervision.unhandled_fault_hook
 
 
 async def test_logging_option_sets_the_workers_level_and_refuses_what_it_cannot_do(procs: ProcMesh):
@@ -556,7 +556,7 @@ async def test_an_exception_in_init_reaches_the_unhandled_fault_hook(procs: Proc
         mesh = procs.spawn("bad_init", BadInit)
         await asyncio.wait_for(both.wait(), 20)
     finally:
-        actors.unhandled_fault_hook = actors._supervision.unhandled_fault_hook
+        actors.unhandled_fault_hook = actors._runtime._supervision.unhandled_fault_hook
     assert MeshFailure is Failure
     for failure in faults:
         assert "MeshFailure" in str(failure) and "bad_init" in str(failure)
@@ -640,7 +640,7 @@ def test_a_script_without_a_main_guard_runs_once(tmp_path):
 
 
 async def test_a_controller_claimed_but_never_published_times_out(sockets_dir, monkeypatch):
-    import actors._controllers as controllers
+    import actors._meshes._controllers as controllers
 
     monkeypatch.setattr(controllers, "PUBLISH_WAIT", 0.05)
     claim, _published = controllers._paths(runtime(), "orphan")
@@ -654,8 +654,8 @@ async def test_a_controller_claimed_but_never_published_times_out(sockets_dir, m
 
 
 def test_malformed_points_and_proc_meshes_are_refused():
-    from actors._proc_mesh import _proc_mesh_from_state
-    from actors._value_mesh import _point_from_state
+    from actors._meshes._proc_mesh import _proc_mesh_from_state
+    from actors._runtime._value_mesh import _point_from_state
 
     with pytest.raises(actors.DecodeError, match="malformed point extent"):
         _point_from_state([0, [("gpus", "two")]])

@@ -16,7 +16,9 @@ import pytest
 import torch
 from support import Echo, Flooder, Heartbeat, Item, Relay
 
-from actors import BufferFull, CallTimeout, Channel, _flow, _port, this_host
+from actors import BufferFull, CallTimeout, Channel, this_host
+from actors._runtime import _port
+from actors._transport import _flow
 
 MAX_GAP = 0.1
 PAYLOAD = torch.zeros(1)

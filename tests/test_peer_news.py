@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 
 from actors import DecodeError
-from actors._peer_news import PeerNews
-from actors._procs import Registry
-from actors._runtime import runtime
-from actors._session import write_incarnation
-from actors._wire import Header, Kind, ProcessLost, ProcessRestarted, decode_record
+from actors._runtime._core import runtime
+from actors._shared._session import write_incarnation
+from actors._transport._peer_news import PeerNews
+from actors._transport._registry import Registry
+from actors._wire._records import Header, Kind, ProcessLost, ProcessRestarted, decode_record
 
 FAR = "tcp://10.255.0.7:41000"  # another machine's address: no pid of it is watched here
 ELSEWHERE = "tcp://10.255.0.8:42000"

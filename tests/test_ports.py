@@ -11,8 +11,8 @@ import torch
 from support import Echo, Item, Relay
 
 from actors import ActorDied, ActorError, Channel, Port, PortClosed, ProcMesh, this_host
-from actors._flow import WINDOW as PORT_WINDOW
-from actors._runtime import runtime
+from actors._runtime._core import runtime
+from actors._transport._flow import WINDOW as PORT_WINDOW
 
 
 async def test_typed_port_refuses_wrong_type_at_sender():

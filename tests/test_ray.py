@@ -87,8 +87,8 @@ class Replies:
 
 def a_host_mesh(tmp_path: Any, nodes: int) -> Any:
     """A RayHostMesh with fake node hosts and a real registry, fed Ray's answers by hand (no cluster)."""
-    from actors._procs import Registry
-    from actors.ray._host_mesh import RayHostMesh, _Node
+    from actors._transport._registry import Registry
+    from actors.ray._ray_host_mesh import RayHostMesh, _Node
 
     mesh = object.__new__(RayHostMesh)
     mesh._rt = SimpleNamespace(registry=Registry(str(tmp_path), os.getpid()))

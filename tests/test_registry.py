@@ -7,9 +7,9 @@ import subprocess
 import sys
 import time
 
-from actors._liveness import ProcRef, new_incarnation
-from actors._procs import Registry
-from actors._session import forget_incarnation, read_incarnation, write_incarnation
+from actors._shared._liveness import ProcRef, new_incarnation
+from actors._shared._session import forget_incarnation, read_incarnation, write_incarnation
+from actors._transport._registry import Registry
 
 
 def test_a_peer_whose_pid_appears_later_is_watched_and_its_death_seen(tmp_path):

@@ -26,7 +26,7 @@ from actors import (
     available_transports,
     send,
 )
-from actors._codec import Decoder, Encoder
+from actors._wire._codec import Decoder, Encoder
 from actors.tensors._slots import segment_prefix
 from actors.tensors.shm import HEADER_BYTES, SHM_DIR
 

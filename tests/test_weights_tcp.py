@@ -25,7 +25,7 @@ from actors import (
     host_id,
     send,
 )
-from actors._codec import Decoder, Encoder
+from actors._wire._codec import Decoder, Encoder
 from actors.tensors import TcpHandle
 from actors.tensors._stream import HELLO, MAGIC, OK, REPLY
 from actors.tensors.tcp import TcpReader

@@ -5,6 +5,6 @@ still goes over actors' own tcp sockets, CURVE-authenticated with the
 session's keys (see ``docs/multihost.md``). Needs ``pip install 'actors[ray]'``.
 """
 
-from ._host_mesh import RayHostMesh, host_mesh, host_mesh_async
+from ._ray_host_mesh import RayHostMesh, host_mesh, host_mesh_async
 
 __all__ = ["RayHostMesh", "host_mesh", "host_mesh_async"]

@@ -20,8 +20,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .._forkserver import _frame, _frames, _ServerProcess
-from .._session import (
+from .._processes._forkserver import _ServerProcess
+from .._processes._forkserver_protocol import frame, read_frames
+from .._shared._session import (
     CURVE_PUBLIC_ENV,
     CURVE_SECRET_ENV,
     HOST_ID_ENV,
@@ -94,7 +95,7 @@ class NodeHost:
         with self._lock:
             if self._lost:
                 raise RuntimeError("this node's forkserver has exited")
-        os.write(self._process.requests, _frame(["spawn", index, config]))
+        os.write(self._process.requests, frame(["spawn", index, config]))
         with self._lock:
             if not self._lock.wait_for(lambda: index in self._reports or self._lost, SPAWN_REPORT_TIMEOUT):
                 raise TimeoutError(f"the forkserver did not start worker {index} within {SPAWN_REPORT_TIMEOUT:g}s")
@@ -159,7 +160,7 @@ class NodeHost:
                 break
             buffer += data
             with self._lock:
-                for report in _frames(buffer):
+                for report in read_frames(buffer):
                     if report[0] == "exited":
                         self._exits.append(report[1:])
                         self._pids.pop(report[1], None)

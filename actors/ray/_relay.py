@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .._runtime import Runtime
+from .._runtime._core import Runtime
 
 __all__ = ["Relay"]
 

@@ -31,8 +31,8 @@ from typing import Any, Protocol
 
 import torch
 
-from .._buffers import DTYPE_NAMES, DTYPES, tensor_buffer, tensor_over
-from .._errors import ManifestError
+from .._shared._errors import ManifestError
+from .._wire._buffers import DTYPE_NAMES, DTYPES, tensor_buffer, tensor_over
 from ._stream import TcpHandle
 
 __all__ = [

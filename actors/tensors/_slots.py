@@ -33,8 +33,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from .._errors import ManifestError, StaleUpdateError, WeightSyncError
-from .._runtime import current_runtime
+from .._runtime._core import current_runtime
+from .._shared._errors import ManifestError, StaleUpdateError, WeightSyncError
+from .._shared._segments import SHM_DIR, process_prefix
+from .._shared._segments import remove_process_segments as remove_segments
 
 __all__ = [
     "HEADER_BYTES",
@@ -50,7 +52,6 @@ __all__ = [
     "segment_prefix",
 ]
 
-SHM_DIR = "/dev/shm"
 #: Bytes reserved at the start of a segment for the header (one page keeps a payload aligned).
 HEADER_BYTES = 4096
 _HEADER = struct.Struct("<8sqq64sq")  # magic, state, version, update id, payload bytes
@@ -72,20 +73,7 @@ def segment_prefix(pid: int | None = None) -> str:
     pid = os.getpid() if pid is None else pid
     rt = current_runtime()
     session = rt.session if rt is not None else f"actors-solo{os.getpid()}"
-    return f"{session}-w{pid}-"
-
-
-def remove_segments(session: str, pid: int) -> list[str]:
-    """Unlink every segment published by process ``pid`` of ``session`` (it has exited)."""
-    removed = []
-    prefix = f"{session}-w{pid}-"
-    with contextlib.suppress(FileNotFoundError):
-        for name in os.listdir(SHM_DIR):
-            if name.startswith(prefix):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(SHM_DIR, name))
-                    removed.append(name)
-    return removed
+    return process_prefix(session, pid)
 
 
 T = TypeVar("T")

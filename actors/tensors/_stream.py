@@ -30,7 +30,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 
-from .._errors import ChecksumError, WeightSyncError
+from .._shared._errors import ChecksumError, WeightSyncError
 
 __all__ = [
     "CHUNK",

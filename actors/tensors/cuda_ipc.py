@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from .._errors import ManifestError, StaleUpdateError, TransportBlocked
+from .._shared._errors import ManifestError, StaleUpdateError, TransportBlocked
 from . import TensorSpec, check_specs, checksum, copy_all
 from ._slots import LOCK_TIMEOUT, PooledWriter, Slot, SlotHolds, SlotPool, check_segment_name
 

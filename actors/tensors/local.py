@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .._errors import ManifestError, StaleUpdateError, WeightSyncError
+from .._shared._errors import ManifestError, StaleUpdateError, WeightSyncError
 from . import TensorSpec, check_specs, checksum
 
 # update_id -> tensors, shared by every writer and reader of this process: the

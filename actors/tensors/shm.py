@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .._errors import TransportBlocked
+from .._shared._errors import TransportBlocked
 from . import TensorSpec, check_specs, checksum, view
 from ._slots import HEADER_BYTES, LOCK_TIMEOUT, SHM_DIR, PooledWriter, Slot, SlotHolds, SlotPool, remove_segments
 

@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 
-from .._buffers import tensor_buffer
-from .._context import loop_running
-from .._errors import ManifestError, PublisherDied, StaleUpdateError, WeightSyncError
-from .._session import bind_host
+from .._shared._errors import ManifestError, PublisherDied, StaleUpdateError, WeightSyncError
+from .._shared._loops import loop_running
+from .._shared._session import bind_host
+from .._wire._buffers import tensor_buffer
 from . import ALIGN, TensorSpec, check_specs, checksum
 from ._slots import LOCK_TIMEOUT, poll_async, poll_blocking
 from ._stream import (

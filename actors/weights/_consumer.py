@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import torch
 
-from .._errors import ChecksumError, LifecycleError, ManifestError, PublisherDied, WeightSyncError
-from .._session import host_id
+from .._shared._errors import ChecksumError, LifecycleError, ManifestError, PublisherDied, WeightSyncError
+from .._shared._session import host_id
 from ..tensors import Reader, TensorSpec, checksum, copy_all, dtype_name, read_async
 from ._manifest import WeightManifest, make_reader
 

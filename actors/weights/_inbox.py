@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 import torch
 
-from .._actor import Actor, endpoint
-from .._errors import CallTimeout, PublisherDied, StaleUpdateError
+from .._hosting._actor import Actor, endpoint
+from .._shared._errors import CallTimeout, PublisherDied, StaleUpdateError
 from ._consumer import WeightConsumer
 from ._manifest import WeightManifest
 

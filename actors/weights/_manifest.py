@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._errors import TransportBlocked
+from .._shared._errors import TransportBlocked
 from ..tensors import TRANSPORTS, Reader, TensorSpec, Writer, probe
 
 __all__ = ["WeightManifest", "available_transports", "make_reader", "make_writer"]

@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from .._context import loop_running
-from .._errors import LifecycleError, VersionError, WeightSyncError
-from .._session import host_id
+from .._shared._errors import LifecycleError, VersionError, WeightSyncError
+from .._shared._loops import loop_running
+from .._shared._session import host_id
 from ..tensors import TensorSpec, layout
 from ._manifest import WeightManifest, make_writer
 

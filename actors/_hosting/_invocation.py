@@ -1,0 +1,73 @@
+"""One endpoint call inside a worker: its arguments, running it, and where its answer goes.
+
+The answer of a call that wants a reply is a :class:`~actors._wire._records.Reply`
+to the caller; a fire-and-forget call with a port sends its result there;
+otherwise the result is dropped and a failure is reported to the actor's
+owner (see ``ActorServer.report_failure``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .._shared._errors import ActorDied, DecodeError, EncodeError
+from .._wire._records import Call, ErrorRecord, Reply
+
+if TYPE_CHECKING:
+    from .._runtime._core import Runtime
+
+__all__ = ["Invocation"]
+
+log = logging.getLogger("actors")
+
+
+@dataclass
+class Invocation:
+    """A received :class:`Call` and its buffer frames."""
+
+    call: Call
+    frames: list[Any]
+
+    @property
+    def wants_reply(self) -> bool:
+        return self.call.call_id != 0
+
+    def arguments(self, rt: Runtime) -> tuple[list[Any], dict[str, Any]]:
+        """Decode the call's ``[args, kwargs]``, refusing anything of another shape."""
+        decoded = rt.inbox.decoder.decode(self.call.args, self.frames)
+        if (
+            type(decoded) is not list
+            or len(decoded) != 2
+            or type(decoded[0]) is not list
+            or type(decoded[1]) is not dict
+            or not all(type(key) is str for key in decoded[1])
+        ):
+            raise DecodeError("call arguments must be [list, dict with string keys]")
+        return decoded[0], decoded[1]
+
+    def reply(self, rt: Runtime, ok: bool, value: Any) -> None:
+        """Answer the caller (a no-op for a fire-and-forget call or a caller that has gone)."""
+        call = self.call
+        if not call.call_id:
+            return
+        ref = rt.registry.proc(call.reply_to, call.reply_pid)
+        if ref.dead:
+            return
+        with contextlib.suppress(ActorDied):
+            try:
+                rt.send(ref, Reply(call.call_id, call.rank, ok, value), urgent=True)
+            except EncodeError as exc:
+                record = ErrorRecord.of(exc)._replace(message=f"the endpoint's return value could not be sent: {exc}")
+                rt.send(ref, Reply(call.call_id, call.rank, False, record), urgent=True)
+
+    def deliver_result(self, value: Any) -> None:
+        """A fire-and-forget call with a port: the result goes to that port."""
+        port = self.call.port
+        if port is not None:
+            try:
+                port.send(value)
+            except Exception:
+                log.exception("could not send the result of %s.%s to its port", self.call.actor, self.call.method)

@@ -1,0 +1,94 @@
+"""The reply port an ``@endpoint(explicit_response_port=True)`` method answers through.
+
+The method gets the caller's reply as its first argument and may answer
+now, later (from another task or thread), or pass the duty on within its
+own process. Exactly one answer is delivered: a second is refused with
+:class:`~actors.PortClosed`. A port dropped unanswered (garbage-collected)
+answers the caller with an error, so no caller waits for a reply that can
+never come.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from .._shared._errors import PortClosed
+from .._wire._records import ErrorRecord
+
+if TYPE_CHECKING:
+    from .._runtime._core import Runtime
+    from ._invocation import Invocation
+
+__all__ = ["ResponsePort"]
+
+T = TypeVar("T")
+
+
+class _Answer:
+    """Whether the reply went out; shared by the port and its finalizer."""
+
+    __slots__ = ("lock", "sent")
+
+    def __init__(self) -> None:
+        self.sent = False
+        self.lock = threading.Lock()
+
+    def claim(self) -> bool:
+        with self.lock:
+            first, self.sent = not self.sent, True
+            return first
+
+
+def _deliver(rt: Runtime, inv: Invocation, ok: bool, value: Any) -> None:
+    rt.driver.on_thread(lambda: inv.reply(rt, ok, value))
+
+
+def _dropped(rt: Runtime, inv: Invocation, answer: _Answer) -> None:
+    """The port was garbage-collected (on any thread): answer with an error unless it answered."""
+    loop = rt.driver.loop
+    if answer.claim() and not rt.closed and loop is not None and not loop.is_closed():
+        record = ErrorRecord(
+            "PortClosed", f"{inv.call.actor}.{inv.call.method} dropped its response port without answering"
+        )
+        loop.call_soon_threadsafe(inv.reply, rt, False, record)
+
+
+class ResponsePort(Generic[T]):
+    """Answers one caller: ``send(value)`` or ``exception(exc)``, once."""
+
+    __slots__ = ("__weakref__", "_answer", "_inv", "_rt")
+
+    def __init__(self, rt: Runtime, inv: Invocation) -> None:
+        self._rt = rt
+        self._inv = inv
+        self._answer = _Answer()
+        weakref.finalize(self, _dropped, rt, inv, self._answer)
+
+    @property
+    def answered(self) -> bool:
+        return self._answer.sent
+
+    def send(self, value: T) -> None:
+        """Reply ``value`` to the caller."""
+        self._claim()
+        _deliver(self._rt, self._inv, True, value)
+
+    def exception(self, exc: BaseException) -> None:
+        """Reply with an error: the caller's future raises :class:`~actors.ActorError` for ``exc``."""
+        self._claim()
+        _deliver(self._rt, self._inv, False, ErrorRecord.of(exc))
+
+    def take_over(self) -> bool:
+        """Claim the answer for the runtime (the endpoint raised); False if the endpoint already answered."""
+        return self._answer.claim()
+
+    def _claim(self) -> None:
+        if not self._answer.claim():
+            call = self._inv.call
+            raise PortClosed(f"the response port of {call.actor}.{call.method} has already answered")
+
+    def __repr__(self) -> str:
+        call = self._inv.call
+        return f"<ResponsePort {call.actor}.{call.method} {'answered' if self.answered else 'open'}>"

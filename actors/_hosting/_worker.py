@@ -1,0 +1,147 @@
+"""The actor process's entry point: its view of the launching program, then its event loop.
+
+A worker is forked by the forkserver. It takes the environment, argv, path
+and working directory of the program that spawned it, names itself for
+``ps``, prefixes its output with its actors' names, loads the launching
+script's definitions (so actor classes defined in ``__main__`` resolve,
+without re-running the script), then
+serves its inbox on a uvloop event loop until it is stopped, terminated,
+or its owner dies.
+"""
+
+from __future__ import annotations
+
+import gc
+import io
+import logging
+import os
+import random
+import signal
+import sys
+import traceback
+from typing import TextIO
+
+from .._runtime._core import Runtime, install_runtime
+from .._shared._config import WorkerConfig
+from .._shared._main_loader import load_definitions
+from .._shared._session import write_incarnation
+from .._wire import _refs
+from ._server import ActorServer
+
+__all__ = ["run"]
+
+#: Allocations between young-generation collections in worker processes.
+GC_THRESHOLD = 20_000
+
+
+class _Prefixed(io.TextIOBase):
+    """A text stream that starts every line with the process's label."""
+
+    def __init__(self, stream: TextIO, label: list[str]) -> None:
+        self._stream = stream
+        self._label = label
+        self._at_line_start = True
+
+    def write(self, text: str) -> int:
+        if not text:
+            return 0
+        prefix = f"[{self._label[0]}] "
+        out = []
+        for line in text.splitlines(keepends=True):
+            if self._at_line_start:
+                out.append(prefix)
+            out.append(line)
+            self._at_line_start = line.endswith("\n")
+        self._stream.write("".join(out))
+        if "\n" in text:
+            self._stream.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def fileno(self) -> int:
+        return self._stream.fileno()
+
+    def isatty(self) -> bool:
+        return self._stream.isatty()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return getattr(self._stream, "encoding", "utf-8")
+
+
+def _load_main(main: list[str] | None) -> None:
+    """Give this worker the launching script's definitions as ``__main__`` (see :mod:`actors._shared._main_loader`)."""
+    if not main:
+        return
+    module = load_definitions(main)
+    sys.modules["__main__"] = sys.modules["__mp_main__"] = module
+
+
+def run(config: WorkerConfig) -> int:
+    """Entry point of a freshly forked worker; returns the exit code."""
+    os.environ.update(config.env)  # before anything here touches CUDA
+    label = [config.name]
+    _set_title(config, [])
+    sys.argv[:] = config.argv or sys.argv[:1]
+    sys.path[:] = config.sys_path
+    os.chdir(config.cwd)
+    random.seed()
+    import torch
+
+    torch.seed()
+    torch.set_num_threads(int(config.threads or 1))
+    sys.stdout = _Prefixed(sys.__stdout__, label)  # type: ignore[arg-type]
+    sys.stderr = _Prefixed(sys.__stderr__, label)  # type: ignore[arg-type]
+    # The handlers inherited from the spawning program write to its streams (pytest's capture files,
+    # say), whose descriptors a worker does not have: drop them unclosed, then log to this stderr.
+    logging.root.handlers.clear()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        _load_main(config.main)
+    except BaseException:
+        print(f"could not load the launching script's module:\n{traceback.format_exc()}", file=sys.stderr)
+    if config.bootstrap:
+        _refs.resolve(config.bootstrap, allow_import=True)()
+    _tune_gc()
+    import uvloop
+
+    return uvloop.run(_serve(config, label))  # type: ignore[no-any-return]
+
+
+def _tune_gc() -> None:
+    """Keep the cyclic collector off the hot path of a message-heavy process.
+
+    Everything loaded so far (torch, the script) is moved out of the
+    collector's view, and young collections run less often: messages queued
+    in ports otherwise make every collection walk a large, long-lived heap.
+    """
+    gc.freeze()  # the forkserver already collected and froze torch's heap before forking
+    gc.set_threshold(GC_THRESHOLD, 20, 50)
+
+
+def _set_title(config: WorkerConfig, actors: list[str]) -> None:
+    try:
+        import setproctitle
+    except ImportError:  # pragma: no cover - optional at runtime
+        return
+    names = " ".join(actors)
+    setproctitle.setproctitle(f"actors[{config.name}] {names}".rstrip())
+
+
+async def _serve(config: WorkerConfig, label: list[str]) -> int:
+    rt = Runtime(address=config.address)
+    install_runtime(rt)
+    loop = rt.driver.ensure_loop()
+    write_incarnation(rt.dir, rt.address, rt.pid)
+
+    def retitle(actors: list[str]) -> None:
+        label[0] = ",".join(actors) or config.name
+        _set_title(config, actors)
+
+    server = ActorServer(rt, config, retitle)
+    loop.add_signal_handler(signal.SIGTERM, server.shutdown, "terminated")
+    await server.finished.wait()
+    rt.close()
+    return 0

@@ -1,0 +1,139 @@
+"""``get_or_spawn_controller``: one actor per name in the whole session, found from any process.
+
+The first process to ask for a name claims it (an exclusive create in the
+session directory), spawns the actor in a process of its own and publishes
+the actor's handle there; every other process, and every later request,
+gets that same actor. The controller lives as long as the process that
+claimed it (in Monarch, as long as the client).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+import urllib.parse
+from typing import Any, TypeVar
+
+from .._hosting._actor import Actor
+from .._runtime._core import Runtime, runtime
+from .._runtime._future import Future
+from .._shared._errors import CallTimeout
+
+__all__ = ["get_or_spawn_controller", "stop_controllers"]
+
+A = TypeVar("A", bound=Actor)
+
+#: How long a process waits for another one that claimed a name to publish its controller.
+PUBLISH_WAIT = 30.0
+#: How often it looks while waiting.
+POLL = 0.005
+
+
+def _paths(rt: Runtime, name: str) -> tuple[str, str]:
+    folder = os.path.join(rt.dir, "controllers")
+    os.makedirs(folder, exist_ok=True)
+    base = os.path.join(folder, urllib.parse.quote(name, safe=""))
+    return base + ".claim", base + ".mesh"
+
+
+def _publish(rt: Runtime, path: str, mesh: Any) -> None:
+    enc = rt.encoder
+    enc.reset()
+    blob = enc.encode(mesh)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(blob)
+    os.replace(tmp, path)  # readers see the whole handle or none
+
+
+def _read(rt: Runtime, path: str) -> Any:
+    try:
+        with open(path, "rb") as f:
+            blob = f.read()
+    except FileNotFoundError:
+        return None
+    return rt.inbox.decoder.decode(blob, [])
+
+
+def _claim(rt: Runtime, name: str, cls: type[Actor], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """This process's controller ``name``, spawning it if this process is first; None if another one is."""
+    claim, published = _paths(rt, name)
+    try:
+        fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except FileExistsError:
+        return _read(rt, published)
+    os.close(fd)
+    from ._host_mesh import this_host
+
+    procs = this_host().spawn_procs({"procs": 1}, name=f"controller-{name}")
+    rt.controller_procs[name] = procs
+    mesh = procs.spawn(name, cls, *args, **kwargs)
+    _publish(rt, published, mesh)
+    return mesh
+
+
+async def stop_controllers() -> None:
+    """Stop the controllers this process spawned and withdraw their names (for tests and orderly exits)."""
+    rt = runtime()
+    while rt.controller_procs:
+        name, procs = rt.controller_procs.popitem()
+        rt.controllers.pop(name, None)
+        for path in _paths(rt, name):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+        await procs.stop()
+    rt.controllers.clear()
+    with contextlib.suppress(OSError):
+        os.rmdir(os.path.join(rt.dir, "controllers"))
+
+
+def get_or_spawn_controller(name: str, cls: type[A], *args: Any, **kwargs: Any) -> Future[A]:
+    """The session's one actor called ``name``: spawned as ``cls(*args, **kwargs)`` by the first caller.
+
+    Any process (the controller or an actor) gets the same actor for the
+    same name; later callers' ``cls`` and arguments are not used.
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"a controller's name must be a non-empty string, not {name!r}")
+    if not (isinstance(cls, type) and issubclass(cls, Actor)):
+        raise TypeError(f"get_or_spawn_controller() needs an Actor subclass, not {cls!r}")
+    rt = runtime()
+    found = rt.controllers.get(name)
+    if found is None:
+        found = _claim(rt, name, cls, args, kwargs)
+        if found is not None:
+            rt.controllers[name] = found
+    if found is not None:
+        return Future.ready(found)
+    published = _paths(rt, name)[1]
+
+    def lookup() -> Any:
+        mesh = _read(rt, published)
+        if mesh is not None:
+            rt.controllers[name] = mesh
+        return mesh
+
+    def too_late() -> CallTimeout:
+        return CallTimeout(f"controller {name!r} was claimed by another process that has not published it")
+
+    async def wait() -> A:
+        deadline = time.monotonic() + PUBLISH_WAIT
+        while (mesh := lookup()) is None:
+            if time.monotonic() > deadline:
+                raise too_late()
+            await asyncio.sleep(POLL)
+        return mesh  # type: ignore[no-any-return]
+
+    def wait_sync(timeout: float | None) -> A:
+        limit = PUBLISH_WAIT if timeout is None else min(timeout, PUBLISH_WAIT)
+        deadline = time.monotonic() + limit
+        while (mesh := lookup()) is None:
+            if time.monotonic() > deadline:
+                raise too_late()
+            with contextlib.suppress(CallTimeout):
+                rt.driver.wait(lambda: False, timeout=POLL, what="a controller")
+        return mesh  # type: ignore[no-any-return]
+
+    return Future(wait, wait_sync)

@@ -1,0 +1,164 @@
+"""``this_host()``: the local machine as a place to spawn actor processes."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections.abc import Callable
+
+from .._processes._devices import GPU_DIM, gpu_env, visible_gpus
+from .._processes._forkserver import forkserver, prefork
+from .._runtime._core import Runtime, current_runtime, runtime
+from .._shared._config import WorkerConfig
+from .._shared._liveness import ProcRef
+from .._shared._main_loader import loading_main
+from .._shared._restart import RestartMode, RestartPolicy
+from .._shared._session import inbox_address
+from .._wire import _refs
+from ._proc_mesh import ProcMesh
+
+__all__ = ["HostMesh", "attach_to_workers", "this_host", "this_proc"]
+
+
+def main_module() -> list[str] | None:
+    """How a worker can load the launching script's ``__main__`` module."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and getattr(spec, "name", None) and spec.name != "__main__":
+        return ["module", spec.name]
+    path = getattr(main, "__file__", None)
+    if path and path.endswith(".py") and os.path.exists(path):
+        return ["path", os.path.abspath(path)]
+    return None
+
+
+def check_spawn(
+    per_host: dict[str, int] | None, bootstrap: Callable[[], None] | None
+) -> tuple[dict[str, int], str | None]:
+    """``spawn_procs``' checks: the per-host extent, and the bootstrap function's name."""
+    if loading_main.get():
+        raise RuntimeError(
+            "spawn_procs() ran while an actor process was importing the launching script; "
+            'guard the script\'s entry point with `if __name__ == "__main__":`'
+        )
+    extent = dict(per_host or {"procs": 1})
+    if not extent or any(type(n) is not int or n < 1 for n in extent.values()):
+        raise ValueError(f"per_host must map dimension names to positive sizes, not {per_host!r}")
+    boot = _refs.qualified_name(bootstrap) if bootstrap is not None else None
+    if boot is not None and "<locals>" in boot:
+        raise TypeError("bootstrap must be a module-level function")
+    return extent, boot
+
+
+def worker_config(
+    rt: Runtime,
+    name: str,
+    address: str,
+    rank: int,
+    main: list[str] | None,
+    boot: str | None,
+    threads: int,
+    env: dict[str, str],
+) -> WorkerConfig:
+    """What one worker process needs to start: its inbox, its owner (this process), the script's code."""
+    return WorkerConfig(
+        name=name,
+        address=address,
+        owner_address=rt.address,
+        owner_pid=rt.pid,
+        rank=rank,
+        argv=list(sys.argv),
+        sys_path=list(sys.path),
+        cwd=os.getcwd(),
+        main=main,
+        bootstrap=boot,
+        threads=threads,
+        env=env,
+    )
+
+
+class HostMesh:
+    """The local host. ``spawn_procs`` starts processes forked from a warm forkserver."""
+
+    def spawn_procs(
+        self,
+        per_host: dict[str, int] | None = None,
+        bootstrap: Callable[[], None] | None = None,
+        name: str | None = None,
+        *,
+        threads: int = 1,
+        restart: RestartMode = "never",
+        max_restarts: int = 3,
+        restart_period: float = 60.0,
+    ) -> ProcMesh:
+        """Start ``prod(per_host.values())`` processes; returns at once.
+
+        ``per_host`` names the mesh's dimensions (``{"procs": 4}``,
+        ``{"gpus": 8}``); a ``gpus`` dimension gives each process its own GPU
+        as ``CUDA_VISIBLE_DEVICES`` (see :mod:`actors._processes._devices`).
+        ``bootstrap`` is a module-level function run in each process before it
+        serves. ``threads`` sets torch's intra-op threads per process (1 keeps
+        many processes from fighting over few cores). ``restart="on-failure"``
+        replaces a process that dies (at most ``max_restarts`` times within
+        ``restart_period`` seconds) with a new one at the same address, its
+        actors constructed again with their original arguments.
+        """
+        policy = RestartPolicy(restart, max_restarts, restart_period)
+        extent, boot = check_spawn(per_host, bootstrap)
+        if current_runtime() is None:
+            prefork()  # while this process may still be single-threaded: a forked forkserver starts at once
+        rt = runtime()
+        server = forkserver(rt, threads)
+        # Even a forkserver forked from this program needs it: it holds only what the script had defined
+        # by the first spawn_procs, and a script may define actor classes after that (Monarch's ping_pong).
+        main = main_module()
+        mesh_name = name or f"procs{rt.counter('mesh')}"
+        gpus = visible_gpus() if GPU_DIM in extent else []
+        procs: list[ProcRef] = []
+        configs: list[WorkerConfig] = []
+        for rank in range(math.prod(extent.values())):
+            index = rt.counter("worker")
+            address = inbox_address(rt.dir, f"w{rt.pid}-{index}")  # unique in the session, nested spawns too
+            config = worker_config(
+                rt, f"{mesh_name}.{rank}", address, rank, main, boot, threads, gpu_env(extent, rank, gpus)
+            )
+            ref = rt.registry.proc(address, None)
+            server.spawn(index, config, ref)
+            procs.append(ref)
+            configs.append(config)
+
+        def respawn(rank: int, ref: ProcRef) -> None:
+            forkserver(rt, threads).spawn(rt.counter("worker"), configs[rank], ref)
+
+        return ProcMesh(mesh_name, extent, procs, policy, respawn)
+
+
+def this_host() -> HostMesh:
+    """The host this program runs on."""
+    return HostMesh()
+
+
+def this_proc() -> ProcMesh:
+    """The process this code runs in, as a proc mesh of one: ``this_proc().spawn(...)`` places actors here.
+
+    Inside an actor it is the actor's own process. In the controller it is
+    a companion process started on first use (and stopped with the
+    controller): actors never run on the caller's own event loop, which
+    they could block (Monarch places them in the client process itself).
+    """
+    rt = runtime()
+    if rt.server is not None:
+        return ProcMesh("this_proc", {"procs": 1}, [rt.registry.proc(rt.address, rt.pid)], owned=False)
+    local = rt.local_proc
+    if local is None or local._stopping:
+        local = rt.local_proc = this_host().spawn_procs({"procs": 1}, name="this_proc")
+    return local  # type: ignore[no-any-return]
+
+
+def attach_to_workers(*args: object, **kwargs: object) -> HostMesh:
+    """Monarch's attach to worker hosts started elsewhere: not offered (processes here start on this host)."""
+    raise NotImplementedError(
+        "attach_to_workers() joins hosts already running Monarch workers; actors starts its processes itself "
+        "and spans one host today (multi-host placement through Ray is planned as actors.ray)"
+    )

@@ -1,0 +1,368 @@
+"""``ProcMesh``: a group of actor processes; spawn actors on it, restart them, stop them.
+
+The process that spawned a proc mesh is its *owner*: it hears of each of its
+processes' deaths and of each failure its actors report, and offers them to
+the supervisors (:mod:`actors._runtime._supervision`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import signal
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+from .._hosting._actor import Actor, check_actor_class, endpoints_of
+from .._hosting._server import CLEANUP_TIMEOUT
+from .._runtime._call_sender import encode_arguments, pending_future, send_call
+from .._runtime._context import _context
+from .._runtime._core import Runtime, runtime
+from .._runtime._future import Future
+from .._runtime._pending_calls import PendingCall
+from .._runtime._supervision import Failure, FailureHandler, escalate_to_controller, install_owner_handlers, offer
+from .._runtime._value_mesh import extent_from_wire
+from .._shared._errors import ActorDied, CallTimeout, DecodeError, SupervisionError
+from .._shared._liveness import ProcRef, new_incarnation
+from .._shared._names import shown, wire_name
+from .._shared._restart import RestartBudget, RestartPolicy
+from .._shared._session import incarnation_path, remove_socket_file
+from .._wire import _refs
+from .._wire._codec import register_handle
+from .._wire._records import PROCESS_ACTOR
+from ._actor_mesh import ActorMesh
+
+__all__ = ["ProcMesh"]
+
+A = TypeVar("A", bound=Actor)
+R = TypeVar("R")
+
+
+class ProcMesh:
+    """A group of actor processes; ``spawn`` actors on it, ``stop`` it when done."""
+
+    def __init__(
+        self,
+        name: str,
+        extent: dict[str, int],
+        procs: list[ProcRef],
+        restart: RestartPolicy | None = None,
+        respawn: Callable[[int, ProcRef], str | None] | None = None,
+        *,
+        owned: bool = True,
+        kill: Callable[[ProcRef], None] | None = None,
+    ) -> None:
+        self._name = name
+        #: How the placer ends a process on another host that ignored the stop (its pid means nothing here).
+        self._kill_remote = kill
+        self._budget = RestartBudget(restart or RestartPolicy())
+        self._respawn = respawn
+        #: ``(name, class_ref, args, kwargs)`` of every spawn, replayed into a restarted process.
+        self._spawned: list[tuple[str, str, tuple[Any, ...], dict[str, Any]]] = []
+        #: How many times each rank's process has been restarted.
+        self.restarts = [0] * len(procs)
+        self._extent = dict(extent)
+        self._procs = procs
+        self._actors: dict[str, ActorMesh[Any]] = {}
+        self._stopping = False
+        self._stopped = False
+        self._handlers: list[FailureHandler] = []
+        self.failures: list[Failure] = []
+        #: The actor that spawned this mesh (None in the controller): its ``__supervise__`` is asked.
+        context = _context.get()
+        self._owner_actor = context.name if context is not None else None
+        self._fault: SupervisionError | None = None
+        self._owned = owned
+        rt = runtime()
+        if owned:  # a handle received from elsewhere (or this_proc()) supervises nothing
+            for ref in procs:
+                rt.meshes[ref.address] = self
+                ref.incarnation = new_incarnation(ref)
+            install_owner_handlers(rt)
+            if self._owner_actor is not None and rt.server is not None:
+                rt.server.adopt(self._owner_actor, self)  # stopped when that actor stops
+
+    def __repr__(self) -> str:
+        return f"<ProcMesh {self._name} {self._extent}>"
+
+    @property
+    def extent(self) -> dict[str, int]:
+        return dict(self._extent)
+
+    def size(self, dim: str | None = None) -> int:
+        """How many processes (along ``dim`` when given)."""
+        if dim is None:
+            return len(self._procs)
+        if dim not in self._extent:
+            raise KeyError(f"no dimension {dim!r}; this proc mesh has {list(self._extent)}")
+        return self._extent[dim]
+
+    def __len__(self) -> int:
+        return len(self._procs)
+
+    @property
+    def pids(self) -> list[int | None]:
+        """The processes' pids (``None`` for one not started yet)."""
+        registry = runtime().registry
+        return [registry.resolve_pid(ref) for ref in self._procs]
+
+    def spawn(self, name: str, actor_class: type[A], *args: Any, **kwargs: Any) -> A:
+        """Construct ``actor_class(*args, **kwargs)`` in every process; returns at once.
+
+        The result is an :class:`ActorMesh`, typed as the actor class so that
+        its endpoints carry their signatures (as in Monarch).
+        """
+        if self._stopping:
+            raise RuntimeError(f"`ProcMesh` {self._name!r} has already been stopped")
+        if not (isinstance(actor_class, type) and issubclass(actor_class, Actor)):
+            raise TypeError(f"spawn() needs an Actor subclass, not {actor_class!r}")
+        check_actor_class(actor_class)
+        class_ref = _refs.qualified_name(actor_class)
+        if "<locals>" in class_ref:
+            raise TypeError(f"{class_ref} is defined inside a function; define actor classes at module level")
+        if not isinstance(name, str):
+            raise TypeError(f"an actor's name must be a string, not {type(name).__name__}")
+        if not name or name == PROCESS_ACTOR:
+            raise ValueError(f"an actor's name must be non-empty and not {PROCESS_ACTOR!r}")
+        name = wire_name(name)  # spawners choosing the same name on the same processes must not meet
+        rt = runtime()
+        targets = list(enumerate(self._procs))
+        endpoint_timeouts = {ep_name: ep.timeout for ep_name, ep in endpoints_of(actor_class).items()}
+        pending = rt.driver.on_thread(lambda: self._send_spawn(rt, targets, name, class_ref, args, kwargs))
+        mesh: ActorMesh[A] = ActorMesh(name, class_ref, endpoint_timeouts, self._extent, targets, self)
+        mesh._spawn_call = pending
+        self._actors[name] = mesh
+        self._spawned.append((name, class_ref, args, kwargs))
+        if not self._owned:  # this process spawned them: their failures come here, not to the procs' owner
+            for ref in self._procs:
+                rt.actor_supervisors[(ref.address, name)] = self
+            install_owner_handlers(rt)
+            spawner = _context.get()
+            if spawner is not None and rt.server is not None:
+                rt.server.adopt(spawner.name, mesh)  # stopped when the spawning actor stops
+        return mesh  # type: ignore[return-value]
+
+    def _send_spawn(
+        self,
+        rt: Runtime,
+        targets: list[tuple[int, ProcRef]],
+        name: str,
+        class_ref: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> PendingCall | None:
+        enc = rt.encoder
+        enc.reset()
+        ctor = enc.encode([list(args), kwargs])
+        frames, handles = enc.frames, enc.handles
+        enc.reset()
+        blob = enc.encode([[name, class_ref, self._extent, ctor], {}])
+        return send_call(rt, targets, PROCESS_ACTOR, "spawn", (blob, frames, handles), want_reply=True)
+
+    def _ask_processes(self, operation: str, args: tuple[Any, ...], build: Callable[[], R], what: str) -> Future[R]:
+        """Send a process operation (``ping``, ``log_level``) to every process; ``build()`` once all answered."""
+        rt = runtime()
+        targets = list(enumerate(self._procs))
+        pending = rt.driver.on_thread(
+            lambda: send_call(rt, targets, PROCESS_ACTOR, operation, encode_arguments(rt, args, {}), want_reply=True)
+        )
+        return pending_future(rt, pending, lambda results: build(), f"{self._name}.{what}")
+
+    @property
+    def initialized(self) -> Future[bool]:
+        """Resolves to True once every process is up and answering."""
+        return self._ask_processes("ping", (), lambda: True, "initialized")
+
+    def logging_option(
+        self, stream_to_client: bool = True, aggregate_window_sec: int | None = None, level: int = logging.INFO
+    ) -> Future[None]:
+        """Set the ``logging`` level of every process (Monarch's call; output always streams, never aggregated).
+
+        Workers' stdout and stderr always reach the controller's, each line
+        prefixed with the actor's name; ``stream_to_client=False`` and log
+        aggregation are not offered and are refused.
+        """
+        if not stream_to_client:
+            raise NotImplementedError("actors always streams worker output to the controller")
+        if aggregate_window_sec is not None:
+            raise NotImplementedError("actors does not aggregate similar log lines; pass aggregate_window_sec=None")
+        if not isinstance(level, int):
+            raise TypeError(f"level must be a logging level such as logging.INFO, not {level!r}")
+        return self._ask_processes("log_level", (level,), lambda: None, "logging_option")
+
+    def activate(self) -> Any:
+        """Monarch's tensor-engine activation: not offered (actors has no tensor engine)."""
+        raise NotImplementedError(
+            "ProcMesh.activate() selects Monarch's tensor-engine device mesh; actors has no tensor engine"
+        )
+
+    def add_failure_handler(self, handler: FailureHandler) -> None:
+        """Offer ``handler(failure)`` each failure of this mesh's actors; a true return handles it."""
+        self._handlers.append(handler)
+
+    @property
+    def stopping(self) -> bool:
+        """Whether :meth:`stop` has begun (deaths from then on are expected, not failures)."""
+        return self._stopping
+
+    @property
+    def fault(self) -> SupervisionError | None:
+        """The unhandled failure that faulted this mesh, if any (later calls raise it)."""
+        return self._fault
+
+    def report(self, failure: Failure, handled: bool = False) -> None:
+        """Offer ``failure`` to every supervisor; escalate it if none handled it."""
+        self.failures.append(failure)
+        rt = runtime()
+        handled = offer(failure, [*self._handlers, *rt.failure_handlers]) or handled
+        server = rt.server
+        if self._owner_actor is not None and server is not None:
+            handled = server.supervise(self._owner_actor, failure) or handled
+        if handled or self._stopping:
+            return
+        if self._owner_actor is not None and server is not None:
+            server.escalate(self._owner_actor, failure)
+        elif self._fault is None:
+            self._fault = escalate_to_controller(failure)
+
+    def on_death(self, ref: ProcRef) -> None:
+        """One of this mesh's processes died: restart it if the policy allows, and report it."""
+        if self._stopping:
+            return
+        rank = self._procs.index(ref)
+        names = ",".join(shown(name) for name in self._actors) or "(no actors)"
+        pid = ref.pid or 0
+        reason = ref.exit_reason or "process exited"
+        restarting = self._respawn is not None and self._budget.take()
+        if restarting:
+            try:
+                self._restart_rank(rank, ref)
+            except Exception as exc:  # no process could be started: the rank stays dead
+                restarting = False
+                reason += f"; could not restart it: {exc}"
+            else:
+                reason += f"; restarted (restart {self.restarts[rank]} of rank {rank})"
+        else:
+            reason += self._budget.refusal()
+        self.report(Failure(names, rank, pid, "", "ActorDied", reason, restarted=restarting), handled=restarting)
+
+    def _restart_rank(self, rank: int, ref: ProcRef) -> None:
+        """A new process for the dead one, with every actor constructed again.
+
+        The placer starts it at the same address, or at a new one on another
+        host when the old host is lost: handles here follow it at once, and
+        peers on other hosts hear of it (``PeerNews``). In-flight calls
+        already failed with ActorDied; calls made from now on queue for the
+        new process, which runs them once its actors exist.
+        """
+        assert self._respawn is not None
+        rt = runtime()
+        remove_socket_file(ref.address)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(incarnation_path(rt.dir, ref.address))  # the new pid is written when it forks
+        address = self._respawn(rank, ref)  # raises when no process can be started; then nothing changed
+        old = ref.address
+        rt.registry.revive(ref, None)
+        if address is not None and address != old:
+            rt.relocate(ref, address, remote=ref.remote)
+        self.restarts[rank] += 1
+        ref.incarnation = new_incarnation(ref)
+        rt.news.restarted(old, ref)
+        for name, class_ref, args, kwargs in self._spawned:  # a constructor failing reports itself (__init__)
+            self._send_spawn(rt, [(rank, ref)], name, class_ref, args, kwargs)
+
+    def stop(self, timeout: float = CLEANUP_TIMEOUT) -> Future[None]:
+        """Run every actor's ``__cleanup__`` and end the processes (a no-op if already stopped)."""
+        rt = runtime()
+        plan = self._stop_plan(rt, timeout)
+        first = next(plan, None)  # eager: the stop request leaves now
+        if first is not None:
+            plan = itertools.chain([first], plan)
+
+        async def run() -> None:
+            for condition, limit in plan:
+                await rt.driver.wait_until(condition, limit)
+
+        def run_sync(_timeout: float | None) -> None:
+            for condition, limit in plan:
+                with contextlib.suppress(CallTimeout):
+                    rt.driver.wait(condition, timeout=limit, what="processes to stop")
+
+        return Future(run, run_sync)
+
+    def _stop_plan(self, rt: Runtime, timeout: float) -> Iterator[tuple[Callable[[], bool], float]]:
+        """The stop sequence as (condition, time limit) steps, for async and sync waiting alike."""
+        if self._stopped:
+            return
+        self._stopping = True
+        procs = self._procs
+
+        def all_dead() -> bool:
+            return all(ref.dead for ref in procs)
+
+        alive = [(rank, ref) for rank, ref in enumerate(procs) if not ref.dead]
+        pending = None
+        if alive:
+            with contextlib.suppress(ActorDied):
+                pending = rt.driver.on_thread(
+                    lambda: send_call(
+                        rt, alive, PROCESS_ACTOR, "stop", encode_arguments(rt, (timeout,), {}), want_reply=True
+                    )
+                )
+        if pending is not None:
+            yield (lambda: pending.done or all_dead()), timeout + 2.0
+        yield all_dead, 3.0
+        registry = rt.registry
+        for ref in procs:
+            if ref.dead:
+                continue
+            if ref.remote:  # never os.kill another host's pid: it names some process of this one
+                if self._kill_remote is not None:
+                    self._kill_remote(ref)
+                continue
+            pid = registry.resolve_pid(ref)
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        yield all_dead, 2.0
+        for ref in procs:
+            remove_socket_file(ref.address)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(incarnation_path(rt.dir, ref.address))
+        self._stopped = True
+
+    async def __aenter__(self) -> ProcMesh:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+def _proc_mesh_state(mesh: ProcMesh) -> list[Any]:
+    registry = runtime().registry
+    procs = [[ref.address, registry.resolve_pid(ref)] for ref in mesh._procs]
+    return [mesh._name, list(mesh._extent.items()), procs]
+
+
+def _proc_mesh_from_state(state: Any) -> ProcMesh:
+    """A proc mesh received as an argument: spawn on it and stop it; its owner keeps supervising it."""
+    if type(state) is not list or len(state) != 3:
+        raise DecodeError("malformed proc mesh")
+    name, extent, procs = state
+    if type(name) is not str or type(procs) is not list:
+        raise DecodeError("malformed proc mesh")
+    dims = extent_from_wire(extent, "proc mesh")
+    registry = runtime().registry
+    refs = []
+    for proc in procs:
+        if type(proc) is not list or len(proc) != 2 or type(proc[0]) is not str:
+            raise DecodeError("malformed proc mesh process")
+        if not (proc[1] is None or type(proc[1]) is int):
+            raise DecodeError("malformed proc mesh process")
+        refs.append(registry.proc(proc[0], proc[1]))
+    return ProcMesh(name, dims, refs, owned=False)
+
+
+register_handle("proc_mesh", ProcMesh, _proc_mesh_state, _proc_mesh_from_state)

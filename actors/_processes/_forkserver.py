@@ -1,0 +1,295 @@
+"""The controller's side of the forkserver: starting it, asking it for workers, hearing their pids.
+
+The forkserver (``_forkserver_process``) is a pre-warmed process that forks
+actor processes in milliseconds. The first ``spawn_procs`` of a program
+forks it from the program itself when that is safe (:func:`fork_refusal`),
+so it starts at once with everything already imported; otherwise it is a
+fresh interpreter (``python -c``) that imports torch and the runtime once.
+The two talk over two pipes of length-prefixed msgpack: spawn requests one
+way (``["spawn", index, config]``, a :class:`WorkerConfig` as a dict), pid
+reports the other (``["spawned", index, pid]`` or ``["failed", index,
+why]``). Its ``["exited", ...]`` reports are ignored here: every process on
+this host watches its peers' pidfds (a host placed by Ray relays them,
+see :mod:`actors.ray`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+from .._runtime._core import Runtime, at_runtime_exit
+from .._shared._config import WorkerConfig
+from .._shared._liveness import ProcRef
+from .._shared._session import SESSION_ENV, session_keys
+from ._forkserver_protocol import PR_SET_PDEATHSIG, TERM_GRACE, frame, read_frames
+
+#: How long a caller without an event loop waits for the forkserver to take a request.
+SPAWN_WRITE_TIMEOUT = 30.0
+_BOOT = "from actors._processes._forkserver_process import main; main()"
+
+
+# ---------------------------------------------------------------------- controller side
+
+#: ``auto`` (default: a fork of the controller when :func:`fork_refusal` allows) or ``exec``.
+FORKSERVER_ENV = "ACTORS_FORKSERVER"
+
+
+def fork_refusal() -> str | None:
+    """Why this process cannot safely fork a forkserver of itself right now (None if it can).
+
+    The forkserver then starts in milliseconds with everything the program
+    has imported, instead of a fresh interpreter importing torch again. It
+    cannot while other Python threads run (they may hold locks a child
+    would inherit held) or once the CUDA driver is loaded. Native thread
+    pools are fine as long as workers use one torch thread: a worker that
+    wants more is forked from a freshly started forkserver instead (GNU
+    OpenMP hangs in a child whose parent had started its pool).
+    """
+    mode = os.environ.get(FORKSERVER_ENV, "auto")
+    if mode == "exec":
+        return f"{FORKSERVER_ENV}=exec"
+    if threading.active_count() > 1:
+        return "other Python threads run in this process"
+    try:
+        with open("/proc/self/maps") as maps:
+            if "libcuda.so" in maps.read():
+                return "the CUDA driver is loaded in this process"
+    except OSError as exc:
+        return f"cannot inspect this process: {exc}"
+    return None
+
+
+class _ServerProcess:
+    """The forkserver process: its pid, the pipe its requests go into, the pipe its reports come from."""
+
+    def __init__(self, pid: int, requests: int, status: int, popen: subprocess.Popen[bytes] | None) -> None:
+        self.pid = pid
+        self.requests = requests
+        self.status = status
+        self._popen = popen
+        self.returncode: int | None = None
+
+    @classmethod
+    def start(cls, session_dir: str, session: str, owns_dir: bool, *, fork: bool) -> _ServerProcess:
+        request_r, request_w = os.pipe()
+        status_r, status_w = os.pipe()
+        if fork:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                _forked_main(request_r, status_w, session_dir, session, owns_dir)
+            popen = None
+        else:
+            env = dict(os.environ)
+            env[SESSION_ENV] = session_dir
+            package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+            popen = subprocess.Popen(
+                [sys.executable, "-c", _BOOT, str(status_w), session_dir, session, "1" if owns_dir else "0"],
+                stdin=request_r,
+                pass_fds=(status_w,),
+                env=env,
+                start_new_session=True,  # Ctrl-C at the terminal reaches only the controller
+            )
+            pid = popen.pid
+        os.close(request_r)
+        os.close(status_w)
+        os.set_blocking(status_r, False)
+        os.set_blocking(request_w, False)
+        return cls(pid, request_w, status_r, popen)
+
+    def wait(self, timeout: float) -> bool:
+        """Reap the process; False if it is still running after ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                self.returncode = -1
+                break
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+                break
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        if self._popen is not None:
+            self._popen.returncode = self.returncode  # so Popen never reaps it again
+        return True
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+
+
+def _forked_main(request_fd: int, status_fd: int, session_dir: str, session: str, owns_dir: bool) -> None:
+    """The forkserver, as a fork of the controller: shed the controller's state, then serve."""
+    code = 1
+    try:
+        os.setsid()  # Ctrl-C at the terminal reaches only the controller
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        os.dup2(request_fd, 0)
+        keep = {0, 1, 2, status_fd}
+        for entry in os.listdir("/proc/self/fd"):
+            fd = int(entry)
+            if fd not in keep:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        os.environ[SESSION_ENV] = session_dir
+        from .._runtime import _core as _runtime
+
+        _runtime.forget_in_child()
+        from ._forkserver_process import serve
+
+        serve(status_fd, session_dir, session, owns_dir)
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+class Forkserver:
+    """The controller's handle on its forkserver process."""
+
+    def __init__(self, rt: Runtime, process: _ServerProcess) -> None:
+        self.rt = rt
+        self.process = process
+        self.status_fd = process.status
+        #: Workers forked from a fork of this process already hold its ``__main__``.
+        self.inherits_main = process._popen is None
+        self._buffer = bytearray()
+        self._unsent = bytearray()  # requests the pipe has not taken yet
+        self._retry: Any = None
+        self._refs: dict[int, ProcRef] = {}
+        self.closed = False
+        rt.driver.add_reader(self.status_fd, self._on_status)
+        at_runtime_exit(self.close)
+
+    def spawn(self, index: int, config: WorkerConfig, ref: ProcRef) -> None:
+        if self.closed:
+            raise RuntimeError("the forkserver has exited")
+        self._refs[index] = ref
+        self._unsent += frame(["spawn", index, config.to_wire()])
+        self._write()
+
+    def _write(self) -> None:
+        """Hand queued requests to the pipe without waiting; a full pipe is retried later."""
+        self._retry = None
+        deadline = time.monotonic() + SPAWN_WRITE_TIMEOUT
+        while self._unsent:
+            try:
+                written = os.write(self.process.requests, self._unsent)
+            except BlockingIOError:
+                loop = self.rt.driver.loop
+                if loop is not None and loop.is_running():
+                    self._retry = loop.call_later(0.005, self._write)
+                    return
+                if time.monotonic() > deadline:  # no loop: the caller waited, with a deadline
+                    raise RuntimeError("the forkserver stopped taking requests") from None
+                select.select([], [self.process.requests], [], 0.1)
+                continue
+            except BrokenPipeError:
+                self._lost()
+                raise RuntimeError("the forkserver has exited") from None
+            del self._unsent[:written]
+
+    def _on_status(self) -> None:
+        while True:
+            try:
+                data = os.read(self.status_fd, 65536)
+            except BlockingIOError:
+                break
+            except OSError:
+                data = b""
+            if not data:
+                self._lost()
+                return
+            self._buffer += data
+        for report in read_frames(self._buffer):
+            kind = report[0]
+            if kind == "spawned":
+                ref = self._refs.pop(report[1], None)
+                if ref is not None and ref.pid != report[2]:
+                    self.rt.registry.set_pid(ref, report[2])
+            elif kind == "failed":
+                ref = self._refs.pop(report[1], None)
+                if ref is not None:
+                    self.rt.registry.mark_dead(ref, f"could not start: {report[2]}")
+
+    def _lost(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.rt.driver.remove_reader(self.status_fd)
+        for ref in self._refs.values():
+            self.rt.registry.mark_dead(ref, "the forkserver exited before starting it")
+        self._refs.clear()
+
+    def close(self) -> None:
+        """Shut the forkserver down; it terminates every worker it forked."""
+        with contextlib.suppress(OSError):
+            os.close(self.process.requests)
+        if not self.process.wait(TERM_GRACE + 3):
+            self.process.kill()
+            self.process.wait(5)
+        self._lost()
+        with contextlib.suppress(OSError):
+            os.close(self.status_fd)
+
+
+def prefork() -> None:
+    """Start the forkserver now, by forking this process if that is safe, before it has a runtime.
+
+    Called by the first ``spawn_procs`` of a process without a runtime: its
+    ZeroMQ context (and I/O thread) does not exist yet, so the process may
+    still be single-threaded. The runtime created next adopts the forkserver.
+    """
+    from .._runtime._core import prepare_session, process_state
+
+    state = process_state()
+    if state.forkserver is not None or fork_refusal() is not None:
+        return
+    session_dir, owns_dir = prepare_session()
+    session_keys()  # a tcp session's CURVE keys exist before the fork, so workers inherit them
+    state.forkserver = _ServerProcess.start(session_dir, os.path.basename(session_dir), owns_dir, fork=True)
+
+
+def forkserver(rt: Runtime, threads: int = 1) -> Forkserver:
+    """The forkserver for workers with ``threads`` torch threads, started on first use.
+
+    Workers with one thread come from this process's forkserver (forked from
+    it when ``prefork`` could). Workers with more come from one started as a
+    fresh interpreter, whose thread pools are untouched.
+    """
+    from .._runtime._core import process_state
+
+    server: Forkserver | None = rt.forkserver
+    if server is None or server.closed:
+        state = process_state()
+        process, state.forkserver = state.forkserver, None
+        if process is None:
+            process = _ServerProcess.start(rt.dir, rt.session, rt.owns_dir, fork=False)
+        server = rt.forkserver = Forkserver(rt, process)
+    if threads > 1 and server.inherits_main:
+        fresh: Forkserver | None = rt.threaded_forkserver
+        if fresh is None or fresh.closed:
+            process = _ServerProcess.start(rt.dir, rt.session, rt.owns_dir, fork=False)
+            fresh = rt.threaded_forkserver = Forkserver(rt, process)
+        return fresh
+    return server

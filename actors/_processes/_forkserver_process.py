@@ -1,0 +1,179 @@
+"""The forkserver process itself: fork a worker per request, report pids, tear everything down at the end.
+
+It reads ``["spawn", index, config]`` requests (length-prefixed msgpack) on
+its stdin, forks one worker per request, records the new pid under the
+worker's address in the session directory and reports ``["spawned", index,
+pid]`` (or ``["failed", index, why]``) on its status pipe, and ``["exited",
+index, pid, code]`` once it has reaped that worker. When its stdin
+closes (the controller exited, cleanly or by ``kill -9``) or it gets SIGTERM,
+it terminates every worker, removes the session's socket directory and its
+``actors-`` shared-memory segments, and exits. It never starts a thread or a
+ZeroMQ context, so forking it stays safe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import gc
+import os
+import select
+import shutil
+import signal
+import sys
+import time
+import traceback
+from typing import Any
+
+from .._shared._config import WorkerConfig
+from .._shared._segments import remove_process_segments, remove_session_segments
+from .._shared._session import forget_incarnation, remove_socket_file, write_incarnation
+from ._forkserver_protocol import PR_SET_PDEATHSIG, TERM_GRACE, frame, read_frames
+
+__all__ = ["main", "serve"]
+
+
+def serve(status_fd: int, session_dir: str, session: str, owns_session: bool) -> None:
+    # Import everything a worker needs once, before any fork.
+    import torch  # noqa: F401
+    import uvloop  # noqa: F401
+    import zmq  # noqa: F401
+
+    from .._hosting import _worker  # noqa: F401
+
+    # Collect once here, not in every worker: children inherit a frozen heap
+    # (cheap collections for them, and pages that stay shared after fork).
+    gc.collect()
+    gc.freeze()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    children: dict[int, int] = {}  # pid -> index
+    addresses: dict[int, str] = {}  # pid -> inbox address
+    buffer = bytearray()
+
+    def report(obj: Any) -> None:
+        with contextlib.suppress(OSError):
+            os.write(status_fd, frame(obj))
+
+    def reap() -> None:
+        while children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                children.clear()
+                return
+            if pid == 0:
+                return
+            index = children.pop(pid, None)
+            if pid in addresses:
+                with contextlib.suppress(OSError):
+                    forget_incarnation(session_dir, addresses[pid], pid)
+            if index is not None:  # for a host placed by Ray, whose controller cannot watch this pid
+                report(["exited", index, pid, os.waitstatus_to_exitcode(status)])
+
+    while not stopping:
+        try:
+            readable, _, _ = select.select([0], [], [], 0.2)
+        except InterruptedError:
+            continue
+        reap()
+        if not readable:
+            continue
+        data = os.read(0, 65536)
+        if not data:
+            break  # the controller is gone
+        buffer += data
+        for request in read_frames(buffer):
+            if request[0] != "spawn":
+                continue
+            index, config = request[1], WorkerConfig.from_wire(request[2])
+            try:
+                pid = os.fork()
+            except OSError as exc:
+                report(["failed", index, str(exc)])
+                continue
+            if pid == 0:
+                _child(config, status_fd)
+            children[pid] = index
+            addresses[pid] = config.address
+            with contextlib.suppress(OSError):
+                write_incarnation(session_dir, config.address, pid)
+            report(["spawned", index, pid])
+    _teardown(children, session_dir, session, addresses if not owns_session else None)
+
+
+def _child(config: WorkerConfig, status_fd: int) -> None:
+    code = 1
+    try:
+        os.close(status_fd)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.close(devnull)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        parent = os.getppid()
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:
+            os._exit(0)
+        from .._hosting import _worker
+
+        code = _worker.run(config)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def _teardown(children: dict[int, int], session_dir: str, session: str, only: dict[int, str] | None) -> None:
+    """End every child; remove the session's files (``only``: just those of these children).
+
+    A forkserver started by an actor (a nested mesh) shares its session with
+    the controller, so it must not remove the session directory.
+    """
+    for pid in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + TERM_GRACE
+    while children and time.monotonic() < deadline:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid:
+            children.pop(pid, None)
+        else:
+            time.sleep(0.01)
+    for pid in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for pid in list(children):
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+    if only is not None:
+        for pid, address in only.items():
+            remove_socket_file(address)
+            remove_process_segments(session, pid)
+        return
+    shutil.rmtree(session_dir, ignore_errors=True)
+    remove_session_segments(session)
+
+
+def main() -> None:
+    status_fd, session_dir, session, owns = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    try:
+        serve(status_fd, session_dir, session, owns == "1")
+    except OSError as exc:
+        if exc.errno != errno.EPIPE:
+            raise
+
+
+if __name__ == "__main__":
+    main()

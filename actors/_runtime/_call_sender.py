@@ -1,0 +1,95 @@
+"""Sending calls: the arguments encoded once, one :class:`~actors._wire._records.Call` per target, on the wire now.
+
+Every way of invoking an endpoint (``call``, ``call_one``, ``choose``,
+``broadcast``, ``send``) and every process operation (spawn, stop) goes
+through :func:`send_call`; :func:`pending_future` turns the pending call
+into the :class:`~actors.Future` the caller awaits.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from .._shared._errors import ActorDied, CallTimeout
+from .._shared._liveness import ProcRef
+from .._wire._records import Call
+from ._core import Runtime
+from ._future import Future
+from ._pending_calls import PendingCall
+
+__all__ = ["pending_future", "send_call"]
+
+R = TypeVar("R")
+
+#: ``(args_blob, frames, handles)`` of arguments already encoded.
+Encoded = tuple[bytes, list[Any], list[Any]]
+
+
+def encode_arguments(rt: Runtime, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Encoded:
+    enc = rt.encoder
+    enc.reset()
+    blob = enc.encode([list(args), kwargs])
+    return blob, enc.frames, enc.handles
+
+
+def send_call(
+    rt: Runtime,
+    targets: list[tuple[int, ProcRef]],
+    actor: str,
+    method: str,
+    encoded: Encoded,
+    *,
+    want_reply: bool,
+    port: Any = None,
+    timeout: float | None = None,
+) -> PendingCall | None:
+    """Put one call per ``(rank, process)`` on the wire; the pending call if a reply is wanted.
+
+    A dead target fails the call at once with :class:`ActorDied` (raised
+    for a fire-and-forget call).
+    """
+    blob, frames, handles = encoded
+    pending = rt.calls.open(actor, method, targets, timeout) if want_reply else None
+    call_id = pending.call_id if pending is not None else 0
+    enc = rt.encoder
+    for rank, ref in targets:
+        if ref.dead and not rt.registry.alive(ref):
+            error = ActorDied.of(actor, rank, ref.pid, ref.exit_reason, method)
+            if pending is None:
+                raise error
+            pending.fail(error)
+            return pending
+        enc.reset()
+        data = enc.encode(Call(call_id, actor, method, rt.address, rt.pid, rank, blob, port).to_wire())
+        link = rt.link(ref)
+        if handles or enc.handles:
+            rt.note_handles([*handles, *enc.handles], ref)
+        rt.outbox.post(link, data, frames, urgent=True)
+    return pending
+
+
+def pending_future(rt: Runtime, pending: PendingCall, build: Callable[[dict[int, Any]], R], what: str) -> Future[R]:
+    """A :class:`Future` over ``pending``: awaitable, or ``get()`` from code without a loop."""
+
+    async def wait() -> R:
+        rt.driver.ensure_loop()  # replies reach this loop
+        return build(await pending.wait())
+
+    def wait_sync(timeout: float | None) -> R:
+        limit = timeout
+        if pending.deadline is not None:
+            left = max(0.0, pending.deadline - time.monotonic())
+            limit = left if timeout is None else min(timeout, left)
+        try:
+            rt.driver.wait(lambda: pending.done, timeout=limit, what=what)
+        except CallTimeout:
+            if pending.deadline is None or time.monotonic() < pending.deadline:
+                raise  # the caller's own get(timeout) ran out; the call itself may still finish
+            pending.expire()
+        if pending.error is not None:
+            raise pending.error
+        return build(pending.results)
+
+    return Future(wait, wait_sync)

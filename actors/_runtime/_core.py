@@ -1,0 +1,320 @@
+"""The per-process runtime: the parts that move records in and out, wired together.
+
+Every process (the controller and each worker) has one :class:`Runtime`::
+
+    peers ──► Inbox ──► Reply ─────────► CallTable (pending calls, deadlines)
+                    ├─► PortMessage, Attach ► Receivers (port queues, holders)
+                    ├─► Credit ────────► SenderWindows ──► Outbox (one Link per peer) ──► peers
+                    ├─► ProcessLost, ProcessRestarted ► PeerNews ► Registry (peers on other hosts)
+                    └─► Call, FailureReport ► the worker's ActorServer / the owner's meshes
+              Registry: peers by address, pids, deaths ──► listeners above
+              Driver: the event loop it is bound to, or a synchronous caller's pump
+
+All of its state is touched from one thread: the thread of the event loop
+it is bound to, or, while no loop drives it, the thread that calls it
+synchronously. Only synchronous callers (no loop) ever block, in
+``Driver.wait``: full queues with a deadline, ``Future.get`` with the
+caller's or the call's (or, with neither, until the answer or the actor's
+death).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import shutil
+import threading
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import zmq
+
+from .._shared._errors import ActorDied, MainLoadingError
+from .._shared._liveness import ProcRef
+from .._shared._main_loader import loading_main
+from .._shared._session import SESSION_ENV, inbox_address, make_runtime_dir, remove_socket_file, session_keys
+from .._transport._driver import Driver
+from .._transport._flow import SenderWindows
+from .._transport._inbox_pump import DropLog, Inbox
+from .._transport._outbox import Outbox
+from .._transport._peer_news import PeerNews
+from .._transport._receivers import Receivers
+from .._transport._registry import Registry
+from .._transport._sockets import Link, bind_inbox, session_authenticator
+from .._wire._codec import Encoder
+from .._wire._records import Attach, Credit, Header, PortMessage, Reply
+from ._pending_calls import CallTable
+
+__all__ = ["Runtime", "at_runtime_exit", "current_runtime", "install_runtime", "runtime"]
+
+log = logging.getLogger("actors")
+
+#: How long closing a process's links may keep trying to deliver what is queued.
+CLOSE_LINGER_MS = 200
+#: How long after a port sender's process exits its receivers wait for what it sent last (seconds).
+HOLDER_SETTLE = 0.02
+
+
+class Runtime:
+    """Messaging state of this process. Obtain it with :func:`runtime`."""
+
+    def __init__(self, address: str | None = None) -> None:
+        self.pid = os.getpid()
+        self.dir, self.owns_dir = prepare_session()
+        _process.session = None
+        self.session = os.path.basename(self.dir)
+        self.address = address or inbox_address(self.dir, f"c{self.pid}")
+        self.keys = session_keys()
+        self.ctx: zmq.Context[Any] = zmq.Context()
+        #: On tcp, the ZAP handler that admits only peers holding the session key.
+        self.auth = session_authenticator(self.ctx, self.keys[0]) if self.keys is not None else None
+        self.header = Header(self.address, self.pid).encode()
+        self.encoder = Encoder()
+        self.drops = DropLog()
+        self.registry = Registry(self.dir, self.pid)
+        self.outbox = Outbox(self.ctx, self.header, self.keys, lambda *args: self.driver.block(*args))
+        self.windows = SenderWindows(self.outbox)
+        self.calls = CallTable()
+        self.receivers = Receivers(self.pid, self.registry.watcher.watch, self._credit, self.drops)
+        sock = bind_inbox(self.ctx, self.address, self.keys)
+        self.inbox = Inbox(sock, self.dir, self.address, self._learn_sender, self.drops)
+        self.driver = Driver(self.inbox, self.registry, self.outbox)
+        self._wire_handlers()
+        #: Deaths and restarts of processes on other hosts, told to and heard from peers.
+        self.news = PeerNews(self)
+        #: Proc meshes this process spawned, by worker address (their failures and deaths come here).
+        self.meshes: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+        #: Proc meshes received from elsewhere that this process spawned actors on, by (worker address,
+        #: actor name): those actors' failures come here, to the spawner, as in Monarch.
+        self.actor_supervisors: weakref.WeakValueDictionary[tuple[str, str], Any] = weakref.WeakValueDictionary()
+        #: True once this process routes failure reports and deaths to meshes it spawned.
+        self.owns_meshes = False
+        #: Process-wide failure handlers (``actors.add_failure_handler``).
+        self.failure_handlers: list[Callable[[Any], object]] = []
+        #: What serves actors here (a worker's ActorServer), once there is one.
+        self.server: Any = None
+        #: This process's forkserver, once it has spawned processes (and one for multi-threaded workers).
+        self.forkserver: Any = None
+        self.threaded_forkserver: Any = None
+        #: The controller's ``this_proc()``: a process of its own, started on first use.
+        self.local_proc: Any = None
+        #: Controllers (``get_or_spawn_controller``) this process has looked up, by name.
+        self.controllers: dict[str, Any] = {}
+        #: The proc meshes of the controllers this process spawned, by name.
+        self.controller_procs: dict[str, Any] = {}
+        self.closed = False
+        self._counters: dict[str, itertools.count[int]] = {}
+
+    def _wire_handlers(self) -> None:
+        registry, inbox, receivers = self.registry, self.inbox, self.receivers
+        registry.death_listeners += [self._peer_died, self.calls.on_death]
+        registry.pid_listeners.append(self._holder_exited)
+        inbox.on(Reply, lambda record, frames, sender, size: self.calls.on_reply(record))
+        inbox.on(Credit, lambda record, frames, sender, size: self.windows.on_credit(sender.address, *record))
+        inbox.on(PortMessage, receivers.on_port_message, raw=True, run=receivers.deliver_run)  # the hot path
+        inbox.on(Attach, receivers.on_attach)
+
+    def _holder_exited(self, pid: int) -> None:
+        """Process ``pid`` exited: once what it sent has been taken in, its port senders are gone.
+
+        Messages it sent just before exiting can still be in ZeroMQ's I/O
+        thread when its pidfd fires, so the inbox is pumped now and, on a
+        running loop, again :data:`HOLDER_SETTLE` s later, before receivers
+        may report "every sender gone" (a port's last messages are never
+        mistaken for lost).
+        """
+        self.inbox.pump()
+        loop = self.driver.loop
+        if loop is None or not loop.is_running():
+            self.receivers.holder_died(pid)
+            return
+        loop.call_later(HOLDER_SETTLE, self._holder_settled, pid)
+
+    def _holder_settled(self, pid: int) -> None:
+        if not self.closed:
+            self.inbox.pump()
+        self.receivers.holder_died(pid)
+
+    def _learn_sender(self, header: Header) -> None:
+        self.registry.proc(header.address, header.pid)
+
+    def _drop_route(self, address: str) -> None:
+        """Forget the link to ``address`` and the port windows toward it (its process died or moved)."""
+        self.outbox.drop(address)
+        self.windows.drop(address)
+
+    def _peer_died(self, ref: ProcRef) -> None:
+        self._drop_route(ref.address)
+        self.driver.notify_progress()
+
+    def relocate(self, ref: ProcRef, address: str, remote: bool | None = None) -> None:
+        """``ref``'s process was replaced by one at ``address`` (another host): route everything there now."""
+        old = self.registry.relocate(ref, address, remote)
+        if old == address:
+            return
+        self._drop_route(old)
+        mesh = self.meshes.pop(old, None)
+        if mesh is not None:
+            self.meshes[address] = mesh
+        for key in [key for key in self.actor_supervisors if key[0] == old]:
+            supervisor = self.actor_supervisors.pop(key, None)
+            if supervisor is not None:
+                self.actor_supervisors[(address, key[1])] = supervisor
+
+    def _credit(self, address: str, port_id: int, messages: int, nbytes: int) -> None:
+        """Give a port's sender its window back (urgent: a busy consumer may never yield)."""
+        ref = self.registry.procs.get(address)
+        if ref is not None and not ref.dead:
+            with contextlib.suppress(ActorDied):
+                self.send(ref, Credit(port_id, messages, nbytes), urgent=True)
+
+    def send(self, ref: ProcRef, record: Any, *, urgent: bool) -> None:
+        """Encode ``record`` and queue it for ``ref``; raises ActorDied if ``ref`` is gone."""
+        enc = self.encoder
+        enc.reset()
+        data = enc.encode(record.to_wire())
+        frames, handles = enc.frames, enc.handles
+        link = self.link(ref)
+        if handles:
+            self.note_handles(handles, ref)
+        self.outbox.post(link, data, frames, urgent)
+
+    def link(self, ref: ProcRef) -> Link:
+        if ref.dead and not self.registry.alive(ref):
+            raise ActorDied(f"process {ref.address} (pid {ref.pid}) is dead: {ref.exit_reason}", pid=ref.pid)
+        return self.outbox.link(ref.address)
+
+    def note_handles(self, handles: Iterable[Any], dest: ProcRef) -> None:
+        """Tell the owners of ports being shipped to ``dest`` who now holds a sender."""
+        for handle in handles:
+            note = getattr(handle, "_shipped_to", None)
+            if note is not None:
+                note(self, dest)
+
+    def counter(self, name: str) -> int:
+        """The next number of this process's sequence ``name`` (mesh names, worker indices)."""
+        sequence = self._counters.get(name)
+        if sequence is None:
+            sequence = self._counters[name] = itertools.count()
+        return next(sequence)
+
+    def close(self) -> None:
+        """Flush what can be flushed, close every socket, remove owned files."""
+        if self.closed or self.pid != os.getpid():
+            return
+        for link in list(self.outbox.links.values()):
+            with contextlib.suppress(Exception):
+                link.try_send(self.header)
+        self.closed = True
+        self.driver.closed = True
+        self.driver.unbind()
+        self.registry.close()
+        # Queued records to a live peer leave in milliseconds over ipc; a peer
+        # that just exited would otherwise hold the exit for the full linger.
+        self.outbox.close(CLOSE_LINGER_MS)
+        self.inbox.sock.close(linger=0)
+        if self.auth is not None:
+            self.auth.stop()
+        self.ctx.term()
+        remove_socket_file(self.address)
+        if self.owns_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class _Process:
+    """This process's one runtime and its exit hooks: the only process-wide state of ``actors``.
+
+    Like asyncio's running loop, a process has one messaging runtime; it is
+    created on first use (again after a fork) and closed at interpreter exit.
+    Before it exists, its session directory and forkserver may already be
+    prepared (``_forkserver.prefork``).
+    """
+
+    def __init__(self) -> None:
+        self.runtime: Runtime | None = None
+        self.exit_hooks: list[Callable[[], None]] = []
+        self.atexit_registered = False
+        self.lock = threading.Lock()
+        #: (session directory, whether this process owns it), prepared before the runtime.
+        self.session: tuple[str, bool] | None = None
+        #: A forkserver process started before the runtime, which the runtime adopts.
+        self.forkserver: Any = None
+
+
+_process = _Process()
+
+
+def process_state() -> _Process:
+    return _process
+
+
+def prepare_session() -> tuple[str, bool]:
+    """This process's session directory and whether it owns it (inherited from a spawner, or made now)."""
+    if _process.session is None:
+        inherited = os.environ.get(SESSION_ENV)
+        if inherited and os.path.isdir(inherited):
+            _process.session = (inherited, False)
+        else:
+            _process.session = (make_runtime_dir(), True)
+    return _process.session
+
+
+def forget_in_child() -> None:
+    """In a process forked from this one: none of the parent's runtime state applies."""
+    _process.__init__()  # type: ignore[misc]
+
+
+def runtime() -> Runtime:
+    """This process's runtime, created on first use, following the caller's event loop."""
+    if loading_main.get():
+        raise MainLoadingError(
+            "the actors runtime was used while an actor process loaded the launching script's definitions; "
+            'this top-level statement is skipped there (guard it with `if __name__ == "__main__":` to be explicit)'
+        )
+    rt = _process.runtime
+    if rt is None or rt.pid != os.getpid() or rt.closed:
+        with _process.lock:
+            rt = _process.runtime
+            if rt is None or rt.pid != os.getpid() or rt.closed:
+                rt = _process.runtime = Runtime()
+                _register_exit()
+    rt.driver.follow_running_loop()
+    return rt
+
+
+def install_runtime(rt: Runtime) -> None:
+    """Make ``rt`` this process's runtime (worker processes build their own)."""
+    _process.runtime = rt
+    _register_exit()
+
+
+def current_runtime() -> Runtime | None:
+    """This process's runtime if it has one (never creates it)."""
+    rt = _process.runtime
+    return rt if rt is not None and rt.pid == os.getpid() and not rt.closed else None
+
+
+def at_runtime_exit(callback: Callable[[], None]) -> None:
+    """Run ``callback`` before this process's runtime closes at interpreter exit."""
+    _process.exit_hooks.append(callback)
+
+
+def _register_exit() -> None:
+    if not _process.atexit_registered:
+        import atexit
+
+        _process.atexit_registered = True
+        atexit.register(_close_at_exit)
+
+
+def _close_at_exit() -> None:
+    rt = current_runtime()
+    if rt is None:
+        return
+    for callback in list(_process.exit_hooks):
+        with contextlib.suppress(Exception):
+            callback()
+    rt.close()

@@ -1,0 +1,111 @@
+"""``Future``: the answer to a message that is already on the wire.
+
+Await it inside a coroutine, or call ``get()`` from synchronous code (which
+serves this process's inbox while it waits, without an event loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Coroutine, Generator
+from typing import Any, Generic, TypeVar
+
+from .._shared._errors import CallTimeout
+from .._shared._loops import loop_running
+from ._core import runtime
+
+R = TypeVar("R")
+T = TypeVar("T")
+
+__all__ = ["Future"]
+
+
+class Future(Generic[R]):
+    """A result that will arrive; awaitable, or ``get()`` synchronously."""
+
+    __slots__ = ("_done", "_error", "_make", "_value", "_wait_sync")
+
+    def __init__(
+        self,
+        make: Callable[[], Coroutine[Any, Any, R]],
+        wait_sync: Callable[[float | None], R] | None = None,
+    ) -> None:
+        self._make = make
+        self._wait_sync = wait_sync
+        self._done = False
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    @classmethod
+    def ready(cls, value: R) -> Future[R]:
+        """A future that already holds ``value``."""
+
+        async def make() -> R:
+            return value
+
+        return cls(make, lambda _timeout: value)
+
+    def then(self, fn: Callable[[R], T]) -> Future[T]:
+        """A future of ``fn(result)``, awaitable or ``get()``-able like this one."""
+
+        async def make() -> T:
+            return fn(await self)
+
+        return Future(make, lambda timeout: fn(self.get(timeout)))
+
+    def __await__(self) -> Generator[Any, None, R]:
+        return self._run().__await__()
+
+    async def _run(self) -> R:
+        if self._done:
+            return self._result()
+        try:
+            self._value = await self._make()
+        except BaseException as exc:
+            if not isinstance(exc, asyncio.CancelledError):
+                self._done, self._error = True, exc
+            raise
+        self._done = True
+        return self._value  # type: ignore[no-any-return]
+
+    def _result(self) -> R:
+        if self._error is not None:
+            raise self._error
+        return self._value  # type: ignore[no-any-return]
+
+    def get(self, timeout: float | None = None) -> R:
+        """Block until the result is here (synchronous code only)."""
+        if self._done:
+            return self._result()
+        if loop_running():
+            raise RuntimeError("Future.get() would block the running event loop; use 'await' instead")
+        driver = runtime().driver
+        loop = driver.loop
+        if loop is not None and loop.is_running() and driver.thread != threading.get_ident():
+            # Another thread drives the runtime (e.g. a synchronous endpoint's worker thread).
+            value = asyncio.run_coroutine_threadsafe(self._run(), loop).result(timeout)
+            return value
+        if self._wait_sync is None:
+            raise RuntimeError("this Future can only be awaited")
+        try:
+            self._value = self._wait_sync(timeout)
+        except CallTimeout:
+            raise  # not an outcome: the answer may still come (an expired call keeps its error itself)
+        except BaseException as exc:
+            self._done, self._error = True, exc
+            raise
+        self._done = True
+        return self._value  # type: ignore[no-any-return]
+
+    def result(self, timeout: float | None = None) -> R:
+        """Alias of :meth:`get`."""
+        return self.get(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The error the future ended with, or None."""
+        try:
+            self.get(timeout)
+        except Exception as exc:
+            return exc
+        return None

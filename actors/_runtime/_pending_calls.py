@@ -1,0 +1,157 @@
+"""Calls in flight: the replies a caller still expects, their deadlines, and what ends them.
+
+A call to N actors is one :class:`PendingCall` keyed by its call id in the
+:class:`CallTable`. It is done at the last reply, at the first error
+reply, when a target's process dies (:class:`~actors.ActorDied`), or when
+its deadline passes (:class:`~actors.CallTimeout`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .._shared._errors import ActorDied, CallTimeout
+from .._shared._liveness import ProcRef
+from .._shared._names import shown
+from .._wire._records import ErrorRecord, Reply
+
+__all__ = ["CallTable", "PendingCall"]
+
+
+class PendingCall:
+    """Replies expected for one call, by rank; done at the last reply or first error."""
+
+    __slots__ = (
+        "actor",
+        "call_id",
+        "callbacks",
+        "deadline",
+        "done",
+        "error",
+        "method",
+        "procs",
+        "remaining",
+        "results",
+        "timeout",
+        "waiters",
+    )
+
+    def __init__(
+        self, call_id: int, actor: str, procs: dict[int, ProcRef], method: str = "", timeout: float | None = None
+    ) -> None:
+        self.call_id = call_id
+        self.actor = shown(actor)  # for messages
+        self.method = method
+        self.timeout = timeout
+        #: ``time.monotonic()`` after which a waiting caller gets CallTimeout (None: no deadline).
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.procs = procs
+        self.remaining = set(procs)
+        self.results: dict[int, Any] = {}
+        self.error: BaseException | None = None
+        self.done = not procs
+        self.waiters: list[asyncio.Future[None]] = []
+        #: Run once when the call is done (e.g. a restart's re-spawn reporting a failed constructor).
+        self.callbacks: list[Callable[[PendingCall], None]] = []
+
+    def deliver(self, rank: int, ok: bool, value: Any) -> None:
+        if self.done or rank not in self.remaining:
+            return
+        if ok:
+            self.results[rank] = value
+            self.remaining.discard(rank)
+            if not self.remaining:
+                self.finish()
+        else:
+            record = value if isinstance(value, ErrorRecord) else ErrorRecord.from_wire(value)
+            self.fail(record.to_error(self.actor, rank, self.method))
+
+    def fail(self, error: BaseException) -> None:
+        if not self.done:
+            self.error = error
+            self.finish()
+
+    def finish(self) -> None:
+        self.done = True
+        for waiter in self.waiters:
+            if not waiter.done():
+                with contextlib.suppress(RuntimeError):  # its loop may be closed
+                    waiter.set_result(None)
+        self.waiters.clear()
+        callbacks, self.callbacks = self.callbacks, []
+        for callback in callbacks:
+            callback(self)
+
+    async def wait(self) -> dict[int, Any]:
+        """The results by rank, once every reply is in; raises the call's error."""
+        loop = asyncio.get_running_loop()
+        timer = None
+        if self.deadline is not None and not self.done:
+            timer = loop.call_at(loop.time() + self.deadline - time.monotonic(), self.expire)
+        try:
+            while not self.done:
+                waiter = loop.create_future()
+                self.waiters.append(waiter)
+                await waiter
+        finally:
+            if timer is not None:
+                timer.cancel()
+        if self.error is not None:
+            raise self.error
+        return self.results
+
+    def expire(self) -> None:
+        """Fail with CallTimeout: the deadline passed before every reply came (a late reply is dropped).
+
+        The actor is alive (a dead one fails the call at once), so it is busy
+        or its event loop is blocked.
+        """
+        if self.done:
+            return
+        late = ", ".join(f"rank {rank} (pid {self.procs[rank].pid})" for rank in sorted(self.remaining))
+        self.fail(
+            CallTimeout(
+                f"{self.actor}.{self.method}() got no answer from {late} within {self.timeout:g}s; "
+                "the actor is alive but busy, or its event loop is blocked by synchronous code"
+            )
+        )
+
+
+class CallTable:
+    """Every call of this process that still expects replies, by call id."""
+
+    def __init__(self) -> None:
+        self._pending: dict[int, PendingCall] = {}
+        self._ids = itertools.count(1)
+
+    def open(
+        self, actor: str, method: str, targets: list[tuple[int, ProcRef]], timeout: float | None = None
+    ) -> PendingCall:
+        call = PendingCall(next(self._ids), actor, dict(targets), method, timeout)
+        self._pending[call.call_id] = call
+        call.callbacks.append(self._forget)
+        return call
+
+    def _forget(self, call: PendingCall) -> None:
+        self._pending.pop(call.call_id, None)
+
+    def on_reply(self, reply: Reply) -> None:
+        call = self._pending.get(reply.call_id)
+        if call is not None:  # else it already failed or timed out
+            call.deliver(reply.rank, reply.ok, reply.value)
+
+    def on_death(self, ref: ProcRef) -> None:
+        """Fail every call still waiting on a rank hosted by ``ref``."""
+        for call in list(self._pending.values()):
+            for rank in call.remaining:
+                if call.procs[rank] is ref:
+                    call.fail(ActorDied.of(call.actor, rank, ref.pid, ref.exit_reason, call.method))
+                    break
+
+    def __len__(self) -> int:
+        return len(self._pending)

@@ -1,0 +1,412 @@
+"""Ports: typed, one-way channels into a process, with end of stream and flow control.
+
+``Channel.open(T)`` returns ``(Port[T], PortReceiver[T])``. The port is a small
+handle that can be copied into any process (as an argument, a return value or
+inside a message); the receiver stays where it was opened. ``None`` marks the
+end of a stream.
+
+``Port.send`` never waits on an event loop's thread: past the port's
+flow-control window a record waits in the sender's backlog, and past the
+backlog's bound ``send`` raises :class:`~actors.BufferFull`.
+``await port.drain()`` paces a fast sender (asyncio's ``write()`` /
+``drain()`` convention); see :mod:`actors._transport._flow`. Code without an event
+loop blocks in ``send`` instead, serving its inbox, up to a deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import typing
+from collections.abc import Generator
+from typing import Any, Generic, TypeVar, overload
+
+from .._shared._errors import ActorDied, BufferFull, CallTimeout, DecodeError, PortClosed
+from .._shared._liveness import ProcRef
+from .._transport._flow import CREDIT_BYTES, CREDIT_MESSAGES, WINDOW, WINDOW_BYTES, Window
+from .._transport._outbox import SEND_TIMEOUT
+from .._transport._receivers import ReceiverState
+from .._transport._sockets import frame_size
+from .._wire import _refs
+from .._wire._codec import register_handle
+from .._wire._records import Attach, port_prefix
+from . import _core as _runtime
+from ._core import Runtime, current_runtime, runtime
+from ._future import Future
+
+T = TypeVar("T")
+
+__all__ = ["Channel", "Port", "PortReceiver"]
+
+
+def _type_ref(tp: Any) -> str | None:
+    """The name a port checks values against, or None for an untyped port."""
+    if tp is None or tp is Any or tp is object:
+        return None
+    origin = typing.get_origin(tp)
+    if origin is not None:
+        tp = origin
+    if not isinstance(tp, type):
+        return None  # unions and other typing constructs: unchecked
+    return _refs.qualified_name(tp)
+
+
+_matches: dict[tuple[type, str], bool] = {}  # memo of _is_instance: (class, type name) -> answer
+
+
+def _is_instance(value: Any, ref: str) -> bool:
+    """``isinstance`` by qualified name, so the sender need not import the type."""
+    key = (type(value), ref)
+    hit = _matches.get(key)
+    if hit is None:
+        hit = _matches[key] = any(_safe_name(cls) == ref for cls in type(value).__mro__)
+    return hit
+
+
+def _safe_name(cls: type) -> str | None:
+    try:
+        return _refs.qualified_name(cls)
+    except TypeError:
+        return None
+
+
+_EXHAUSTED = iter(())  # an exhausted iterator stays exhausted: one serves every await
+
+
+class _Ready:
+    """An awaitable that is already done (``drain()`` with nothing held back)."""
+
+    __slots__ = ()
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return _EXHAUSTED  # type: ignore[return-value]
+
+
+_READY = _Ready()
+
+
+class _Route:
+    """How this process reaches a port: its runtime, the receiver's process, the packed prefix, the window."""
+
+    __slots__ = ("prefix", "ref", "rt", "window")
+
+    def __init__(self, rt: Runtime, ref: ProcRef | None, prefix: bytes, window: Window | None) -> None:
+        self.rt = rt
+        self.ref = ref  # None: the receiver lives in this process
+        self.prefix = prefix
+        self.window = window
+
+
+class Port(Generic[T]):
+    """The sending end of a channel; copy it freely into other processes."""
+
+    __slots__ = ("__weakref__", "_address", "_id", "_once", "_pid", "_route", "_type", "_used")
+
+    def __init__(self, address: str, pid: int, port_id: int, type_ref: str | None, once: bool) -> None:
+        self._address = address
+        self._pid = pid
+        self._id = port_id
+        self._type = type_ref
+        self._once = once
+        self._used = False
+        self._route: _Route | None = None  # cached per runtime
+
+    def __repr__(self) -> str:
+        kind = self._type or "untyped"
+        return f"<Port {self._id} of pid {self._pid} ({kind}{', once' if self._once else ''})>"
+
+    def send(self, value: T | None) -> None:
+        """Deliver ``value`` (or the end-of-stream ``None``) to the receiver.
+
+        Raises ``TypeError`` for a value of the wrong type, :class:`PortClosed`
+        if the receiver's process is gone, and :class:`BufferFull` if the
+        receiver has fallen so far behind that this sender's backlog is full.
+        """
+        ref = self._type
+        if value is not None and ref is not None and not _is_instance(value, ref):
+            cls = type(value)
+            raise TypeError(f"this port carries {ref.replace(':', '.')}, not {cls.__module__}.{cls.__qualname__}")
+        if self._once:
+            if self._used:
+                raise PortClosed("a once-port can be sent to only once")
+            self._used = True
+        route = self._route
+        if route is not None:
+            window = route.window
+            rt = route.rt
+            if window is not None and not window.dead and rt is _runtime._process.runtime and rt.driver.loop_active():
+                self._post(rt, route, window, value)  # the hot path: a remote port, on this runtime's loop
+                return
+        rt = runtime()
+        if rt.driver.on_runtime_thread():
+            self._send(rt, value)
+        else:
+            rt.driver.on_thread(lambda: self._send(rt, value))
+
+    def _resolve(self, rt: Runtime) -> _Route:
+        route = self._route
+        if route is None or route.rt is not rt or (route.window is not None and route.window.dead):
+            if self._address == rt.address:
+                route = _Route(rt, None, b"", None)
+            else:
+                ref = rt.registry.proc(self._address, self._pid)
+                if ref.dead and not rt.registry.alive(ref):
+                    raise PortClosed(f"the receiver of port {self._id} (pid {self._pid}) has exited")
+                if ref.pid is not None and ref.pid != self._pid:
+                    raise PortClosed(
+                        f"the receiver of port {self._id} (pid {self._pid}) has exited; pid {ref.pid} replaced it"
+                    )
+                try:
+                    link = rt.link(ref)
+                except ActorDied as exc:
+                    raise PortClosed(f"the receiver of port {self._id} (pid {self._pid}) has exited") from exc
+                route = _Route(rt, ref, port_prefix(self._id), rt.windows.window(link, self._id))
+            self._route = route
+        return route
+
+    def _send(self, rt: Runtime, value: Any) -> None:
+        route = self._resolve(rt)
+        window = route.window
+        if window is None:
+            state = rt.receivers.get(self._id)
+            if state is None or (state.closed is not None and not state.once):
+                raise PortClosed(f"port {self._id} has no receiver in this process")
+            state.deliver(value, None, 0)
+            return
+        if not rt.driver.loop_active() and (window.backlog or not window.has_room()):
+            self._wait_for_room(rt, window)
+        self._post(rt, route, window, value)
+
+    def _post(self, rt: Runtime, route: _Route, window: Window, value: Any) -> None:
+        enc = rt.encoder
+        enc.reset()
+        data = route.prefix + enc.encode(value)
+        frames = enc.frames
+        size = len(data)
+        if frames:
+            for frame in frames:
+                size += frame_size(frame)
+        if enc.handles:
+            assert route.ref is not None
+            rt.note_handles(enc.handles, route.ref)
+        # SenderWindows.send, inlined: this runs once per message.
+        if (
+            not window.backlog
+            and window.inflight < WINDOW
+            and (window.inflight_bytes < WINDOW_BYTES or not window.inflight)
+        ):
+            window.inflight += 1
+            window.inflight_bytes += size
+            rt.outbox.post(window.link, data, frames, False)
+        else:
+            rt.windows.hold(window, data, frames, size)
+
+    def _wait_for_room(self, rt: Runtime, window: Window) -> None:
+        """A caller without an event loop blocks (serving its inbox) for window, up to a deadline."""
+        try:
+            rt.driver.wait(
+                lambda: window.dead or (not window.backlog and window.has_room()),
+                timeout=SEND_TIMEOUT,
+                what=f"the receiver of port {self._id} at {self._address} to consume",
+            )
+        except CallTimeout:
+            raise BufferFull(f"the receiver of port {self._id} consumed nothing for {SEND_TIMEOUT:g}s") from None
+        if window.dead:
+            raise PortClosed(f"the receiver of port {self._id} (pid {self._pid}) has exited")
+
+    def drain(self) -> Any:
+        """Awaitable: returns once nothing this process sent to the port waits in its backlog.
+
+        ``port.send(x); await port.drain()`` is the loop-friendly way to
+        send faster than the receiver may consume: the sender yields until
+        the receiver has caught up to within the port's window.
+        """
+        route = self._route
+        if route is None or route.window is None or not route.window.backlog:
+            return _READY  # the common case: nothing held back
+        rt = current_runtime()
+        if rt is None or route.rt is not rt:
+            return _READY
+        return rt.windows.drain(self._address, self._id)
+
+    def _shipped_to(self, rt: Runtime, dest: ProcRef) -> None:
+        """Record that process ``dest`` now holds a copy of this port."""
+        pid = dest.pid
+        if pid is None:
+            rt.registry.when_pid_known(dest, lambda: self._shipped_to(rt, dest))
+            return
+        if pid == self._pid:
+            return
+        if self._address == rt.address:
+            state = rt.receivers.get(self._id)
+            if state is not None:
+                rt.receivers.attach(state, pid)
+            return
+        owner = rt.registry.proc(self._address, self._pid)
+        if not owner.dead:
+            with contextlib.suppress(ActorDied):
+                rt.send(owner, Attach(self._id, pid), urgent=False)
+
+
+def _port_state(port: Port[Any]) -> list[Any]:
+    return [port._address, port._pid, port._id, port._type, port._once]
+
+
+def _port_from_state(state: Any) -> Port[Any]:
+    if (
+        type(state) is not list
+        or len(state) != 5
+        or type(state[0]) is not str
+        or type(state[1]) is not int
+        or type(state[2]) is not int
+        or not (state[3] is None or type(state[3]) is str)
+    ):
+        raise DecodeError("malformed port")
+    port: Port[Any] = Port(state[0], state[1], state[2], state[3], bool(state[4]))
+    rt = runtime()
+    if state[0] != rt.address:
+        rt.registry.proc(state[0], state[1])  # watch the receiver's process
+    return port
+
+
+register_handle("port", Port, _port_state, _port_from_state)
+
+
+class PortReceiver(Generic[T]):
+    """The receiving end of a channel; lives in the process that opened it."""
+
+    def __init__(self, rt: Runtime, state: ReceiverState, type_ref: str | None) -> None:
+        self._rt = rt
+        self._state = state
+        self._type = type_ref
+
+    def recv(self) -> Future[T | None]:
+        """The next message (``None`` at end of stream).
+
+        Raises :class:`PortClosed` when nothing is queued and every other
+        process that held a sender for this port has exited.
+        """
+        return _Recv(self)
+
+    def _wait(self) -> Generator[Any, None, T | None]:
+        state = self._state
+        queue = state.queue
+        if not queue:
+            loop = self._rt.driver.ensure_loop()
+            while not queue:
+                self._check_open()
+                waiter = loop.create_future()
+                state.waiter = waiter
+                try:
+                    yield from waiter.__await__()
+                finally:
+                    state.waiter = None
+        return self._take()  # type: ignore[no-any-return]
+
+    def _recv_sync(self, timeout: float | None) -> T | None:
+        state = self._state
+
+        def ready() -> bool:
+            if not state.queue:
+                self._check_open()
+                return False
+            return True
+
+        self._rt.driver.wait(ready, timeout=timeout, what=f"a message on port {state.port_id}")
+        return self._take()  # type: ignore[no-any-return]
+
+    def _check_open(self) -> None:
+        state = self._state
+        if state.closed is not None:
+            raise PortClosed(state.closed)
+        if state.senders_gone():
+            raise PortClosed(
+                f"every process holding a sender for port {state.port_id} has exited, and nothing is queued"
+            )
+
+    def _take(self) -> Any:
+        state = self._state
+        value, address, size = state.queue.popleft()
+        if address is not None:  # count it toward the sender's credit (inline: once per message)
+            counts = state.unacked.get(address)
+            if counts is None:
+                counts = state.unacked[address] = [0, 0]
+            counts[0] += 1
+            counts[1] += size
+            if counts[0] >= CREDIT_MESSAGES or counts[1] >= CREDIT_BYTES:
+                self._rt.receivers.credit(state, address, counts)
+        if state.once:
+            self._rt.receivers.close(state, "a once-port delivers a single message")
+        return value
+
+    def qsize(self) -> int:
+        """Messages waiting to be received."""
+        return len(self._state.queue)
+
+    @property
+    def senders_alive(self) -> bool:
+        """False once every other process that held a sender has exited."""
+        return not self._state.senders_gone()
+
+    def close(self) -> None:
+        """Stop receiving: later messages to this port are refused with a log."""
+        self._rt.receivers.close(self._state, "the receiver was closed")
+
+
+class _Recv(Future["T | None"]):
+    """``PortReceiver.recv()``: returns at once, without a coroutine, when a message is queued."""
+
+    __slots__ = ("_receiver",)
+
+    def __init__(self, receiver: PortReceiver[T]) -> None:
+        self._receiver = receiver
+        self._done = False  # _value and _error are set once it is
+
+    @property
+    def _make(self) -> Any:  # type: ignore[override]
+        return self._coroutine
+
+    @property
+    def _wait_sync(self) -> Any:  # type: ignore[override]
+        return self._receiver._recv_sync
+
+    async def _coroutine(self) -> T | None:
+        return await self
+
+    def __await__(self) -> Generator[Any, None, T | None]:
+        if self._done:
+            return self._result()
+        receiver = self._receiver
+        try:
+            if receiver._state.queue:
+                value = receiver._take()
+            else:
+                value = yield from receiver._wait()
+        except PortClosed as exc:
+            self._done, self._error = True, exc
+            raise
+        self._done, self._value = True, value
+        return value  # type: ignore[no-any-return]
+
+
+class Channel(Generic[T]):
+    """Opens ports: ``port, receiver = Channel.open(T)``."""
+
+    @overload
+    @staticmethod
+    def open(message_type: type[T], *, once: bool = False) -> tuple[Port[T], PortReceiver[T]]: ...
+    @overload
+    @staticmethod
+    def open(message_type: None = None, *, once: bool = False) -> tuple[Port[Any], PortReceiver[Any]]: ...
+    @staticmethod
+    def open(message_type: Any = None, *, once: bool = False) -> tuple[Port[Any], PortReceiver[Any]]:
+        """A new ``(Port, PortReceiver)`` pair owned by this process.
+
+        ``message_type`` makes the port typed: ``send`` refuses other values.
+        ``once=True`` makes a one-shot port that delivers a single message.
+        """
+        if isinstance(message_type, bool):
+            raise TypeError("Channel.open(message_type, *, once=False): pass once as a keyword")
+        rt = runtime()
+        ref = _type_ref(message_type)
+        state = rt.receivers.open(once)
+        return Port(rt.address, rt.pid, state.port_id, ref, once), PortReceiver(rt, state, ref)

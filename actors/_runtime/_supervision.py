@@ -1,0 +1,162 @@
+"""Failure records, who handles them, and what happens when nobody does.
+
+When a fire-and-forget endpoint raises, or a process an owner spawned dies,
+the owner is told with a :class:`Failure`. It is offered, in order, to the
+proc mesh's handlers (``ProcMesh.add_failure_handler``), the process-wide
+handlers (:func:`add_failure_handler`) and, when the mesh was spawned by an
+actor, that actor's ``__supervise__``. Any of them returning a true value
+handles it; a restart policy that restarts the process handles it too.
+
+An unhandled failure escalates, never silently: an owning actor reports it
+to *its* owner as a failure of its own; in the controller it reaches
+``actors.unhandled_fault_hook``, which by default faults the mesh so that
+every later call to it raises :class:`~actors.SupervisionError`. As in
+Monarch, the hook is replaced by assigning the package attribute
+(``actors.unhandled_fault_hook = my_hook``), so it is looked up there each
+time.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .._shared._errors import SupervisionError
+from .._shared._names import shown
+from .._shared._segments import remove_process_segments
+from .._wire._records import FailureReport, Header
+
+if TYPE_CHECKING:
+    from .._shared._liveness import ProcRef
+    from ._core import Runtime
+
+log = logging.getLogger("actors.supervision")
+
+__all__ = ["Failure", "MeshFailure", "add_failure_handler", "remove_failure_handler", "unhandled_fault_hook"]
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What went wrong, where: actor name, rank, pid, cause and remote traceback.
+
+    Monarch calls it ``MeshFailure`` (``actors.MeshFailure`` is this class):
+    ``mesh_name`` and ``report()`` are there too.
+    """
+
+    actor: str
+    rank: int
+    pid: int
+    endpoint: str
+    exception_type: str
+    message: str
+    traceback: str = ""
+    #: The process died and its proc mesh's restart policy started a new one.
+    restarted: bool = False
+    #: The failed mesh's name on the wire, unique per spawn (empty when a process died).
+    mesh: str = ""
+
+    def __str__(self) -> str:
+        where = f"{self.actor}[{self.rank}] (pid {self.pid})"
+        what = f".{self.endpoint}" if self.endpoint else ""
+        return f"MeshFailure {where}{what} failed: {self.exception_type}: {self.message}"
+
+    @property
+    def mesh_name(self) -> str:
+        """The failed actor mesh's name on the wire, unique per spawn (``mesh._name``, as in Monarch)."""
+        return self.mesh or self.actor
+
+    def report(self) -> str:
+        """The failure with its remote traceback, for logs."""
+        tb = self.traceback.rstrip()
+        return f"{self}\n{tb}" if tb else str(self)
+
+    @classmethod
+    def from_report(cls, report: FailureReport) -> Failure:
+        return cls(shown(report.actor), *report[1:], mesh=report.actor)
+
+
+#: Monarch's name for a failure record.
+MeshFailure = Failure
+
+#: A handler returns True (or any true value) when it has dealt with the failure.
+FailureHandler = Callable[[Failure], object]
+
+
+def add_failure_handler(handler: FailureHandler) -> None:
+    """Offer every failure reported to this process to ``handler`` (true return: handled)."""
+    from ._core import runtime
+
+    runtime().failure_handlers.append(handler)
+
+
+def remove_failure_handler(handler: FailureHandler) -> None:
+    from ._core import runtime
+
+    runtime().failure_handlers.remove(handler)
+
+
+def offer(failure: Failure, handlers: list[FailureHandler]) -> bool:
+    """Log ``failure`` and give it to ``handlers``; True if one of them handled it."""
+    log.error("%s", failure.report())
+    handled = False
+    for handler in handlers:
+        try:
+            handled = bool(handler(failure)) or handled
+        except Exception:
+            log.exception("failure handler %r raised", handler)
+    return handled
+
+
+def unhandled_fault_hook(failure: Failure) -> None:
+    """Called in the controller with each failure nobody handled.
+
+    The default raises :class:`SupervisionError`, which faults the failed
+    actor's proc mesh: later calls to its actors raise that error. Replace it
+    (``actors.unhandled_fault_hook = my_hook``) to exit, alert or ignore; a
+    hook that returns normally drops the failure.
+    """
+    raise SupervisionError(f"unhandled actor failure: {failure}", failure)
+
+
+def escalate_to_controller(failure: Failure) -> SupervisionError | None:
+    """Run the (possibly user-replaced) ``actors.unhandled_fault_hook``; the error to fault with, if any."""
+    hook = getattr(importlib.import_module("actors"), "unhandled_fault_hook", unhandled_fault_hook)
+    try:
+        hook(failure)
+    except SupervisionError as exc:
+        return exc
+    except Exception as exc:
+        error = SupervisionError(f"unhandled actor failure: {failure} (the fault hook raised {exc!r})", failure)
+        error.__cause__ = exc
+        return error
+    return None
+
+
+def install_owner_handlers(rt: Runtime) -> None:
+    """Route failure reports and deaths of the processes this one spawned to their proc meshes (once)."""
+    if rt.owns_meshes:
+        return
+    rt.owns_meshes = True
+
+    def on_failure(report: FailureReport, frames: list[Any], sender: Header, size: int) -> None:
+        failure = Failure.from_report(report)
+        mesh = rt.actor_supervisors.get((sender.address, report.actor)) or rt.meshes.get(sender.address)
+        if mesh is not None:
+            mesh.report(failure)
+        else:
+            offer(failure, rt.failure_handlers)
+
+    def on_death(ref: ProcRef) -> None:
+        mesh = rt.meshes.get(ref.address)
+        if mesh is not None:
+            if ref.pid is not None and not ref.remote:  # the weights it published die with it
+                remove_process_segments(rt.session, ref.pid)
+            if not mesh.stopping:
+                rt.news.lost(ref)  # peers on other hosts cannot see it go
+            mesh.on_death(ref)
+
+    rt.inbox.on(FailureReport, on_failure)
+    rt.registry.death_listeners.append(on_death)

@@ -1,0 +1,170 @@
+"""``ValueMesh`` and ``Point``: results laid out over a mesh's shape.
+
+A mesh has an *extent*: named dimensions with sizes, e.g. ``{"gpus": 4}``;
+ranks number its points in row-major order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from typing import Generic, TypeVar
+
+from .._shared._errors import DecodeError
+from .._wire._ext import register_handle
+
+R = TypeVar("R")
+
+__all__ = ["Point", "ValueMesh"]
+
+
+def coordinates(rank: int, extent: Mapping[str, int]) -> dict[str, int]:
+    """Row-major coordinates of ``rank`` within ``extent``."""
+    coords: dict[str, int] = {}
+    for dim, size in reversed(list(extent.items())):
+        coords[dim] = rank % size
+        rank //= size
+    return dict(reversed(list(coords.items())))
+
+
+def rank_of(coords: Mapping[str, int], extent: Mapping[str, int]) -> int:
+    rank = 0
+    for dim, size in extent.items():
+        index = coords[dim]
+        if not 0 <= index < size:
+            raise IndexError(f"{dim}={index} is outside 0..{size - 1}")
+        rank = rank * size + index
+    return rank
+
+
+def select(extent: Mapping[str, int], coords: Mapping[str, int | slice]) -> tuple[list[int], dict[str, int]]:
+    """The ranks of ``extent`` at ``coords`` and the extent they form (an index drops its dimension)."""
+    unknown = set(coords) - set(extent)
+    if unknown:
+        raise KeyError(f"unknown dimension(s) {sorted(unknown)}; mesh has {list(extent)}")
+    ranges: dict[str, list[int]] = {}
+    kept: dict[str, int] = {}
+    for dim, size in extent.items():
+        sel = coords.get(dim, slice(None))
+        if isinstance(sel, int):
+            if not -size <= sel < size:
+                raise IndexError(f"{dim}={sel} is outside a dimension of size {size}")
+            ranges[dim] = [sel % size]
+        else:
+            ranges[dim] = list(range(size))[sel]
+            kept[dim] = len(ranges[dim])
+    ranks = [
+        r for r in range(math.prod(extent.values())) if all(c in ranges[d] for d, c in coordinates(r, extent).items())
+    ]
+    return ranks, kept
+
+
+def flattened(extent: Mapping[str, int], dim: str) -> dict[str, int]:
+    """``extent`` as one dimension named ``dim`` (row-major order is kept)."""
+    if not isinstance(dim, str) or not dim:
+        raise TypeError(f"flatten() takes a dimension name, not {dim!r}")
+    return {dim: math.prod(extent.values())}
+
+
+class Point(Mapping[str, int]):
+    """One position in a mesh: its ``rank`` and its coordinates by dimension."""
+
+    __slots__ = ("_coords", "extent", "rank")
+
+    def __init__(self, rank: int, extent: Mapping[str, int]) -> None:
+        self.rank = rank
+        self.extent = dict(extent)
+        self._coords = coordinates(rank, self.extent)
+
+    def __getitem__(self, dim: str) -> int:
+        return self._coords[dim]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._coords)
+
+    def __len__(self) -> int:
+        return len(self._coords)
+
+    def __repr__(self) -> str:
+        return f"Point(rank={self.rank}, {self._coords})"
+
+    def __str__(self) -> str:
+        """Monarch's form: ``{'hosts': 0/1, 'gpus': 1/2}`` (coordinate/size per dimension)."""
+        inner = ", ".join(f"{dim!r}: {self._coords[dim]}/{size}" for dim, size in self.extent.items())
+        return "{" + inner + "}"
+
+
+class ValueMesh(Generic[R]):
+    """One value per actor of a mesh, e.g. the results of ``endpoint.call()``."""
+
+    __slots__ = ("_extent", "_values")
+
+    def __init__(self, extent: Mapping[str, int], values: list[R]) -> None:
+        self._extent = dict(extent)
+        self._values = values
+
+    @property
+    def extent(self) -> dict[str, int]:
+        return dict(self._extent)
+
+    def item(self, **coords: int) -> R:
+        """The value at ``coords`` (no coordinates needed for a mesh of one)."""
+        if not coords:
+            if len(self._values) != 1:
+                raise ValueError(f"item() without coordinates needs a mesh of one, not {len(self._values)}")
+            return self._values[0]
+        missing = set(self._extent) - set(coords)
+        extra = set(coords) - set(self._extent)
+        if missing or extra:
+            raise KeyError(f"expected coordinates for {sorted(self._extent)}, got {sorted(coords)}")
+        return self._values[rank_of(coords, self._extent)]
+
+    def slice(self, **coords: int | slice) -> ValueMesh[R]:
+        """The values at ``coords`` (an index drops its dimension, a slice keeps it)."""
+        ranks, extent = select(self._extent, coords)
+        return ValueMesh(extent, [self._values[r] for r in ranks])
+
+    def flatten(self, dim: str) -> ValueMesh[R]:
+        """The same values along one dimension named ``dim``."""
+        return ValueMesh(flattened(self._extent, dim), list(self._values))
+
+    def items(self) -> Iterator[tuple[Point, R]]:
+        for rank, value in enumerate(self._values):
+            yield Point(rank, self._extent), value
+
+    def values(self) -> Iterator[R]:
+        return iter(self._values)
+
+    def __iter__(self) -> Iterator[tuple[Point, R]]:
+        return self.items()
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __getitem__(self, rank: int) -> R:
+        return self._values[rank]
+
+    def __repr__(self) -> str:
+        return f"ValueMesh({self._extent}, {self._values!r})"
+
+
+def extent_from_wire(value: object, what: str) -> dict[str, int]:
+    """An extent sent as ``[(dim, size), ...]`` (shared by points, actor meshes and proc meshes)."""
+    if type(value) is not list or not all(
+        type(e) is tuple and len(e) == 2 and type(e[0]) is str and type(e[1]) is int for e in value
+    ):
+        raise DecodeError(f"malformed {what} extent")
+    return dict(value)
+
+
+def _point_state(point: Point) -> list[object]:
+    return [point.rank, list(point.extent.items())]
+
+
+def _point_from_state(state: object) -> Point:
+    if type(state) is not list or len(state) != 2 or type(state[0]) is not int:
+        raise DecodeError("malformed point")
+    return Point(state[0], extent_from_wire(state[1], "point"))
+
+
+register_handle("point", Point, _point_state, _point_from_state)

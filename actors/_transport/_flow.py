@@ -1,0 +1,165 @@
+"""Flow control for ports: a window per (sender, port), credits from the receiver, a bounded backlog.
+
+Each sending process may have :data:`WINDOW` records (or :data:`WINDOW_BYTES`)
+in flight to one port; the receiver gives window back with a
+:class:`~actors._wire._records.Credit` as its code consumes. A send that finds the
+window full does not wait: the record joins the sender's backlog for that
+port and leaves, in order, as credit returns. The backlog is bounded
+(:data:`BACKLOG`, :data:`BACKLOG_BYTES`); past it ``send`` raises
+:class:`~actors.BufferFull`.
+
+Pacing is awaitable, never a wait on the loop's thread: ``await
+port.drain()`` returns once that port's backlog has left. A producer that
+may outrun its receiver, and a forwarding actor whose downstream may stall,
+call it after ``send`` (asyncio's ``write()`` / ``drain()`` convention) and
+keep memory bounded end to end. Receiving is never paused on a process's
+behalf: a process that both feeds and drains a peer (a cycle) would then
+wait on itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from typing import Any
+
+from .._shared._errors import BufferFull, PortClosed
+from ._outbox import Outbox
+from ._sockets import Link
+
+__all__ = [
+    "BACKLOG",
+    "BACKLOG_BYTES",
+    "CREDIT_BYTES",
+    "CREDIT_MESSAGES",
+    "WINDOW",
+    "WINDOW_BYTES",
+    "SenderWindows",
+    "Window",
+]
+
+#: Records and bytes one sending process may have in flight to one port.
+WINDOW = 4096
+WINDOW_BYTES = 64 * 1024 * 1024
+#: A receiver gives credit back each time it has consumed this many records or bytes from one sender.
+CREDIT_MESSAGES = WINDOW // 4
+CREDIT_BYTES = WINDOW_BYTES // 4
+#: Records and bytes a sender may hold back for one port once its window is full.
+BACKLOG = 262_144
+BACKLOG_BYTES = 256 * 1024 * 1024
+
+
+class Window:
+    """One (peer, port) pair's flow state; ports cache it, so it lives until the peer dies (``dead``)."""
+
+    __slots__ = ("backlog", "backlog_bytes", "dead", "inflight", "inflight_bytes", "link", "port_id", "waiters")
+
+    def __init__(self, link: Link, port_id: int) -> None:
+        self.link = link
+        self.port_id = port_id
+        self.dead = False
+        self.inflight = 0
+        self.inflight_bytes = 0
+        self.backlog: deque[tuple[bytes, list[Any], int]] = deque()
+        self.backlog_bytes = 0
+        self.waiters: list[asyncio.Future[None]] = []
+
+    def has_room(self) -> bool:
+        return self.inflight < WINDOW and (self.inflight_bytes < WINDOW_BYTES or self.inflight == 0)
+
+
+def _wake(waiters: list[asyncio.Future[None]], error: BaseException | None = None) -> None:
+    for waiter in waiters:
+        if not waiter.done():
+            with contextlib.suppress(RuntimeError):  # its loop may be closed
+                if error is None:
+                    waiter.set_result(None)
+                else:
+                    waiter.set_exception(error)
+    waiters.clear()
+
+
+class SenderWindows:
+    """The sending side of every port this process sends to."""
+
+    def __init__(self, outbox: Outbox) -> None:
+        self._outbox = outbox
+        self._windows: dict[tuple[str, int], Window] = {}
+        #: Records held back, across every port.
+        self.backlogged = 0
+
+    def inflight(self, address: str, port_id: int) -> int:
+        """Records sent to the port and not yet credited back."""
+        window = self._windows.get((address, port_id))
+        return 0 if window is None else window.inflight
+
+    def window(self, link: Link, port_id: int) -> Window:
+        """The flow state of ``port_id`` at ``link``'s peer (created on first use)."""
+        key = (link.address, port_id)
+        window = self._windows.get(key)
+        if window is None or window.dead:
+            window = self._windows[key] = Window(link, port_id)
+        return window
+
+    def send(self, window: Window, data: bytes, frames: list[Any], size: int) -> None:
+        """Put one PORT record on the wire if the window has room, else in the backlog."""
+        if not window.backlog and window.has_room():
+            window.inflight += 1
+            window.inflight_bytes += size
+            self._outbox.post(window.link, data, frames, False)
+            return
+        self.hold(window, data, frames, size)
+
+    def hold(self, window: Window, data: bytes, frames: list[Any], size: int) -> None:
+        """Keep a record back until credit returns (BufferFull past the backlog's bound)."""
+        port_id, link = window.port_id, window.link
+        if len(window.backlog) >= BACKLOG or window.backlog_bytes >= BACKLOG_BYTES:
+            raise BufferFull(
+                f"port {port_id} at {link.address}: {len(window.backlog)} messages "
+                f"({window.backlog_bytes >> 20} MiB) already wait for its receiver to consume; "
+                "await port.drain() between sends to pace this sender"
+            )
+        window.backlog.append((data, frames, size))
+        window.backlog_bytes += size
+        self.backlogged += 1
+
+    def on_credit(self, address: str, port_id: int, messages: int, nbytes: int) -> None:
+        """The receiver consumed ``messages``: release backlog into the freed window."""
+        window = self._windows.get((address, port_id))
+        if window is None:
+            return
+        window.inflight = max(0, window.inflight - messages)
+        window.inflight_bytes = max(0, window.inflight_bytes - nbytes)
+        backlog = window.backlog
+        post = self._outbox.post
+        released = 0
+        while backlog and window.has_room():
+            data, frames, size = backlog.popleft()
+            window.backlog_bytes -= size
+            window.inflight += 1
+            window.inflight_bytes += size
+            released += 1
+            post(window.link, data, frames, False)
+        self.backlogged -= released
+        if not backlog:
+            _wake(window.waiters)
+
+    async def drain(self, address: str, port_id: int) -> None:
+        """Return once nothing is held back for this port (at once if nothing is)."""
+        window = self._windows.get((address, port_id))
+        if window is None or not window.backlog:
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        window.waiters.append(waiter)
+        await waiter
+
+    def drop(self, address: str) -> None:
+        """The peer at ``address`` is gone: its windows and backlogs go, their waiters hear why."""
+        for key in [key for key in self._windows if key[0] == address]:
+            window = self._windows.pop(key)
+            window.dead = True
+            dropped = len(window.backlog)
+            window.backlog.clear()
+            _wake(window.waiters, PortClosed(f"the receiver of port {key[1]} at {address} has exited"))
+            self.backlogged -= dropped

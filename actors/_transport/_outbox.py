@@ -1,0 +1,163 @@
+"""Outbound records: one batched link per peer, and never a wait on the event loop's thread.
+
+A record is queued on its peer's :class:`~actors._transport._sockets.Link` and leaves
+with the rest of the batch at the end of the current loop turn (at once
+when it is urgent, when the batch is large, or when no loop drives this
+process). A peer whose socket queue is full keeps the batch:
+
+* on an event loop, the send is retried on a timer while the loop runs on;
+* a caller without a loop (synchronous code) blocks, serving its inbox,
+  until the batch leaves or :data:`SEND_TIMEOUT` passes.
+
+A link holding more than :data:`LINK_RECORDS` records or
+:data:`LINK_BYTES` bytes refuses more with :class:`~actors.BufferFull`:
+nothing is queued without limit and nothing is dropped quietly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from .._shared._errors import BufferFull
+from .._wire._records import record_prefix
+from ._sockets import FLUSH_BYTES, FLUSH_RECORDS, Link
+
+__all__ = ["LINK_BYTES", "LINK_RECORDS", "SEND_TIMEOUT", "Outbox"]
+
+log = logging.getLogger("actors")
+
+#: Records and bytes one link may hold before new ones are refused with BufferFull.
+LINK_RECORDS = 1_000_000
+LINK_BYTES = 1 << 30
+#: How long a caller without an event loop waits for a full peer queue.
+SEND_TIMEOUT = 60.0
+#: Retry delays (s) for a batch a full peer queue refused.
+RETRY_FIRST, RETRY_MAX = 0.001, 0.02
+
+#: ``block(condition, socket, timeout, what)``: wait, serving the inbox, until ``condition()``.
+Blocker = Callable[[Callable[[], bool], "zmq.Socket[Any]", float, str], None]
+
+
+class Outbox:
+    """This process's links to its peers and the policy for flushing them."""
+
+    def __init__(self, ctx: zmq.Context[Any], header: bytes, keys: tuple[bytes, bytes] | None, block: Blocker) -> None:
+        self._ctx = ctx
+        self._header = header
+        self._keys = keys
+        self._block = block
+        self.links: dict[str, Link] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None  # set while an event loop drives this process
+        self.dispatching = False  # handling received records: never block then
+        self._dirty: list[Link] = []
+        self._flush_scheduled = False
+
+    def link(self, address: str) -> Link:
+        link = self.links.get(address)
+        if link is None:
+            link = self.links[address] = Link(self._ctx, address, self._keys)
+        return link
+
+    def post(self, link: Link, data: bytes, frames: list[Any], urgent: bool) -> None:
+        """Queue one encoded record on ``link``; it leaves now or at the end of this loop turn."""
+        if link.records >= LINK_RECORDS or link.nbytes >= LINK_BYTES:
+            raise BufferFull(
+                f"{link.records} records ({link.nbytes >> 20} MiB) wait for {link.address}, whose queue stays "
+                "full: it is not reading"
+            )
+        if frames:
+            link.append(data, frames)
+        else:  # Link.append, inlined for the common record without buffer frames
+            link.parts.append(record_prefix(0, len(data)) + data)
+            link.nbytes += len(data)
+            link.records += 1
+        loop = self.loop
+        if loop is None or urgent or link.nbytes >= FLUSH_BYTES or link.records >= FLUSH_RECORDS:
+            self.flush(link)
+        elif not link.scheduled and link.retry is None:
+            link.scheduled = True
+            self._dirty.append(link)
+            if not self._flush_scheduled:
+                self._flush_scheduled = True
+                loop.call_soon(self._flush_dirty)
+
+    def _flush_dirty(self) -> None:
+        self._flush_scheduled = False
+        dirty, self._dirty = self._dirty, []
+        for link in dirty:
+            link.scheduled = False
+            if not link.dead:
+                self.flush(link)
+
+    def flush(self, link: Link) -> None:
+        """Hand ``link``'s batch to its socket; if the peer's queue is full, retry without blocking a loop."""
+        if link.retry is not None or link.try_send(self._header):
+            return  # a retry is already arranged (keeps order), or it left
+        loop = self.loop
+        if loop is not None:
+            link.retry = loop.call_later(RETRY_FIRST, self._retry, link, RETRY_FIRST)
+        elif not self.dispatching:
+            self._block(
+                lambda: link.dead or link.try_send(self._header),
+                link.sock,
+                SEND_TIMEOUT,
+                f"room in the queue of {link.address}",
+            )
+
+    def _retry(self, link: Link, delay: float) -> None:
+        link.retry = None
+        if link.dead or link.try_send(self._header):
+            return
+        loop = self.loop
+        if loop is not None:
+            delay = min(delay * 2, RETRY_MAX)
+            link.retry = loop.call_later(delay, self._retry, link, delay)
+
+    def retry_stuck(self) -> None:
+        """Try again every batch a full queue refused (a synchronous caller's pump calls this)."""
+        for link in list(self.links.values()):
+            if link.parts and not link.dead and link.try_send(self._header) and link.retry is not None:
+                link.retry.cancel()
+                link.retry = None
+
+    def flush_all(self) -> None:
+        for link in list(self.links.values()):
+            if not link.dead:
+                try:
+                    self.flush(link)
+                except Exception:
+                    log.exception("could not deliver queued records to %s", link.address)
+
+    def bind(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        """Follow ``loop`` (None: no loop drives this process now); pending retries move with it."""
+        self.loop = loop
+        for link in self.links.values():
+            if link.retry is not None:
+                link.retry.cancel()
+                link.retry = None
+                if loop is not None:
+                    link.retry = loop.call_later(RETRY_FIRST, self._retry, link, RETRY_FIRST)
+        dirty, self._dirty = self._dirty, []
+        self._flush_scheduled = False
+        for link in dirty:
+            link.scheduled = False
+            if not link.dead and link.retry is None and not link.try_send(self._header) and loop is not None:
+                link.retry = loop.call_later(RETRY_FIRST, self._retry, link, RETRY_FIRST)
+
+    def drop(self, address: str) -> None:
+        """The peer is gone: its link and whatever waited in it are discarded."""
+        link = self.links.pop(address, None)
+        if link is not None:
+            link.dead = True
+            link.close(linger=0)
+
+    def close(self, linger_ms: int) -> None:
+        for link in self.links.values():
+            link.dead = True
+            link.close(linger=linger_ms)
+        self.links.clear()

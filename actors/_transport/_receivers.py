@@ -1,0 +1,164 @@
+"""The receiving side of ports: each open port's queue, who holds its senders, and the credit it owes.
+
+A :class:`ReceiverState` lives in the process that opened the port. It
+queues delivered values, wakes the one task waiting in ``recv``, knows
+which other processes hold a sender (so "every sender is gone" is
+observable), and counts consumption per sender for flow-control credit.
+:class:`Receivers` is the process's table of them, and handles the
+``PortMessage`` and ``Attach`` records addressed to them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from .._wire._records import Attach, Header, Kind, PortMessage
+
+__all__ = ["ReceiverState", "Receivers"]
+
+
+class ReceiverState:
+    """What the owning process keeps for one open port."""
+
+    __slots__ = ("attached", "closed", "holders", "once", "port_id", "queue", "unacked", "waiter")
+
+    def __init__(self, port_id: int, once: bool) -> None:
+        self.port_id = port_id
+        self.queue: deque[tuple[Any, str | None, int]] = deque()
+        self.waiter: asyncio.Future[None] | None = None
+        self.holders: set[int] = set()
+        self.attached = False
+        self.closed: str | None = None
+        self.once = once
+        #: Per sender address: [messages, bytes] consumed and not yet credited back.
+        self.unacked: dict[str, list[int]] = {}
+
+    def deliver(self, value: Any, address: str | None, size: int) -> None:
+        if self.closed is not None and self.once:
+            return
+        self.queue.append((value, address, size))
+        self.wake()
+
+    def attach(self, pid: int, alive: bool) -> None:
+        """Process ``pid`` holds a sender now (``alive``: it could be watched)."""
+        self.attached = True
+        if alive:
+            self.holders.add(pid)
+        else:
+            self.wake()
+
+    def holder_died(self, pid: int) -> None:
+        if pid in self.holders:
+            self.holders.discard(pid)
+            if not self.holders:
+                self.wake()
+
+    def senders_gone(self) -> bool:
+        return self.attached and not self.holders
+
+    def wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            with contextlib.suppress(RuntimeError):
+                waiter.set_result(None)
+
+
+class Receivers:
+    """Every port receiver open in this process, by port id."""
+
+    def __init__(
+        self,
+        own_pid: int,
+        watch: Callable[[int], bool],
+        credit: Callable[[str, int, int, int], None],
+        drops: Callable[..., None],
+    ) -> None:
+        self._own_pid = own_pid
+        self._watch = watch
+        self._credit = credit
+        self._drops = drops
+        self._states: dict[int, ReceiverState] = {}
+        self._ids = itertools.count(1)
+
+    def open(self, once: bool) -> ReceiverState:
+        state = ReceiverState(next(self._ids), once)
+        self._states[state.port_id] = state
+        return state
+
+    def get(self, port_id: int) -> ReceiverState | None:
+        return self._states.get(port_id)
+
+    def close(self, state: ReceiverState, reason: str) -> None:
+        state.closed = reason
+        self._states.pop(state.port_id, None)
+        state.wake()
+
+    def credit(self, state: ReceiverState, address: str, counts: list[int]) -> None:
+        """Give ``address`` back the window its consumed messages took (``counts``: [messages, bytes])."""
+        self._credit(address, state.port_id, counts[0], counts[1])
+        counts[0] = counts[1] = 0
+
+    def attach(self, state: ReceiverState, pid: int) -> None:
+        if pid != self._own_pid:
+            state.attach(pid, self._watch(pid))
+
+    def on_port_message(self, fields: list[Any], frames: list[Any], sender: Header, size: int) -> None:
+        """An undecoded ``[PORT, port_id, value]`` record: the hot path, so checked here in place."""
+        if len(fields) != 3 or type(fields[1]) is not int:
+            PortMessage.checked(fields)  # raises DecodeError saying what is wrong
+        port_id = fields[1]
+        state = self._states.get(port_id)
+        if state is None:
+            self._drops("a message for port %r: no such receiver in this process", port_id)
+            self._credit(sender.address, port_id, 1, size)  # its window credit still goes back
+            return
+        if state.closed is not None and state.once:
+            return
+        state.queue.append((fields[2], sender.address, size))
+        waiter = state.waiter
+        if waiter is not None:
+            state.wake()
+
+    def deliver_run(self, items: list[Any], i: int, sender: Header) -> int:
+        """Queue the run of well-formed PORT records to one open port starting at ``items[i]``.
+
+        ``items`` is a batch decoded in one pass (``[frames, size, record] *
+        n``, ``i`` at a size). Returns the index after the run (``i`` itself if
+        the record there is not for an open port: the caller handles it
+        alone). The receiver is woken once, at the end of the run.
+        """
+        fields = items[i + 1]
+        state = self._states.get(fields[1]) if type(fields[1]) is int else None
+        if state is None or state.closed is not None:
+            return i
+        port_id, queue, address, end = fields[1], state.queue, sender.address, len(items)
+        while i < end:
+            fields, size = items[i + 1], items[i]
+            if (
+                type(fields) is not list
+                or len(fields) != 3
+                or fields[0] != Kind.PORT
+                or fields[1] != port_id
+                or items[i - 1] != 0
+                or type(size) is not int
+            ):
+                break
+            queue.append((fields[2], address, size))
+            i += 3
+        if state.waiter is not None:
+            state.wake()
+        return i
+
+    def on_attach(self, record: Attach, frames: list[Any], sender: Header, size: int) -> None:
+        state = self._states.get(record.port_id)
+        if state is not None:
+            self.attach(state, record.pid)
+
+    def holder_died(self, pid: int) -> None:
+        for state in list(self._states.values()):
+            state.holder_died(pid)

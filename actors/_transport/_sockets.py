@@ -1,0 +1,126 @@
+"""ZeroMQ sockets: one PULL inbox per process, one PUSH link per peer.
+
+A :class:`Link` is the outbound side of one peer: its socket and the batch
+of records being built for it. Sockets are never waited on here: a full
+peer queue makes :meth:`Link.try_send` return False and the batch stays.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import zmq
+
+from .._wire._records import record_prefix
+
+__all__ = ["FLUSH_BYTES", "FLUSH_RECORDS", "Link", "bind_inbox", "frame_size", "session_authenticator"]
+
+#: ZeroMQ messages (each a batch) queued per peer before the socket refuses more.
+SNDHWM = 2000
+RCVHWM = 2000
+#: A batch is flushed at once when it holds this many bytes or records.
+FLUSH_BYTES = 256 * 1024
+FLUSH_RECORDS = 512
+#: How long a closing socket may keep flushing queued messages.
+LINGER_MS = 2000
+
+
+def frame_size(frame: Any) -> int:
+    return frame.nbytes if isinstance(frame, memoryview) else len(frame)
+
+
+class _SessionKeyOnly:
+    """ZAP credentials check: a CURVE client is admitted only if it holds the session's own key."""
+
+    def __init__(self, public_key: bytes) -> None:
+        self._key = public_key  # z85, as pyzmq hands the client's key to the callback
+
+    def callback(self, domain: str, client_key: bytes) -> bool:
+        return bool(client_key == self._key)
+
+
+def session_authenticator(ctx: zmq.Context[Any], public_key: bytes) -> Any:
+    """Start the ZAP handler that refuses every tcp peer without the session key (call before binding).
+
+    CURVE alone admits any client that knows the server's public key; this
+    handler also checks the client's key, which only the session's processes hold.
+    """
+    from zmq.auth.thread import ThreadAuthenticator
+
+    auth = ThreadAuthenticator(ctx)
+    auth.start()
+    auth.configure_curve_callback(domain="*", credentials_provider=_SessionKeyOnly(public_key))
+    return auth
+
+
+def bind_inbox(ctx: zmq.Context[Any], address: str, keys: tuple[bytes, bytes] | None = None) -> zmq.Socket[Any]:
+    sock: zmq.Socket[Any] = ctx.socket(zmq.PULL)
+    if keys is not None:
+        sock.curve_server = True
+        sock.curve_publickey, sock.curve_secretkey = keys
+    sock.setsockopt(zmq.RCVHWM, RCVHWM)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(address)
+    return sock
+
+
+class Link:
+    """The outbound side of one peer: a PUSH socket plus the records not yet handed to it."""
+
+    __slots__ = ("address", "dead", "frames", "nbytes", "parts", "records", "retry", "scheduled", "sock")
+
+    def __init__(self, ctx: zmq.Context[Any], address: str, keys: tuple[bytes, bytes] | None = None) -> None:
+        self.address = address
+        self.sock = ctx.socket(zmq.PUSH)
+        if keys is not None:
+            self.sock.curve_serverkey = keys[0]
+            self.sock.curve_publickey, self.sock.curve_secretkey = keys
+        self.sock.setsockopt(zmq.SNDHWM, SNDHWM)
+        self.sock.setsockopt(zmq.LINGER, LINGER_MS)
+        self.sock.connect(address)
+        self.parts: list[bytes] = []
+        self.frames: list[Any] = []
+        self.nbytes = 0
+        self.records = 0
+        self.scheduled = False  # a flush at the end of this loop turn is arranged
+        self.retry: Any = None  # the timer retrying a send the peer's queue refused
+        self.dead = False
+
+    def append(self, data: bytes, frames: list[Any]) -> None:
+        """Add one encoded record (and its buffer frames) to the batch."""
+        self.parts.append(record_prefix(len(frames), len(data)) + data)
+        self.nbytes += len(data)
+        self.records += 1
+        if frames:
+            self.frames.extend(frames)
+            for frame in frames:
+                self.nbytes += frame_size(frame)
+
+    def try_send(self, header: bytes) -> bool:
+        """Hand the batch to the socket without waiting; False if the peer's queue is full."""
+        if not self.parts:
+            return True
+        try:
+            self.sock.send(header, zmq.NOBLOCK | zmq.SNDMORE)
+        except zmq.Again:
+            return False
+        payload = b"".join(self.parts)
+        frames = self.frames
+        self.parts, self.frames, self.nbytes, self.records = [], [], 0, 0
+        if not frames:
+            self.sock.send(payload)
+            return True
+        self.sock.send(payload, zmq.SNDMORE)
+        last = len(frames) - 1
+        for i, frame in enumerate(frames):
+            self.sock.send(frame, 0 if i == last else zmq.SNDMORE, copy=False)
+        return True
+
+    def close(self, linger: int | None = None) -> None:
+        if self.retry is not None:
+            self.retry.cancel()
+            self.retry = None
+        if linger is not None:
+            self.sock.setsockopt(zmq.LINGER, linger)
+        self.sock.close()
+        self.parts, self.frames, self.nbytes, self.records = [], [], 0, 0

@@ -1,0 +1,291 @@
+"""msgpack decoding of messages, within fixed limits.
+
+Decoding builds only plain values, tensors, registered handles (ports,
+meshes) and instances of dataclasses whose class is already loaded in this
+process. It never imports a module and never unpickles. Every decode is
+bounded in size and depth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import msgpack
+import torch
+
+from .._shared._errors import DecodeError
+from . import _refs
+from ._buffers import DTYPES, ITEMSIZE, tensor_over
+from ._ext import (
+    EXT_DATACLASS,
+    EXT_DTYPE,
+    EXT_HANDLE,
+    EXT_TENSOR,
+    EXT_TUPLE,
+    MAX_DEPTH,
+    MAX_PAYLOAD_BYTES,
+    handle_of_kind,
+)
+
+__all__ = ["Decoder"]
+
+
+_unpackb = msgpack.unpackb
+
+
+class Decoder:
+    """Decodes payloads produced by :class:`Encoder`, within fixed limits."""
+
+    def __init__(self, max_payload: int = MAX_PAYLOAD_BYTES) -> None:
+        self.max_payload = max_payload
+        self._frames: list[Any] = []
+        self._depth = 0
+        self._classes: dict[str, type] = {}
+        self._hook = self._ext_hook
+
+    def _unpacker(self, size: int) -> msgpack.Unpacker:
+        limit = max(size, 1)
+        return msgpack.Unpacker(
+            ext_hook=self._ext_hook,
+            raw=False,
+            strict_map_key=False,
+            max_buffer_size=limit,
+            max_str_len=limit,
+            max_bin_len=limit,
+            max_array_len=limit,
+            max_map_len=limit,
+            max_ext_len=limit,
+        )
+
+    def decode_stream(self, payload: Any, frames: list[Any] | None = None) -> Iterator[Any]:
+        """Yield every value packed back to back in ``payload``."""
+        size = len(payload) if not isinstance(payload, memoryview) else payload.nbytes
+        if size > self.max_payload:
+            raise DecodeError(f"payload of {size} bytes exceeds the {self.max_payload}-byte limit")
+        self._frames = frames or []
+        self._depth = 0
+        unpacker = self._unpacker(size)
+        try:
+            unpacker.feed(payload)
+            yield from unpacker
+            if unpacker.tell() != size:
+                raise DecodeError(f"truncated payload: {size - unpacker.tell()} bytes left undecoded")
+        except DecodeError:
+            raise
+        except (ValueError, TypeError, KeyError, IndexError, OverflowError, MemoryError, LookupError) as exc:
+            raise DecodeError(f"malformed payload: {type(exc).__name__}: {exc}") from None
+        finally:
+            self._frames = []
+
+    def decode_batch(self, payload: Any, frames: list[Any]) -> Iterator[tuple[Any, list[Any], int]]:
+        """Yield ``(message, its frames, its size in bytes)`` for each message of a batch.
+
+        Each message is preceded by its frame count and byte length, so one
+        that cannot be decoded is yielded as a :class:`DecodeError` instance
+        and the rest of the batch still arrives. Broken framing raises.
+        """
+        view = payload if isinstance(payload, memoryview) else memoryview(payload)
+        size = view.nbytes
+        if size > self.max_payload:
+            raise DecodeError(f"payload of {size} bytes exceeds the {self.max_payload}-byte limit")
+        position = 0
+        offset = 0
+        try:
+            while position < size:
+                count, position = _read_uint(view, position)
+                length, position = _read_uint(view, position)
+                end = position + length
+                if end > size or count > len(frames) - offset:
+                    raise DecodeError("batch framing runs past the end of the message")
+                if count:
+                    run = frames[offset : offset + count]
+                    offset += count
+                    nbytes = length
+                    for frame in run:
+                        nbytes += len(frame)
+                else:
+                    run = _NO_FRAMES
+                    nbytes = length
+                self._frames = run
+                self._depth = 0
+                try:
+                    message = msgpack.unpackb(
+                        view[position:end], ext_hook=self._ext_hook, raw=False, strict_map_key=False
+                    )
+                except DecodeError as exc:
+                    message = exc
+                except (
+                    msgpack.UnpackException,
+                    ValueError,
+                    TypeError,
+                    KeyError,
+                    IndexError,
+                    OverflowError,
+                    MemoryError,
+                    LookupError,
+                ) as exc:
+                    message = DecodeError(f"malformed message: {type(exc).__name__}: {exc}")
+                position = end
+                yield message, run, nbytes
+            if offset != len(frames):
+                raise DecodeError(f"{len(frames) - offset} buffer frames left unclaimed")
+        finally:
+            self._frames = []
+
+    def decode_whole(self, payload: Any) -> list[Any] | None:
+        """A batch without buffer frames decoded in one pass: ``[frames, size, record] * n``; None if off.
+
+        The batch framing is itself msgpack (two uints before each record), so
+        one unpacker walks it at C speed. Any doubt, a malformed record or a
+        framing mismatch, gives None: the caller then takes the per-record
+        path (:meth:`decode_batch`), which isolates the bad record and
+        delivers the rest.
+        """
+        size = payload.nbytes if isinstance(payload, memoryview) else len(payload)
+        if size > self.max_payload:
+            return None
+        self._frames = _NO_FRAMES
+        self._depth = 0
+        unpacker = self._unpacker(size)
+        try:
+            unpacker.feed(payload)
+            items = list(unpacker)
+        except Exception:
+            return None
+        finally:
+            self._frames = []
+        if len(items) % 3 or unpacker.tell() != size:
+            return None
+        return items  # the caller checks each record's frame count (0) and size (an int) as it goes
+
+    def decode(self, payload: Any, frames: list[Any] | None = None) -> Any:
+        """Decode exactly one value."""
+        values = list(self.decode_stream(payload, frames))
+        if len(values) != 1:
+            raise DecodeError(f"expected one value, found {len(values)}")
+        return values[0]
+
+    def _nested(self, data: bytes) -> Any:
+        if self._depth >= MAX_DEPTH:
+            raise DecodeError(f"value nests deeper than {MAX_DEPTH} levels")
+        self._depth += 1
+        try:
+            # unpackb bounds every length by len(data), like the stream unpacker.
+            return _unpackb(data, ext_hook=self._hook, raw=False, strict_map_key=False)
+        except msgpack.ExtraData:
+            raise DecodeError("trailing bytes inside an extension record") from None
+        except msgpack.OutOfData:
+            raise DecodeError("truncated extension record") from None
+        finally:
+            self._depth -= 1
+
+    def _ext_hook(self, code: int, data: bytes) -> Any:
+        if code == EXT_TUPLE:  # the common case, with _nested inlined
+            if self._depth >= MAX_DEPTH:
+                raise DecodeError(f"value nests deeper than {MAX_DEPTH} levels")
+            self._depth += 1
+            try:
+                items = _unpackb(data, ext_hook=self._hook, raw=False, strict_map_key=False)
+            except (msgpack.ExtraData, msgpack.OutOfData):
+                raise DecodeError("malformed tuple record") from None
+            finally:
+                self._depth -= 1
+            if type(items) is not list:
+                raise DecodeError("tuple record does not hold a list")
+            return tuple(items)
+        if code == EXT_TENSOR:
+            return self._tensor(self._nested(data))
+        if code == EXT_DATACLASS:
+            return self._dataclass(self._nested(data))
+        if code == EXT_HANDLE:
+            record = self._nested(data)
+            if type(record) is not list or len(record) != 2 or type(record[0]) is not str:
+                raise DecodeError("malformed handle record")
+            handle = handle_of_kind(record[0])
+            if handle is None:
+                raise DecodeError(f"unknown handle kind {record[0]!r}")
+            try:
+                return handle.from_state(record[1])
+            except DecodeError:
+                raise
+            except Exception as exc:
+                raise DecodeError(f"malformed {record[0]} handle: {exc}") from None
+        if code == EXT_DTYPE:
+            dtype = DTYPES.get(bytes(data).decode("ascii", "replace"))
+            if dtype is None:
+                raise DecodeError("unknown dtype")
+            return dtype
+        raise DecodeError(f"unknown extension type {code}")
+
+    def _tensor(self, record: Any) -> torch.Tensor:
+        if type(record) is not list or len(record) != 3:
+            raise DecodeError("malformed tensor record")
+        dtype_name, shape, data = record
+        dtype = DTYPES.get(dtype_name) if type(dtype_name) is str else None
+        if dtype is None:
+            raise DecodeError(f"unknown tensor dtype {dtype_name!r}")
+        if type(shape) is not list or len(shape) > 32:
+            raise DecodeError("malformed tensor shape")
+        numel = 1
+        for dim in shape:
+            if type(dim) is not int or dim < 0:
+                raise DecodeError("malformed tensor shape")
+            numel *= dim
+        itemsize = ITEMSIZE[dtype]
+        nbytes = numel * itemsize
+        if type(data) is int:
+            if not 0 <= data < len(self._frames):
+                raise DecodeError(f"tensor refers to missing frame {data}")
+            buffer = self._frames[data]
+            buffer = buffer.buffer if hasattr(buffer, "buffer") else memoryview(buffer)
+        elif type(data) is bytes:
+            buffer = data
+        else:
+            raise DecodeError("malformed tensor data")
+        size = buffer.nbytes if isinstance(buffer, memoryview) else len(buffer)
+        if size != nbytes:
+            raise DecodeError(f"tensor of shape {shape} needs {nbytes} bytes, frame holds {size}")
+        if numel == 0:
+            return torch.empty(shape, dtype=dtype)
+        flat = tensor_over(buffer, dtype, numel)
+        return flat if len(shape) == 1 else flat.view(shape)
+
+    def _dataclass(self, record: Any) -> Any:
+        if type(record) is not list or len(record) != 2 or type(record[0]) is not str or type(record[1]) is not list:
+            raise DecodeError("malformed dataclass record")
+        ref, values = record
+        cls = self._classes.get(ref)
+        if cls is None:
+            try:
+                found = _refs.resolve(ref, allow_import=False)
+            except LookupError as exc:
+                raise DecodeError(f"refusing to build {ref}: {exc}") from None
+            if not isinstance(found, type) or not dataclasses.is_dataclass(found):
+                raise DecodeError(f"refusing to build {ref}: not a dataclass")
+            cls = self._classes[ref] = found
+        try:
+            return cls(*values)
+        except TypeError as exc:
+            raise DecodeError(f"cannot build {ref}: {exc}") from None
+
+
+_NO_FRAMES: list[Any] = []
+
+
+def _read_uint(view: memoryview, position: int) -> tuple[int, int]:
+    """Read one msgpack unsigned integer (fixint, uint8/16/32) at ``position``."""
+    try:
+        first = view[position]
+        if first < 0x80:
+            return first, position + 1
+        if first == 0xCC:
+            return view[position + 1], position + 2
+        if first == 0xCD:
+            return int.from_bytes(view[position + 1 : position + 3], "big"), position + 3
+        if first == 0xCE:
+            return int.from_bytes(view[position + 1 : position + 5], "big"), position + 5
+    except IndexError:
+        raise DecodeError("truncated batch framing") from None
+    raise DecodeError(f"bad batch framing byte 0x{first:02x}")

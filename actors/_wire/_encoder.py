@@ -1,0 +1,181 @@
+"""msgpack encoding of messages: plain values, tensors, dataclasses and handles.
+
+Large tensors travel as separate zero-copy frames, small ones inline; a
+dataclass travels as its class's qualified name and its field values; a
+port or an actor mesh as its registered handle state.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+from typing import Any
+
+import msgpack
+import torch
+
+from .._shared._errors import EncodeError
+from . import _refs
+from ._buffers import DTYPE_NAMES, tensor_buffer
+from ._ext import (
+    EXT_DATACLASS,
+    EXT_DTYPE,
+    EXT_HANDLE,
+    EXT_TENSOR,
+    EXT_TUPLE,
+    INLINE_TENSOR_BYTES,
+    MAX_DEPTH,
+    TUPLE_EXT8,
+    ext,
+    ext_header,
+    handle_of_type,
+)
+
+__all__ = ["Encoder"]
+
+
+class Encoder:
+    """Encodes values; collects out-of-band tensor frames and encoded handles.
+
+    One encoder per process is reused: call :meth:`reset` between messages
+    that go into different zmq messages.
+    """
+
+    def __init__(self) -> None:
+        self.frames: list[Any] = []
+        self.handles: list[Any] = []
+        self._depth = 0
+        self._packers: list[msgpack.Packer] = []
+        self._dataclass_refs: dict[type, tuple[str, tuple[str, ...]]] = {}
+        self._top = self._packer()
+        self._packers.append(msgpack.Packer(default=self._default, use_bin_type=True, strict_types=True))
+
+    def reset(self) -> None:
+        # Fresh lists only when used: callers keep the previous message's lists.
+        if self.frames:
+            self.frames = []
+        if self.handles:
+            self.handles = []
+
+    def _packer(self) -> msgpack.Packer:
+        while len(self._packers) <= self._depth:
+            self._packers.append(msgpack.Packer(default=self._default, use_bin_type=True, strict_types=True))
+        return self._packers[self._depth]
+
+    def encode(self, obj: Any) -> bytes:
+        """Pack ``obj``; tensor frames and handles accumulate on this encoder."""
+        depth = self._depth
+        try:
+            if depth:
+                return self._packer().pack(obj)  # type: ignore[no-any-return]
+            if type(obj) is tuple:  # a top-level tuple (the common port message): no round trip through default
+                self._depth = 1
+                inner = self._packers[1].pack(list(obj))
+                self._depth = 0
+                size = len(inner)
+                return (TUPLE_EXT8[size] if size < 256 else ext_header(EXT_TUPLE, size)) + inner  # type: ignore[no-any-return]
+            return self._top.pack(obj)  # type: ignore[no-any-return]
+        except EncodeError:
+            self._depth = depth
+            raise
+        except (TypeError, ValueError, OverflowError) as exc:
+            self._depth = depth
+            raise EncodeError(f"cannot encode value: {exc}") from exc
+
+    def _nested(self, obj: Any) -> bytes:
+        if self._depth >= MAX_DEPTH:
+            raise EncodeError(f"value nests deeper than {MAX_DEPTH} levels")
+        self._depth += 1
+        try:
+            return self._packer().pack(obj)  # type: ignore[no-any-return]
+        finally:
+            self._depth -= 1
+
+    def _default(self, obj: Any) -> Any:
+        cls = type(obj)
+        if cls is tuple:  # the hot path: small tuples in port messages
+            depth = self._depth + 1
+            if depth < len(self._packers) and depth <= MAX_DEPTH:
+                self._depth = depth
+                try:
+                    return ext(EXT_TUPLE, self._packers[depth].pack(list(obj)))
+                finally:
+                    self._depth = depth - 1
+            return ext(EXT_TUPLE, self._nested(list(obj)))
+        if isinstance(obj, torch.Tensor):
+            return ext(EXT_TENSOR, self._nested(self._tensor(obj)))
+        handle = handle_of_type(cls)
+        if handle is not None:
+            self.handles.append(obj)
+            return ext(EXT_HANDLE, self._nested([handle.kind, handle.to_state(obj)]))
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            return ext(EXT_DATACLASS, self._nested(self._dataclass(obj)))
+        if isinstance(obj, torch.dtype):
+            return ext(EXT_DTYPE, DTYPE_NAMES[obj].encode())
+        # Subclasses of plain containers (OrderedDict state_dicts, torch.Size,
+        # named tuples) travel as their base type.
+        if isinstance(obj, tuple):
+            return ext(EXT_TUPLE, self._nested(list(obj)))
+        if isinstance(obj, dict):
+            return dict(obj)
+        if isinstance(obj, list):
+            return list(obj)
+        if isinstance(obj, bool):
+            return bool(obj)
+        if isinstance(obj, int):
+            return int(obj)
+        if isinstance(obj, float):
+            return float(obj)
+        if isinstance(obj, str):
+            return str(obj)
+        if callable(obj) and not isinstance(obj, type):
+            raise EncodeError(
+                f"cannot send the function {getattr(obj, '__qualname__', obj)!r}: code does not travel, because "
+                "that would need pickle, which actors never runs on received bytes (it executes arbitrary code). "
+                "Send data instead: define the behaviour as an endpoint of the receiving actor and send its "
+                "arguments, or send a name the receiver looks up in a table of functions it already has"
+            )
+        raise EncodeError(
+            f"cannot send a value of type {cls.__module__}.{cls.__qualname__}: "
+            "use plain values, tensors, dataclasses, ports or actor meshes"
+        )
+
+    def _dataclass(self, obj: Any) -> list[Any]:
+        cls = type(obj)
+        info = self._dataclass_refs.get(cls)
+        if info is None:
+            try:
+                ref = _refs.qualified_name(cls)
+            except TypeError as exc:
+                raise EncodeError(str(exc)) from None
+            if "<locals>" in ref:
+                raise EncodeError(f"dataclass {ref} is defined inside a function; receivers cannot find it")
+            names = tuple(f.name for f in dataclasses.fields(obj) if f.init)
+            info = self._dataclass_refs[cls] = (ref, names)
+        ref, names = info
+        return [ref, [getattr(obj, name) for name in names]]
+
+    def _tensor(self, tensor: torch.Tensor) -> list[Any]:
+        dtype = DTYPE_NAMES.get(tensor.dtype)
+        if not tensor.is_cpu or tensor.layout is not torch.strided or tensor.is_quantized or dtype is None:
+            raise EncodeError(_unsendable(tensor))
+        if tensor.is_conj():
+            tensor = tensor.resolve_conj()
+        if not tensor.is_contiguous():
+            tensor = tensor.contiguous()
+        nbytes = tensor.nbytes
+        if nbytes <= INLINE_TENSOR_BYTES:
+            data: Any = ctypes.string_at(tensor.data_ptr(), nbytes) if nbytes else b""
+        else:
+            data = len(self.frames)
+            self.frames.append(tensor_buffer(tensor.detach(), nbytes))
+        return [dtype, list(tensor.shape), data]
+
+
+def _unsendable(tensor: torch.Tensor) -> str:
+    if not tensor.is_cpu:
+        kind = tensor.device.type
+        return f"a {kind} tensor cannot travel through a socket; move it to the CPU or publish it with actors.weights"
+    if tensor.layout is not torch.strided or tensor.is_quantized:
+        return f"tensors with layout {tensor.layout} are not supported"
+    return f"tensor dtype {tensor.dtype} is not supported"
