@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from support import actor_pids, wait_for
+from harness import actor_pids, wait_for
 
 
 def pytest_configure(config):

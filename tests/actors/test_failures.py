@@ -14,7 +14,8 @@ import time
 import msgpack
 import pytest
 import zmq
-from support import Echo, actor_pids, wait_for
+from harness import actor_pids, wait_for
+from support import Echo
 
 from actors import ActorDied, ProcMesh, this_host
 from actors._wire._records import PROTOCOL_VERSION, Kind

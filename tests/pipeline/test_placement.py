@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support import actor_pids
+from harness import actor_pids
 from test_pipeline import cli
 
 from pipeline import Config, run_pipeline

@@ -12,13 +12,14 @@ import time
 
 import pytest
 import torch
-from support import FailingScorer, ForbiddenRefModel, HookedGenerator, ProbeGenerator, actor_pids, wait_for
+from harness import actor_pids, wait_for
+from pipeline_support import FailingScorer, ForbiddenRefModel, HookedGenerator, ProbeGenerator
 
 from pipeline import Config, DigitsTask, PipelineError, Roles, run_pipeline
 from pipeline.checkpoint import load as load_checkpoint
 from pipeline.metrics import read_rows
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: Keys every metrics.jsonl row has (docs/pipeline.md defines each).
 FIELDS = {
     "step",
@@ -177,7 +178,7 @@ def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
     "flags, message",
     [
         (["--task", "juggle"], "unknown task 'juggle'"),
-        (["--task", "support:Echo"], "must be a subclass of pipeline.task.Task"),
+        (["--task", "pipeline.messages:Config"], "must be a subclass of pipeline.task.Task"),
         (["--task", "no_such_module:Task"], "No module named 'no_such_module'"),
         (["--target-score", "high"], "'high' is not a number"),
         (["--model", "huge"], "--model huge: the built-in tasks train a preset (tiny, small, gpu-300m)"),
@@ -198,7 +199,7 @@ def test_a_task_that_does_not_fit_the_model_fails_before_anything_starts(tmp_pat
 
 
 async def test_custom_task_by_subclassing(tmp_path, sockets_dir):
-    config = Config(steps=30, task="support:WideBandit", run_dir=str(tmp_path))
+    config = Config(steps=30, task="pipeline_support:WideBandit", run_dir=str(tmp_path))
     result = await run_pipeline(config, quiet=True)
     assert result.steps == 30 and set(result.evaluation) == {"score"}
     state = load_checkpoint(str(tmp_path))

@@ -7,7 +7,7 @@ import socket
 import threading
 
 import pytest
-from support import wait_for
+from harness import wait_for
 
 from actors.ray._lifeline import Lifelines, hold
 

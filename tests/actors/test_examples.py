@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.parametrize(
@@ -22,7 +22,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         ),
         ("embed_tcp_service.py", ["serving on 127.0.0.1:", "scored 'request 4'"]),
         ("grpo_ports.py", ["step  60", "drained generators [0, 1, 2, 3]", "training finished at step 60"]),
-        ("custom_task.py", ["custom task: 1500 steps, normalized score"]),
         (
             "supervised_workers.py",
             [

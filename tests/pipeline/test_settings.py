@@ -8,13 +8,13 @@ import sys
 
 import pytest
 import torch
-from support import actor_pids
+from harness import actor_pids
 
 from pipeline import Config, DigitsTask, resolve
 from pipeline.grpo import main, parse_args
 from pipeline.settings import SettingsError, check_settings
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.parametrize(

@@ -90,7 +90,7 @@ def test_runtime_dir_is_private(sockets_dir):
 
 
 async def test_async_with_stops_the_mesh(sockets_dir):
-    from support import actor_pids, wait_for
+    from harness import actor_pids, wait_for
 
     async with this_host().spawn_procs(per_host={"procs": 1}) as procs:
         echo = procs.spawn("echo", Echo)

@@ -10,7 +10,8 @@ import struct
 
 import pytest
 import torch
-from support import WeightSink, WeightSource, actor_pids, filled_model, models_equal, wait_for
+from harness import actor_pids, wait_for
+from support import WeightSink, WeightSource, filled_model, models_equal
 
 from actors import (
     ChecksumError,

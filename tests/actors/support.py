@@ -180,34 +180,6 @@ class Fire(Actor):
         return "ok"
 
 
-def actor_pids() -> set[int]:
-    """Pids of live actor worker processes of this user (named ``actors[...]``)."""
-    pids = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read()
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                state = f.read().rsplit(b")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if cmd.startswith(b"actors[") and state != b"Z":
-            pids.add(int(entry))
-    return pids
-
-
-def wait_for(condition, timeout: float = 5.0, interval: float = 0.02) -> bool:
-    """Poll ``condition`` until true or ``timeout``; for checking external state only."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(interval)
-    return condition()
-
-
 # ---------------------------------------------------------------- weight sync
 
 
@@ -286,52 +258,6 @@ class WeightSource(Actor):
 
     async def __cleanup__(self, exc: BaseException | None) -> None:
         self.publisher.close()
-
-
-# ---------------------------------------------------------------- pipeline roles for tests
-
-from pipeline import BanditTask, Generator, RefModel, Scorer  # noqa: E402
-
-
-class WideBandit(BanditTask):
-    """A custom task by subclassing: six actions."""
-
-    action_dim = 6
-
-
-class FailingScorer(Scorer):
-    """Raises on its 20th rollout: the run must stop with an error naming the scorer."""
-
-    def score(self, rollout):  # type: ignore[no-untyped-def]
-        self.seen = getattr(self, "seen", 0) + 1
-        if self.seen == 20:
-            raise RuntimeError("scorer exploded on purpose")
-        return super().score(rollout)
-
-
-class ForbiddenRefModel(RefModel):
-    """A reference model that fails the run if it is ever built (a run with β = 0 must not build one)."""
-
-    def __init__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        raise RuntimeError("a run without a KL term built a reference model")
-
-
-class HookedGenerator(Generator):
-    """Counts rollouts with hooks; the post hook raises once ``limit`` is reached."""
-
-    def __init__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        super().__init__(*args, **kwargs)
-        self.seen_pre = 0
-        self.register_pre_collect_hook(self._pre)
-        self.register_post_collect_hook(self._post)
-
-    def _pre(self, generator):  # type: ignore[no-untyped-def]
-        self.seen_pre += 1
-
-    def _post(self, generator, rollout):  # type: ignore[no-untyped-def]
-        assert rollout.generator == self.id and rollout.version == self.version
-        if self.seen_pre >= self.config.extra.get("hook_limit", 10**9):
-            raise ValueError(f"hook stopped generator {self.id} after {self.seen_pre} rollouts")
 
 
 class Pinger(Actor):
@@ -442,21 +368,6 @@ class Supervisor(Actor):
     async def __cleanup__(self, exc: BaseException | None) -> None:
         if self.procs is not None:
             await self.procs.stop()
-
-
-class ProbeGenerator(Generator):
-    """Appends ``rank pid version`` to ``<run_dir>/first_rollouts`` before its first rollout."""
-
-    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(*args, **kwargs)
-        self.register_pre_collect_hook(self._first)
-        self.first = True
-
-    def _first(self, generator) -> None:  # type: ignore[no-untyped-def]
-        if self.first:
-            self.first = False
-            with open(os.path.join(self.config.run_dir, "first_rollouts"), "a") as f:
-                f.write(f"{self.id} {os.getpid()} {self.version}\n")
 
 
 class Heartbeat:

@@ -42,7 +42,8 @@ CHECKS = [
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict[str, object]]:
     here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, *sys.path]))
+    tests = os.path.dirname(here)  # the runtime tests' actors (support) and the harness
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.path.join(tests, "actors"), tests, *sys.path]))
     for key in ("ACTORS_CURVE_PUBLIC", "ACTORS_CURVE_SECRET", "ACTORS_TRANSPORT", "ACTORS_TCP_HOST"):
         env.pop(key, None)
     out = subprocess.run(

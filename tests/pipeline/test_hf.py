@@ -22,7 +22,7 @@ from pipeline.hf_task import HFTask
 from pipeline.metrics import read_rows
 from pipeline.rewards import RewardError, RewardSet, load_reward
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _example():  # type: ignore[no-untyped-def]

@@ -25,7 +25,7 @@ from pipeline.metrics import read_rows
 from pipeline.settings import SettingsError, check_settings
 from pipeline.vllm_engine import VLLMUnavailable, import_vllm, logprobs_mode, vllm_missing
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MISSING = vllm_missing()
 needs_vllm = pytest.mark.skipif(MISSING is not None, reason=str(MISSING))
 

@@ -1,0 +1,70 @@
+"""The pipeline as a user runs it: the custom-task example, a quiet normal run, and on a GPU (``-m gpu``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), ROOT]))
+
+
+def test_the_custom_task_example_trains_and_prints_its_score():
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "custom_task.py")],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "custom task: 1500 steps, normalized score" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_a_normal_run_prints_no_warning_even_with_warnings_as_errors(tmp_path):
+    flags = ["--steps", "50", "--quiet", "--run-dir", str(tmp_path / "run")]
+    out = subprocess.run(
+        [sys.executable, "-W", "error", "-m", "pipeline.grpo", *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=ENV,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stderr == "", f"stderr of a normal run: {out.stderr}"
+
+
+@pytest.mark.gpu
+def test_the_pipeline_trains_on_the_gpu_over_cuda_ipc(tmp_path):
+    run_dir = tmp_path / "run"
+    flags = ["--device", "cuda", "--transport", "cuda-ipc", "--steps", "400", "--quiet", "--run-dir", str(run_dir)]
+    out = subprocess.run(
+        [sys.executable, "-m", "pipeline.grpo", *flags],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "target 0.99 reached" in out.stdout, out.stdout
+    assert (run_dir / "metrics.jsonl").exists()
+
+
+@pytest.mark.gpu
+def test_the_300m_preset_runs_on_the_gpu_and_reports_its_pace(tmp_path):
+    run_dir = tmp_path / "run"
+    flags = ["--model", "gpu-300m", "--device", "cuda", "--transport", "cuda-ipc", "--steps", "5"]
+    out = subprocess.run(
+        [sys.executable, "-m", "pipeline.grpo", *flags, "--target-score", "none", "--quiet", "--run-dir", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 5 and all(r["perf/tokens_trained_per_s"] > 0 for r in rows)
+    assert all(r["timing/publish_ms"] > 0 for r in rows)
