@@ -28,7 +28,7 @@ import shutil
 import threading
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import zmq
 
@@ -48,7 +48,20 @@ from .._wire._codec import Encoder
 from .._wire._records import Attach, Credit, Header, PortMessage, Reply
 from ._pending_calls import CallTable
 
-__all__ = ["Runtime", "at_runtime_exit", "current_runtime", "install_runtime", "runtime"]
+if TYPE_CHECKING:
+    import asyncio
+
+    from ._supervision import Failure
+
+__all__ = [
+    "ActorHost",
+    "Runtime",
+    "SupervisedMesh",
+    "at_runtime_exit",
+    "current_runtime",
+    "install_runtime",
+    "runtime",
+]
 
 log = logging.getLogger("actors")
 
@@ -56,6 +69,32 @@ log = logging.getLogger("actors")
 CLOSE_LINGER_MS = 200
 #: How long after a port sender's process exits its receivers wait for what it sent last (seconds).
 HOLDER_SETTLE = 0.02
+
+
+class ActorHost(Protocol):
+    """What this process's own layers need of the actor server a worker runs (``_hosting._server.ActorServer``)."""
+
+    loop: asyncio.AbstractEventLoop
+    owner: ProcRef  # the process that spawned this one
+
+    def abort(self, actor: str, reason: str) -> None: ...
+
+    def adopt(self, actor: str, child: Any) -> None: ...  # a proc mesh that ``actor`` spawned: stopped with it
+
+    def supervise(self, actor: str, failure: Failure) -> bool: ...
+
+    def escalate(self, actor: str, failure: Failure, raised: BaseException | None = None) -> None: ...
+
+
+class SupervisedMesh(Protocol):
+    """What failure routing needs of a proc mesh this process spawned (``_meshes._proc_mesh.ProcMesh``)."""
+
+    @property
+    def stopping(self) -> bool: ...
+
+    def report(self, failure: Failure, handled: bool = False) -> None: ...
+
+    def on_death(self, ref: ProcRef) -> None: ...
 
 
 class Runtime:
@@ -86,16 +125,18 @@ class Runtime:
         #: Deaths and restarts of processes on other hosts, told to and heard from peers.
         self.news = PeerNews(self)
         #: Proc meshes this process spawned, by worker address (their failures and deaths come here).
-        self.meshes: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+        self.meshes: weakref.WeakValueDictionary[str, SupervisedMesh] = weakref.WeakValueDictionary()
         #: Proc meshes received from elsewhere that this process spawned actors on, by (worker address,
         #: actor name): those actors' failures come here, to the spawner, as in Monarch.
-        self.actor_supervisors: weakref.WeakValueDictionary[tuple[str, str], Any] = weakref.WeakValueDictionary()
+        self.actor_supervisors: weakref.WeakValueDictionary[tuple[str, str], SupervisedMesh] = (
+            weakref.WeakValueDictionary()
+        )
         #: True once this process routes failure reports and deaths to meshes it spawned.
         self.owns_meshes = False
         #: Process-wide failure handlers (``actors.add_failure_handler``).
-        self.failure_handlers: list[Callable[[Any], object]] = []
+        self.failure_handlers: list[Callable[[Failure], object]] = []
         #: What serves actors here (a worker's ActorServer), once there is one.
-        self.server: Any = None
+        self.server: ActorHost | None = None
         #: This process's forkserver, once it has spawned processes (and one for multi-threaded workers).
         self.forkserver: Any = None
         self.threaded_forkserver: Any = None

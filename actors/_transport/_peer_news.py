@@ -104,7 +104,7 @@ class PeerNews:
         rt = self._rt
         procs = rt.registry.procs
         near = [ref for ref in (procs.get(address) for address in list(rt.meshes.keys())) if ref is not None]
-        owner = getattr(rt.server, "owner", None)  # (the controller has none)
+        owner = rt.server.owner if rt.server is not None else None  # (the controller has none)
         return [*near, owner] if owner is not None else near
 
     def _audience(self, about: str, about_remote: bool, peers: list[ProcRef], sender: str = "") -> list[ProcRef]:
