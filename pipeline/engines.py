@@ -86,16 +86,9 @@ class Engine(Protocol):
         ...
 
 
-def end_tokens(tokenizer: Any, generation_config: Any = None, *, model_folder: str | None = None) -> list[int]:
+def end_tokens(tokenizer: Any, generation_config: Any = None) -> list[int]:
     """Every token that ends a completion: the tokenizer's end token and the model's generation config's
-    (chat models often have several); ``model_folder`` reads that config from a saved model."""
-    if generation_config is None and model_folder is not None:
-        from transformers import GenerationConfig
-
-        try:
-            generation_config = GenerationConfig.from_pretrained(model_folder)
-        except OSError:  # the folder has no generation_config.json
-            generation_config = None
+    (chat models often have several)."""
     ends = {tokenizer.eos_token_id}
     generation_eos = getattr(generation_config, "eos_token_id", None)
     if isinstance(generation_eos, int):

@@ -103,7 +103,7 @@ def _engine_model(worker: Any) -> Any:
     return worker.model_runner.model
 
 
-def tie_on_cpu(model: torch.nn.Module) -> str | None:
+def unpack_cpu_linears(model: torch.nn.Module) -> None:
     """Make the CPU build's linear layers compute from their parameters again, so updates reach them.
 
     After loading, vLLM's CPU build packs each linear layer's weight into a
@@ -111,9 +111,9 @@ def tie_on_cpu(model: torch.nn.Module) -> str | None:
     computes from the packed copy), so a later ``load_weights`` has nowhere to
     write — and the packed copy of a tied output head goes stale. This gives
     each such layer back a parameter of its full shape with its weight
-    loader, and computes it with ``torch.nn.functional.linear``; the caller
-    then loads the whole policy once. Returns the output head's name when it
-    is tied to the embedding (its weight is then the embedding's).
+    loader, and computes it with ``torch.nn.functional.linear``; a tied
+    output head is tied to the embedding's weight again. The caller then
+    loads the whole policy once.
     """
     from vllm.model_executor.utils import set_weight_attrs
 
@@ -132,11 +132,8 @@ def tie_on_cpu(model: torch.nn.Module) -> str | None:
     head = getattr(whole, "lm_head", None)
     embed = whole.get_input_embeddings() if hasattr(whole, "get_input_embeddings") else None
     config = getattr(model, "config", None)
-    if head is not None and embed is not None and getattr(config, "tie_word_embeddings", False):
-        if head is not embed:
-            head.weight = embed.weight
-        return "lm_head.weight"
-    return None
+    if head is not None and embed is not None and head is not embed and getattr(config, "tie_word_embeddings", False):
+        head.weight = embed.weight
 
 
 def _plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -170,7 +167,7 @@ class VLLMEngine:
         self.tokenizer = tokenizer
         self.expected = {name: tuple(p.shape) for name, p in policy.named_parameters()}
         self.accepted = {name: tuple(t.shape) for name, t in policy.state_dict().items()}
-        self.eos = end_tokens(tokenizer, model_folder=model)
+        self.eos = end_tokens(tokenizer, getattr(policy, "generation_config", None))
         self.pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos[0])
         self.mode = logprobs_mode(temperature, top_k, top_p)
         on_gpu = device is not None and device.type == "cuda"
@@ -189,11 +186,11 @@ class VLLMEngine:
                 use_tqdm_on_load=False,
             )
         self._vllm = vllm
-        self.updates = 0
         self.model: Any = self.llm.collective_rpc(_engine_model)[0]  # the engine runs in this process
-        self.tied = tie_on_cpu(self.model) if not on_gpu else None
-        self.install({name: p.detach() for name, p in policy.named_parameters()})  # the policy's exact weights
-        self.updates = 0
+        if not on_gpu:
+            unpack_cpu_linears(self.model)
+        self._load({name: p.detach() for name, p in policy.named_parameters()})  # the policy's exact weights
+        self.updates = 0  # updates installed since start-up
 
     # -- generation ------------------------------------------------------------------------------------------
 
@@ -201,7 +198,7 @@ class VLLMEngine:
         return self._vllm.SamplingParams(
             n=params.samples,
             temperature=params.temperature,
-            top_k=params.top_k if params.top_k > 0 else 0,
+            top_k=params.top_k,  # 0: off, in vLLM as here
             top_p=params.top_p,
             max_tokens=params.max_new_tokens,
             logprobs=0,  # the sampled token's own log-probability
@@ -266,13 +263,12 @@ class VLLMEngine:
                 raise ValueError(f"{name!r} is {tensor.dtype}, not a floating-point tensor")
 
     def install(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy ``tensors`` (the publisher's names) into the running engine's parameters with vLLM's loaders."""
-        self.check(tensors)
-        with torch.no_grad():
-            self.model.load_weights(iter(list(tensors.items())))
-        self.llm.reset_prefix_cache()  # cached prompt states belong to the old weights
+        """Copy an update's ``tensors`` (the publisher's names) into the running engine's parameters."""
+        self._load(tensors)
         self.updates += 1
 
-    def close(self) -> None:
-        """Let go of the engine (its memory is freed with the process in any case)."""
-        self.llm = None
+    def _load(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.check(tensors)
+        with torch.no_grad():
+            self.model.load_weights(iter(list(tensors.items())))  # vLLM's own loaders: fused q/k/v, gate/up, padding
+        self.llm.reset_prefix_cache()  # cached prompt states belong to the old weights
