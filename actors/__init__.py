@@ -35,8 +35,9 @@ from ._meshes._accumulator import Accumulator
 from ._meshes._actor_mesh import ActorMesh, MeshEndpoint, Selection, send
 from ._meshes._controllers import get_or_spawn_controller
 from ._meshes._host_mesh import HostMesh, attach_to_workers, this_host, this_proc
+from ._meshes._instance import Context, Instance, context, current_actor_name
 from ._meshes._proc_mesh import ProcMesh
-from ._runtime._context import Context, Instance, context, current_actor_name, current_rank, current_size
+from ._runtime._context import current_rank, current_size
 from ._runtime._future import Future
 from ._runtime._port import Channel, Port, PortReceiver
 from ._runtime._supervision import (

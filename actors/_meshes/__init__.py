@@ -2,6 +2,6 @@
 
 Owns: ``_host_mesh`` (``this_host``), ``_proc_mesh`` (``ProcMesh``),
 ``_actor_mesh`` (``ActorMesh``, ``send``), ``_accumulator``, ``_controllers``
-(``get_or_spawn_controller``). May import: every layer below; imported by
+(``get_or_spawn_controller``), ``_instance`` (``context()``, ``Instance``). May import: every layer below; imported by
 ``ray`` and the package's ``__init__``.
 """

@@ -19,9 +19,12 @@ from typing import Any, TypeVar
 from .._hosting._actor import Actor
 from .._runtime._core import Runtime, runtime
 from .._runtime._future import Future
+from .._runtime._parts import Part
 from .._shared._errors import CallTimeout
+from ._host_mesh import this_host
+from ._proc_mesh import ProcMesh
 
-__all__ = ["get_or_spawn_controller", "stop_controllers"]
+__all__ = ["CONTROLLERS", "Controllers", "get_or_spawn_controller", "stop_controllers"]
 
 A = TypeVar("A", bound=Actor)
 
@@ -29,6 +32,26 @@ A = TypeVar("A", bound=Actor)
 PUBLISH_WAIT = 30.0
 #: How often it looks while waiting.
 POLL = 0.005
+
+
+class Controllers:
+    """The controllers this process knows: those it looked up, and those it spawned (which end with it)."""
+
+    __slots__ = ("found", "spawned")
+
+    def __init__(self) -> None:
+        #: Every controller this process has looked up or spawned, by name.
+        self.found: dict[str, Any] = {}
+        #: The proc meshes of the controllers this process spawned, by name.
+        self.spawned: dict[str, ProcMesh] = {}
+
+    async def stop(self) -> None:
+        """Stop the controllers this process spawned and withdraw their names (a worker's actors stopped)."""
+        await stop_controllers()
+
+
+#: Kept on the runtime (``rt.parts``): this process's controllers.
+CONTROLLERS: Part[Controllers] = Part("controllers", Controllers)
 
 
 def _paths(rt: Runtime, name: str) -> tuple[str, str]:
@@ -65,10 +88,11 @@ def _claim(rt: Runtime, name: str, cls: type[Actor], args: tuple[Any, ...], kwar
     except FileExistsError:
         return _read(rt, published)
     os.close(fd)
-    from ._host_mesh import this_host
-
     procs = this_host().spawn_procs({"procs": 1}, name=f"controller-{name}")
-    rt.controller_procs[name] = procs
+    controllers = rt.parts.get(CONTROLLERS)
+    if not controllers.spawned and rt.server is not None:
+        rt.server.stop_last(controllers)  # a worker's controllers end with its actors
+    controllers.spawned[name] = procs
     mesh = procs.spawn(name, cls, *args, **kwargs)
     _publish(rt, published, mesh)
     return mesh
@@ -77,14 +101,15 @@ def _claim(rt: Runtime, name: str, cls: type[Actor], args: tuple[Any, ...], kwar
 async def stop_controllers() -> None:
     """Stop the controllers this process spawned and withdraw their names (for tests and orderly exits)."""
     rt = runtime()
-    while rt.controller_procs:
-        name, procs = rt.controller_procs.popitem()
-        rt.controllers.pop(name, None)
+    controllers = rt.parts.get(CONTROLLERS)
+    while controllers.spawned:
+        name, procs = controllers.spawned.popitem()
+        controllers.found.pop(name, None)
         for path in _paths(rt, name):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
         await procs.stop()
-    rt.controllers.clear()
+    controllers.found.clear()
     with contextlib.suppress(OSError):
         os.rmdir(os.path.join(rt.dir, "controllers"))
 
@@ -100,11 +125,12 @@ def get_or_spawn_controller(name: str, cls: type[A], *args: Any, **kwargs: Any) 
     if not (isinstance(cls, type) and issubclass(cls, Actor)):
         raise TypeError(f"get_or_spawn_controller() needs an Actor subclass, not {cls!r}")
     rt = runtime()
-    found = rt.controllers.get(name)
+    known = rt.parts.get(CONTROLLERS).found
+    found = known.get(name)
     if found is None:
         found = _claim(rt, name, cls, args, kwargs)
         if found is not None:
-            rt.controllers[name] = found
+            known[name] = found
     if found is not None:
         return Future.ready(found)
     published = _paths(rt, name)[1]
@@ -112,7 +138,7 @@ def get_or_spawn_controller(name: str, cls: type[A], *args: Any, **kwargs: Any) 
     def lookup() -> Any:
         mesh = _read(rt, published)
         if mesh is not None:
-            rt.controllers[name] = mesh
+            known[name] = mesh
         return mesh
 
     def too_late() -> CallTimeout:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from .._processes._devices import GPU_DIM, gpu_env, visible_gpus
 from .._processes._forkserver import forkserver, prefork
 from .._runtime._core import Runtime, current_runtime, runtime
+from .._runtime._parts import Part
 from .._shared._config import WorkerConfig
 from .._shared._liveness import ProcRef
 from .._shared._main_loader import loading_main
@@ -150,10 +151,24 @@ def this_proc() -> ProcMesh:
     rt = runtime()
     if rt.server is not None:
         return ProcMesh("this_proc", {"procs": 1}, [rt.registry.proc(rt.address, rt.pid)], owned=False)
-    local = rt.local_proc
-    if local is None or local._stopping:
-        local = rt.local_proc = this_host().spawn_procs({"procs": 1}, name="this_proc")
-    return local  # type: ignore[no-any-return]
+    companion = rt.parts.get(THIS_PROC)
+    local = companion.mesh
+    if local is None or local.stopping:
+        local = companion.mesh = this_host().spawn_procs({"procs": 1}, name="this_proc")
+    return local
+
+
+class Companion:
+    """The controller's ``this_proc()``: a process of its own, started on first use."""
+
+    __slots__ = ("mesh",)
+
+    def __init__(self) -> None:
+        self.mesh: ProcMesh | None = None
+
+
+#: Kept on the runtime (``rt.parts``): the controller's companion process.
+THIS_PROC: Part[Companion] = Part("this_proc", Companion)
 
 
 def attach_to_workers(*args: object, **kwargs: object) -> HostMesh:

@@ -18,11 +18,11 @@ from typing import Any, TypeVar
 from .._hosting._actor import Actor, check_actor_class, endpoints_of
 from .._hosting._server import CLEANUP_TIMEOUT
 from .._runtime._call_sender import encode_arguments, pending_future, send_call
-from .._runtime._context import _context
+from .._runtime._context import actor_context
 from .._runtime._core import Runtime, runtime
 from .._runtime._future import Future
 from .._runtime._pending_calls import PendingCall
-from .._runtime._supervision import Failure, FailureHandler, escalate_to_controller, install_owner_handlers, offer
+from .._runtime._supervision import Failure, FailureHandler, escalate_to_controller, offer
 from .._runtime._value_mesh import extent_from_wire
 from .._shared._errors import ActorDied, CallTimeout, DecodeError, SupervisionError
 from .._shared._liveness import ProcRef, new_incarnation
@@ -71,16 +71,15 @@ class ProcMesh:
         self._handlers: list[FailureHandler] = []
         self.failures: list[Failure] = []
         #: The actor that spawned this mesh (None in the controller): its ``__supervise__`` is asked.
-        context = _context.get()
+        context = actor_context.get()
         self._owner_actor = context.name if context is not None else None
         self._fault: SupervisionError | None = None
         self._owned = owned
         rt = runtime()
         if owned:  # a handle received from elsewhere (or this_proc()) supervises nothing
             for ref in procs:
-                rt.meshes[ref.address] = self
+                rt.mesh_routes.own(ref.address, self)
                 ref.incarnation = new_incarnation(ref)
-            install_owner_handlers(rt)
             if self._owner_actor is not None and rt.server is not None:
                 rt.server.adopt(self._owner_actor, self)  # stopped when that actor stops
 
@@ -137,9 +136,8 @@ class ProcMesh:
         self._spawned.append((name, class_ref, args, kwargs))
         if not self._owned:  # this process spawned them: their failures come here, not to the procs' owner
             for ref in self._procs:
-                rt.actor_supervisors[(ref.address, name)] = self
-            install_owner_handlers(rt)
-            spawner = _context.get()
+                rt.mesh_routes.supervise(ref.address, name, self)
+            spawner = actor_context.get()
             if spawner is not None and rt.server is not None:
                 rt.server.adopt(spawner.name, mesh)  # stopped when the spawning actor stops
         return mesh  # type: ignore[return-value]
@@ -216,7 +214,7 @@ class ProcMesh:
         """Offer ``failure`` to every supervisor; escalate it if none handled it."""
         self.failures.append(failure)
         rt = runtime()
-        handled = offer(failure, [*self._handlers, *rt.failure_handlers]) or handled
+        handled = offer(failure, [*self._handlers, *rt.mesh_routes.handlers]) or handled
         server = rt.server
         if self._owner_actor is not None and server is not None:
             handled = server.supervise(self._owner_actor, failure) or handled

@@ -27,7 +27,8 @@ import time
 import traceback
 from typing import Any
 
-from .._runtime._core import Runtime, at_runtime_exit
+from .._runtime._core import Runtime, at_runtime_exit, prepare_session, process_state
+from .._runtime._parts import Part
 from .._shared._config import WorkerConfig
 from .._shared._liveness import ProcRef
 from .._shared._session import SESSION_ENV, session_keys
@@ -253,6 +254,31 @@ class Forkserver:
             os.close(self.status_fd)
 
 
+class Preforked:
+    """A forkserver forked from this process before it had a runtime, until the runtime adopts it."""
+
+    __slots__ = ("process",)
+
+    def __init__(self) -> None:
+        self.process: _ServerProcess | None = None
+
+
+class Forkservers:
+    """This runtime's forkservers: the one for single-threaded workers, and one for multi-threaded workers."""
+
+    __slots__ = ("plain", "threaded")
+
+    def __init__(self) -> None:
+        self.plain: Forkserver | None = None
+        self.threaded: Forkserver | None = None
+
+
+#: Kept on the process (``process_state().parts``): the forkserver ``prefork`` started.
+PREFORKED: Part[Preforked] = Part("preforked forkserver", Preforked)
+#: Kept on the runtime (``rt.parts``): the forkservers it spawns workers from.
+FORKSERVERS: Part[Forkservers] = Part("forkservers", Forkservers)
+
+
 def prefork() -> None:
     """Start the forkserver now, by forking this process if that is safe, before it has a runtime.
 
@@ -260,14 +286,12 @@ def prefork() -> None:
     ZeroMQ context (and I/O thread) does not exist yet, so the process may
     still be single-threaded. The runtime created next adopts the forkserver.
     """
-    from .._runtime._core import prepare_session, process_state
-
-    state = process_state()
-    if state.forkserver is not None or fork_refusal() is not None:
+    preforked = process_state().parts.get(PREFORKED)
+    if preforked.process is not None or fork_refusal() is not None:
         return
     session_dir, owns_dir = prepare_session()
     session_keys()  # a tcp session's CURVE keys exist before the fork, so workers inherit them
-    state.forkserver = _ServerProcess.start(session_dir, os.path.basename(session_dir), owns_dir, fork=True)
+    preforked.process = _ServerProcess.start(session_dir, os.path.basename(session_dir), owns_dir, fork=True)
 
 
 def forkserver(rt: Runtime, threads: int = 1) -> Forkserver:
@@ -277,19 +301,18 @@ def forkserver(rt: Runtime, threads: int = 1) -> Forkserver:
     it when ``prefork`` could). Workers with more come from one started as a
     fresh interpreter, whose thread pools are untouched.
     """
-    from .._runtime._core import process_state
-
-    server: Forkserver | None = rt.forkserver
+    servers = rt.parts.get(FORKSERVERS)
+    server = servers.plain
     if server is None or server.closed:
-        state = process_state()
-        process, state.forkserver = state.forkserver, None
+        preforked = process_state().parts.get(PREFORKED)
+        process, preforked.process = preforked.process, None
         if process is None:
             process = _ServerProcess.start(rt.dir, rt.session, rt.owns_dir, fork=False)
-        server = rt.forkserver = Forkserver(rt, process)
+        server = servers.plain = Forkserver(rt, process)
     if threads > 1 and server.inherits_main:
-        fresh: Forkserver | None = rt.threaded_forkserver
+        fresh = servers.threaded
         if fresh is None or fresh.closed:
             process = _ServerProcess.start(rt.dir, rt.session, rt.owns_dir, fork=False)
-            fresh = rt.threaded_forkserver = Forkserver(rt, process)
+            fresh = servers.threaded = Forkserver(rt, process)
         return fresh
     return server

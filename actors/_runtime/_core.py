@@ -26,9 +26,8 @@ import logging
 import os
 import shutil
 import threading
-import weakref
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 import zmq
 
@@ -45,18 +44,14 @@ from .._transport._receivers import Receivers
 from .._transport._registry import Registry
 from .._transport._sockets import Link, bind_inbox, session_authenticator
 from .._wire._codec import Encoder
-from .._wire._records import Attach, Credit, Header, PortMessage, Reply
+from .._wire._records import Attach, Credit, Header, PortMessage, ProcessLost, ProcessRestarted, Reply
+from ._actor_host import ActorHost
+from ._mesh_routes import MeshRoutes
+from ._parts import Parts
 from ._pending_calls import CallTable
 
-if TYPE_CHECKING:
-    import asyncio
-
-    from ._supervision import Failure
-
 __all__ = [
-    "ActorHost",
     "Runtime",
-    "SupervisedMesh",
     "at_runtime_exit",
     "current_runtime",
     "install_runtime",
@@ -69,32 +64,6 @@ log = logging.getLogger("actors")
 CLOSE_LINGER_MS = 200
 #: How long after a port sender's process exits its receivers wait for what it sent last (seconds).
 HOLDER_SETTLE = 0.02
-
-
-class ActorHost(Protocol):
-    """What this process's own layers need of the actor server a worker runs (``_hosting._server.ActorServer``)."""
-
-    loop: asyncio.AbstractEventLoop
-    owner: ProcRef  # the process that spawned this one
-
-    def abort(self, actor: str, reason: str) -> None: ...
-
-    def adopt(self, actor: str, child: Any) -> None: ...  # a proc mesh that ``actor`` spawned: stopped with it
-
-    def supervise(self, actor: str, failure: Failure) -> bool: ...
-
-    def escalate(self, actor: str, failure: Failure, raised: BaseException | None = None) -> None: ...
-
-
-class SupervisedMesh(Protocol):
-    """What failure routing needs of a proc mesh this process spawned (``_meshes._proc_mesh.ProcMesh``)."""
-
-    @property
-    def stopping(self) -> bool: ...
-
-    def report(self, failure: Failure, handled: bool = False) -> None: ...
-
-    def on_death(self, ref: ProcRef) -> None: ...
 
 
 class Runtime:
@@ -121,42 +90,49 @@ class Runtime:
         sock = bind_inbox(self.ctx, self.address, self.keys)
         self.inbox = Inbox(sock, self.dir, self.address, self._learn_sender, self.drops)
         self.driver = Driver(self.inbox, self.registry, self.outbox)
-        self._wire_handlers()
         #: Deaths and restarts of processes on other hosts, told to and heard from peers.
         self.news = PeerNews(self)
-        #: Proc meshes this process spawned, by worker address (their failures and deaths come here).
-        self.meshes: weakref.WeakValueDictionary[str, SupervisedMesh] = weakref.WeakValueDictionary()
-        #: Proc meshes received from elsewhere that this process spawned actors on, by (worker address,
-        #: actor name): those actors' failures come here, to the spawner, as in Monarch.
-        self.actor_supervisors: weakref.WeakValueDictionary[tuple[str, str], SupervisedMesh] = (
-            weakref.WeakValueDictionary()
-        )
-        #: True once this process routes failure reports and deaths to meshes it spawned.
-        self.owns_meshes = False
-        #: Process-wide failure handlers (``actors.add_failure_handler``).
-        self.failure_handlers: list[Callable[[Failure], object]] = []
-        #: What serves actors here (a worker's ActorServer), once there is one.
+        #: Where failures and deaths of the processes this one spawned go (their proc meshes).
+        self.mesh_routes = MeshRoutes(self.inbox, self.registry, self.session, self.news.lost)
+        #: What serves actors here (a worker's ActorServer, registered with :meth:`host`), once there is one.
         self.server: ActorHost | None = None
-        #: This process's forkserver, once it has spawned processes (and one for multi-threaded workers).
-        self.forkserver: Any = None
-        self.threaded_forkserver: Any = None
-        #: The controller's ``this_proc()``: a process of its own, started on first use.
-        self.local_proc: Any = None
-        #: Controllers (``get_or_spawn_controller``) this process has looked up, by name.
-        self.controllers: dict[str, Any] = {}
-        #: The proc meshes of the controllers this process spawned, by name.
-        self.controller_procs: dict[str, Any] = {}
+        #: The per-process state of the layers above (forkservers, controllers, ``this_proc``), by their keys.
+        self.parts = Parts()
         self.closed = False
         self._counters: dict[str, itertools.count[int]] = {}
+        self._wire_handlers()
+
+    def host(self, server: ActorHost) -> None:
+        """Make ``server`` the actor server of this process (a worker has exactly one)."""
+        if self.server is not None:
+            raise RuntimeError("this process already has an actor server")
+        self.server = server
+
+    def spawned(self) -> list[str]:
+        """The addresses of the processes this one spawned (whose proc meshes are still held)."""
+        return self.mesh_routes.spawned()
+
+    def owns(self, address: str) -> bool:
+        """Whether this process spawned the process at ``address``."""
+        return self.mesh_routes.owns(address)
+
+    def owner(self) -> ProcRef | None:
+        """The process that spawned this one (None in the controller)."""
+        return self.server.owner if self.server is not None else None
 
     def _wire_handlers(self) -> None:
         registry, inbox, receivers = self.registry, self.inbox, self.receivers
-        registry.death_listeners += [self._peer_died, self.calls.on_death]
-        registry.pid_listeners.append(self._holder_exited)
+        registry.deaths.connect(self._peer_died)
+        registry.deaths.connect(self.calls.on_death)
+        registry.pid_exits.connect(self._holder_exited)
         inbox.on(Reply, lambda record, frames, sender, size: self.calls.on_reply(record))
         inbox.on(Credit, lambda record, frames, sender, size: self.windows.on_credit(sender.address, *record))
         inbox.on(PortMessage, receivers.on_port_message, raw=True, run=receivers.deliver_run)  # the hot path
         inbox.on(Attach, receivers.on_attach)
+        news = self.news
+        inbox.on(ProcessLost, news.on_lost)
+        inbox.on(ProcessRestarted, news.on_restarted)
+        registry.seen_deaths.connect(news.seen_dying)
 
     def _holder_exited(self, pid: int) -> None:
         """Process ``pid`` exited: once what it sent has been taken in, its port senders are gone.
@@ -197,13 +173,7 @@ class Runtime:
         if old == address:
             return
         self._drop_route(old)
-        mesh = self.meshes.pop(old, None)
-        if mesh is not None:
-            self.meshes[address] = mesh
-        for key in [key for key in self.actor_supervisors if key[0] == old]:
-            supervisor = self.actor_supervisors.pop(key, None)
-            if supervisor is not None:
-                self.actor_supervisors[(address, key[1])] = supervisor
+        self.mesh_routes.moved(old, address)
 
     def _credit(self, address: str, port_id: int, messages: int, nbytes: int) -> None:
         """Give a port's sender its window back (urgent: a busy consumer may never yield)."""
@@ -281,8 +251,8 @@ class _Process:
         self.lock = threading.Lock()
         #: (session directory, whether this process owns it), prepared before the runtime.
         self.session: tuple[str, bool] | None = None
-        #: A forkserver process started before the runtime, which the runtime adopts.
-        self.forkserver: Any = None
+        #: State of the layers above kept before the runtime exists (a forkserver it will adopt).
+        self.parts = Parts()
 
 
 _process = _Process()

@@ -22,16 +22,10 @@ import importlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
 from .._shared._errors import SupervisionError
 from .._shared._names import shown
-from .._shared._segments import remove_process_segments
-from .._wire._records import FailureReport, Header
-
-if TYPE_CHECKING:
-    from .._shared._liveness import ProcRef
-    from ._core import Runtime
+from .._wire._records import FailureReport
 
 log = logging.getLogger("actors.supervision")
 
@@ -75,7 +69,16 @@ class Failure:
 
     @classmethod
     def from_report(cls, report: FailureReport) -> Failure:
-        return cls(shown(report.actor), *report[1:], mesh=report.actor)
+        return cls(
+            actor=shown(report.actor),
+            rank=report.rank,
+            pid=report.pid,
+            endpoint=report.endpoint,
+            exception_type=report.exception_type,
+            message=report.message,
+            traceback=report.traceback,
+            mesh=report.actor,
+        )
 
 
 #: Monarch's name for a failure record.
@@ -89,13 +92,13 @@ def add_failure_handler(handler: FailureHandler) -> None:
     """Offer every failure reported to this process to ``handler`` (true return: handled)."""
     from ._core import runtime
 
-    runtime().failure_handlers.append(handler)
+    runtime().mesh_routes.handlers.append(handler)
 
 
 def remove_failure_handler(handler: FailureHandler) -> None:
     from ._core import runtime
 
-    runtime().failure_handlers.remove(handler)
+    runtime().mesh_routes.handlers.remove(handler)
 
 
 def offer(failure: Failure, handlers: list[FailureHandler]) -> bool:
@@ -133,30 +136,3 @@ def escalate_to_controller(failure: Failure) -> SupervisionError | None:
         error.__cause__ = exc
         return error
     return None
-
-
-def install_owner_handlers(rt: Runtime) -> None:
-    """Route failure reports and deaths of the processes this one spawned to their proc meshes (once)."""
-    if rt.owns_meshes:
-        return
-    rt.owns_meshes = True
-
-    def on_failure(report: FailureReport, frames: list[Any], sender: Header, size: int) -> None:
-        failure = Failure.from_report(report)
-        mesh = rt.actor_supervisors.get((sender.address, report.actor)) or rt.meshes.get(sender.address)
-        if mesh is not None:
-            mesh.report(failure)
-        else:
-            offer(failure, rt.failure_handlers)
-
-    def on_death(ref: ProcRef) -> None:
-        mesh = rt.meshes.get(ref.address)
-        if mesh is not None:
-            if ref.pid is not None and not ref.remote:  # the weights it published die with it
-                remove_process_segments(rt.session, ref.pid)
-            if not mesh.stopping:
-                rt.news.lost(ref)  # peers on other hosts cannot see it go
-            mesh.on_death(ref)
-
-    rt.inbox.on(FailureReport, on_failure)
-    rt.registry.death_listeners.append(on_death)

@@ -4,6 +4,6 @@ Owns: ``_errors`` (the one exception tree, drawn in its docstring), ``_names``
 (actor names on the wire), ``_liveness`` (pidfd watches), ``_session`` (the
 runtime directory, addresses, CURVE keys), ``_segments`` (shared-memory
 segment names and their removal), ``_config`` (what a new worker is told),
-``_restart`` (restart policies), ``_main_loader`` (a script's definitions in
+``_restart`` (restart policies), ``_hooks`` (named, typed event hooks), ``_main_loader`` (a script's definitions in
 a worker). May import: nothing of ``actors``.
 """

@@ -37,13 +37,13 @@ class Driver:
         self._watcher = registry.watcher
         self._outbox = outbox
         self._chasing: Any = None  # the timer looking up pids not yet recorded
-        registry.on_unresolved = self._chase_pids
+        registry.pid_missing.connect(self._chase_pids)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.thread: int | None = None
         self.closed = False
         self._readers: dict[int, Callable[[], None]] = {}
         self._progress: list[asyncio.Future[None]] = []
-        inbox.after_message = self.notify_progress
+        inbox.handled.connect(self.notify_progress)
 
     def ensure_loop(self) -> asyncio.AbstractEventLoop:
         """Bind to the running event loop (rebinding if an earlier loop ended)."""

@@ -17,6 +17,7 @@ from typing import Any
 import zmq
 
 from .._shared._errors import DecodeError
+from .._shared._hooks import Hook
 from .._shared._session import valid_peer_address
 from .._wire._codec import Decoder
 from .._wire._records import RECORDS, Header, Kind, decode_record
@@ -77,8 +78,8 @@ class Inbox:
         self._drops = drops
         self._routes: dict[Any, tuple[Callable[[Any], Any] | None, Handler]] = {}  # kind -> (decode, handler)
         self.dispatching = False
-        #: Called after each message is handled (wakes code waiting for "some progress").
-        self.after_message: Callable[[], None] | None = None
+        #: After each message is handled (wakes code waiting for "some progress").
+        self.handled: Hook[[]] = Hook("handled messages")
         self._senders: dict[bytes, Header] = {}  # raw header -> checked header
         self._port_run: Callable[[list[Any], int, Header], int] | None = None
 
@@ -105,7 +106,7 @@ class Inbox:
         """Handle waiting messages (at most ``limit``); True when the socket is empty."""
         count = 0
         sock = self.sock
-        after = self.after_message
+        handled = self.handled
         while int(sock.getsockopt(_EVENTS)) & _POLLIN:  # (cheaper than meeting zmq.Again at the end)
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -116,8 +117,8 @@ class Inbox:
             except Exception:  # one bad message must not stall the ones behind it
                 log.exception("error while handling a message")
             count += 1
-            if after is not None:
-                after()
+            if handled:
+                handled()
             if limit is not None and count >= limit:
                 return False
         return True

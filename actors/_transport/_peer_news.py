@@ -33,17 +33,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .._shared._errors import ActorDied
 from .._shared._liveness import ProcRef
 from .._shared._session import tcp_host
 from .._wire._records import Header, ProcessLost, ProcessRestarted
+from ._registry import Registry
 
-if TYPE_CHECKING:
-    from .._runtime._core import Runtime
-
-__all__ = ["PeerNews"]
+__all__ = ["Newsroom", "PeerNews"]
 
 log = logging.getLogger("actors")
 
@@ -53,14 +51,39 @@ def _order(record: ProcessLost | ProcessRestarted) -> int:
     return 2 * record.incarnation - (1 if isinstance(record, ProcessRestarted) else 0)
 
 
-class PeerNews:
-    """Tells peers on other hosts of deaths and restarts this process saw or heard, and takes such news from them."""
+class Newsroom(Protocol):
+    """All that news uses of its process (the runtime): who it is, its peers, who it spawned and who spawned it."""
 
-    def __init__(self, rt: Runtime) -> None:
+    @property
+    def address(self) -> str: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    @property
+    def registry(self) -> Registry: ...
+
+    def send(self, ref: ProcRef, record: Any, *, urgent: bool) -> None: ...
+
+    def relocate(self, ref: ProcRef, address: str, remote: bool | None = None) -> None: ...
+
+    def owns(self, address: str) -> bool: ...  # whether this process spawned the one at ``address``
+
+    def spawned(self) -> list[str]: ...  # the addresses of the processes it spawned
+
+    def owner(self) -> ProcRef | None: ...  # the process that spawned it (None in the controller)
+
+
+class PeerNews:
+    """Tells peers on other hosts of deaths and restarts this process saw or heard, and takes such news from them.
+
+    The runtime routes ``ProcessLost`` records to :meth:`on_lost`,
+    ``ProcessRestarted`` to :meth:`on_restarted`, and the registry's
+    ``seen_deaths`` hook to :meth:`seen_dying`.
+    """
+
+    def __init__(self, rt: Newsroom) -> None:
         self._rt = rt
-        rt.inbox.on(ProcessLost, self._on_lost)
-        rt.inbox.on(ProcessRestarted, self._on_restarted)
-        rt.registry.on_seen_death = self.seen_dying
         #: News of processes this one holds no handle to: the latest order passed on, by address.
         self._heard: dict[str, int] = {}
 
@@ -82,7 +105,7 @@ class PeerNews:
         Its owner tells only the processes it knows; those that spawned this
         one, or that it spawned, may be elsewhere and hold a handle.
         """
-        if ref.address in self._rt.meshes:
+        if self._rt.owns(ref.address):
             return  # one of ours: ``lost`` told everyone
         record = ProcessLost(ref.address, ref.exit_reason or "process exited", ref.incarnation)
         if not self._stale(record, ref):
@@ -103,8 +126,8 @@ class PeerNews:
         """This process's neighbours in the spawning tree: the processes it spawned, and its owner."""
         rt = self._rt
         procs = rt.registry.procs
-        near = [ref for ref in (procs.get(address) for address in list(rt.meshes.keys())) if ref is not None]
-        owner = rt.server.owner if rt.server is not None else None  # (the controller has none)
+        near = [ref for ref in (procs.get(address) for address in rt.spawned()) if ref is not None]
+        owner = rt.owner()
         return [*near, owner] if owner is not None else near
 
     def _audience(self, about: str, about_remote: bool, peers: list[ProcRef], sender: str = "") -> list[ProcRef]:
@@ -144,11 +167,11 @@ class PeerNews:
         remote = any(not registry.is_local(address) for address in addresses)
         self._tell(self._audience(record.address, remote, self._tree(), sender.address), record)
 
-    def _on_lost(self, record: ProcessLost, frames: list[Any], sender: Header, size: int) -> None:
+    def on_lost(self, record: ProcessLost, frames: list[Any], sender: Header, size: int) -> None:
         rt = self._rt
         if record.address == rt.address:
             return  # news of our own death (an owner that lost sight of us): ours to hear, not to spread
-        if record.address in rt.meshes:
+        if rt.owns(record.address):
             return  # one of ours: its placer or pidfd tells us, and ``lost`` tells the others
         ref = rt.registry.find(record.address)
         if self._stale(record, ref):
@@ -157,7 +180,7 @@ class PeerNews:
             rt.registry.mark_dead(ref, f"{record.reason} (reported by {sender.address})")
         self._pass_on(record, sender, record.address)
 
-    def _on_restarted(self, record: ProcessRestarted, frames: list[Any], sender: Header, size: int) -> None:
+    def on_restarted(self, record: ProcessRestarted, frames: list[Any], sender: Header, size: int) -> None:
         rt = self._rt
         if record.new_address == rt.address:
             return  # the news is of us

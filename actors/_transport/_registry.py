@@ -8,16 +8,16 @@ the forkserver writes it when it forks, and an owner rewrites it when it
 restarts a process at the same address. Nothing here ever waits.
 
 Deaths come from :class:`~actors._shared._liveness.Watcher` (pidfds) or from
-:meth:`Registry.mark_dead`; each is announced once to the listeners, and
-one seen through a pidfd also to ``on_seen_death`` (news to pass on).
+:meth:`Registry.mark_dead`; each is announced once on the ``deaths`` hook,
+and one seen through a pidfd also on ``seen_deaths`` (news to pass on).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
 
+from .._shared._hooks import Hook
 from .._shared._liveness import ProcRef, Watcher
 from .._shared._session import local_hosts, read_incarnation, tcp_host
 
@@ -27,7 +27,7 @@ log = logging.getLogger("actors")
 
 
 class Registry:
-    """Peers by address; liveness through pidfds; death listeners."""
+    """Peers by address; liveness through pidfds; deaths announced on its hooks."""
 
     def __init__(self, session_dir: str, own_pid: int) -> None:
         self.session_dir = session_dir
@@ -35,20 +35,20 @@ class Registry:
         self.procs: dict[str, ProcRef] = {}
         self._by_pid: dict[int, ProcRef] = {}
         self.watcher = Watcher(self._pid_died)
-        #: Called with each ProcRef that dies (calls fail, links close, meshes hear of it).
-        self.death_listeners: list[Callable[[ProcRef], None]] = []
-        #: Called with every pid that dies, known ref or not (port holders are pids).
-        self.pid_listeners: list[Callable[[int], None]] = []
+        #: Each ProcRef that dies, once (calls fail, links close, meshes hear of it).
+        self.deaths: Hook[[ProcRef]] = Hook("process deaths")
+        #: Every pid that exits, known ref or not (port holders are pids).
+        self.pid_exits: Hook[[int]] = Hook("pid exits")
+        #: Each peer whose death this process saw for itself (its pidfd), after ``deaths``.
+        self.seen_deaths: Hook[[ProcRef]] = Hook("deaths seen here")
         self._pid_waiters: dict[str, list[Callable[[], None]]] = {}
         #: Peers whose pid nobody has recorded yet: ``retry_unresolved`` looks again.
         self.unresolved: set[ProcRef] = set()
-        #: Called when a peer joins ``unresolved`` (the runtime arranges the retries).
-        self.on_unresolved: Callable[[], None] | None = None
+        #: A peer joined ``unresolved`` (whoever drives the runtime arranges the retries).
+        self.pid_missing: Hook[[]] = Hook("pids to look up")
         self._local_hosts = local_hosts()
         #: Addresses whose process was restarted elsewhere, to the address it serves now.
         self.moved: dict[str, str] = {}
-        #: Called with each peer whose death this process saw for itself (its pidfd), after the listeners.
-        self.on_seen_death: Callable[[ProcRef], None] | None = None
 
     def is_local(self, address: str) -> bool:
         """Whether ``address`` is served on this machine (ipc always is; tcp by its host)."""
@@ -122,7 +122,10 @@ class Registry:
             if pid != self.own_pid and not ref.dead:
                 self.watcher.watch(pid)  # a pid already gone is reported dead right here
         for callback in self._pid_waiters.pop(ref.address, []):
-            _tell(callback, "pid callback")
+            try:
+                callback()
+            except Exception:
+                log.exception("a pid callback failed")
 
     def resolve_pid(self, ref: ProcRef) -> int | None:
         """``ref``'s pid, from the session directory if not yet known (None if nobody wrote it yet).
@@ -137,8 +140,7 @@ class Registry:
                 self.set_pid(ref, pid)
             elif not ref.dead and ref not in self.unresolved:
                 self.unresolved.add(ref)
-                if self.on_unresolved is not None:
-                    self.on_unresolved()
+                self.pid_missing()
         return ref.pid
 
     def retry_unresolved(self) -> bool:
@@ -189,25 +191,14 @@ class Registry:
             return
         ref.dead = True
         ref.exit_reason = reason
-        for listener in list(self.death_listeners):
-            _tell(listener, "death listener", ref)
+        self.deaths(ref)
 
     def _pid_died(self, pid: int) -> None:
         ref = self._by_pid.get(pid)
         if ref is not None and ref.pid == pid and not ref.dead:
             self.mark_dead(ref, "process exited")
-            if self.on_seen_death is not None:
-                _tell(self.on_seen_death, "seen-death callback", ref)
-        for listener in list(self.pid_listeners):
-            _tell(listener, "pid death listener", pid)
+            self.seen_deaths(ref)
+        self.pid_exits(pid)
 
     def close(self) -> None:
         self.watcher.close()
-
-
-def _tell(listener: Callable[..., None], what: str, *args: Any) -> None:
-    """Call one listener; its failure is logged, never passed to the registry or to the other listeners."""
-    try:
-        listener(*args)
-    except Exception:
-        log.exception("%s failed", what)

@@ -152,6 +152,3 @@ async def test_a_gpus_mesh_gives_each_process_one_device(spawn):
     seen = await mesh.spawn("echo", Echo).getenv.call_one("CUDA_VISIBLE_DEVICES")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     assert seen == (visible.split(",")[0] if visible else "0")
-
-
-

@@ -81,6 +81,7 @@ def batch(*messages: object, frames: int = 0) -> bytes:
 async def test_a_bad_message_does_not_cost_the_rest_of_its_batch():
     from actors import Channel
     from actors._wire._codec import EXT_DATACLASS
+
     PORT = int(Kind.PORT)
     from actors._runtime._core import runtime
 
@@ -98,6 +99,7 @@ async def test_a_bad_message_does_not_cost_the_rest_of_its_batch():
 async def test_a_header_naming_a_foreign_address_is_refused():
     """Replies and credits go to the header's address, so it must belong to this session."""
     from actors import Channel
+
     PORT = int(Kind.PORT)
     from actors._runtime._core import runtime
 

@@ -459,6 +459,7 @@ async def test_this_proc_in_an_actor_is_its_own_process(procs: ProcMesh):
 
 
 async def test_this_proc_in_the_controller_is_a_companion_process(sockets_dir):
+    local = None
     try:
         local = this_proc()
         assert this_proc() is local
@@ -466,7 +467,8 @@ async def test_this_proc_in_the_controller_is_a_companion_process(sockets_dir):
         pid = (await who.who.call_one())[5]
         assert pid != os.getpid() and pid in local.pids
     finally:
-        await runtime().local_proc.stop()
+        if local is not None:
+            await local.stop()
 
 
 async def test_get_or_spawn_controller_gives_every_process_the_same_actor(procs: ProcMesh):
@@ -669,7 +671,9 @@ def test_malformed_points_and_proc_meshes_are_refused():
 
 async def test_an_endpoint_error_names_the_call_first(procs: ProcMesh):
     doomed = procs.spawn("named_call", Doomed, actors.Channel[str].open()[0]).slice(procs=0)
-    with pytest.raises(ActorError, match=r"^Actor call named_call\.ordinary failed: ValueError: a bad argument") as info:
+    with pytest.raises(
+        ActorError, match=r"^Actor call named_call\.ordinary failed: ValueError: a bad argument"
+    ) as info:
         await doomed.ordinary.call_one()
     assert info.value.method == "ordinary" and info.value.exception_type == "ValueError"
 

@@ -109,4 +109,3 @@ def test_a_caller_without_a_loop_blocks_with_a_deadline(monkeypatch):
             Channel.open()[1].recv().get(timeout=0.2)
     finally:
         procs.stop().get()
-

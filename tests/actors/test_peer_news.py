@@ -10,7 +10,6 @@ import os
 import select
 import signal
 import subprocess
-import weakref
 from types import SimpleNamespace
 from typing import Any
 
@@ -18,6 +17,7 @@ import pytest
 
 from actors import DecodeError
 from actors._runtime._core import runtime
+from actors._shared._liveness import ProcRef
 from actors._shared._session import write_incarnation
 from actors._transport._peer_news import PeerNews
 from actors._transport._registry import Registry
@@ -29,17 +29,16 @@ OWNER = Header("tcp://10.255.0.1:40000", 4242)
 
 
 class FakeRuntime:
-    """What PeerNews uses of a runtime: a registry, routes, and a send that records instead of sending."""
+    """A Newsroom (what PeerNews uses of a runtime) whose send records instead of sending."""
 
     def __init__(self, registry: Registry, address: str = "ipc:///nowhere/c1.sock") -> None:
         self.registry = registry
         self.address = address
         self.closed = False
-        self.routes: dict[Any, Any] = {}
-        self.inbox = SimpleNamespace(on=lambda kind, handler: self.routes.__setitem__(kind, handler))
+        self.routes: dict[Any, Any] = {}  # record type -> handler, as the runtime's inbox routes them
         self.sent: list[tuple[str, Any]] = []
-        self.meshes: dict[str, Any] = {}  # the processes this one spawned, by address
-        self.server: Any = None  # a worker's: ``server.owner`` is the process that spawned it
+        self.children: list[str] = []  # the processes this one spawned, by address, in order
+        self.owner_ref: ProcRef | None = None  # a worker's: the process that spawned it
 
     def send(self, ref: Any, record: Any, *, urgent: bool) -> None:
         self.sent.append((ref.address, record))
@@ -47,12 +46,24 @@ class FakeRuntime:
     def relocate(self, ref: Any, address: str, remote: bool | None = None) -> None:
         self.registry.relocate(ref, address, remote)
 
+    def owns(self, address: str) -> bool:
+        return address in self.children
+
+    def spawned(self) -> list[str]:
+        return list(self.children)
+
+    def owner(self) -> ProcRef | None:
+        return self.owner_ref
+
 
 @pytest.fixture
 def news(tmp_path):
     registry = Registry(str(tmp_path), os.getpid())
     rt = FakeRuntime(registry)
-    yield SimpleNamespace(news=PeerNews(rt), rt=rt, registry=registry)  # type: ignore[arg-type]
+    peer_news = PeerNews(rt)
+    rt.routes = {ProcessLost: peer_news.on_lost, ProcessRestarted: peer_news.on_restarted}  # as Runtime wires it
+    registry.seen_deaths.connect(peer_news.seen_dying)
+    yield SimpleNamespace(news=peer_news, rt=rt, registry=registry)
     registry.close()
 
 
@@ -77,7 +88,7 @@ def test_the_records_round_trip_and_malformed_ones_are_refused():
 def test_news_of_a_remote_death_marks_it_dead_once(news):
     rt, registry = news.rt, news.registry
     deaths: list[Any] = []
-    registry.death_listeners.append(deaths.append)
+    registry.deaths.connect(deaths.append)
     far = registry.proc(FAR, 77)
     assert far.remote, "a tcp host that is not this machine's"
     rt.routes[ProcessLost](ProcessLost(FAR, "killed by SIGKILL", 0), [], OWNER, 0)
@@ -110,7 +121,7 @@ def test_a_restart_elsewhere_moves_every_handle_to_the_new_address(news):
 def test_a_restart_news_without_the_death_first_still_fails_what_waited_on_the_old_process(news):
     rt, registry = news.rt, news.registry
     deaths: list[Any] = []
-    registry.death_listeners.append(deaths.append)
+    registry.deaths.connect(deaths.append)
     far = registry.proc(FAR, 77)
     rt.routes[ProcessRestarted](ProcessRestarted(FAR, FAR, 1), [], OWNER, 0)  # same address, same host
     assert deaths == [far], "calls in flight to the old process fail"
@@ -120,7 +131,7 @@ def test_a_restart_news_without_the_death_first_still_fails_what_waited_on_the_o
 def test_a_replacement_that_spoke_before_its_restart_news_is_not_failed_again(news):
     rt, registry = news.rt, news.registry
     deaths: list[Any] = []
-    registry.death_listeners.append(deaths.append)
+    registry.deaths.connect(deaths.append)
     far = registry.proc(FAR, 77)
     rt.routes[ProcessLost](ProcessLost(FAR, "its node was lost", 0), [], OWNER, 0)
     assert registry.proc(FAR, 91) is far and not far.dead, "its first message, from a new pid, revives the handle"
@@ -179,7 +190,7 @@ SENDER = Header("tcp://10.255.0.21:40000", 4343)
 def spawned(news: Any, *addresses: str) -> None:
     for address in addresses:
         news.registry.proc(address, None)
-        news.rt.meshes[address] = object()  # (a proc mesh: only its key is read)
+        news.rt.children.append(address)
 
 
 def told(news: Any) -> list[tuple[str, Any]]:
@@ -219,7 +230,7 @@ def test_news_of_this_process_itself_is_not_passed_down(news):
 def test_news_arriving_twice_is_applied_and_passed_down_once(news):
     rt, registry = news.rt, news.registry
     deaths: list[Any] = []
-    registry.death_listeners.append(deaths.append)
+    registry.deaths.connect(deaths.append)
     far = registry.proc(FAR, 77)
     spawned(news, SPAWNED)
     lost = ProcessLost(FAR, "its node was lost", 0)
@@ -320,7 +331,7 @@ def test_a_death_seen_here_of_a_process_this_one_owns_is_told_once(news, sleeper
     spawned(news, SPAWNED)
     peer = sleepers()
     mine = registry.proc(HERE_TCP, peer.pid)
-    rt.meshes[HERE_TCP] = object()  # one of ours: the owner's death listener tells everyone (``lost``)
+    rt.children.append(HERE_TCP)  # one of ours: the owner's death listener tells everyone (``lost``)
     see_die(registry, peer)
     assert mine.dead and told(news) == []
 
@@ -396,7 +407,7 @@ def test_a_restart_does_not_take_the_old_pid_back_from_a_stale_record(news, slee
 def test_a_peer_here_restarted_elsewhere_lets_go_of_its_old_pid(news, sleepers):
     rt, registry = news.rt, news.registry
     deaths: list[Any] = []
-    registry.death_listeners.append(deaths.append)
+    registry.deaths.connect(deaths.append)
     old = sleepers()  # still running: its host was lost to its owner, not to this process
     subject = "tcp://127.0.0.1:45006"
     here = registry.proc(subject, old.pid)
@@ -428,7 +439,7 @@ def test_news_of_a_new_process_at_a_dead_one_s_address_is_not_stale(news):
 def test_news_goes_up_to_this_process_owner_too_but_not_back_to_whoever_told_it(news):
     rt, registry = news.rt, news.registry
     owner = registry.proc(ELSEWHERE, 66)
-    rt.server = SimpleNamespace(owner=owner)  # a worker: the process that spawned it is a neighbour too
+    rt.owner_ref = owner  # a worker: the process that spawned it is a neighbour too
     spawned(news, SPAWNED)
     lost = ProcessLost(FAR, "its node was lost", 0)
     rt.routes[ProcessLost](lost, [], SENDER, 0)  # from a process this one spawned... or any other
@@ -466,17 +477,20 @@ def test_the_runtime_moves_its_meshes_and_links_with_the_process():
     class Mesh:
         pass
 
-    mesh = Mesh()
-    rt.meshes[FAR] = mesh
-    rt.actor_supervisors[(FAR, "gen")] = mesh
+    mesh, actors = Mesh(), Mesh()
+    routes = rt.mesh_routes
+    routes.own(FAR, mesh)  # type: ignore[arg-type]
+    routes.supervise(FAR, "gen", actors)  # type: ignore[arg-type]
     try:
         rt.relocate(ref, ELSEWHERE)
-        assert rt.meshes.get(ELSEWHERE) is mesh and FAR not in rt.meshes
-        assert rt.actor_supervisors.get((ELSEWHERE, "gen")) is mesh and (FAR, "gen") not in rt.actor_supervisors
+        assert rt.owns(ELSEWHERE) and not rt.owns(FAR)
+        assert routes._by_process.get(ELSEWHERE) is mesh
+        assert routes._by_actor.get((ELSEWHERE, "gen")) is actors and (FAR, "gen") not in routes._by_actor
         assert FAR not in rt.outbox.links
     finally:
-        rt.meshes.pop(ELSEWHERE, None)
-        rt.actor_supervisors.pop((ELSEWHERE, "gen"), None)
+        routes._by_process.pop(ELSEWHERE, None)
+        routes._by_actor.pop((ELSEWHERE, "gen"), None)
         rt.registry.procs.pop(ELSEWHERE, None)
         rt.registry.moved.pop(FAR, None)
-    assert isinstance(rt.meshes, weakref.WeakValueDictionary)
+    del mesh, actors
+    assert not rt.owns(ELSEWHERE), "the routes are weak: a mesh nobody holds hears nothing"

@@ -41,8 +41,6 @@ def test_importing_actors_changes_no_global_state(tmp_path):
     assert out.returncode == 0 and out.stdout.strip() == "unchanged", out.stdout + out.stderr
 
 
-
-
 def test_meshes_left_running_at_exit_stop_quietly(tmp_path):
     before = actor_pids()
     out = run_script(

@@ -15,7 +15,7 @@ from actors._transport._registry import Registry
 def test_a_peer_whose_pid_appears_later_is_watched_and_its_death_seen(tmp_path):
     registry = Registry(str(tmp_path), os.getpid())
     deaths = []
-    registry.death_listeners.append(deaths.append)
+    registry.deaths.connect(deaths.append)
     address = f"ipc://{tmp_path}/w1-0.sock"
     ref = registry.proc(address, None)
     assert ref.pid is None and ref in registry.unresolved
@@ -51,7 +51,7 @@ def test_a_pid_that_cannot_be_opened_counts_as_dead(tmp_path, monkeypatch):
     """A forged or foreign pid (pidfd_open fails with any OSError) is reported dead, never raised."""
     registry = Registry(str(tmp_path), os.getpid())
     deaths = []
-    registry.death_listeners.append(deaths.append)
+    registry.deaths.connect(deaths.append)
 
     def refuse(pid: int) -> int:
         raise FileNotFoundError(2, "No such file or directory")

@@ -264,7 +264,9 @@ async def test_dead_consumer_frees_its_slot(procs):
         manifest = publisher.publish(filled_model(1.0), 1)
         pid = await sink.hold.call_one(manifest)
         os.kill(pid, signal.SIGKILL)
-        again = await publisher.publish_async(filled_model(2.0), 2)  # waits, loop running, for the kernel to drop the lock
+        again = await publisher.publish_async(
+            filled_model(2.0), 2
+        )  # waits, loop running, for the kernel to drop the lock
         assert again.handle == manifest.handle
 
 

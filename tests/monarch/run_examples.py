@@ -64,8 +64,7 @@ def run_once(path: str, timeout: float) -> dict[str, object]:
     )
     wall = time.monotonic() - started
     marks = dict(
-        (m.group(2), float(m.group(1)))
-        for m in re.finditer(r"\[run_monarch_examples\] ([0-9.]+) (\S+)", proc.stdout)
+        (m.group(2), float(m.group(1))) for m in re.finditer(r"\[run_monarch_examples\] ([0-9.]+) (\S+)", proc.stdout)
     )
     row: dict[str, object] = {"returncode": proc.returncode, "wall_s": round(wall, 3)}
     if "spawn" in marks and "first-answer" in marks:

@@ -107,7 +107,9 @@ def test_the_completion_ends_at_the_end_token_and_text_leaves_it_out(model_and_t
     with torch.no_grad():  # make the end token the likeliest everywhere
         model.lm_head.weight[eos] += 50.0
     try:
-        out = engine_class(model, tokenizer).generate([tokenizer("ab=")["input_ids"]], SamplingParams(6, temperature=0.0))
+        out = engine_class(model, tokenizer).generate(
+            [tokenizer("ab=")["input_ids"]], SamplingParams(6, temperature=0.0)
+        )
     finally:
         with torch.no_grad():
             model.lm_head.weight[eos] -= 50.0
@@ -160,7 +162,10 @@ def test_a_reward_that_cannot_load_names_itself(tmp_path, body, spec, message):
 @pytest.mark.parametrize(
     "body, message",
     [
-        ("def r(prompts, completions, **kw):\n    raise ValueError('bad row')\n", r"r \(.*\) raised ValueError: bad row"),
+        (
+            "def r(prompts, completions, **kw):\n    raise ValueError('bad row')\n",
+            r"r \(.*\) raised ValueError: bad row",
+        ),
         ("def r(prompts, completions, **kw):\n    return [1.0]\n", "returned 1 values for 2 completions"),
         ("def r(prompts, completions, **kw):\n    return ['x', 'y']\n", "returned a str among its rewards"),
         ("import asyncio\nasync def r(prompts, completions, **kw):\n    await asyncio.Event().wait()\n", "longer than"),

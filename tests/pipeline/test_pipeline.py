@@ -277,7 +277,9 @@ async def test_a_role_failing_because_a_peer_died_is_not_named_for_it():
     from pipeline.failures import first_failure as _first_failure
 
     async def generator() -> None:
-        raise ActorError("actors._shared._errors.PortClosed", "the receiver of port 1 (pid 7) has exited", actor="generator")
+        raise ActorError(
+            "actors._shared._errors.PortClosed", "the receiver of port 1 (pid 7) has exited", actor="generator"
+        )
 
     async def scorer(peer: asyncio.Task[None]) -> None:
         await asyncio.wait([peer])  # its death is seen just after the generator's knock-on failure

@@ -1,0 +1,82 @@
+"""An actor as the supervisor of what it spawned: its ``__supervise__`` is offered their failures.
+
+An ``async def __supervise__`` runs as a task on this loop; until it
+answers the failure counts as handled, and a false answer escalates it
+then. A ``__supervise__`` that raises, or a failure left unhandled, fails
+the supervising actor itself (as in Monarch).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import TYPE_CHECKING
+
+from .._runtime._context import actor_context
+from .._shared._errors import SupervisionError, actor_failed
+from .._wire._records import SUPERVISION, ErrorRecord
+from ._failure_reports import FailureReports
+from ._lifecycle import Lifecycle
+from ._slots import SlotTable
+
+if TYPE_CHECKING:
+    from .._runtime._supervision import Failure
+
+__all__ = ["ChildSupervision"]
+
+
+class ChildSupervision:
+    """Offers failures of spawned meshes to the spawning actor's ``__supervise__``, and escalates what it leaves."""
+
+    def __init__(self, slots: SlotTable, reports: FailureReports, lifecycle: Lifecycle) -> None:
+        self._slots = slots
+        self._reports = reports
+        self._lifecycle = lifecycle
+
+    def supervise(self, actor: str, failure: Failure) -> bool:
+        """Offer ``failure`` to the ``__supervise__`` of ``actor`` (hosted here); True if handled (or pending)."""
+        slot = self._slots.get(actor)
+        if slot is None or slot.instance is None:
+            return False
+        token = actor_context.set(slot.context)
+        try:
+            verdict = slot.instance.__supervise__(failure)
+        except Exception as exc:
+            self.escalate(actor, failure, exc)
+            return True
+        finally:
+            actor_context.reset(token)
+        if not inspect.isawaitable(verdict):
+            return bool(verdict)
+
+        async def settle() -> None:
+            try:
+                handled = bool(await verdict)
+            except BaseException as exc:  # a CancelledError it raised itself, too, unless the actor is stopping
+                if slot.stopping:
+                    return
+                self.escalate(actor, failure, exc)
+                return
+            if not handled:
+                self.escalate(actor, failure)
+
+        token = actor_context.set(slot.context)
+        try:
+            task = self._lifecycle.loop.create_task(settle())
+        finally:
+            actor_context.reset(token)
+        slot.track(task)
+        return True
+
+    def escalate(self, actor: str, failure: Failure, raised: BaseException | None = None) -> None:
+        """A failure of what ``actor`` spawned went unhandled (or its ``__supervise__`` raised): ``actor`` fails."""
+        if raised is not None:
+            cause = f"__supervise__ raised {type(raised).__name__}: {raised} while handling {failure}"
+        else:
+            cause = f"__supervise__ left a failure of an actor it spawned unhandled: {failure}"
+        record = ErrorRecord(SUPERVISION, cause, failure.traceback)
+        slot = self._slots.get(actor)
+        if slot is None:  # already gone: its owner still hears of it
+            self._reports.report(actor, 0, "__supervise__", record)
+            return
+        exc = SupervisionError(actor_failed(actor, slot.rank, cause))
+        self._lifecycle.kill(slot, "__supervise__", cause, record, exc)

@@ -1,0 +1,220 @@
+"""An actor's life in a worker: constructed, failed for good, stopped (with what it spawned), and the worker's end.
+
+Stopping follows Monarch's order: the actor's running calls are cancelled,
+then its ``__cleanup__(exc)`` runs, then what it spawned is stopped, newest
+first. An actor fails for good when an endpoint raises a ``BaseException``
+that is not an ``Exception``, when an explicit-port endpoint raises instead
+of answering, when it aborts, or when a failure of what it spawned is left
+unhandled: its supervisor is told, then it is stopped, and its calls raise
+:class:`~actors.SupervisionError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+import traceback
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from .._runtime._actor_host import Stoppable
+from .._runtime._context import actor_context
+from .._runtime._core import Runtime
+from .._shared._errors import SupervisionError, actor_failed
+from .._shared._names import shown
+from .._wire import _refs
+from .._wire._records import SUPERVISION, ErrorRecord
+from ._actor import Actor, check_actor_class, endpoints_of, is_sync_actor
+from ._failure_reports import FailureReports
+from ._invocation import Invocation
+from ._slots import ActorSlot, SlotTable
+
+__all__ = ["CLEANUP_TIMEOUT", "Lifecycle"]
+
+log = logging.getLogger("actors")
+
+#: Default bound on an actor's ``__cleanup__`` when stopping.
+CLEANUP_TIMEOUT = 10.0
+#: How long a proc mesh's own stop steps may take, beyond the cleanup bound, when an owner stops it.
+CHILD_STOP_GRACE = 7.0
+
+
+class Lifecycle:
+    """Constructs this worker's actors, fails and stops them, and ends the worker."""
+
+    def __init__(
+        self, rt: Runtime, slots: SlotTable, reports: FailureReports, retitle: Callable[[list[str]], None]
+    ) -> None:
+        self._rt = rt
+        self.loop = asyncio.get_running_loop()
+        self._slots = slots
+        self._reports = reports
+        self._retitle_to = retitle
+        #: Set once every actor has stopped and the worker may exit.
+        self.finished = asyncio.Event()
+        self.stopping = False
+        #: Ending for SIGTERM or the owner's death (not a stop request): cancelled calls go unanswered.
+        self.ending = False
+        self._last: list[Stoppable] = []  # stopped after every actor (controllers this worker spawned)
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def background(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run ``coro`` as a task of the worker (kept referenced until it ends)."""
+        task = self.loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def spawn(self, inv: Invocation, name: str, class_ref: str, extent: dict[str, int], ctor: bytes) -> ActorSlot:
+        """Construct actor ``name`` and answer ``inv``; the slot (failed if construction raised)."""
+        if name in self._slots.actors:
+            raise ValueError(f"an actor named {shown(name)!r} already exists in this process")
+        self._slots.stopped.discard(name)
+        slot = ActorSlot(name, inv.call.rank, dict(extent), class_ref)
+        slot.supervisor = self._rt.registry.proc(inv.call.reply_to, inv.call.reply_pid)
+        slot.backlog = self._slots.waiting.pop(name, [])
+        self._slots.actors[name] = slot
+        token = actor_context.set(slot.context)
+        try:
+            cls = _refs.resolve(class_ref, allow_import=True)
+            if not (isinstance(cls, type) and issubclass(cls, Actor)):
+                raise TypeError(f"{class_ref} is not an Actor subclass")
+            check_actor_class(cls)
+            args, kwargs = self._rt.inbox.decoder.decode(ctor, inv.frames)
+            slot.endpoints = endpoints_of(cls)
+            if is_sync_actor(cls):  # constructed where its endpoints will run: thread-locals stay valid
+                slot.instance = await slot.run_sync(self.loop, functools.partial(cls, *args, **kwargs))
+            else:
+                slot.instance = cls(*args, **kwargs)
+        except BaseException as exc:
+            slot.error = ErrorRecord.of(exc, traceback.format_exc(), spawn_failed=True)
+            log.error(
+                "could not construct actor %s[%d]: %s: %s",
+                shown(name),
+                slot.rank,
+                slot.error.type_name,
+                slot.error.message,
+            )
+            inv.reply(self._rt, False, slot.error)
+            self._reports.report(name, slot.rank, "__init__", slot.error)  # a supervision event, as in Monarch
+        else:
+            inv.reply(self._rt, True, None)
+        finally:
+            actor_context.reset(token)
+        self._retitle()
+        return slot
+
+    def _retitle(self) -> None:
+        self._retitle_to(self._slots.titles())
+
+    def kill(
+        self,
+        slot: ActorSlot,
+        method: str,
+        why: str,
+        record: ErrorRecord,
+        exc: BaseException,
+        inv: Invocation | None = None,
+    ) -> None:
+        """The actor failed itself (as in Monarch): it is gone for good.
+
+        Its supervisor is told first; then ``inv``, every call still running
+        and every later one raise :class:`SupervisionError`; the actor is
+        stopped (``__cleanup__``, what it spawned).
+        """
+        if slot.error is None:
+            failed = actor_failed(slot.name, slot.rank, why)
+            slot.error = ErrorRecord(SUPERVISION, failed, record.traceback)
+            log.error("%s\n%s", failed, record.traceback.rstrip())
+            told = ErrorRecord(record.type_name, actor_failed(slot.name, slot.rank, record.message), record.traceback)
+            self._reports.report(slot.name, slot.rank, method, told)
+            self.background(self.stop_slot(slot, exc, CLEANUP_TIMEOUT))
+        if inv is not None and inv.wants_reply:
+            inv.reply(self._rt, False, slot.error)
+
+    def abort(self, actor: str, reason: str) -> None:
+        """``Instance.abort``: fail ``actor`` with ``reason``."""
+        slot = self._slots.get(actor)
+        if slot is None:
+            return
+        why = f"{type(slot.instance).__qualname__} {shown(actor)}[{slot.rank}] aborted: {reason}"
+        self.kill(slot, "abort", why, ErrorRecord("ActorAborted", why), SupervisionError(why))
+
+    async def stop_actor(self, name: str, timeout: float = CLEANUP_TIMEOUT) -> None:
+        slot = self._slots.actors.pop(name, None)
+        self._slots.stopped.add(name)
+        if slot is not None:
+            await self.stop_slot(slot, None, timeout)
+            self._retitle()
+
+    async def stop_all(self, timeout: float = CLEANUP_TIMEOUT, exc: BaseException | None = None) -> None:
+        """Stop every actor, then what the worker itself spawned to outlive them (its controllers)."""
+        self.stopping = True
+        slots = list(self._slots.actors.values())
+        self._slots.actors.clear()
+        await asyncio.gather(*(self.stop_slot(slot, exc, timeout) for slot in slots))
+        while self._last:
+            await self._stop_child(self._last.pop(), timeout, "this worker")
+
+    async def stop_slot(self, slot: ActorSlot, exc: BaseException | None, timeout: float) -> None:
+        """Stop ``slot`` once; a second stop (a failed actor stops itself) waits for the first."""
+        if slot.stop_task is None:
+            slot.stopping = True
+            slot.stop_task = self.loop.create_task(self._run_stop(slot, exc, timeout))
+        await asyncio.shield(slot.stop_task)
+
+    async def _run_stop(self, slot: ActorSlot, exc: BaseException | None, timeout: float) -> None:
+        """Cancel its running calls, then ``__cleanup__(exc)``, then stop what it spawned (Monarch's order)."""
+        for task in list(slot.tasks):
+            task.cancel()
+        if slot.tasks:
+            await asyncio.wait(list(slot.tasks), timeout=1.0)
+        cleanup = getattr(slot.instance, "__cleanup__", None)
+        if cleanup is not None:
+            token = actor_context.set(slot.context)
+            try:
+                if slot.thread is not None and not inspect.iscoroutinefunction(cleanup):
+                    result = slot.run_sync(self.loop, functools.partial(cleanup, exc))  # on the actor's thread
+                else:
+                    result = cleanup(exc)
+                if inspect.isawaitable(result):
+                    await asyncio.wait_for(result, timeout)
+            except Exception:
+                log.exception("__cleanup__ of %s[%d] failed", shown(slot.name), slot.rank)
+            finally:
+                actor_context.reset(token)
+        while slot.children:  # newest first (as Monarch does when an owner stops)
+            await self._stop_child(slot.children.pop(), timeout, f"{shown(slot.name)}[{slot.rank}]")
+        slot.close()
+
+    async def _stop_child(self, child: Stoppable, timeout: float, spawner: str) -> None:
+        try:
+            await asyncio.wait_for(child.stop(), timeout + CHILD_STOP_GRACE)
+        except Exception:
+            log.exception("could not stop %r, spawned by %s", child, spawner)
+
+    def adopt(self, actor: str, child: Stoppable) -> None:
+        """Record that ``actor`` spawned ``child``: it stops with the actor."""
+        slot = self._slots.get(actor)
+        if slot is not None:
+            slot.children.append(child)
+
+    def stop_last(self, child: Stoppable) -> None:
+        """Stop ``child`` when this worker stops, after every actor has stopped."""
+        self._last.append(child)
+
+    def shutdown(self, reason: str) -> None:
+        """Stop every actor quickly and end the process (SIGTERM, owner death): an ordinary end, not logged loudly."""
+        if self.stopping:
+            return
+        self.stopping = self.ending = True
+        log.info("stopping: %s", reason)
+
+        async def stop() -> None:
+            try:
+                await self.stop_all(timeout=0.5)
+            finally:
+                self.finished.set()
+
+        self.background(stop())

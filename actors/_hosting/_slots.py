@@ -1,0 +1,86 @@
+"""The actors a worker hosts: one :class:`ActorSlot` each, in the server's :class:`SlotTable`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._runtime._actor_host import Stoppable
+from .._runtime._context import ActorContext
+from .._shared._liveness import ProcRef
+from .._shared._names import shown
+from .._wire._records import ErrorRecord
+from ._actor import Endpoint
+from ._invocation import Invocation
+
+__all__ = ["ActorSlot", "SlotTable"]
+
+
+@dataclass
+class ActorSlot:
+    """One actor hosted in this process."""
+
+    name: str
+    rank: int
+    extent: dict[str, int]
+    class_ref: str = ""
+    instance: Any = None
+    error: ErrorRecord | None = None
+    endpoints: dict[str, Endpoint[Any, Any]] = field(default_factory=dict)
+    tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+    backlog: list[Invocation] = field(default_factory=list)
+    stopping: bool = False
+    #: The one run of its stop (``__cleanup__``, its calls, its children), once begun.
+    stop_task: asyncio.Task[None] | None = None
+    #: Who spawned it: its failures are reported there (as in Monarch; None: this process's owner).
+    supervisor: ProcRef | None = None
+    #: What it spawned (proc meshes, actor meshes on proc meshes it was given): stopped when it stops.
+    children: list[Stoppable] = field(default_factory=list)
+    #: A synchronous actor's own thread: its ``def`` endpoints run there, one message at a time.
+    thread: ThreadPoolExecutor | None = None
+
+    @property
+    def context(self) -> ActorContext:
+        return ActorContext(self.name, self.rank, self.extent, self.class_ref)
+
+    def context_for(self, message_rank: int) -> ActorContext:
+        return ActorContext(self.name, self.rank, self.extent, self.class_ref, message_rank)
+
+    def run_sync(self, loop: asyncio.AbstractEventLoop, call: Callable[[], Any]) -> asyncio.Future[Any]:
+        """Run ``call`` on this actor's own thread, after the calls queued before it."""
+        if self.thread is None:
+            self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"actor-{shown(self.name)}")
+        return loop.run_in_executor(self.thread, contextvars.copy_context().run, call)
+
+    def track(self, task: asyncio.Task[Any]) -> None:
+        """``task`` runs for this actor: it is cancelled when the actor stops."""
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def close(self) -> None:
+        if self.thread is not None:
+            self.thread.shutdown(wait=False, cancel_futures=True)
+
+
+class SlotTable:
+    """The actors of this process by name, the calls waiting for actors not spawned yet, and the names stopped."""
+
+    __slots__ = ("actors", "stopped", "waiting")
+
+    def __init__(self) -> None:
+        self.actors: dict[str, ActorSlot] = {}
+        #: Calls that arrived before their actor's spawn, by actor name.
+        self.waiting: dict[str, list[Invocation]] = {}
+        #: Actors stopped here: later calls to them are refused, not kept waiting.
+        self.stopped: set[str] = set()
+
+    def get(self, name: str) -> ActorSlot | None:
+        return self.actors.get(name)
+
+    def titles(self) -> list[str]:
+        """Each hosted actor as ``name[rank]``, for the process title."""
+        return [f"{shown(name)}[{slot.rank}]" for name, slot in self.actors.items()]
