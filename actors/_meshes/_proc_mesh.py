@@ -1,8 +1,10 @@
 """``ProcMesh``: a group of actor processes; spawn actors on it, restart them, stop them.
 
 The process that spawned a proc mesh is its *owner*: it hears of each of its
-processes' deaths and of each failure its actors report, and offers them to
-the supervisors (:mod:`actors._runtime._supervision`).
+processes' deaths and of each failure its actors report, through the mesh's
+:class:`~._mesh_supervisor.MeshSupervisor` (failures, fault, restarts);
+stopping follows :func:`~._proc_stop.stop_steps`. The mesh itself is the
+handle: spawn, ask, stop.
 """
 
 from __future__ import annotations
@@ -10,8 +12,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import os
-import signal
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -22,17 +22,18 @@ from .._runtime._context import actor_context
 from .._runtime._core import Runtime, runtime
 from .._runtime._future import Future
 from .._runtime._pending_calls import PendingCall
-from .._runtime._supervision import Failure, FailureHandler, escalate_to_controller, offer
+from .._runtime._supervision import Failure, FailureHandler
 from .._runtime._value_mesh import extent_from_wire
-from .._shared._errors import ActorDied, CallTimeout, DecodeError, SupervisionError
+from .._shared._errors import CallTimeout, DecodeError, SupervisionError
 from .._shared._liveness import ProcRef, new_incarnation
-from .._shared._names import shown, wire_name
-from .._shared._restart import RestartBudget, RestartPolicy
-from .._shared._session import incarnation_path, remove_socket_file
+from .._shared._names import wire_name
+from .._shared._restart import RestartPolicy
 from .._wire import _refs
 from .._wire._codec import register_handle
 from .._wire._records import PROCESS_ACTOR
 from ._actor_mesh import ActorMesh
+from ._mesh_supervisor import MeshSupervisor
+from ._proc_stop import StopStep, stop_steps
 
 __all__ = ["ProcMesh"]
 
@@ -57,31 +58,30 @@ class ProcMesh:
         self._name = name
         #: How the placer ends a process on another host that ignored the stop (its pid means nothing here).
         self._kill_remote = kill
-        self._budget = RestartBudget(restart or RestartPolicy())
-        self._respawn = respawn
         #: ``(name, class_ref, args, kwargs)`` of every spawn, replayed into a restarted process.
         self._spawned: list[tuple[str, str, tuple[Any, ...], dict[str, Any]]] = []
-        #: How many times each rank's process has been restarted.
-        self.restarts = [0] * len(procs)
         self._extent = dict(extent)
         self._procs = procs
         self._actors: dict[str, ActorMesh[Any]] = {}
-        self._stopping = False
         self._stopped = False
-        self._handlers: list[FailureHandler] = []
-        self.failures: list[Failure] = []
-        #: The actor that spawned this mesh (None in the controller): its ``__supervise__`` is asked.
         context = actor_context.get()
-        self._owner_actor = context.name if context is not None else None
-        self._fault: SupervisionError | None = None
+        self.supervisor = MeshSupervisor(
+            procs,
+            context.name if context is not None else None,
+            restart,
+            respawn,
+            self._replay_spawns,
+            lambda: list(self._actors),
+        )
         self._owned = owned
         rt = runtime()
         if owned:  # a handle received from elsewhere (or this_proc()) supervises nothing
             for ref in procs:
-                rt.mesh_routes.own(ref.address, self)
+                rt.mesh_routes.own(ref.address, self.supervisor)
                 ref.incarnation = new_incarnation(ref)
-            if self._owner_actor is not None and rt.server is not None:
-                rt.server.adopt(self._owner_actor, self)  # stopped when that actor stops
+            owner_actor = self.supervisor.owner_actor
+            if owner_actor is not None and rt.server is not None:
+                rt.server.adopt(owner_actor, self)  # stopped when that actor stops
 
     def __repr__(self) -> str:
         return f"<ProcMesh {self._name} {self._extent}>"
@@ -113,7 +113,7 @@ class ProcMesh:
         The result is an :class:`ActorMesh`, typed as the actor class so that
         its endpoints carry their signatures (as in Monarch).
         """
-        if self._stopping:
+        if self.supervisor.stopping:
             raise RuntimeError(f"`ProcMesh` {self._name!r} has already been stopped")
         if not (isinstance(actor_class, type) and issubclass(actor_class, Actor)):
             raise TypeError(f"spawn() needs an Actor subclass, not {actor_class!r}")
@@ -136,7 +136,7 @@ class ProcMesh:
         self._spawned.append((name, class_ref, args, kwargs))
         if not self._owned:  # this process spawned them: their failures come here, not to the procs' owner
             for ref in self._procs:
-                rt.mesh_routes.supervise(ref.address, name, self)
+                rt.mesh_routes.supervise(ref.address, name, self.supervisor)
             spawner = actor_context.get()
             if spawner is not None and rt.server is not None:
                 rt.server.adopt(spawner.name, mesh)  # stopped when the spawning actor stops
@@ -198,77 +198,32 @@ class ProcMesh:
 
     def add_failure_handler(self, handler: FailureHandler) -> None:
         """Offer ``handler(failure)`` each failure of this mesh's actors; a true return handles it."""
-        self._handlers.append(handler)
+        self.supervisor.handlers.append(handler)
 
     @property
     def stopping(self) -> bool:
         """Whether :meth:`stop` has begun (deaths from then on are expected, not failures)."""
-        return self._stopping
+        return self.supervisor.stopping
 
     @property
     def fault(self) -> SupervisionError | None:
         """The unhandled failure that faulted this mesh, if any (later calls raise it)."""
-        return self._fault
+        return self.supervisor.fault
 
-    def report(self, failure: Failure, handled: bool = False) -> None:
-        """Offer ``failure`` to every supervisor; escalate it if none handled it."""
-        self.failures.append(failure)
+    @property
+    def failures(self) -> list[Failure]:
+        """Every failure reported to this mesh so far."""
+        return self.supervisor.failures
+
+    @property
+    def restarts(self) -> list[int]:
+        """How many times each rank's process has been restarted."""
+        return self.supervisor.restarts
+
+    def _replay_spawns(self, rank: int, ref: ProcRef) -> None:
+        """Construct every actor of this mesh again in the restarted process of ``rank``."""
         rt = runtime()
-        handled = offer(failure, [*self._handlers, *rt.mesh_routes.handlers]) or handled
-        server = rt.server
-        if self._owner_actor is not None and server is not None:
-            handled = server.supervise(self._owner_actor, failure) or handled
-        if handled or self._stopping:
-            return
-        if self._owner_actor is not None and server is not None:
-            server.escalate(self._owner_actor, failure)
-        elif self._fault is None:
-            self._fault = escalate_to_controller(failure)
-
-    def on_death(self, ref: ProcRef) -> None:
-        """One of this mesh's processes died: restart it if the policy allows, and report it."""
-        if self._stopping:
-            return
-        rank = self._procs.index(ref)
-        names = ",".join(shown(name) for name in self._actors) or "(no actors)"
-        pid = ref.pid or 0
-        reason = ref.exit_reason or "process exited"
-        restarting = self._respawn is not None and self._budget.take()
-        if restarting:
-            try:
-                self._restart_rank(rank, ref)
-            except Exception as exc:  # no process could be started: the rank stays dead
-                restarting = False
-                reason += f"; could not restart it: {exc}"
-            else:
-                reason += f"; restarted (restart {self.restarts[rank]} of rank {rank})"
-        else:
-            reason += self._budget.refusal()
-        self.report(Failure(names, rank, pid, "", "ActorDied", reason, restarted=restarting), handled=restarting)
-
-    def _restart_rank(self, rank: int, ref: ProcRef) -> None:
-        """A new process for the dead one, with every actor constructed again.
-
-        The placer starts it at the same address, or at a new one on another
-        host when the old host is lost: handles here follow it at once, and
-        peers on other hosts hear of it (``PeerNews``). In-flight calls
-        already failed with ActorDied; calls made from now on queue for the
-        new process, which runs them once its actors exist.
-        """
-        assert self._respawn is not None
-        rt = runtime()
-        remove_socket_file(ref.address)
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(incarnation_path(rt.dir, ref.address))  # the new pid is written when it forks
-        address = self._respawn(rank, ref)  # raises when no process can be started; then nothing changed
-        old = ref.address
-        rt.registry.revive(ref, None)
-        if address is not None and address != old:
-            rt.relocate(ref, address, remote=ref.remote)
-        self.restarts[rank] += 1
-        ref.incarnation = new_incarnation(ref)
-        rt.news.restarted(old, ref)
-        for name, class_ref, args, kwargs in self._spawned:  # a constructor failing reports itself (__init__)
+        for name, class_ref, args, kwargs in self._spawned:
             self._send_spawn(rt, [(rank, ref)], name, class_ref, args, kwargs)
 
     def stop(self, timeout: float = CLEANUP_TIMEOUT) -> Future[None]:
@@ -290,45 +245,12 @@ class ProcMesh:
 
         return Future(run, run_sync)
 
-    def _stop_plan(self, rt: Runtime, timeout: float) -> Iterator[tuple[Callable[[], bool], float]]:
+    def _stop_plan(self, rt: Runtime, timeout: float) -> Iterator[StopStep]:
         """The stop sequence as (condition, time limit) steps, for async and sync waiting alike."""
         if self._stopped:
             return
-        self._stopping = True
-        procs = self._procs
-
-        def all_dead() -> bool:
-            return all(ref.dead for ref in procs)
-
-        alive = [(rank, ref) for rank, ref in enumerate(procs) if not ref.dead]
-        pending = None
-        if alive:
-            with contextlib.suppress(ActorDied):
-                pending = rt.driver.on_thread(
-                    lambda: send_call(
-                        rt, alive, PROCESS_ACTOR, "stop", encode_arguments(rt, (timeout,), {}), want_reply=True
-                    )
-                )
-        if pending is not None:
-            yield (lambda: pending.done or all_dead()), timeout + 2.0
-        yield all_dead, 3.0
-        registry = rt.registry
-        for ref in procs:
-            if ref.dead:
-                continue
-            if ref.remote:  # never os.kill another host's pid: it names some process of this one
-                if self._kill_remote is not None:
-                    self._kill_remote(ref)
-                continue
-            pid = registry.resolve_pid(ref)
-            if pid is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        yield all_dead, 2.0
-        for ref in procs:
-            remove_socket_file(ref.address)
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(incarnation_path(rt.dir, ref.address))
+        self.supervisor.stopping = True
+        yield from stop_steps(rt, self._procs, timeout, self._kill_remote)
         self._stopped = True
 
     async def __aenter__(self) -> ProcMesh:

@@ -19,7 +19,7 @@ import zmq
 from .._shared._errors import DecodeError
 from .._shared._hooks import Hook
 from .._shared._session import valid_peer_address
-from .._wire._codec import Decoder
+from .._wire._codec import Decoder, WholeBatch
 from .._wire._records import RECORDS, Header, Kind, decode_record
 
 __all__ = ["DropLog", "Inbox"]
@@ -34,6 +34,8 @@ _EVENTS, _POLLIN = zmq.EVENTS, zmq.POLLIN
 
 #: ``handler(record, its buffer frames, sender, size in bytes)``.
 Handler = Callable[[Any, list[Any], Header, int], None]
+#: Delivers the run of PORT records for one port starting at entry ``j`` of a batch; the entry after the run.
+PortRun = Callable[[WholeBatch, int, Header], int]
 
 
 class DropLog:
@@ -81,7 +83,7 @@ class Inbox:
         #: After each message is handled (wakes code waiting for "some progress").
         self.handled: Hook[[]] = Hook("handled messages")
         self._senders: dict[bytes, Header] = {}  # raw header -> checked header
-        self._port_run: Callable[[list[Any], int, Header], int] | None = None
+        self._port_run: PortRun | None = None
 
     def on(
         self,
@@ -89,7 +91,7 @@ class Inbox:
         handler: Handler,
         *,
         raw: bool = False,
-        run: Callable[[list[Any], int, Header], int] | None = None,
+        run: PortRun | None = None,
     ) -> None:
         """Route every record of ``record_type`` (one of ``_wire.RECORDS``) to ``handler``.
 
@@ -136,8 +138,8 @@ class Inbox:
                 self._learn_sender(header)
         return header
 
-    def _dispatch_all(self, items: list[Any], sender: Header) -> None:
-        """Dispatch a batch decoded in one pass: ``items`` is ``[frames, size, record] * n``.
+    def _dispatch_all(self, batch: WholeBatch, sender: Header) -> None:
+        """Dispatch a batch decoded in one pass.
 
         Runs of port messages go to the port handler's run delivery in one
         call (the hot path); every other record is dispatched alone.
@@ -145,19 +147,19 @@ class Inbox:
         routes = self._routes
         no_frames: list[Any] = []
         port_run = self._port_run
-        end = len(items)
-        i = 1
-        while i < end:
-            fields = items[i + 1]
+        frame_counts, sizes, records = batch
+        end = len(records)
+        j = 0
+        while j < end:
+            fields = records[j]
             if port_run is not None and type(fields) is list and len(fields) == 3 and fields[0] == Kind.PORT:
-                after = port_run(items, i, sender)
-                if after > i:
-                    i = after
+                after = port_run(batch, j, sender)
+                if after > j:
+                    j = after
                     continue
-            i += 3
+            size = sizes[j]
             try:
-                size = items[i - 3]
-                if items[i - 4] != 0 or type(size) is not int:
+                if frame_counts[j] != 0 or type(size) is not int:
                     raise DecodeError("malformed batch framing")
                 route = routes.get(fields[0]) if type(fields) is list and fields and type(fields[0]) is int else None
                 if route is None:
@@ -169,6 +171,7 @@ class Inbox:
                 self._drops("a malformed message from %s: %s", sender.address, exc)
             except Exception:
                 log.exception("error while handling a message from %s", sender.address)
+            j += 1
 
     def _handle(self, frames: list[Any]) -> None:
         if len(frames) < 2:
@@ -182,10 +185,10 @@ class Inbox:
         routes = self._routes
         self.dispatching = True
         if len(frames) == 2:  # no buffer frames: the whole batch in one pass when it is clean
-            items = self.decoder.decode_whole(frames[1].buffer)
-            if items is not None:
+            batch = self.decoder.decode_whole(frames[1].buffer)
+            if batch is not None:
                 try:
-                    self._dispatch_all(items, sender)
+                    self._dispatch_all(batch, sender)
                 finally:
                     self.dispatching = False
                 return

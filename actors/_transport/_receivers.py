@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from .._wire._codec import WholeBatch
 from .._wire._records import Attach, Header, Kind, PortMessage
 
 __all__ = ["ReceiverState", "Receivers"]
@@ -124,35 +125,35 @@ class Receivers:
         if waiter is not None:
             state.wake()
 
-    def deliver_run(self, items: list[Any], i: int, sender: Header) -> int:
-        """Queue the run of well-formed PORT records to one open port starting at ``items[i]``.
+    def deliver_run(self, batch: WholeBatch, j: int, sender: Header) -> int:
+        """Queue the run of well-formed PORT records to one open port starting at entry ``j`` of ``batch``.
 
-        ``items`` is a batch decoded in one pass (``[frames, size, record] *
-        n``, ``i`` at a size). Returns the index after the run (``i`` itself if
-        the record there is not for an open port: the caller handles it
-        alone). The receiver is woken once, at the end of the run.
+        Returns the entry after the run (``j`` itself if the record there is
+        not for an open port: the caller handles it alone). The receiver is
+        woken once, at the end of the run.
         """
-        fields = items[i + 1]
+        frame_counts, sizes, records = batch
+        fields = records[j]
         state = self._states.get(fields[1]) if type(fields[1]) is int else None
         if state is None or state.closed is not None:
-            return i
-        port_id, queue, address, end = fields[1], state.queue, sender.address, len(items)
-        while i < end:
-            fields, size = items[i + 1], items[i]
+            return j
+        port_id, queue, address, end = fields[1], state.queue, sender.address, len(records)
+        while j < end:
+            fields, size = records[j], sizes[j]
             if (
                 type(fields) is not list
                 or len(fields) != 3
                 or fields[0] != Kind.PORT
                 or fields[1] != port_id
-                or items[i - 1] != 0
+                or frame_counts[j] != 0
                 or type(size) is not int
             ):
                 break
             queue.append((fields[2], address, size))
-            i += 3
+            j += 1
         if state.waiter is not None:
             state.wake()
-        return i
+        return j
 
     def on_attach(self, record: Attach, frames: list[Any], sender: Header, size: int) -> None:
         state = self._states.get(record.port_id)

@@ -11,7 +11,7 @@ inline.
 
 from __future__ import annotations
 
-from ._decoder import Decoder
+from ._decoder import Decoder, WholeBatch
 from ._encoder import Encoder
 from ._ext import (
     EXT_DATACLASS,
@@ -36,5 +36,6 @@ __all__ = [
     "MAX_PAYLOAD_BYTES",
     "Decoder",
     "Encoder",
+    "WholeBatch",
     "register_handle",
 ]

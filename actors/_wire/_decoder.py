@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import torch
@@ -29,10 +29,25 @@ from ._ext import (
     handle_of_kind,
 )
 
-__all__ = ["Decoder"]
+__all__ = ["Decoder", "WholeBatch"]
 
 
 _unpackb = msgpack.unpackb
+
+
+class WholeBatch(NamedTuple):
+    """A batch decoded in one pass, entry ``j`` of each list describing its ``j``-th record.
+
+    The batch framing puts two uints before each record (its buffer-frame
+    count and its encoded size); they are taken apart here, once, so that
+    no reader indexes the flat stream. Nothing in the framing is checked
+    yet: ``frame_counts[j]`` must be 0 (no buffer frames) and ``sizes[j]``
+    an int, which the dispatcher checks per record.
+    """
+
+    frame_counts: list[Any]
+    sizes: list[Any]
+    records: list[Any]
 
 
 class Decoder:
@@ -134,8 +149,8 @@ class Decoder:
         finally:
             self._frames = []
 
-    def decode_whole(self, payload: Any) -> list[Any] | None:
-        """A batch without buffer frames decoded in one pass: ``[frames, size, record] * n``; None if off.
+    def decode_whole(self, payload: Any) -> WholeBatch | None:
+        """A batch without buffer frames decoded in one pass; None if anything is off.
 
         The batch framing is itself msgpack (two uints before each record), so
         one unpacker walks it at C speed. Any doubt, a malformed record or a
@@ -158,7 +173,8 @@ class Decoder:
             self._frames = []
         if len(items) % 3 or unpacker.tell() != size:
             return None
-        return items  # the caller checks each record's frame count (0) and size (an int) as it goes
+        # The caller checks each record's frame count (0) and size (an int) as it goes.
+        return WholeBatch(items[0::3], items[1::3], items[2::3])
 
     def decode(self, payload: Any, frames: list[Any] | None = None) -> Any:
         """Decode exactly one value."""

@@ -105,7 +105,7 @@ async def test_a_process_that_cannot_be_started_again_stays_dead_and_says_why(re
     def refuse(rank: int, ref: object) -> str:
         raise RuntimeError("every host of this mesh is lost")
 
-    procs._respawn = refuse  # what a Ray host mesh does with no live host left
+    procs.supervisor.respawn = refuse  # what a Ray host mesh does with no live host left
     os.kill(pid, signal.SIGKILL)
     with pytest.raises((ActorDied, SupervisionError)):
         await asyncio.wait_for(echo.sleep.call_one(60), 10)

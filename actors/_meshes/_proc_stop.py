@@ -1,0 +1,69 @@
+"""How a proc mesh stops: ask every live process to stop, wait, kill what ignored it, wait, clean up.
+
+The sequence is a generator of ``(condition, time limit)`` steps so that
+an async caller awaits each step and a synchronous caller blocks on it,
+with the same logic; its first step (the stop request) runs eagerly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import Callable, Iterator
+
+from .._runtime._call_sender import encode_arguments, send_call
+from .._runtime._core import Runtime
+from .._shared._errors import ActorDied
+from .._shared._liveness import ProcRef
+from .._shared._session import incarnation_path, remove_socket_file
+from .._wire._records import PROCESS_ACTOR
+
+__all__ = ["StopStep", "stop_steps"]
+
+#: Wait until the condition holds or the limit (seconds) passes.
+StopStep = tuple[Callable[[], bool], float]
+#: Beyond the actors' cleanup bound: how long their processes may take to answer the stop request.
+ANSWER_GRACE = 2.0
+#: How long processes may take to exit after answering, and again after SIGKILL.
+EXIT_WAIT = 3.0
+KILL_WAIT = 2.0
+
+
+def stop_steps(
+    rt: Runtime, procs: list[ProcRef], timeout: float, kill_remote: Callable[[ProcRef], None] | None
+) -> Iterator[StopStep]:
+    """The stop sequence of ``procs``; ``kill_remote`` ends a process on another host (its pid means nothing here)."""
+
+    def all_dead() -> bool:
+        return all(ref.dead for ref in procs)
+
+    alive = [(rank, ref) for rank, ref in enumerate(procs) if not ref.dead]
+    pending = None
+    if alive:
+        with contextlib.suppress(ActorDied):
+            pending = rt.driver.on_thread(
+                lambda: send_call(
+                    rt, alive, PROCESS_ACTOR, "stop", encode_arguments(rt, (timeout,), {}), want_reply=True
+                )
+            )
+    if pending is not None:
+        yield (lambda: pending.done or all_dead()), timeout + ANSWER_GRACE
+    yield all_dead, EXIT_WAIT
+    registry = rt.registry
+    for ref in procs:
+        if ref.dead:
+            continue
+        if ref.remote:  # never os.kill another host's pid: it names some process of this one
+            if kill_remote is not None:
+                kill_remote(ref)
+            continue
+        pid = registry.resolve_pid(ref)
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    yield all_dead, KILL_WAIT
+    for ref in procs:
+        remove_socket_file(ref.address)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(incarnation_path(rt.dir, ref.address))
