@@ -32,7 +32,7 @@ from .._runtime._parts import Part
 from .._shared._config import WorkerConfig
 from .._shared._liveness import ProcRef
 from .._shared._session import SESSION_ENV, session_keys
-from ._forkserver_protocol import PR_SET_PDEATHSIG, TERM_GRACE, frame, read_frames
+from ._forkserver_protocol import PR_SET_PDEATHSIG, TERM_GRACE, Spawned, SpawnFailed, SpawnRequest, frame, read_reports
 
 #: How long a caller without an event loop waits for the forkserver to take a request.
 SPAWN_WRITE_TIMEOUT = 30.0
@@ -186,7 +186,7 @@ class Forkserver:
         if self.closed:
             raise RuntimeError("the forkserver has exited")
         self._refs[index] = ref
-        self._unsent += frame(["spawn", index, config.to_wire()])
+        self._unsent += frame(SpawnRequest(index, config.to_wire()))
         self._write()
 
     def _write(self) -> None:
@@ -222,16 +222,15 @@ class Forkserver:
                 self._lost()
                 return
             self._buffer += data
-        for report in read_frames(self._buffer):
-            kind = report[0]
-            if kind == "spawned":
-                ref = self._refs.pop(report[1], None)
-                if ref is not None and ref.pid != report[2]:
-                    self.rt.registry.set_pid(ref, report[2])
-            elif kind == "failed":
-                ref = self._refs.pop(report[1], None)
+        for report in read_reports(self._buffer):  # (``Exited``: every process here watches its peers' pidfds)
+            if isinstance(report, Spawned):
+                ref = self._refs.pop(report.worker, None)
+                if ref is not None and ref.pid != report.pid:
+                    self.rt.registry.set_pid(ref, report.pid)
+            elif isinstance(report, SpawnFailed):
+                ref = self._refs.pop(report.worker, None)
                 if ref is not None:
-                    self.rt.registry.mark_dead(ref, f"could not start: {report[2]}")
+                    self.rt.registry.mark_dead(ref, f"could not start: {report.why}")
 
     def _lost(self) -> None:
         if self.closed:

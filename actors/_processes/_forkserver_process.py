@@ -24,12 +24,20 @@ import signal
 import sys
 import time
 import traceback
-from typing import Any
 
 from .._shared._config import WorkerConfig
 from .._shared._segments import remove_process_segments, remove_session_segments
 from .._shared._session import forget_incarnation, remove_socket_file, write_incarnation
-from ._forkserver_protocol import PR_SET_PDEATHSIG, TERM_GRACE, frame, read_frames
+from ._forkserver_protocol import (
+    PR_SET_PDEATHSIG,
+    TERM_GRACE,
+    Exited,
+    Report,
+    Spawned,
+    SpawnFailed,
+    frame,
+    read_requests,
+)
 
 __all__ = ["main", "serve"]
 
@@ -57,9 +65,9 @@ def serve(status_fd: int, session_dir: str, session: str, owns_session: bool) ->
     addresses: dict[int, str] = {}  # pid -> inbox address
     buffer = bytearray()
 
-    def report(obj: Any) -> None:
+    def report(message: Report) -> None:
         with contextlib.suppress(OSError):
-            os.write(status_fd, frame(obj))
+            os.write(status_fd, frame(message))
 
     def reap() -> None:
         while children:
@@ -75,7 +83,7 @@ def serve(status_fd: int, session_dir: str, session: str, owns_session: bool) ->
                 with contextlib.suppress(OSError):
                     forget_incarnation(session_dir, addresses[pid], pid)
             if index is not None:  # for a host placed by Ray, whose controller cannot watch this pid
-                report(["exited", index, pid, os.waitstatus_to_exitcode(status)])
+                report(Exited(index, pid, os.waitstatus_to_exitcode(status)))
 
     while not stopping:
         try:
@@ -89,14 +97,12 @@ def serve(status_fd: int, session_dir: str, session: str, owns_session: bool) ->
         if not data:
             break  # the controller is gone
         buffer += data
-        for request in read_frames(buffer):
-            if request[0] != "spawn":
-                continue
-            index, config = request[1], WorkerConfig.from_wire(request[2])
+        for request in read_requests(buffer):
+            index, config = request.worker, WorkerConfig.from_wire(request.config)
             try:
                 pid = os.fork()
             except OSError as exc:
-                report(["failed", index, str(exc)])
+                report(SpawnFailed(index, str(exc)))
                 continue
             if pid == 0:
                 _child(config, status_fd)
@@ -104,7 +110,7 @@ def serve(status_fd: int, session_dir: str, session: str, owns_session: bool) ->
             addresses[pid] = config.address
             with contextlib.suppress(OSError):
                 write_incarnation(session_dir, config.address, pid)
-            report(["spawned", index, pid])
+            report(Spawned(index, pid))
     _teardown(children, session_dir, session, addresses if not owns_session else None)
 
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._processes._forkserver import _ServerProcess
-from .._processes._forkserver_protocol import frame, read_frames
+from .._processes._forkserver_protocol import Exited, Report, SpawnFailed, SpawnRequest, frame, read_reports
 from .._shared._session import (
     CURVE_PUBLIC_ENV,
     CURVE_SECRET_ENV,
@@ -60,8 +60,8 @@ class NodeHost:
         self._process = _ServerProcess.start(self.dir, os.path.basename(self.dir), True, fork=False)
         os.set_blocking(self._process.requests, True)
         self._lock = threading.Condition()
-        self._reports: dict[int, Any] = {}  # index -> ["spawned", index, pid] or ["failed", index, why]
-        self._exits: list[list[Any]] = []  # [index, pid, exit code], not yet collected
+        self._reports: dict[int, Report] = {}  # index -> Spawned or SpawnFailed
+        self._exits: list[Exited] = []  # not yet collected
         self._pids: dict[int, int] = {}  # index -> pid of each worker not yet reaped
         self._lost = False
         threading.Thread(target=self._read_reports, name="actors-node-reports", daemon=True).start()
@@ -95,16 +95,16 @@ class NodeHost:
         with self._lock:
             if self._lost:
                 raise RuntimeError("this node's forkserver has exited")
-        os.write(self._process.requests, frame(["spawn", index, config]))
+        os.write(self._process.requests, frame(SpawnRequest(index, config)))
         with self._lock:
             if not self._lock.wait_for(lambda: index in self._reports or self._lost, SPAWN_REPORT_TIMEOUT):
                 raise TimeoutError(f"the forkserver did not start worker {index} within {SPAWN_REPORT_TIMEOUT:g}s")
             report = self._reports.pop(index, None)
         if report is None:
             raise RuntimeError("this node's forkserver exited before starting the worker")
-        if report[0] == "failed":
-            raise RuntimeError(f"could not start the worker: {report[2]}")
-        pid = int(report[2])
+        if isinstance(report, SpawnFailed):
+            raise RuntimeError(f"could not start the worker: {report.why}")
+        pid = int(report.pid)
         with self._lock:
             self._pids[index] = pid
         return pid
@@ -121,8 +121,8 @@ class NodeHost:
             return False
         return True
 
-    def exits(self, timeout: float = 10.0) -> list[list[Any]]:
-        """Workers reaped since the last call, as ``[index, pid, exit code]`` (waits up to ``timeout`` s for one).
+    def exits(self, timeout: float = 10.0) -> list[Exited]:
+        """Workers reaped since the last call (waits up to ``timeout`` s for one).
 
         Raises once the forkserver itself is gone, so the controller learns
         that every worker of this node is.
@@ -160,12 +160,12 @@ class NodeHost:
                 break
             buffer += data
             with self._lock:
-                for report in read_frames(buffer):
-                    if report[0] == "exited":
-                        self._exits.append(report[1:])
-                        self._pids.pop(report[1], None)
+                for report in read_reports(buffer):
+                    if isinstance(report, Exited):
+                        self._exits.append(report)
+                        self._pids.pop(report.worker, None)
                     else:
-                        self._reports[report[1]] = report
+                        self._reports[report.worker] = report
                 self._lock.notify_all()
         with self._lock:
             self._lost = True
