@@ -9,7 +9,7 @@ import threading
 import pytest
 from harness import wait_for
 
-from actors.ray._lifeline import Lifelines, hold
+from actors._processes._lifeline import Lifelines, hold
 
 GUARD = 10.0  # a guard against hangs, never a synchronisation
 

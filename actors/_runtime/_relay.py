@@ -1,15 +1,16 @@
-"""Ray's answers, handed to the runtime's thread.
+"""Answers from other threads (Ray's, a lifeline's), handed to the runtime's thread.
 
-A Ray call completes on one of Ray's threads; the registry and the proc
-meshes belong to the runtime's thread. The relay queues each completion and
-wakes that thread through a pipe it watches (a loop reader, or the
-synchronous pump's poll), so the handler runs there, never on Ray's thread
-and never blocking the loop.
+A Ray call completes on one of Ray's threads, a lifeline ends on its own;
+the registry and the proc meshes belong to the runtime's thread. The relay
+queues each completion and wakes that thread through a pipe it watches (a
+loop reader, or the synchronous pump's poll), so the handler runs there,
+never on the other thread and never blocking the loop.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -17,11 +18,11 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .._runtime._core import Runtime
+from ._core import Runtime
 
 __all__ = ["Relay"]
 
-log = logging.getLogger("actors.ray")
+log = logging.getLogger("actors")
 
 
 class _Done:
@@ -36,7 +37,7 @@ _DONE = _Done()
 
 
 class Relay:
-    """Runs ``handler(result, error)`` on the runtime's thread when a Ray call completes."""
+    """Runs ``handler(result, error)`` on the runtime's thread when a future of another thread completes."""
 
     def __init__(self, rt: Runtime) -> None:
         self._rt = rt
@@ -48,9 +49,10 @@ class Relay:
         self.closed = False
         rt.driver.add_reader(self._read, self._drain)
 
-    def when_done(self, object_ref: Any, handler: Callable[[Any, BaseException | None], None]) -> None:
-        """Call ``handler(value, None)`` or ``handler(None, error)`` once ``object_ref`` resolves."""
-        future = object_ref.future()
+    def when_done(
+        self, future: concurrent.futures.Future[Any], handler: Callable[[Any, BaseException | None], None]
+    ) -> None:
+        """Call ``handler(value, None)`` or ``handler(None, error)`` once ``future`` resolves (a Ray ref's ``future()``)."""
 
         def done(fut: Any) -> None:
             with self._lock:
@@ -82,12 +84,12 @@ class Relay:
                 handler, fut = self._done.popleft()
             try:
                 value, error = fut.result(), None
-            except BaseException as exc:  # a Ray error: the handler decides what it means
+            except BaseException as exc:  # (a Ray error, say): the handler decides what it means
                 value, error = None, exc
             try:
                 handler(value, error)
             except Exception:
-                log.exception("handling a Ray answer failed")
+                log.exception("handling an answer from another thread failed")
         self._rt.driver.notify_progress()
 
     def close(self) -> None:

@@ -1,13 +1,14 @@
 """Lifelines: one tcp connection between the controller and each node host, so either sees the other go.
 
-Ray learns that a node died through its own health checks, which take
-seconds to tens of seconds once a raylet or a machine is gone. A lifeline is
-quicker: when either process dies, its kernel closes the connection and the
-other side reads EOF at once; when a machine vanishes without closing
-anything, the heartbeats stop and the other side gives up after
-:data:`SILENCE` s. The node host proves it belongs to this controller with an
-HMAC of the controller's nonce under a key that reached it through Ray (a
-constructor argument, like the session's CURVE keys).
+A placer's own health checks (Ray's, a scheduler's) take seconds to tens of
+seconds to notice that a machine is gone. A lifeline is quicker: when either
+process dies, its kernel closes the connection and the other side reads EOF
+at once; when a machine vanishes without closing anything, the heartbeats
+stop and the other side gives up after :data:`SILENCE` s. The node host
+proves it belongs to this controller with an HMAC of the controller's nonce
+under a key that reached it over an authenticated channel (a Ray
+constructor argument, or a CURVE-encrypted call to an attached worker).
+Used by ``actors.ray`` and by ``attach_to_workers``.
 
 The controller's side is :class:`Lifelines` (one thread, every node); the
 node host's is :func:`hold` (one thread).
@@ -28,10 +29,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-__all__ = ["HEARTBEAT", "SILENCE", "Lifelines", "hold"]
+__all__ = ["HEARTBEAT", "LIFELINE_THREAD", "SILENCE", "Lifelines", "hold"]
 
-log = logging.getLogger("actors.ray")
+log = logging.getLogger("actors")
 
+#: The name of the node host's lifeline thread (a stop it causes must not wait for itself).
+LIFELINE_THREAD = "actors-lifeline"
 #: Seconds between heartbeats, both ways.
 HEARTBEAT = 0.5
 #: Seconds without a byte after which the other side counts as gone (a machine lost without a word).
@@ -70,7 +73,7 @@ class Lifelines:
         self._on_lost: Callable[[int, str], None] | None = None
         self._early: list[tuple[int, str]] = []
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="actors-ray-lifelines", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="actors-lifelines", daemon=True)
         self._thread.start()
 
     def watch(self, on_lost: Callable[[int, str], None]) -> None:
@@ -215,7 +218,7 @@ def hold(address: tuple[str, int], key: bytes, index: int, on_lost: Callable[[st
         if why and not closing.is_set():
             on_lost(why)
 
-    thread = threading.Thread(target=beat, name="actors-ray-lifeline", daemon=True)
+    thread = threading.Thread(target=beat, name=LIFELINE_THREAD, daemon=True)
     thread.start()
 
     def close() -> None:

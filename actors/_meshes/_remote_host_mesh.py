@@ -1,0 +1,303 @@
+"""Hosts on other machines, each with a forkserver of its own that this controller drives: the shared logic.
+
+Two placers start such hosts: Ray (``actors.ray.host_mesh``, a ``NodeHost``
+actor per node) and a scheduler or a person (``run_worker_loop_forever`` on
+each machine, joined with ``attach_to_workers``). Either way the controller
+asks each host to fork its share of the workers, hears which exited, has one
+killed when it ignored a stop, and takes a fresh batch of free tcp addresses
+now and then; a subclass says how those requests travel (:meth:`_request`).
+``spawn_procs`` returns a :class:`~actors.ProcMesh` whose first dimension is
+``hosts``. Actor messages never go through the host: they use the workers'
+own tcp sockets, CURVE-authenticated with the session's keys.
+
+Liveness: a worker's exit is reaped by its host's forkserver and reported
+here; a host that is lost (its lifeline ends, or its requests fail) fails
+every process it held. Either way the calls waiting on them raise
+:class:`~actors.ActorDied`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import math
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._processes._devices import GPU_DIM, gpu_env
+from .._processes._lifeline import Lifelines
+from .._runtime._core import Runtime
+from .._runtime._relay import Relay
+from .._runtime._value_mesh import select
+from .._shared._liveness import ProcRef
+from .._shared._loops import loop_running
+from .._shared._restart import RestartMode, RestartPolicy
+from ._host_mesh import HostMesh, check_spawn, main_module, worker_config
+from ._proc_mesh import ProcMesh
+
+__all__ = ["ADDRESS_POOL", "RemoteHostMesh", "RemoteNode", "Requested", "exit_reason"]
+
+log = logging.getLogger("actors")
+
+#: Free tcp addresses asked of each host ahead of need, so ``spawn_procs`` rarely waits for one.
+ADDRESS_POOL = 64
+
+#: ``done(value, None)`` or ``done(None, error)`` on the runtime's thread when a request to a host completes.
+Requested = Callable[[Any, BaseException | None], None]
+
+
+@dataclass(eq=False)
+class RemoteNode:
+    """One host, as the controller sees it."""
+
+    index: int
+    #: How requests reach it (a Ray actor handle, or an attached worker's agent).
+    handle: Any
+    ip: str
+    pid: int
+    #: The placer's name for the host (a Ray node id; an attached worker's address).
+    node: str
+    #: What the host is called in messages (``Ray node 1a2b3c4d``, ``worker tcp://10.0.0.7:4444``).
+    label: str
+    gpus: list[str]
+    addresses: list[str] = field(default_factory=list)
+    #: Workers started there and not yet reaped, by spawn index.
+    procs: dict[int, ProcRef] = field(default_factory=dict)
+    lost: str = ""
+
+    def __str__(self) -> str:
+        return f"host {self.index} ({self.ip}, {self.label})"
+
+
+def exit_reason(code: int) -> str:
+    """A reaped worker's exit code, in words."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+        return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class RemoteHostMesh(HostMesh):
+    """Hosts with forkservers of their own: ``spawn_procs(per_host)`` starts ``per_host`` processes on each."""
+
+    def __init__(self, rt: Runtime, nodes: list[RemoteNode], lifelines: Lifelines) -> None:
+        self._rt = rt
+        self._nodes = nodes
+        self._relay = Relay(rt)
+        self._lifelines = lifelines
+        self._root: RemoteHostMesh | None = None
+        self.closed = False
+        for node in nodes:
+            self._watch(node)
+        lifelines.watch(self._lifeline_lost)
+
+    # ------------------------------------------------------------------ what a placer provides
+
+    def _request(self, node: RemoteNode, op: str, args: tuple[Any, ...], done: Requested) -> None:
+        """Send request ``op`` (``spawn``, ``kill``, ``exits``, ``addresses``) to ``node``; ``done`` gets its answer."""
+        raise NotImplementedError
+
+    def _fetch_addresses(self, nodes: list[RemoteNode], count: int) -> list[list[str]]:
+        """``count`` free addresses on each of ``nodes``, waited for (never called on an event loop)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ the mesh
+
+    @property
+    def extent(self) -> dict[str, int]:
+        return {"hosts": len(self._nodes)}
+
+    @property
+    def hosts(self) -> list[dict[str, Any]]:
+        """Each host: its address, the placer's name for it, its host process's pid, GPUs, and whether it was lost."""
+        return [{"ip": n.ip, "node": n.node, "pid": n.pid, "gpus": list(n.gpus), "lost": n.lost} for n in self._nodes]
+
+    def slice(self, hosts: int | slice) -> RemoteHostMesh:
+        """Some of the hosts, as a host mesh of their own (``hosts=0``, ``hosts=slice(1, None)``).
+
+        A slice shares its parent's hosts: spawn on it to place processes on
+        those hosts only; shut down the parent.
+        """
+        ranks, _ = select(
+            self.extent, {"hosts": hosts if isinstance(hosts, slice) else slice(hosts, hosts + 1 or None)}
+        )
+        if not ranks:
+            raise IndexError(f"hosts={hosts!r} selects none of {len(self._nodes)} hosts")
+        view = copy.copy(self)
+        view._nodes = [self._nodes[r] for r in ranks]
+        view._root = self._root or self
+        return view
+
+    def spawn_procs(
+        self,
+        per_host: dict[str, int] | None = None,
+        bootstrap: Callable[[], None] | None = None,
+        name: str | None = None,
+        *,
+        threads: int = 1,
+        restart: RestartMode = "never",
+        max_restarts: int = 3,
+        restart_period: float = 60.0,
+    ) -> ProcMesh:
+        """Start ``per_host`` processes on every host; the mesh's extent is ``{"hosts": N, **per_host}``."""
+        if self.closed or (self._root is not None and self._root.closed):
+            raise RuntimeError(f"{self!r} has been shut down")
+        policy = RestartPolicy(restart, max_restarts, restart_period)
+        per, boot = check_spawn(per_host, bootstrap)
+        if "hosts" in per:
+            raise ValueError("per_host counts processes on each host; 'hosts' is the host mesh's own dimension")
+        lost = [str(node) for node in self._nodes if node.lost]
+        if lost:
+            raise RuntimeError(f"cannot spawn on a host mesh that lost {', '.join(lost)}")
+        rt = self._rt
+        count = math.prod(per.values())
+        self._ensure_addresses(count)
+        main = main_module()
+        mesh_name = name or f"procs{rt.counter('mesh')}"
+        procs: list[ProcRef] = []
+        configs: list[dict[str, Any]] = []
+        homes: list[RemoteNode] = []
+
+        def config_for(rank: int, node: RemoteNode, address: str) -> dict[str, Any]:
+            """Rank's worker on ``node``: the GPU of its place among its host's ``count`` processes."""
+            env = gpu_env(per, rank % count, node.gpus)
+            return worker_config(rt, f"{mesh_name}.{rank}", address, rank, main, boot, threads, env).to_wire()
+
+        for node in self._nodes:
+            for _ in range(count):
+                rank, address = len(procs), node.addresses.pop()
+                ref = rt.registry.placed(address)
+                configs.append(config_for(rank, node, address))
+                procs.append(ref)
+                homes.append(node)
+                self._start(node, ref, configs[-1])
+        self._refill()
+
+        def respawn(rank: int, ref: ProcRef) -> str:
+            """Start rank's replacement: on its host if that lives, else at a new address on the least busy one."""
+            home = homes[rank]
+            if not home.lost:
+                self._start(home, ref, configs[rank])
+                return ref.address
+            node = self._live_node()
+            if not node.addresses:
+                raise RuntimeError(f"{node} has no free address ready yet")
+            address = node.addresses.pop()
+            if GPU_DIM in per:
+                log.warning("rank %d moves to %s, sharing GPU %d of its own rank there", rank, node, rank % count)
+            configs[rank], homes[rank] = config_for(rank, node, address), node
+            self._start(node, ref, configs[rank])
+            self._refill()
+            log.warning("rank %d of %s restarts on %s at %s: %s was lost", rank, mesh_name, node, address, home)
+            return address
+
+        return ProcMesh(mesh_name, {"hosts": len(self._nodes), **per}, procs, policy, respawn, kill=self._kill)
+
+    def _forget_workers(self, why: str) -> None:
+        """The mesh is shut down: every worker it started counts as gone."""
+        for node in self._nodes:
+            for ref in list(node.procs.values()):
+                self._rt.registry.mark_dead(ref, why)
+            node.procs.clear()
+
+    # ------------------------------------------------------------------ the hosts' answers, on the runtime thread
+
+    def _lifeline_lost(self, index: int, why: str) -> None:
+        """A host's lifeline ended (lifeline thread): mark its host lost on the runtime's thread."""
+        if 0 <= index < len(self._nodes):
+            self._relay.call_soon(lambda: self._lose(self._nodes[index], why))
+
+    def _start(self, node: RemoteNode, ref: ProcRef, config: dict[str, Any]) -> None:
+        index = self._rt.counter("worker")
+        node.procs[index] = ref
+
+        def spawned(pid: Any, error: BaseException | None) -> None:
+            if error is not None:
+                node.procs.pop(index, None)
+                self._rt.registry.mark_dead(ref, f"could not start on {node}: {error}")
+            elif ref.pid != pid:
+                self._rt.registry.set_pid(ref, int(pid))
+
+        self._request(node, "spawn", (index, config), spawned)
+
+    def _kill(self, ref: ProcRef) -> None:
+        """Have its host SIGKILL the worker serving ``ref`` (one that ignored a stop); its exit reports back."""
+        serving = self._serving(ref)
+        if serving is not None and not serving[1].lost:
+            self._request(serving[1], "kill", (serving[0],), lambda _value, _error: None)
+
+    def _serving(self, ref: ProcRef) -> tuple[int, RemoteNode] | None:
+        """The spawn index and host of the latest worker started for ``ref`` and not yet reaped.
+
+        A tcp address, and so its ref, passes to a new worker once the old
+        one stopped and its port was handed out again: news of the old one
+        (its exit, reported late) must not fail the new one.
+        """
+        started = [(index, node) for node in self._nodes for index, placed in node.procs.items() if placed is ref]
+        return max(started, key=lambda pair: pair[0], default=None)
+
+    def _superseded(self, ref: ProcRef, index: int) -> bool:
+        """Whether a worker started after spawn ``index`` serves ``ref`` now."""
+        serving = self._serving(ref)
+        return serving is not None and serving[0] > index
+
+    def _watch(self, node: RemoteNode) -> None:
+        def exited(reports: Any, error: BaseException | None) -> None:
+            if self.closed:
+                return
+            if error is not None:
+                first = str(error).splitlines()[0] if str(error) else ""
+                self._lose(node, f"{type(error).__name__}: {first}")
+                return
+            for index, pid, code in reports:
+                ref = node.procs.pop(index, None)
+                if ref is not None and not self._superseded(ref, index):
+                    self._rt.registry.mark_dead(ref, f"process {pid} on {node.ip} {exit_reason(code)}")
+            self._watch(node)
+
+        self._request(node, "exits", (), exited)
+
+    def _lose(self, node: RemoteNode, why: str) -> None:
+        if node.lost or self.closed:
+            return
+        node.lost = why
+        log.error("lost %s: %s", node, node.lost)
+        for index, ref in list(node.procs.items()):
+            if not self._superseded(ref, index):
+                self._rt.registry.mark_dead(ref, f"its {node} was lost ({node.lost})")
+        node.procs.clear()
+
+    def _live_node(self) -> RemoteNode:
+        """The live host of this mesh running the fewest workers (a lost host's replacements go there)."""
+        live = [node for node in self._nodes if not node.lost]
+        if not live:
+            raise RuntimeError(f"every host of {self!r} is lost")
+        return min(live, key=lambda node: (len(node.procs), node.index))
+
+    def _ensure_addresses(self, count: int) -> None:
+        """At least ``count`` ready addresses on every host; a round trip to them only off the event loop."""
+        short = [node for node in self._nodes if len(node.addresses) < count]
+        if not short:
+            return
+        if loop_running():
+            raise ValueError(
+                f"spawn_procs() needs {count} addresses per host but {short[0]} has {len(short[0].addresses)} ready, "
+                "and fetching more would block this event loop: spawn fewer processes per call "
+                f"(at most {ADDRESS_POOL} while the pool refills), or call it from a thread"
+            )
+        for node, addresses in zip(short, self._fetch_addresses(short, count + ADDRESS_POOL), strict=True):
+            node.addresses.extend(addresses)
+
+    def _refill(self) -> None:
+        for node in self._nodes:
+            if len(node.addresses) < ADDRESS_POOL // 2 and not node.lost:
+
+                def got(addresses: Any, error: BaseException | None, node: RemoteNode = node) -> None:
+                    if error is None:
+                        node.addresses.extend(addresses)
+
+                self._request(node, "addresses", (ADDRESS_POOL,), got)

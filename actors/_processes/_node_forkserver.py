@@ -1,0 +1,151 @@
+"""A forkserver serving a controller on another host: spawn workers on request, report their exits.
+
+Used by a node host that a placer started (``actors.ray``'s ``NodeHost``)
+and by a worker loop a scheduler started (``run_worker_loop_forever``): the
+same forkserver ``this_host()`` runs, driven by blocking calls from the
+controller's side instead of a pipe the controller reads itself. Its workers
+bind tcp addresses on this host's address; a lifeline to the controller
+(``_lifeline.hold``) ends them all when the controller goes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+from collections.abc import Callable
+
+from ._forkserver import _ServerProcess
+from ._forkserver_protocol import Exited, Report, SpawnFailed, SpawnRequest, frame, read_reports
+from ._lifeline import LIFELINE_THREAD, hold
+
+__all__ = ["SPAWN_REPORT_TIMEOUT", "NodeForkserver"]
+
+log = logging.getLogger("actors")
+
+#: How long ``spawn`` waits for the forkserver to report a new worker's pid.
+SPAWN_REPORT_TIMEOUT = 60.0
+
+
+class NodeForkserver:
+    """This host's forkserver for a remote controller: ``spawn`` workers, ``kill`` them, hear when they exit.
+
+    Every method blocks (briefly, or up to its timeout): callers run them
+    on a thread of their own, never on an event loop.
+    """
+
+    def __init__(self, ip: str, session_dir: str) -> None:
+        self.ip = ip
+        self.dir = session_dir
+        self._process = _ServerProcess.start(session_dir, os.path.basename(session_dir), True, fork=False)
+        os.set_blocking(self._process.requests, True)
+        self._lock = threading.Condition()
+        self._reports: dict[int, Report] = {}  # worker -> Spawned or SpawnFailed
+        self._exits: list[Exited] = []  # not yet collected
+        self._pids: dict[int, int] = {}  # worker -> pid of each worker not yet reaped
+        self._lost = False
+        self.stopped = False
+        threading.Thread(target=self._read_reports, name="actors-node-reports", daemon=True).start()
+        self._cut_lifeline: Callable[[], None] | None = None
+
+    def hold_lifeline(self, controller: tuple[str, int], key: bytes, index: int) -> None:
+        """Hold a lifeline to the controller: when it ends, every worker here is ended."""
+        self._cut_lifeline = hold(controller, key, index, self._controller_lost)
+
+    def _controller_lost(self, why: str) -> None:
+        """The controller is gone (or cut off): end this host's workers rather than leave them orphaned."""
+        log.error("ending this host's actors processes: %s", why)
+        self.stop()
+
+    def addresses(self, count: int) -> list[str]:
+        """``count`` tcp inbox addresses free on this host's address now."""
+        out = []
+        for _ in range(count):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                probe.bind((self.ip, 0))
+                out.append(f"tcp://{self.ip}:{probe.getsockname()[1]}")
+        return out
+
+    def spawn(self, index: int, config: dict[str, object]) -> int:
+        """Fork one worker from ``config`` (a ``WorkerConfig`` on the wire); its pid."""
+        with self._lock:
+            if self._lost:
+                raise RuntimeError("this host's forkserver has exited")
+        os.write(self._process.requests, frame(SpawnRequest(index, dict(config))))
+        with self._lock:
+            if not self._lock.wait_for(lambda: index in self._reports or self._lost, SPAWN_REPORT_TIMEOUT):
+                raise TimeoutError(f"the forkserver did not start worker {index} within {SPAWN_REPORT_TIMEOUT:g}s")
+            report = self._reports.pop(index, None)
+        if report is None:
+            raise RuntimeError("this host's forkserver exited before starting the worker")
+        if isinstance(report, SpawnFailed):
+            raise RuntimeError(f"could not start the worker: {report.why}")
+        assert not isinstance(report, Exited)
+        with self._lock:
+            self._pids[index] = report.pid
+        return report.pid
+
+    def kill(self, index: int) -> bool:
+        """SIGKILL worker ``index`` (one that did not stop when asked); False if it is already gone."""
+        with self._lock:
+            pid = self._pids.get(index)
+        if pid is None:
+            return False
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def exits(self, timeout: float = 10.0) -> list[Exited]:
+        """Workers reaped since the last call (waits up to ``timeout`` s for one).
+
+        Raises once the forkserver itself is gone, so the controller learns
+        that every worker of this host is.
+        """
+        with self._lock:
+            self._lock.wait_for(lambda: self._exits or self._lost, timeout)
+            exits, self._exits = self._exits, []
+            if not exits and self._lost:
+                raise RuntimeError("this host's forkserver has exited")
+            return exits
+
+    def stop(self) -> None:
+        """End every worker on this host and the forkserver (it tears them down when its pipe closes)."""
+        self.stopped = True
+        cut, self._cut_lifeline = self._cut_lifeline, None
+        if cut is not None and threading.current_thread().name != LIFELINE_THREAD:
+            cut()
+        try:
+            os.close(self._process.requests)
+        except OSError:
+            return
+        if not self._process.wait(5.0):
+            self._process.kill()
+            self._process.wait(5.0)
+
+    def _read_reports(self) -> None:
+        buffer = bytearray()
+        fd = self._process.status
+        os.set_blocking(fd, True)
+        while True:
+            try:
+                data = os.read(fd, 65536)
+            except OSError:
+                data = b""
+            if not data:
+                break
+            buffer += data
+            with self._lock:
+                for report in read_reports(buffer):
+                    if isinstance(report, Exited):
+                        self._exits.append(report)
+                        self._pids.pop(report.worker, None)
+                    else:
+                        self._reports[report.worker] = report
+                self._lock.notify_all()
+        with self._lock:
+            self._lost = True
+            self._lock.notify_all()

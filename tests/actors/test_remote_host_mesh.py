@@ -1,0 +1,81 @@
+"""The bookkeeping every host mesh of remote forkservers shares (Ray's, attached workers'), fed answers by hand."""
+
+from __future__ import annotations
+
+import os
+import itertools
+from types import SimpleNamespace
+from typing import Any
+
+from actors._meshes._remote_host_mesh import RemoteHostMesh, RemoteNode, exit_reason
+from actors._transport._registry import Registry
+
+
+class HandFed(RemoteHostMesh):
+    """A remote host mesh whose requests wait here to be answered by the test (no hosts, no lifelines)."""
+
+    def __init__(self, registry: Registry, nodes: list[RemoteNode]) -> None:  # (skips the base's start-up)
+        counter = itertools.count()
+        self._rt = SimpleNamespace(registry=registry, counter=lambda name: next(counter))  # type: ignore[assignment]
+        self._nodes = nodes
+        self._root = None
+        self.closed = False
+        self.requests: list[tuple[str, Any]] = []
+
+    def _request(self, node: RemoteNode, op: str, args: tuple[Any, ...], done: Any) -> None:
+        self.requests.append((op, done))
+
+
+def a_host_mesh(tmp_path: Any, nodes: int) -> HandFed:
+    registry = Registry(str(tmp_path), os.getpid())
+    return HandFed(
+        registry, [RemoteNode(i, None, f"10.255.1.{i}", 100 + i, f"n{i}", f"node {i}", []) for i in range(nodes)]
+    )
+
+
+def test_a_late_exit_of_a_worker_whose_address_was_reused_fails_nothing(tmp_path):
+    mesh = a_host_mesh(tmp_path, 1)
+    (node,) = mesh._nodes
+    ref = mesh._rt.registry.placed("tcp://10.255.1.0:5000")
+    node.procs[7] = ref  # stopped; its exit not yet reported when its port went to the next worker
+    node.procs[9] = ref
+    mesh._watch(node)
+    op, done = mesh.requests.pop()
+    assert op == "exits"
+    done([(7, 1111, 0)], None)
+    assert not ref.dead, "the worker serving the address now is spawn 9"
+    mesh.requests.pop()[1]([(9, 2222, -9)], None)
+    assert ref.dead and "process 2222" in ref.exit_reason and "SIGKILL" in ref.exit_reason
+
+
+def test_a_lost_node_fails_only_the_workers_it_still_serves(tmp_path):
+    mesh = a_host_mesh(tmp_path, 2)
+    registry = mesh._rt.registry
+    moved, stayed = registry.placed("tcp://10.255.1.0:5001"), registry.placed("tcp://10.255.1.0:5002")
+    mesh._nodes[0].procs.update({3: moved, 4: stayed})
+    mesh._nodes[1].procs[5] = moved  # restarted on node 1 (its exit on node 0 not yet reported)
+    mesh._lose(mesh._nodes[0], "its lifeline closed")
+    assert stayed.dead and not moved.dead
+    mesh._lose(mesh._nodes[1], "its lifeline closed")
+    assert moved.dead
+
+
+def test_a_failed_exits_request_loses_the_host_and_a_failed_spawn_fails_its_worker(tmp_path):
+    mesh = a_host_mesh(tmp_path, 1)
+    (node,) = mesh._nodes
+    ref = mesh._rt.registry.placed("tcp://10.255.1.0:5003")
+    mesh._start(node, ref, {})
+    op, spawned = mesh.requests.pop()
+    assert op == "spawn"
+    spawned(None, RuntimeError("fork: out of memory"))
+    assert ref.dead and "could not start on host 0" in ref.exit_reason and "out of memory" in ref.exit_reason
+    other = mesh._rt.registry.placed("tcp://10.255.1.0:5004")
+    node.procs[11] = other
+    mesh._watch(node)
+    mesh.requests.pop()[1](None, ConnectionError("the agent is gone"))
+    assert node.lost.startswith("ConnectionError") and other.dead
+
+
+def test_exit_codes_in_words():
+    assert exit_reason(0) == "exited with code 0" and exit_reason(3) == "exited with code 3"
+    assert exit_reason(-9) == "killed by SIGKILL" and exit_reason(-200) == "killed by signal 200"
