@@ -16,8 +16,8 @@ The package is built in layers; a module imports only from its own layer and
 those below (type-only imports aside), which ``lint-imports`` checks in CI::
 
     ray          Ray-placed host meshes                                  (public)
-    _meshes      host, proc and actor meshes, accumulators, controllers
-    _processes   the forkserver (both sides), GPUs per process
+    _meshes      host, proc and actor meshes, accumulators, controllers, attached workers
+    _processes   the forkserver (both sides), remote hosts' forkservers, lifelines, GPUs
     weights      manifests, publisher, consumer, inbox                   (public)
     _hosting     Actor, @endpoint, the actor server, the worker's entry
     tensors      weight transports: shm, cuda-ipc, tcp, local            (public)
@@ -33,10 +33,12 @@ from ._hosting._actor import Actor, Endpoint, concurrent_endpoint, endpoint
 from ._hosting._response_port import ResponsePort
 from ._meshes._accumulator import Accumulator
 from ._meshes._actor_mesh import ActorMesh, MeshEndpoint, Selection, send
+from ._meshes._attached import attach_to_workers, hosts_from_config
 from ._meshes._controllers import get_or_spawn_controller
-from ._meshes._host_mesh import HostMesh, attach_to_workers, this_host, this_proc
+from ._meshes._host_mesh import HostMesh, this_host, this_proc
 from ._meshes._instance import Context, Instance, context, current_actor_name
 from ._meshes._proc_mesh import ProcMesh
+from ._meshes._worker_loop import run_worker_loop_forever, run_worker_loop_until_shutdown, start_worker_loop_forever
 from ._runtime._context import current_rank, current_size
 from ._runtime._future import Future
 from ._runtime._port import Channel, Port, PortReceiver
@@ -71,7 +73,7 @@ from ._shared._errors import (
     WeightSyncError,
 )
 from ._shared._restart import RestartMode, RestartPolicy
-from ._shared._session import host_id
+from ._shared._session import host_id, new_session_keys
 from .weights import (
     ReceivesWeights,
     WeightConsumer,
@@ -139,8 +141,13 @@ __all__ = [
     "endpoint",
     "get_or_spawn_controller",
     "host_id",
+    "hosts_from_config",
+    "new_session_keys",
     "remove_failure_handler",
+    "run_worker_loop_forever",
+    "run_worker_loop_until_shutdown",
     "send",
+    "start_worker_loop_forever",
     "this_host",
     "this_proc",
     "unhandled_fault_hook",

@@ -19,7 +19,7 @@ from .._shared._session import inbox_address
 from .._wire import _refs
 from ._proc_mesh import ProcMesh
 
-__all__ = ["HostMesh", "attach_to_workers", "this_host", "this_proc"]
+__all__ = ["HostMesh", "this_host", "this_proc"]
 
 
 def main_module() -> list[str] | None:
@@ -169,11 +169,3 @@ class Companion:
 
 #: Kept on the runtime (``rt.parts``): the controller's companion process.
 THIS_PROC: Part[Companion] = Part("this_proc", Companion)
-
-
-def attach_to_workers(*args: object, **kwargs: object) -> HostMesh:
-    """Monarch's attach to worker hosts started elsewhere: not offered (processes here start on this host)."""
-    raise NotImplementedError(
-        "attach_to_workers() joins hosts already running Monarch workers; actors starts its processes itself "
-        "and spans one host today (multi-host placement through Ray is planned as actors.ray)"
-    )

@@ -164,6 +164,19 @@ def session_keys() -> tuple[bytes, bytes] | None:
     return public.encode(), secret.encode()
 
 
+def new_session_keys() -> dict[str, str]:
+    """A fresh CURVE key pair as the environment variables that carry it, for a controller and its workers.
+
+    Put both into the environment of every process of the session that
+    starts on its own (``run_worker_loop_forever`` workers, the controller
+    that attaches them): only processes holding the pair can talk.
+    """
+    if not zmq.has("curve"):
+        raise RuntimeError("this libzmq has no CURVE support")
+    public, secret = zmq.curve_keypair()
+    return {CURVE_PUBLIC_ENV: public.decode(), CURVE_SECRET_ENV: secret.decode()}
+
+
 def incarnation_path(session_dir: str, address: str) -> str:
     """The file that records the pid of the process serving ``address``."""
     digest = hashlib.sha1(address.encode(), usedforsecurity=False).hexdigest()[:16]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import itertools
+import os
 from types import SimpleNamespace
 from typing import Any
 

@@ -1,0 +1,298 @@
+"""``attach_to_workers``: hosts whose worker loops a scheduler started, as one host mesh (Monarch's bootstrap).
+
+Each worker runs ``run_worker_loop_forever(address=...)``. Attaching spawns
+a :class:`~actors._meshes._worker_loop.HostAgent` on each (an ordinary spawn
+call, over tcp with the session's CURVE key: a controller without the key
+is never heard), waits for each to answer, and returns an
+:class:`AttachedHostMesh`. Its requests to the hosts are actor calls to the
+agents; everything else (spawning, exits, lost hosts, restarts elsewhere) is
+:class:`~actors._meshes._remote_host_mesh.RemoteHostMesh`, shared with
+``actors.ray``. The agents hold lifelines to this controller: when it goes,
+each host ends the workers it started and waits for the next controller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from .._processes._forkserver_protocol import PR_SET_PDEATHSIG
+from .._processes._lifeline import Lifelines
+from .._runtime._call_sender import encode_arguments, pending_future, send_call
+from .._runtime._core import Runtime, at_runtime_exit, current_runtime, runtime
+from .._runtime._future import Future
+from .._runtime._pending_calls import PendingCall
+from .._shared._errors import CallTimeout
+from .._shared._session import (
+    CURVE_PUBLIC_ENV,
+    CURVE_SECRET_ENV,
+    HOST_ID_ENV,
+    SESSION_ENV,
+    TCP_HOST_ENV,
+    TRANSPORT_ENV,
+    new_session_keys,
+    session_keys,
+    tcp_host,
+)
+from ._actor_mesh import ActorMesh
+from ._proc_mesh import ProcMesh
+from ._remote_host_mesh import ADDRESS_POOL, RemoteHostMesh, RemoteNode, Requested
+from ._worker_loop import HostAgent, check_worker_loop_args
+
+__all__ = ["AttachedHostMesh", "attach_to_workers", "hosts_from_config"]
+
+log = logging.getLogger("actors")
+
+#: The only ``ca`` Monarch's bootstrap takes here: the session's CURVE key does the authenticating.
+_CA = "trust_all_connections"
+#: How long attaching waits for every worker loop to answer.
+ATTACH_TIMEOUT = 30.0
+#: How long a request to an agent may take before the host counts as unreachable (``exits`` waits 10 s itself).
+REQUEST_TIMEOUT = 60.0
+#: How long shutting down waits for the agents to end their workers.
+STOP_TIMEOUT = 15.0
+
+
+class AttachedHostMesh(RemoteHostMesh):
+    """Hosts running worker loops, attached by this controller: ``spawn_procs(per_host)`` starts processes on each."""
+
+    def __init__(self, rt: Runtime, nodes: list[RemoteNode], lifelines: Lifelines, agents: list[ProcMesh]) -> None:
+        super().__init__(rt, nodes, lifelines)
+        self._agents = agents  # their proc meshes (handles: stopping one stops only the agent)
+        at_runtime_exit(self.shutdown)
+
+    def __repr__(self) -> str:
+        return f"<AttachedHostMesh {[node.node for node in self._nodes]}>"
+
+    def _request(self, node: RemoteNode, op: str, args: tuple[Any, ...], done: Requested) -> None:
+        agent: ActorMesh[HostAgent] = node.handle
+        pending = _ask(self._rt, agent, op, args)
+
+        def answered(call: PendingCall) -> None:
+            if call.error is not None:
+                done(None, call.error)
+            else:
+                done(call.results[0], None)
+
+        if pending.done:
+            answered(pending)
+        else:
+            pending.callbacks.append(answered)
+            self._rt.driver.on_thread(lambda: _expire_later(self._rt, pending))
+
+    def _fetch_addresses(self, nodes: list[RemoteNode], count: int) -> list[list[str]]:
+        calls = [_ask(self._rt, node.handle, "addresses", (count,)) for node in nodes]
+        return [_wait(self._rt, call, REQUEST_TIMEOUT, "free addresses") for call in calls]
+
+    def _lose(self, node: RemoteNode, why: str) -> None:
+        super()._lose(node, why)
+        agent_ref = node.handle._targets()[0][1]
+        self._rt.registry.mark_dead(agent_ref, f"its host was lost ({why})")  # its pending requests fail now
+
+    def shutdown(self) -> None:
+        """End every process this mesh started on every host, and the agents (the worker loops keep serving)."""
+        if self._root is not None:
+            raise RuntimeError("shut down the host mesh this one was sliced from: they share their hosts")
+        if self.closed:
+            return
+        self.closed = True
+        calls = [_ask(self._rt, n.handle, "stop", ()) for n in self._nodes if not n.lost]
+        for call in calls:
+            with contextlib.suppress(Exception):
+                _wait(self._rt, call, STOP_TIMEOUT, "the hosts to stop their workers")
+        for agent in self._agents:
+            with contextlib.suppress(Exception):
+                agent.stop().get(timeout=STOP_TIMEOUT)
+        self._relay.close()
+        self._lifelines.close()
+        self._forget_workers("its host mesh was shut down")
+
+    async def shutdown_async(self) -> None:
+        """:meth:`shutdown` for code on an event loop: the waits happen on a worker thread."""
+        import asyncio
+
+        await asyncio.to_thread(self.shutdown)
+
+    def __enter__(self) -> AttachedHostMesh:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _ask(rt: Runtime, agent: ActorMesh[Any], op: str, args: tuple[Any, ...]) -> PendingCall:
+    """Send request ``op`` to the agent, from any thread; its pending call."""
+    targets = agent._targets()
+
+    def send() -> PendingCall | None:
+        return send_call(rt, targets, agent._name, op, encode_arguments(rt, args, {}), want_reply=True)
+
+    pending = rt.driver.on_thread(send)
+    assert pending is not None
+    return pending  # type: ignore[no-any-return]
+
+
+def _expire_later(rt: Runtime, pending: PendingCall) -> None:
+    """Fail ``pending`` after :data:`REQUEST_TIMEOUT` if it is still open (nobody awaits a request's answer)."""
+    loop = rt.driver.loop
+    if loop is not None and loop.is_running() and not pending.done:
+        pending.timeout = REQUEST_TIMEOUT
+        loop.call_later(REQUEST_TIMEOUT, pending.expire)
+
+
+def _wait(rt: Runtime, pending: PendingCall, timeout: float, what: str) -> Any:
+    """The answer of ``pending``, waited for by a caller that is not on a running event loop."""
+    return pending_future(rt, pending, lambda results: results[0], what).get(timeout=timeout)
+
+
+def _use_tcp() -> Runtime:
+    """This process's runtime, on tcp with the session's CURVE key (started that way if it did not exist yet)."""
+    existing = current_runtime()
+    if existing is None:
+        os.environ[TRANSPORT_ENV] = "tcp"
+        os.environ.setdefault(TCP_HOST_ENV, "127.0.0.1")
+    elif tcp_host(existing.address) is None:
+        raise RuntimeError(
+            "attach_to_workers() needs this process's inbox on tcp, but the actors runtime already started on ipc: "
+            f"call it before anything else that uses actors, or start the program with {TRANSPORT_ENV}=tcp "
+            f"{TCP_HOST_ENV}=<the address the workers reach this machine at>"
+        )
+    if not os.environ.get(CURVE_PUBLIC_ENV) or not os.environ.get(CURVE_SECRET_ENV):
+        raise RuntimeError(
+            f"attach_to_workers() needs the session's CURVE key that the workers hold ({CURVE_PUBLIC_ENV} and "
+            f"{CURVE_SECRET_ENV} in this environment; actors.new_session_keys() makes a pair for both sides)"
+        )
+    rt = runtime()
+    if session_keys() is None:
+        raise RuntimeError("workers are attached over CURVE-authenticated tcp only; unset ACTORS_CURVE=0")
+    return rt
+
+
+def attach_to_workers(
+    *,
+    private_key: bytes | None = None,
+    ca: str = "trust_all_connections",
+    workers: Sequence[str | Future[str]],
+    name: str | None = None,
+    timeout: float = ATTACH_TIMEOUT,
+) -> AttachedHostMesh:
+    """A host mesh over worker loops already running at ``workers`` (``tcp://host:port`` each), Monarch's way.
+
+    Each worker was started with ``run_worker_loop_forever(address=...)``, by a
+    scheduler, a script or a person, with the same session CURVE key as this
+    process (``ACTORS_CURVE_PUBLIC`` / ``ACTORS_CURVE_SECRET``). Blocks until
+    every worker answered (``timeout`` s; a worker that does not hold the key
+    never does), so call it from synchronous code or a thread.
+    """
+    check_worker_loop_args(private_key, ca)
+    if isinstance(workers, str) or not workers:
+        raise TypeError(f"workers must be a non-empty list of worker addresses, not {workers!r}")
+    addresses = [w.get(timeout=timeout) if isinstance(w, Future) else w for w in workers]
+    for address in addresses:
+        if not isinstance(address, str) or tcp_host(address) is None:
+            raise ValueError(f"a worker's address must be 'tcp://<host>:<port>', not {address!r}")
+    rt = _use_tcp()
+    lifelines = Lifelines(tcp_host(rt.address) or "127.0.0.1")
+    agents: list[ProcMesh] = []
+    handles: list[HostAgent] = []  # (actor meshes, typed as the class, as spawn returns them)
+    try:
+        for index, address in enumerate(addresses):
+            ref = rt.registry.placed(address)
+            if ref.dead:  # lost by an earlier host mesh of this process, and serving again
+                rt.registry.revive(ref, None)
+            procs = ProcMesh(f"{name or 'workers'}-{index}", {"procs": 1}, [ref], owned=False)
+            agents.append(procs)
+            handles.append(procs.spawn("host_agent", HostAgent, [*lifelines.address, lifelines.key.hex(), index]))
+        deadline = time.monotonic() + timeout
+        infos, pools = [], []
+        for address, handle in zip(addresses, handles, strict=True):
+            left = max(0.0, deadline - time.monotonic())
+            try:
+                infos.append(handle.info.call_one().get(timeout=left))
+                pools.append(handle.addresses.call_one(ADDRESS_POOL).get(timeout=max(1.0, deadline - time.monotonic())))
+            except CallTimeout:
+                raise CallTimeout(
+                    f"the worker loop at {address} did not answer within {timeout:g}s: is it running, reachable "
+                    f"from here, and does it hold this session's CURVE key ({CURVE_PUBLIC_ENV})?"
+                ) from None
+    except BaseException:
+        lifelines.close()
+        raise
+    nodes = [
+        RemoteNode(i, handle, info["ip"], info["pid"], address, f"worker {address}", list(info["gpus"]), pool)
+        for i, (handle, address, info, pool) in enumerate(zip(handles, addresses, infos, pools, strict=True))
+    ]
+    return AttachedHostMesh(rt, nodes, lifelines, agents)
+
+
+def hosts_from_config(name: str, hosts: int = 2) -> AttachedHostMesh:
+    """Monarch's stand-in for a scheduler's config: ``hosts`` worker loops started here, attached as one mesh.
+
+    Each worker loop is a process of this machine on loopback tcp, holding
+    this session's CURVE key (made now if the environment has none, before
+    the runtime starts); they end with this process. A real deployment
+    starts ``run_worker_loop_forever`` on each machine and calls
+    :func:`attach_to_workers` with their addresses.
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"a host mesh's name must be a non-empty string, not {name!r}")
+    if type(hosts) is not int or hosts < 1:
+        raise ValueError(f"hosts must be a positive int, not {hosts!r}")
+    if not os.environ.get(CURVE_PUBLIC_ENV) or not os.environ.get(CURVE_SECRET_ENV):
+        if current_runtime() is not None:
+            raise RuntimeError(
+                "hosts_from_config() must make this session's CURVE key before the actors runtime starts: call it "
+                f"first, or set {CURVE_PUBLIC_ENV} / {CURVE_SECRET_ENV} (actors.new_session_keys())"
+            )
+        os.environ.update(new_session_keys())
+    _use_tcp()
+    loops = [_start_worker_loop(f"tcp://127.0.0.1:{_free_port()}") for _ in range(hosts)]
+    try:
+        mesh = attach_to_workers(workers=[address for address, _ in loops], name=name)
+    except BaseException:
+        _end_worker_loops(loops)
+        raise
+    at_runtime_exit(lambda: _end_worker_loops(loops))  # after the mesh's own shutdown, which needs them
+    return mesh
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _start_worker_loop(address: str) -> tuple[str, subprocess.Popen[bytes]]:
+    """A worker loop at ``address``, a child of this process that ends when this process does."""
+    boot = f"from actors import run_worker_loop_forever; run_worker_loop_forever(address={address!r}, ca={_CA!r})"
+    env = {key: value for key, value in os.environ.items() if key not in (SESSION_ENV, HOST_ID_ENV)}
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    child = subprocess.Popen([sys.executable, "-c", boot], env=env, preexec_fn=_die_with_parent)
+    return address, child
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the process that started it dies."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _end_worker_loops(loops: list[tuple[str, subprocess.Popen[bytes]]]) -> None:
+    for _, child in loops:
+        if child.poll() is None:
+            child.terminate()
+    for _, child in loops:
+        try:
+            child.wait(10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait(5)

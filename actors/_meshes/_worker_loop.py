@@ -1,0 +1,186 @@
+"""A worker host that a scheduler (Slurm, Kubernetes, ssh) started: Monarch's ``run_worker_loop_forever``.
+
+``run_worker_loop_forever(address="tcp://host:port")`` makes this process
+an actors worker listening on ``address``, authenticated with the session's
+CURVE key (``ACTORS_CURVE_PUBLIC`` / ``ACTORS_CURVE_SECRET``, which the
+controller holds too: a controller without them cannot complete the
+handshake, so nothing it sends is ever read). It serves until it is killed.
+
+A controller joins it with ``attach_to_workers`` by spawning a
+:class:`HostAgent` here: the agent starts this host's forkserver and forks
+the controller's workers on request, each on a tcp address of this host,
+and holds a lifeline to the controller. When the controller goes (its
+lifeline ends), the agent ends every worker it started and the worker loop
+waits for the next controller, as Monarch's does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from typing import Any
+
+from .._hosting._actor import Actor, endpoint
+from .._hosting._server import ActorServer
+from .._processes._node_forkserver import NodeForkserver
+from .._runtime._core import Runtime, install_runtime, runtime
+from .._shared._config import WorkerConfig
+from .._shared._session import (
+    CURVE_ENV,
+    CURVE_PUBLIC_ENV,
+    CURVE_SECRET_ENV,
+    HOST_ID_ENV,
+    TCP_HOST_ENV,
+    TRANSPORT_ENV,
+    make_runtime_dir,
+    tcp_host,
+    write_incarnation,
+)
+
+__all__ = [
+    "HostAgent",
+    "check_worker_loop_args",
+    "run_worker_loop_forever",
+    "run_worker_loop_until_shutdown",
+    "start_worker_loop_forever",
+]
+
+#: How long one ``exits`` request waits for a worker to exit before answering with none.
+EXITS_POLL = 10.0
+
+
+class HostAgent(Actor):
+    """The controller's agent on an attached worker host: this host's forkserver, driven by calls.
+
+    ``lifeline`` is ``[controller host, port, key hex, host index]``: the
+    agent holds it, and when it ends every worker it started is ended.
+    """
+
+    def __init__(self, lifeline: list[Any]) -> None:
+        ip = tcp_host(runtime().address)
+        assert ip is not None  # run_worker_loop_forever serves tcp only
+        self._node = NodeForkserver(ip, make_runtime_dir())
+        host, port, key, index = lifeline
+        self._node.hold_lifeline((str(host), int(port)), bytes.fromhex(str(key)), int(index))
+
+    @endpoint
+    async def info(self) -> dict[str, Any]:
+        """Where this host is: its address, its pid, and the GPUs it may hand out."""
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        gpus = [g for g in visible.split(",") if g] if visible is not None else await asyncio.to_thread(_gpu_ids)
+        return {"ip": self._node.ip, "pid": os.getpid(), "gpus": gpus}
+
+    @endpoint
+    async def addresses(self, count: int) -> list[str]:
+        return self._node.addresses(count)
+
+    @endpoint
+    async def spawn(self, index: int, config: dict[str, Any]) -> int:
+        return await asyncio.to_thread(self._node.spawn, index, config)
+
+    @endpoint
+    async def kill(self, index: int) -> bool:
+        return self._node.kill(index)
+
+    @endpoint
+    async def exits(self) -> list[list[int]]:
+        """Workers reaped since the last call, as ``[worker, pid, exit code]`` (waits a while for one)."""
+        reaped = await asyncio.to_thread(self._node.exits, EXITS_POLL)
+        return [[e.worker, e.pid, e.code] for e in reaped]
+
+    @endpoint
+    async def stop(self) -> None:
+        """End every worker this agent started, and the forkserver."""
+        await asyncio.to_thread(self._node.stop)
+
+    async def __cleanup__(self, exc: BaseException | None) -> None:
+        if not self._node.stopped:
+            await asyncio.to_thread(self._node.stop)
+
+
+def _gpu_ids() -> list[str]:
+    """This host's CUDA devices, by index (none without torch's CUDA)."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return []
+    return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+
+
+def check_worker_loop_args(private_key: bytes | None, ca: str) -> None:
+    """Monarch's TLS arguments: this project authenticates with the session's CURVE key instead."""
+    if private_key is not None or ca != "trust_all_connections":
+        raise NotImplementedError(
+            "actors authenticates workers and controllers with the session's CURVE key "
+            f"({CURVE_PUBLIC_ENV} / {CURVE_SECRET_ENV} in both environments), not TLS certificates: "
+            'pass ca="trust_all_connections" and no private_key'
+        )
+
+
+def _serving_address(address: str) -> str:
+    if not isinstance(address, str) or tcp_host(address) is None:
+        raise ValueError(
+            f"a worker loop listens on tcp (authenticated with the session's CURVE key): "
+            f"address must be 'tcp://<host>:<port>', not {address!r}"
+        )
+    if "*" in address or "0.0.0.0" in address:
+        raise ValueError(f"give the address controllers reach this host at, not a wildcard: {address!r}")
+    if os.environ.get(CURVE_ENV, "1") == "0":
+        raise RuntimeError(f"a worker loop never runs unauthenticated; unset {CURVE_ENV}=0")
+    if not os.environ.get(CURVE_PUBLIC_ENV) or not os.environ.get(CURVE_SECRET_ENV):
+        raise RuntimeError(
+            f"a worker loop needs the session's CURVE key in its environment ({CURVE_PUBLIC_ENV} and "
+            f"{CURVE_SECRET_ENV}, the same as the controller's; actors.new_session_keys() makes a pair)"
+        )
+    return address
+
+
+async def _serve(address: str) -> None:
+    rt = Runtime(address=address)
+    install_runtime(rt)
+    loop = rt.driver.ensure_loop()
+    write_incarnation(rt.dir, rt.address, rt.pid)
+    # The loop's own process is its owner: it ends only when it is killed, never with a controller.
+    config = WorkerConfig(
+        name=f"worker-loop {address}", address=address, owner_address=address, owner_pid=rt.pid, rank=0
+    )
+    server = ActorServer(rt, config, lambda actors: None)
+    loop.add_signal_handler(signal.SIGTERM, server.shutdown, "terminated")
+    loop.add_signal_handler(signal.SIGINT, server.shutdown, "interrupted")
+    try:
+        await server.finished.wait()
+    finally:
+        rt.close()
+
+
+def run_worker_loop_forever(*, private_key: bytes | None = None, ca: str, address: str) -> None:
+    """Serve as a worker host at ``address`` (``tcp://host:port``) until this process is terminated.
+
+    Controllers join it with ``attach_to_workers(workers=[address, ...])``.
+    Both sides must hold the session's CURVE key (``ACTORS_CURVE_PUBLIC`` and
+    ``ACTORS_CURVE_SECRET``); ``ca`` must be ``"trust_all_connections"`` and
+    ``private_key`` None (Monarch's TLS arguments; the CURVE key replaces them).
+    """
+    check_worker_loop_args(private_key, ca)
+    address = _serving_address(address)
+    os.environ[TRANSPORT_ENV] = "tcp"
+    os.environ[TCP_HOST_ENV] = tcp_host(address) or "127.0.0.1"
+    os.environ.setdefault(HOST_ID_ENV, f"worker-{address}")
+    import uvloop
+
+    uvloop.run(_serve(address))
+
+
+def run_worker_loop_until_shutdown(*, private_key: bytes | None = None, ca: str, address: str) -> None:
+    """Monarch's variant that returns when its host mesh shuts it down: here, when it is terminated (SIGTERM)."""
+    run_worker_loop_forever(private_key=private_key, ca=ca, address=address)
+
+
+def start_worker_loop_forever(*, private_key: bytes | None = None, ca: str, address: str) -> None:
+    """Monarch's variant that returns a future of the server's lifetime: not offered (it needs Monarch's Rust runtime)."""
+    check_worker_loop_args(private_key, ca)
+    raise NotImplementedError(
+        "start_worker_loop_forever() starts Monarch's worker server beside the calling program; in actors a "
+        "worker loop is a process of its own: call run_worker_loop_forever(address=...) in it"
+    )
