@@ -74,6 +74,7 @@ from ._shared._errors import (
 )
 from ._shared._restart import RestartMode, RestartPolicy
 from ._shared._session import host_id, new_session_keys
+from ._wire._code import allow_code
 from .weights import (
     ReceivesWeights,
     WeightConsumer,
@@ -131,6 +132,7 @@ __all__ = [
     "WeightPublisher",
     "WeightSyncError",
     "add_failure_handler",
+    "allow_code",
     "attach_to_workers",
     "available_transports",
     "concurrent_endpoint",

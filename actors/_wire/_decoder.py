@@ -18,7 +18,9 @@ import torch
 from .._shared._errors import DecodeError
 from . import _refs
 from ._buffers import DTYPES, ITEMSIZE, tensor_over
+from ._code import unpickle_code
 from ._ext import (
+    EXT_CODE,
     EXT_DATACLASS,
     EXT_DTYPE,
     EXT_HANDLE,
@@ -233,6 +235,8 @@ class Decoder:
             if dtype is None:
                 raise DecodeError("unknown dtype")
             return dtype
+        if code == EXT_CODE:
+            return unpickle_code(bytes(data))
         raise DecodeError(f"unknown extension type {code}")
 
     def _tensor(self, record: Any) -> torch.Tensor:

@@ -17,7 +17,9 @@ import torch
 from .._shared._errors import EncodeError
 from . import _refs
 from ._buffers import DTYPE_NAMES, tensor_buffer
+from ._code import code_allowed, is_code, pickle_code, refusal
 from ._ext import (
+    EXT_CODE,
     EXT_DATACLASS,
     EXT_DTYPE,
     EXT_HANDLE,
@@ -128,13 +130,10 @@ class Encoder:
             return float(obj)
         if isinstance(obj, str):
             return str(obj)
-        if callable(obj) and not isinstance(obj, type):
-            raise EncodeError(
-                f"cannot send the function {getattr(obj, '__qualname__', obj)!r}: code does not travel, because "
-                "that would need pickle, which actors never runs on received bytes (it executes arbitrary code). "
-                "Send data instead: define the behaviour as an endpoint of the receiving actor and send its "
-                "arguments, or send a name the receiver looks up in a table of functions it already has"
-            )
+        if is_code(obj):  # a function, lambda, closure, method, partial or class
+            if code_allowed():
+                return ext(EXT_CODE, pickle_code(obj))
+            raise refusal(obj)
         raise EncodeError(
             f"cannot send a value of type {cls.__module__}.{cls.__qualname__}: "
             "use plain values, tensors, dataclasses, ports or actor meshes"

@@ -33,6 +33,8 @@ EXT_TENSOR = 2
 EXT_DATACLASS = 3
 EXT_HANDLE = 4
 EXT_DTYPE = 5
+#: A function, lambda or class as cloudpickle: only in a session that opted in (``_code``).
+EXT_CODE = 6
 
 #: Tensors at most this many bytes travel inside the payload rather than as a frame.
 INLINE_TENSOR_BYTES = 4096

@@ -1,0 +1,102 @@
+"""Code that travels: functions, lambdas and classes sent with cloudpickle, only in a session that opts in.
+
+By default no received byte is ever unpickled: a function given as an
+argument is refused at the sender with ``EncodeError``, and a code record
+that arrives anyway is refused at the receiver with ``DecodeError``.
+
+A session opts in with ``ACTORS_SEND_CODE=1`` in the controller's
+environment before it spawns anything (or :func:`allow_code` called first):
+every process it spawns inherits the setting. Then a function, lambda,
+closure or class that is not plain data travels as one dedicated record
+(``EXT_CODE``, a cloudpickle payload); every other record is decoded as
+before and never unpickled. A process that did not opt in refuses code
+records whatever its peers do.
+
+Trust model: every peer of a session holds its key (CURVE on tcp; the
+0700 session directory on ipc), and any peer can already make any process
+of the session run code, by spawning an actor there. Letting code travel
+adds no new principal, but it makes every message that carries an argument
+a way to run code: a leaked session key then means arbitrary code
+execution through any endpoint, not only through spawns. Keep it off for
+sessions that talk to processes you do not control.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pickle
+import types
+from typing import Any
+
+from .._shared._errors import DecodeError, EncodeError
+
+__all__ = ["CODE_ENV", "allow_code", "code_allowed", "is_code", "pickle_code", "refusal", "unpickle_code"]
+
+#: ``1``: this session lets functions, lambdas and classes travel (set before spawning; inherited).
+CODE_ENV = "ACTORS_SEND_CODE"
+_HOW = f"set {CODE_ENV}=1 in the controller's environment before it spawns (or call actors.allow_code() first)"
+
+
+#: What counts as code: these travel as code records (other objects, callable or not, travel as data or not at all).
+_CODE_TYPES = (
+    types.FunctionType,
+    types.MethodType,
+    types.BuiltinFunctionType,
+    types.BuiltinMethodType,
+    functools.partial,
+    type,
+)
+
+
+def is_code(obj: Any) -> bool:
+    """Whether ``obj`` is a function, lambda, closure, method, ``functools.partial`` or class."""
+    return isinstance(obj, _CODE_TYPES)
+
+
+def code_allowed() -> bool:
+    """Whether this process sends and accepts code records."""
+    return os.environ.get(CODE_ENV) == "1"
+
+
+def allow_code() -> None:
+    """Let code travel in this session: call it before spawning (processes spawned earlier keep refusing code)."""
+    os.environ[CODE_ENV] = "1"
+
+
+def pickle_code(obj: Any) -> bytes:
+    """``obj`` (a function, lambda, closure or class) as a cloudpickle payload."""
+    try:
+        import cloudpickle
+    except ImportError:
+        raise EncodeError("sending code needs cloudpickle: pip install 'actors[code]'") from None
+    try:
+        return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)  # type: ignore[no-any-return]
+    except Exception as exc:
+        raise EncodeError(f"cannot pickle {getattr(obj, '__qualname__', obj)!r}: {exc}") from None
+
+
+def unpickle_code(data: bytes) -> Any:
+    """The function or class a code record holds; refused unless this process opted in."""
+    if not code_allowed():
+        raise DecodeError(
+            "a code record (a pickled function or class) arrived, but this process does not let code travel: "
+            f"{_HOW}; until then nothing received is unpickled"
+        )
+    try:
+        obj = pickle.loads(data)
+    except Exception as exc:
+        raise DecodeError(f"malformed code record: {type(exc).__name__}: {exc}") from None
+    if not callable(obj):
+        raise DecodeError(f"a code record must hold a function or a class, not a {type(obj).__name__}")
+    return obj
+
+
+def refusal(obj: Any) -> EncodeError:
+    """Why ``obj`` (code) cannot be sent in a session that did not opt in."""
+    return EncodeError(
+        f"cannot send {getattr(obj, '__qualname__', obj)!r}: code does not travel by default, because that needs "
+        "pickle, which actors runs on received bytes only in a session that opted in (it executes arbitrary code). "
+        "Send data instead (define the behaviour as an endpoint of the receiving actor and send its arguments, or "
+        f"a name the receiver looks up), or, if every process of the session is trusted, {_HOW}"
+    )
