@@ -37,11 +37,14 @@ from ._meshes._attached import attach_to_workers, hosts_from_config
 from ._meshes._controllers import get_or_spawn_controller
 from ._meshes._host_mesh import HostMesh, this_host, this_proc
 from ._meshes._instance import Context, Instance, context, current_actor_name
+from ._meshes._not_offered import ProcId, Uid, as_endpoint, attach, config, debug_controller, default_bootstrap_cmd
 from ._meshes._proc_mesh import ProcMesh
+from ._meshes._shutdown import shutdown_context
 from ._meshes._worker_loop import run_worker_loop_forever, run_worker_loop_until_shutdown, start_worker_loop_forever
 from ._runtime._context import current_rank, current_size
 from ._runtime._future import Future
 from ._runtime._port import Channel, Port, PortReceiver
+from ._runtime._returns_future import returns_future
 from ._runtime._supervision import (
     Failure,
     MeshFailure,
@@ -49,7 +52,9 @@ from ._runtime._supervision import (
     remove_failure_handler,
     unhandled_fault_hook,
 )
-from ._runtime._value_mesh import Point, ValueMesh
+from ._runtime._telemetry import get_meter, span, traced
+from ._runtime._transport_choice import ChannelTransport, enable_transport
+from ._runtime._value_mesh import Extent, Point, ValueMesh
 from ._shared._errors import (
     ActorDied,
     ActorError,
@@ -94,12 +99,14 @@ __all__ = [
     "BufferFull",
     "CallTimeout",
     "Channel",
+    "ChannelTransport",
     "ChecksumError",
     "CodecError",
     "Context",
     "DecodeError",
     "EncodeError",
     "Endpoint",
+    "Extent",
     "Failure",
     "Future",
     "HostMesh",
@@ -113,6 +120,7 @@ __all__ = [
     "Port",
     "PortClosed",
     "PortReceiver",
+    "ProcId",
     "ProcMesh",
     "PublisherDied",
     "ReceivesWeights",
@@ -124,6 +132,7 @@ __all__ = [
     "StaleUpdateError",
     "SupervisionError",
     "TransportBlocked",
+    "Uid",
     "ValueMesh",
     "VersionError",
     "WeightConsumer",
@@ -133,24 +142,35 @@ __all__ = [
     "WeightSyncError",
     "add_failure_handler",
     "allow_code",
+    "as_endpoint",
+    "attach",
     "attach_to_workers",
     "available_transports",
     "concurrent_endpoint",
+    "config",
     "context",
     "current_actor_name",
     "current_rank",
     "current_size",
+    "debug_controller",
+    "default_bootstrap_cmd",
+    "enable_transport",
     "endpoint",
+    "get_meter",
     "get_or_spawn_controller",
     "host_id",
     "hosts_from_config",
     "new_session_keys",
     "remove_failure_handler",
+    "returns_future",
     "run_worker_loop_forever",
     "run_worker_loop_until_shutdown",
     "send",
+    "shutdown_context",
+    "span",
     "start_worker_loop_forever",
     "this_host",
     "this_proc",
+    "traced",
     "unhandled_fault_hook",
 ]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -21,6 +22,7 @@ from .._runtime._call_sender import encode_arguments, pending_future, send_call
 from .._runtime._context import actor_context
 from .._runtime._core import Runtime, runtime
 from .._runtime._future import Future
+from .._runtime._parts import Part
 from .._runtime._pending_calls import PendingCall
 from .._runtime._supervision import Failure, FailureHandler
 from .._runtime._value_mesh import extent_from_wire
@@ -35,10 +37,14 @@ from ._actor_mesh import ActorMesh
 from ._mesh_supervisor import MeshSupervisor
 from ._proc_stop import StopStep, stop_steps
 
-__all__ = ["ProcMesh"]
+__all__ = ["SPAWNED_MESHES", "ProcMesh"]
 
 A = TypeVar("A", bound=Actor)
 R = TypeVar("R")
+
+
+def _mesh_set() -> weakref.WeakSet[ProcMesh]:
+    return weakref.WeakSet()
 
 
 class ProcMesh:
@@ -79,6 +85,7 @@ class ProcMesh:
             for ref in procs:
                 rt.mesh_routes.own(ref.address, self.supervisor)
                 ref.incarnation = new_incarnation(ref)
+            rt.parts.get(SPAWNED_MESHES).add(self)
             owner_actor = self.supervisor.owner_actor
             if owner_actor is not None and rt.server is not None:
                 rt.server.adopt(owner_actor, self)  # stopped when that actor stops
@@ -284,5 +291,8 @@ def _proc_mesh_from_state(state: Any) -> ProcMesh:
         refs.append(registry.proc(proc[0], proc[1]))
     return ProcMesh(name, dims, refs, owned=False)
 
+
+#: Kept on the runtime (``rt.parts``): the proc meshes this process spawned and still holds.
+SPAWNED_MESHES: Part[weakref.WeakSet[ProcMesh]] = Part("spawned proc meshes", _mesh_set)
 
 register_handle("proc_mesh", ProcMesh, _proc_mesh_state, _proc_mesh_from_state)

@@ -1,4 +1,4 @@
-"""``ValueMesh`` and ``Point``: results laid out over a mesh's shape.
+"""``ValueMesh``, ``Point`` and ``Extent``: results laid out over a mesh's shape.
 
 A mesh has an *extent*: named dimensions with sizes, e.g. ``{"gpus": 4}``;
 ranks number its points in row-major order.
@@ -7,7 +7,7 @@ ranks number its points in row-major order.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Generic, TypeVar
 
 from .._shared._errors import DecodeError
@@ -15,7 +15,7 @@ from .._wire._ext import register_handle
 
 R = TypeVar("R")
 
-__all__ = ["Point", "ValueMesh"]
+__all__ = ["Extent", "Point", "ValueMesh"]
 
 
 def coordinates(rank: int, extent: Mapping[str, int]) -> dict[str, int]:
@@ -92,6 +92,48 @@ class Point(Mapping[str, int]):
         """Monarch's form: ``{'hosts': 0/1, 'gpus': 1/2}`` (coordinate/size per dimension)."""
         inner = ", ".join(f"{dim!r}: {self._coords[dim]}/{size}" for dim, size in self.extent.items())
         return "{" + inner + "}"
+
+
+class Extent(Mapping[str, int]):
+    """A mesh's shape: its dimensions' labels and sizes, in order (Monarch's ``Extent(labels, sizes)``)."""
+
+    __slots__ = ("_sizes",)
+
+    def __init__(self, labels: Sequence[str], sizes: Sequence[int]) -> None:
+        labels, sizes = list(labels), list(sizes)
+        if len(labels) != len(sizes) or len(set(labels)) != len(labels):
+            raise ValueError(f"an extent needs distinct labels, one per size: {labels!r}, {sizes!r}")
+        if any(type(size) is not int or size < 0 for size in sizes):
+            raise ValueError(f"an extent's sizes are non-negative ints, not {sizes!r}")
+        self._sizes = dict(zip(labels, sizes, strict=True))
+
+    @property
+    def labels(self) -> list[str]:
+        return list(self._sizes)
+
+    @property
+    def sizes(self) -> list[int]:
+        return list(self._sizes.values())
+
+    @property
+    def nelements(self) -> int:
+        """How many points the mesh has."""
+        return math.prod(self._sizes.values())
+
+    def __getitem__(self, label: str) -> int:
+        return self._sizes[label]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._sizes)
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    def __repr__(self) -> str:
+        return f"Extent({self.labels!r}, {self.sizes!r})"
+
+    def __str__(self) -> str:
+        return str(self._sizes)
 
 
 class ValueMesh(Generic[R]):

@@ -1,0 +1,46 @@
+"""Monarch's ``shutdown_context``: stop everything this program started on its host, once it is done with actors.
+
+It stops every proc mesh this process spawned and still holds (the
+companion ``this_proc()`` included) and the controllers it spawned. The
+runtime itself stays usable: a later spawn starts afresh. (At interpreter
+exit the same happens without being asked.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from .._runtime._core import current_runtime
+from .._runtime._future import Future
+from ._controllers import stop_controllers
+from ._proc_mesh import SPAWNED_MESHES
+
+__all__ = ["shutdown_context"]
+
+
+def shutdown_context(host_timeout: float | None = None) -> Future[None]:
+    """Stop this process's proc meshes and controllers; await the result or ``get()`` it."""
+    rt = current_runtime()
+    if rt is None:
+        return Future.ready(None)
+    spawned = rt.parts.get(SPAWNED_MESHES)
+    meshes = [mesh for mesh in list(spawned) if not mesh.stopping]
+    stops = [mesh.stop() for mesh in meshes]  # each stop request leaves now
+
+    async def run() -> None:
+        await asyncio.wait_for(asyncio.gather(*(_awaited(stop) for stop in stops)), host_timeout)
+        await stop_controllers()
+
+    def run_sync(timeout: float | None) -> None:
+        limit = host_timeout if timeout is None else timeout
+        for stop in stops:
+            stop.get(timeout=limit)
+        with contextlib.suppress(RuntimeError):
+            asyncio.run(stop_controllers())
+
+    return Future(run, run_sync)
+
+
+async def _awaited(stop: Future[None]) -> None:
+    await stop

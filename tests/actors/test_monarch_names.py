@@ -1,0 +1,129 @@
+"""Every public name of Monarch's ``monarch.actor`` 0.7.0 is importable here; each works or raises at use, saying why."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+import actors
+from actors import ProcMesh
+from actors._runtime._telemetry import Meter
+
+#: ``monarch.actor.__all__`` of torchmonarch 0.7.0, and the getting-started example's ``hosts_from_config``.
+MONARCH_ACTOR_ALL = [
+    "Accumulator", "Actor", "ActorError", "current_actor_name", "as_endpoint", "current_rank", "current_size",
+    "concurrent_endpoint", "endpoint", "Future", "returns_future", "Point", "ProcMesh", "ProcId", "Channel", "send",
+    "shutdown_context", "ValueMesh", "debug_controller", "get_or_spawn_controller", "this_host", "this_proc",
+    "default_bootstrap_cmd", "HostMesh", "context", "Port", "PortReceiver", "Endpoint", "Extent",
+    "run_worker_loop_forever", "run_worker_loop_until_shutdown", "start_worker_loop_forever", "attach_to_workers",
+    "attach", "enable_transport", "Context", "ChannelTransport", "unhandled_fault_hook", "MeshFailure", "config",
+    "get_meter", "span", "traced", "Uid", "hosts_from_config",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", MONARCH_ACTOR_ALL)
+def test_every_monarch_name_is_exported(name):
+    assert name in actors.__all__ and getattr(actors, name) is not None
+
+
+@pytest.mark.parametrize(
+    ("use", "what"),
+    [
+        (lambda: actors.as_endpoint(print), "as_endpoint"),
+        (lambda: actors.attach("tcp://127.0.0.1:1"), "attach"),
+        (lambda: actors.debug_controller(), "debug_controller"),
+        (lambda: actors.default_bootstrap_cmd(), "default_bootstrap_cmd"),
+        (lambda: actors.ProcId(), "ProcId"),
+        (lambda: actors.Uid(), "Uid"),
+        (lambda: actors.config.enable_log_forwarding, "config.enable_log_forwarding"),
+        (lambda: actors.enable_transport("metatls"), "MetaTlsWithIpV6"),
+    ],
+)
+def test_names_not_offered_raise_at_use_with_the_reason(use, what):
+    with pytest.raises(NotImplementedError, match=what):
+        use()
+
+
+def test_returns_future_serves_both_kinds_of_caller():
+    calls = []
+
+    @actors.returns_future
+    async def double(x: int) -> int:
+        calls.append(x)
+        await asyncio.sleep(0)
+        return 2 * x
+
+    pending = double(4)
+    assert calls == [], "calling does not start the body"
+    assert pending.get(timeout=5) == 8
+
+    async def awaited() -> int:
+        return await double(5)
+
+    assert asyncio.run(awaited()) == 10
+    with pytest.raises(TypeError, match="async def"):
+        actors.returns_future(lambda: 1)  # type: ignore[arg-type]
+
+
+def test_spans_traced_functions_and_the_meter_record(caplog):
+    @actors.traced
+    def work(x: int) -> int:
+        return x + 1
+
+    @actors.traced(name="named")
+    async def later() -> str:
+        return "done"
+
+    with caplog.at_level(logging.DEBUG, logger="actors.telemetry"):
+        with actors.span("block"):
+            pass
+        assert work(1) == 2 and asyncio.run(later()) == "done"
+        with pytest.raises(KeyError), actors.span("failing"):
+            raise KeyError("x")
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == [
+        "span block",
+        "span work",
+        "span named",
+        "span failing",
+    ]
+    assert "raised KeyError" in caplog.records[-1].getMessage()
+    actors.get_meter().create_counter("steps").add(2)  # OpenTelemetry's meter where installed, else ours
+    meter = Meter()  # ours: instruments keep their totals in this process
+    counter = meter.create_counter("steps")
+    counter.add(2)
+    counter.add(3)
+    assert meter.create_counter("steps").value == 5
+    with pytest.raises(ValueError, match="only goes up"):
+        counter.add(-1)
+    histogram = meter.create_histogram("latency")
+    histogram.record(0.5)
+    assert histogram.value == 0.5 and histogram.count == 1
+
+
+def test_extent_is_an_ordered_shape():
+    extent = actors.Extent(["hosts", "gpus"], [2, 4])
+    assert extent.labels == ["hosts", "gpus"] and extent.sizes == [2, 4] and extent.nelements == 8
+    assert dict(extent) == {"hosts": 2, "gpus": 4}
+    with pytest.raises(ValueError, match="distinct labels"):
+        actors.Extent(["a", "a"], [1, 2])
+    with pytest.raises(ValueError, match="non-negative ints"):
+        actors.Extent(["a"], [-1])
+
+
+def test_enable_transport_accepts_the_transport_in_use_and_refuses_a_change(sockets_dir):
+    actors.enable_transport("ipc")  # the runtime of this process runs on ipc
+    actors.enable_transport(actors.ChannelTransport.Unix)
+    with pytest.raises(RuntimeError, match="already started on ipc"):
+        actors.enable_transport("tcp")
+    with pytest.raises(ValueError, match="unknown transport"):
+        actors.enable_transport("carrier-pigeon")
+
+
+async def test_shutdown_context_stops_every_proc_mesh_this_process_spawned(sockets_dir):
+    procs: ProcMesh = actors.this_host().spawn_procs(per_host={"procs": 2})
+    await procs.initialized
+    await actors.shutdown_context()
+    assert procs.stopping and all(pid is not None for pid in procs.pids)
+    await actors.shutdown_context()  # nothing left: returns at once
