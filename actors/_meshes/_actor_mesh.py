@@ -18,7 +18,7 @@ from .._runtime._core import runtime
 from .._runtime._future import Future
 from .._runtime._pending_calls import PendingCall
 from .._runtime._value_mesh import ValueMesh, extent_from_wire, flattened, select
-from .._shared._errors import DecodeError, SupervisionError, actor_stopped
+from .._shared._errors import ActorDied, DecodeError, SupervisionError, actor_stopped
 from .._shared._liveness import ProcRef
 from .._shared._names import shown
 from .._wire._codec import register_handle
@@ -229,8 +229,13 @@ class ActorMesh(Generic[A]):
         if self._life.stopped:
             raise SupervisionError(actor_stopped(self._name))
         proc_mesh = self._proc_mesh
-        if proc_mesh is not None and proc_mesh.fault is not None:
-            raise proc_mesh.fault
+        if proc_mesh is not None:
+            if proc_mesh.fault is not None:
+                raise proc_mesh.fault
+            if proc_mesh.stopping:  # (an ActorDied, which code waiting out a shutdown already expects)
+                raise ActorDied(
+                    f"actor mesh is stopped due to proc mesh shutdown: {shown(self._name)} was spawned on {proc_mesh!r}"
+                )
         return self._targets_list
 
     def _choose(self) -> tuple[int, ProcRef]:

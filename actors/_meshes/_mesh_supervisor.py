@@ -57,6 +57,9 @@ class MeshSupervisor:
         self.stopping = False
         #: The unhandled failure that faulted the mesh, if any (later calls raise it).
         self.fault: SupervisionError | None = None
+        #: The first failure no supervisor of the mesh handled (even if the fault hook let it pass): as in
+        #: Monarch, a proc mesh with a failed actor takes no more spawns.
+        self.unhandled: Failure | None = None
 
     def report(self, failure: Failure, handled: bool = False) -> None:
         """Offer ``failure`` to every supervisor; escalate it if none handled it."""
@@ -68,6 +71,8 @@ class MeshSupervisor:
             handled = server.supervise(actor, failure) or handled
         if handled or self.stopping:
             return
+        if self.unhandled is None:
+            self.unhandled = failure
         if actor is not None and server is not None:
             server.escalate(actor, failure)
         elif self.fault is None:

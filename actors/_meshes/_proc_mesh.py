@@ -121,7 +121,12 @@ class ProcMesh:
         its endpoints carry their signatures (as in Monarch).
         """
         if self.supervisor.stopping:
-            raise RuntimeError(f"`ProcMesh` {self._name!r} has already been stopped")
+            raise RuntimeError(f"`ProcMesh` has already been stopped: cannot spawn {name!r} on {self._name}")
+        if self.supervisor.unhandled is not None:
+            raise RuntimeError(
+                f"error spawning actor mesh {name!r}: {self._name} has a failed actor and takes no more spawns "
+                f"({self.supervisor.unhandled})"
+            )
         if not (isinstance(actor_class, type) and issubclass(actor_class, Actor)):
             raise TypeError(f"spawn() needs an Actor subclass, not {actor_class!r}")
         check_actor_class(actor_class)

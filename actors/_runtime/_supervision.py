@@ -53,7 +53,8 @@ class Failure:
     mesh: str = ""
 
     def __str__(self) -> str:
-        where = f"{self.actor}[{self.rank}] (pid {self.pid})"
+        """``MeshFailure <actor>[<rank>].<endpoint> failed: ...``, with Monarch's ``crashed_ranks=[<rank>]``."""
+        where = f"{self.actor}[{self.rank}] (pid {self.pid}, crashed_ranks=[{self.rank}])"
         what = f".{self.endpoint}" if self.endpoint else ""
         return f"MeshFailure {where}{what} failed: {self.exception_type}: {self.message}"
 

@@ -19,6 +19,7 @@ import actors
 from actors import (
     Accumulator,
     Actor,
+    ActorDied,
     ActorError,
     EncodeError,
     Failure,
@@ -572,6 +573,35 @@ async def test_an_async_supervise_is_awaited_and_gets_a_mesh_failure(spawn):
 
 
 # ------------------------------------------------------------------ stop, proc meshes as arguments, functions
+
+
+async def test_after_its_proc_mesh_stopped_calls_and_spawns_fail_in_monarchs_words(spawn):
+    procs = spawn(procs=1)
+    who = procs.spawn("who", Who)
+    await who.who.call()
+    await procs.stop()
+    with pytest.raises(ActorDied, match="actor mesh is stopped due to proc mesh shutdown"):
+        await who.who.call()
+    with pytest.raises(RuntimeError, match="`ProcMesh` has already been stopped"):
+        await procs.spawn("late", Who).initialized
+
+
+async def test_a_proc_mesh_with_a_failed_actor_takes_no_more_spawns_and_failures_name_the_crashed_rank(spawn):
+    actors.unhandled_fault_hook = lambda failure: None  # let it pass: the mesh is not faulted, yet unhealthy
+    try:
+        procs = spawn(procs=2)
+        failed = asyncio.Event()
+        procs.add_failure_handler(lambda failure: failed.set())  # (returns None: it does not handle it)
+        fails = procs.spawn("fails", Fails)
+        healthy = procs.spawn("healthy", Who)
+        fails.slice(procs=1).explode.broadcast()  # fire-and-forget: its failure goes to the owner
+        await asyncio.wait_for(failed.wait(), 20)
+        assert "crashed_ranks=[1]" in str(procs.failures[0]) and "fails[1]" in str(procs.failures[0])
+        with pytest.raises(RuntimeError, match=r"error spawning actor mesh 'more'.*kaboom"):
+            procs.spawn("more", Who)
+        assert len(await healthy.who.call()) == 2, "the actors it has keep serving"
+    finally:
+        actors.unhandled_fault_hook = actors._runtime._supervision.unhandled_fault_hook
 
 
 async def test_a_call_after_stop_is_a_supervision_error(procs: ProcMesh):

@@ -11,8 +11,10 @@ stand-ins of :mod:`shim` for Monarch's internals, and run by pytest
 with ``torchmonarch`` installed) the original files are also run on Monarch,
 with Monarch's own conftest, in the same invocation. Prints, per file, the
 cases, how many pass on each, and how many of Monarch's passing cases pass
-on ``actors``; then every case that passes on Monarch and fails here, with
-the last line of its error; then one JSON line.
+on ``actors``; then every case that passes on Monarch and fails here (without
+a Monarch run: every case that does not pass here), with the first line of
+its error; then one JSON line. ``ACTORS_SEND_CODE=1`` in the environment
+measures a session that lets code travel.
 """
 
 from __future__ import annotations
@@ -124,7 +126,7 @@ def main() -> None:
         monarch_pass = [c for c in cases if theirs.get(c, ("",))[0] == "passed"]
         ours_pass = [c for c in cases if ours.get(c, ("",))[0] == "passed"]
         both = [c for c in monarch_pass if c in ours_pass]
-        for case in monarch_pass:
+        for case in monarch_pass if args.monarch_python else cases:
             if case not in ours_pass:
                 status, detail = ours.get(case, ("missing", ""))
                 misses.append(f"{file}::{case}: {status} {detail}")
@@ -140,7 +142,7 @@ def main() -> None:
         share = f", {len(both)}/{len(monarch_pass)} of Monarch's passes" if args.monarch_python else ""
         print(f"{file:32s} {len(cases):3d} cases: {monarch}actors {len(ours_pass):3d}{share}", flush=True)
     if misses:
-        print("\npass on Monarch, not on actors:")
+        print("\npass on Monarch, not on actors:" if args.monarch_python else "\nnot passing on actors:")
         for line in misses:
             print("  " + line)
     print(json.dumps({"bench": "monarch_tests", "files": summary}))
