@@ -116,18 +116,6 @@ class AttachedHostMesh(RemoteHostMesh):
         self._lifelines.close()
         self._forget_workers("its host mesh was shut down")
 
-    async def shutdown_async(self) -> None:
-        """:meth:`shutdown` for code on an event loop: the waits happen on a worker thread."""
-        import asyncio
-
-        await asyncio.to_thread(self.shutdown)
-
-    def __enter__(self) -> AttachedHostMesh:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
-
 
 def _ask(rt: Runtime, agent: ActorMesh[Any], op: str, args: tuple[Any, ...]) -> PendingCall:
     """Send request ``op`` to the agent, from any thread; its pending call."""

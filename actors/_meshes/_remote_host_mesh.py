@@ -18,6 +18,7 @@ every process it held. Either way the calls waiting on them raise
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import copy
 import logging
@@ -25,7 +26,10 @@ import math
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 from .._processes._devices import GPU_DIM, gpu_env
 from .._processes._lifeline import Lifelines
@@ -104,6 +108,20 @@ class RemoteHostMesh(HostMesh):
     def _fetch_addresses(self, nodes: list[RemoteNode], count: int) -> list[list[str]]:
         """``count`` free addresses on each of ``nodes``, waited for (never called on an event loop)."""
         raise NotImplementedError
+
+    def shutdown(self) -> None:
+        """End every process this mesh started on every host, and release the hosts (blocks until done)."""
+        raise NotImplementedError
+
+    async def shutdown_async(self) -> None:
+        """:meth:`shutdown` for code on an event loop: its waits happen on a worker thread."""
+        await asyncio.to_thread(self.shutdown)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     # ------------------------------------------------------------------ the mesh
 

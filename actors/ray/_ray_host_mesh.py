@@ -81,16 +81,6 @@ class RayHostMesh(RemoteHostMesh):
                     ray.util.remove_placement_group(self._pg)
         self._forget_workers("its Ray host mesh was shut down")
 
-    async def shutdown_async(self) -> None:
-        """:meth:`shutdown` for code on an event loop: Ray is waited on by a worker thread."""
-        await asyncio.to_thread(self.shutdown)
-
-    def __enter__(self) -> RayHostMesh:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
-
 
 def _use_tcp(bind_host: str) -> None:
     """Make this process's inbox a tcp one on the cluster address (its runtime may not exist yet)."""
