@@ -37,15 +37,13 @@ from .._shared._session import (
     CURVE_SECRET_ENV,
     HOST_ID_ENV,
     SESSION_ENV,
-    TCP_HOST_ENV,
-    TRANSPORT_ENV,
     new_session_keys,
     session_keys,
     tcp_host,
 )
 from ._actor_mesh import ActorMesh
 from ._proc_mesh import ProcMesh
-from ._remote_host_mesh import ADDRESS_POOL, RemoteHostMesh, RemoteNode, Requested
+from ._remote_host_mesh import ADDRESS_POOL, RemoteHostMesh, RemoteNode, Requested, use_tcp
 from ._worker_loop import HostAgent, check_worker_loop_args
 
 __all__ = ["AttachedHostMesh", "attach_to_workers", "hosts_from_config"]
@@ -94,8 +92,10 @@ class AttachedHostMesh(RemoteHostMesh):
         return [_wait(self._rt, call, REQUEST_TIMEOUT, "free addresses") for call in calls]
 
     def _lose(self, node: RemoteNode, why: str) -> None:
+        if node.lost or self.closed:
+            return
         super()._lose(node, why)
-        agent_ref = node.handle._targets()[0][1]
+        agent_ref = self._agents[node.index]._procs[0]  # (the handle's targets raise once its mesh is stopping)
         self._rt.registry.mark_dead(agent_ref, f"its host was lost ({why})")  # its pending requests fail now
 
     def shutdown(self) -> None:
@@ -144,16 +144,7 @@ def _wait(rt: Runtime, pending: PendingCall, timeout: float, what: str) -> Any:
 
 def _use_tcp() -> Runtime:
     """This process's runtime, on tcp with the session's CURVE key (started that way if it did not exist yet)."""
-    existing = current_runtime()
-    if existing is None:
-        os.environ[TRANSPORT_ENV] = "tcp"
-        os.environ.setdefault(TCP_HOST_ENV, "127.0.0.1")
-    elif tcp_host(existing.address) is None:
-        raise RuntimeError(
-            "attach_to_workers() needs this process's inbox on tcp, but the actors runtime already started on ipc: "
-            f"call it before anything else that uses actors, or start the program with {TRANSPORT_ENV}=tcp "
-            f"{TCP_HOST_ENV}=<the address the workers reach this machine at>"
-        )
+    use_tcp("attach_to_workers()", "127.0.0.1", "the address the workers reach this machine at")
     if not os.environ.get(CURVE_PUBLIC_ENV) or not os.environ.get(CURVE_SECRET_ENV):
         raise RuntimeError(
             f"attach_to_workers() needs the session's CURVE key that the workers hold ({CURVE_PUBLIC_ENV} and "

@@ -23,6 +23,7 @@ import contextlib
 import copy
 import logging
 import math
+import os
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,16 +34,17 @@ if TYPE_CHECKING:
 
 from .._processes._devices import GPU_DIM, gpu_env
 from .._processes._lifeline import Lifelines
-from .._runtime._core import Runtime
+from .._runtime._core import Runtime, current_runtime
 from .._runtime._relay import Relay
 from .._runtime._value_mesh import select
 from .._shared._liveness import ProcRef
 from .._shared._loops import loop_running
 from .._shared._restart import RestartMode, RestartPolicy
+from .._shared._session import TCP_HOST_ENV, TRANSPORT_ENV, tcp_host
 from ._host_mesh import HostMesh, check_spawn, main_module, worker_config
 from ._proc_mesh import ProcMesh
 
-__all__ = ["ADDRESS_POOL", "RemoteHostMesh", "RemoteNode", "Requested", "exit_reason"]
+__all__ = ["ADDRESS_POOL", "RemoteHostMesh", "RemoteNode", "Requested", "exit_reason", "use_tcp"]
 
 log = logging.getLogger("actors")
 
@@ -74,6 +76,25 @@ class RemoteNode:
 
     def __str__(self) -> str:
         return f"host {self.index} ({self.ip}, {self.label})"
+
+
+def use_tcp(caller: str, bind_host: str, reachable_at: str) -> None:
+    """Make this process's inbox a tcp one on ``bind_host`` (its runtime may not exist yet), or say why it cannot.
+
+    Hosts on other machines reach the controller over tcp only; a runtime
+    that already started on ipc cannot move, so ``caller`` (the API that
+    needs it) is named with the way out.
+    """
+    existing = current_runtime()
+    if existing is None:
+        os.environ[TRANSPORT_ENV] = "tcp"
+        os.environ.setdefault(TCP_HOST_ENV, bind_host)
+    elif tcp_host(existing.address) is None:
+        raise RuntimeError(
+            f"{caller} needs this process's inbox on tcp, but the actors runtime already started on ipc: call it "
+            f"before anything else that uses actors, or start the program with {TRANSPORT_ENV}=tcp "
+            f"{TCP_HOST_ENV}=<{reachable_at}>"
+        )
 
 
 def exit_reason(code: int) -> str:

@@ -14,13 +14,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from typing import Any
 
-from .._meshes._remote_host_mesh import ADDRESS_POOL, RemoteHostMesh, RemoteNode, Requested
+from .._meshes._remote_host_mesh import ADDRESS_POOL, RemoteHostMesh, RemoteNode, Requested, use_tcp
 from .._processes._lifeline import Lifelines
-from .._runtime._core import Runtime, at_runtime_exit, current_runtime, runtime
-from .._shared._session import TCP_HOST_ENV, TRANSPORT_ENV, session_keys, tcp_host
+from .._runtime._core import Runtime, at_runtime_exit, runtime
+from .._shared._session import session_keys, tcp_host
 from ._node import NodeHost
 
 __all__ = ["RayHostMesh", "host_mesh", "host_mesh_async"]
@@ -82,22 +81,6 @@ class RayHostMesh(RemoteHostMesh):
         self._forget_workers("its Ray host mesh was shut down")
 
 
-def _use_tcp(bind_host: str) -> None:
-    """Make this process's inbox a tcp one on the cluster address (its runtime may not exist yet)."""
-    existing = current_runtime()
-    if existing is None:
-        os.environ[TRANSPORT_ENV] = "tcp"
-        os.environ.setdefault(TCP_HOST_ENV, bind_host)
-        return
-    host = tcp_host(existing.address)
-    if host is None:
-        raise RuntimeError(
-            "actors.ray.host_mesh() needs this process's inbox on tcp, but the actors runtime already started "
-            "on ipc: call host_mesh() before anything else that uses actors, or start the program with "
-            f"{TRANSPORT_ENV}=tcp {TCP_HOST_ENV}=<this node's cluster address>"
-        )
-
-
 def host_mesh(
     address: str | None = None,
     hosts: int = 1,
@@ -126,7 +109,7 @@ def host_mesh(
 
     if not ray.is_initialized():
         ray.init(address=address, log_to_driver=True, include_dashboard=False)
-    _use_tcp(bind_host or ray.util.get_node_ip_address())
+    use_tcp("actors.ray.host_mesh()", bind_host or ray.util.get_node_ip_address(), "this node's cluster address")
     rt = runtime()
     keys = session_keys()
     if keys is None:

@@ -79,3 +79,20 @@ def test_a_failed_exits_request_loses_the_host_and_a_failed_spawn_fails_its_work
 def test_exit_codes_in_words():
     assert exit_reason(0) == "exited with code 0" and exit_reason(3) == "exited with code 3"
     assert exit_reason(-9) == "killed by SIGKILL" and exit_reason(-200) == "killed by signal 200"
+
+
+def test_an_attached_host_lost_marks_its_agent_dead_once_and_never_after_shutdown(tmp_path):
+    from actors._meshes._attached import AttachedHostMesh
+
+    registry = Registry(str(tmp_path), os.getpid())
+    agent_ref = registry.placed("tcp://10.255.1.9:4444")
+    mesh = object.__new__(AttachedHostMesh)  # (no hosts: only the bookkeeping runs)
+    mesh._rt = SimpleNamespace(registry=registry)  # type: ignore[assignment]
+    mesh._nodes = [RemoteNode(0, None, "10.255.1.9", 1, "tcp://10.255.1.9:4444", "worker", [])]
+    mesh._agents = [SimpleNamespace(_procs=[agent_ref])]  # type: ignore[list-item]
+    mesh._root, mesh.closed = None, True
+    mesh._lose(mesh._nodes[0], "its lifeline closed")  # after shutdown: nothing to do, nothing raised
+    assert not agent_ref.dead and not mesh._nodes[0].lost
+    mesh.closed = False
+    mesh._lose(mesh._nodes[0], "its lifeline closed")
+    assert agent_ref.dead and "its host was lost" in agent_ref.exit_reason
