@@ -1,8 +1,10 @@
 """Endpoint round trip: ``call_one`` p50 against a raw blocking DEALER/ROUTER round trip.
 
-    python benchmarks/bench_calls.py [--rounds 5000] [--repeat 3] [--loop uvloop|asyncio]
+    python benchmarks/bench_calls.py [--rounds 5000] [--repeat 3] [--loop uvloop|asyncio|none]
 
 Target (issue 11): call_one p50 <= 3x the raw round trip measured in this run.
+``--loop none`` measures a synchronous program (``call_one(i).get()``, the
+runtime on its background loop: two thread hand-offs per call).
 """
 
 from __future__ import annotations
@@ -38,11 +40,25 @@ async def measure(rounds: int) -> list[float]:
     return samples
 
 
+def measure_sync(rounds: int) -> list[float]:
+    procs = this_host().spawn_procs(per_host={"procs": 1})
+    pong = procs.spawn("pong", Pong)
+    for i in range(500):
+        pong.ping.call_one(i).get()
+    samples = []
+    for i in range(rounds):
+        start = time.perf_counter()
+        pong.ping.call_one(i).get()
+        samples.append(time.perf_counter() - start)
+    procs.stop().get()
+    return samples
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5000)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")
+    parser.add_argument("--loop", choices=["uvloop", "asyncio", "none"], default="uvloop")
     args = parser.parse_args()
     if args.loop == "uvloop":
         import uvloop
@@ -53,7 +69,7 @@ def main() -> None:
     ours, raw = [], []
     for _ in range(args.repeat):
         raw.append(statistics.median(dealer_router_rtt(args.rounds)) * 1e6)
-        samples = run(measure(args.rounds))
+        samples = measure_sync(args.rounds) if args.loop == "none" else run(measure(args.rounds))
         ours.append(statistics.median(samples) * 1e6)
         p99 = sorted(samples)[int(len(samples) * 0.99)] * 1e6
         print(f"call_one p50 {ours[-1]:7.1f} us  p99 {p99:7.1f} us | raw DEALER/ROUTER p50 {raw[-1]:6.1f} us")

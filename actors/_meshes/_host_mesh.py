@@ -21,6 +21,9 @@ from ._proc_mesh import ProcMesh
 
 __all__ = ["HostMesh", "this_host", "this_proc"]
 
+#: How long a program's thread waits for the runtime's thread to start a spawn (it takes milliseconds).
+SPAWN_HANDOFF_TIMEOUT = 60.0
+
 
 def main_module() -> list[str] | None:
     """How a worker can load the launching script's ``__main__`` module."""
@@ -110,29 +113,39 @@ class HostMesh:
         if current_runtime() is None:
             prefork()  # while this process may still be single-threaded: a forked forkserver starts at once
         rt = runtime()
-        server = forkserver(rt, threads)
-        # Even a forkserver forked from this program needs it: it holds only what the script had defined
-        # by the first spawn_procs, and a script may define actor classes after that (Monarch's ping_pong).
-        main = main_module()
-        mesh_name = name or f"procs{rt.counter('mesh')}"
-        gpus = visible_gpus() if GPU_DIM in extent else []
-        procs: list[ProcRef] = []
-        configs: list[WorkerConfig] = []
-        for rank in range(math.prod(extent.values())):
-            index = rt.counter("worker")
-            address = inbox_address(rt.dir, f"w{rt.pid}-{index}")  # unique in the session, nested spawns too
-            config = worker_config(
-                rt, f"{mesh_name}.{rank}", address, rank, main, boot, threads, gpu_env(extent, rank, gpus)
-            )
-            ref = rt.registry.proc(address, None)
-            server.spawn(index, config, ref)
-            procs.append(ref)
-            configs.append(config)
+        # On the runtime's thread: from a synchronous program that is its background loop's.
+        return rt.driver.on_thread(  # type: ignore[no-any-return]
+            lambda: _spawn_procs(rt, name, extent, boot, threads, policy), timeout=SPAWN_HANDOFF_TIMEOUT
+        )
 
-        def respawn(rank: int, ref: ProcRef) -> None:
-            forkserver(rt, threads).spawn(rt.counter("worker"), configs[rank], ref)
 
-        return ProcMesh(mesh_name, extent, procs, policy, respawn)
+def _spawn_procs(
+    rt: Runtime, name: str | None, extent: dict[str, int], boot: str | None, threads: int, policy: RestartPolicy
+) -> ProcMesh:
+    """Ask the forkserver for the processes of a new proc mesh (the runtime's thread)."""
+    server = forkserver(rt, threads)
+    # Even a forkserver forked from this program needs it: it holds only what the script had defined
+    # by the first spawn_procs, and a script may define actor classes after that (Monarch's ping_pong).
+    main = main_module()
+    mesh_name = name or f"procs{rt.counter('mesh')}"
+    gpus = visible_gpus() if GPU_DIM in extent else []
+    procs: list[ProcRef] = []
+    configs: list[WorkerConfig] = []
+    for rank in range(math.prod(extent.values())):
+        index = rt.counter("worker")
+        address = inbox_address(rt.dir, f"w{rt.pid}-{index}")  # unique in the session, nested spawns too
+        config = worker_config(
+            rt, f"{mesh_name}.{rank}", address, rank, main, boot, threads, gpu_env(extent, rank, gpus)
+        )
+        ref = rt.registry.proc(address, None)
+        server.spawn(index, config, ref)
+        procs.append(ref)
+        configs.append(config)
+
+    def respawn(rank: int, ref: ProcRef) -> None:
+        forkserver(rt, threads).spawn(rt.counter("worker"), configs[rank], ref)
+
+    return ProcMesh(mesh_name, extent, procs, policy, respawn)
 
 
 def this_host() -> HostMesh:

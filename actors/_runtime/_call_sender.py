@@ -82,14 +82,18 @@ def pending_future(rt: Runtime, pending: PendingCall, build: Callable[[dict[int,
         if pending.deadline is not None:
             left = max(0.0, pending.deadline - time.monotonic())
             limit = left if timeout is None else min(timeout, left)
+        driver = rt.driver
         try:
-            rt.driver.wait(lambda: pending.done, timeout=limit, what=what)
+            if driver.on_runtime_thread():
+                driver.wait(lambda: pending.done, timeout=limit, what=what)
+            elif not pending.wait_on_thread(limit):  # the loop of another thread serves the reply
+                raise CallTimeout(f"gave up after {limit:.1f}s waiting for {what}")
         except CallTimeout:
             if pending.deadline is None or time.monotonic() < pending.deadline:
                 raise  # the caller's own get(timeout) ran out; the call itself may still finish
-            pending.expire()
+            driver.on_thread(pending.expire)
         if pending.error is not None:
             raise pending.error
         return build(pending.results)
 
-    return Future(wait, wait_sync)
+    return Future(wait, wait_sync, any_thread=True)

@@ -69,7 +69,7 @@ HOLDER_SETTLE = 0.02
 class Runtime:
     """Messaging state of this process. Obtain it with :func:`runtime`."""
 
-    def __init__(self, address: str | None = None) -> None:
+    def __init__(self, address: str | None = None, *, serve_in_background: bool = False) -> None:
         self.pid = os.getpid()
         self.dir, self.owns_dir = prepare_session()
         _process.session = None
@@ -89,7 +89,7 @@ class Runtime:
         self.receivers = Receivers(self.pid, self.registry.watcher.watch, self._credit, self.drops)
         sock = bind_inbox(self.ctx, self.address, self.keys)
         self.inbox = Inbox(sock, self.dir, self.address, self._learn_sender, self.drops)
-        self.driver = Driver(self.inbox, self.registry, self.outbox)
+        self.driver = Driver(self.inbox, self.registry, self.outbox, serve_in_background=serve_in_background)
         #: Deaths and restarts of processes on other hosts, told to and heard from peers.
         self.news = PeerNews(self)
         #: Where failures and deaths of the processes this one spawned go (their proc meshes).
@@ -221,7 +221,7 @@ class Runtime:
                 link.try_send(self.header)
         self.closed = True
         self.driver.closed = True
-        self.driver.unbind()
+        self.driver.release()
         self.registry.close()
         # Queued records to a live peer leave in milliseconds over ipc; a peer
         # that just exited would otherwise hold the exit for the full linger.
@@ -290,7 +290,7 @@ def runtime() -> Runtime:
         with _process.lock:
             rt = _process.runtime
             if rt is None or rt.pid != os.getpid() or rt.closed:
-                rt = _process.runtime = Runtime()
+                rt = _process.runtime = Runtime(serve_in_background=True)
                 _register_exit()
     rt.driver.follow_running_loop()
     return rt
@@ -325,6 +325,8 @@ def _close_at_exit() -> None:
     rt = current_runtime()
     if rt is None:
         return
+    if not rt.driver.loop_active():
+        rt.driver.release()  # this thread drives the last steps itself
     for callback in list(_process.exit_hooks):
         with contextlib.suppress(Exception):
             callback()

@@ -7,6 +7,7 @@ serves this process's inbox while it waits, without an event loop).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import Callable, Coroutine, Generator
 from typing import Any, Generic, TypeVar
@@ -24,15 +25,19 @@ __all__ = ["Future"]
 class Future(Generic[R]):
     """A result that will arrive; awaitable, or ``get()`` synchronously."""
 
-    __slots__ = ("_done", "_error", "_make", "_value", "_wait_sync")
+    __slots__ = ("_any_thread", "_done", "_error", "_make", "_value", "_wait_sync")
 
     def __init__(
         self,
         make: Callable[[], Coroutine[Any, Any, R]],
         wait_sync: Callable[[float | None], R] | None = None,
+        *,
+        any_thread: bool = False,
     ) -> None:
         self._make = make
         self._wait_sync = wait_sync
+        #: ``wait_sync`` may wait on a thread whose runtime another thread's loop drives (a call's reply).
+        self._any_thread = any_thread
         self._done = False
         self._value: Any = None
         self._error: BaseException | None = None
@@ -82,10 +87,18 @@ class Future(Generic[R]):
             raise RuntimeError("Future.get() would block the running event loop; use 'await' instead")
         driver = runtime().driver
         loop = driver.loop
-        if loop is not None and loop.is_running() and driver.thread != threading.get_ident():
-            # Another thread drives the runtime (e.g. a synchronous endpoint's worker thread).
-            value = asyncio.run_coroutine_threadsafe(self._run(), loop).result(timeout)
-            return value
+        elsewhere = loop is not None and loop.is_running() and driver.thread != threading.get_ident()
+        if elsewhere and loop is not None and not (self._any_thread and self._wait_sync is not None):
+            # Another thread drives the runtime: the background loop of a program without one, or a
+            # worker's loop seen from a synchronous actor's thread. The wait is on this thread.
+            waiting = asyncio.run_coroutine_threadsafe(self._run(), loop)
+            try:
+                return waiting.result(timeout)
+            except concurrent.futures.TimeoutError:
+                if waiting.done():
+                    raise  # the outcome itself (a call's own deadline: CallTimeout is a TimeoutError)
+                waiting.cancel()
+                raise CallTimeout(f"gave up after {timeout:.1f}s waiting for the result") from None
         if self._wait_sync is None:
             raise RuntimeError("this Future can only be awaited")
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -86,6 +87,19 @@ class PendingCall:
         callbacks, self.callbacks = self.callbacks, []
         for callback in callbacks:
             callback(self)
+
+    def wait_on_thread(self, timeout: float | None) -> bool:
+        """Block this thread (not the loop's) until the call is done; False at ``timeout``.
+
+        The loop's thread finishes the call: ``finish`` sets ``done`` before it
+        takes the callbacks, so a callback added too late is covered by the
+        second look at ``done``.
+        """
+        if self.done:
+            return True
+        arrived = threading.Event()
+        self.callbacks.append(lambda _call: arrived.set())
+        return self.done or arrived.wait(timeout)
 
     async def wait(self) -> dict[int, Any]:
         """The results by rank, once every reply is in; raises the call's error."""

@@ -139,8 +139,12 @@ class Port(Generic[T]):
         rt = runtime()
         if rt.driver.on_runtime_thread():
             self._send(rt, value)
-        else:
-            rt.driver.on_thread(lambda: self._send(rt, value))
+            return
+        # Another thread drives the runtime: send there; while the receiver has no room, wait here.
+        while not rt.driver.on_thread(lambda: self._send(rt, value, from_thread=True)):
+            route = self._route
+            assert route is not None and route.window is not None
+            self._wait_for_room(rt, route.window)
 
     def _resolve(self, rt: Runtime) -> _Route:
         route = self._route
@@ -163,7 +167,8 @@ class Port(Generic[T]):
             self._route = route
         return route
 
-    def _send(self, rt: Runtime, value: Any) -> None:
+    def _send(self, rt: Runtime, value: Any, *, from_thread: bool = False) -> bool:
+        """Send on the runtime's thread; False (nothing sent) when ``from_thread`` and the window is full."""
         route = self._resolve(rt)
         window = route.window
         if window is None:
@@ -171,10 +176,14 @@ class Port(Generic[T]):
             if state is None or (state.closed is not None and not state.once):
                 raise PortClosed(f"port {self._id} has no receiver in this process")
             state.deliver(value, None, 0)
-            return
-        if not rt.driver.loop_active() and (window.backlog or not window.has_room()):
-            self._wait_for_room(rt, window)
+            return True
+        if window.backlog or not window.has_room():
+            if from_thread:
+                return False  # the calling thread waits for room (its own wait, not the loop's)
+            if not rt.driver.loop_active():
+                self._wait_for_room(rt, window)
         self._post(rt, route, window, value)
+        return True
 
     def _post(self, rt: Runtime, route: _Route, window: Window, value: Any) -> None:
         enc = rt.encoder
@@ -360,6 +369,7 @@ class _Recv(Future["T | None"]):
     def __init__(self, receiver: PortReceiver[T]) -> None:
         self._receiver = receiver
         self._done = False  # _value and _error are set once it is
+        self._any_thread = False  # a receive from another thread runs on the runtime's loop
 
     @property
     def _make(self) -> Any:  # type: ignore[override]

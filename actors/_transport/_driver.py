@@ -1,10 +1,12 @@
-"""What drives a runtime: the event loop it is bound to, or a synchronous caller's pump.
+"""What drives a runtime: the event loop it is bound to.
 
-With a loop, the inbox socket, every peer's pidfd and the forkserver's
-status pipe are loop readers; nothing here ever blocks the loop's thread.
-Without one (a plain script calling ``Future.get()``), :meth:`Driver.wait`
-blocks the calling thread, serving the inbox and retrying stuck sends,
-until a condition holds or its deadline passes.
+The inbox socket, every peer's pidfd and the forkserver's status pipe are
+loop readers; nothing here ever blocks the loop's thread. The loop is the
+program's own when it runs one; a synchronous program's runtime is bound to
+a :class:`~._background.BackgroundLoop` instead, and its calls wait on
+their own thread (:meth:`Driver.wait`) for that loop's work. Only a runtime
+that may not start a thread (``serve_in_background=False``) and has no loop
+is pumped by :meth:`Driver.wait` itself, on the caller's thread.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import contextvars
 import threading
 import time
 from collections.abc import Callable
@@ -21,17 +24,21 @@ import zmq
 
 from .._shared._errors import CallTimeout
 from .._shared._loops import running_loop
+from ._background import HANDOVER_TIMEOUT, BackgroundLoop
 from ._inbox_pump import Inbox
 from ._outbox import Outbox
 from ._registry import Registry
 
 __all__ = ["Driver"]
 
+#: How long one hand-off of a wait without a deadline to another thread's loop lasts before it is renewed (s).
+LOOP_WAIT_SLICE = 60.0
+
 
 class Driver:
     """Binds a runtime's sockets and pidfds to an event loop, or pumps them for a synchronous caller."""
 
-    def __init__(self, inbox: Inbox, registry: Registry, outbox: Outbox) -> None:
+    def __init__(self, inbox: Inbox, registry: Registry, outbox: Outbox, *, serve_in_background: bool) -> None:
         self._inbox = inbox
         self._registry = registry
         self._watcher = registry.watcher
@@ -44,6 +51,9 @@ class Driver:
         self._readers: dict[int, Callable[[], None]] = {}
         self._progress: list[asyncio.Future[None]] = []
         inbox.handled.connect(self.notify_progress)
+        #: Whether a program without a loop gets a background loop (the controller) or pumps in ``wait`` (tests).
+        self.serve_in_background = serve_in_background
+        self._background: BackgroundLoop | None = None
 
     def ensure_loop(self) -> asyncio.AbstractEventLoop:
         """Bind to the running event loop (rebinding if an earlier loop ended)."""
@@ -51,6 +61,11 @@ class Driver:
         if loop is self.loop:
             return loop
         old = self.loop
+        background = self._background
+        if background is not None and old is background.loop:
+            self._background = None
+            background.stop()  # it unbinds on its own thread; milliseconds
+            old = self.loop
         if old is not None and not old.is_closed():
             if old.is_running():
                 raise RuntimeError("the actors runtime is already driven by an event loop in another thread")
@@ -85,15 +100,46 @@ class Driver:
         self.thread = None
 
     def follow_running_loop(self) -> None:
-        """Rebind if the caller runs a different event loop than the one followed so far."""
+        """Rebind if the caller runs a different event loop; a caller without one gets the background loop."""
         running = running_loop()
         loop = self.loop
-        if running is loop:
+        if running is loop and loop is not None:
             return
         if loop is not None and loop.is_closed():
             self.unbind()
+            loop = None
         if running is not None:
             self.ensure_loop()
+        elif self.serve_in_background and not self.closed and (loop is None or not loop.is_running()):
+            self._serve_in_background()
+
+    def _serve_in_background(self) -> None:
+        if self.loop is not None:
+            self.unbind()  # a loop of the program's that is not running now: rebound when it runs again
+        self._background = BackgroundLoop(self.ensure_loop, self.unbind)
+        try:
+            self._background.start()
+        except BaseException:
+            self._background = None
+            raise
+
+    def release(self) -> None:
+        """From now on no background loop: stop the one running (it unbinds there), or unbind from the program's.
+
+        At interpreter exit the exiting thread then drives what is left (the
+        stop of what the program still holds) itself, in :meth:`wait`.
+        """
+        self.serve_in_background = False
+        background, self._background = self._background, None
+        if background is not None and background.alive and threading.get_ident() != background.thread_id:
+            background.stop()
+        self.unbind()
+
+    @property
+    def in_background(self) -> bool:
+        """Whether a background loop drives the runtime now."""
+        background = self._background
+        return background is not None and self.loop is background.loop
 
     def loop_active(self) -> bool:
         """True when called on the thread of the running loop this runtime is bound to."""
@@ -107,8 +153,9 @@ class Driver:
     def on_thread(self, fn: Callable[[], Any], timeout: float = 60.0) -> Any:
         """Run ``fn`` on the runtime's thread (directly if already there) and return its result.
 
-        Another thread (a synchronous endpoint's worker) hands ``fn`` to the
-        loop's thread and waits for it on its own thread, never on the loop's.
+        Another thread (a synchronous endpoint's worker, a synchronous
+        program's main thread) hands ``fn`` to the loop's thread and waits for
+        it on its own thread, never on the loop's.
         """
         if self.on_runtime_thread():
             return fn()
@@ -121,7 +168,8 @@ class Driver:
                 done.set_exception(exc)
 
         assert self.loop is not None
-        self.loop.call_soon_threadsafe(run)
+        # In the caller's context: an actor's identity (``context()``) goes with its work.
+        self.loop.call_soon_threadsafe(run, context=contextvars.copy_context())
         return done.result(timeout)
 
     def add_reader(self, fd: int, callback: Callable[[], None]) -> None:
@@ -186,6 +234,21 @@ class Driver:
                 handle.cancel()
         return True
 
+    def _wait_on_loop(
+        self, loop: asyncio.AbstractEventLoop, condition: Callable[[], bool], timeout: float | None, what: str
+    ) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            limit = LOOP_WAIT_SLICE if deadline is None else max(0.0, deadline - time.monotonic())
+            waiting = asyncio.run_coroutine_threadsafe(self.wait_until(condition, limit), loop)
+            try:
+                if waiting.result(limit + HANDOVER_TIMEOUT):
+                    return
+            except concurrent.futures.TimeoutError:
+                waiting.cancel()
+            if deadline is not None and time.monotonic() >= deadline:
+                raise CallTimeout(f"gave up after {timeout:.1f}s waiting for {what}")
+
     def block(self, condition: Callable[[], bool], writable: zmq.Socket[Any], timeout: float, what: str) -> None:
         self.wait(condition, timeout=timeout, writable=writable, what=what)
 
@@ -201,8 +264,14 @@ class Driver:
 
         Only for callers without an event loop: a loop's thread never comes
         here. ``timeout`` None (``get()`` of a call without a deadline) waits
-        until the call is answered, fails, or its actor's process dies.
+        until the call is answered, fails, or its actor's process dies. While
+        a loop on another thread drives the runtime (the background loop, a
+        worker's loop), ``condition`` is checked there and this thread waits.
         """
+        loop = self.loop
+        if loop is not None and loop.is_running() and threading.get_ident() != self.thread:
+            self._wait_on_loop(loop, condition, timeout, what)
+            return
         deadline = None if timeout is None else time.monotonic() + timeout
         inbox, watcher = self._inbox, self._watcher
         while not condition():

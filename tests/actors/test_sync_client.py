@@ -1,0 +1,163 @@
+"""A synchronous program is served in the background: hooks, supervision and ports work while it does other things.
+
+Each case is a program of its own (a fresh process: which thread drives the
+runtime is process-wide state), run to completion; it prints what it saw.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+from harness import actor_pids
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), ROOT]))
+
+ACTORS = """
+import asyncio, os, threading, time
+import actors
+from actors import Actor, CallTimeout, Channel, Port, endpoint, this_host
+
+
+class Failing(Actor):
+    def __init__(self):
+        raise ValueError("broken on purpose")
+
+    @endpoint
+    async def never(self) -> None: ...
+
+
+class Talker(Actor):
+    @endpoint
+    async def tell(self, port: Port[int], n: int) -> None:
+        for i in range(n):
+            port.send(i)
+        raise RuntimeError("told")  # a fire-and-forget call that raises: a failure for the fault hook
+
+    @endpoint
+    async def echo(self, x: int) -> int:
+        return x
+
+    @endpoint
+    async def slow(self, x: int, release: Port[int]) -> int:
+        await asyncio.sleep(0.2)
+        return x
+
+
+def runtime_threads():
+    return sorted(t.name for t in threading.enumerate() if t.name == "actors-runtime")
+"""
+
+
+def run_program(tmp_path, body: str) -> list[str]:
+    script = tmp_path / "program.py"
+    script.write_text(ACTORS + textwrap.dedent(body))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=ENV, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout.split()
+
+
+def test_fault_hook_runs_while_the_program_waits_on_something_else(tmp_path):
+    before = actor_pids()
+    lines = run_program(
+        tmp_path,
+        """
+        if __name__ == "__main__":
+            seen, done = [], threading.Event()
+            def hook(failure):
+                seen.append((failure.actor, failure.message, threading.current_thread().name))
+                if len(seen) == 2:
+                    done.set()
+            actors.unhandled_fault_hook = hook
+            procs = this_host().spawn_procs({"procs": 2})
+            procs.spawn("failing", Failing)
+            assert done.wait(30), "the fault hook never ran"  # a threading.Event: no future is waited on
+            print(sorted({s[:2] for s in seen}) == [("failing", "broken on purpose")], seen[0][2])
+            procs.stop().get()
+        """,
+    )
+    assert lines == ["True", "actors-runtime"]
+    assert actor_pids() <= before
+
+
+def test_port_messages_are_taken_in_without_a_get(tmp_path):
+    lines = run_program(
+        tmp_path,
+        """
+        if __name__ == "__main__":
+            failed = threading.Event()
+            actors.unhandled_fault_hook = lambda failure: failed.set()
+            procs = this_host().spawn_procs({"procs": 1})
+            talker = procs.spawn("talker", Talker)
+            port, receiver = Channel.open(int)
+            talker.tell.broadcast(port, 5)
+            assert failed.wait(30)  # the failure follows the five messages on the same link
+            print(len(receiver._state.queue), [receiver.recv().get(timeout=10) for _ in range(5)] == list(range(5)))
+            procs.stop().get()
+        """,
+    )
+    assert lines == ["5", "True"]
+
+
+def test_the_runtime_moves_to_the_programs_loop_and_back(tmp_path):
+    lines = run_program(
+        tmp_path,
+        """
+        if __name__ == "__main__":
+            procs = this_host().spawn_procs({"procs": 1})
+            talker = procs.spawn("talker", Talker)
+            print(talker.echo.call_one(1).get(), runtime_threads())
+
+            async def main():
+                # the background loop handed the runtime to this loop and ended
+                return await talker.echo.call_one(2), runtime_threads()
+
+            value, threads = asyncio.run(main())
+            print(value, threads)
+            print(talker.echo.call_one(3).get(), runtime_threads())
+            procs.stop().get()
+        """,
+    )
+    assert lines == ["1", "['actors-runtime']", "2", "[]", "3", "['actors-runtime']"]
+
+
+def test_a_get_that_times_out_leaves_the_call_to_finish(tmp_path):
+    lines = run_program(
+        tmp_path,
+        """
+        if __name__ == "__main__":
+            procs = this_host().spawn_procs({"procs": 1})
+            talker = procs.spawn("talker", Talker)
+            port, _receiver = Channel.open(int)
+            future = talker.slow.call_one(7, port)
+            try:
+                future.get(timeout=0.01)
+                print("no-timeout")
+            except CallTimeout as exc:
+                print("timeout")
+            print(future.get(timeout=30))
+            procs.stop().get()
+        """,
+    )
+    assert lines == ["timeout", "7"]
+
+
+def test_the_background_thread_ends_with_the_program(tmp_path):
+    before = actor_pids()
+    lines = run_program(
+        tmp_path,
+        """
+        import atexit
+        if __name__ == "__main__":
+            atexit.register(lambda: print("exit", runtime_threads()))  # registered first: runs after the runtime's
+            procs = this_host().spawn_procs({"procs": 2})
+            talker = procs.spawn("talker", Talker)
+            talker.echo.call(1).get()
+            print("running", runtime_threads())
+        """,
+    )
+    assert lines == ["running", "['actors-runtime']", "exit", "[]"]
+    assert actor_pids() <= before
