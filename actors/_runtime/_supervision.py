@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import importlib
 import logging
+import signal
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -133,6 +135,17 @@ def escalate_to_controller(failure: Failure) -> SupervisionError | None:
     except SupervisionError as exc:
         return exc
     except Exception as exc:
+        error = SupervisionError(f"unhandled actor failure: {failure} (the fault hook raised {exc!r})", failure)
+        error.__cause__ = exc
+        return error
+    except BaseException as exc:  # SystemExit, KeyboardInterrupt: the hook ends the program
+        if threading.current_thread() is threading.main_thread():
+            raise  # out of the program's own loop, as from any of its callbacks
+        # On the runtime's background thread: as in Monarch, the program's main thread gets a
+        # KeyboardInterrupt (only it can end the interpreter and run its atexit hooks).
+        log.error("the unhandled fault hook raised %r: interrupting the program's main thread", exc)
+        # A real SIGINT to the main thread, so that a blocking wait there is interrupted too.
+        signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
         error = SupervisionError(f"unhandled actor failure: {failure} (the fault hook raised {exc!r})", failure)
         error.__cause__ = exc
         return error

@@ -63,8 +63,8 @@ class Driver:
         old = self.loop
         background = self._background
         if background is not None and old is background.loop:
+            background.stop()  # it unbinds on its own thread; milliseconds (raises if it cannot)
             self._background = None
-            background.stop()  # it unbinds on its own thread; milliseconds
             old = self.loop
         if old is not None and not old.is_closed():
             if old.is_running():

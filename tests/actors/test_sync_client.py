@@ -161,3 +161,56 @@ def test_the_background_thread_ends_with_the_program(tmp_path):
     )
     assert lines == ["running", "['actors-runtime']", "exit", "[]"]
     assert actor_pids() <= before
+
+
+def test_a_fault_hook_that_exits_interrupts_the_main_thread(tmp_path):
+    lines = run_program(
+        tmp_path,
+        """
+        import sys
+        if __name__ == "__main__":
+            actors.unhandled_fault_hook = lambda failure: sys.exit(3)
+            procs = this_host().spawn_procs({"procs": 1})
+            procs.spawn("failing", Failing)
+            try:
+                threading.Event().wait(60)  # only the hook's interrupt ends this
+                print("not-interrupted")
+            except KeyboardInterrupt:
+                print("interrupted")
+            procs.stop().get()
+        """,
+    )
+    assert lines == ["interrupted"]
+
+
+def test_a_hand_over_blocked_by_a_running_hook_fails_clearly_and_recovers(tmp_path):
+    lines = run_program(
+        tmp_path,
+        """
+        from actors._transport import _background
+        if __name__ == "__main__":
+            _background.HANDOVER_TIMEOUT = 0.5
+            entered, release = threading.Event(), threading.Event()
+            def hook(failure):
+                entered.set()
+                release.wait(60)  # a hook that keeps the runtime's thread busy
+            actors.unhandled_fault_hook = hook
+            procs = this_host().spawn_procs({"procs": 1})
+            talker = procs.spawn("talker", Talker)
+            procs.spawn("failing", Failing)
+            assert entered.wait(30)
+
+            async def main():
+                return await talker.echo.call_one(5)
+
+            try:
+                asyncio.run(main())
+                print("handed-over")
+            except RuntimeError as exc:
+                print("refused" if "did not hand over" in str(exc) else repr(exc))
+            release.set()
+            print(asyncio.run(main()))  # once the hook returned, the hand-over goes through
+            procs.stop().get()
+        """,
+    )
+    assert lines == ["refused", "5"]
