@@ -159,9 +159,7 @@ class ActorDied(SupervisionError):
     def of(cls, actor: str, rank: int, pid: int | None, reason: str, method: str = "") -> ActorDied:
         """The error for calls to ``actor`` (rank ``rank``) whose process ``pid`` ended with ``reason``."""
         actor = shown(actor)
-        # Monarch's programs match either "Actor <name> ... and all its descendants have failed" (the call
-        # that was running) or "The actor <name> and all its descendants have failed" (later calls).
-        call = f"Endpoint call {actor}.{method}() failed, Actor {actor}[{rank}] is unhealthy: " if method else ""
+        call = f"Endpoint call {actor}.{method}() failed, " if method else ""
         why = f"its process (pid {pid}) died: {reason}"
         return cls(call + actor_failed(actor, rank, why), pid=pid, actor=actor)
 
