@@ -11,13 +11,17 @@ or its owner dies.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import gc
 import io
 import logging
 import os
 import random
 import signal
+import site
 import sys
+import threading
 import traceback
 from typing import TextIO
 
@@ -80,7 +84,41 @@ def _load_main(main: list[str] | None) -> None:
 
 
 def run(config: WorkerConfig) -> int:
-    """Entry point of a freshly forked worker; returns the exit code."""
+    """Entry point of a freshly forked worker; returns the exit code (after :func:`finalize` when it stopped in order)."""
+    atexit._clear()  # the hooks a fork inherited are the controller's, not this worker's
+    code = _run(config)
+    if code == 0:
+        finalize()
+    return code
+
+
+def finalize() -> None:
+    """What a normal interpreter exit does that the program's own code can see: its ``atexit`` hooks, its finalizers.
+
+    A worker ends with ``os._exit`` (a full finalization in a process forked
+    from a forkserver could wait on thread pools it inherited), so after an
+    orderly stop this runs the ``atexit`` hooks registered in this worker,
+    then, unless another thread still runs, drops the globals of the program's own modules (not the standard
+    library's, not installed packages', not this runtime's) so that the
+    finalizers of what they held run, as Monarch's processes do at exit.
+    """
+    with contextlib.suppress(Exception):
+        atexit._run_exitfuncs()
+    if threading.active_count() > 1:
+        return  # code of the program's still runs on another thread: its globals stay
+    installed = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, *site.getsitepackages())}
+    runtime_dir = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    for name, module in list(sys.modules.items()):
+        path = os.path.realpath(getattr(module, "__file__", None) or "/")
+        if path == "/" or path.startswith(runtime_dir + os.sep) or any(path.startswith(p + os.sep) for p in installed):
+            continue
+        with contextlib.suppress(Exception):
+            sys.modules.pop(name, None)
+            module.__dict__.clear()
+    gc.collect()
+
+
+def _run(config: WorkerConfig) -> int:
     os.environ.update(config.env)  # before anything here touches CUDA
     label = [config.name]
     _set_title(config, [])

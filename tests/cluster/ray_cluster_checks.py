@@ -656,6 +656,23 @@ async def restart_on_a_live_node(cluster):  # type: ignore[no-untyped-def]
         await hosts.shutdown_async()
 
 
+async def pipeline_past(config: Any, steps: int) -> tuple[asyncio.Future[Any], int]:
+    """Start ``run_pipeline(config)``; return it, still running, once its log holds ``steps`` steps."""
+    from pipeline import run_pipeline
+
+    run = asyncio.ensure_future(run_pipeline(config, quiet=True))
+    metrics = os.path.join(config.run_dir, "metrics.jsonl")
+    deadline, steps_logged = time.monotonic() + 120, 0
+    while not run.done() and time.monotonic() < deadline:  # an outside condition: the run's own log
+        with contextlib.suppress(FileNotFoundError), open(metrics) as f:
+            steps_logged = sum(1 for _ in f)
+        if steps_logged >= steps:
+            break
+        await asyncio.sleep(0.05)
+    assert not run.done(), run.result() if not run.exception() else run.exception()
+    return run, steps_logged
+
+
 @check("pipeline_survives_a_lost_node")
 async def pipeline_survives_a_lost_node(cluster):  # type: ignore[no-untyped-def]
     """``--ray`` with a node removed mid-run: its generator restarts on the trainer's node and the run finishes.
@@ -664,22 +681,13 @@ async def pipeline_survives_a_lost_node(cluster):  # type: ignore[no-untyped-def
     """
     import tempfile
 
-    from pipeline import Config, run_pipeline
+    from pipeline import Config
 
     node = cluster.add_node(num_cpus=1, node_ip_address="127.0.0.4")
     cluster.wait_for_nodes()
     config = Config(task="bandit", steps=4000, generators=2, ray=cluster.address, ray_hosts=2, target_score=None)
     config.run_dir = tempfile.mkdtemp(prefix="ray-lost-node-")
-    run = asyncio.ensure_future(run_pipeline(config, quiet=True))
-    metrics = os.path.join(config.run_dir, "metrics.jsonl")
-    deadline, steps_logged = time.monotonic() + 120, 0
-    while not run.done() and time.monotonic() < deadline:  # an outside condition: the run's own log
-        with contextlib.suppress(FileNotFoundError), open(metrics) as f:
-            steps_logged = sum(1 for _ in f)
-        if steps_logged >= 200:
-            break
-        await asyncio.sleep(0.05)
-    assert not run.done(), run.result() if not run.exception() else run.exception()
+    run, steps_logged = await pipeline_past(config, 200)
     removing = asyncio.ensure_future(asyncio.to_thread(cluster.remove_node, node, False))
     result = await asyncio.wait_for(run, 240)
     await removing

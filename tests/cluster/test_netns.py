@@ -17,6 +17,7 @@ import sys
 
 import netns
 import pytest
+from check_records import checks_env, read_records, require
 
 pytest.importorskip("ray", reason="needs the ray extra: pip install -e '.[ray]'")
 
@@ -41,35 +42,17 @@ CHECKS = [
 def results() -> dict[str, dict[str, object]]:
     netns.sweep()
     here = os.path.dirname(os.path.abspath(__file__))
-    tests = os.path.dirname(here)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.path.join(tests, "actors"), tests, *sys.path]))
-    for key in ("ACTORS_CURVE_PUBLIC", "ACTORS_CURVE_SECRET", "ACTORS_TRANSPORT", "ACTORS_TCP_HOST", "RAY_ADDRESS"):
-        env.pop(key, None)
     with netns.Hosts(3) as hosts:
         spec = dict(hosts.spec(), ray=hosts.start_ray())
         command = hosts.run_in(0, [sys.executable, os.path.join(here, "netns_checks.py"), json.dumps(spec)])
-        out = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
-    found: dict[str, dict[str, object]] = {}
-    for line in out.stdout.splitlines():
-        if line.startswith("{"):
-            record = json.loads(line)
-            if "check" in record:
-                found[str(record["check"])] = record
-            elif record.get("done"):
-                found["done"] = record
-    if "done" not in found:
-        pytest.fail(
-            f"the namespace checks did not finish (exit {out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
-        )
-    return found
+        out = subprocess.run(command, capture_output=True, text=True, timeout=600, env=checks_env())
+    return read_records(out, "the namespace checks")
 
 
 @pytest.mark.timeout(620)
 @pytest.mark.parametrize("name", CHECKS)
 def test_on_hosts_of_their_own(results, name):
-    record = results.get(name)
-    assert record is not None, f"{name} did not run"
-    assert record["ok"], f"{record['detail']}\n{record.get('tb', '')}"
+    require(results, name)
 
 
 def test_nothing_is_left_behind(results):

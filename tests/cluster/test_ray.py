@@ -6,12 +6,12 @@ runtime must be a tcp one from the start, and one cluster serves them all.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 
 import pytest
+from check_records import checks_env, read_records, require
 
 pytest.importorskip("ray", reason="needs the ray extra: pip install -e '.[ray]'")
 
@@ -40,35 +40,17 @@ CHECKS = [
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict[str, object]]:
     here = os.path.dirname(os.path.abspath(__file__))
-    tests = os.path.dirname(here)  # the runtime tests' actors (support) and the harness
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.path.join(tests, "actors"), tests, *sys.path]))
-    for key in ("ACTORS_CURVE_PUBLIC", "ACTORS_CURVE_SECRET", "ACTORS_TRANSPORT", "ACTORS_TCP_HOST"):
-        env.pop(key, None)
     out = subprocess.run(
         [sys.executable, os.path.join(here, "ray_cluster_checks.py")],
         capture_output=True,
         text=True,
         timeout=400,
-        env=env,
+        env=checks_env(),
     )
-    found: dict[str, dict[str, object]] = {}
-    for line in out.stdout.splitlines():
-        if line.startswith("{"):
-            record = json.loads(line)
-            if "check" in record:
-                found[str(record["check"])] = record
-            elif record.get("done"):
-                found["done"] = record
-    if "done" not in found:
-        pytest.fail(
-            f"the cluster checks did not finish (exit {out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
-        )
-    return found
+    return read_records(out, "the cluster checks")
 
 
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("name", CHECKS)
 def test_on_a_ray_cluster(results, name):
-    record = results.get(name)
-    assert record is not None, f"{name} did not run"
-    assert record["ok"], f"{record['detail']}\n{record.get('tb', '')}"
+    require(results, name)

@@ -1,0 +1,74 @@
+"""An orderly worker exit runs what a normal interpreter exit would for the program's code: atexit hooks, finalizers.
+
+Each case is a program of its own; its actor class lives in the script, so
+the worker holds its globals in the script's module.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), ROOT]))
+
+PROGRAM = """
+import atexit, os, sys
+from actors import Actor, endpoint, this_host
+
+OUT = sys.argv[1]
+
+
+def mark(name, text):
+    with open(os.path.join(OUT, name), "a") as f:
+        f.write(text)
+
+
+class Finalized:
+    def __init__(self):
+        self.path, self.line = os.path.join(OUT, "finalizer"), f"{os.getpid()}\\n"
+
+    def __del__(self):  # uses no module global: by now they may be gone, as at any interpreter exit
+        with open(self.path, "a") as f:
+            f.write(self.line)
+
+
+class Holder(Actor):
+    def __init__(self):
+        global held
+        held = Finalized()  # a module global: released only when the process finalizes
+        atexit.register(mark, "atexit", f"{os.getpid()}\\n")
+
+    @endpoint
+    async def pid(self) -> int:
+        return os.getpid()
+
+
+if __name__ == "__main__":
+    atexit.register(mark, "controller", f"{os.getpid()}\\n")  # before the spawn: a fork inherits it
+    procs = this_host().spawn_procs({"procs": 2})
+    holders = procs.spawn("holder", Holder)
+    print(os.getpid())
+    print(" ".join(str(pid) for _, pid in holders.pid.call().get()))
+    procs.stop().get()
+    print("stopped", flush=True)
+"""
+
+
+def test_a_stopped_worker_runs_its_atexit_hooks_and_finalizers_but_not_the_controllers(tmp_path):
+    script = tmp_path / "program.py"
+    script.write_text(textwrap.dedent(PROGRAM))
+    out = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=120, env=ENV, cwd=ROOT
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    controller, workers, stopped = out.stdout.splitlines()[:3]
+    workers = sorted(workers.split())
+    assert len(workers) == 2 and stopped == "stopped"
+    # by the time stop() returned, each worker had run its own hook and released its module's globals
+    assert sorted((tmp_path / "finalizer").read_text().split()) == workers
+    assert sorted((tmp_path / "atexit").read_text().split()) == workers
+    # the controller's hook ran once, in the controller: never in the workers that inherited it by fork
+    assert (tmp_path / "controller").read_text().split() == [controller]
