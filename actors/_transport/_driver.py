@@ -4,9 +4,9 @@ The inbox socket, every peer's pidfd and the forkserver's status pipe are
 loop readers; nothing here ever blocks the loop's thread. The loop is the
 program's own when it runs one; a synchronous program's runtime is bound to
 a :class:`~._background.BackgroundLoop` instead, and its calls wait on
-their own thread (:meth:`Driver.wait`) for that loop's work. Only a runtime
-that may not start a thread (``serve_in_background=False``) and has no loop
-is pumped by :meth:`Driver.wait` itself, on the caller's thread.
+their own thread (:meth:`Driver.wait`) for that loop's work. Only at
+interpreter exit, once the background loop stopped, is a runtime pumped by
+:meth:`Driver.wait` itself, on the exiting thread.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ class Driver:
         self._readers: dict[int, Callable[[], None]] = {}
         self._progress: list[asyncio.Future[None]] = []
         inbox.handled.connect(self.notify_progress)
-        #: Whether a program without a loop gets a background loop (the controller) or pumps in ``wait`` (tests).
+        #: Whether a caller without a loop gets a background loop (a controller's runtime; a worker's is bound
+        #: to its own loop at once); off after :meth:`release`, when the exiting thread pumps in :meth:`wait`.
         self.serve_in_background = serve_in_background
         self._background: BackgroundLoop | None = None
 
@@ -134,12 +135,6 @@ class Driver:
         if background is not None and background.alive and threading.get_ident() != background.thread_id:
             background.stop()
         self.unbind()
-
-    @property
-    def in_background(self) -> bool:
-        """Whether a background loop drives the runtime now."""
-        background = self._background
-        return background is not None and self.loop is background.loop
 
     def loop_active(self) -> bool:
         """True when called on the thread of the running loop this runtime is bound to."""
