@@ -1,7 +1,8 @@
 """``Future``: the answer to a message that is already on the wire.
 
-Await it inside a coroutine, or call ``get()`` from synchronous code (which
-serves this process's inbox while it waits, without an event loop).
+Await it inside a coroutine, or call ``get()`` from synchronous code, which
+waits on its own thread while the runtime's loop (the program's, or the
+background loop of a program without one) serves the inbox.
 """
 
 from __future__ import annotations
@@ -87,8 +88,9 @@ class Future(Generic[R]):
             raise RuntimeError("Future.get() would block the running event loop; use 'await' instead")
         driver = runtime().driver
         loop = driver.loop
-        elsewhere = loop is not None and loop.is_running() and driver.thread != threading.get_ident()
-        if elsewhere and loop is not None and not (self._any_thread and self._wait_sync is not None):
+        runs_elsewhere = loop is not None and loop.is_running() and driver.thread != threading.get_ident()
+        if runs_elsewhere and not (self._any_thread and self._wait_sync is not None):
+            assert loop is not None
             # Another thread drives the runtime: the background loop of a program without one, or a
             # worker's loop seen from a synchronous actor's thread. The wait is on this thread.
             waiting = asyncio.run_coroutine_threadsafe(self._run(), loop)

@@ -135,9 +135,7 @@ def escalate_to_controller(failure: Failure) -> SupervisionError | None:
     except SupervisionError as exc:
         return exc
     except Exception as exc:
-        error = SupervisionError(f"unhandled actor failure: {failure} (the fault hook raised {exc!r})", failure)
-        error.__cause__ = exc
-        return error
+        return _hook_raised(failure, exc)
     except BaseException as exc:  # SystemExit, KeyboardInterrupt: the hook ends the program
         if threading.current_thread() is threading.main_thread():
             raise  # out of the program's own loop, as from any of its callbacks
@@ -146,7 +144,12 @@ def escalate_to_controller(failure: Failure) -> SupervisionError | None:
         log.error("the unhandled fault hook raised %r: interrupting the program's main thread", exc)
         # A real SIGINT to the main thread, so that a blocking wait there is interrupted too.
         signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
-        error = SupervisionError(f"unhandled actor failure: {failure} (the fault hook raised {exc!r})", failure)
-        error.__cause__ = exc
-        return error
+        return _hook_raised(failure, exc)
     return None
+
+
+def _hook_raised(failure: Failure, exc: BaseException) -> SupervisionError:
+    """The error that faults the mesh when the fault hook itself raised ``exc``."""
+    error = SupervisionError(f"unhandled actor failure: {failure} (the fault hook raised {exc!r})", failure)
+    error.__cause__ = exc
+    return error

@@ -36,7 +36,7 @@ LOOP_WAIT_SLICE = 60.0
 
 
 class Driver:
-    """Binds a runtime's sockets and pidfds to an event loop, or pumps them for a synchronous caller."""
+    """Binds a runtime's sockets and pidfds to an event loop (a background one for a program without its own)."""
 
     def __init__(self, inbox: Inbox, registry: Registry, outbox: Outbox, *, serve_in_background: bool) -> None:
         self._inbox = inbox

@@ -160,6 +160,10 @@ def main() -> None:
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if args.hosts < 1:
+        parser.error(f"--hosts must be at least 1, not {args.hosts}")
+    if not command:
+        parser.error("give the command to run in the first namespace after --")
     sweep()
     with Hosts(args.hosts) as hosts:
         address = hosts.start_ray()

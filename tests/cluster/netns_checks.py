@@ -74,15 +74,6 @@ class LoopLag:
         return self.worst
 
 
-def pid_gone(pid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not base.pid_exists(pid):
-            return True
-        time.sleep(0.05)  # polling another process's exit: a guard with a deadline
-    return not base.pid_exists(pid)
-
-
 @check("nodes_are_namespaces")
 async def nodes_are_namespaces(cluster: Cluster) -> dict[str, Any]:
     import ray
@@ -132,7 +123,9 @@ async def partition_fails_calls_and_moves_the_rank(cluster: Cluster) -> dict[str
                 lags.append(lag.stop())
                 assert lags[-1] < STALL, f"the controller's loop stalled {lags[-1]:.3f}s during the partition"
                 assert after[1] != before[1] and after[2] == "again", (before, after)
-                assert pid_gone(int(before[0]), SILENCE + 10), f"stranded worker {before[0]} outlived the partition"
+                assert await base.pid_exited(int(before[0]), SILENCE + 10), (
+                    f"stranded worker {before[0]} outlived the partition"
+                )
             finally:
                 cluster.heal(k)
             again = await asyncio.wait_for(far.where.call_one(), 30)

@@ -277,15 +277,7 @@ async def node_host_lost_fails_calls(hosts):  # type: ignore[no-untyped-def]
         except SupervisionError:  # ActorDied, or the mesh's fault once the failure went unhandled
             pass
         assert hosts.hosts[1]["lost"], hosts.hosts
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                os.kill(worker_pid, 0)
-            except ProcessLookupError:
-                break
-            await asyncio.sleep(0.05)
-        else:
-            raise AssertionError(f"worker {worker_pid} outlived its node host") from None
+        assert await pid_exited(worker_pid, 10), f"worker {worker_pid} outlived its node host"
         assert took < 2.0, took
         return {"seconds": round(took, 3), "error": str(exc)[:200]}
     finally:
@@ -564,6 +556,16 @@ def pid_exists(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
+    return True
+
+
+async def pid_exited(pid: int, timeout: float) -> bool:
+    """Whether process ``pid`` (not a child: another node's) exits within ``timeout`` s; polled without blocking."""
+    deadline = time.monotonic() + timeout
+    while pid_exists(pid):
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.05)  # another process's exit, polled: a guard with a deadline
     return True
 
 
