@@ -1,4 +1,4 @@
-"""Code that travels: functions, lambdas and classes sent with cloudpickle, only in a session that opts in.
+"""Code that travels: functions, lambdas, classes and other objects sent with cloudpickle, only in a session that opts in.
 
 By default no received byte is ever unpickled: a function given as an
 argument is refused at the sender with ``EncodeError``, and a code record
@@ -8,9 +8,12 @@ A session opts in with ``ACTORS_SEND_CODE=1`` in the controller's
 environment before it spawns anything (or :func:`allow_code` called first):
 every process it spawns inherits the setting. Then a function, lambda,
 closure or class that is not plain data travels as one dedicated record
-(``EXT_CODE``, a cloudpickle payload); every other record is decoded as
-before and never unpickled. A process that did not opt in refuses code
-records whatever its peers do.
+(``EXT_CODE``, a cloudpickle payload), and so does an object of a type the
+codec has no record for (``EXT_OBJECT``: unpickling it runs its class's
+code, which the session already accepts); every other record (plain
+values, tensors, dataclasses, handles) is decoded as before and never
+unpickled. A process that did not opt in refuses both records whatever its
+peers do.
 
 Trust model: every peer of a session holds its key (CURVE on tcp; the
 0700 session directory on ipc), and any peer can already make any process
@@ -31,7 +34,17 @@ from typing import Any
 
 from .._shared._errors import DecodeError, EncodeError
 
-__all__ = ["CODE_ENV", "allow_code", "code_allowed", "is_code", "pickle_code", "refusal", "unpickle_code"]
+__all__ = [
+    "CODE_ENV",
+    "allow_code",
+    "code_allowed",
+    "is_code",
+    "pickle_code",
+    "pickle_object",
+    "refusal",
+    "unpickle_code",
+    "unpickle_object",
+]
 
 #: ``1``: this session lets functions, lambdas and classes travel (set before spawning; inherited).
 CODE_ENV = "ACTORS_SEND_CODE"
@@ -64,25 +77,63 @@ def allow_code() -> None:
     os.environ[CODE_ENV] = "1"
 
 
-def pickle_code(obj: Any) -> bytes:
-    """``obj`` (a function, lambda, closure or class) as a cloudpickle payload."""
+def _cloudpickle() -> Any:
     try:
         import cloudpickle
     except ImportError:
         raise EncodeError("sending code needs cloudpickle: pip install 'actors[code]'") from None
+    return cloudpickle
+
+
+def pickle_code(obj: Any) -> bytes:
+    """``obj`` (a function, lambda, closure or class) as a cloudpickle payload."""
+    cloudpickle = _cloudpickle()
     try:
         return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)  # type: ignore[no-any-return]
     except Exception as exc:
         raise EncodeError(f"cannot pickle {getattr(obj, '__qualname__', obj)!r}: {exc}") from None
 
 
-def unpickle_code(data: bytes) -> Any:
-    """The function or class a code record holds; refused unless this process opted in."""
+def pickle_object(obj: Any) -> bytes:
+    """``obj`` (an object the codec has no record for) as a cloudpickle payload.
+
+    An object that pickle cannot take (a lock, a socket) raises
+    ``EncodeError``; an exception raised by the object's own pickling code
+    (``__getstate__``, ``__reduce__``) reaches the sender unchanged, as
+    ``pickle.dumps`` would raise it.
+    """
+    cloudpickle = _cloudpickle()
+    try:
+        return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)  # type: ignore[no-any-return]
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        cls = type(obj)
+        raise EncodeError(f"cannot pickle a {cls.__module__}.{cls.__qualname__}: {exc}") from None
+
+
+def _refuse_unless_allowed(what: str) -> None:
     if not code_allowed():
         raise DecodeError(
-            "a code record (a pickled function or class) arrived, but this process does not let code travel: "
-            f"{_HOW}; until then nothing received is unpickled"
+            f"{what} arrived, but this process does not let code travel: {_HOW}; until then nothing received "
+            "is unpickled"
         )
+
+
+def unpickle_object(data: bytes) -> Any:
+    """The object an object record holds; refused unless this process opted in.
+
+    An exception raised while loading it (the class's ``__setstate__``, a
+    missing module) becomes ``DecodeError`` naming it.
+    """
+    _refuse_unless_allowed("an object record (a pickled object)")
+    try:
+        return pickle.loads(data)
+    except Exception as exc:
+        raise DecodeError(f"cannot unpickle an object record: {type(exc).__name__}: {exc}") from None
+
+
+def unpickle_code(data: bytes) -> Any:
+    """The function or class a code record holds; refused unless this process opted in."""
+    _refuse_unless_allowed("a code record (a pickled function or class)")
     try:
         obj = pickle.loads(data)
     except Exception as exc:

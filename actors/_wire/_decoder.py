@@ -18,12 +18,13 @@ import torch
 from .._shared._errors import DecodeError
 from . import _refs
 from ._buffers import DTYPES, ITEMSIZE, tensor_over
-from ._code import unpickle_code
+from ._code import unpickle_code, unpickle_object
 from ._ext import (
     EXT_CODE,
     EXT_DATACLASS,
     EXT_DTYPE,
     EXT_HANDLE,
+    EXT_OBJECT,
     EXT_TENSOR,
     EXT_TUPLE,
     MAX_DEPTH,
@@ -237,6 +238,8 @@ class Decoder:
             return dtype
         if code == EXT_CODE:
             return unpickle_code(bytes(data))
+        if code == EXT_OBJECT:
+            return unpickle_object(bytes(data))
         raise DecodeError(f"unknown extension type {code}")
 
     def _tensor(self, record: Any) -> torch.Tensor:

@@ -17,12 +17,13 @@ import torch
 from .._shared._errors import EncodeError
 from . import _refs
 from ._buffers import DTYPE_NAMES, tensor_buffer
-from ._code import code_allowed, is_code, pickle_code, refusal
+from ._code import CODE_ENV, code_allowed, is_code, pickle_code, pickle_object, refusal
 from ._ext import (
     EXT_CODE,
     EXT_DATACLASS,
     EXT_DTYPE,
     EXT_HANDLE,
+    EXT_OBJECT,
     EXT_TENSOR,
     EXT_TUPLE,
     INLINE_TENSOR_BYTES,
@@ -134,9 +135,12 @@ class Encoder:
             if code_allowed():
                 return ext(EXT_CODE, pickle_code(obj))
             raise refusal(obj)
+        if code_allowed():  # the session lets code travel: an object with no record of its own goes pickled
+            return ext(EXT_OBJECT, pickle_object(obj))
         raise EncodeError(
             f"cannot send a value of type {cls.__module__}.{cls.__qualname__}: "
-            "use plain values, tensors, dataclasses, ports or actor meshes"
+            "use plain values, tensors, dataclasses, ports or actor meshes "
+            f"(or let objects travel pickled: {CODE_ENV}=1, in a session whose processes all trust each other)"
         )
 
     def _dataclass(self, obj: Any) -> list[Any]:

@@ -15,6 +15,7 @@ __all__ = [
     "EXT_DATACLASS",
     "EXT_DTYPE",
     "EXT_HANDLE",
+    "EXT_OBJECT",
     "EXT_TENSOR",
     "EXT_TUPLE",
     "INLINE_TENSOR_BYTES",
@@ -35,6 +36,8 @@ EXT_HANDLE = 4
 EXT_DTYPE = 5
 #: A function, lambda or class as cloudpickle: only in a session that opted in (``_code``).
 EXT_CODE = 6
+#: Any other object the codec has no record for, as cloudpickle: only in a session that opted in (``_code``).
+EXT_OBJECT = 7
 
 #: Tensors at most this many bytes travel inside the payload rather than as a frame.
 INLINE_TENSOR_BYTES = 4096

@@ -8,6 +8,7 @@ import pickle
 import subprocess
 import sys
 import textwrap
+import threading
 
 import msgpack
 import pytest
@@ -16,12 +17,28 @@ import actors
 from actors import DecodeError, EncodeError
 from actors._wire._code import CODE_ENV
 from actors._wire._codec import Decoder, Encoder
-from actors._wire._ext import EXT_CODE
+from actors._wire._ext import EXT_CODE, EXT_OBJECT
 
 SESSION = textwrap.dedent(
     """
     import functools, json, os, sys
     from actors import Actor, ActorError, endpoint, this_host
+
+    class Box:  # a plain class: no record of its own, so it travels pickled
+        def __init__(self, v):
+            self.v = v
+
+    class Broken:
+        def __init__(self, side):
+            self.side = side
+
+        def __getstate__(self):
+            if self.side == "sender":
+                raise RuntimeError("__getstate__ refused")
+            return {"side": self.side}
+
+        def __setstate__(self, state):
+            raise RuntimeError("__setstate__ refused")
 
     class Runs(Actor):
         @endpoint
@@ -59,7 +76,17 @@ SESSION = textwrap.dedent(
             "builtin": one.run.call_one(len, [1, 2, 3]).get(timeout=30),
             "class": one.build.call_one(Local, 21).get(timeout=30),
             "returned": one.make_adder.call_one(5).get(timeout=30)(1),
+            "object": one.run.call_one(lambda box: Box(box.v * 2), Box(4)).get(timeout=30).v,
         }
+        try:
+            one.run.call_one(len, Broken("sender")).get(timeout=30)
+        except RuntimeError as exc:  # the object's own error, at the sender, before anything was sent
+            out["sender"] = str(exc)
+        try:
+            runs.run.call(len, Broken("receiver")).get(timeout=30)
+        except ActorError as exc:  # the receiver could not load it: the call fails, the actor lives on
+            out["receiver"] = "__setstate__ refused" in str(exc)
+        out["alive"] = one.run.call_one(abs, -3).get(timeout=30)
         procs.stop().get(timeout=30)
         print(json.dumps(out), flush=True)
 
@@ -83,7 +110,18 @@ def test_with_the_switch_functions_lambdas_closures_and_classes_travel_both_ways
     proc = run_session(tmp_path, allow=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out == {"lambda": 21, "closure": [11, 11], "partial": 32, "builtin": 3, "class": 42, "returned": 6}
+    assert out == {
+        "lambda": 21,
+        "closure": [11, 11],
+        "partial": 32,
+        "builtin": 3,
+        "class": 42,
+        "returned": 6,
+        "object": 8,
+        "sender": "__getstate__ refused",
+        "receiver": True,
+        "alive": 3,
+    }
 
 
 def test_without_the_switch_nothing_is_pickled_and_the_error_names_the_switch(tmp_path):
@@ -157,9 +195,44 @@ def test_with_the_switch_a_malformed_or_unexpected_code_record_is_refused(switch
         Decoder().decode(code_record(payload), [])
 
 
-def test_with_the_switch_other_records_still_never_unpickle(switch):
+def test_with_the_switch_other_records_still_never_unpickle(switch, monkeypatch):
     switch(True)
-    value = {"t": (1, 2), "s": "x", "fn": len}
-    assert Decoder().decode(encoded(value), []) == value
-    with pytest.raises(EncodeError, match="cannot send a value of type"):
-        encoded(object())  # not code, not data: still refused
+    value = {"t": (1, 2), "s": "x", "n": [1.5, None, b"raw"]}
+    blob = encoded(value)
+
+    def no_unpickling(data: bytes) -> object:
+        raise AssertionError("plain data was unpickled")
+
+    monkeypatch.setattr(pickle, "loads", no_unpickling)
+    assert Decoder().decode(blob, []) == value
+
+
+def test_an_object_travels_pickled_only_with_the_switch(switch, tmp_path, monkeypatch):
+    switch(False)
+    with pytest.raises(EncodeError, match=r"cannot send a value of type builtins.object.*ACTORS_SEND_CODE=1"):
+        encoded(object())
+    switch(True)
+    blob = encoded([Point(1, 2)])
+    assert Decoder().decode(blob, []) == [Point(1, 2)]
+    with pytest.raises(EncodeError, match=r"cannot pickle a _thread\.lock"):
+        encoded(threading.Lock())  # pickle cannot take it: a codec refusal, not a crash
+    canary = tmp_path / "ran"
+    monkeypatch.setenv("CANARY_DIR", str(canary))
+    hostile = msgpack.packb(msgpack.ExtType(EXT_OBJECT, pickle.dumps(Canary())))
+    switch(False)
+    with pytest.raises(DecodeError, match=r"an object record .* does not let code travel"):
+        Decoder().decode(hostile, [])
+    assert not canary.exists()
+    switch(True)
+    with pytest.raises(DecodeError, match="cannot unpickle an object record"):
+        Decoder().decode(msgpack.packb(msgpack.ExtType(EXT_OBJECT, b"\x80\x05junk")), [])
+
+
+class Point:
+    """A plain class with no record of its own."""
+
+    def __init__(self, x: int, y: int) -> None:
+        self.x, self.y = x, y
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Point) and (self.x, self.y) == (other.x, other.y)
