@@ -45,7 +45,7 @@ class Lifecycle:
     """Constructs this worker's actors, fails and stops them, and ends the worker."""
 
     def __init__(
-        self, rt: Runtime, slots: SlotTable, reports: FailureReports, retitle: Callable[[list[str]], None]
+        self, rt: Runtime, slots: SlotTable, reports: FailureReports, retitle: Callable[[list[tuple[str, int]]], None]
     ) -> None:
         self._rt = rt
         self.loop = asyncio.get_running_loop()
@@ -106,7 +106,7 @@ class Lifecycle:
         return slot
 
     def _retitle(self) -> None:
-        self._retitle_to(self._slots.titles())
+        self._retitle_to(self._slots.hosted())
 
     def kill(
         self,

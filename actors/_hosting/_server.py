@@ -33,6 +33,7 @@ from ._dispatch import CallDispatcher
 from ._failure_reports import FailureReports
 from ._invocation import Invocation
 from ._lifecycle import CLEANUP_TIMEOUT, Lifecycle
+from ._output import ProcessOutput
 from ._slots import SlotTable
 
 if TYPE_CHECKING:
@@ -44,9 +45,13 @@ __all__ = ["CLEANUP_TIMEOUT", "ActorServer"]
 class ActorServer:
     """Serves the actors of this worker process."""
 
-    def __init__(self, rt: Runtime, config: WorkerConfig, retitle: Callable[[list[str]], None]) -> None:
+    def __init__(
+        self, rt: Runtime, config: WorkerConfig, retitle: Callable[[list[tuple[str, int]]], None], output: ProcessOutput
+    ) -> None:
         self.rt = rt
         self.config = config
+        #: Where this process's stdout and stderr lines go (``log_option`` redirects them).
+        self.output = output
         #: The process that spawned this one: the worker ends when it does.
         self.owner = rt.registry.proc(config.owner_address, config.owner_pid)
         self.slots = SlotTable()
@@ -83,8 +88,10 @@ class ActorServer:
                 await lifecycle.stop_actor(*args)
             elif method == "stop":
                 await lifecycle.stop_all(*args)
-            elif method == "log_level":
-                logging.getLogger().setLevel(*args)
+            elif method == "log_option":
+                port, level = args
+                logging.getLogger().setLevel(level)
+                self.output.forward_to(port)
             elif method != "ping":
                 raise AttributeError(f"unknown process operation {method!r}")
         except BaseException as exc:

@@ -81,6 +81,6 @@ class SlotTable:
     def get(self, name: str) -> ActorSlot | None:
         return self.actors.get(name)
 
-    def titles(self) -> list[str]:
-        """Each hosted actor as ``name[rank]``, for the process title."""
-        return [f"{shown(name)}[{slot.rank}]" for name, slot in self.actors.items()]
+    def hosted(self) -> list[tuple[str, int]]:
+        """Each hosted actor's name (as shown) and rank, for the process title and its output's prefix."""
+        return [(shown(name), slot.rank) for name, slot in self.actors.items()]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
-import io
 import logging
 import os
 import random
@@ -23,56 +22,19 @@ import site
 import sys
 import threading
 import traceback
-from typing import TextIO
 
 from .._runtime._core import Runtime, install_runtime
 from .._shared._config import WorkerConfig
 from .._shared._main_loader import load_definitions
 from .._shared._session import write_incarnation
 from .._wire import _refs
+from ._output import ProcessOutput, WorkerStream
 from ._server import ActorServer
 
 __all__ = ["run"]
 
 #: Allocations between young-generation collections in worker processes.
 GC_THRESHOLD = 20_000
-
-
-class _Prefixed(io.TextIOBase):
-    """A text stream that starts every line with the process's label."""
-
-    def __init__(self, stream: TextIO, label: list[str]) -> None:
-        self._stream = stream
-        self._label = label
-        self._at_line_start = True
-
-    def write(self, text: str) -> int:
-        if not text:
-            return 0
-        prefix = f"[{self._label[0]}] "
-        out = []
-        for line in text.splitlines(keepends=True):
-            if self._at_line_start:
-                out.append(prefix)
-            out.append(line)
-            self._at_line_start = line.endswith("\n")
-        self._stream.write("".join(out))
-        if "\n" in text:
-            self._stream.flush()
-        return len(text)
-
-    def flush(self) -> None:
-        self._stream.flush()
-
-    def fileno(self) -> int:
-        return self._stream.fileno()
-
-    def isatty(self) -> bool:
-        return self._stream.isatty()
-
-    @property
-    def encoding(self) -> str:  # type: ignore[override]
-        return getattr(self._stream, "encoding", "utf-8")
 
 
 def _load_main(main: list[str] | None) -> None:
@@ -120,7 +82,6 @@ def finalize() -> None:
 
 def _run(config: WorkerConfig) -> int:
     os.environ.update(config.env)  # before anything here touches CUDA
-    label = [config.name]
     _set_title(config, [])
     sys.argv[:] = config.argv or sys.argv[:1]
     sys.path[:] = config.sys_path
@@ -130,8 +91,9 @@ def _run(config: WorkerConfig) -> int:
 
     torch.seed()
     torch.set_num_threads(int(config.threads or 1))
-    sys.stdout = _Prefixed(sys.__stdout__, label)  # type: ignore[arg-type]
-    sys.stderr = _Prefixed(sys.__stderr__, label)  # type: ignore[arg-type]
+    output = ProcessOutput(config.name, config.rank)
+    sys.stdout = WorkerStream(sys.__stdout__, "stdout", output)  # type: ignore[arg-type]
+    sys.stderr = WorkerStream(sys.__stderr__, "stderr", output)  # type: ignore[arg-type]
     # The handlers inherited from the spawning program write to its streams (pytest's capture files,
     # say), whose descriptors a worker does not have: drop them unclosed, then log to this stderr.
     logging.root.handlers.clear()
@@ -145,7 +107,7 @@ def _run(config: WorkerConfig) -> int:
     _tune_gc()
     import uvloop
 
-    return uvloop.run(_serve(config, label))  # type: ignore[no-any-return]
+    return uvloop.run(_serve(config, output))  # type: ignore[no-any-return]
 
 
 def _tune_gc() -> None:
@@ -168,17 +130,17 @@ def _set_title(config: WorkerConfig, actors: list[str]) -> None:
     setproctitle.setproctitle(f"actors[{config.name}] {names}".rstrip())
 
 
-async def _serve(config: WorkerConfig, label: list[str]) -> int:
+async def _serve(config: WorkerConfig, output: ProcessOutput) -> int:
     rt = Runtime(address=config.address)
     install_runtime(rt)
     loop = rt.driver.ensure_loop()
     write_incarnation(rt.dir, rt.address, rt.pid)
 
-    def retitle(actors: list[str]) -> None:
-        label[0] = ",".join(actors) or config.name
-        _set_title(config, actors)
+    def retitle(actors: list[tuple[str, int]]) -> None:
+        output.rename(actors)
+        _set_title(config, [f"{name}[{rank}]" for name, rank in actors])
 
-    server = ActorServer(rt, config, retitle)
+    server = ActorServer(rt, config, retitle, output)
     loop.add_signal_handler(signal.SIGTERM, server.shutdown, "terminated")
     await server.finished.wait()
     rt.close()

@@ -34,6 +34,7 @@ from .._wire import _refs
 from .._wire._codec import register_handle
 from .._wire._records import PROCESS_ACTOR
 from ._actor_mesh import ActorMesh
+from ._log_collector import LogCollector
 from ._mesh_supervisor import MeshSupervisor
 from ._proc_stop import StopStep, stop_steps
 
@@ -62,6 +63,8 @@ class ProcMesh:
         kill: Callable[[ProcRef], None] | None = None,
     ) -> None:
         self._name = name
+        #: Where the processes' output arrives once ``logging_option`` streams it here.
+        self._logs: LogCollector | None = None
         #: How the placer ends a process on another host that ignored the stop (its pid means nothing here).
         self._kill_remote = kill
         #: ``(name, class_ref, args, kwargs)`` of every spawn, replayed into a restarted process.
@@ -186,21 +189,34 @@ class ProcMesh:
         return self._ask_processes("ping", (), lambda: True, "initialized")
 
     def logging_option(
-        self, stream_to_client: bool = True, aggregate_window_sec: int | None = None, level: int = logging.INFO
+        self, stream_to_client: bool = True, aggregate_window_sec: float | None = 3, level: int = logging.INFO
     ) -> Future[None]:
-        """Set the ``logging`` level of every process (Monarch's call; output always streams, never aggregated).
+        """Where this mesh's processes' output goes, and their ``logging`` level (Monarch's call).
 
-        Workers' stdout and stderr always reach the controller's, each line
-        prefixed with the actor's name; ``stream_to_client=False`` and log
-        aggregation are not offered and are refused.
+        ``stream_to_client=True``: each line they write to stdout or stderr is
+        sent here and printed on this process's ``sys.stdout`` / ``sys.stderr``
+        (so a notebook or a redirection sees it), grouped over
+        ``aggregate_window_sec`` seconds as ``[N similar log lines] [name]
+        line`` (``None``: each line at once, as ``[name] [rank] line``).
+        ``stream_to_client=False``, and before the first call: each process
+        writes its lines to its own descriptors, prefixed with its actors'
+        names (on this machine, the terminal this process started from).
         """
-        if not stream_to_client:
-            raise NotImplementedError("actors always streams worker output to the controller")
-        if aggregate_window_sec is not None:
-            raise NotImplementedError("actors does not aggregate similar log lines; pass aggregate_window_sec=None")
-        if not isinstance(level, int):
+        if not isinstance(stream_to_client, bool):
+            raise TypeError(f"stream_to_client must be a bool, not {stream_to_client!r}")
+        window = aggregate_window_sec
+        if window is not None and (isinstance(window, bool) or not isinstance(window, (int, float)) or window <= 0):
+            raise ValueError(f"aggregate_window_sec must be a positive number of seconds or None, not {window!r}")
+        if isinstance(level, bool) or not isinstance(level, int):
             raise TypeError(f"level must be a logging level such as logging.INFO, not {level!r}")
-        return self._ask_processes("log_level", (level,), lambda: None, "logging_option")
+        port = None
+        if stream_to_client:
+            if self._logs is None:
+                self._logs = LogCollector(runtime(), window)
+            port = self._logs.port
+        if self._logs is not None:  # what is held is printed now when aggregation ends
+            self._logs.set_window(window if stream_to_client else None)
+        return self._ask_processes("log_option", (port, level), lambda: None, "logging_option")
 
     def activate(self) -> Any:
         """Monarch's tensor-engine activation: not offered (actors has no tensor engine)."""
@@ -264,6 +280,8 @@ class ProcMesh:
         self.supervisor.stopping = True
         yield from stop_steps(rt, self._procs, timeout, self._kill_remote)
         self._stopped = True
+        if self._logs is not None:
+            self._logs.close()
 
     async def __aenter__(self) -> ProcMesh:
         return self

@@ -22,6 +22,7 @@ import signal
 from typing import Any
 
 from .._hosting._actor import Actor, endpoint
+from .._hosting._output import ProcessOutput
 from .._hosting._server import ActorServer
 from .._processes._node_forkserver import NodeForkserver
 from .._runtime._core import Runtime, install_runtime, runtime
@@ -145,7 +146,7 @@ async def _serve(address: str) -> None:
     config = WorkerConfig(
         name=f"worker-loop {address}", address=address, owner_address=address, owner_pid=rt.pid, rank=0
     )
-    server = ActorServer(rt, config, lambda actors: None)
+    server = ActorServer(rt, config, lambda actors: None, ProcessOutput(config.name, 0))
     loop.add_signal_handler(signal.SIGTERM, server.shutdown, "terminated")
     loop.add_signal_handler(signal.SIGINT, server.shutdown, "interrupted")
     try:

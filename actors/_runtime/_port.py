@@ -347,6 +347,10 @@ class PortReceiver(Generic[T]):
             self._rt.receivers.close(state, "a once-port delivers a single message")
         return value
 
+    def recv_ready(self) -> list[T | None]:
+        """The messages already queued, taken without waiting (an empty list when none is)."""
+        return [self._take() for _ in range(len(self._state.queue))]
+
     def qsize(self) -> int:
         """Messages waiting to be received."""
         return len(self._state.queue)

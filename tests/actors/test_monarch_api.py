@@ -530,12 +530,10 @@ async def test_initialized_resolves_once_constructed_and_raises_if_not(procs: Pr
         actors.unhandled_fault_hook = actors._runtime._supervision.unhandled_fault_hook
 
 
-async def test_logging_option_sets_the_workers_level_and_refuses_what_it_cannot_do(procs: ProcMesh):
+async def test_logging_option_sets_the_workers_level_and_tensor_engine_calls_are_refused(procs: ProcMesh):
     who = procs.spawn("who", Who)
     await procs.logging_option(level=logging.ERROR)
     assert [v for _, v in await who.log_level.call()] == [logging.ERROR] * 2
-    with pytest.raises(NotImplementedError, match="aggregate"):
-        procs.logging_option(aggregate_window_sec=3)
     with pytest.raises(NotImplementedError, match="tensor engine"):
         procs.activate()
     with pytest.raises(NotImplementedError, match="tensor engine"):
