@@ -20,7 +20,7 @@ from .._hosting._actor import Actor, check_actor_class, endpoints_of
 from .._hosting._server import CLEANUP_TIMEOUT
 from .._runtime._call_sender import encode_arguments, pending_future, send_call
 from .._runtime._context import actor_context
-from .._runtime._core import Runtime, runtime
+from .._runtime._core import Runtime, join_session, runtime
 from .._runtime._future import Future
 from .._runtime._parts import Part
 from .._runtime._pending_calls import PendingCall
@@ -283,6 +283,16 @@ class ProcMesh:
         if self._logs is not None:
             self._logs.close()
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled (``multiprocessing`` hands it to a child so): another program of the session can spawn on it.
+
+        The copy is a handle, as one passed to an actor: its program spawns
+        actors on these processes and owns them (they stop when it exits);
+        this mesh's owner keeps supervising and stopping the processes. A
+        program that unpickles it before using actors joins this session.
+        """
+        return (_proc_mesh_unpickled, (runtime().dir, _proc_mesh_state(self)))
+
     async def __aenter__(self) -> ProcMesh:
         return self
 
@@ -313,6 +323,12 @@ def _proc_mesh_from_state(state: Any) -> ProcMesh:
             raise DecodeError("malformed proc mesh process")
         refs.append(registry.proc(proc[0], proc[1]))
     return ProcMesh(name, dims, refs, owned=False)
+
+
+def _proc_mesh_unpickled(session_dir: str, state: Any) -> ProcMesh:
+    """A proc mesh unpickled in another program (``multiprocessing``): that program joins its session first."""
+    join_session(session_dir, "a pickled proc mesh")
+    return _proc_mesh_from_state(state)
 
 
 #: Kept on the runtime (``rt.parts``): the proc meshes this process spawned and still holds.

@@ -55,6 +55,7 @@ __all__ = [
     "at_runtime_exit",
     "current_runtime",
     "install_runtime",
+    "join_session",
     "runtime",
 ]
 
@@ -271,6 +272,24 @@ def prepare_session() -> tuple[str, bool]:
         else:
             _process.session = (make_runtime_dir(), True)
     return _process.session
+
+
+def join_session(session_dir: str, what: str) -> None:
+    """Make this process a peer of the session in ``session_dir``: before its runtime starts, or already in it.
+
+    ``what`` (the handle that brought the session, say) names the cause in
+    the error when this process already belongs to another session.
+    """
+    current = _process.session
+    if current is None:
+        if not os.path.isdir(session_dir):
+            raise RuntimeError(f"{what} belongs to a session that has ended ({session_dir} is gone)")
+        _process.session = (session_dir, False)
+    elif current[0] != session_dir:
+        raise RuntimeError(
+            f"{what} belongs to the session in {session_dir}, but this process already runs in {current[0]}: "
+            "hand it over before this process uses actors, or spawn from the process that owns it"
+        )
 
 
 def forget_in_child() -> None:
