@@ -8,7 +8,8 @@ flushed to the worker's stdout (``/dev/null`` here). *streamed*
 (``logging_option(stream_to_client=True, aggregate_window_sec=None)``):
 until the controller printed the last line on its ``sys.stdout``.
 *aggregated* (a 60 s window, ended by the next ``logging_option``): until the
-controller printed the one ``[N similar log lines]`` line. The baseline is
+controller printed every line, counting a ``[N similar log lines]`` line as N
+(lines still on their way when the window ends are printed alone). The baseline is
 *direct*; streamed and aggregated are given as its multiple.
 """
 
@@ -18,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -32,6 +34,9 @@ class Chatty(Actor):
             print(f"step {i} loss 0.{i % 97}")
 
 
+_GROUP = re.compile(r"\[(\d+) similar log lines\]")
+
+
 class Counter:
     """The controller's ``sys.stdout`` while measuring: counts lines, wakes the waiter at the target."""
 
@@ -41,7 +46,9 @@ class Counter:
         self.reached = asyncio.Event()
 
     def write(self, text: str) -> int:
-        self.lines += text.count("\n")
+        for line in text.splitlines():
+            group = _GROUP.match(line)
+            self.lines += int(group.group(1)) if group else 1  # an aggregated line stands for N
         if self.lines >= self.target >= 0:
             self.reached.set()
         return len(text)
@@ -62,7 +69,7 @@ async def one_round(procs: ProcMesh, chatty: Chatty, counter: Counter, mode: str
         return time.perf_counter() - start
     window = None if mode == "streamed" else 60
     await procs.logging_option(stream_to_client=True, aggregate_window_sec=window)
-    counter.expect(lines if mode == "streamed" else 1)
+    counter.expect(lines)  # every line accounted for, whether printed alone or inside a group
     start = time.perf_counter()
     await chatty.say.call_one(lines)
     if mode == "aggregated":

@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .._shared._errors import ActorDied, DecodeError, EncodeError
+from .._shared._errors import ActorDied, DecodeError
 from .._wire._records import Call, ErrorRecord, Reply
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ class Invocation:
         with contextlib.suppress(ActorDied):
             try:
                 rt.send(ref, Reply(call.call_id, call.rank, ok, value), urgent=True)
-            except EncodeError as exc:
+            except Exception as exc:  # refused by the codec, or raised by the value's own pickling code
                 record = ErrorRecord.of(exc)._replace(message=f"the endpoint's return value could not be sent: {exc}")
                 rt.send(ref, Reply(call.call_id, call.rank, False, record), urgent=True)
 

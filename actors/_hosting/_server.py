@@ -27,6 +27,7 @@ from .._runtime._actor_host import Stoppable
 from .._runtime._core import Runtime
 from .._shared._config import WorkerConfig
 from .._shared._liveness import ProcRef
+from .._shared._names import shown
 from .._wire._records import PROCESS_ACTOR, Call, ErrorRecord, Header
 from ._child_supervision import ChildSupervision
 from ._dispatch import CallDispatcher
@@ -40,6 +41,8 @@ if TYPE_CHECKING:
     from .._runtime._supervision import Failure
 
 __all__ = ["CLEANUP_TIMEOUT", "ActorServer"]
+
+log = logging.getLogger("actors")
 
 
 class ActorServer:
@@ -105,6 +108,13 @@ class ActorServer:
     def _on_death(self, ref: ProcRef) -> None:
         if ref is self.owner:
             self.shutdown("the owning process exited")
+            return
+        # Actors another process spawned here (on a mesh it was handed) stop when that process is gone,
+        # as they would have had it stopped in order; the process itself stays with its owner.
+        for name, slot in list(self.slots.actors.items()):
+            if slot.supervisor is ref and not slot.stopping:
+                log.info("stopping actor %s[%d]: the process that spawned it exited", shown(name), slot.rank)
+                self.lifecycle.background(self.lifecycle.stop_actor(name))
 
     # ---------------------------------------------------------- ActorHost: what the layers above use
 

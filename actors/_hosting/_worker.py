@@ -22,6 +22,7 @@ import site
 import sys
 import threading
 import traceback
+from typing import TextIO
 
 from .._runtime._core import Runtime, install_runtime
 from .._shared._config import WorkerConfig
@@ -91,9 +92,10 @@ def _run(config: WorkerConfig) -> int:
 
     torch.seed()
     torch.set_num_threads(int(config.threads or 1))
-    output = ProcessOutput(config.name, config.rank)
-    sys.stdout = WorkerStream(sys.__stdout__, "stdout", output)  # type: ignore[arg-type]
-    sys.stderr = WorkerStream(sys.__stderr__, "stderr", output)  # type: ignore[arg-type]
+    raw: dict[str, TextIO] = {"stdout": sys.__stdout__, "stderr": sys.__stderr__}  # type: ignore[dict-item]
+    output = ProcessOutput(config.name, config.rank, raw)
+    streams = [WorkerStream(raw[name], name, output) for name in ("stdout", "stderr")]
+    sys.stdout, sys.stderr = streams  # type: ignore[assignment]
     # The handlers inherited from the spawning program write to its streams (pytest's capture files,
     # say), whose descriptors a worker does not have: drop them unclosed, then log to this stderr.
     logging.root.handlers.clear()
@@ -107,7 +109,11 @@ def _run(config: WorkerConfig) -> int:
     _tune_gc()
     import uvloop
 
-    return uvloop.run(_serve(config, output))  # type: ignore[no-any-return]
+    try:
+        return uvloop.run(_serve(config, output))  # type: ignore[no-any-return]
+    finally:
+        for stream in streams:
+            stream.end()  # a last line left unfinished
 
 
 def _tune_gc() -> None:
@@ -143,5 +149,6 @@ async def _serve(config: WorkerConfig, output: ProcessOutput) -> int:
     server = ActorServer(rt, config, retitle, output)
     loop.add_signal_handler(signal.SIGTERM, server.shutdown, "terminated")
     await server.finished.wait()
+    output.finish()  # queued lines leave before the links close; what is printed later is written here
     rt.close()
     return 0

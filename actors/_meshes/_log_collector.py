@@ -5,14 +5,17 @@ processes this collector's port; from then on each line they write arrives
 here and is printed on this process's own ``sys.stdout`` / ``sys.stderr``
 (looked up at each print, so a redirection or a notebook's capture sees
 it), at once or, with a window, as :class:`~._line_aggregator.LineAggregator`
-groups. Receiving and the window's timer run on the runtime's loop; a
-caller changing the options does so from any thread, under a lock.
+groups. Receiving, the window's timer and option changes all run on the
+runtime's loop (a caller on another thread hands its change over); printing
+happens there too, so a ``sys.stdout`` that blocks holds up this process's
+messages while it does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import sys
 import threading
 import time
@@ -25,6 +28,8 @@ from ._line_aggregator import LineAggregator, Printed
 
 __all__ = ["LogCollector"]
 
+log = logging.getLogger("actors")
+
 
 class LogCollector:
     """Prints what a proc mesh's processes forward; opened on the first ``logging_option`` that streams."""
@@ -34,15 +39,28 @@ class LogCollector:
         self._lock = threading.Lock()
         self._lines = LineAggregator(window)
         self._timer: asyncio.TimerHandle | None = None
+        self._armed_for: float | None = None  # the deadline the timer is set for
         self.port: Port[OutputLine]
         self._receiver: PortReceiver[OutputLine]
         self.port, self._receiver = Channel.open(OutputLine)
-        self._task: asyncio.Task[None] = rt.driver.on_thread(self._start)
+        self._task: asyncio.Task[None] | None = None
+        self.ensure_receiving()
 
-    def _start(self) -> asyncio.Task[None]:
+    def ensure_receiving(self) -> None:
+        """Receive on the runtime's current loop (again, when the program moved to another loop since)."""
+        self._rt.driver.on_thread(self._start)
+
+    def _start(self) -> None:
         loop = self._rt.driver.loop
-        assert loop is not None
-        return loop.create_task(self._receive())
+        task = self._task
+        if loop is None or (task is not None and not task.done() and task.get_loop() is loop):
+            return
+        if task is not None:
+            task.cancel()  # bound to a loop the program left
+        self._armed_for = None  # (so was the timer)
+        self._task = loop.create_task(self._receive())
+        with self._lock:
+            self._arm()
 
     async def _receive(self) -> None:
         while True:
@@ -64,9 +82,12 @@ class LogCollector:
     def _arm(self) -> None:
         """Set the timer for the held lines' deadline (under the lock, on the loop's thread)."""
         deadline = self._lines.deadline
+        if deadline == self._armed_for:
+            return
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        self._armed_for = deadline
         loop = self._rt.driver.loop
         if deadline is not None and loop is not None:
             self._timer = loop.call_at(loop.time() + max(0.0, deadline - time.monotonic()), self._due)
@@ -74,6 +95,7 @@ class LogCollector:
     def _due(self) -> None:
         with self._lock:
             self._timer = None
+            self._armed_for = None
             printed = self._lines.flush()
         _print(printed)
 
@@ -111,9 +133,10 @@ class LogCollector:
         def stop() -> None:
             if self._timer is not None:
                 self._timer.cancel()
-            self._task.cancel()
             with contextlib.suppress(Exception):
                 self._receiver.close()
+            if self._task is not None:
+                self._task.cancel()
 
         with contextlib.suppress(Exception):
             self._rt.driver.on_thread(stop)
@@ -122,4 +145,7 @@ class LogCollector:
 def _print(printed: list[Printed]) -> None:
     for stream, text in printed:
         out = sys.stdout if stream == "stdout" else sys.stderr
-        print(text, file=out, flush=True)
+        try:
+            print(text, file=out, flush=True)
+        except Exception:  # a closed or broken stream of the program's: the line is lost, the receiving goes on
+            log.debug("could not print a worker's line on sys.%s", stream, exc_info=True)

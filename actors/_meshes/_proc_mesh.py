@@ -65,6 +65,8 @@ class ProcMesh:
         self._name = name
         #: Where the processes' output arrives once ``logging_option`` streams it here.
         self._logs: LogCollector | None = None
+        #: The last ``logging_option`` sent to the processes: ``(port or None, level)``.
+        self._log_option: tuple[Any, int] | None = None
         #: How the placer ends a process on another host that ignored the stop (its pid means nothing here).
         self._kill_remote = kill
         #: ``(name, class_ref, args, kwargs)`` of every spawn, replayed into a restarted process.
@@ -175,7 +177,7 @@ class ProcMesh:
         return send_call(rt, targets, PROCESS_ACTOR, "spawn", (blob, frames, handles), want_reply=True)
 
     def _ask_processes(self, operation: str, args: tuple[Any, ...], build: Callable[[], R], what: str) -> Future[R]:
-        """Send a process operation (``ping``, ``log_level``) to every process; ``build()`` once all answered."""
+        """Send a process operation (``ping``, ``log_option``) to every process; ``build()`` once all answered."""
         rt = runtime()
         targets = list(enumerate(self._procs))
         pending = rt.driver.on_thread(
@@ -205,7 +207,7 @@ class ProcMesh:
         if not isinstance(stream_to_client, bool):
             raise TypeError(f"stream_to_client must be a bool, not {stream_to_client!r}")
         window = aggregate_window_sec
-        if window is not None and (isinstance(window, bool) or not isinstance(window, (int, float)) or window <= 0):
+        if window is not None and (isinstance(window, bool) or not isinstance(window, (int, float)) or not window > 0):
             raise ValueError(f"aggregate_window_sec must be a positive number of seconds or None, not {window!r}")
         if isinstance(level, bool) or not isinstance(level, int):
             raise TypeError(f"level must be a logging level such as logging.INFO, not {level!r}")
@@ -213,9 +215,12 @@ class ProcMesh:
         if stream_to_client:
             if self._logs is None:
                 self._logs = LogCollector(runtime(), window)
+            else:
+                self._logs.ensure_receiving()
             port = self._logs.port
         if self._logs is not None:  # what is held is printed now when aggregation ends
             self._logs.set_window(window if stream_to_client else None)
+        self._log_option = (port, level)  # a restarted process gets them too
         return self._ask_processes("log_option", (port, level), lambda: None, "logging_option")
 
     def activate(self) -> Any:
@@ -249,8 +254,11 @@ class ProcMesh:
         return self.supervisor.restarts
 
     def _replay_spawns(self, rank: int, ref: ProcRef) -> None:
-        """Construct every actor of this mesh again in the restarted process of ``rank``."""
+        """Construct every actor of this mesh again in the restarted process of ``rank`` (its log options first)."""
         rt = runtime()
+        if self._log_option is not None:
+            options = encode_arguments(rt, self._log_option, {})
+            send_call(rt, [(rank, ref)], PROCESS_ACTOR, "log_option", options, want_reply=False)
         for name, class_ref, args, kwargs in self._spawned:
             self._send_spawn(rt, [(rank, ref)], name, class_ref, args, kwargs)
 

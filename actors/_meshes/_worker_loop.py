@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 from typing import Any
 
 from .._hosting._actor import Actor, endpoint
@@ -146,7 +147,9 @@ async def _serve(address: str) -> None:
     config = WorkerConfig(
         name=f"worker-loop {address}", address=address, owner_address=address, owner_pid=rt.pid, rank=0
     )
-    server = ActorServer(rt, config, lambda actors: None, ProcessOutput(config.name, 0))
+    server = ActorServer(
+        rt, config, lambda actors: None, ProcessOutput(config.name, 0, {"stdout": sys.stdout, "stderr": sys.stderr})
+    )
     loop.add_signal_handler(signal.SIGTERM, server.shutdown, "terminated")
     loop.add_signal_handler(signal.SIGINT, server.shutdown, "interrupted")
     try:

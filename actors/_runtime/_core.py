@@ -280,7 +280,8 @@ def join_session(session_dir: str, what: str) -> None:
     ``what`` (the handle that brought the session, say) names the cause in
     the error when this process already belongs to another session.
     """
-    current = _process.session
+    rt = current_runtime()
+    current = (rt.dir, rt.owns_dir) if rt is not None else _process.session
     if current is None:
         if not os.path.isdir(session_dir):
             raise RuntimeError(f"{what} belongs to a session that has ended ({session_dir} is gone)")

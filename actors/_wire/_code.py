@@ -27,12 +27,14 @@ sessions that talk to processes you do not control.
 from __future__ import annotations
 
 import functools
+import io
 import os
 import pickle
 import types
 from typing import Any
 
 from .._shared._errors import DecodeError, EncodeError
+from ._ext import handle_of_type
 
 __all__ = [
     "CODE_ENV",
@@ -97,17 +99,30 @@ def pickle_code(obj: Any) -> bytes:
 def pickle_object(obj: Any) -> bytes:
     """``obj`` (an object the codec has no record for) as a cloudpickle payload.
 
-    An object that pickle cannot take (a lock, a socket) raises
-    ``EncodeError``; an exception raised by the object's own pickling code
-    (``__getstate__``, ``__reduce__``) reaches the sender unchanged, as
-    ``pickle.dumps`` would raise it.
+    An object that pickle cannot take (a lock, a socket), or that holds a
+    port or a mesh (those travel only in records of their own), raises
+    ``EncodeError``; any other exception raised by the object's own
+    pickling code (``__getstate__``, ``__reduce__``) reaches the sender
+    unchanged, as ``pickle.dumps`` would raise it.
     """
     cloudpickle = _cloudpickle()
+
+    class Pickler(cloudpickle.CloudPickler):  # type: ignore[misc,name-defined]
+        def reducer_override(self, value: Any) -> Any:
+            if handle_of_type(type(value)) is not None:  # a port or mesh: only its own record may carry it
+                raise EncodeError(
+                    f"a {type(value).__name__} inside a pickled {type(obj).__qualname__} cannot travel: "
+                    "send it as an argument of its own, or in a dataclass"
+                )
+            return super().reducer_override(value)
+
+    buffer = io.BytesIO()
     try:
-        return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)  # type: ignore[no-any-return]
+        Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
         cls = type(obj)
         raise EncodeError(f"cannot pickle a {cls.__module__}.{cls.__qualname__}: {exc}") from None
+    return buffer.getvalue()
 
 
 def _refuse_unless_allowed(what: str) -> None:

@@ -31,6 +31,7 @@ from ._ext import (
     MAX_PAYLOAD_BYTES,
     handle_of_kind,
 )
+from ._records import ErrorRecord, Kind
 
 __all__ = ["Decoder", "WholeBatch"]
 
@@ -133,7 +134,7 @@ class Decoder:
                         view[position:end], ext_hook=self._ext_hook, raw=False, strict_map_key=False
                     )
                 except DecodeError as exc:
-                    message = exc
+                    message = _failed_answer(view[position:end], exc) or exc
                 except (
                     msgpack.UnpackException,
                     ValueError,
@@ -312,3 +313,22 @@ def _read_uint(view: memoryview, position: int) -> tuple[int, int]:
     except IndexError:
         raise DecodeError("truncated batch framing") from None
     raise DecodeError(f"bad batch framing byte 0x{first:02x}")
+
+
+def _failed_answer(record: memoryview, error: DecodeError) -> list[Any] | None:
+    """A reply whose value cannot be built here, as a failed reply, so its caller hears why instead of waiting.
+
+    The record is read again with every extension value left out (nothing
+    is loaded, nothing unpickled); only a reply is turned into an answer
+    (other records are dropped with a log, as before).
+    """
+    try:
+        fields = msgpack.unpackb(record, ext_hook=lambda code, data: None, raw=False, strict_map_key=False)
+    except Exception:
+        return None
+    if type(fields) is not list or len(fields) != 5 or fields[0] != Kind.REPLY:
+        return None
+    if type(fields[1]) is not int or type(fields[2]) is not int:
+        return None
+    why = ErrorRecord("DecodeError", f"the answer could not be decoded in the calling process: {error}")
+    return [int(Kind.REPLY), fields[1], fields[2], False, why.to_wire()]

@@ -84,6 +84,9 @@ class Encoder:
         except (TypeError, ValueError, OverflowError) as exc:
             self._depth = depth
             raise EncodeError(f"cannot encode value: {exc}") from exc
+        except BaseException:  # a value's own pickling code raised (objects travel pickled with the switch)
+            self._depth = depth
+            raise
 
     def _nested(self, obj: Any) -> bytes:
         if self._depth >= MAX_DEPTH:

@@ -53,6 +53,10 @@ SESSION = textwrap.dedent(
         async def build(self, cls, value):
             return cls(value).doubled()
 
+        @endpoint
+        async def broken(self, side):
+            return Broken(side)  # "sender": its pickling raises here; "receiver": its loading, in the caller
+
     def main():
         procs = this_host().spawn_procs(per_host={"procs": 2})
         runs = procs.spawn("runs", Runs)
@@ -86,6 +90,16 @@ SESSION = textwrap.dedent(
             runs.run.call(len, Broken("receiver")).get(timeout=30)
         except ActorError as exc:  # the receiver could not load it: the call fails, the actor lives on
             out["receiver"] = "__setstate__ refused" in str(exc)
+        try:
+            one.broken.call_one("sender").get(timeout=30)
+        except ActorError as exc:  # the caller hears why, instead of waiting for an answer that never comes
+            out["returned_unsendable"] = "return value could not be sent: __getstate__ refused" in str(exc)
+        try:
+            one.broken.call_one("receiver").get(timeout=30)
+        except ActorError as exc:
+            out["returned_unloadable"] = "could not be decoded in the calling process" in str(exc) and (
+                "__setstate__ refused" in str(exc)
+            )
         out["alive"] = one.run.call_one(abs, -3).get(timeout=30)
         procs.stop().get(timeout=30)
         print(json.dumps(out), flush=True)
@@ -120,6 +134,8 @@ def test_with_the_switch_functions_lambdas_closures_and_classes_travel_both_ways
         "object": 8,
         "sender": "__getstate__ refused",
         "receiver": True,
+        "returned_unsendable": True,
+        "returned_unloadable": True,
         "alive": 3,
     }
 
@@ -216,6 +232,10 @@ def test_an_object_travels_pickled_only_with_the_switch(switch, tmp_path, monkey
     assert Decoder().decode(blob, []) == [Point(1, 2)]
     with pytest.raises(EncodeError, match=r"cannot pickle a _thread\.lock"):
         encoded(threading.Lock())  # pickle cannot take it: a codec refusal, not a crash
+    port, receiver = actors.Channel.open(int)
+    with pytest.raises(EncodeError, match="a Port inside a pickled Holder cannot travel"):
+        encoded(Holder(port))  # a handle inside an object would bypass its own record: refused
+    receiver.close()
     canary = tmp_path / "ran"
     monkeypatch.setenv("CANARY_DIR", str(canary))
     hostile = msgpack.packb(msgpack.ExtType(EXT_OBJECT, pickle.dumps(Canary())))
@@ -226,6 +246,13 @@ def test_an_object_travels_pickled_only_with_the_switch(switch, tmp_path, monkey
     switch(True)
     with pytest.raises(DecodeError, match="cannot unpickle an object record"):
         Decoder().decode(msgpack.packb(msgpack.ExtType(EXT_OBJECT, b"\x80\x05junk")), [])
+
+
+class Holder:
+    """A plain class holding whatever it is given."""
+
+    def __init__(self, value: object) -> None:
+        self.value = value
 
 
 class Point:

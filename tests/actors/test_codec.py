@@ -219,3 +219,22 @@ def test_a_call_whose_response_port_is_not_a_port_is_refused():
 
     with pytest.raises(DecodeError, match="malformed CALL"):
         Call.from_wire([Kind.CALL, 1, "a", "m", "ipc:///x.sock", 1, 0, b"", 7])
+
+
+def test_a_reply_whose_value_cannot_be_built_becomes_a_failed_reply_and_other_records_stay_errors():
+    """The caller hears why (instead of waiting for an answer that was dropped); nothing in the value is loaded."""
+    from actors._wire._records import ErrorRecord, Kind, Reply, record_prefix
+
+    missing = msgpack.ExtType(EXT_DATACLASS, msgpack.packb(["no_such_module:Thing", [1]]))
+    records = [
+        msgpack.packb([int(Kind.REPLY), 7, 1, True, {"x": missing}]),
+        msgpack.packb([int(Kind.PORT), 3, missing]),
+    ]
+    batch = b"".join(record_prefix(0, len(r)) + r for r in records)
+    (reply, _, _), (port, _, _) = list(Decoder().decode_batch(batch, []))
+    answer = Reply.from_wire(reply)
+    assert (answer.call_id, answer.rank, answer.ok) == (7, 1, False)
+    assert isinstance(answer.value, ErrorRecord) and answer.value.type_name == "DecodeError"
+    assert "could not be decoded in the calling process" in answer.value.message
+    assert "no_such_module" in answer.value.message
+    assert isinstance(port, DecodeError)

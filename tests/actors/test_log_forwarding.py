@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 import sys
 import time
 
 import pytest
 
-from actors import Actor, ProcMesh, endpoint
+from actors import Actor, ProcMesh, endpoint, this_host
 from actors._meshes._line_aggregator import LineAggregator
 from actors._shared._output_line import OutputLine
 
@@ -165,3 +167,25 @@ def test_stdout_is_the_controllers_at_print_time(monkeypatch):
     monkeypatch.setattr(sys, "stdout", Sink())
     _log_collector._print([("stdout", "hello")])
     assert "".join(written) == "hello\n"
+
+
+async def test_a_restarted_process_streams_again(sockets_dir, capsys):
+    procs = this_host().spawn_procs(per_host={"procs": 1}, restart="on-failure")
+    try:
+        printer = procs.spawn("printer", Printer)
+        await procs.logging_option(stream_to_client=True, aggregate_window_sec=None, level=logging.ERROR)
+        os.kill(procs.pids[0], signal.SIGKILL)
+        await until(lambda: procs.restarts == [1], "the restart")
+        await printer.say.call_one("after the restart")
+        await printer.warn.call_one("an error")
+        seen = {"out": "", "err": ""}
+
+        def arrived() -> bool:
+            captured = capsys.readouterr()
+            seen["out"] += captured.out
+            seen["err"] += captured.err
+            return "[printer] [0] after the restart" in seen["out"] and "an error" in seen["err"]
+
+        await until(arrived, "lines from the restarted process")
+    finally:
+        await procs.stop()

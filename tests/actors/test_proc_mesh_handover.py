@@ -13,6 +13,7 @@ import pytest
 
 import actors
 from actors import ProcMesh
+from actors._runtime import _core
 from actors._runtime._core import join_session, process_state
 
 PROGRAM = textwrap.dedent(
@@ -48,14 +49,19 @@ PROGRAM = textwrap.dedent(
         mine, theirs = queue.get(timeout=60), queue.get(timeout=60)
         other.terminate()  # abruptly: no cleanup of its own runs
         other.join(30)
+        def hosts_theirs(pid):
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                return b"theirs" in f.read()
+
         deadline = time.monotonic() + 30
-        while any(alive(pid) for pid in mine) and time.monotonic() < deadline:
+        while (any(alive(pid) for pid in mine) or any(hosts_theirs(pid) for pid in theirs)) and time.monotonic() < deadline:
             time.sleep(0.05)
         who = procs.spawn("who", Who)
         out = {
             "same_process": theirs == [v for _, v in who.pid.call().get(timeout=30)],
             "its_own_gone": not any(alive(pid) for pid in mine),
             "handed_alive": all(alive(pid) for pid in theirs),
+            "its_actors_stopped": not any(hosts_theirs(pid) for pid in theirs),
         }
         procs.stop().get(timeout=30)
         print(json.dumps(out), flush=True)
@@ -72,7 +78,8 @@ def test_a_pickled_proc_mesh_serves_another_program_and_outlives_it(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     # the other program spawned on the handed mesh's process; its own processes ended with it; the mesh lives on
-    assert out == {"same_process": True, "its_own_gone": True, "handed_alive": True}
+    # (its actors there stopped with it: the process title lists the actors a worker hosts)
+    assert out == {"same_process": True, "its_own_gone": True, "handed_alive": True, "its_actors_stopped": True}
 
 
 async def test_a_proc_mesh_of_another_session_is_refused_in_a_process_already_in_one(procs: ProcMesh, tmp_path):
@@ -87,6 +94,7 @@ async def test_a_proc_mesh_of_another_session_is_refused_in_a_process_already_in
 
 def test_joining_a_session_that_ended_is_refused(monkeypatch, tmp_path):
     monkeypatch.setattr(process_state(), "session", None)
+    monkeypatch.setattr(_core, "current_runtime", lambda: None)  # as in a program that has not used actors yet
     with pytest.raises(RuntimeError, match="a pickled proc mesh belongs to a session that has ended"):
         join_session(str(tmp_path / "gone"), "a pickled proc mesh")
     assert process_state().session is None
