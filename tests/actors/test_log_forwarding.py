@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -61,7 +62,22 @@ def test_a_new_window_moves_the_deadline_and_no_window_gives_back_what_is_held()
     assert lines.add(line("now"), now=4.0) == [("stdout", "[printer] [0] now")]
 
 
-async def until(condition, what: str, timeout: float = 30.0) -> None:
+class Captured:
+    """What this test process printed so far, read through ``capsys`` as it arrives."""
+
+    def __init__(self, capsys: pytest.CaptureFixture[str]) -> None:
+        self._capsys = capsys
+        self.out = ""
+        self.err = ""
+
+    def read(self) -> Captured:
+        captured = self._capsys.readouterr()
+        self.out += captured.out
+        self.err += captured.err
+        return self
+
+
+async def until(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
     """Wait for ``condition()`` (a guard against hangs, not a synchronisation by sleeping)."""
     deadline = time.monotonic() + timeout
     while not condition():
@@ -74,19 +90,12 @@ async def test_streamed_lines_reach_the_controllers_python_streams(procs: ProcMe
     await procs.logging_option(stream_to_client=True, aggregate_window_sec=None)
     await printer.say.call("line {i}", times=2)
     await printer.warn.call("a warning")
-    seen = {"out": "", "err": ""}
-
-    def arrived() -> bool:
-        captured = capsys.readouterr()
-        seen["out"] += captured.out
-        seen["err"] += captured.err
-        return seen["out"].count("line 1") == 2 and seen["err"].count("a warning") == 2
-
-    await until(arrived, "the streamed lines")
+    seen = Captured(capsys)
+    await until(lambda: seen.read().out.count("line 1") == 2 and seen.err.count("a warning") == 2, "the lines")
     for rank in (0, 1):
-        assert f"[printer] [{rank}] line 0\n" in seen["out"]
-        assert f"[printer] [{rank}] line 1\n" in seen["out"]
-    assert "a warning" not in seen["out"]  # stderr lines stay on stderr
+        assert f"[printer] [{rank}] line 0\n" in seen.out
+        assert f"[printer] [{rank}] line 1\n" in seen.out
+    assert "a warning" not in seen.out  # stderr lines stay on stderr
 
 
 async def test_a_window_prints_similar_lines_once_with_their_count_and_ending_it_flushes(procs: ProcMesh, capsys):
@@ -104,14 +113,9 @@ async def test_a_shorter_window_prints_held_lines_at_its_end(procs: ProcMesh, ca
     await procs.logging_option(aggregate_window_sec=100)
     await printer.say.call("batch {i}", times=3)
     await procs.logging_option(aggregate_window_sec=0.2)
-    seen = [""]
-
-    def arrived() -> bool:
-        seen[0] += capsys.readouterr().out
-        return "similar log lines" in seen[0]
-
-    await until(arrived, "the end of the shorter window")
-    assert "[6 similar log lines] [printer] batch 0" in seen[0]
+    seen = Captured(capsys)
+    await until(lambda: "similar log lines" in seen.read().out, "the end of the shorter window")
+    assert "[6 similar log lines] [printer] batch 0" in seen.out
 
 
 async def test_without_streaming_lines_are_not_sent_to_the_controller(procs: ProcMesh, capsys):
@@ -121,14 +125,9 @@ async def test_without_streaming_lines_are_not_sent_to_the_controller(procs: Pro
     await printer.say.call("direct {i}")  # written to the workers' own descriptors
     await procs.logging_option(stream_to_client=True, aggregate_window_sec=None)
     await printer.say.call("marker {i}")  # sent after "direct" on the same link: it cannot overtake it
-    seen = [""]
-
-    def arrived() -> bool:
-        seen[0] += capsys.readouterr().out
-        return seen[0].count("marker 0") == 2
-
-    await until(arrived, "the marker lines")
-    assert "direct" not in seen[0]
+    seen = Captured(capsys)
+    await until(lambda: seen.read().out.count("marker 0") == 2, "the marker lines")
+    assert "direct" not in seen.out
 
 
 async def test_a_mesh_that_stops_prints_what_it_held(spawn, capsys):
@@ -178,14 +177,10 @@ async def test_a_restarted_process_streams_again(sockets_dir, capsys):
         await until(lambda: procs.restarts == [1], "the restart")
         await printer.say.call_one("after the restart")
         await printer.warn.call_one("an error")
-        seen = {"out": "", "err": ""}
-
-        def arrived() -> bool:
-            captured = capsys.readouterr()
-            seen["out"] += captured.out
-            seen["err"] += captured.err
-            return "[printer] [0] after the restart" in seen["out"] and "an error" in seen["err"]
-
-        await until(arrived, "lines from the restarted process")
+        seen = Captured(capsys)
+        await until(
+            lambda: "[printer] [0] after the restart" in seen.read().out and "an error" in seen.err,
+            "lines from the restarted process",
+        )
     finally:
         await procs.stop()
