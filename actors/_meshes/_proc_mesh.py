@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -65,6 +66,7 @@ class ProcMesh:
         self._name = name
         #: Where the processes' output arrives once ``logging_option`` streams it here.
         self._logs: LogCollector | None = None
+        self._logs_lock = threading.Lock()
         #: The last ``logging_option`` sent to the processes: ``(port or None, level)``.
         self._log_option: tuple[Any, int] | None = None
         #: How the placer ends a process on another host that ignored the stop (its pid means nothing here).
@@ -213,10 +215,11 @@ class ProcMesh:
             raise TypeError(f"level must be a logging level such as logging.INFO, not {level!r}")
         port = None
         if stream_to_client:
-            if self._logs is None:
-                self._logs = LogCollector(runtime(), window)
-            else:
-                self._logs.ensure_receiving()
+            with self._logs_lock:  # two threads asking at once still get one collector
+                if self._logs is None:
+                    self._logs = LogCollector(runtime(), window)
+                else:
+                    self._logs.ensure_receiving()
             port = self._logs.port
         if self._logs is not None:  # what is held is printed now when aggregation ends
             self._logs.set_window(window if stream_to_client else None)
