@@ -12,9 +12,9 @@ Writing never waits: on the runtime loop's thread a write sends its
 complete lines at once (a port send never blocks there); any other thread
 only queues them and the loop sends them (one wake-up per batch), so a
 thread that prints while the loop is busy, or a line written while another
-is being sent (a warning the send logs), can neither block nor deadlock. Only Python-level
-writes to ``sys.stdout``/``sys.stderr`` are forwarded; a C library or a
-subprocess writing to the descriptors goes straight to them.
+is being sent (a warning the send logs), can neither block nor deadlock.
+Only Python-level writes to ``sys.stdout``/``sys.stderr`` are forwarded; a C
+library or a subprocess writing to the descriptors goes straight to them.
 """
 
 from __future__ import annotations
@@ -98,12 +98,13 @@ class ProcessOutput:
         if now:
             self._drain()
             return
-        try:
-            if loop is None:
-                raise RuntimeError("not forwarding")
-            loop.call_soon_threadsafe(self._drain)
-        except RuntimeError:  # the loop is gone (the process is ending): write them here
-            self._drain(send=False)
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(self._drain)
+                return
+            except RuntimeError:  # the loop closed (the process is ending)
+                pass
+        self._drain(send=False)  # no loop to send them: write them here
 
     def _drain(self, *, send: bool = True) -> None:
         with self._lock:

@@ -6,8 +6,8 @@ here and is printed on this process's own ``sys.stdout`` / ``sys.stderr``
 (looked up at each print, so a redirection or a notebook's capture sees
 it), at once or, with a window, as :class:`~._line_aggregator.LineAggregator`
 groups. Receiving, the window's timer and option changes all run on the
-runtime's loop (a caller on another thread hands its change over); printing
-happens there too, so a ``sys.stdout`` that blocks holds up this process's
+runtime's loop (a caller on another thread hands its change over), so its
+state needs no lock; printing happens there too, so a ``sys.stdout`` that blocks holds up this process's
 messages while it does.
 """
 
@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import logging
 import sys
-import threading
 import time
 
 from .._runtime._core import Runtime
@@ -36,7 +35,6 @@ class LogCollector:
 
     def __init__(self, rt: Runtime, window: float | None) -> None:
         self._rt = rt
-        self._lock = threading.Lock()
         self._lines = LineAggregator(window)
         self._timer: asyncio.TimerHandle | None = None
         self._armed_for: float | None = None  # the deadline the timer is set for
@@ -59,8 +57,7 @@ class LogCollector:
             task.cancel()  # bound to a loop the program left
         self._armed_for = None  # (so was the timer)
         self._task = loop.create_task(self._receive())
-        with self._lock:
-            self._arm()
+        self._arm()
 
     async def _receive(self) -> None:
         while True:
@@ -74,13 +71,12 @@ class LogCollector:
 
     def _take(self, lines: list[OutputLine | None]) -> None:
         now = time.monotonic()
-        with self._lock:
-            printed = [p for line in lines if line is not None for p in self._lines.add(line, now)]
-            self._arm()
+        printed = [p for line in lines if line is not None for p in self._lines.add(line, now)]
+        self._arm()
         _print(printed)
 
     def _arm(self) -> None:
-        """Set the timer for the held lines' deadline (under the lock, on the loop's thread)."""
+        """Set the timer for the held lines' deadline."""
         deadline = self._lines.deadline
         if deadline == self._armed_for:
             return
@@ -93,11 +89,9 @@ class LogCollector:
             self._timer = loop.call_at(loop.time() + max(0.0, deadline - time.monotonic()), self._due)
 
     def _due(self) -> None:
-        with self._lock:
-            self._timer = None
-            self._armed_for = None
-            printed = self._lines.flush()
-        _print(printed)
+        self._timer = None
+        self._armed_for = None
+        _print(self._lines.flush())
 
     def set_window(self, window: float | None) -> None:
         """Aggregate over ``window`` seconds from now on (None: print each line; what is held is printed now).
@@ -108,27 +102,14 @@ class LogCollector:
 
     def _change(self, window: float | None) -> None:
         self._take(self._receiver.recv_ready())
-        with self._lock:
-            printed = self._lines.set_window(window)
-            self._arm()
+        printed = self._lines.set_window(window)
+        self._arm()
         _print(printed)
 
-    def flush(self) -> None:
-        """Print whatever is held or already received, now."""
-
-        def flush_now() -> None:
-            self._take(self._receiver.recv_ready())
-            with self._lock:
-                printed = self._lines.flush()
-                self._arm()
-            _print(printed)
-
-        self._rt.driver.on_thread(flush_now)
-
     def close(self) -> None:
-        """Print what is held and stop receiving (the mesh stopped)."""
+        """Print what is held or already received, and stop receiving (the mesh stopped)."""
         with contextlib.suppress(Exception):
-            self.flush()
+            self.set_window(None)
 
         def stop() -> None:
             if self._timer is not None:

@@ -281,14 +281,14 @@ def join_session(session_dir: str, what: str) -> None:
     the error when this process already belongs to another session.
     """
     rt = current_runtime()
-    current = (rt.dir, rt.owns_dir) if rt is not None else _process.session
+    current = rt.dir if rt is not None else _process.session[0] if _process.session is not None else None
     if current is None:
         if not os.path.isdir(session_dir):
             raise RuntimeError(f"{what} belongs to a session that has ended ({session_dir} is gone)")
         _process.session = (session_dir, False)
-    elif current[0] != session_dir:
+    elif current != session_dir:
         raise RuntimeError(
-            f"{what} belongs to the session in {session_dir}, but this process already runs in {current[0]}: "
+            f"{what} belongs to the session in {session_dir}, but this process already runs in {current}: "
             "hand it over before this process uses actors, or spawn from the process that owns it"
         )
 
