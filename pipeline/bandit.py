@@ -61,7 +61,7 @@ class BanditTask(Task):
 
     def build_scorer(self, device: torch.device) -> torch.nn.Module:
         """The frozen reward model; identical in every process for a given seed."""
-        generator = torch.Generator().manual_seed(REWARD_SEED + self.seed)
+        generator = torch.Generator(device="cpu").manual_seed(REWARD_SEED + self.seed)
         net = torch.nn.Sequential(
             torch.nn.Linear(self.state_dim + self.action_dim, self.reward_hidden),
             torch.nn.Tanh(),
@@ -69,7 +69,7 @@ class BanditTask(Task):
         )
         with torch.no_grad():
             for p in net.parameters():
-                p.copy_(torch.randn(p.shape, generator=generator))
+                p.copy_(torch.randn(p.shape, generator=generator, device="cpu"))
                 p.requires_grad_(False)
         return net.eval().to(device)
 
@@ -80,7 +80,7 @@ class BanditTask(Task):
     def sample(self, policy: torch.nn.Module, generator: torch.Generator, ticket: int = 0) -> BanditSamples:
         state = self.sample_state(generator)
         with torch.no_grad():
-            logps = torch.log_softmax(policy(state), dim=-1)
+            logps = torch.log_softmax(policy(state.to(_dtype_of(policy))).float(), dim=-1)
         actions = torch.multinomial(logps.exp(), self.config.group, replacement=True, generator=generator)
         return BanditSamples(state, actions, logps[actions])
 
@@ -97,7 +97,7 @@ class BanditTask(Task):
 
     def reference_logps(self, reference: torch.nn.Module, samples: BanditSamples) -> torch.Tensor:
         with torch.no_grad():
-            return torch.log_softmax(reference(samples.state), dim=-1)[samples.actions]
+            return torch.log_softmax(reference(samples.state.to(_dtype_of(reference))).float(), dim=-1)[samples.actions]
 
     def loss(
         self,
@@ -111,7 +111,7 @@ class BanditTask(Task):
         spec = loss_spec(self.config, 1)
         logp_all = torch.log_softmax(policy(samples.state), dim=-1)
         actions = samples.actions[part]
-        ones = torch.ones(len(samples.actions), 1)
+        ones = torch.ones(len(samples.actions), 1, device=samples.actions.device)
         entropy = -(logp_all.exp() * logp_all).sum().expand(len(actions), 1)
         out = token_grpo_loss(
             logp_all[actions].unsqueeze(1),
@@ -131,7 +131,7 @@ class BanditTask(Task):
 
     def eval_states(self, count: int) -> torch.Tensor:
         """A fixed batch of states for measuring the policy."""
-        generator = torch.Generator().manual_seed(EVAL_SEED + self.seed)
+        generator = torch.Generator(device="cpu").manual_seed(EVAL_SEED + self.seed)
         return torch.stack([self.sample_state(generator) for _ in range(count)])
 
     def reward_table(self, reward_net: torch.nn.Module, states: torch.Tensor) -> torch.Tensor:
@@ -154,3 +154,8 @@ class BanditTask(Task):
 
     def measure(self, samples: BanditSamples) -> tuple[int, float]:
         return len(samples.actions), 1.0
+
+
+def _dtype_of(model: torch.nn.Module) -> torch.dtype:
+    """The dtype ``model`` holds its weights in (bfloat16 on a run's generators and reference with ``--dtype``)."""
+    return next(model.parameters()).dtype

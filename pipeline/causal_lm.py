@@ -12,14 +12,17 @@ use it: the ``hf`` extra is optional.
 
 from __future__ import annotations
 
+import inspect
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .sampling import token_logps
+from .logit_head import LOGITS_PER_CHUNK, chunked_token_logps
 
 __all__ = [
+    "CompletionLogps",
     "ModelError",
     "causal_logps",
     "check_model",
@@ -65,9 +68,9 @@ def check_model(name: str) -> Any:
 def load_model(name: str, device: torch.device | str = "cpu") -> torch.nn.Module:
     """The causal LM ``name`` (a local folder or a Hub name) in float32 on ``device``, in training mode.
 
-    Weights are kept in float32 on every role: the trainer trains them
-    (``--dtype bfloat16`` is its autocast), and every role installs the
-    trainer's float32 updates unchanged.
+    The trainer keeps these float32 weights as its masters (``--dtype
+    bfloat16`` is its autocast); generators and the reference cast their
+    copy to the run's dtype and receive updates in it.
     """
     transformers = require_transformers()
     check_model(name)
@@ -98,30 +101,117 @@ def positions(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
 
 
-def causal_logps(
-    model: torch.nn.Module,
-    tokens: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    temperature: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log-probabilities [N, T] of the completions in ``tokens`` and their entropies.
+class CompletionLogps:
+    """Per-token log-probabilities of completions under one causal LM, with memory that does not grow with the vocabulary.
 
-    ``tokens`` [N, P + T] holds left-padded prompts (``prompt_mask`` [N, P])
-    followed by completions; one teacher-forced pass, the logits in float32
-    and scaled by ``temperature`` as the sampler scaled them.
+    The model's body runs once over prompt + completion; only the hidden
+    states at completion positions go through the output head, in chunks
+    (:func:`pipeline.logit_head.chunked_token_logps`), so no tensor holds
+    logits over the whole vocabulary for the whole batch. That needs the
+    model split into body and head (``base_model`` and
+    ``get_output_embeddings``, with the logit scaling and soft-capping some
+    architectures add); the split is checked against the model's own logits
+    on first use, and a model that does not split so is asked for logits at
+    the completion positions only (``logits_to_keep``), then scored chunk by chunk.
     """
-    prompt_length = prompt_mask.shape[1]
-    completion = tokens.shape[1] - prompt_length
-    attention = torch.cat(
-        [
-            prompt_mask.to(tokens.dtype),
-            torch.ones(tokens.shape[0], completion, dtype=tokens.dtype, device=tokens.device),
-        ],
-        dim=1,
-    )
-    inputs = tokens[:, :-1]
-    out = model(input_ids=inputs, attention_mask=attention[:, :-1], position_ids=positions(attention[:, :-1]))
-    return token_logps(out.logits[:, prompt_length - 1 :].float(), tokens[:, prompt_length:], temperature)
+
+    def __init__(self, model: torch.nn.Module, budget: int = LOGITS_PER_CHUNK) -> None:
+        self.model = model
+        self.budget = budget
+        self.split = _body_and_head(model)
+        self._checked = self.split is None
+        forward = inspect.signature(model.forward).parameters
+        self._keep = next((name for name in ("logits_to_keep", "num_logits_to_keep") if name in forward), None)
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+        self.vocab = int(vocab) if isinstance(vocab, int) else 0
+
+    def __call__(
+        self, tokens: torch.Tensor, prompt_mask: torch.Tensor, temperature: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probabilities [N, T] of the completions in ``tokens`` and their entropies (no gradient).
+
+        ``tokens`` [N, P + T] holds left-padded prompts (``prompt_mask`` [N, P])
+        followed by completions; one teacher-forced pass, the logits in float32
+        and scaled by ``temperature`` as the sampler scaled them.
+        """
+        prompt_length = prompt_mask.shape[1]
+        completion = tokens.shape[1] - prompt_length
+        attention = torch.cat(
+            [
+                prompt_mask.to(tokens.dtype),
+                torch.ones(tokens.shape[0], completion, dtype=tokens.dtype, device=tokens.device),
+            ],
+            dim=1,
+        )[:, :-1]
+        inputs: dict[str, Any] = {
+            "input_ids": tokens[:, :-1],
+            "attention_mask": attention,
+            "position_ids": positions(attention),
+            "use_cache": False,  # a teacher-forced pass: a KV cache would only hold memory
+        }
+        targets = tokens[:, prompt_length:]
+        if not self._checked and self.split is not None:
+            self._check_split(inputs)
+        if self.split is not None:
+            body, head = self.split
+            hidden = body(**inputs).last_hidden_state[:, -completion:]
+            return chunked_token_logps(hidden, head, targets, temperature, self.vocab, self.budget)
+        keep = {self._keep: completion} if self._keep is not None else {}
+        logits = self.model(**inputs, **keep).logits[:, -completion:]
+        return chunked_token_logps(logits, _identity, targets, temperature, logits.shape[-1], self.budget)
+
+    def _check_split(self, inputs: dict[str, Any]) -> None:
+        """Use the body/head split only if it gives the model's own logits (on one row, no gradient)."""
+        assert self.split is not None
+        body, head = self.split
+        one = {name: value[:1] if isinstance(value, torch.Tensor) else value for name, value in inputs.items()}
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                expected = self.model(**one).logits[:, -1].float()
+                got = head(body(**one).last_hidden_state[:, -1]).float()
+        finally:
+            self.model.train(was_training)
+        if got.shape != expected.shape or not torch.allclose(got, expected, rtol=1e-3, atol=1e-3):
+            self.split = None
+        self._checked = True
+
+
+def causal_logps(
+    model: torch.nn.Module, tokens: torch.Tensor, prompt_mask: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One-off :class:`CompletionLogps` of ``model`` (roles keep one per model: its split is checked once)."""
+    return CompletionLogps(model)(tokens, prompt_mask, temperature)
+
+
+def _identity(logits: torch.Tensor) -> torch.Tensor:
+    return logits
+
+
+def _body_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, Callable[[torch.Tensor], torch.Tensor]] | None:
+    """The model's body (hidden states out) and its output head as a function, or None if it does not split so."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    body = getattr(model, "base_model", None)
+    linear = get_head() if callable(get_head) else None
+    if not isinstance(linear, torch.nn.Linear) or not isinstance(body, torch.nn.Module) or body is model:
+        return None
+    config = getattr(model, "config", None)
+    scale = getattr(config, "logit_scale", None)  # Cohere multiplies the logits
+    divide = getattr(config, "logits_scaling", None)  # Granite divides them
+    cap = getattr(config, "final_logit_softcapping", None)  # Gemma 2 soft-caps them
+
+    def head(hidden: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = linear(hidden)
+        if isinstance(scale, (int, float)) and scale != 1:
+            logits = logits * scale
+        if isinstance(divide, (int, float)) and divide != 1:
+            logits = logits / divide
+        if isinstance(cap, (int, float)) and cap > 0:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    return body, head
 
 
 def _first_line(exc: BaseException) -> str:

@@ -165,7 +165,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--micro-batch",
         type=int,
         default=0,
-        help="samples per forward/backward pass, gradients accumulated (default 0: the whole rollout at once)",
+        help="samples per forward/backward pass, gradients accumulated (default 0: as many as "
+        "--max-tokens-per-pass allows)",
+    )
+    train.add_argument(
+        "--max-tokens-per-pass",
+        type=int,
+        default=Config().max_tokens_per_pass,
+        help="the most tokens (rows x prompt + completion width) one forward/backward pass of the trainer or "
+        f"the reference takes, when --micro-batch is 0 (default {Config().max_tokens_per_pass}; 0: the whole "
+        "rollout at once)",
+    )
+    train.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="a Hugging Face policy recomputes its layers' activations in the backward pass instead of keeping "
+        "them (for long completions; about a third more compute)",
     )
     train.add_argument(
         "--max-grad-norm", type=float, default=1.0, help="clip the gradient's L2 norm (default 1.0; 0: off)"
@@ -178,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         choices=["float32", "bfloat16"],
         default="float32",
-        help="trainer compute precision (bfloat16: autocast; weights stay and are published in float32)",
+        help="the run's precision: bfloat16 trains under autocast with float32 master weights and optimizer "
+        "state, and generators and the reference hold and receive bfloat16 weights (half the bytes per update)",
     )
     train.add_argument("--seed", type=int, default=0)
     pipe = parser.add_argument_group("pipeline")
@@ -293,6 +309,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
             scale_rewards=args.scale_rewards,
             mask_truncated=args.mask_truncated,
             micro_batch=args.micro_batch,
+            max_tokens_per_pass=args.max_tokens_per_pass,
+            gradient_checkpointing=args.gradient_checkpointing,
             max_grad_norm=args.max_grad_norm,
             lr_schedule=args.lr_schedule,
             warmup_steps=args.warmup_steps,

@@ -58,7 +58,7 @@ def split_held_out(count: int, fraction: float, seed: int) -> tuple[list[int], l
     held = round(count * fraction)
     if held <= 0 or held >= count:
         raise DataError(f"--eval-fraction {fraction}: holds out {held} of {count} rows; it must leave some of each")
-    order = torch.randperm(count, generator=torch.Generator().manual_seed(seed)).tolist()
+    order = torch.randperm(count, generator=torch.Generator(device="cpu").manual_seed(seed), device="cpu").tolist()
     return sorted(order[held:]), sorted(order[:held])
 
 
@@ -128,6 +128,6 @@ class PromptData:
     def _epoch_order(self, epoch: int, seed: int) -> list[int]:
         """Epoch ``epoch``'s permutation of the rows (the newest kept: consecutive tickets share one)."""
         if self._order is None or self._order[0] != (epoch, seed):
-            generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-            self._order = ((epoch, seed), torch.randperm(len(self.indices), generator=generator).tolist())
+            generator = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + epoch)
+            self._order = ((epoch, seed), torch.randperm(len(self.indices), generator=generator, device="cpu").tolist())
         return self._order[1]

@@ -73,7 +73,9 @@ class DigitProblem:
         rows: list[torch.Tensor] = []
         taken = set(exclude or ())
         while len(rows) < count:
-            values = torch.randint(0, 10, (count, 2 * n if self.kind == "add" else n), generator=generator)
+            values = torch.randint(
+                0, 10, (count, 2 * n if self.kind == "add" else n), generator=generator, device=generator.device
+            )
             for row in values:
                 key = tuple(row.tolist())
                 if key in taken:
@@ -85,10 +87,10 @@ class DigitProblem:
                     break
         body = torch.stack(rows)
         if self.kind == "add":
-            plus = torch.full((count, 1), PLUS, dtype=torch.int64)
+            plus = torch.full((count, 1), PLUS, dtype=torch.int64, device=body.device)
             body = torch.cat([body[:, :n], plus, body[:, n:]], dim=1)
-        bos = torch.full((count, 1), BOS, dtype=torch.int64)
-        sep = torch.full((count, 1), SEP, dtype=torch.int64)
+        bos = torch.full((count, 1), BOS, dtype=torch.int64, device=body.device)
+        sep = torch.full((count, 1), SEP, dtype=torch.int64, device=body.device)
         return torch.cat([bos, body, sep], dim=1)
 
     def answers(self, prompts: torch.Tensor) -> torch.Tensor:
@@ -99,7 +101,7 @@ class DigitProblem:
             return body.flip(1)
         if self.kind == "sort":
             return body.sort(dim=1).values
-        weights = 10 ** torch.arange(n - 1, -1, -1, dtype=torch.int64)
+        weights = 10 ** torch.arange(n - 1, -1, -1, dtype=torch.int64, device=body.device)
         total = (body[:, :n] * weights).sum(1) + (body[:, n + 1 :] * weights).sum(1)
         digits = [(total // 10**k) % 10 for k in range(n, -1, -1)]
         return torch.stack(digits, dim=1)
@@ -124,8 +126,9 @@ def verify(completions: torch.Tensor, mask: torch.Tensor, answers: torch.Tensor)
     """Score completions [N, T] (mask [N, T]) against the expected answers [N, L]."""
     count, width = completions.shape
     length = answers.shape[1]
-    target = torch.cat([answers, torch.full((count, 1), EOS, dtype=answers.dtype)], dim=1)  # digits, then EOS
-    seen = torch.full((count, length + 1), -1, dtype=torch.int64)
+    end = torch.full((count, 1), EOS, dtype=answers.dtype, device=answers.device)
+    target = torch.cat([answers, end], dim=1)  # digits, then EOS
+    seen = torch.full((count, length + 1), -1, dtype=torch.int64, device=completions.device)
     span = min(width, length + 1)
     seen[:, :span] = torch.where(mask[:, :span] > 0, completions[:, :span], -1)
     correct = (seen == target).float()

@@ -113,10 +113,10 @@ def left_pad(prompts: list[list[int]], pad: int, device: torch.device) -> tuple[
     if not prompts or any(not prompt for prompt in prompts):
         raise ValueError("every prompt needs at least one token")
     width = max(len(prompt) for prompt in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long, device="cpu")
+    mask = torch.zeros((len(prompts), width), dtype=torch.long, device="cpu")
     for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long, device="cpu")
         mask[row, width - len(prompt) :] = 1
     return ids.to(device), mask.to(device)
 
@@ -132,6 +132,9 @@ class BuiltinEngine:
         # transformers 5 names the KV cache ``cache``; 4.x ``past_key_values``
         forward = inspect.signature(model.forward).parameters
         self._cache_argument = "cache" if "cache" in forward else "past_key_values"
+        # the prompt's pass needs the last position's logits only: [rows, vocabulary], not [rows, prompt, vocabulary]
+        keep = next((name for name in ("logits_to_keep", "num_logits_to_keep") if name in forward), None)
+        self._last_only: dict[str, int] = {} if keep is None else {keep: 1}
 
     async def load_weights(self, inbox: WeightInbox, *, alias: bool = False) -> WeightManifest | None:
         return await inbox.install_newest_async(self.model, alias=alias)
@@ -151,7 +154,7 @@ class BuiltinEngine:
         count = ids.shape[0]
         attention = prompt_mask
         position = positions(attention)
-        out = model(input_ids=ids, attention_mask=attention, position_ids=position, use_cache=True)
+        out = model(input_ids=ids, attention_mask=attention, position_ids=position, use_cache=True, **self._last_only)
         cache, step_logits = self._cache(out), out.logits[:, -1].float()
         next_position = position[:, -1:] + 1
         eos = torch.tensor(self.eos, dtype=torch.long, device=device)
@@ -212,7 +215,9 @@ class GenerateEngine(BuiltinEngine):
                 "top_k": params.top_k,
                 "top_p": params.top_p,
             }
-        seed = int(torch.randint(0, 2**62, (1,), generator=generator)) if generator is not None else None
+        seed = None
+        if generator is not None:  # drawn where the generator lives (a CUDA generator on a GPU)
+            seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
         devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices, enabled=seed is not None):
             if seed is not None:
@@ -229,10 +234,15 @@ class GenerateEngine(BuiltinEngine):
                 **sampling,
             )
         completion = out.sequences[:, ids.shape[1] :]
-        logits = torch.stack(out.logits, dim=1).float()  # [N, T, V], before any sampler's processing
-        if not greedy:
-            logits = logits / params.temperature
-        logps = torch.log_softmax(logits, dim=-1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+        scale = 1.0 if greedy else params.temperature
+        # the raw logits of each step [N, V], before any sampler's processing; one step at a time in float32
+        logps = torch.stack(
+            [
+                torch.log_softmax(step.float() / scale, dim=-1).gather(-1, completion[:, i : i + 1]).squeeze(-1)
+                for i, step in enumerate(out.logits)
+            ],
+            dim=1,
+        )
         ended = torch.isin(completion, torch.tensor(self.eos, device=device)).long()
         mask = (ended.cumsum(1) - ended) == 0  # up to and including the first end token
         prompt_mask = prompt_mask.repeat_interleave(params.samples, dim=0)

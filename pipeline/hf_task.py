@@ -5,7 +5,8 @@ dataset rows by its ticket (:meth:`pipeline.data.PromptData.rows_for`) and
 samples ``--group`` completions of each with the generator's engine
 (``--engine``: :mod:`pipeline.engines`, :mod:`pipeline.vllm_engine`); the scorer awaits the reward functions
 (:class:`pipeline.rewards.RewardSet`), the reference model and the trainer
-score the same left-padded tokens with :func:`pipeline.causal_lm.causal_logps`.
+score the same left-padded tokens with :class:`pipeline.causal_lm.CompletionLogps`, in passes of at most
+``--max-tokens-per-pass`` tokens, never holding logits over the vocabulary for the whole rollout.
 Evaluation decodes the held-out prompts greedily and reports the weighted
 reward (the primary metric) and each function's mean; ``--log-completions N``
 appends N of them to ``completions.jsonl``. The trainer also writes the
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from .causal_lm import causal_logps, check_model, load_model, load_tokenizer
+from .causal_lm import CompletionLogps, check_model, load_model, load_tokenizer
 from .data import PromptData, load_rows, split_held_out
 from .engines import BuiltinEngine, Engine, GenerateEngine, SamplingParams
 from .rewards import RewardSet
@@ -67,6 +68,7 @@ class HFTask(Task):
             raise ValueError("--task hf needs --dataset")
         self.max_new_tokens = config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
         self._engines: dict[int, tuple[torch.nn.Module, Engine]] = {}
+        self._scorers: dict[int, CompletionLogps] = {}
 
     # -- what each role loads, once, when it first needs it ------------------------------------------------
 
@@ -162,9 +164,10 @@ class HFTask(Task):
         engine = self.engine(policy)
         out = engine.generate([data.prompt_ids(row) for row in rows], self.params(self.config.group), generator)
         completion = out.tokens[:, out.prompt_mask.shape[1] :]
-        truncated = ~(torch.isin(completion, torch.tensor(engine.eos)) & out.mask.bool()).any(1)  # no end token
+        ends = torch.tensor(engine.eos, device=completion.device)
+        truncated = ~(torch.isin(completion, ends) & out.mask.bool()).any(1)  # no end token
         return HFBatch(
-            torch.tensor(rows, dtype=torch.long),
+            torch.tensor(rows, dtype=torch.long, device=out.tokens.device),
             out.tokens,
             out.prompt_mask,
             out.logps,
@@ -187,10 +190,22 @@ class HFTask(Task):
     def score(self, scorer: Any, samples: HFBatch) -> Scores:
         return asyncio.run(self.score_async(scorer, samples))
 
+    def logps_of(self, model: torch.nn.Module) -> CompletionLogps:
+        """What scores completions under ``model`` (one per model: its body/head split is checked once)."""
+        held = self._scorers.get(id(model))
+        if held is None or held.model is not model:
+            held = self._scorers[id(model)] = CompletionLogps(model)
+        return held
+
     def reference_logps(self, reference: torch.nn.Module, samples: HFBatch) -> torch.Tensor:
+        """The reference's log-probs, in passes of at most ``--max-tokens-per-pass`` tokens."""
+        scorer, config = self.logps_of(reference), self.config
         with torch.no_grad():
-            logps, _ = causal_logps(reference, samples.tokens, samples.prompt_mask, self.config.temperature)
-        return logps * samples.mask
+            parts = [
+                scorer(samples.tokens[rows], samples.prompt_mask[rows], config.temperature)[0]
+                for rows in self.micro_batches(samples, config.micro_batch, config.max_tokens_per_pass)
+            ]
+        return torch.cat(parts) * samples.mask
 
     def loss(
         self,
@@ -200,8 +215,10 @@ class HFTask(Task):
         ref_logps: torch.Tensor | None,
         rows: slice | None = None,
     ) -> LossReport:
+        scorer = self.logps_of(policy)
+
         def policy_logps(part: slice) -> tuple[torch.Tensor, torch.Tensor]:
-            return causal_logps(policy, samples.tokens[part], samples.prompt_mask[part], self.config.temperature)
+            return scorer(samples.tokens[part], samples.prompt_mask[part], self.config.temperature)
 
         return completion_loss(
             self.config,
@@ -218,6 +235,9 @@ class HFTask(Task):
 
     def rows(self, samples: HFBatch) -> int:
         return int(samples.tokens.shape[0])
+
+    def row_tokens(self, samples: HFBatch) -> int:
+        return int(samples.tokens.shape[1])
 
     def measure(self, samples: HFBatch) -> tuple[int, float]:
         tokens = int(samples.mask.sum())

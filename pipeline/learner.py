@@ -65,6 +65,13 @@ class Learner:
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optim, lr_factor(config))
         self.reference_state = copy.deepcopy(self.policy.state_dict())
         self.micro_batch = config.micro_batch
+        self.max_tokens = config.max_tokens_per_pass
+        if config.gradient_checkpointing:
+            enable = getattr(self.policy, "gradient_checkpointing_enable", None)
+            if enable is None:
+                name = type(self.policy).__name__
+                raise ValueError(f"--gradient-checkpointing: a {name} cannot recompute its layers")
+            enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.max_grad_norm = config.max_grad_norm if config.max_grad_norm > 0 else math.inf
         self.compute_dtype = getattr(torch, config.dtype)
 
@@ -79,7 +86,7 @@ class Learner:
         started = time.perf_counter()
         self.optim.zero_grad()
         total: LossReport | None = None
-        for rows in self.task.micro_batches(samples, self.micro_batch):
+        for rows in self.task.micro_batches(samples, self.micro_batch, self.max_tokens):
             with self._precision():
                 report = self.task.loss(self.policy, samples, rewards, ref_logps, rows)
             report.loss.backward()  # type: ignore[no-untyped-call]

@@ -35,7 +35,7 @@ Mode = Literal["async", "sync"]
 InstallMode = Literal["copy", "alias"]
 #: The learning rate over the run: ``constant``, or ``cosine`` decay to 0 at the last step (after any warm-up).
 LrSchedule = Literal["constant", "cosine"]
-#: The trainer's compute precision; weights are kept and published in the policy's own dtype.
+#: The run's precision: the trainer's autocast, and the weights generators and the reference hold and receive.
 TrainDtype = Literal["float32", "bfloat16"]
 #: What draws a generator's completions (pipeline.engines, pipeline.vllm_engine).
 EngineKind = Literal["builtin", "hf", "vllm"]
@@ -143,6 +143,7 @@ class StepReport:
     is_weight: float = 1.0  # --is-correction tis: the mean token weight
     is_truncated: float = 0.0  # --is-correction tis: the share of tokens whose weight was capped
     lr: float = 0.0  # the learning rate this step used
+    update_bytes: int = 0  # bytes of the newest weight update published (in the generators' dtype)
     reward_components: dict[str, float] = field(default_factory=dict)  # each reward function's mean
 
 
@@ -195,11 +196,13 @@ class Config:
     epsilon_high: float | None = None  # the clip's upper bound (clip-higher); None: the same as ``clip``
     dual_clip: float = 3.0  # a negative advantage's term is at most C |A| (0: off)
     mask_truncated: bool = False  # completions that hit the length limit do not train
-    micro_batch: int = 0  # samples per forward/backward pass; 0: the whole rollout at once
+    micro_batch: int = 0  # samples per forward/backward pass; 0: as many as ``max_tokens_per_pass`` allows
+    max_tokens_per_pass: int = 8192  # rows x token width of one trainer or reference pass (0: no limit)
+    gradient_checkpointing: bool = False  # a Hugging Face policy recomputes activations in the backward pass
     max_grad_norm: float = 1.0  # clip the gradient's L2 norm to this (0: no clipping)
     lr_schedule: LrSchedule = "constant"  # constant | cosine (to 0 at ``steps``)
     warmup_steps: int = 0  # linear warm-up of the learning rate from 0
-    dtype: TrainDtype = "float32"  # the trainer's compute: bfloat16 runs forward and backward under autocast
+    dtype: TrainDtype = "float32"  # bfloat16: trainer autocast (float32 masters), bf16 generators, reference, updates
     eval_every: int = 10
     checkpoint_every: int = 200
     generator_restarts: int = 3  # a dead generator is restarted at most this often per minute

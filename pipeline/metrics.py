@@ -92,6 +92,7 @@ def metric_row(report: StepReport, windowed: dict[str, float]) -> dict[str, Any]
         "timing/wait_batch_ms": _ms(report.wait_batch),
         "timing/train_ms": _ms(report.train),
         "timing/publish_ms": _ms(report.publish),
+        "weights/update_mb": report.update_bytes / 2**20,
         "timing/delivery_ms": _ms(gen.delivery),
         "timing/install_ms": _ms(gen.install),
         "timing/weight_sync_ms": _ms(report.publish + gen.install),

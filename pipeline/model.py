@@ -151,7 +151,7 @@ def generate(
     tokens = prompts.repeat_interleave(samples, dim=0)
     count = tokens.shape[0]
     logits, cache = model(tokens)
-    step_logits = logits[:, -1]
+    step_logits = logits[:, -1].float()  # a bfloat16 policy samples from float32 log-probs
     done = torch.zeros(count, dtype=torch.bool, device=tokens.device)
     out_tokens, out_logps, out_mask = [], [], []
     position = tokens.shape[1]
@@ -165,7 +165,7 @@ def generate(
         if bool(done.all()):
             break
         logits, cache = model(token.unsqueeze(-1), cache, start=position)
-        step_logits = logits[:, -1]
+        step_logits = logits[:, -1].float()
         position += 1
     completion = torch.stack(out_tokens, dim=1)
     return Generation(
@@ -181,4 +181,4 @@ def completion_logps(
     """Per-token log-probabilities [N, T] of the completion part of ``tokens`` under ``model``,
     and the per-token entropy of its distribution (teacher forcing, one forward pass)."""
     logits, _ = model(tokens[:, :-1])
-    return token_logps(logits[:, prompt_length - 1 :], tokens[:, prompt_length:], temperature)
+    return token_logps(logits[:, prompt_length - 1 :].float(), tokens[:, prompt_length:], temperature)

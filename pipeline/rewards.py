@@ -215,7 +215,7 @@ class RewardSet:
         duplicate = next((name for name in names if names.count(name) > 1), None)
         if duplicate is not None:
             raise RewardError(f"two reward functions are named {duplicate!r}: each is logged as reward/<name>")
-        self.weights = torch.tensor([f.weight for f in self.functions], dtype=torch.float32)
+        self.weights = torch.tensor([f.weight for f in self.functions], dtype=torch.float32, device="cpu")
         self.timeout = timeout
 
     @property
@@ -225,7 +225,7 @@ class RewardSet:
     async def score(self, prompts: list[Any], completions: list[Any], columns: dict[str, list[Any]]) -> torch.Tensor:
         """[F, N] rewards, one row per function, NaN where a function returned None."""
         rows = await asyncio.gather(*(self._call(f, prompts, completions, columns) for f in self.functions))
-        return torch.tensor(rows, dtype=torch.float32).reshape(len(self.functions), len(completions))
+        return torch.tensor(rows, dtype=torch.float32, device="cpu").reshape(len(self.functions), len(completions))
 
     async def _call(
         self, reward: RewardFunction, prompts: list[Any], completions: list[Any], columns: dict[str, list[Any]]

@@ -41,7 +41,7 @@ from actors import (
 from .messages import WAKE, Config, GeneratorTimes, Grant, Rollout, ScoredRollout
 from .task import Scores, load_task, to_device
 
-__all__ = ["Generator", "RefModel", "Scorer", "role_device", "sampling_seed", "uses_reference"]
+__all__ = ["Generator", "RefModel", "Scorer", "role_device", "sampling_seed", "uses_reference", "weights_dtype"]
 
 #: How long a generator waits for the policy version a grant requires.
 WEIGHTS_TIMEOUT = 60.0
@@ -56,6 +56,11 @@ def sampling_seed(seed: int, ticket: int) -> int:
 def uses_reference(config: Config) -> bool:
     """Whether the run has a KL term, so a RefModel (β = 0: no reference process, no reference pass)."""
     return config.hyper("kl_coeff") > 0
+
+
+def weights_dtype(config: Config) -> torch.dtype:
+    """The dtype generators and the reference hold, and updates carry: the run's (the trainer keeps float32)."""
+    return torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
 
 
 def role_device(config: Config, role: str) -> torch.device:
@@ -81,7 +86,7 @@ class Generator(ReceivesWeights):
         self.task = load_task(config)
         self.id = current_rank().rank
         self.device = role_device(config, "generator")
-        self.policy = self.task.build_policy().to(self.device).requires_grad_(False).eval()
+        self.policy = self.task.build_policy().to(self.device, weights_dtype(config)).requires_grad_(False).eval()
         self.engine = self.task.build_engine(self.policy)
         self.rollouts = rollouts
         seed = 1_000_003 * (config.seed + 1) + 7_919 * (self.id + 1)
@@ -249,7 +254,7 @@ class RefModel(Actor):
         self.config = config
         self.task = load_task(config)
         self.device = role_device(config, "ref")
-        self.model = self.task.build_policy().to(self.device).requires_grad_(False).eval()
+        self.model = self.task.build_policy().to(self.device, weights_dtype(config)).requires_grad_(False).eval()
         consumer = WeightConsumer()
         consumer.install(initial, self.model)
         consumer.close()

@@ -53,6 +53,7 @@ def check_settings(config: Config) -> None:
         "max_new_tokens",
         "max_staleness",
         "micro_batch",
+        "max_tokens_per_pass",
         "warmup_steps",
         "generator_restarts",
         "top_k",
@@ -92,6 +93,11 @@ def check_settings(config: Config) -> None:
         raise SettingsError(
             f"--engine vllm with generators on {generator_device}: vLLM runs on the first GPU its process sees; "
             "choose the GPUs with CUDA_VISIBLE_DEVICES and place the generators on cuda"
+        )
+    if config.gradient_checkpointing and config.task != "hf":
+        raise SettingsError(
+            "--gradient-checkpointing recomputes a Hugging Face model's layers (--task hf, --dataset); the built-in "
+            "tasks' models are small enough to keep their activations"
         )
     if config.engine != "builtin" and config.task != "hf":
         raise SettingsError(

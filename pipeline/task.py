@@ -182,9 +182,20 @@ class Task:
         """How many samples ``samples`` holds along the dimension micro-batches split (None: not splittable)."""
         return None
 
-    def micro_batches(self, samples: Any, size: int) -> list[slice]:
-        """Row ranges of ``samples`` taking one forward and backward pass each (``size`` 0: one for all)."""
+    def row_tokens(self, samples: Any) -> int | None:
+        """Tokens one sample of ``samples`` takes through a pass (its padded width); None: not counted in tokens."""
+        return None
+
+    def micro_batches(self, samples: Any, size: int, max_tokens: int = 0) -> list[slice]:
+        """Row ranges of ``samples`` taking one forward and backward pass each.
+
+        ``size`` rows each; ``size`` 0 takes as many rows as fit in ``max_tokens``
+        (:meth:`row_tokens` each), or all of them when that is 0 too.
+        """
         rows = self.rows(samples)
+        if size <= 0 and max_tokens > 0:
+            width = self.row_tokens(samples)
+            size = max(1, max_tokens // width) if width else 0
         if size <= 0 or rows is None or rows <= size:
             return [slice(None)]
         return [slice(start, min(start + size, rows)) for start in range(0, rows, size)]

@@ -62,7 +62,7 @@ class DigitsTask(Task):
                 f"{config.eval_size} held-out ones and as many to train on (--eval-size at most {space // 2}, "
                 "or more digits)"
             )
-        generator = torch.Generator().manual_seed(EVAL_SEED + config.seed)
+        generator = torch.Generator(device="cpu").manual_seed(EVAL_SEED + config.seed)
         self.eval_prompts = self.problem.prompts(config.eval_size, generator, distinct=True)
         self.held_out = {self.problem.key(prompt) for prompt in self.eval_prompts}
 
@@ -132,6 +132,9 @@ class DigitsTask(Task):
     def rows(self, samples: TokenBatch) -> int:
         return int(samples.tokens.shape[0])
 
+    def row_tokens(self, samples: TokenBatch) -> int:
+        return int(samples.tokens.shape[1])
+
     @staticmethod
     def truncated(samples: TokenBatch) -> torch.Tensor:
         """[N] bool: completions that reached the length limit without their EOS."""
@@ -168,4 +171,4 @@ def _cpu_generator(generator: torch.Generator) -> torch.Generator:
     if generator.device.type == "cpu":
         return generator
     seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device).item())
-    return torch.Generator().manual_seed(seed)
+    return torch.Generator(device="cpu").manual_seed(seed)

@@ -33,7 +33,7 @@ from actors import (
 from . import checkpoint
 from .learner import Learner, Update
 from .messages import Config, Grant, ScoredRollout, StepReport
-from .roles import Generator, role_device, uses_reference
+from .roles import Generator, role_device, uses_reference, weights_dtype
 from .task import load_task, to_device
 from .tickets import Tickets
 from .weight_routes import WeightRoutes
@@ -71,12 +71,12 @@ class Trainer(Actor):
         on_gpu: dict[str, Any] = {"device": self.device} if config.transport == "cuda-ipc" else {}
         # A slot per version a generator may yet install: it takes one at its next rollout boundary.
         slots = max(config.generators, self.tickets.credits) + 3
-        self.routes = WeightRoutes(config.transport, slots, **on_gpu)
+        self.routes = WeightRoutes(config.transport, slots, dtype=weights_dtype(config), **on_gpu)
         self.routes.publish(config.transport, self.learner.policy, self.version, self._metadata())  # fail early
         self.ref_publisher: WeightPublisher | None = None
         self.ref_manifest: WeightManifest | None = None
         if uses_reference(config):
-            self.ref_publisher = WeightPublisher(config.transport, slots=1, **on_gpu)
+            self.ref_publisher = WeightPublisher(config.transport, slots=1, dtype=weights_dtype(config), **on_gpu)
             self.ref_manifest = self.ref_publisher.publish(self.learner.reference_state, 1)
         self.dropped = 0
         self.tokens_received = 0
@@ -280,6 +280,7 @@ class Trainer(Actor):
             wait_batch=waited,
             train=update.seconds,
             publish=published,
+            update_bytes=self.routes.update_bytes,
             generator_times=rollout.times,
             trainer_queue=self.inbox.qsize() + self.tickets.waiting(),
             scorer_queue=item.scorer_queue,

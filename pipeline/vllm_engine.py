@@ -124,7 +124,7 @@ def unpack_cpu_linears(model: torch.nn.Module) -> None:
         weight = getattr(layer, "weight", None)
         if isinstance(weight, torch.nn.Parameter) and weight.numel() == 0 and hasattr(layer, "weight_loader"):
             shape = (sum(layer.output_partition_sizes), layer.input_size_per_partition)
-            fresh = torch.nn.Parameter(torch.empty(shape, dtype=layer.params_dtype), requires_grad=False)
+            fresh = torch.nn.Parameter(torch.empty(shape, dtype=layer.params_dtype, device="cpu"), requires_grad=False)
             set_weight_attrs(fresh, {"weight_loader": layer.weight_loader, "input_dim": 1, "output_dim": 0})
             layer.weight = fresh
         layer.cpu_linear = _plain_linear
@@ -213,7 +213,9 @@ class VLLMEngine:
         """Completions of ``prompts``; each prompt's randomness is seeded from ``generator`` (reproducible)."""
         ids, prompt_mask = left_pad(prompts, self.pad, torch.device("cpu"))
         if generator is not None:
-            seeds: list[int | None] = torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator).tolist()
+            seeds: list[int | None] = torch.randint(
+                0, 2**31 - 1, (len(prompts),), generator=generator, device=generator.device
+            ).tolist()
         else:
             seeds = [None] * len(prompts)
         requests = [self._vllm.inputs.TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
@@ -230,12 +232,12 @@ class VLLMEngine:
                     [float(step[token].logprob) for step, token in zip(sample.logprobs, tokens, strict=True)]
                 )
         width = max(1, max(len(row) for row in rows))
-        completion = torch.full((len(rows), width), self.pad, dtype=torch.long)
-        logps = torch.zeros((len(rows), width), dtype=torch.float32)
-        mask = torch.zeros((len(rows), width), dtype=torch.float32)
+        completion = torch.full((len(rows), width), self.pad, dtype=torch.long, device="cpu")
+        logps = torch.zeros((len(rows), width), dtype=torch.float32, device="cpu")
+        mask = torch.zeros((len(rows), width), dtype=torch.float32, device="cpu")
         for i, (row, values) in enumerate(zip(rows, row_logps, strict=True)):
-            completion[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-            logps[i, : len(values)] = torch.tensor(values, dtype=torch.float32)
+            completion[i, : len(row)] = torch.tensor(row, dtype=torch.long, device="cpu")
+            logps[i, : len(values)] = torch.tensor(values, dtype=torch.float32, device="cpu")
             mask[i, : len(row)] = 1.0
         ids = ids.repeat_interleave(params.samples, dim=0)
         prompt_mask = prompt_mask.repeat_interleave(params.samples, dim=0)

@@ -49,9 +49,12 @@ class Route:
 class WeightRoutes:
     """The trainer's publishers, one per transport in use, and the route each update takes."""
 
-    def __init__(self, local: str, slots: int, **options: Any) -> None:
+    def __init__(self, local: str, slots: int, dtype: torch.dtype | None = None, **options: Any) -> None:
         self.local = local
         self._slots = slots
+        self._dtype = dtype  # the generators' weights: every publisher casts to it
+        #: Bytes of the newest update published (its tensors, in the published dtype).
+        self.update_bytes = 0
         self._options = options  # the local transport's (e.g. a cuda-ipc device)
         self._publishers: dict[str, WeightPublisher] = {}
         self._latest: dict[str, WeightManifest] = {}
@@ -88,7 +91,7 @@ class WeightRoutes:
         publisher = self._publishers.get(transport)
         if publisher is None:
             options = self._options if transport == self.local else {}
-            publisher = WeightPublisher(transport, slots=self._slots, **options)
+            publisher = WeightPublisher(transport, slots=self._slots, dtype=self._dtype, **options)
             self._publishers[transport] = publisher
         return publisher
 
@@ -97,6 +100,7 @@ class WeightRoutes:
         latest = self._latest.get(transport)
         if latest is None or latest.version != version:
             latest = self._latest[transport] = self.publisher(transport).publish(model, version, metadata)
+            self.update_bytes = latest.total_nbytes
         return latest
 
     async def publish_async(
@@ -107,9 +111,11 @@ class WeightRoutes:
         if latest is None or latest.version != version:
             publisher = self.publisher(transport)
             latest = self._latest[transport] = await publisher.publish_async(model, version, metadata)
+            self.update_bytes = latest.total_nbytes
         return latest
 
     def close(self) -> None:
         for publisher in self._publishers.values():
             publisher.close()
         self._publishers.clear()
+

@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
+import importlib.metadata
 import logging
 import os
 import random
@@ -22,6 +23,8 @@ import site
 import sys
 import threading
 import traceback
+from collections.abc import Mapping
+from types import ModuleType
 from typing import TextIO
 
 from .._runtime._core import Runtime, install_runtime
@@ -61,24 +64,47 @@ def finalize() -> None:
     A worker ends with ``os._exit`` (a full finalization in a process forked
     from a forkserver could wait on thread pools it inherited), so after an
     orderly stop this runs the ``atexit`` hooks registered in this worker,
-    then, unless another thread still runs, drops the globals of the program's own modules (not the standard
-    library's, not installed packages', not this runtime's) so that the
-    finalizers of what they held run, as Monarch's processes do at exit.
+    then, unless another thread still runs, drops the globals of the program's own modules
+    (:func:`program_modules`) so that the finalizers of what they held run, as Monarch's processes do at exit.
     """
     with contextlib.suppress(Exception):
         atexit._run_exitfuncs()
     if threading.active_count() > 1:
         return  # code of the program's still runs on another thread: its globals stay
-    installed = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, *site.getsitepackages())}
-    runtime_dir = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
-    for name, module in list(sys.modules.items()):
-        path = os.path.realpath(getattr(module, "__file__", None) or "/")
-        if path == "/" or path.startswith(runtime_dir + os.sep) or any(path.startswith(p + os.sep) for p in installed):
-            continue
+    for name, module in program_modules():
         with contextlib.suppress(Exception):
             sys.modules.pop(name, None)
             module.__dict__.clear()
     gc.collect()
+
+
+def program_modules() -> list[tuple[str, ModuleType]]:
+    """The loaded modules that are the program's own source: never a library's, wherever it was installed.
+
+    A module is the program's when its file lies under the launching script's
+    folder (``sys.path[0]``) or the working directory, and it belongs to no
+    installed distribution. Libraries put on ``PYTHONPATH``, installed with
+    ``pip --target`` or baked into a container layer elsewhere keep their
+    globals: their finalizers may still need them.
+    """
+    roots = {os.path.realpath(p) for p in (sys.path[0] if sys.path and sys.path[0] else os.getcwd(), os.getcwd())}
+    excluded = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, *site.getsitepackages())}
+    excluded.add(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))  # this runtime
+    distributed: Mapping[str, list[str]] | None = None
+    found = []
+    for name, module in list(sys.modules.items()):
+        path = os.path.realpath(getattr(module, "__file__", None) or "/")
+        if not any(path.startswith(root + os.sep) for root in roots):
+            continue
+        if any(path.startswith(p + os.sep) for p in excluded):
+            continue
+        if name not in ("__main__", "__mp_main__"):
+            if distributed is None:
+                distributed = importlib.metadata.packages_distributions()
+            if name.partition(".")[0] in distributed:
+                continue  # an installed library that happens to live under the program's folder
+        found.append((name, module))
+    return found
 
 
 def _run(config: WorkerConfig) -> int:

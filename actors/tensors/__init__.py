@@ -99,12 +99,19 @@ def _layout(key: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]) -> tuple[
     return tuple(specs), offset
 
 
-def layout(tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[TensorSpec], int]:
+def layout(tensors: list[tuple[str, torch.Tensor]], cast: torch.dtype | None = None) -> tuple[list[TensorSpec], int]:
     """Contiguous, aligned placement of ``tensors`` in one buffer: specs and total bytes.
 
-    Cached per (names, shapes, dtypes): a publisher sends the same layout every step.
+    With ``cast``, floating-point tensors are described (and so copied) in
+    that dtype. Cached per (names, shapes, dtypes): a publisher sends the
+    same layout every step.
     """
-    specs, total = _layout(tuple((name, tuple(t.shape), t.dtype) for name, t in tensors))
+    specs, total = _layout(
+        tuple(
+            (name, tuple(t.shape), cast if cast is not None and t.is_floating_point() else t.dtype)
+            for name, t in tensors
+        )
+    )
     return list(specs), total
 
 
@@ -157,14 +164,15 @@ def checksum(tensor: torch.Tensor) -> int:
 
 
 def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """``dst[i].copy_(src[i])`` for every i: one multi-tensor copy where devices agree."""
+    """``dst[i].copy_(src[i])`` for every i: one multi-tensor copy where devices and dtypes agree (a cast is a copy)."""
     same = [(d, s) for d, s in zip(dst, src, strict=True) if d.device == s.device]
     foreach = getattr(torch, "_foreach_copy_", None)
-    if foreach is not None and same and same[0][0].is_cuda:
-        foreach([d for d, _ in same], [s for _, s in same])
-    else:
-        for d, s in same:
-            d.copy_(s)
+    alike = [(d, s) for d, s in same if d.dtype == s.dtype]
+    if foreach is not None and alike and alike[0][0].is_cuda:
+        foreach([d for d, _ in alike], [s for _, s in alike])
+        same = [(d, s) for d, s in same if d.dtype != s.dtype]
+    for d, s in same:
+        d.copy_(s)
     for d, s in zip(dst, src, strict=True):
         if d.device != s.device:
             d.copy_(s, non_blocking=d.is_cuda and s.is_cuda)

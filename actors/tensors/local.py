@@ -40,8 +40,8 @@ class LocalWriter:
         specs: list[TensorSpec],
         with_checksums: bool,
     ) -> list[TensorSpec]:
-        for name, tensor in tensors:
-            copies[name] = tensor.detach().to("cpu", copy=True).contiguous()
+        for spec, (name, tensor) in zip(specs, tensors, strict=True):
+            copies[name] = tensor.detach().to("cpu", dtype=spec.torch_dtype, copy=True).contiguous()
         if with_checksums:
             specs = [replace(spec, checksum=checksum(copies[spec.name])) for spec in specs]
         return specs

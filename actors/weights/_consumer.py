@@ -11,7 +11,14 @@ from collections.abc import Callable
 
 import torch
 
-from .._shared._errors import ChecksumError, LifecycleError, ManifestError, PublisherDied, WeightSyncError
+from .._shared._errors import (
+    ChecksumError,
+    LifecycleError,
+    ManifestError,
+    PublisherDied,
+    TransportBlocked,
+    WeightSyncError,
+)
 from .._shared._session import host_id
 from ..tensors import Reader, TensorSpec, checksum, copy_all, dtype_name, read_async
 from ._manifest import WeightManifest, make_reader
@@ -86,6 +93,11 @@ class PublisherWatch:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+
+def _check_type(manifest: object) -> None:
+    if not isinstance(manifest, WeightManifest):
+        raise TypeError(f"expected a WeightManifest, got {type(manifest).__name__}")
 
 
 def fit(manifest: WeightManifest, model: torch.nn.Module, strict: bool = True) -> dict[str, torch.Tensor]:
@@ -192,8 +204,7 @@ class WeightConsumer:
 
     def _start_import(self, manifest: WeightManifest) -> dict[str, torch.Tensor] | None:
         """The tensors if ``manifest`` is already imported; refuses released, rejected and orphaned updates."""
-        if not isinstance(manifest, WeightManifest):
-            raise TypeError(f"expected a WeightManifest, got {type(manifest).__name__}")
+        _check_type(manifest)
         update_id = manifest.update_id
         state = self._state.get(update_id)
         if state in (_RELEASED, _REJECTED):
@@ -245,6 +256,7 @@ class WeightConsumer:
         release it yourself); publishers need one more slot than aliasing
         consumers. A failed install leaves the module as it was.
         """
+        _check_type(manifest)
         try:
             targets = fit(manifest, model, strict)
             tensors = self.import_update(manifest)
@@ -264,6 +276,7 @@ class WeightConsumer:
         timeout: float | None = None,
     ) -> None:
         """:meth:`install` for code on an event loop: a ``tcp`` fetch is awaited, not blocked on."""
+        _check_type(manifest)
         try:
             targets = fit(manifest, model, strict)
             tensors = await self.import_update_async(manifest, timeout)
@@ -288,6 +301,7 @@ class WeightConsumer:
         the call. The caller releases the update afterwards. A loader that
         raises leaves the update rejected with its message.
         """
+        _check_type(manifest)
         try:
             tensors = await self.import_update_async(manifest, timeout)
             loader(tensors)
@@ -319,7 +333,17 @@ class WeightConsumer:
                 copy_all([targets[n] for n in names], [tensors[n] for n in names])
 
     def _failed(self, manifest: WeightManifest, exc: BaseException) -> None:
-        if self._state.get(manifest.update_id) not in (_RELEASED, _REJECTED):
+        """Reject the update after a failed install, unless only this manifest was refused.
+
+        A manifest that is malformed, does not fit the model or names a device
+        this process cannot see is refused before anything of the update is
+        held: the update itself stays unknown here, so a good manifest of it
+        still installs.
+        """
+        state = self._state.get(manifest.update_id)
+        if state is None and isinstance(exc, (ManifestError, TransportBlocked)):
+            return
+        if state not in (_RELEASED, _REJECTED):
             self.reject(manifest.update_id, f"{type(exc).__name__}: {exc}")
 
     def _installed(self, manifest: WeightManifest, alias: bool) -> None:

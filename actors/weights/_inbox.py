@@ -163,8 +163,10 @@ class WeightInbox:
         return manifest
 
     def _done_with(self, manifest: WeightManifest) -> None:
-        if not self.consumer.holds_alias(manifest.update_id):
-            self.consumer.release(manifest.update_id, manifest.transport)
+        """Release the update after an install, unless a module views it or only its manifest was refused."""
+        update_id = manifest.update_id
+        if self.consumer.state(update_id) is not None and not self.consumer.holds_alias(update_id):
+            self.consumer.release(update_id, manifest.transport)
 
     def close(self) -> None:
         for manifest in self._queue:

@@ -68,16 +68,30 @@ class WeightPublisher:
     address) and ``chunk`` (bytes per checksummed chunk). A slot whose update is
     superseded is reused once no consumer holds it.
 
+    ``dtype`` publishes floating-point tensors in that dtype (``torch.bfloat16``
+    halves an update of float32 weights): the copy into the slot casts, so no
+    second copy is made.
+
     Inside an event loop use :meth:`publish_async`: waiting for a slot and a
     large host copy then leave the loop running. :meth:`publish` never waits
     for a slot on a running loop's thread: it raises instead.
     """
 
     def __init__(
-        self, transport: str = "shm", *, checksums: bool = False, keep: int | None = None, **options: Any
+        self,
+        transport: str = "shm",
+        *,
+        checksums: bool = False,
+        keep: int | None = None,
+        dtype: torch.dtype | None = None,
+        **options: Any,
     ) -> None:
         self.transport = transport
         self.checksums = checksums
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(f"dtype must be a floating-point torch.dtype, not {dtype!r}")
+        #: Floating-point tensors are published in this dtype (cast by the copy into the slot); None: their own.
+        self.dtype = dtype
         self.keep = keep if keep is not None else int(options.get("slots", 2))
         if self.keep < 1:
             raise ValueError("keep must be at least 1")
@@ -108,7 +122,7 @@ class WeightPublisher:
         if self._version is not None and version <= self._version:
             raise VersionError(f"version {version} does not increase on the last published version {self._version}")
         tensors = _named_tensors(model)
-        specs, total = layout(tensors)
+        specs, total = layout(tensors, self.dtype)
         return tensors, specs, total
 
     def publish(

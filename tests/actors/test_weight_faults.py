@@ -53,8 +53,38 @@ def test_a_manifest_that_does_not_fit_the_model_installs_nothing(published, targ
     with pytest.raises(ManifestError, match=match):
         consumer.install(published, model)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()), "nothing was written"
-    assert consumer.state(published.update_id) == "rejected"
+    assert consumer.state(published.update_id) is None, "a refused manifest does not consume the update"
+    fitting = filled_model(5.0)
+    consumer.install(published, fitting)
+    assert all_equal(fitting, 1.0) and consumer.state(published.update_id) == "acknowledged"
     consumer.close()
+
+
+@pytest.mark.parametrize(
+    "refused",
+    [
+        lambda m: dataclasses.replace(m, handle=42),  # a malformed handle
+        lambda m: dataclasses.replace(m, handle="../../etc/passwd"),
+        lambda m: spec_changed(m, nbytes=4),  # specs the slot cannot hold
+        lambda m: spec_changed(m, dtype="float64"),  # specs that do not fit the model
+    ],
+    ids=["int-handle", "path-handle", "short-spec", "other-dtype"],
+)
+def test_a_refused_manifest_does_not_consume_the_update(published, refused):
+    """After a broken manifest of an update is refused, a good manifest of the same update still installs."""
+    inbox = WeightInbox()
+    model = filled_model(5.0)
+    inbox.put(refused(published))
+    with pytest.raises(ManifestError):
+        inbox.install_newest(model)
+    assert all_equal(model, 5.0) and inbox.consumer.state(published.update_id) is None
+    inbox.put(refused(published))  # refused again: the same error, not "already released"
+    with pytest.raises(ManifestError):
+        inbox.install_newest(model)
+    inbox.put(published)
+    assert inbox.install_newest(model) is published
+    assert all_equal(model, 1.0)
+    inbox.close()
 
 
 @pytest.mark.parametrize(

@@ -73,6 +73,25 @@ def test_publish_install_roundtrip(transport):
         consumer.close()
 
 
+@pytest.mark.parametrize("transport", ["local", "shm"])
+def test_a_bfloat16_publisher_sends_half_the_bytes_cast_in_its_one_copy(transport):
+    source = filled_model(3.0)
+    with torch.no_grad():
+        next(source.parameters()).add_(1 / 3)  # a value bfloat16 rounds
+    target = filled_model(0.0).to(torch.bfloat16)
+    with WeightPublisher(transport, dtype=torch.bfloat16) as publisher:
+        manifest = publisher.publish(source, 1)
+        assert {spec.dtype for spec in manifest.tensors} == {"bfloat16"}
+        assert manifest.total_nbytes == sum(p.numel() * 2 for p in source.parameters())
+        consumer = WeightConsumer()
+        consumer.install(manifest, target)
+        consumer.close()
+    for got, want in zip(target.state_dict().values(), source.state_dict().values(), strict=True):
+        assert torch.equal(got, want.to(torch.bfloat16))
+    with pytest.raises(TypeError, match="floating-point"):
+        WeightPublisher(transport, dtype=torch.int8)
+
+
 def test_manifest_is_small_and_travels_through_the_codec(shm_publisher):
     manifest = shm_publisher.publish(filled_model(1.0, width=256), 1, {"note": "x"})
     enc = Encoder()

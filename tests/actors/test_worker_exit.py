@@ -72,3 +72,49 @@ def test_a_stopped_worker_runs_its_atexit_hooks_and_finalizers_but_not_the_contr
     assert sorted((tmp_path / "atexit").read_text().split()) == workers
     # the controller's hook ran once, in the controller: never in the workers that inherited it by fork
     assert (tmp_path / "controller").read_text().split() == [controller]
+
+
+LIBRARY = """
+from os import getpid
+
+class Handle:
+    def __del__(self):  # as pyzmq's garbage collector does: a module global, read at finalization
+        getpid()
+
+handle = Handle()
+"""
+
+USES_LIBRARY = """
+import os, sys
+import farlib
+from actors import Actor, endpoint, this_host
+
+
+class User(Actor):
+    @endpoint
+    async def pid(self) -> int:
+        return farlib.getpid()
+
+
+if __name__ == "__main__":
+    procs = this_host().spawn_procs({"procs": 2})
+    print(sorted(pid for _, pid in procs.spawn("user", User).pid.call().get()))
+    procs.stop().get()
+    print("stopped", flush=True)
+"""
+
+
+def test_a_library_on_pythonpath_keeps_its_globals_when_a_worker_exits(tmp_path):
+    """A library installed outside site-packages (PYTHONPATH, pip --target, a container layer) is not the program's."""
+    library = tmp_path / "libs"
+    library.mkdir()
+    (library / "farlib.py").write_text(textwrap.dedent(LIBRARY))
+    program = tmp_path / "program"
+    program.mkdir()
+    script = program / "program.py"
+    script.write_text(textwrap.dedent(USES_LIBRARY))
+    env = dict(ENV, PYTHONPATH=os.pathsep.join([str(library), ENV["PYTHONPATH"]]))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.splitlines()[-1] == "stopped"
+    assert "NameError" not in out.stderr and "Exception ignored" not in out.stderr, out.stderr

@@ -61,3 +61,29 @@ class ProbeGenerator(Generator):
             self.first = False
             with open(os.path.join(self.config.run_dir, "first_rollouts"), "a") as f:
                 f.write(f"{self.id} {os.getpid()} {self.version}\n")
+
+
+def _note(run_dir: str, line: str) -> None:
+    with open(os.path.join(run_dir, "dtypes"), "a") as f:
+        f.write(line + "\n")
+
+
+class DtypeGenerator(Generator):
+    """Notes ``generator <dtypes of its weights>`` in ``<run_dir>/dtypes`` before each rollout."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.register_pre_collect_hook(self._note)
+
+    def _note(self, generator) -> None:  # type: ignore[no-untyped-def]
+        dtypes = sorted({str(p.dtype) for p in self.policy.state_dict().values() if p.is_floating_point()})
+        _note(self.config.run_dir, f"generator {' '.join(dtypes)}")
+
+
+class DtypeRefModel(RefModel):
+    """Notes ``ref <dtypes of its weights>`` in ``<run_dir>/dtypes`` once built."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        dtypes = sorted({str(p.dtype) for p in self.model.state_dict().values() if p.is_floating_point()})
+        _note(self.config.run_dir, f"ref {' '.join(dtypes)}")

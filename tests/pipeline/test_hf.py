@@ -413,3 +413,34 @@ def test_a_completion_without_its_end_token_is_marked_truncated(tmp_path, tiny, 
     policy.lm_head.register_forward_hook(shift)
     batch = task.sample(policy, torch.Generator().manual_seed(0), ticket=0)
     assert batch.truncated.tolist() == [expected] * 4
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{"max_tokens_per_pass": 64}, {"gradient_checkpointing": True}, {"micro_batch": 3, "gradient_checkpointing": True}],
+    ids=["token-budget", "checkpointing", "micro-batch+checkpointing"],
+)
+def test_passes_by_token_budget_and_checkpointing_give_the_same_update(tmp_path, tiny, changes):
+    from pipeline.learner import Learner
+
+    def one_update(**overrides):  # type: ignore[no-untyped-def]
+        config = resolve(_config(tiny, tmp_path, prompts=4, group=2, max_new_tokens=6, kl_coeff=0.05, **overrides))
+        task = HFTask(config)
+        learner = Learner(task, torch.device("cpu"))
+        learner.policy.eval()  # sampled as a generator samples (a checkpointing model in training mode has no cache)
+        batch = task.sample(learner.policy, torch.Generator(device="cpu").manual_seed(0), ticket=0)
+        learner.policy.train()
+        rewards = torch.arange(8, dtype=torch.float32, device="cpu") / 8
+        ref = task.reference_logps(learner.reference(), batch)
+        passes = len(task.micro_batches(batch, config.micro_batch, config.max_tokens_per_pass))
+        update = learner.update(batch, rewards, ref)
+        return passes, update, {name: p.grad.clone() for name, p in learner.policy.named_parameters()}
+
+    whole_passes, whole, expected = one_update(max_tokens_per_pass=0)
+    passes, update, got = one_update(**changes)
+    assert whole_passes == 1 and (passes > 1) == ("gradient_checkpointing" not in changes or "micro_batch" in changes)
+    assert update.report.loss.item() == pytest.approx(whole.report.loss.item(), rel=1e-5, abs=1e-6)
+    assert update.report.entropy == pytest.approx(whole.report.entropy, rel=1e-5)
+    assert update.grad_norm == pytest.approx(whole.grad_norm, rel=1e-5)
+    for name, gradient in expected.items():  # the step's gradients (Adam's first step would magnify rounding)
+        torch.testing.assert_close(got[name], gradient, rtol=1e-4, atol=1e-7)

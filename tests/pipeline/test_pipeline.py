@@ -13,7 +13,14 @@ import time
 import pytest
 import torch
 from harness import actor_pids, wait_for
-from pipeline_support import FailingScorer, ForbiddenRefModel, HookedGenerator, ProbeGenerator
+from pipeline_support import (
+    DtypeGenerator,
+    DtypeRefModel,
+    FailingScorer,
+    ForbiddenRefModel,
+    HookedGenerator,
+    ProbeGenerator,
+)
 
 from pipeline import Config, DigitsTask, PipelineError, Roles, run_pipeline
 from pipeline.checkpoint import load as load_checkpoint
@@ -135,6 +142,24 @@ async def test_the_staleness_bound_holds_and_nothing_is_generated_to_be_dropped(
     assert result.dropped == 0 and rows[-1]["staleness/dropped"] == 0
     assert sum(result.rollouts.values()) == 60, "one rollout per step: none wasted, none past the last step"
     assert {r["generator"] for r in rows} == {0, 1}
+
+
+async def test_bfloat16_runs_hold_and_send_bfloat16_weights_and_train_float32_masters(tmp_path, sockets_dir):
+    """--dtype bfloat16: generators and the reference hold bf16, each update is half the bytes, the trainer float32."""
+    sizes = {}
+    for dtype in ("float32", "bfloat16"):
+        run_dir = tmp_path / dtype
+        config = Config(steps=20, dtype=dtype, kl_coeff=0.02, run_dir=str(run_dir), target_score=None)
+        result = await run_pipeline(config, quiet=True, roles=Roles(generator=DtypeGenerator, ref=DtypeRefModel))
+        rows = read_rows(str(run_dir))
+        assert result.steps == 20
+        assert set((run_dir / "dtypes").read_text().splitlines()) == {f"generator torch.{dtype}", f"ref torch.{dtype}"}
+        assert all(r["mismatch/logp_abs"] >= 0 for r in rows) and all(r["actor/loss"] == r["actor/loss"] for r in rows)
+        sizes[dtype] = {r["weights/update_mb"] for r in rows}
+        masters = load_checkpoint(str(run_dir))["policy"]
+        assert {value.dtype for value in masters.values() if value.is_floating_point()} == {torch.float32}
+    (fp32,), (bf16,) = sizes["float32"], sizes["bfloat16"]
+    assert fp32 > 0 and bf16 == pytest.approx(fp32 / 2, rel=0.01), sizes
 
 
 async def test_resume_continues_steps_and_versions(tmp_path, sockets_dir):

@@ -38,6 +38,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
         (["--top-k", "-1"], "--top-k -1: must be at least 0"),
         (["--reward-timeout", "0"], "--reward-timeout 0.0: a reward function needs some time (above 0)"),
         (["--eval-fraction", "1"], "--eval-fraction 1.0: the held-out share must be in (0, 1)"),
+        (["--max-tokens-per-pass", "-1"], "--max-tokens-per-pass -1: must be at least 0"),
+        (["--gradient-checkpointing"], "--gradient-checkpointing recomputes a Hugging Face model's layers"),
     ],
 )
 def test_a_setting_that_cannot_train_is_one_line_and_exit_2(tmp_path, capsys, flags, message):
