@@ -2,6 +2,7 @@
 
     python examples/tiny_hf_model.py runs/tiny-hf             # Qwen2-style; --arch llama for Llama
     python examples/tiny_hf_model.py runs/tiny-hf --heads 2   # for --engine vllm on a CPU (head width 32)
+    python examples/tiny_hf_model.py runs/qwen-shape --shape qwen2.5-0.5b   # 494 M parameters, for a GPU
     python -m pipeline.grpo --model runs/tiny-hf/model --dataset runs/tiny-hf/train.jsonl \\
         --reward runs/tiny-hf/rewards.py:reversed_digits --lr 1e-3 --max-new-tokens 6 --steps 300
 
@@ -67,8 +68,24 @@ def build_tokenizer(folder: str):  # type: ignore[no-untyped-def]
     return tokenizer
 
 
-def build_model(folder: str, arch: str, vocab: int, seed: int, heads: int = 4) -> int:
-    """A random causal LM of the chosen architecture saved to ``folder``; returns its parameter count."""
+#: Model shapes: ``tiny`` (about 100 k parameters, the tokenizer's own vocabulary), and Qwen2.5-0.5B's
+#: (494 M parameters, its 151,936-token vocabulary; random weights, for memory and speed on a GPU).
+SHAPES: dict[str, dict[str, int]] = {
+    "tiny": {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2},
+    "qwen2.5-0.5b": {
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "vocab_size": 151_936,
+        "max_position_embeddings": 32_768,
+    },
+}
+
+
+def build_model(folder: str, arch: str, vocab: int, seed: int, heads: int = 4, shape_name: str = "tiny") -> int:
+    """A random causal LM of the chosen architecture and shape saved to ``folder``; returns its parameter count."""
     import torch
     import transformers
 
@@ -76,9 +93,6 @@ def build_model(folder: str, arch: str, vocab: int, seed: int, heads: int = 4) -
     torch.manual_seed(seed)
     shape = {
         "vocab_size": vocab,
-        "hidden_size": 64,
-        "intermediate_size": 256,
-        "num_hidden_layers": 2,
         "num_attention_heads": heads,
         "num_key_value_heads": max(1, heads // 2),
         "max_position_embeddings": 128,
@@ -86,6 +100,7 @@ def build_model(folder: str, arch: str, vocab: int, seed: int, heads: int = 4) -
         "pad_token_id": 0,
         "bos_token_id": 1,
         "eos_token_id": 2,
+        **SHAPES[shape_name],
     }
     if arch == "llama":
         config = transformers.LlamaConfig(**shape)
@@ -123,11 +138,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--heads", type=int, default=4, help="attention heads of width 64/heads (vLLM's CPU backend needs 2: width 32)"
     )
+    parser.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default="tiny",
+        help="the model's shape: tiny (default) or qwen2.5-0.5b (494 M parameters, a 151,936-token vocabulary; "
+        "for a GPU)",
+    )
     args = parser.parse_args(argv)
     model_dir = os.path.join(args.folder, "model")
     os.makedirs(model_dir, exist_ok=True)
     tokenizer = build_tokenizer(model_dir)
-    parameters = build_model(model_dir, args.arch, len(tokenizer), args.seed, args.heads)
+    parameters = build_model(model_dir, args.arch, len(tokenizer), args.seed, args.heads, args.shape)
     data = write_task(args.folder, args.rows, args.digits, args.chat, args.seed)
     rewards = os.path.join(args.folder, "rewards.py")
     with open(rewards, "w") as f:

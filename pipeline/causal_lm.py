@@ -122,8 +122,11 @@ class CompletionLogps:
         self._checked = self.split is None
         forward = inspect.signature(model.forward).parameters
         self._keep = next((name for name in ("logits_to_keep", "num_logits_to_keep") if name in forward), None)
-        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-        self.vocab = int(vocab) if isinstance(vocab, int) else 0
+        get_head = getattr(model, "get_output_embeddings", None)
+        vocab = getattr(get_head() if callable(get_head) else None, "out_features", None)
+        if not isinstance(vocab, int):
+            vocab = getattr(getattr(model, "config", None), "vocab_size", 0)
+        self.vocab = int(vocab) if isinstance(vocab, int) else 0  # sizes the chunks of the split path
 
     def __call__(
         self, tokens: torch.Tensor, prompt_mask: torch.Tensor, temperature: float = 1.0

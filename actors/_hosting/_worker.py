@@ -14,7 +14,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
-import importlib.metadata
 import logging
 import os
 import random
@@ -23,7 +22,6 @@ import site
 import sys
 import threading
 import traceback
-from collections.abc import Mapping
 from types import ModuleType
 from typing import TextIO
 
@@ -82,15 +80,16 @@ def program_modules() -> list[tuple[str, ModuleType]]:
     """The loaded modules that are the program's own source: never a library's, wherever it was installed.
 
     A module is the program's when its file lies under the launching script's
-    folder (``sys.path[0]``) or the working directory, and it belongs to no
-    installed distribution. Libraries put on ``PYTHONPATH``, installed with
-    ``pip --target`` or baked into a container layer elsewhere keep their
-    globals: their finalizers may still need them.
+    folder (``sys.path[0]``) or the working directory, and the folder it was
+    imported from is no install location (it holds no ``*.dist-info`` or
+    ``*.egg-info``). Libraries put on ``PYTHONPATH``, installed with
+    ``pip --target`` or baked into a container layer keep their globals:
+    their finalizers may still need them.
     """
     roots = {os.path.realpath(p) for p in (sys.path[0] if sys.path and sys.path[0] else os.getcwd(), os.getcwd())}
     excluded = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, *site.getsitepackages())}
     excluded.add(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))  # this runtime
-    distributed: Mapping[str, list[str]] | None = None
+    installs: dict[str, bool] = {}
     found = []
     for name, module in list(sys.modules.items()):
         path = os.path.realpath(getattr(module, "__file__", None) or "/")
@@ -98,13 +97,31 @@ def program_modules() -> list[tuple[str, ModuleType]]:
             continue
         if any(path.startswith(p + os.sep) for p in excluded):
             continue
-        if name not in ("__main__", "__mp_main__"):
-            if distributed is None:
-                distributed = importlib.metadata.packages_distributions()
-            if name.partition(".")[0] in distributed:
-                continue  # an installed library that happens to live under the program's folder
+        if name not in ("__main__", "__mp_main__") and _install_location(_imported_from(name), installs):
+            continue
         found.append((name, module))
     return found
+
+
+def _imported_from(name: str) -> str:
+    """The folder on ``sys.path`` that module ``name``'s top-level package or module was found in."""
+    top = sys.modules.get(name.partition(".")[0])
+    path = os.path.realpath(getattr(top, "__file__", None) or "/")
+    folder = os.path.dirname(path)
+    return os.path.dirname(folder) if os.path.basename(path) == "__init__.py" else folder
+
+
+def _install_location(folder: str, seen: dict[str, bool]) -> bool:
+    """Whether ``folder`` is where packages were installed (it holds their metadata); remembered in ``seen``."""
+    known = seen.get(folder)
+    if known is None:
+        try:
+            with os.scandir(folder) as entries:
+                known = any(e.name.endswith((".dist-info", ".egg-info")) for e in entries)
+        except OSError:
+            known = False
+        seen[folder] = known
+    return known
 
 
 def _run(config: WorkerConfig) -> int:

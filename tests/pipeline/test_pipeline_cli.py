@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), ROOT]))
@@ -68,3 +69,51 @@ def test_the_300m_preset_runs_on_the_gpu_and_reports_its_pace(tmp_path):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 5 and all(r["perf/tokens_trained_per_s"] > 0 for r in rows)
     assert all(r["timing/publish_ms"] > 0 for r in rows)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU round runs whole on a GPU machine")
+def test_the_gpu_round_ends_at_once_with_one_line_without_cuda():
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_round.py")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=ENV,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    assert out.stdout.splitlines() == [
+        "gpu_round: no CUDA device here (torch.cuda.is_available() is False): nothing to run"
+    ]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("engine", ["builtin", "hf"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_hugging_face_model_trains_on_the_gpu_with_each_engine_and_dtype(tmp_path, engine, dtype):
+    """The user's path on a GPU: a Hugging Face model, the CUDA generators' engines, the run's dtype end to end."""
+    folder = tmp_path / "tiny"
+    built = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "tiny_hf_model.py"), str(folder), "--rows", "200"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=ENV,
+        cwd=ROOT,
+    )
+    assert built.returncode == 0, built.stderr
+    run_dir = tmp_path / "run"
+    flags = [
+        *("--model", str(folder / "model"), "--dataset", str(folder / "train.jsonl")),
+        *("--reward", f"{folder / 'rewards.py'}:reversed_digits", "--max-new-tokens", "5", "--steps", "12"),
+        *("--engine", engine, "--dtype", dtype, "--kl-coeff", "0.02", "--eval-every", "6", "--eval-size", "16"),
+        *("--device", "cuda", "--transport", "cuda-ipc", "--quiet", "--report-to", "none", "--run-dir", str(run_dir)),
+    ]
+    out = subprocess.run(
+        [sys.executable, "-m", "pipeline.grpo", *flags], capture_output=True, text=True, timeout=300, env=ENV, cwd=ROOT
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 12 and all(r["actor/loss"] == r["actor/loss"] for r in rows)
+    sizes = {r["weights/update_mb"] for r in rows}
+    assert len(sizes) == 1 and sizes.pop() > 0
