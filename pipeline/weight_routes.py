@@ -118,4 +118,3 @@ class WeightRoutes:
         for publisher in self._publishers.values():
             publisher.close()
         self._publishers.clear()
-

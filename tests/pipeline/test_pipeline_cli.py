@@ -88,8 +88,7 @@ def test_the_gpu_round_ends_at_once_with_one_line_without_cuda():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("engine", ["builtin", "hf"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(("engine", "dtype"), [("builtin", "bfloat16"), ("hf", "float32")])
 def test_a_hugging_face_model_trains_on_the_gpu_with_each_engine_and_dtype(tmp_path, engine, dtype):
     """The user's path on a GPU: a Hugging Face model, the CUDA generators' engines, the run's dtype end to end."""
     folder = tmp_path / "tiny"
