@@ -129,7 +129,7 @@ def pipeline_figures(run_dir: str) -> dict[str, Any]:
 
     def median(name: str) -> float | None:
         values = [r[name] for r in rows if r.get(name) is not None]
-        return round(statistics.median(values), 2) if values else None
+        return float(f"{statistics.median(values):.4g}") if values else None  # 4 significant digits
 
     return {
         "steps": len(rows),
@@ -224,84 +224,41 @@ def main() -> int:
         lines = [line for line in text.splitlines() if line.startswith("{")]
         summary["bench_weights"] = json.loads(lines[-1]) if code == 0 and lines else {"rc": code}
 
-    if "digits" not in args.skip:
-        run_dir = os.path.join(args.out, "digits")
+    def train(name: str, flags: list[str], timeout: float) -> dict[str, Any]:
+        """``python -m pipeline.grpo`` on the GPU over cuda-ipc with ``flags``: its figures and peak GPU memory."""
+        run_dir = os.path.join(args.out, name)
+        command = [python, "-m", "pipeline.grpo", "--device", "cuda", "--transport", "cuda-ipc", "--quiet"]
         with GpuMemory() as memory:
             code, _ = run(
-                [
-                    python,
-                    "-m",
-                    "pipeline.grpo",
-                    "--device",
-                    "cuda",
-                    "--transport",
-                    "cuda-ipc",
-                    "--quiet",
-                    "--report-to",
-                    "none",
-                    "--run-dir",
-                    run_dir,
-                ],
+                [*command, "--report-to", "none", "--run-dir", run_dir, *flags],
                 env,
-                120,
-                os.path.join(args.out, "digits.log"),
+                timeout,
+                os.path.join(args.out, f"{name}.log"),
             )
-        summary["digits"] = {"rc": code, **pipeline_figures(run_dir), "peak_gpu_gb": memory.peaks}
+        return {"rc": code, **pipeline_figures(run_dir), "peak_gpu_gb": memory.peaks}
+
+    if "digits" not in args.skip:
+        summary["digits"] = train("digits", [], 120)
 
     if "hf" not in args.skip:
-        model_dir = os.path.join(args.out, "qwen-shape")
+        folder = os.path.join(args.out, "qwen-shape")
         code, _ = run(
-            [python, "examples/tiny_hf_model.py", model_dir, "--shape", "qwen2.5-0.5b", "--rows", "2000"],
+            [python, "examples/tiny_hf_model.py", folder, "--shape", "qwen2.5-0.5b", "--rows", "2000"],
             env,
             180,
             os.path.join(args.out, "build_model.log"),
         )
+        task = [
+            *("--model", os.path.join(folder, "model"), "--dataset", os.path.join(folder, "train.jsonl")),
+            *("--reward", os.path.join(folder, "rewards.py") + ":reversed_digits", "--max-new-tokens", "64"),
+            *("--steps", str(args.steps), "--target-score", "none", "--eval-every", str(args.steps)),
+            *("--eval-size", "64", "--lr", "1e-6"),
+        ]
         for dtype in ("float32", "bfloat16"):
             if code != 0:
                 summary[f"hf_{dtype}"] = {"rc": code, "why": "the model could not be built"}
-                continue
-            run_dir = os.path.join(args.out, f"hf-{dtype}")
-            with GpuMemory() as memory:
-                rc, _ = run(
-                    [
-                        python,
-                        "-m",
-                        "pipeline.grpo",
-                        "--model",
-                        os.path.join(model_dir, "model"),
-                        "--dataset",
-                        os.path.join(model_dir, "train.jsonl"),
-                        "--reward",
-                        os.path.join(model_dir, "rewards.py") + ":reversed_digits",
-                        "--max-new-tokens",
-                        "64",
-                        "--steps",
-                        str(args.steps),
-                        "--target-score",
-                        "none",
-                        "--eval-every",
-                        str(args.steps),
-                        "--eval-size",
-                        "64",
-                        "--lr",
-                        "1e-6",
-                        "--device",
-                        "cuda",
-                        "--transport",
-                        "cuda-ipc",
-                        "--dtype",
-                        dtype,
-                        "--quiet",
-                        "--report-to",
-                        "none",
-                        "--run-dir",
-                        run_dir,
-                    ],
-                    env,
-                    200,
-                    os.path.join(args.out, f"hf_{dtype}.log"),
-                )
-            summary[f"hf_{dtype}"] = {"rc": rc, **pipeline_figures(run_dir), "peak_gpu_gb": memory.peaks}
+            else:
+                summary[f"hf_{dtype}"] = train(f"hf-{dtype}", [*task, "--dtype", dtype], 200)
 
     line = json.dumps(summary)
     with open(os.path.join(args.out, "gpu_round.json"), "w") as f:

@@ -87,6 +87,13 @@ def test_a_refused_manifest_does_not_consume_the_update(published, refused):
     inbox.close()
 
 
+def test_installing_something_that_is_not_a_manifest_is_a_type_error():
+    consumer = WeightConsumer()
+    with pytest.raises(TypeError, match="expected a WeightManifest, got str"):
+        consumer.install("not a manifest", filled_model(5.0))  # type: ignore[arg-type]
+    consumer.close()
+
+
 @pytest.mark.parametrize(
     ("changes", "match"),
     [
