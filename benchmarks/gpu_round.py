@@ -1,14 +1,15 @@
 """The whole GPU round in one command: the gpu tests, weight sync, the digit pipeline, a 0.5 B-shaped model.
 
-    python benchmarks/gpu_round.py [--wheels .whl] [--out DIR] [--steps 20]
+    python benchmarks/gpu_round.py [--wheels .whl] [--out DIR] [--steps 20] [--budget 450]
 
-For a GPU machine lent for a few minutes (budget: under 8 minutes). In
-order, each step a subprocess with a deadline, a failure recorded and the
-round going on:
+For a GPU machine lent for a few minutes: the whole round keeps within
+``--budget`` seconds (450), each step a subprocess whose deadline is the
+smaller of its own and what the round has left; a step that fails or runs
+out of time is recorded and the round goes on. In order:
 
 1. the wheels the bare GPU image lacks (pyzmq, setproctitle, pytest-asyncio,
-   datasets, dill, multiprocess, ...) installed from ``--wheels`` into a
-   folder of their own, put on ``PYTHONPATH`` for every later step;
+   datasets, dill, multiprocess) installed from ``--wheels`` into a folder
+   of their own, put on ``PYTHONPATH`` for every later step;
 2. ``pytest -m gpu``;
 3. ``bench_weights.py`` over ``cuda-ipc``: 64 / 1024 / 4096 MiB, float32 and
    bfloat16, alias and copy installs;
@@ -17,15 +18,18 @@ round going on:
    151,936-token vocabulary; built from a config by
    ``examples/tiny_hf_model.py --shape qwen2.5-0.5b``, nothing downloaded)
    trained for ``--steps`` steps of 256 x 64 tokens with the default
-   flags, in float32 and with ``--dtype bfloat16``: steps/s, completion
+   flags, with ``--dtype bfloat16`` and in float32: steps/s, completion
    tokens/s, generate / train / weight-sync milliseconds (medians), the
-   update's size, and each role's peak GPU memory (sampled from
-   ``nvidia-smi`` every 0.25 s, by process title).
+   update's size, the log-prob mismatch, and each role's peak GPU memory
+   (sampled from ``nvidia-smi`` every 0.25 s, by process title).
 
-Prints each step's outcome as it ends and one JSON summary line last (also
-written to ``<out>/gpu_round.json``). On a machine without CUDA it prints
-one line saying so and exits 0 at once. Staging the wheels is described in
-docs/benchmarks.md ("The GPU round").
+Each step's output goes to ``<out>/<name>.log`` and each run's metrics to
+``<out>/<name>.metrics.jsonl``; the summary is rewritten to
+``<out>/gpu_round.json`` after every step and printed as one JSON line at
+the end. The model and the runs' checkpoints (gigabytes) stay in a scratch
+folder that is removed. On a machine without CUDA it prints one line
+saying so and exits 0 at once. Staging the wheels: docs/benchmarks.md
+("The GPU round").
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import argparse
 import glob
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -43,7 +48,6 @@ import time
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SITE = os.path.join(tempfile.gettempdir(), "gpu-round-site")
 
 
 def cuda_device() -> str | None:
@@ -53,25 +57,56 @@ def cuda_device() -> str | None:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
 
 
-def environment(extra_path: list[str]) -> dict[str, str]:
-    paths = [*extra_path, ROOT, os.environ.get("PYTHONPATH", "")]
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p), PYTHONUNBUFFERED="1")
+def _text(value: str | bytes | None) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else (value or "")
 
 
-def run(command: list[str], env: dict[str, str], timeout: float, log: str) -> tuple[int, str]:
-    """``command`` with a deadline; its exit code (124 past the deadline) and output, also written to ``log``."""
-    started = time.perf_counter()
-    try:
-        out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
-        code, text = out.returncode, out.stdout + out.stderr
-    except subprocess.TimeoutExpired as exc:
-        code = 124
-        text = f"{exc.stdout or ''}{exc.stderr or ''}\n[gpu_round: stopped after {timeout:g} s]"
-        text = text if isinstance(text, str) else text.decode(errors="replace")
-    with open(log, "w") as f:
-        f.write(text)
-    print(f"[{time.perf_counter() - started:6.1f} s] rc={code} {' '.join(command[1:4])}", flush=True)
-    return code, text
+class Round:
+    """The round's steps, each a subprocess whose deadline is the smaller of its own and the time the round has left.
+
+    Each step's output goes to ``<out>/<name>.log``; the summary is rewritten
+    to ``<out>/gpu_round.json`` after every step, so a round cut short still
+    leaves what it measured. Large files (the model, checkpoints) go to a
+    scratch folder that is removed at the end, not to ``out``.
+    """
+
+    def __init__(self, out: str, budget: float, device: str) -> None:
+        self.out = out
+        self.deadline = time.monotonic() + budget
+        self.scratch = tempfile.mkdtemp(prefix="gpu-round-scratch-")
+        self.env = dict(os.environ)
+        self.summary: dict[str, Any] = {"bench": "gpu_round", "device": device, "budget_s": budget}
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def run(self, name: str, command: list[str], limit: float) -> tuple[int, str]:
+        """``command`` for at most ``limit`` s (or what is left); its exit code (124 when stopped) and output."""
+        timeout = min(limit, self.left())
+        if timeout < 5:
+            print(f"[  skip  ] {name}: the round's budget is spent", flush=True)
+            return 125, "not run: the round's budget was spent"
+        started = time.perf_counter()
+        try:
+            out = subprocess.run(
+                command, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout, check=False
+            )
+            code, text = out.returncode, out.stdout + out.stderr
+        except subprocess.TimeoutExpired as exc:
+            code = 124
+            text = f"{_text(exc.stdout)}{_text(exc.stderr)}\n[gpu_round: stopped after {timeout:.0f} s]"
+        with open(os.path.join(self.out, f"{name}.log"), "w") as f:
+            f.write(text)
+        print(f"[{time.perf_counter() - started:6.1f} s] rc={code} {name}", flush=True)
+        return code, text
+
+    def record(self, name: str, value: Any) -> None:
+        self.summary[name] = value
+        with open(os.path.join(self.out, "gpu_round.json"), "w") as f:
+            f.write(json.dumps(self.summary) + "\n")
+
+    def close(self) -> None:
+        shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 class GpuMemory:
@@ -121,8 +156,13 @@ def pipeline_figures(run_dir: str) -> dict[str, Any]:
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         return {"steps": 0}
+    rows = []
     with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except ValueError:  # a last line cut short by a stopped run
+                break
     if not rows:
         return {"steps": 0}
     seconds = rows[-1]["time"]
@@ -150,6 +190,7 @@ def main() -> int:
     parser.add_argument("--wheels", default=os.path.join(ROOT, ".whl"), help="folder of wheels to install first")
     parser.add_argument("--out", default=os.environ.get("OUT") or tempfile.mkdtemp(prefix="gpu-round-"))
     parser.add_argument("--steps", type=int, default=20, help="steps of the 0.5 B-shaped model per dtype")
+    parser.add_argument("--budget", type=float, default=450, help="seconds the whole round may take (default 450)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["tests", "weights", "digits", "hf"])
     args = parser.parse_args()
     device = cuda_device()
@@ -157,114 +198,73 @@ def main() -> int:
         print("gpu_round: no CUDA device here (torch.cuda.is_available() is False): nothing to run")
         return 0
     os.makedirs(args.out, exist_ok=True)
-    summary: dict[str, Any] = {"bench": "gpu_round", "device": device}
-    extra: list[str] = []
+    round_ = Round(args.out, args.budget, device)
+    try:
+        play(round_, args)
+    finally:
+        round_.close()
+    print(json.dumps(round_.summary))
+    return 0
+
+
+def play(round_: Round, args: argparse.Namespace) -> None:
+    """The round's steps, in order; each one's outcome recorded as it ends."""
+    python = sys.executable
+    site = os.path.join(round_.scratch, "site")
     wheels = sorted(glob.glob(os.path.join(args.wheels, "*.whl")))
     if wheels:
-        code, text = run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "install",
-                "-q",
-                "--no-index",
-                "--no-deps",
-                "--no-compile",
-                "--upgrade",
-                "--target",
-                SITE,
-                *wheels,
-            ],
-            dict(os.environ),
-            180,
-            os.path.join(args.out, "wheels.log"),
-        )
-        summary["wheels"] = {"installed": len(wheels), "rc": code}
-        extra.append(SITE)
-    env = environment(extra)
-    python = sys.executable
+        pip = [python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--upgrade"]
+        code, _ = round_.run("wheels", [*pip, "--target", site, *wheels], 120)
+        round_.record("wheels", {"installed": len(wheels), "rc": code})
+    paths = [site if wheels else "", ROOT, os.environ.get("PYTHONPATH", "")]
+    round_.env.update(PYTHONPATH=os.pathsep.join(p for p in paths if p), PYTHONUNBUFFERED="1")
 
     if "tests" not in args.skip:
-        code, text = run(
-            [python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests"],
-            env,
-            200,
-            os.path.join(args.out, "pytest_gpu.log"),
+        code, text = round_.run(
+            "pytest_gpu", [python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"], 200
         )
-        tail = [line for line in text.strip().splitlines() if " passed" in line or " failed" in line]
-        failed = [line.split()[1] for line in text.splitlines() if line.startswith("FAILED ")]
-        summary["pytest_gpu"] = {"rc": code, "result": tail[-1] if tail else text[-300:], "failed": failed}
+        lines = text.strip().splitlines()
+        tail = [line for line in lines if " passed" in line or " failed" in line or " error" in line]
+        failed = [line.split()[1] for line in lines if line.startswith(("FAILED ", "ERROR ")) and " " in line]
+        round_.record("pytest_gpu", {"rc": code, "result": tail[-1] if tail else text[-300:], "failed": failed})
 
     if "weights" not in args.skip:
-        code, text = run(
-            [
-                python,
-                "benchmarks/bench_weights.py",
-                "--transport",
-                "cuda-ipc",
-                "--device",
-                "cuda",
-                "--mb",
-                "64",
-                "1024",
-                "4096",
-                "--dtype",
-                "float32",
-                "bfloat16",
-                "--install",
-                "alias",
-                "copy",
-                "--json",
-            ],
-            env,
-            150,
-            os.path.join(args.out, "bench_weights.log"),
-        )
+        sizes = ["--mb", "64", "1024", "4096", "--dtype", "float32", "bfloat16", "--install", "alias", "copy"]
+        bench = [python, "benchmarks/bench_weights.py", "--transport", "cuda-ipc", "--device", "cuda", *sizes]
+        code, text = round_.run("bench_weights", [*bench, "--json"], 120)
         lines = [line for line in text.splitlines() if line.startswith("{")]
-        summary["bench_weights"] = json.loads(lines[-1]) if code == 0 and lines else {"rc": code}
+        round_.record("bench_weights", json.loads(lines[-1]) if code == 0 and lines else {"rc": code})
 
-    def train(name: str, flags: list[str], timeout: float) -> dict[str, Any]:
+    def train(name: str, flags: list[str], limit: float) -> dict[str, Any]:
         """``python -m pipeline.grpo`` on the GPU over cuda-ipc with ``flags``: its figures and peak GPU memory."""
-        run_dir = os.path.join(args.out, name)
+        run_dir = os.path.join(round_.scratch, name)
         command = [python, "-m", "pipeline.grpo", "--device", "cuda", "--transport", "cuda-ipc", "--quiet"]
         with GpuMemory() as memory:
-            code, _ = run(
-                [*command, "--report-to", "none", "--run-dir", run_dir, *flags],
-                env,
-                timeout,
-                os.path.join(args.out, f"{name}.log"),
-            )
-        return {"rc": code, **pipeline_figures(run_dir), "peak_gpu_gb": memory.peaks}
+            code, _ = round_.run(name, [*command, "--report-to", "none", "--run-dir", run_dir, *flags], limit)
+        figures = pipeline_figures(run_dir)
+        if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+            shutil.copy(os.path.join(run_dir, "metrics.jsonl"), os.path.join(round_.out, f"{name}.metrics.jsonl"))
+        shutil.rmtree(run_dir, ignore_errors=True)  # its checkpoint is gigabytes for a 0.5 B model
+        return {"rc": code, **figures, "peak_gpu_gb": memory.peaks}
 
     if "digits" not in args.skip:
-        summary["digits"] = train("digits", [], 120)
+        round_.record("digits", train("digits", [], 90))
 
     if "hf" not in args.skip:
-        folder = os.path.join(args.out, "qwen-shape")
-        code, _ = run(
-            [python, "examples/tiny_hf_model.py", folder, "--shape", "qwen2.5-0.5b", "--rows", "2000"],
-            env,
-            180,
-            os.path.join(args.out, "build_model.log"),
-        )
+        folder = os.path.join(round_.scratch, "qwen-shape")
+        build = [python, "examples/tiny_hf_model.py", folder, "--shape", "qwen2.5-0.5b", "--rows", "2000"]
+        code, _ = round_.run("build_model", build, 150)
         task = [
             *("--model", os.path.join(folder, "model"), "--dataset", os.path.join(folder, "train.jsonl")),
             *("--reward", os.path.join(folder, "rewards.py") + ":reversed_digits", "--max-new-tokens", "64"),
             *("--steps", str(args.steps), "--target-score", "none", "--eval-every", str(args.steps)),
-            *("--eval-size", "64", "--lr", "1e-6"),
+            *("--eval-size", "64", "--lr", "1e-6", "--save-every", "0"),
         ]
-        for dtype in ("float32", "bfloat16"):
+        for dtype in ("bfloat16", "float32"):  # bf16 first: the faster one, and the one the issue is about
             if code != 0:
-                summary[f"hf_{dtype}"] = {"rc": code, "why": "the model could not be built"}
+                round_.record(f"hf_{dtype}", {"rc": code, "why": "the model could not be built"})
             else:
-                summary[f"hf_{dtype}"] = train(f"hf-{dtype}", [*task, "--dtype", dtype], 200)
-
-    line = json.dumps(summary)
-    with open(os.path.join(args.out, "gpu_round.json"), "w") as f:
-        f.write(line + "\n")
-    print(line)
-    return 0
+                round_.record(f"hf_{dtype}", train(f"hf-{dtype}", [*task, "--dtype", dtype], 180))
 
 
 if __name__ == "__main__":

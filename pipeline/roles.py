@@ -41,7 +41,16 @@ from actors import (
 from .messages import WAKE, Config, GeneratorTimes, Grant, Rollout, ScoredRollout
 from .task import Scores, load_task, to_device
 
-__all__ = ["Generator", "RefModel", "Scorer", "role_device", "sampling_seed", "uses_reference", "weights_dtype"]
+__all__ = [
+    "Generator",
+    "RefModel",
+    "Scorer",
+    "hold_weights",
+    "role_device",
+    "sampling_seed",
+    "uses_reference",
+    "weights_dtype",
+]
 
 #: How long a generator waits for the policy version a grant requires.
 WEIGHTS_TIMEOUT = 60.0
@@ -61,6 +70,29 @@ def uses_reference(config: Config) -> bool:
 def weights_dtype(config: Config) -> torch.dtype:
     """The dtype generators and the reference hold, and updates carry: the run's (the trainer keeps float32)."""
     return torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
+
+
+def hold_weights(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """``model`` on ``device`` with its weights in ``dtype``: parameters and saved buffers, nothing else.
+
+    Buffers a model does not save (a rotary embedding's inverse frequencies)
+    are derived constants it keeps in float32 whatever its weights' dtype, as
+    ``from_pretrained(dtype=...)`` leaves them: in bfloat16 they would shift
+    every position's angle, more the longer the sequence.
+    """
+    model = model.to(device)
+    if dtype == torch.float32:
+        return model
+    saved = set(model.state_dict())
+    for parameter in model.parameters():
+        if parameter.is_floating_point():
+            parameter.data = parameter.data.to(dtype)
+    for module_name, module in model.named_modules():
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            full = f"{module_name}.{name}" if module_name else name
+            if buffer is not None and buffer.is_floating_point() and full in saved:
+                setattr(module, name, buffer.to(dtype))
+    return model
 
 
 def role_device(config: Config, role: str) -> torch.device:
@@ -86,7 +118,8 @@ class Generator(ReceivesWeights):
         self.task = load_task(config)
         self.id = current_rank().rank
         self.device = role_device(config, "generator")
-        self.policy = self.task.build_policy().to(self.device, weights_dtype(config)).requires_grad_(False).eval()
+        policy = hold_weights(self.task.build_policy(), self.device, weights_dtype(config))
+        self.policy = policy.requires_grad_(False).eval()
         self.engine = self.task.build_engine(self.policy)
         self.rollouts = rollouts
         seed = 1_000_003 * (config.seed + 1) + 7_919 * (self.id + 1)
@@ -254,7 +287,8 @@ class RefModel(Actor):
         self.config = config
         self.task = load_task(config)
         self.device = role_device(config, "ref")
-        self.model = self.task.build_policy().to(self.device, weights_dtype(config)).requires_grad_(False).eval()
+        model = hold_weights(self.task.build_policy(), self.device, weights_dtype(config))
+        self.model = model.requires_grad_(False).eval()
         consumer = WeightConsumer()
         consumer.install(initial, self.model)
         consumer.close()

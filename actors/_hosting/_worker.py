@@ -80,15 +80,18 @@ def program_modules() -> list[tuple[str, ModuleType]]:
     """The loaded modules that are the program's own source: never a library's, wherever it was installed.
 
     A module is the program's when its file lies under the launching script's
-    folder (``sys.path[0]``) or the working directory, and the folder it was
-    imported from is no install location (it holds no ``*.dist-info`` or
-    ``*.egg-info``). Libraries put on ``PYTHONPATH``, installed with
-    ``pip --target`` or baked into a container layer keep their globals:
-    their finalizers may still need them.
+    folder (``sys.path[0]``) or the working directory and it was imported
+    from one of those two folders, or from another folder that is neither on
+    ``PYTHONPATH`` nor an install location (one holding ``*.dist-info`` or
+    ``*.egg-info``). Libraries put on ``PYTHONPATH`` (vendored or not),
+    installed with ``pip --target`` or baked into a container layer keep
+    their globals: their finalizers may still need them.
     """
     roots = {os.path.realpath(p) for p in (sys.path[0] if sys.path and sys.path[0] else os.getcwd(), os.getcwd())}
     excluded = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, *site.getsitepackages())}
     excluded.add(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))  # this runtime
+    declared = {os.path.realpath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p} - roots
+    entries = sorted({os.path.realpath(p or os.getcwd()) for p in sys.path}, key=len, reverse=True)
     installs: dict[str, bool] = {}
     found = []
     for name, module in list(sys.modules.items()):
@@ -97,18 +100,13 @@ def program_modules() -> list[tuple[str, ModuleType]]:
             continue
         if any(path.startswith(p + os.sep) for p in excluded):
             continue
-        if name not in ("__main__", "__mp_main__") and _install_location(_imported_from(name), installs):
-            continue
+        if name not in ("__main__", "__mp_main__"):
+            entry = next((e for e in entries if path.startswith(e + os.sep)), None)  # where it was found
+            if entry is not None and entry not in roots:
+                if entry in declared or _install_location(entry, installs):
+                    continue
         found.append((name, module))
     return found
-
-
-def _imported_from(name: str) -> str:
-    """The folder on ``sys.path`` that module ``name``'s top-level package or module was found in."""
-    top = sys.modules.get(name.partition(".")[0])
-    path = os.path.realpath(getattr(top, "__file__", None) or "/")
-    folder = os.path.dirname(path)
-    return os.path.dirname(folder) if os.path.basename(path) == "__init__.py" else folder
 
 
 def _install_location(folder: str, seen: dict[str, bool]) -> bool:

@@ -98,7 +98,7 @@ handle = Handle()
 
 USES_LIBRARY = """
 import os, sys
-import farlib
+IMPORT_LIBRARY
 from actors import Actor, endpoint, this_host
 
 
@@ -116,22 +116,33 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("where", ["elsewhere", "target-in-program"])
+@pytest.mark.parametrize(
+    "where", ["elsewhere", "target-in-program", "vendored-in-program", "namespace-in-program", "installed-on-a-pth"]
+)
 def test_a_library_on_pythonpath_keeps_its_globals_when_a_worker_exits(tmp_path, where):
     """A library installed outside site-packages (PYTHONPATH, pip --target, a container layer) is not the program's."""
     program = tmp_path / "program"
     program.mkdir()
-    if where == "elsewhere":
+    library, package, on_pythonpath = program / "deps", "", True
+    if where == "elsewhere":  # PYTHONPATH=/somewhere/else
         library = tmp_path / "libs"
-    else:  # `pip install --target program/deps`: under the program's folder, but an install location
-        library = program / "deps"
+    elif where in ("target-in-program", "installed-on-a-pth"):  # pip install --target program/deps
         (library / "farlib-1.0.dist-info").mkdir(parents=True)
-    library.mkdir(exist_ok=True)
+        on_pythonpath = where == "target-in-program"  # else found through sys.path only (a .pth, site.addsitedir)
+    elif where == "namespace-in-program":  # a namespace package (no __init__.py, no __file__ of its own)
+        package = "nsfar"
+    library = library / package if package else library
+    library.mkdir(parents=True, exist_ok=True)
     (library / "farlib.py").write_text(textwrap.dedent(LIBRARY))
+    root = library.parent if package else library
+    importing = f"import {package}.farlib as farlib" if package else "import farlib"
+    if not on_pythonpath:
+        importing = f"sys.path.append({str(root)!r})\n{importing}"
     script = program / "program.py"
-    script.write_text(textwrap.dedent(USES_LIBRARY))
+    script.write_text(textwrap.dedent(USES_LIBRARY).replace("IMPORT_LIBRARY", importing))
     mark = tmp_path / "wiped"
-    env = dict(ENV, PYTHONPATH=os.pathsep.join([str(library), ENV["PYTHONPATH"]]), FARLIB_MARK=str(mark))
+    paths = [str(root)] if on_pythonpath else []
+    env = dict(ENV, PYTHONPATH=os.pathsep.join([*paths, ENV["PYTHONPATH"]]), FARLIB_MARK=str(mark))
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.splitlines()[-1] == "stopped"

@@ -444,3 +444,16 @@ def test_passes_by_token_budget_and_checkpointing_give_the_same_update(tmp_path,
     assert update.grad_norm == pytest.approx(whole.grad_norm, rel=1e-5)
     for name, gradient in expected.items():  # the step's gradients (Adam's first step would magnify rounding)
         torch.testing.assert_close(got[name], gradient, rtol=1e-4, atol=1e-7)
+
+
+def test_bfloat16_roles_hold_their_weights_in_bfloat16_and_derived_buffers_in_float32(model_and_tokenizer):
+    """A rotary embedding's inverse frequencies are not weights: in bfloat16 they would shift every position."""
+    import copy
+
+    from pipeline.roles import hold_weights
+
+    model = hold_weights(copy.deepcopy(model_and_tokenizer[0]), torch.device("cpu"), torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert {v.dtype for v in model.state_dict().values() if v.is_floating_point()} == {torch.bfloat16}
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+    assert model.lm_head.weight is model.model.embed_tokens.weight, "tied weights stay tied"

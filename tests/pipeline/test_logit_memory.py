@@ -43,7 +43,7 @@ def test_a_chunk_holds_at_most_the_budget():
     assert chunk_positions(16) == 2**21 and chunk_positions(10**9) == 1
 
 
-def test_the_split_model_gives_the_models_own_log_probs_and_falls_back_when_it_cannot():
+def test_the_split_model_gives_the_models_own_log_probs_and_falls_back_when_it_cannot(caplog):
     transformers = pytest.importorskip("transformers", reason="needs the hf extra")
     from pipeline.causal_lm import CompletionLogps
 
@@ -82,7 +82,8 @@ def test_the_split_model_gives_the_models_own_log_probs_and_falls_back_when_it_c
     capped.split = (capped.split[0], lambda hidden: model.lm_head(hidden) * 2)
     got, _ = capped(tokens, prompt_mask, 0.9)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert capped.split is None
+    assert capped.split is None and capped.path == "logits_to_keep" and split.path == "head in chunks"
+    assert "could not be taken apart" in caplog.text
 
 
 def test_micro_batches_follow_the_token_budget():
