@@ -20,8 +20,10 @@ out of time is recorded and the round goes on. In order:
    trained for ``--steps`` steps of 256 x 64 tokens with the default
    flags, with ``--dtype bfloat16`` and in float32: steps/s, completion
    tokens/s, generate / train / weight-sync milliseconds (medians), the
-   update's size, the log-prob mismatch, and each role's peak GPU memory
-   (sampled from ``nvidia-smi`` every 0.25 s, by process title).
+   update's size, the log-prob mismatch, the trainer's and the generators'
+   peak GPU memory as torch's allocator saw it (``memory/*`` metrics), and
+   every process's as the driver saw it (``nvidia-smi`` every 0.25 s, by
+   process title).
 
 Each step's output goes to ``<out>/<name>.log`` and each run's metrics to
 ``<out>/<name>.metrics.jsonl``; the summary is rewritten to
@@ -171,6 +173,10 @@ def pipeline_figures(run_dir: str) -> dict[str, Any]:
         values = [r[name] for r in rows if r.get(name) is not None]
         return float(f"{statistics.median(values):.4g}") if values else None  # 4 significant digits
 
+    def highest(name: str) -> float | None:
+        values = [r[name] for r in rows if r.get(name) is not None]
+        return round(max(values), 3) if values else None
+
     return {
         "steps": len(rows),
         "seconds": round(seconds, 2),
@@ -182,6 +188,8 @@ def pipeline_figures(run_dir: str) -> dict[str, Any]:
         "update_mb": median("weights/update_mb"),
         "logp_mismatch": median("mismatch/logp_abs"),
         "score": rows[-1].get("score"),
+        "trainer_peak_gpu_gb": highest("memory/trainer_peak_gpu_gb"),
+        "generator_peak_gpu_gb": highest("memory/generator_peak_gpu_gb"),
     }
 
 

@@ -71,6 +71,7 @@ class Rollout:
     response_length: float = 0.0
     times: GeneratorTimes = field(default_factory=GeneratorTimes)
     ticket: int = -1  # the trainer step it was granted for (pipeline.tickets)
+    peak_gpu_gb: float | None = None  # the generator's peak GPU memory so far (torch's allocator); None on a CPU
 
 
 @dataclass
@@ -144,6 +145,8 @@ class StepReport:
     is_truncated: float = 0.0  # --is-correction tis: the share of tokens whose weight was capped
     lr: float = 0.0  # the learning rate this step used
     update_bytes: int = 0  # bytes of the newest weight update published (in the generators' dtype)
+    trainer_peak_gpu_gb: float | None = None  # the trainer's peak GPU memory so far; None on a CPU
+    generator_peak_gpu_gb: float | None = None  # that of the generator that drew this rollout
     reward_components: dict[str, float] = field(default_factory=dict)  # each reward function's mean
 
 

@@ -46,6 +46,7 @@ __all__ = [
     "RefModel",
     "Scorer",
     "hold_weights",
+    "peak_gpu_gb",
     "role_device",
     "sampling_seed",
     "uses_reference",
@@ -93,6 +94,11 @@ def hold_weights(model: torch.nn.Module, device: torch.device, dtype: torch.dtyp
             if buffer is not None and buffer.is_floating_point() and full in saved:
                 setattr(module, name, buffer.to(dtype))
     return model
+
+
+def peak_gpu_gb(device: torch.device) -> float | None:
+    """The most GPU memory torch's allocator has held for tensors on ``device`` in this process (GiB); None on a CPU."""
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
 
 def role_device(config: Config, role: str) -> torch.device:
@@ -174,7 +180,9 @@ class Generator(ReceivesWeights):
         samples = to_device(self.task.sample(self.policy, self.rng, ticket=ticket), CPU)
         self.times.generate = time.perf_counter() - started
         tokens, length = self.task.measure(samples)
-        return Rollout(self.id, self.produced, self.version, samples, tokens, length, self.times, ticket)
+        return Rollout(
+            self.id, self.produced, self.version, samples, tokens, length, self.times, ticket, peak_gpu_gb(self.device)
+        )
 
     @endpoint
     async def run(self) -> int:

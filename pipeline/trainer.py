@@ -33,7 +33,7 @@ from actors import (
 from . import checkpoint
 from .learner import Learner, Update
 from .messages import Config, Grant, ScoredRollout, StepReport
-from .roles import Generator, role_device, uses_reference, weights_dtype
+from .roles import Generator, peak_gpu_gb, role_device, uses_reference, weights_dtype
 from .task import load_task, to_device
 from .tickets import Tickets
 from .weight_routes import WeightRoutes
@@ -281,7 +281,9 @@ class Trainer(Actor):
             train=update.seconds,
             publish=published,
             update_bytes=self.routes.update_bytes,
+            trainer_peak_gpu_gb=peak_gpu_gb(self.device),
             generator_times=rollout.times,
+            generator_peak_gpu_gb=rollout.peak_gpu_gb,
             trainer_queue=self.inbox.qsize() + self.tickets.waiting(),
             scorer_queue=item.scorer_queue,
             ref_queue=item.ref_queue,

@@ -59,6 +59,9 @@ FIELDS = {
     "timing/weight_sync_ms",
     "timing/wait_policy_ms",
     "timing/generate_ms",
+    "weights/update_mb",
+    "memory/trainer_peak_gpu_gb",
+    "memory/generator_peak_gpu_gb",
     "perf/steps_per_s",
     "perf/tokens_generated_per_s",
     "perf/tokens_trained_per_s",
@@ -156,6 +159,7 @@ async def test_bfloat16_runs_hold_and_send_bfloat16_weights_and_train_float32_ma
         assert set((run_dir / "dtypes").read_text().splitlines()) == {f"generator torch.{dtype}", f"ref torch.{dtype}"}
         assert all(r["mismatch/logp_abs"] >= 0 for r in rows) and all(r["actor/loss"] == r["actor/loss"] for r in rows)
         sizes[dtype] = {r["weights/update_mb"] for r in rows}
+        assert all(r["memory/trainer_peak_gpu_gb"] is None for r in rows), "no GPU memory on a CPU"
         masters = load_checkpoint(str(run_dir))["policy"]
         assert {value.dtype for value in masters.values() if value.is_floating_point()} == {torch.float32}
     (fp32,), (bf16,) = sizes["float32"], sizes["bfloat16"]

@@ -116,3 +116,4 @@ def test_a_hugging_face_model_trains_on_the_gpu_with_each_engine_and_dtype(tmp_p
     assert len(rows) == 12 and all(r["actor/loss"] == r["actor/loss"] for r in rows)
     sizes = {r["weights/update_mb"] for r in rows}
     assert len(sizes) == 1 and sizes.pop() > 0
+    assert all(r["memory/trainer_peak_gpu_gb"] > 0 and r["memory/generator_peak_gpu_gb"] > 0 for r in rows)
