@@ -3,7 +3,8 @@
     python benchmarks/bench_logit_memory.py [--rows 256] [--new 64] [--old-rows 16,32] [--repeat 3]
 
 Each measurement is a fresh process that builds a 2-layer, 16-wide Qwen2 with
-Qwen2.5's 151,936-token vocabulary, takes one forward and backward pass over
+Qwen2.5's 151,936-token vocabulary, takes one GRPO training step (the
+completions' log-probs, the clipped loss, backward, an Adam step) over
 ``rows`` completions of ``new`` tokens after an 8-token prompt, and reports
 its peak resident memory. ``new``: :class:`pipeline.causal_lm.CompletionLogps`
 (hidden states through the head in chunks, the entropy without a graph).
@@ -41,12 +42,13 @@ def peak_rss_mb() -> float:
 
 
 def one_step(rows: int, new: int, how: str) -> dict[str, float]:
-    """One forward and backward pass in this process; its peak resident memory (MB) and seconds."""
+    """One GRPO training step in this process (log-probs, the loss, backward, Adam); its peak memory (MB) and seconds."""
     import torch
     import transformers
 
     from pipeline.causal_lm import CompletionLogps
     from pipeline.sampling import token_logps
+    from pipeline.token_loss import LossSpec, group_advantages, token_grpo_loss
 
     torch.manual_seed(0)
     config = transformers.Qwen2Config(
@@ -59,8 +61,11 @@ def one_step(rows: int, new: int, how: str) -> dict[str, float]:
         tie_word_embeddings=True,
     )
     model = transformers.Qwen2ForCausalLM(config).train()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-6)
     tokens = torch.randint(0, VOCAB, (rows, PROMPT + new), device="cpu")
     prompt_mask = torch.ones(rows, PROMPT, dtype=torch.long, device="cpu")
+    mask = torch.ones(rows, new, device="cpu")
+    advantages = group_advantages(torch.rand(rows, device="cpu"), 8 if rows % 8 == 0 else 1)
     before = peak_rss_mb()
     started = time.perf_counter()
     if how == "old":
@@ -68,7 +73,9 @@ def one_step(rows: int, new: int, how: str) -> dict[str, float]:
         logps, entropy = token_logps(logits, tokens[:, PROMPT:], 1.0)
     else:
         logps, entropy = CompletionLogps(model)(tokens, prompt_mask, 1.0)
-    (logps.sum() + 0.0 * entropy.sum()).backward()
+    loss = token_grpo_loss(logps, logps.detach(), None, mask, advantages, LossSpec(), entropy=entropy)
+    loss.loss.backward()  # type: ignore[no-untyped-call]
+    optimizer.step()
     seconds = time.perf_counter() - started
     peak = peak_rss_mb()
     return {"peak_mb": peak, "step_mb": peak - before, "seconds": seconds}
@@ -109,7 +116,7 @@ def main() -> int:
     low, high = min(old_rows), max(old_rows)
     per_row = (old_peaks[high] - old_peaks[low]) / (high - low) if high > low else old_peaks[low] / low
     old_at_rows = old_peaks[low] + per_row * (args.rows - low)
-    print(f"one pass, {args.rows} rows x {args.new} new tokens, vocabulary {VOCAB:,}, medians of {args.repeat}:")
+    print(f"one GRPO step, {args.rows} rows x {args.new} new tokens, vocabulary {VOCAB:,}, medians of {args.repeat}:")
     print(f"  chunked (new):    peak {new_peak:8.0f} MB   {new_seconds:.1f} s")
     for r in old_rows:
         print(f"  full logits (old) at {r} rows: peak {old_peaks[r]:8.0f} MB")

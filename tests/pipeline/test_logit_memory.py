@@ -102,7 +102,7 @@ def test_micro_batches_follow_the_token_budget():
 
 
 def peak_of_one_step(rows: int, new: int, how: str) -> dict[str, float]:
-    """Peak resident memory (MB) of a fresh process taking one forward and backward pass."""
+    """Peak resident memory (MB) of a fresh process taking one GRPO training step (log-probs, loss, backward, Adam)."""
     bench = os.path.join(ROOT, "benchmarks", "bench_logit_memory.py")
     out = subprocess.run(
         [sys.executable, bench, "--step", str(rows), str(new), how],
@@ -116,10 +116,10 @@ def peak_of_one_step(rows: int, new: int, how: str) -> dict[str, float]:
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
-#: The stated bound for one step of 256 rows x 64 new tokens at a 151,936-token vocabulary, measured at 990 MB
-#: (a 2-layer, 16-wide Qwen2: the embedding and its Adam-free gradient are 20 MB). The computation before held
+#: The stated bound for one GRPO step (log-probs, loss, backward, Adam) of 256 rows x 64 new tokens at a
+#: 151,936-token vocabulary, measured at 999 MB (a 2-layer, 16-wide Qwen2: its embedding is 9.7 M parameters). The computation before held
 #: float32 logits at every position: 256 x 71 x 151,936 x 4 B = 11 GB for the logits alone, and log_softmax and
-#: the entropy as much again each; measured at 16 rows it took 3.6 GB (benchmarks/bench_logit_memory.py).
+#: the entropy as much again each; measured at 16 rows it took 3.5 GB (benchmarks/bench_logit_memory.py).
 PEAK_LIMIT_MB = 1500
 
 
