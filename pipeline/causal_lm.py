@@ -16,7 +16,7 @@ import inspect
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -126,11 +126,6 @@ class CompletionLogps:
         self._checked = self.split is None
         forward = inspect.signature(model.forward).parameters
         self._keep = next((name for name in ("logits_to_keep", "num_logits_to_keep") if name in forward), None)
-        get_head = getattr(model, "get_output_embeddings", None)
-        vocab = getattr(get_head() if callable(get_head) else None, "out_features", None)
-        if not isinstance(vocab, int):
-            vocab = getattr(getattr(model, "config", None), "vocab_size", 0)
-        self.vocab = int(vocab) if isinstance(vocab, int) else 0  # sizes the chunks of the split path
 
     def __call__(
         self, tokens: torch.Tensor, prompt_mask: torch.Tensor, temperature: float = 1.0
@@ -160,9 +155,9 @@ class CompletionLogps:
         if not self._checked and self.split is not None:
             self._check_split(inputs)
         if self.split is not None:
-            body, head = self.split
+            body, head, vocab = self.split
             hidden = body(**inputs).last_hidden_state[:, -completion:]
-            return chunked_token_logps(hidden, head, targets, temperature, self.vocab, self.budget)
+            return chunked_token_logps(hidden, head, targets, temperature, vocab, self.budget)
         keep = {self._keep: completion} if self._keep is not None else {}
         logits = self.model(**inputs, **keep).logits[:, -completion:]
         return chunked_token_logps(logits, _identity, targets, temperature, logits.shape[-1], self.budget)
@@ -177,7 +172,7 @@ class CompletionLogps:
         scored through its own forward instead, and a warning says so.
         """
         assert self.split is not None
-        body, head = self.split
+        body, head, _ = self.split
         one = {name: value[:1] if isinstance(value, torch.Tensor) else value for name, value in inputs.items()}
         last = {self._keep: 1} if self._keep is not None else {}
         was_training = self.model.training
@@ -217,8 +212,16 @@ def _identity(logits: torch.Tensor) -> torch.Tensor:
     return logits
 
 
-def _body_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, Callable[[torch.Tensor], torch.Tensor]] | None:
-    """The model's body (hidden states out) and its output head as a function, or None if it does not split so."""
+class Split(NamedTuple):
+    """A causal LM taken apart: its body (hidden states out), its head as a function, the vocabulary it scores."""
+
+    body: torch.nn.Module
+    head: Callable[[torch.Tensor], torch.Tensor]
+    vocab: int
+
+
+def _body_and_head(model: torch.nn.Module) -> Split | None:
+    """The model's body and output head (:class:`Split`), or None if it does not split so."""
     get_head = getattr(model, "get_output_embeddings", None)
     body = getattr(model, "base_model", None)
     linear = get_head() if callable(get_head) else None
@@ -239,7 +242,7 @@ def _body_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, Callable[[t
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    return body, head
+    return Split(body, head, linear.out_features)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -19,9 +19,10 @@ import asyncio
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
     from .messages import Config
 
 __all__ = ["HFBatch", "HFTask"]
+
+T = TypeVar("T")
 
 #: Completion limit when ``--max-new-tokens`` is not given (TRL's default).
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -68,7 +71,7 @@ class HFTask(Task):
             raise ValueError("--task hf needs --dataset")
         self.max_new_tokens = config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
         self._engines: dict[int, tuple[torch.nn.Module, Engine]] = {}
-        self._scorers: dict[int, CompletionLogps] = {}
+        self._scorers: dict[int, tuple[torch.nn.Module, CompletionLogps]] = {}
 
     # -- what each role loads, once, when it first needs it ------------------------------------------------
 
@@ -153,10 +156,7 @@ class HFTask(Task):
 
     def engine(self, policy: torch.nn.Module) -> Engine:
         """The engine that samples ``policy``: the one built for it, else (the trainer's evaluation) the built-in."""
-        held = self._engines.get(id(policy))
-        if held is None or held[0] is not policy:
-            held = self._engines[id(policy)] = (policy, BuiltinEngine(policy, self.tokenizer))
-        return held[1]
+        return _held(self._engines, policy, lambda: BuiltinEngine(policy, self.tokenizer))
 
     def sample(self, policy: torch.nn.Module, generator: torch.Generator, ticket: int = 0) -> HFBatch:
         data = self.train_data
@@ -192,10 +192,7 @@ class HFTask(Task):
 
     def logps_of(self, model: torch.nn.Module) -> CompletionLogps:
         """What scores completions under ``model`` (one per model: its body/head split is checked once)."""
-        held = self._scorers.get(id(model))
-        if held is None or held.model is not model:
-            held = self._scorers[id(model)] = CompletionLogps(model)
-        return held
+        return _held(self._scorers, model, lambda: CompletionLogps(model))
 
     def reference_logps(self, reference: torch.nn.Module, samples: HFBatch) -> torch.Tensor:
         """The reference's log-probs, in passes of at most ``--max-tokens-per-pass`` tokens."""
@@ -290,3 +287,11 @@ class HFTask(Task):
         os.replace(staging, target)
         shutil.rmtree(old, ignore_errors=True)
         return target
+
+
+def _held(cache: dict[int, tuple[torch.nn.Module, T]], model: torch.nn.Module, build: Callable[[], T]) -> T:
+    """What ``cache`` holds for ``model``, built once (keyed by identity: a module is not hashable by value)."""
+    held = cache.get(id(model))
+    if held is None or held[0] is not model:
+        held = cache[id(model)] = (model, build())
+    return held[1]

@@ -79,7 +79,7 @@ def test_the_split_model_gives_the_models_own_log_probs_and_falls_back_when_it_c
 
     capped = CompletionLogps(model)  # a head the split does not reproduce (say, an unknown logit transform)
     assert capped.split is not None
-    capped.split = (capped.split[0], lambda hidden: model.lm_head(hidden) * 2)
+    capped.split = capped.split._replace(head=lambda hidden: model.lm_head(hidden) * 2)
     got, _ = capped(tokens, prompt_mask, 0.9)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert capped.split is None and capped.path == "logits_to_keep" and split.path == "head in chunks"
