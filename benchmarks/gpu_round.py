@@ -1,6 +1,7 @@
 """The whole GPU round in one command: the gpu tests, weight sync, the digit pipeline, a 0.5 B-shaped model.
 
-    python benchmarks/gpu_round.py [--wheels .whl] [--out DIR] [--steps 20] [--budget 450]
+    python benchmarks/gpu_round.py [--wheels .whl] [--out DIR] [--budget 450]
+        [--skip tests weights digits hf] [--hf-runs bfloat16:64:20 float32:256:8]
 
 For a GPU machine lent for a few minutes: the whole round keeps within
 ``--budget`` seconds (450), each step a subprocess whose deadline is the
@@ -17,16 +18,19 @@ out of time is recorded and the round goes on. In order:
 5. a random Qwen2 of Qwen2.5-0.5B's shape (494 M parameters, a
    151,936-token vocabulary; built from a config by
    ``examples/tiny_hf_model.py --shape qwen2.5-0.5b``, nothing downloaded)
-   trained for ``--steps`` steps of 256 x 64 tokens with the default
-   flags, with ``--dtype bfloat16`` and in float32: steps/s, completion
+   trained with the default flags (two generators) for each ``--hf-runs``
+   entry ``dtype:completion tokens:steps``: 20 steps of 256 x 64 tokens in
+   bfloat16 (the speed figures), and 8 of 256 x 256 in float32 (the
+   largest default: does it fit one GPU?). Per run: steps/s, completion
    tokens/s, generate / train / weight-sync milliseconds (medians), the
    update's size, the log-prob mismatch, the trainer's and the generators'
-   peak GPU memory as torch's allocator saw it (``memory/*`` metrics), and
-   every process's as the driver saw it (``nvidia-smi`` every 0.25 s, by
-   process title).
+   peak and reserved GPU memory as torch's allocator saw it (``memory/*``
+   metrics), and every process's as the driver saw it (``nvidia-smi`` every
+   0.25 s, by process title).
 
-Each step's output goes to ``<out>/<name>.log`` and each run's metrics to
-``<out>/<name>.metrics.jsonl``; the summary is rewritten to
+Every step's output is appended to ``<out>/round.log`` and each run's
+metrics go to ``<out>/<name>.metrics.jsonl`` (few files: a lent machine
+returns at most eight); the summary is rewritten to
 ``<out>/gpu_round.json`` after every step and printed as one JSON line at
 the end. The model and the runs' checkpoints (gigabytes) stay in a scratch
 folder that is removed. On a machine without CUDA it prints one line
@@ -66,7 +70,7 @@ def _text(value: str | bytes | None) -> str:
 class Round:
     """The round's steps, each a subprocess whose deadline is the smaller of its own and the time the round has left.
 
-    Each step's output goes to ``<out>/<name>.log``; the summary is rewritten
+    Each step's output is appended to ``<out>/round.log``; the summary is rewritten
     to ``<out>/gpu_round.json`` after every step, so a round cut short still
     leaves what it measured. Large files (the model, checkpoints) go to a
     scratch folder that is removed at the end, not to ``out``.
@@ -97,8 +101,8 @@ class Round:
         except subprocess.TimeoutExpired as exc:
             code = 124
             text = f"{_text(exc.stdout)}{_text(exc.stderr)}\n[gpu_round: stopped after {timeout:.0f} s]"
-        with open(os.path.join(self.out, f"{name}.log"), "w") as f:
-            f.write(text)
+        with open(os.path.join(self.out, "round.log"), "a") as f:
+            f.write(f"===== {name} (rc={code}) =====\n{text}\n")
         print(f"[{time.perf_counter() - started:6.1f} s] rc={code} {name}", flush=True)
         return code, text
 
@@ -190,16 +194,32 @@ def pipeline_figures(run_dir: str) -> dict[str, Any]:
         "score": rows[-1].get("score"),
         "trainer_peak_gpu_gb": highest("memory/trainer_peak_gpu_gb"),
         "generator_peak_gpu_gb": highest("memory/generator_peak_gpu_gb"),
+        "trainer_reserved_gpu_gb": highest("memory/trainer_reserved_gpu_gb"),
+        "generator_reserved_gpu_gb": highest("memory/generator_reserved_gpu_gb"),
     }
+
+
+def hf_run(text: str) -> tuple[str, int, int]:
+    """``dtype:tokens:steps`` (``bfloat16:64:20``) as a tuple; argparse's error for anything else."""
+    parts = text.split(":")
+    if len(parts) != 3 or parts[0] not in ("bfloat16", "float32") or not all(p.isdigit() for p in parts[1:]):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected dtype:tokens:steps, dtype bfloat16 or float32")
+    return parts[0], int(parts[1]), int(parts[2])
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--wheels", default=os.path.join(ROOT, ".whl"), help="folder of wheels to install first")
     parser.add_argument("--out", default=os.environ.get("OUT") or tempfile.mkdtemp(prefix="gpu-round-"))
-    parser.add_argument("--steps", type=int, default=20, help="steps of the 0.5 B-shaped model per dtype")
     parser.add_argument("--budget", type=float, default=450, help="seconds the whole round may take (default 450)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["tests", "weights", "digits", "hf"])
+    parser.add_argument(
+        "--hf-runs",
+        nargs="+",
+        type=hf_run,
+        default=[hf_run("bfloat16:64:20"), hf_run("float32:256:8")],
+        help="the 0.5 B-shaped model's runs, each dtype:completion tokens:steps (default bfloat16:64:20 float32:256:8)",
+    )
     args = parser.parse_args()
     device = cuda_device()
     if device is None:
@@ -264,15 +284,17 @@ def play(round_: Round, args: argparse.Namespace) -> None:
         code, _ = round_.run("build_model", build, 150)
         task = [
             *("--model", os.path.join(folder, "model"), "--dataset", os.path.join(folder, "train.jsonl")),
-            *("--reward", os.path.join(folder, "rewards.py") + ":reversed_digits", "--max-new-tokens", "64"),
-            *("--steps", str(args.steps), "--target-score", "none", "--eval-every", str(args.steps)),
+            *("--reward", os.path.join(folder, "rewards.py") + ":reversed_digits", "--target-score", "none"),
             *("--eval-size", "64", "--lr", "1e-6", "--save-every", "0"),
         ]
-        for dtype in ("bfloat16", "float32"):  # bf16 first: the faster one, and the one the issue is about
+        for dtype, tokens, steps in args.hf_runs:
+            name = f"hf_{dtype}_{tokens}"
             if code != 0:
-                round_.record(f"hf_{dtype}", {"rc": code, "why": "the model could not be built"})
-            else:
-                round_.record(f"hf_{dtype}", train(f"hf-{dtype}", [*task, "--dtype", dtype], 180))
+                round_.record(name, {"rc": code, "why": "the model could not be built"})
+                continue
+            length = ["--max-new-tokens", str(tokens), "--steps", str(steps), "--eval-every", str(steps)]
+            figures = train(name.replace("_", "-"), [*task, *length, "--dtype", dtype], 180)
+            round_.record(name, {"completion_tokens": tokens, **figures})
 
 
 if __name__ == "__main__":

@@ -72,6 +72,7 @@ class Rollout:
     times: GeneratorTimes = field(default_factory=GeneratorTimes)
     ticket: int = -1  # the trainer step it was granted for (pipeline.tickets)
     peak_gpu_gb: float | None = None  # the generator's peak GPU memory so far (torch's allocator); None on a CPU
+    reserved_gpu_gb: float | None = None  # the most its caching allocator has reserved (cached blocks included)
 
 
 @dataclass
@@ -147,6 +148,8 @@ class StepReport:
     update_bytes: int = 0  # bytes of the newest weight update published (in the generators' dtype)
     trainer_peak_gpu_gb: float | None = None  # the trainer's peak GPU memory so far; None on a CPU
     generator_peak_gpu_gb: float | None = None  # that of the generator that drew this rollout
+    trainer_reserved_gpu_gb: float | None = None  # the most the trainer's caching allocator has reserved
+    generator_reserved_gpu_gb: float | None = None  # that of the generator that drew this rollout
     reward_components: dict[str, float] = field(default_factory=dict)  # each reward function's mean
 
 

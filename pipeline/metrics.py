@@ -95,6 +95,8 @@ def metric_row(report: StepReport, windowed: dict[str, float]) -> dict[str, Any]
         "weights/update_mb": report.update_bytes / 2**20,
         "memory/trainer_peak_gpu_gb": report.trainer_peak_gpu_gb,
         "memory/generator_peak_gpu_gb": report.generator_peak_gpu_gb,
+        "memory/trainer_reserved_gpu_gb": report.trainer_reserved_gpu_gb,
+        "memory/generator_reserved_gpu_gb": report.generator_reserved_gpu_gb,
         "timing/delivery_ms": _ms(gen.delivery),
         "timing/install_ms": _ms(gen.install),
         "timing/weight_sync_ms": _ms(report.publish + gen.install),

@@ -33,7 +33,7 @@ from actors import (
 from . import checkpoint
 from .learner import Learner, Update
 from .messages import Config, Grant, ScoredRollout, StepReport
-from .roles import Generator, peak_gpu_gb, role_device, uses_reference, weights_dtype
+from .roles import Generator, peak_gpu_gb, reserved_gpu_gb, role_device, uses_reference, weights_dtype
 from .task import load_task, to_device
 from .tickets import Tickets
 from .weight_routes import WeightRoutes
@@ -284,6 +284,8 @@ class Trainer(Actor):
             trainer_peak_gpu_gb=peak_gpu_gb(self.device),
             generator_times=rollout.times,
             generator_peak_gpu_gb=rollout.peak_gpu_gb,
+            trainer_reserved_gpu_gb=reserved_gpu_gb(self.device),
+            generator_reserved_gpu_gb=rollout.reserved_gpu_gb,
             trainer_queue=self.inbox.qsize() + self.tickets.waiting(),
             scorer_queue=item.scorer_queue,
             ref_queue=item.ref_queue,

@@ -62,6 +62,8 @@ FIELDS = {
     "weights/update_mb",
     "memory/trainer_peak_gpu_gb",
     "memory/generator_peak_gpu_gb",
+    "memory/trainer_reserved_gpu_gb",
+    "memory/generator_reserved_gpu_gb",
     "perf/steps_per_s",
     "perf/tokens_generated_per_s",
     "perf/tokens_trained_per_s",
