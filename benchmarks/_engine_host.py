@@ -14,18 +14,14 @@ from typing import Any
 import torch
 
 from actors import ReceivesWeights, WeightConsumer, WeightManifest, endpoint
-from pipeline.causal_lm import causal_logps, load_model, load_tokenizer
-from pipeline.engines import BuiltinEngine, Engine, GenerateEngine, SamplingParams
-
-
-def build(
-    kind: str, folder: str, policy: torch.nn.Module, tokenizer: Any, device: torch.device, vllm_dtype: str
-) -> Engine:
-    if kind == "vllm":
-        from pipeline.vllm_engine import VLLMEngine
-
-        return VLLMEngine(folder, tokenizer, policy, device=device, dtype=vllm_dtype)
-    return GenerateEngine(policy, tokenizer) if kind == "hf" else BuiltinEngine(policy, tokenizer)
+from pipeline.models import (
+    SamplingParams,
+    VLLMOptions,
+    build_engine,
+    causal_logps,
+    load_model,
+    load_tokenizer,
+)
 
 
 class EngineHost(ReceivesWeights):
@@ -39,7 +35,7 @@ class EngineHost(ReceivesWeights):
         self.tokenizer = load_tokenizer(folder)
         self.policy = load_model(folder).to(self.device).eval().requires_grad_(False)
         started = time.perf_counter()
-        self.engine = build(kind, folder, self.policy, self.tokenizer, self.device, vllm_dtype)
+        self.engine = build_engine(kind, self.policy, self.tokenizer, folder, VLLMOptions(dtype=vllm_dtype))
         self.start_s = time.perf_counter() - started
 
     @endpoint

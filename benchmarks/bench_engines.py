@@ -38,8 +38,8 @@ import uvloop
 
 from actors import WeightPublisher, this_host
 from pipeline import Config, run_pipeline
-from pipeline.causal_lm import load_model, load_tokenizer
-from pipeline.metrics import read_rows
+from pipeline.models import load_model, load_tokenizer
+from pipeline.run import read_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZES = {"tiny": (64, 2, 2, 256), "small": (512, 8, 8, 1376)}  # width, layers, heads, MLP width

@@ -8,7 +8,7 @@ For each seed, trains the default task (a tiny transformer reversing 6
 digits) three ways, all measured in this run: the pipeline exactly as
 ``python -m pipeline.grpo`` runs it (separate processes, asynchronous,
 start-up included), and the one-process, on-policy loop (the same
-:class:`~pipeline.learner.Learner`, task and seed) with
+:class:`~pipeline.learning.Learner`, task and seed) with
 one torch thread and with as many threads as the pipeline has cores
 (``--baseline-threads``; default 1 and this machine's cores). All stop at
 the first evaluation (every 10 steps) that reaches ``--target`` held-out
@@ -38,7 +38,7 @@ import torch
 import uvloop
 
 from pipeline import Config, run_pipeline, train_one_process
-from pipeline.metrics import read_rows
+from pipeline.run import read_rows
 
 
 def _median(rows: list[dict[str, Any]], key: str) -> float:

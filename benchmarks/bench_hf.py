@@ -27,7 +27,7 @@ from typing import Any
 import uvloop
 
 from pipeline import Config, run_pipeline
-from pipeline.metrics import read_rows
+from pipeline.run import read_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

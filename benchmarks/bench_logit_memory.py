@@ -6,7 +6,7 @@ Each measurement is a fresh process that builds a 2-layer, 16-wide Qwen2 with
 Qwen2.5's 151,936-token vocabulary, takes one GRPO training step (the
 completions' log-probs, the clipped loss, backward, an Adam step) over
 ``rows`` completions of ``new`` tokens after an 8-token prompt, and reports
-its peak resident memory. ``new``: :class:`pipeline.causal_lm.CompletionLogps`
+its peak resident memory. ``new``: :class:`pipeline.models.CompletionLogps`
 (hidden states through the head in chunks, the entropy without a graph).
 ``old`` (the raw baseline, what the pipeline did before): logits at every
 position in float32, then ``log_softmax``, the gather and the entropy over
@@ -46,9 +46,8 @@ def one_step(rows: int, new: int, how: str) -> dict[str, float]:
     import torch
     import transformers
 
-    from pipeline.causal_lm import CompletionLogps
-    from pipeline.sampling import token_logps
-    from pipeline.token_loss import LossSpec, group_advantages, token_grpo_loss
+    from pipeline.algorithm import LossSpec, group_advantages, token_grpo_loss, token_logps
+    from pipeline.models import CompletionLogps
 
     torch.manual_seed(0)
     config = transformers.Qwen2Config(

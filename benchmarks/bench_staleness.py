@@ -24,7 +24,7 @@ from typing import Any
 import uvloop
 
 from pipeline import Config, run_pipeline
-from pipeline.metrics import read_rows
+from pipeline.run import read_rows
 
 
 def _run(args: argparse.Namespace, bound: int, seed: int) -> dict[str, Any]:

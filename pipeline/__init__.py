@@ -8,38 +8,40 @@ causal LM on the user's prompts with TRL-style reward functions
 (:class:`HFTask`, the ``hf`` extra); ``--task bandit`` and user
 :class:`Task` subclasses plug in the same way. Run it with
 ``python -m pipeline.grpo``.
+
+The package is built in layers, each a subpackage that imports only those
+below it (``docs/architecture.md``)::
+
+    run        flags, placement, the launcher, metrics, trackers
+    roles      the actors: Generator, Scorer, RefModel, Trainer; their messages
+    learning   the Learner, checkpoints, the one-process baseline
+    tasks      the Task interface, the built-in tasks, users' data and rewards
+    models | config    models and engines | the run's Config and its checks
+    algorithm  GRPO's mathematics on tensors
 """
 
-from typing import TYPE_CHECKING, Any
-
-from .bandit import BanditSamples, BanditTask
-from .engines import BuiltinEngine, Completions, Engine, GenerateEngine, SamplingParams
-from .hf_task import HFBatch, HFTask
-from .learner import Learner, Update
-from .messages import Config, GeneratorTimes, Grant, Rollout, ScoredRollout, StepReport
-from .reference import ReferenceResult, train_one_process
-from .rewards import RewardError, RewardSet
-from .roles import Generator, RefModel, Scorer
-from .task import LossReport, Scores, Task, load_task, resolve, task_class, to_device
-from .token_task import DigitsTask, TokenBatch
-from .trainer import Trainer
-from .vllm_engine import VLLMEngine, VLLMUnavailable
-
-if TYPE_CHECKING:
-    from .grpo import PipelineError, Roles, RunResult, main, run_pipeline
-
-_LAUNCHER = {"PipelineError", "Roles", "RunResult", "main", "run_pipeline"}
-
-
-def __getattr__(name: str) -> Any:
-    # The launcher loads on first use, so ``python -m pipeline.grpo`` runs it
-    # as __main__ without the package having imported it first.
-    if name in _LAUNCHER:
-        from . import grpo
-
-        return getattr(grpo, name)
-    raise AttributeError(f"module 'pipeline' has no attribute {name!r}")
-
+from .config import Config
+from .learning import Learner, ReferenceResult, Update, train_one_process
+from .models import BuiltinEngine, Completions, Engine, GenerateEngine, SamplingParams, VLLMEngine, VLLMUnavailable
+from .roles import Generator, GeneratorTimes, Grant, RefModel, Rollout, ScoredRollout, Scorer, StepReport, Trainer
+from .run import PipelineError, Roles, RunResult, main, read_rows, run_pipeline
+from .tasks import (
+    BanditSamples,
+    BanditTask,
+    DigitsTask,
+    HFBatch,
+    HFTask,
+    LossReport,
+    RewardError,
+    RewardSet,
+    Scores,
+    Task,
+    TokenBatch,
+    load_task,
+    resolve,
+    task_class,
+    to_device,
+)
 
 __all__ = [
     "BanditSamples",
@@ -78,6 +80,7 @@ __all__ = [
     "VLLMUnavailable",
     "load_task",
     "main",
+    "read_rows",
     "resolve",
     "run_pipeline",
     "task_class",

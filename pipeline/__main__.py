@@ -1,5 +1,5 @@
 """``python -m pipeline`` runs the GRPO pipeline (same as ``python -m pipeline.grpo``)."""
 
-from .grpo import exit_now, main
+from .run import exit_now, main
 
 exit_now(main())

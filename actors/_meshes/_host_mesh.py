@@ -110,6 +110,12 @@ class HostMesh:
         """
         policy = RestartPolicy(restart, max_restarts, restart_period)
         extent, boot = check_spawn(per_host, bootstrap)
+        return self._spawn(extent, boot, name, threads, policy)
+
+    def _spawn(
+        self, extent: dict[str, int], boot: str | None, name: str | None, threads: int, policy: RestartPolicy
+    ) -> ProcMesh:
+        """Start the processes of checked arguments: here, from the forkserver (a mesh of other hosts overrides it)."""
         if current_runtime() is None:
             prefork()  # while this process may still be single-threaded: a forked forkserver starts at once
         rt = runtime()

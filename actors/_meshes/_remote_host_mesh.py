@@ -39,9 +39,9 @@ from .._runtime._relay import Relay
 from .._runtime._value_mesh import select
 from .._shared._liveness import ProcRef
 from .._shared._loops import loop_running
-from .._shared._restart import RestartMode, RestartPolicy
+from .._shared._restart import RestartPolicy
 from .._shared._session import TCP_HOST_ENV, TRANSPORT_ENV, tcp_host
-from ._host_mesh import HostMesh, check_spawn, main_module, worker_config
+from ._host_mesh import HostMesh, main_module, worker_config
 from ._proc_mesh import ProcMesh
 
 __all__ = ["ADDRESS_POOL", "RemoteHostMesh", "RemoteNode", "Requested", "exit_reason", "use_tcp"]
@@ -171,22 +171,12 @@ class RemoteHostMesh(HostMesh):
         view._root = self._root or self
         return view
 
-    def spawn_procs(
-        self,
-        per_host: dict[str, int] | None = None,
-        bootstrap: Callable[[], None] | None = None,
-        name: str | None = None,
-        *,
-        threads: int = 1,
-        restart: RestartMode = "never",
-        max_restarts: int = 3,
-        restart_period: float = 60.0,
+    def _spawn(
+        self, per: dict[str, int], boot: str | None, name: str | None, threads: int, policy: RestartPolicy
     ) -> ProcMesh:
-        """Start ``per_host`` processes on every host; the mesh's extent is ``{"hosts": N, **per_host}``."""
+        """Start ``per`` processes on every host; the mesh's extent is ``{"hosts": N, **per}``."""
         if self.closed or (self._root is not None and self._root.closed):
             raise RuntimeError(f"{self!r} has been shut down")
-        policy = RestartPolicy(restart, max_restarts, restart_period)
-        per, boot = check_spawn(per_host, bootstrap)
         if "hosts" in per:
             raise ValueError("per_host counts processes on each host; 'hosts' is the host mesh's own dimension")
         lost = [str(node) for node in self._nodes if node.lost]

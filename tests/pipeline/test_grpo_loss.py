@@ -10,11 +10,10 @@ import pytest
 import torch
 
 from pipeline import Config, DigitsTask, Learner, resolve, train_one_process
-from pipeline.digits import EOS, PAD
-from pipeline.learner import lr_factor
-from pipeline.model import completion_logps
-from pipeline.token_loss import LossSpec, group_advantages, token_grpo_loss, token_weights
-from pipeline.token_task import TokenBatch
+from pipeline.algorithm import LossSpec, group_advantages, token_grpo_loss, token_weights
+from pipeline.learning import lr_factor
+from pipeline.models import completion_logps
+from pipeline.tasks import EOS, PAD, TokenBatch
 
 # Two completions of one prompt; the second is one token long. Ratios e^0.5, 1 | e^-0.5, (masked).
 MASK = torch.tensor([[1.0, 1.0], [1.0, 0.0]])

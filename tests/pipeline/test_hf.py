@@ -14,13 +14,10 @@ pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '
 pytest.importorskip("datasets", reason="needs the hf extra: pip install -e '.[hf]'")
 
 from pipeline import Config, PipelineError, resolve, run_pipeline
-from pipeline.causal_lm import causal_logps, load_model, load_tokenizer
-from pipeline.data import DataError, PromptData, load_rows
-from pipeline.engines import BuiltinEngine, GenerateEngine, SamplingParams
 from pipeline.grpo import main
-from pipeline.hf_task import HFTask
-from pipeline.metrics import read_rows
-from pipeline.rewards import RewardError, RewardSet, load_reward
+from pipeline.models import BuiltinEngine, GenerateEngine, SamplingParams, causal_logps, load_model, load_tokenizer
+from pipeline.run import read_rows
+from pipeline.tasks import DataError, HFTask, PromptData, RewardError, RewardSet, load_reward, load_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -128,7 +125,7 @@ def _reward_file(tmp_path, body: str) -> str:  # type: ignore[no-untyped-def]
 def test_rewards_load_by_file_module_and_builtin_name_with_weights(tiny):
     from_file = load_reward(f"{tiny / 'rewards.py'}:reversed_digits=0.5")
     builtin = load_reward("exact_match")
-    module = load_reward("pipeline.rewards:final_number=2")
+    module = load_reward("pipeline.tasks:final_number=2")
     assert (from_file.name, from_file.weight) == ("reversed_digits", 0.5)
     assert (builtin.name, builtin.weight, module.weight) == ("exact_match", 1.0, 2.0)
 
@@ -178,7 +175,7 @@ def test_a_reward_that_fails_while_scoring_names_itself(tmp_path, body, message)
 
 
 def test_builtin_rewards():
-    from pipeline.rewards import exact_match, final_number, think_answer_format
+    from pipeline.tasks import exact_match, final_number, think_answer_format
 
     assert exact_match([], [" 42 ", "41"], ["42", "42"]) == [1.0, 0.0]
     assert final_number([], ["so it is 1,234.", "it is 7"], ["work... #### 1234", "#### 8"]) == [1.0, 0.0]
@@ -308,7 +305,7 @@ async def test_a_hf_model_trains_in_the_pipeline_and_saves_what_transformers_loa
     assert len(logged) == 4 and set(logged[0]["rewards"]) == {"reversed_digits", "exact_match"}
     # the exported folder gives the trainer's logits
     saved = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "model")).eval()
-    from pipeline.checkpoint import load
+    from pipeline.learning.checkpoint import load
 
     task = HFTask(resolve(_config(tiny, tmp_path)))
     policy = task.build_policy().eval()
@@ -334,7 +331,7 @@ async def test_a_resumed_run_repeats_an_uninterrupted_one_step_for_step(tmp_path
     Each rollout's prompts and sampling randomness follow its ticket (its step), so nothing depends on
     which process drew it or when; the checkpoint holds the policy, the optimiser and the schedule.
     """
-    from pipeline.checkpoint import load
+    from pipeline.learning.checkpoint import load
 
     settings = dict(mode="sync", generators=1, steps=6, eval_every=3, log_completions=0, kl_coeff=0.02)
     await run_pipeline(_config(tiny, tmp_path / "whole", **settings), quiet=True)
@@ -421,7 +418,7 @@ def test_a_completion_without_its_end_token_is_marked_truncated(tmp_path, tiny, 
     ids=["token-budget", "checkpointing", "micro-batch+checkpointing"],
 )
 def test_passes_by_token_budget_and_checkpointing_give_the_same_update(tmp_path, tiny, changes):
-    from pipeline.learner import Learner
+    from pipeline.learning import Learner
 
     def one_update(**overrides):  # type: ignore[no-untyped-def]
         config = resolve(_config(tiny, tmp_path, prompts=4, group=2, max_new_tokens=6, kl_coeff=0.05, **overrides))

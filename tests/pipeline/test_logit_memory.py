@@ -10,8 +10,7 @@ import sys
 import pytest
 import torch
 
-from pipeline.logit_head import chunk_positions, chunked_token_logps
-from pipeline.sampling import token_logps
+from pipeline.algorithm import chunk_positions, chunked_token_logps, token_logps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -45,7 +44,7 @@ def test_a_chunk_holds_at_most_the_budget():
 
 def test_the_split_model_gives_the_models_own_log_probs_and_falls_back_when_it_cannot(caplog):
     transformers = pytest.importorskip("transformers", reason="needs the hf extra")
-    from pipeline.causal_lm import CompletionLogps
+    from pipeline.models import CompletionLogps
 
     torch.manual_seed(0)
     config = transformers.Qwen2Config(
@@ -88,8 +87,7 @@ def test_the_split_model_gives_the_models_own_log_probs_and_falls_back_when_it_c
 
 def test_micro_batches_follow_the_token_budget():
     from pipeline import Config
-    from pipeline.task import resolve
-    from pipeline.token_task import DigitsTask
+    from pipeline.tasks import DigitsTask, resolve
 
     task = DigitsTask(resolve(Config()))
     samples = task.sample(task.build_policy(), torch.Generator(device="cpu").manual_seed(0))

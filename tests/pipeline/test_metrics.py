@@ -9,7 +9,7 @@ import os
 import pytest
 
 from pipeline import GeneratorTimes, StepReport
-from pipeline.metrics import WINDOW, MetricsLog, Progress, RateWindow, metric_row, plot, read_rows
+from pipeline.run import WINDOW, MetricsLog, Progress, RateWindow, metric_row, plot, read_rows
 
 
 def report(step: int, **changes: object) -> StepReport:
@@ -167,7 +167,7 @@ def test_logged_completions_reach_tensorboard_as_text_once_each(tmp_path):
     pytest.importorskip("tensorboard", reason="needs the tensorboard package")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from pipeline.sinks import CompletionsFeed, TensorBoardSink
+    from pipeline.run import CompletionsFeed, TensorBoardSink
 
     path = tmp_path / "completions.jsonl"
     path.write_text(json.dumps({"prompt": "old", "completion": "x", "rewards": {"r": 1.0}}) + "\n")

@@ -23,8 +23,8 @@ from pipeline_support import (
 )
 
 from pipeline import Config, DigitsTask, PipelineError, Roles, run_pipeline
-from pipeline.checkpoint import load as load_checkpoint
-from pipeline.metrics import read_rows
+from pipeline.learning.checkpoint import load as load_checkpoint
+from pipeline.run import read_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: Keys every metrics.jsonl row has (docs/pipeline.md defines each).
@@ -209,7 +209,7 @@ def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
     "flags, message",
     [
         (["--task", "juggle"], "unknown task 'juggle'"),
-        (["--task", "pipeline.messages:Config"], "must be a subclass of pipeline.task.Task"),
+        (["--task", "pipeline.config:Config"], "must be a subclass of pipeline.Task"),
         (["--task", "no_such_module:Task"], "No module named 'no_such_module'"),
         (["--target-score", "high"], "'high' is not a number"),
         (["--model", "huge"], "--model huge: the built-in tasks train a preset (tiny, small, gpu-300m)"),
@@ -305,7 +305,7 @@ def test_kill_9_of_a_role_stops_the_run_naming_it(tmp_path, role, title):
 async def test_a_role_failing_because_a_peer_died_is_not_named_for_it():
     """The scorer dies; a generator's send to it fails first (PortClosed): the scorer is the one named."""
     from actors import ActorDied, ActorError
-    from pipeline.failures import first_failure as _first_failure
+    from pipeline.run import first_failure as _first_failure
 
     async def generator() -> None:
         raise ActorError(

@@ -9,8 +9,7 @@ from test_pipeline import cli
 
 from pipeline import Config, run_pipeline
 from pipeline.grpo import parse_args
-from pipeline.metrics import read_rows
-from pipeline.placement import PlacementError, check_placement
+from pipeline.run import PlacementError, check_placement, read_rows
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine-without-CUDA path")
 

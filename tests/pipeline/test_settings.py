@@ -11,8 +11,8 @@ import torch
 from harness import actor_pids
 
 from pipeline import Config, DigitsTask, resolve
+from pipeline.config import SettingsError, check_settings
 from pipeline.grpo import main, parse_args
-from pipeline.settings import SettingsError, check_settings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.tickets import Tickets
+from pipeline.roles import Tickets
 
 
 def test_tickets_go_round_robin_with_their_oldest_allowed_version():

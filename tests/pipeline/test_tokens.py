@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from pipeline import Config, DigitsTask, resolve, train_one_process
-from pipeline.digits import BOS, EOS, PAD, PLUS, SEP, DigitProblem, verify
-from pipeline.model import ModelConfig, TinyTransformer, completion_logps, generate
-from pipeline.sampling import filter_logits
+from pipeline.algorithm import filter_logits
+from pipeline.models import ModelConfig, TinyTransformer, completion_logps, generate
+from pipeline.tasks import BOS, EOS, PAD, PLUS, SEP, DigitProblem, verify
 
 
 def model(seed: int = 0) -> TinyTransformer:

@@ -19,11 +19,17 @@ pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '
 
 from actors import WeightPublisher, send
 from pipeline import Config, run_pipeline
-from pipeline.causal_lm import causal_logps, load_model, load_tokenizer
-from pipeline.cli import parse_args
-from pipeline.metrics import read_rows
-from pipeline.settings import SettingsError, check_settings
-from pipeline.vllm_engine import VLLMUnavailable, import_vllm, logprobs_mode, vllm_missing
+from pipeline.config import SettingsError, check_settings
+from pipeline.models import (
+    VLLMUnavailable,
+    causal_logps,
+    import_vllm,
+    load_model,
+    load_tokenizer,
+    logprobs_mode,
+    vllm_missing,
+)
+from pipeline.run import parse_args, read_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MISSING = vllm_missing()

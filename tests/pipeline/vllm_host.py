@@ -1,4 +1,4 @@
-"""An actor that holds a :class:`pipeline.vllm_engine.VLLMEngine` in its own process, for the vLLM tests.
+"""An actor that holds a :class:`pipeline.models.VLLMEngine` in its own process, for the vLLM tests.
 
 vLLM binds threads and sets global state in the process that imports it,
 so the tests never import it themselves: they talk to this actor.
@@ -11,9 +11,7 @@ from typing import Any
 import torch
 
 from actors import ReceivesWeights, endpoint
-from pipeline.causal_lm import load_model, load_tokenizer
-from pipeline.engines import SamplingParams
-from pipeline.vllm_engine import VLLMEngine
+from pipeline.models import SamplingParams, VLLMEngine, load_model, load_tokenizer
 
 
 class VLLMHost(ReceivesWeights):

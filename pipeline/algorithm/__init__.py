@@ -1,0 +1,40 @@
+"""GRPO's mathematics on tensors, at the bottom of the pipeline.
+
+Group advantages, the clipped token loss and its variants (``grpo``,
+``dr_grpo``, ``dapo``, the dual clip, the k3 KL, truncated importance
+weights), one sampling step, and the log-probabilities of chosen tokens
+computed chunk by chunk so memory does not grow with the vocabulary.
+Imports torch alone: no actors, no models, no configuration.
+"""
+
+from ._logit_head import LOGITS_PER_CHUNK, chunk_positions, chunked_token_logps
+from ._loss import (
+    LOSSES,
+    REWARD_SCALES,
+    LossKind,
+    LossSpec,
+    RewardScale,
+    TokenLoss,
+    group_advantages,
+    token_grpo_loss,
+    token_weights,
+)
+from ._sampling import draw, filter_logits, token_logps
+
+__all__ = [
+    "LOGITS_PER_CHUNK",
+    "LOSSES",
+    "REWARD_SCALES",
+    "LossKind",
+    "LossSpec",
+    "RewardScale",
+    "TokenLoss",
+    "chunk_positions",
+    "chunked_token_logps",
+    "draw",
+    "filter_logits",
+    "group_advantages",
+    "token_grpo_loss",
+    "token_logps",
+    "token_weights",
+]

@@ -1,0 +1,87 @@
+"""Log-probabilities of chosen tokens from hidden states, chunk by chunk: memory that does not grow with the vocabulary.
+
+A causal LM's head turns each position's hidden state into logits over the
+whole vocabulary: at 151,936 tokens, float32 logits for a 256 x 80 rollout
+are 11 GiB, and ``log_softmax`` and the entropy each hold as much again.
+GRPO needs one number per position, the log-probability of the token taken
+(and, as a metric, the entropy), so :func:`chunked_token_logps` passes the
+hidden states through the head a few hundred positions at a time (as TRL's
+selective log-softmax does): each chunk's logits live only while that chunk
+is computed, and with gradients on, the chunk is recomputed in the backward
+pass (:func:`torch.utils.checkpoint.checkpoint`) rather than kept. The
+entropy is computed in the same pass under ``no_grad``: it keeps no graph.
+
+The numbers equal :func:`pipeline.algorithm.token_logps` on the full logits
+(the same ``log_softmax`` and ``gather``), so the generator's behaviour
+log-probabilities and the trainer's agree as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["LOGITS_PER_CHUNK", "chunk_positions", "chunked_token_logps"]
+
+#: Logits (positions x vocabulary) one chunk may hold: 2**25 float32 values are 128 MiB.
+LOGITS_PER_CHUNK = 2**25
+
+Head = Callable[[torch.Tensor], torch.Tensor]
+
+
+def chunk_positions(vocab: int, budget: int = LOGITS_PER_CHUNK) -> int:
+    """How many positions one chunk takes so that its logits stay within ``budget`` values."""
+    return max(1, budget // max(1, vocab))
+
+
+def _chunk_logps(
+    hidden: torch.Tensor, targets: torch.Tensor, head: Head, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probabilities [n] of ``targets`` under ``head(hidden)`` [n, V] and the distribution's entropy [n]."""
+    logits = head(hidden).float()
+    if temperature not in (0, 1):
+        logits = logits / temperature
+    logp_all = logits.log_softmax(-1)
+    logps = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logps, entropy
+
+
+def chunked_token_logps(
+    hidden: torch.Tensor,
+    head: Head,
+    targets: torch.Tensor,
+    temperature: float,
+    vocab: int,
+    budget: int = LOGITS_PER_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probabilities [N, T] of ``targets`` [N, T] under ``head`` applied to ``hidden`` [N, T, H], and entropies.
+
+    ``head`` maps hidden states to logits over ``vocab`` tokens; positions
+    go through it in chunks of at most ``budget`` logits. While gradients
+    are recorded, every chunk but a lone one is checkpointed: the backward
+    pass recomputes its logits instead of keeping them. The entropies carry
+    no gradient.
+    """
+    rows, width = targets.shape
+    flat_hidden = hidden.reshape(rows * width, hidden.shape[-1])
+    flat_targets = targets.reshape(rows * width)
+    size = chunk_positions(vocab, budget)
+    if flat_targets.numel() <= size:
+        logps, entropy = _chunk_logps(flat_hidden, flat_targets, head, temperature)
+        return logps.view(rows, width), entropy.view(rows, width)
+    recompute = torch.is_grad_enabled() and flat_hidden.requires_grad
+    parts: list[torch.Tensor] = []
+    entropies: list[torch.Tensor] = []
+    for start in range(0, flat_targets.numel(), size):
+        piece, chosen = flat_hidden[start : start + size], flat_targets[start : start + size]
+        if recompute:
+            logps, entropy = checkpoint(_chunk_logps, piece, chosen, head, temperature, use_reentrant=False)
+        else:
+            logps, entropy = _chunk_logps(piece, chosen, head, temperature)
+        parts.append(logps)
+        entropies.append(entropy.detach())
+    return torch.cat(parts).view(rows, width), torch.cat(entropies).view(rows, width)

@@ -1,0 +1,65 @@
+"""One sampling step and teacher-forced log-probabilities, shared by every generator and trainer.
+
+The built-in transformer's :func:`pipeline.models.generate`, the Hugging Face
+engine (:class:`pipeline.models.BuiltinEngine`) and both models' teacher-forced
+log-probabilities use these, so the behaviour log-probability a generator
+records is computed exactly as the trainer computes it: under the whole
+temperature-scaled distribution, whatever top-k or top-p cut the sampler.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["draw", "filter_logits", "token_logps"]
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """``logits`` with the tokens outside the top ``top_k`` and outside the smallest set of cumulative
+    probability ``top_p`` masked (``top_k`` 0 and ``top_p`` 1 are off)."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    if top_p >= 1.0:
+        return logits
+    ordered, order = logits.sort(dim=-1, descending=True)
+    probs = ordered.softmax(-1)
+    drop = probs.cumsum(-1) - probs > top_p  # keep the token that crosses top_p
+    ordered = ordered.masked_fill(drop, -math.inf)
+    return torch.full_like(logits, -math.inf).scatter(-1, order, ordered)
+
+
+def draw(
+    step_logits: torch.Tensor,
+    temperature: float,
+    generator: torch.Generator | None = None,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of ``step_logits`` [N, V] and the log-probability [N, V] it was drawn under.
+
+    ``temperature`` 0 is greedy. The returned log-probabilities are the
+    whole temperature-scaled distribution's (the policy's), not the
+    filtered one the token was sampled from (the sampler's).
+    """
+    if temperature == 0:
+        logp = step_logits.log_softmax(-1)
+        return logp.argmax(-1), logp
+    scaled = step_logits / temperature if temperature != 1 else step_logits
+    logp = scaled.log_softmax(-1)
+    cut = top_k > 0 or top_p < 1.0
+    nucleus = filter_logits(scaled, top_k, top_p).log_softmax(-1) if cut else logp
+    return torch.multinomial(nucleus.exp(), 1, generator=generator).squeeze(-1), logp
+
+
+def token_logps(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probabilities of ``targets`` [N, T] under ``logits`` [N, T, V] scaled by ``temperature``, and the
+    per-position entropy of that distribution."""
+    if temperature not in (0, 1):
+        logits = logits / temperature
+    logp_all = logits.log_softmax(-1)
+    logps = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logps, entropy

@@ -1,0 +1,33 @@
+"""The run's configuration: :class:`Config`, which every role receives, and the settings a run refuses.
+
+May import :mod:`pipeline.algorithm` (the loss kinds its fields name).
+"""
+
+from ._config import (
+    ENGINES,
+    REPORT_TO,
+    Config,
+    EngineKind,
+    InstallMode,
+    IsCorrection,
+    LrSchedule,
+    Mode,
+    ReportTo,
+    TrainDtype,
+)
+from ._settings import SettingsError, check_settings
+
+__all__ = [
+    "ENGINES",
+    "REPORT_TO",
+    "Config",
+    "EngineKind",
+    "InstallMode",
+    "IsCorrection",
+    "LrSchedule",
+    "Mode",
+    "ReportTo",
+    "SettingsError",
+    "TrainDtype",
+    "check_settings",
+]

@@ -1,0 +1,143 @@
+"""The run's configuration: one dataclass every role receives, and the literal choices its fields take."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from ..algorithm import LossKind, RewardScale
+
+__all__ = [
+    "ENGINES",
+    "REPORT_TO",
+    "Config",
+    "EngineKind",
+    "InstallMode",
+    "IsCorrection",
+    "LrSchedule",
+    "Mode",
+    "ReportTo",
+    "TrainDtype",
+]
+
+#: ``--report-to`` choices.
+ReportTo = Literal["tensorboard", "wandb", "none"]
+
+
+REPORT_TO: tuple[str, ...] = ("tensorboard", "wandb", "none")
+
+
+#: ``async``: generators run ahead of the trainer (bounded); ``sync``: lock-step, on-policy.
+Mode = Literal["async", "sync"]
+
+
+#: How generators install weights: ``copy`` into their parameters, or ``alias`` the published slot.
+InstallMode = Literal["copy", "alias"]
+
+
+#: The learning rate over the run: ``constant``, or ``cosine`` decay to 0 at the last step (after any warm-up).
+LrSchedule = Literal["constant", "cosine"]
+
+
+#: The run's precision: the trainer's autocast, and the weights generators and the reference hold and receive.
+TrainDtype = Literal["float32", "bfloat16"]
+
+
+#: What draws a generator's completions (pipeline.models, pipeline.models).
+EngineKind = Literal["builtin", "hf", "vllm"]
+ENGINES: tuple[str, ...] = ("builtin", "hf", "vllm")
+
+
+#: How the loss corrects for a behaviour policy that is not the trainer's (pipeline.algorithm).
+IsCorrection = Literal["none", "tis"]
+
+
+@dataclass
+class Config:
+    """Everything the roles need; travels to every actor as a constructor argument.
+
+    ``lr``, ``clip`` and ``kl_coeff`` left at None take the task's defaults
+    (:attr:`pipeline.tasks.Task.defaults`) when the run starts.
+    """
+
+    task: str = "reverse"  # reverse | sort | add | bandit | hf | module:Class
+    digits: int = 6  # digit tasks: input length
+    model: str = "tiny"  # a preset (pipeline.models.PRESETS), or for ``hf`` a Hugging Face model folder or name
+    dataset: str = ""  # hf: a .jsonl/.json/.parquet/.csv file or a Hub dataset name
+    dataset_split: str = "train"  # hf: the split of a Hub dataset
+    dataset_config: str = ""  # hf: the subset of a Hub dataset (gsm8k's "main")
+    prompt_column: str = "prompt"  # hf: text, or a list of chat messages
+    eval_dataset: str = ""  # hf: held-out prompts; "" holds out ``eval_fraction`` of ``dataset``
+    eval_fraction: float = 0.1
+    rewards: list[str] = field(default_factory=list)  # hf: module:function | file.py:function | built-in [=weight]
+    reward_timeout: float = 60.0  # hf: the most seconds one reward function may take on one batch
+    log_completions: int = 0  # hf: held-out (prompt, completion, rewards) rows appended per evaluation
+    top_k: int = 0  # 0: off
+    report_to: ReportTo = "tensorboard"  # tensorboard | wandb | none: where metric rows go besides metrics.jsonl
+    engine: EngineKind = "builtin"  # the generators' sampler: builtin | hf (transformers' generate) | vllm
+    vllm_dtype: str = "float32"  # vllm: the engine's weights (auto: the checkpoint's); updates are cast to it
+    vllm_gpu_memory: float = 0.3  # vllm on a GPU: the share of its memory the engine may take
+    vllm_max_model_len: int = 0  # vllm: the longest prompt + completion (0: the model's own limit)
+    is_correction: IsCorrection = "none"  # tis: truncated importance sampling against the behaviour policy
+    is_cap: float = 2.0  # tis: the most one token's importance weight may be
+    prompts: int = 32  # prompts per rollout (one trainer step)
+    group: int = 8  # samples per prompt (GRPO group)
+    max_new_tokens: int = 0  # 0: the answer's length + 2
+    temperature: float = 1.0
+    top_p: float = 1.0
+    eval_size: int = 256  # held-out prompts (or states) per evaluation
+    steps: int = 1000
+    generators: int = 2
+    mode: Mode = "async"
+    max_staleness: int = 2  # the oldest a trained rollout may be, in policy versions (0: on-policy)
+    transport: str = "shm"
+    seed: int = 0
+    lr: float | None = None
+    clip: float | None = None
+    kl_coeff: float | None = None
+    max_inflight: int = 2  # rollouts a generator may have ahead of the trainer
+    loss: LossKind = "dapo"  # grpo | dr_grpo | dapo: how token terms are averaged (pipeline.algorithm)
+    scale_rewards: RewardScale | None = None  # group | batch | none; None: none for dr_grpo, else group
+    epsilon_high: float | None = None  # the clip's upper bound (clip-higher); None: the same as ``clip``
+    dual_clip: float = 3.0  # a negative advantage's term is at most C |A| (0: off)
+    mask_truncated: bool = False  # completions that hit the length limit do not train
+    micro_batch: int = 0  # samples per forward/backward pass; 0: as many as ``max_tokens_per_pass`` allows
+    max_tokens_per_pass: int = 8192  # rows x token width of one trainer or reference pass (0: no limit)
+    gradient_checkpointing: bool = False  # a Hugging Face policy recomputes activations in the backward pass
+    max_grad_norm: float = 1.0  # clip the gradient's L2 norm to this (0: no clipping)
+    lr_schedule: LrSchedule = "constant"  # constant | cosine (to 0 at ``steps``)
+    warmup_steps: int = 0  # linear warm-up of the learning rate from 0
+    dtype: TrainDtype = "float32"  # bfloat16: trainer autocast (float32 masters), bf16 generators, reference, updates
+    eval_every: int = 10
+    checkpoint_every: int = 200
+    generator_restarts: int = 3  # a dead generator is restarted at most this often per minute
+    target_score: float | None = None  # stop once the task's primary held-out metric reaches this
+    threads: int = 1  # torch threads per role (every role is its own process)
+    run_dir: str = ""
+    device: str = "cpu"  # every role's device, unless ``devices`` names one for it
+    devices: dict[str, str] = field(default_factory=dict)  # role -> device: trainer, generator, scorer, ref
+    install: InstallMode = "copy"  # "alias": zero-copy, read-only views of the published slot
+    ray: str = ""  # a Ray cluster address ("auto": the one this machine joined); "" runs on this host only
+    ray_hosts: int = 0  # Ray nodes to spread over (0: every node of the cluster)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Config:
+        """A config from :meth:`to_dict`'s output; unknown keys (older runs) are ignored."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in names})
+
+    def device_of(self, role: str) -> str:
+        """The device ``role`` runs on."""
+        return self.devices.get(role, self.device)
+
+    def hyper(self, name: str) -> float:
+        """A hyper-parameter that :func:`pipeline.tasks.resolve` has filled in."""
+        value = getattr(self, name)
+        if value is None:
+            raise ValueError(f"config.{name} is unset: resolve the config with pipeline.tasks.resolve first")
+        return float(value)

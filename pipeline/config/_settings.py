@@ -1,0 +1,105 @@
+"""Which settings a run refuses, and why: checked before any process starts.
+
+A setting that cannot train (one sample per prompt, greedy sampling) or
+cannot run (no prompts, a negative bound) is refused with one line naming
+the flag and the reason, never a traceback, a hang or a run that learns
+nothing in silence. Device and transport placement is checked apart, in
+:mod:`pipeline.run`; what a task itself refuses (a digit count whose
+prompts cannot fill a training and a held-out set), when it is built.
+"""
+
+from __future__ import annotations
+
+from ..algorithm import LOSSES, REWARD_SCALES
+from ._config import ENGINES, REPORT_TO, Config
+
+__all__ = ["SettingsError", "check_settings"]
+
+
+class SettingsError(ValueError):
+    """A setting the run cannot train with; the message names the flag."""
+
+
+def _at_least(config: Config, name: str, low: float, why: str = "") -> None:
+    value = getattr(config, name)
+    if value is not None and value < low:
+        raise SettingsError(f"--{name.replace('_', '-')} {value}: must be at least {low}{why}")
+
+
+def _one_of(config: Config, name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(config, name)
+    if value is not None and value not in choices:
+        raise SettingsError(f"--{name.replace('_', '-')} {value}: choose one of {', '.join(choices)}")
+
+
+def check_settings(config: Config) -> None:
+    """Raise :class:`SettingsError` for the first setting of ``config`` that a run cannot train with."""
+    if config.group < 2:
+        raise SettingsError(
+            f"--group {config.group}: GRPO needs at least 2 samples per prompt (each sample's advantage is its "
+            "reward against the others of its group; alone, every advantage is 0 and nothing is learned)"
+        )
+    if not config.temperature > 0:
+        raise SettingsError(
+            f"--temperature {config.temperature}: training samples at a temperature above 0 (at 0 every sample "
+            "of a group is the same greedy completion, so every advantage is 0); evaluation is greedy already"
+        )
+    if not 0 < config.top_p <= 1:
+        raise SettingsError(f"--top-p {config.top_p}: the nucleus mass must be in (0, 1]")
+    for name in ("prompts", "steps", "eval_size", "eval_every", "generators", "max_inflight", "threads"):
+        _at_least(config, name, 1)
+    for name in (
+        "max_new_tokens",
+        "max_staleness",
+        "micro_batch",
+        "max_tokens_per_pass",
+        "warmup_steps",
+        "generator_restarts",
+        "top_k",
+        "log_completions",
+    ):
+        _at_least(config, name, 0)
+    _at_least(config, "kl_coeff", 0)
+    _at_least(config, "max_grad_norm", 0, " (0 turns clipping off)")
+    if config.lr is not None and not config.lr > 0:
+        raise SettingsError(f"--lr {config.lr}: the learning rate must be above 0")
+    if config.clip is not None and not 0 < config.clip < 1:
+        raise SettingsError(f"--clip {config.clip}: the ratio clip must be in (0, 1)")
+    if config.epsilon_high is not None and not config.epsilon_high > 0:
+        raise SettingsError(f"--epsilon-high {config.epsilon_high}: the clip's upper bound must be above 0")
+    if config.dual_clip != 0 and not config.dual_clip > 1:
+        raise SettingsError(f"--dual-clip {config.dual_clip}: the dual clip C must be above 1 (or 0: off)")
+    if not config.reward_timeout > 0:
+        raise SettingsError(f"--reward-timeout {config.reward_timeout}: a reward function needs some time (above 0)")
+    if not 0 < config.eval_fraction < 1:
+        raise SettingsError(f"--eval-fraction {config.eval_fraction}: the held-out share must be in (0, 1)")
+    _one_of(config, "loss", LOSSES)
+    _one_of(config, "scale_rewards", REWARD_SCALES)
+    _one_of(config, "lr_schedule", ("constant", "cosine"))
+    _one_of(config, "dtype", ("float32", "bfloat16"))
+    _one_of(config, "mode", ("async", "sync"))
+    _one_of(config, "report_to", REPORT_TO)
+    _one_of(config, "engine", ENGINES)
+    _one_of(config, "is_correction", ("none", "tis"))
+    _one_of(config, "vllm_dtype", ("auto", "float32", "bfloat16", "float16"))
+    if not config.is_cap >= 1:
+        raise SettingsError(f"--is-cap {config.is_cap}: a truncated importance weight's cap must be at least 1")
+    if not 0 < config.vllm_gpu_memory <= 1:
+        raise SettingsError(f"--vllm-gpu-memory {config.vllm_gpu_memory}: a share of the GPU's memory, in (0, 1]")
+    _at_least(config, "vllm_max_model_len", 0)
+    generator_device = config.device_of("generator")
+    if config.engine == "vllm" and generator_device.startswith("cuda:") and generator_device != "cuda:0":
+        raise SettingsError(
+            f"--engine vllm with generators on {generator_device}: vLLM runs on the first GPU its process sees; "
+            "choose the GPUs with CUDA_VISIBLE_DEVICES and place the generators on cuda"
+        )
+    if config.gradient_checkpointing and config.task != "hf":
+        raise SettingsError(
+            "--gradient-checkpointing recomputes a Hugging Face model's layers (--task hf, --dataset); the built-in "
+            "tasks' models are small enough to keep their activations"
+        )
+    if config.engine != "builtin" and config.task != "hf":
+        raise SettingsError(
+            f"--engine {config.engine} samples a Hugging Face model (--task hf, --dataset); the built-in tasks' "
+            "models sample with the built-in sampler"
+        )

@@ -1,0 +1,19 @@
+"""The trainer's half of GRPO without any actor: the :class:`Learner`, its checkpoint, the one-process baseline.
+
+:func:`train_one_process` trains the same task on-policy in one process,
+the yardstick the pipeline is measured against. May import
+:mod:`pipeline.tasks` and below.
+"""
+
+from . import checkpoint
+from ._learner import Learner, Update, lr_factor
+from ._one_process import ReferenceResult, train_one_process
+
+__all__ = [
+    "Learner",
+    "ReferenceResult",
+    "Update",
+    "checkpoint",
+    "lr_factor",
+    "train_one_process",
+]

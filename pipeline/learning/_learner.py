@@ -1,0 +1,136 @@
+"""The trainer's half of GRPO, shared by the Trainer actor and the one-process baseline.
+
+A :class:`Learner` owns the policy being trained, its optimiser and the
+frozen reference weights (the policy as initialised), applies one update per
+batch and evaluates on the task's held-out set. Keeping it out of the actor
+means the pipeline and :func:`pipeline.learning.train_one_process` run the
+same arithmetic, so their learning curves compare like for like.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..tasks import LossReport, Task
+
+if TYPE_CHECKING:
+    from ..config import Config
+
+__all__ = ["Learner", "Update", "lr_factor"]
+
+
+@dataclass
+class Update:
+    """One optimiser step's loss terms, gradient norm (before clipping), learning rate and duration."""
+
+    report: LossReport
+    grad_norm: float
+    seconds: float
+    lr: float = 0.0
+
+
+def lr_factor(config: Config) -> Callable[[int], float]:
+    """The learning rate's multiplier at each optimiser step: linear warm-up, then constant or cosine to 0."""
+    warmup, total, cosine = config.warmup_steps, config.steps, config.lr_schedule == "cosine"
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if not cosine:
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+class Learner:
+    """Policy + Adam (with its schedule) + reference weights for one task on one device."""
+
+    def __init__(self, task: Task, device: torch.device) -> None:
+        self.task = task
+        self.device = device
+        config = task.config
+        torch.manual_seed(task.seed)  # every run of a seed starts from the same policy
+        self.policy = task.build_policy().to(device)
+        self.optim = torch.optim.Adam(self.policy.parameters(), lr=config.hyper("lr"))
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optim, lr_factor(config))
+        self.reference_state = copy.deepcopy(self.policy.state_dict())
+        self.micro_batch = config.micro_batch
+        self.max_tokens = config.max_tokens_per_pass
+        if config.gradient_checkpointing:
+            enable = getattr(self.policy, "gradient_checkpointing_enable", None)
+            if enable is None:
+                name = type(self.policy).__name__
+                raise ValueError(f"--gradient-checkpointing: a {name} cannot recompute its layers")
+            enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.max_grad_norm = config.max_grad_norm if config.max_grad_norm > 0 else math.inf
+        self.compute_dtype = getattr(torch, config.dtype)
+
+    def _precision(self) -> contextlib.AbstractContextManager[Any]:
+        """Autocast to the run's compute dtype (nothing for float32): the parameters stay in their own."""
+        if self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+    def update(self, samples: Any, rewards: torch.Tensor, ref_logps: torch.Tensor | None) -> Update:
+        """One GRPO step on ``samples`` (already on this device), in micro-batches if the run asks for them."""
+        started = time.perf_counter()
+        self.optim.zero_grad()
+        total: LossReport | None = None
+        for rows in self.task.micro_batches(samples, self.micro_batch, self.max_tokens):
+            with self._precision():
+                report = self.task.loss(self.policy, samples, rewards, ref_logps, rows)
+            report.loss.backward()  # type: ignore[no-untyped-call]
+            total = report if total is None else total.add(report)
+        if total is None:
+            raise ValueError(f"{type(self.task).__name__}.micro_batches gave no rows to train on")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
+        lr = self.optim.param_groups[0]["lr"]
+        self.optim.step()
+        self.schedule.step()
+        total.loss = total.loss.detach()
+        return Update(total, float(grad_norm), time.perf_counter() - started, float(lr))
+
+    def evaluate(self) -> dict[str, float]:
+        """The task's held-out metrics for the current policy."""
+        return self._with_primary(self.task.evaluate(self.policy))
+
+    async def evaluate_async(self) -> dict[str, float]:
+        """:meth:`evaluate` on an event loop (the task's reward functions are awaited)."""
+        return self._with_primary(await self.task.evaluate_async(self.policy))
+
+    def _with_primary(self, metrics: dict[str, float]) -> dict[str, float]:
+        if self.task.primary not in metrics:
+            raise KeyError(f"{type(self.task).__name__}.evaluate must report {self.task.primary!r}")
+        return metrics
+
+    def reference(self) -> torch.nn.Module:
+        """A frozen copy of the initial policy (the one-process baseline's RefModel)."""
+        model = self.task.build_policy().to(self.device)
+        model.load_state_dict(self.reference_state)
+        return model.requires_grad_(False).eval()
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the learner."""
+        return {
+            "policy": self.policy.state_dict(),
+            "optimizer": self.optim.state_dict(),
+            "schedule": self.schedule.state_dict(),
+            "ref": self.reference_state,
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.policy.load_state_dict(state["policy"])
+        self.optim.load_state_dict(state["optimizer"])
+        if "schedule" in state:  # checkpoints from before schedules had none: constant
+            self.schedule.load_state_dict(state["schedule"])
+        self.reference_state = {name: value.to(self.device) for name, value in state["ref"].items()}

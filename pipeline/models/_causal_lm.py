@@ -1,0 +1,250 @@
+"""Hugging Face causal language models: loading them, and their log-probabilities under left padding.
+
+Every role that holds the policy (trainer, generators, reference model)
+loads it with :func:`load_model` from the same name or folder, so the
+architectures match and weights published by the trainer install anywhere.
+Prompts of different lengths share a batch left-padded; positions are
+counted from each row's first real token (:func:`positions`), so a prompt
+gets the same logits alone or in a padded batch, in generation and in
+training. ``transformers`` is imported only here and in the modules that
+use it: the ``hf`` extra is optional.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from ..algorithm import LOGITS_PER_CHUNK, chunked_token_logps
+
+__all__ = [
+    "CompletionLogps",
+    "ModelError",
+    "causal_logps",
+    "check_model",
+    "load_model",
+    "load_tokenizer",
+    "positions",
+    "require_transformers",
+]
+
+
+_log = logging.getLogger(__name__)
+
+
+class ModelError(ValueError):
+    """A ``--model`` that is not a causal language model, or a tokenizer the run cannot use."""
+
+
+def require_transformers() -> Any:
+    """The ``transformers`` module, or a clear error naming the extra that installs it."""
+    try:
+        import transformers
+    except ImportError:
+        raise ModelError("Hugging Face models need transformers: pip install -e '.[hf]'") from None
+    transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # roles log their own
+    return transformers
+
+
+def _offline(name: str) -> dict[str, Any]:
+    """Keyword arguments that keep a local folder from touching the network."""
+    return {"local_files_only": True} if os.path.isdir(name) else {}
+
+
+def check_model(name: str) -> Any:
+    """``name``'s config, if it describes a causal language model (nothing else is loaded)."""
+    transformers = require_transformers()
+    try:
+        config = transformers.AutoConfig.from_pretrained(name, **_offline(name))
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"--model {name}: not a preset, a model folder or a Hub name ({_first_line(exc)})") from None
+    mapping = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    if config.model_type not in mapping:
+        raise ModelError(f"--model {name}: a {config.model_type!r} model is not a causal language model")
+    return config
+
+
+def load_model(name: str, device: torch.device | str = "cpu") -> torch.nn.Module:
+    """The causal LM ``name`` (a local folder or a Hub name) in float32 on ``device``, in training mode.
+
+    The trainer keeps these float32 weights as its masters (``--dtype
+    bfloat16`` is its autocast); generators and the reference cast their
+    copy to the run's dtype and receive updates in it.
+    """
+    transformers = require_transformers()
+    check_model(name)
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, **_offline(name))
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"--model {name}: its weights cannot be loaded ({_first_line(exc)})") from None
+    return model.to(device).train()  # type: ignore[no-any-return]
+
+
+def load_tokenizer(name: str) -> Any:
+    """``name``'s tokenizer, padding on the left (generation appends on the right), with a pad token."""
+    transformers = require_transformers()
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(name, **_offline(name))
+    except (OSError, ValueError, TypeError) as exc:
+        raise ModelError(f"--model {name}: its tokenizer cannot be loaded ({_first_line(exc)})") from None
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id is None:
+            raise ModelError(f"--model {name}: its tokenizer has neither a pad nor an end-of-sequence token")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids counted from each row's first attended token (left padding gets position 0)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
+class CompletionLogps:
+    """Per-token log-probabilities of completions under one causal LM, with memory that does not grow with the vocabulary.
+
+    The model's body runs once over prompt + completion; only the hidden
+    states at completion positions go through the output head, in chunks
+    (:func:`pipeline.algorithm.chunked_token_logps`), so no tensor holds
+    logits over the whole vocabulary for the whole batch. That needs the
+    model split into body and head (``base_model`` and
+    ``get_output_embeddings``, with the logit scaling and soft-capping some
+    architectures add); the split is checked against the model's own logits
+    on first use, and a model that does not split so is asked for logits at
+    the completion positions only (``logits_to_keep``), then scored chunk by chunk.
+    """
+
+    def __init__(self, model: torch.nn.Module, budget: int = LOGITS_PER_CHUNK) -> None:
+        self.model = model
+        self.budget = budget
+        self.split = _body_and_head(model)
+        self._checked = self.split is None
+        forward = inspect.signature(model.forward).parameters
+        self._keep = next((name for name in ("logits_to_keep", "num_logits_to_keep") if name in forward), None)
+
+    def __call__(
+        self, tokens: torch.Tensor, prompt_mask: torch.Tensor, temperature: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probabilities [N, T] of the completions in ``tokens`` and their entropies (no gradient).
+
+        ``tokens`` [N, P + T] holds left-padded prompts (``prompt_mask`` [N, P])
+        followed by completions; one teacher-forced pass, the logits in float32
+        and scaled by ``temperature`` as the sampler scaled them.
+        """
+        prompt_length = prompt_mask.shape[1]
+        completion = tokens.shape[1] - prompt_length
+        attention = torch.cat(
+            [
+                prompt_mask.to(tokens.dtype),
+                torch.ones(tokens.shape[0], completion, dtype=tokens.dtype, device=tokens.device),
+            ],
+            dim=1,
+        )[:, :-1]
+        inputs: dict[str, Any] = {
+            "input_ids": tokens[:, :-1],
+            "attention_mask": attention,
+            "position_ids": positions(attention),
+            "use_cache": False,  # a teacher-forced pass: a KV cache would only hold memory
+        }
+        targets = tokens[:, prompt_length:]
+        if not self._checked and self.split is not None:
+            self._check_split(inputs)
+        if self.split is not None:
+            body, head, vocab = self.split
+            hidden = body(**inputs).last_hidden_state[:, -completion:]
+            return chunked_token_logps(hidden, head, targets, temperature, vocab, self.budget)
+        keep = {self._keep: completion} if self._keep is not None else {}
+        logits = self.model(**inputs, **keep).logits[:, -completion:]
+        return chunked_token_logps(logits, _identity, targets, temperature, logits.shape[-1], self.budget)
+
+    def _check_split(self, inputs: dict[str, Any]) -> None:
+        """Use the body/head split only if it gives the model's own logits (on one row, no gradient).
+
+        Both sides take the head over the last position alone (``logits_to_keep=1``)
+        so a GPU runs the same kernels for both; the tolerance is the logits'
+        precision (bfloat16 rounds at 2⁻⁸). A model whose head transforms its
+        logits in a way the split does not know differs by far more; it is
+        scored through its own forward instead, and a warning says so.
+        """
+        assert self.split is not None
+        body, head, _ = self.split
+        one = {name: value[:1] if isinstance(value, torch.Tensor) else value for name, value in inputs.items()}
+        last = {self._keep: 1} if self._keep is not None else {}
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                expected = self.model(**one, **last).logits[:, -1]
+                got = head(body(**one).last_hidden_state[:, -1])
+        finally:
+            self.model.train(was_training)
+        tolerance = 1e-3 if expected.dtype == torch.float32 else 3e-2
+        if got.shape != expected.shape or not torch.allclose(
+            got.float(), expected.float(), rtol=tolerance, atol=tolerance
+        ):
+            self.split = None
+            _log.warning(
+                "%s: its output head could not be taken apart from its body (logits differ); log-probs are "
+                "computed from its own forward with logits at the completion positions only",
+                type(self.model).__name__,
+            )
+        self._checked = True
+
+    @property
+    def path(self) -> str:
+        """How log-probs are computed: ``"head in chunks"`` or ``"logits_to_keep"`` (known after the first call)."""
+        return "head in chunks" if self.split is not None else "logits_to_keep"
+
+
+def causal_logps(
+    model: torch.nn.Module, tokens: torch.Tensor, prompt_mask: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One-off :class:`CompletionLogps` of ``model`` (roles keep one per model: its split is checked once)."""
+    return CompletionLogps(model)(tokens, prompt_mask, temperature)
+
+
+def _identity(logits: torch.Tensor) -> torch.Tensor:
+    return logits
+
+
+class Split(NamedTuple):
+    """A causal LM taken apart: its body (hidden states out), its head as a function, the vocabulary it scores."""
+
+    body: torch.nn.Module
+    head: Callable[[torch.Tensor], torch.Tensor]
+    vocab: int
+
+
+def _body_and_head(model: torch.nn.Module) -> Split | None:
+    """The model's body and output head (:class:`Split`), or None if it does not split so."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    body = getattr(model, "base_model", None)
+    linear = get_head() if callable(get_head) else None
+    if not isinstance(linear, torch.nn.Linear) or not isinstance(body, torch.nn.Module) or body is model:
+        return None
+    config = getattr(model, "config", None)
+    scale = getattr(config, "logit_scale", None)  # Cohere multiplies the logits
+    divide = getattr(config, "logits_scaling", None)  # Granite divides them
+    cap = getattr(config, "final_logit_softcapping", None)  # Gemma 2 soft-caps them
+
+    def head(hidden: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = linear(hidden)
+        if isinstance(scale, (int, float)) and scale != 1:
+            logits = logits * scale
+        if isinstance(divide, (int, float)) and divide != 1:
+            logits = logits / divide
+        if isinstance(cap, (int, float)) and cap > 0:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    return Split(body, head, linear.out_features)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

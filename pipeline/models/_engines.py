@@ -1,0 +1,250 @@
+"""Generation engines: prompts in; token ids, behaviour log-probabilities and text out.
+
+A generator holds one :class:`Engine`, which its task builds
+(:meth:`pipeline.tasks.Task.build_engine`) as ``--engine`` says. The interface
+is small — :meth:`Engine.generate` and :meth:`Engine.load_weights` — so the
+roles do not change with the engine:
+
+- ``builtin`` — :class:`BuiltinEngine`, this project's sampler over a Hugging
+  Face model's KV cache: left-padded prompts, temperature, top-k, top-p, any
+  end token;
+- ``hf`` — :class:`GenerateEngine`, the model's own ``generate``;
+- ``vllm`` — :class:`pipeline.models.VLLMEngine`.
+
+Each records a token's log-probability under the whole temperature-scaled
+distribution — what the trainer's :func:`~pipeline.models.causal_logps`
+computes — so the ratio is 1 at lag 0 whatever the top-k/top-p (those
+belong to the sampler, not the policy)."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from actors import WeightInbox, WeightManifest
+
+from ..algorithm import draw
+from ._causal_lm import positions
+
+__all__ = [
+    "BuiltinEngine",
+    "Completions",
+    "Engine",
+    "GenerateEngine",
+    "SamplingParams",
+    "decode_completions",
+    "end_tokens",
+    "left_pad",
+]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample: ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1 are off."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    samples: int = 1  # completions per prompt
+
+
+@dataclass
+class Completions:
+    """``samples`` completions per prompt, prompt-major: ``tokens`` [N, P + T] (left-padded prompt, then completion),
+    ``prompt_mask`` [N, P], behaviour ``logps`` and completion ``mask`` [N, T] (1 up to and including the end token),
+    and the completions decoded (without the end token)."""
+
+    tokens: torch.Tensor
+    prompt_mask: torch.Tensor
+    logps: torch.Tensor
+    mask: torch.Tensor
+    texts: list[str]
+
+
+class Engine(Protocol):
+    """What a generator needs from whatever produces its completions."""
+
+    eos: list[int]  # the tokens that end a completion
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator | None = None
+    ) -> Completions:
+        """Completions of ``prompts`` (token ids each, any lengths)."""
+        ...
+
+    async def load_weights(self, inbox: WeightInbox, *, alias: bool = False) -> WeightManifest | None:
+        """Install the newest manifest waiting in ``inbox`` into the engine's parameters; None if none waited.
+
+        The inbox acknowledges, rejects and releases the update; the engine
+        decides how its tensors reach the parameters it samples with. A
+        manifest that does not fit is raised, the engine's weights unchanged.
+        """
+        ...
+
+
+def end_tokens(tokenizer: Any, generation_config: Any = None) -> list[int]:
+    """Every token that ends a completion: the tokenizer's end token and the model's generation config's
+    (chat models often have several)."""
+    ends = {tokenizer.eos_token_id}
+    generation_eos = getattr(generation_config, "eos_token_id", None)
+    if isinstance(generation_eos, int):
+        ends.add(generation_eos)
+    elif isinstance(generation_eos, (list, tuple)):
+        ends.update(generation_eos)
+    return sorted(token for token in ends if isinstance(token, int))
+
+
+def decode_completions(tokenizer: Any, completion: torch.Tensor, mask: torch.Tensor, eos: list[int]) -> list[str]:
+    """Each completion row as text, without its end token and padding (``mask`` marks the generated tokens)."""
+    ends = set(eos)
+    texts = []
+    for row, keep in zip(completion.tolist(), mask.tolist(), strict=True):
+        ids = [token for token, kept in zip(row, keep, strict=True) if kept and token not in ends]
+        texts.append(tokenizer.decode(ids, skip_special_tokens=True))
+    return texts
+
+
+def left_pad(prompts: list[list[int]], pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``prompts`` as one [B, P] tensor padded on the left, and its attention mask."""
+    if not prompts or any(not prompt for prompt in prompts):
+        raise ValueError("every prompt needs at least one token")
+    width = max(len(prompt) for prompt in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long, device="cpu")
+    mask = torch.zeros((len(prompts), width), dtype=torch.long, device="cpu")
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long, device="cpu")
+        mask[row, width - len(prompt) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+class BuiltinEngine:
+    """Batched sampling with a Hugging Face causal LM and its KV cache."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos = end_tokens(tokenizer, getattr(model, "generation_config", None))
+        self.pad = int(tokenizer.pad_token_id)
+        # transformers 5 names the KV cache ``cache``; 4.x ``past_key_values``
+        forward = inspect.signature(model.forward).parameters
+        self._cache_argument = "cache" if "cache" in forward else "past_key_values"
+        # the prompt's pass needs the last position's logits only: [rows, vocabulary], not [rows, prompt, vocabulary]
+        keep = next((name for name in ("logits_to_keep", "num_logits_to_keep") if name in forward), None)
+        self._last_only: dict[str, int] = {} if keep is None else {keep: 1}
+
+    async def load_weights(self, inbox: WeightInbox, *, alias: bool = False) -> WeightManifest | None:
+        return await inbox.install_newest_async(self.model, alias=alias)
+
+    def _cache(self, out: Any) -> Any:
+        return getattr(out, self._cache_argument)
+
+    @torch.no_grad()
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator | None = None
+    ) -> Completions:
+        model = self.model
+        device = next(model.parameters()).device
+        ids, prompt_mask = left_pad(prompts, self.pad, device)
+        ids = ids.repeat_interleave(params.samples, dim=0)
+        prompt_mask = prompt_mask.repeat_interleave(params.samples, dim=0)
+        count = ids.shape[0]
+        attention = prompt_mask
+        position = positions(attention)
+        out = model(input_ids=ids, attention_mask=attention, position_ids=position, use_cache=True, **self._last_only)
+        cache, step_logits = self._cache(out), out.logits[:, -1].float()
+        next_position = position[:, -1:] + 1
+        eos = torch.tensor(self.eos, dtype=torch.long, device=device)
+        done = torch.zeros(count, dtype=torch.bool, device=device)
+        tokens, logps, masks = [], [], []
+        for _ in range(params.max_new_tokens):
+            token, logp = draw(step_logits, params.temperature, generator, params.top_k, params.top_p)
+            token = token.masked_fill(done, self.pad)
+            tokens.append(token)
+            logps.append(logp.gather(-1, token.unsqueeze(-1)).squeeze(-1).masked_fill(done, 0.0))
+            masks.append(~done)
+            done = done | torch.isin(token, eos)
+            if bool(done.all()):
+                break
+            attention = torch.cat([attention, torch.ones(count, 1, dtype=attention.dtype, device=device)], dim=1)
+            out = model(
+                input_ids=token.unsqueeze(-1),
+                attention_mask=attention,
+                position_ids=next_position,
+                use_cache=True,
+                **{self._cache_argument: cache},
+            )
+            cache, step_logits = self._cache(out), out.logits[:, -1].float()
+            next_position = next_position + 1
+        completion = torch.stack(tokens, dim=1)
+        mask = torch.stack(masks, dim=1)
+        texts = self.decode(completion, mask)
+        return Completions(
+            torch.cat([ids, completion], dim=1), prompt_mask, torch.stack(logps, dim=1), mask.float(), texts
+        )
+
+    def decode(self, completion: torch.Tensor, mask: torch.Tensor) -> list[str]:
+        """Each completion as text, without its end token and padding."""
+        return decode_completions(self.tokenizer, completion, mask, self.eos)
+
+
+class GenerateEngine(BuiltinEngine):
+    """Sampling with the model's own ``generate`` (``--engine hf``): transformers' samplers and stopping rules.
+
+    The behaviour log-probabilities are taken from the raw logits ``generate``
+    returns, under the temperature-scaled distribution, as the other engines
+    record them; the randomness is drawn from ``generator`` (``generate``
+    uses torch's global generator, so it is forked and seeded for the call).
+    """
+
+    @torch.no_grad()
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator | None = None
+    ) -> Completions:
+        device = next(self.model.parameters()).device
+        ids, prompt_mask = left_pad(prompts, self.pad, device)
+        greedy = params.temperature == 0
+        sampling: dict[str, Any] = {"do_sample": False}
+        if not greedy:
+            sampling = {
+                "do_sample": True,
+                "temperature": params.temperature,
+                "top_k": params.top_k,
+                "top_p": params.top_p,
+            }
+        seed = None
+        if generator is not None:  # drawn where the generator lives (a CUDA generator on a GPU)
+            seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
+        devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, enabled=seed is not None):
+            if seed is not None:
+                torch.manual_seed(seed)
+            out = self.model.generate(  # type: ignore[operator]
+                input_ids=ids,
+                attention_mask=prompt_mask,
+                max_new_tokens=params.max_new_tokens,
+                num_return_sequences=params.samples,
+                eos_token_id=self.eos,
+                pad_token_id=self.pad,
+                output_logits=True,
+                return_dict_in_generate=True,
+                **sampling,
+            )
+        completion = out.sequences[:, ids.shape[1] :]
+        scale = 1.0 if greedy else params.temperature
+        # the raw logits of each step [N, V], before any sampler's processing; one step at a time in float32
+        logps = torch.stack(
+            [
+                torch.log_softmax(step.float() / scale, dim=-1).gather(-1, completion[:, i : i + 1]).squeeze(-1)
+                for i, step in enumerate(out.logits)
+            ],
+            dim=1,
+        )
+        ended = torch.isin(completion, torch.tensor(self.eos, device=device)).long()
+        mask = (ended.cumsum(1) - ended) == 0  # up to and including the first end token
+        prompt_mask = prompt_mask.repeat_interleave(params.samples, dim=0)
+        texts = self.decode(completion, mask)
+        return Completions(out.sequences, prompt_mask, logps.masked_fill(~mask, 0.0), mask.float(), texts)

@@ -1,0 +1,332 @@
+"""The Trainer role: trains rollouts in ticket order, publishes each new version, grants the next rollouts.
+
+Each step takes the rollout of the next ticket (:mod:`pipeline.roles`),
+applies one GRPO update (:class:`~pipeline.learning.Learner`), publishes the
+new policy as a manifest, and opens the ticket the trained one's credit
+pays for. The new version goes to the generators whose tickets need it (in
+their grant, or as a targeted ``update_weights``), and otherwise,
+fire-and-forget, to one chosen generator, so every generator keeps drawing
+with a recent policy. Reports go to the controller in batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import torch
+
+from actors import (
+    Actor,
+    ActorDied,
+    Channel,
+    Port,
+    PortClosed,
+    WeightManifest,
+    WeightPublisher,
+    endpoint,
+    host_id,
+    send,
+)
+
+from ..config import Config
+from ..learning import Learner, Update, checkpoint
+from ..tasks import load_task, to_device
+from ._devices import peak_gpu_gb, reserved_gpu_gb, role_device, uses_reference, weights_dtype
+from ._generator import Generator
+from ._messages import Grant, ScoredRollout, StepReport
+from ._tickets import Tickets
+from ._weight_routes import WeightRoutes
+
+__all__ = ["Trainer"]
+
+#: Step reports the trainer gathers before sending them to the controller.
+REPORT_BATCH = 10
+
+
+class Trainer(Actor):
+    """GRPO on rollouts in ticket order; publishes every new version as a manifest."""
+
+    def __init__(self, config: Config, reports: Port[StepReport], resume: bool = False) -> None:
+        self.config = config
+        self.task = load_task(config)
+        self.device = role_device(config, "trainer")
+        self.learner = Learner(self.task, self.device)
+        self.step = 0
+        self.version = 0
+        if resume:
+            state = checkpoint.load(config.run_dir)
+            self.learner.load_state(state)
+            self.step, self.version = int(state["step"]), int(state["version"])
+        self.reports = reports
+        # Rollouts come from the reference model, or straight from the scorer when the run has no KL term.
+        self.port, self.inbox = Channel.open(ScoredRollout)
+        sync = config.mode == "sync"
+        self.tickets: Tickets[ScoredRollout] = Tickets(
+            config.generators,
+            credits=1 if sync else config.generators * config.max_inflight,
+            staleness=0 if sync else config.max_staleness,
+            first=self.step,
+        )
+        on_gpu: dict[str, Any] = {"device": self.device} if config.transport == "cuda-ipc" else {}
+        # A slot per version a generator may yet install: it takes one at its next rollout boundary.
+        slots = max(config.generators, self.tickets.credits) + 3
+        self.routes = WeightRoutes(config.transport, slots, dtype=weights_dtype(config), **on_gpu)
+        self.routes.publish(config.transport, self.learner.policy, self.version, self._metadata())  # fail early
+        self.ref_publisher: WeightPublisher | None = None
+        self.ref_manifest: WeightManifest | None = None
+        if uses_reference(config):
+            self.ref_publisher = WeightPublisher(config.transport, slots=1, dtype=weights_dtype(config), **on_gpu)
+            self.ref_manifest = self.ref_publisher.publish(self.learner.reference_state, 1)
+        self.dropped = 0
+        self.tokens_received = 0
+        self.evaluation: dict[str, float] | None = None
+        self.score: float | None = None
+        self._reports: list[StepReport] = []
+        self.grants: list[Port[Grant]] = []
+        self.generators: Generator | None = None
+
+    @property
+    def policy(self) -> torch.nn.Module:
+        return self.learner.policy
+
+    def _metadata(self) -> dict[str, Any]:
+        return {"step": self.step, "published_at": time.time()}
+
+    @endpoint
+    async def inlet(self) -> Port[ScoredRollout]:
+        return self.port
+
+    @endpoint
+    async def initial_manifests(self) -> tuple[WeightManifest, WeightManifest | None]:
+        """The current policy's manifest on the run's transport (for generators) and the reference's (for RefModel).
+
+        The second is None when the run has no KL term (β = 0): no RefModel runs then.
+        """
+        policy = await self.routes.publish_async(
+            self.config.transport, self.learner.policy, self.version, self._metadata()
+        )
+        return policy, self.ref_manifest
+
+    @endpoint
+    async def route_weights(self, generators: Generator) -> list[str]:
+        """Choose each generator's weight transport by where it runs; the routes, in words."""
+        hosts = [host for _, host in (await generators.host.call()).items()]
+        routes = self.routes.plan(host_id(), hosts)
+        return [route.describe() for route in routes]
+
+    async def manifest_for(self, generator: int) -> WeightManifest:
+        """The current policy on the transport that reaches ``generator``."""
+        transport = self.routes.transport_of(generator)
+        return await self.routes.publish_async(transport, self.learner.policy, self.version, self._metadata())
+
+    def train_step(self, item: ScoredRollout) -> Update:
+        device = self.device
+        samples = to_device(item.rollout.samples, device)
+        if uses_reference(self.config) and item.ref_logps is None:
+            raise ValueError(
+                f"a rollout reached the trainer without reference log-probs, but β = {self.config.kl_coeff}"
+            )
+        ref_logps = None if item.ref_logps is None else item.ref_logps.to(device)
+        return self.learner.update(samples, item.rewards.to(device), ref_logps)
+
+    async def evaluate(self) -> float:
+        """Held-out metrics of the current policy; returns the task's primary one."""
+        self.evaluation = await self.learner.evaluate_async()
+        self.score = self.evaluation[self.task.primary]
+        return self.score
+
+    async def next_rollout(self) -> ScoredRollout:
+        """The rollout of the next ticket; others that arrive first wait their turn, duplicates are dropped."""
+        tickets = self.tickets
+        while (item := tickets.next_ready()) is None:
+            arrived = await self.inbox.recv()
+            if arrived is None:
+                raise RuntimeError("the rollout stream ended before training finished")
+            self.tokens_received += arrived.rollout.tokens
+            if not tickets.arrived(arrived.rollout.ticket, arrived):
+                self.dropped += 1  # a restarted generator's ticket, produced twice
+        return item
+
+    @endpoint
+    async def run(self, generators: Generator, grants: list[Port[Grant]]) -> dict[str, Any]:
+        """Train until ``config.steps`` (or the target score); returns a summary."""
+        config = self.config
+        self.generators = generators
+        self.grants = list(grants)
+        if not self.routes.routes:
+            self.routes.plan_local(len(self.grants))
+        for ticket in self.tickets.grant(limit=config.steps):  # the policy comes with the first tickets
+            await self.send_grant(ticket)
+        started = time.perf_counter()
+        waited = 0.0
+        while self.step < config.steps:
+            waiting = time.perf_counter()
+            item = await self.next_rollout()
+            waited += time.perf_counter() - waiting
+            rollout = item.rollout
+            lag = self.version - rollout.version
+            if lag > self.tickets.staleness:  # only a generator that ignored its ticket's version gets here
+                self.dropped += 1
+                self.tickets.retry(rollout.ticket)
+                await self.send_grant(rollout.ticket)
+                continue
+            update = self.train_step(item)
+            self.step += 1
+            self.version += 1
+            self.tickets.trained()
+            publishing = time.perf_counter()
+            await self.deliver()
+            published = time.perf_counter() - publishing
+            final = self.step >= config.steps
+            evaluation = None
+            if self.step % config.eval_every == 0 or final:
+                await self.evaluate()
+                evaluation = self.evaluation
+            self._reports.append(self._report(item, update, lag, waited, published, evaluation, started))
+            waited = 0.0
+            if len(self._reports) >= REPORT_BATCH or final:
+                self.flush_reports()
+            if config.checkpoint_every and self.step % config.checkpoint_every == 0:
+                self.save()
+            if config.target_score is not None and self.score is not None and self.score >= config.target_score:
+                break
+        self.flush_reports()
+        self.save()
+        self.reports.send(None)
+        return {
+            "steps": self.step,
+            "version": self.version,
+            "dropped": self.dropped,
+            "score": self.score,
+            "evaluation": self.evaluation,
+        }
+
+    async def deliver(self) -> None:
+        """Grant the tickets the trained one's credit opens and get the new version to generators.
+
+        Generators whose tickets need it get it (in the grant, or as an
+        update sent to them by name); and one generator chosen by the
+        runtime gets it fire-and-forget, so every generator keeps drawing
+        with a recent policy, not just one K versions old. On-policy
+        (K = 0) the tickets' own deliveries are all there is.
+        """
+        reached = False
+        for ticket in self.tickets.grant(limit=self.config.steps):
+            reached = await self.send_grant(ticket) or reached
+        assert self.generators is not None, "run() sets the generators before any delivery"
+        for rank in self.tickets.lacking(self.version):
+            manifest = await self.manifest_for(rank)
+            with contextlib.suppress(ActorDied):  # it is down; its restart brings it the newest weights
+                send(self.generators.slice(procs=rank).update_weights, (manifest,))
+            self.tickets.sent(rank, self.version)
+            reached = True
+        if reached and self.tickets.staleness == 0:
+            return
+        route = self.routes.next_route()
+        manifest = await self.routes.publish_async(route.transport, self.learner.policy, self.version, self._metadata())
+        chosen = self.generators.slice(procs=slice(route.first, route.last + 1))
+        with contextlib.suppress(ActorDied):  # every generator there is down; a restarted one gets a grant
+            send(chosen.update_weights, (manifest,), selection="choose")
+
+    async def send_grant(self, ticket: int) -> bool:
+        """Grant ``ticket`` to its generator, with the current weights if it lacks what the ticket needs."""
+        tickets = self.tickets
+        rank = tickets.owner(ticket)
+        manifest = None
+        if tickets.needs_weights(ticket, self.version):
+            manifest = await self.manifest_for(rank)
+            tickets.sent(rank, self.version)
+        self.grant(rank, Grant(ticket, tickets.min_version(ticket), manifest))
+        return manifest is not None
+
+    def _report(
+        self,
+        item: ScoredRollout,
+        update: Update,
+        lag: int,
+        waited: float,
+        published: float,
+        evaluation: dict[str, float] | None,
+        started: float,
+    ) -> StepReport:
+        rollout, loss = item.rollout, update.report
+        return StepReport(
+            step=self.step,
+            time=time.perf_counter() - started,
+            version=self.version,
+            generator=rollout.generator,
+            staleness=lag,
+            dropped_stale=self.dropped,
+            reward_mean=float(item.rewards.mean()),
+            reward_std=float(item.rewards.std(unbiased=False)),
+            accuracy=None if item.accuracy is None else float(item.accuracy.mean()),
+            evaluation=evaluation,
+            score=self.score,
+            loss=float(loss.loss.detach()),
+            policy_loss=loss.policy_loss,
+            kl=loss.kl,
+            clip_fraction=loss.clip_fraction,
+            dual_clip_fraction=loss.dual_clip_fraction,
+            logp_diff=loss.logp_diff,
+            is_weight=loss.is_weight,
+            is_truncated=loss.is_truncated,
+            entropy=loss.entropy,
+            grad_norm=update.grad_norm,
+            lr=update.lr,
+            response_length=rollout.response_length,
+            tokens=rollout.tokens,
+            tokens_received=self.tokens_received,
+            wait_batch=waited,
+            train=update.seconds,
+            publish=published,
+            update_bytes=self.routes.update_bytes,
+            trainer_peak_gpu_gb=peak_gpu_gb(self.device),
+            generator_times=rollout.times,
+            generator_peak_gpu_gb=rollout.peak_gpu_gb,
+            trainer_reserved_gpu_gb=reserved_gpu_gb(self.device),
+            generator_reserved_gpu_gb=rollout.reserved_gpu_gb,
+            trainer_queue=self.inbox.qsize() + self.tickets.waiting(),
+            scorer_queue=item.scorer_queue,
+            ref_queue=item.ref_queue,
+            reward_components=item.reward_components,
+        )
+
+    def grant(self, generator: int, grant: Grant) -> None:
+        """Send ``grant``; a generator that died loses it (its restart brings its tickets again)."""
+        with contextlib.suppress(PortClosed):
+            self.grants[generator].send(grant)
+
+    @endpoint
+    async def generator_restarted(self, generator: int, grants: Port[Grant]) -> int:
+        """A restarted generator's new grant port: its open tickets again, with the newest policy to install first.
+
+        Returns the policy version it starts from.
+        """
+        self.grants[generator] = grants
+        for ticket in self.tickets.restarted(generator):
+            await self.send_grant(ticket)
+        return self.version
+
+    def flush_reports(self) -> None:
+        """Send the step reports gathered so far (batched: one wake-up of the controller each)."""
+        for report in self._reports:
+            self.reports.send(report)
+        self._reports.clear()
+
+    def save(self) -> str:
+        """Write the checkpoint, and the policy where other tools load it if the task exports one."""
+        self.task.export(self.learner.policy, self.config.run_dir)
+        return checkpoint.save(
+            self.config.run_dir, {"step": self.step, "version": self.version, **self.learner.state()}
+        )
+
+    @endpoint
+    async def checkpoint(self) -> str:
+        return self.save()
+
+    async def __cleanup__(self, exc: BaseException | None) -> None:
+        self.routes.close()
+        if self.ref_publisher is not None:
+            self.ref_publisher.close()

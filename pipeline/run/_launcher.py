@@ -1,0 +1,363 @@
+"""The launcher: the asynchronous GRPO pipeline end to end (``python -m pipeline.grpo`` runs :func:`main`).
+
+Spawns N generators, a scorer, a reference model and a trainer, each in its
+own process, wires them with typed ports, and trains the task (by default a
+tiny transformer learning to reverse 6 digits) until its held-out target or
+``--steps``. Progress is shown live; the run folder gets ``config.json``,
+``metrics.jsonl``, ``learning_curve.png``, ``checkpoint.pt`` (``--resume
+DIR`` continues from it, versions included) and, when the ``tensorboard``
+package is installed, a TensorBoard log.
+A generator that dies is restarted (``--generator-restarts`` per minute)
+and installs the newest policy before it produces again. Exit status: 0 on
+success, 1 when a role fails (the error names it), 130 on Ctrl-C and 143 on
+SIGTERM (both after a final checkpoint).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
+
+import uvloop
+
+from actors import ActorsError, Channel, Failure, HostMesh, ProcMesh, this_host
+
+from ..config import Config, SettingsError, check_settings
+from ..learning import checkpoint
+from ..roles import Generator, RefModel, Scorer, StepReport, Trainer, uses_reference
+from ..tasks import load_task, resolve
+from ._cli import parse_args
+from ._failures import PipelineError, first_failure
+from ._metrics import MetricsLog, Progress, plot
+from ._placement import check_placement
+
+if TYPE_CHECKING:
+    from actors.ray import RayHostMesh
+
+__all__ = ["Roles", "RunResult", "exit_now", "main", "run_pipeline"]
+
+
+@dataclass
+class Roles:
+    """The actor classes to run: subclass any of them to change its behaviour."""
+
+    generator: type[Generator] = Generator
+    scorer: type[Scorer] = Scorer
+    ref: type[RefModel] = RefModel
+    trainer: type[Trainer] = Trainer
+
+
+@dataclass
+class RunResult:
+    steps: int
+    version: int
+    score: float | None  # the task's primary held-out metric at the end
+    dropped: int
+    seconds: float
+    run_dir: str
+    evaluation: dict[str, float] = field(default_factory=dict)  # every held-out metric at the end
+    target_reached: bool = False
+    startup_seconds: float = 0.0
+    stop_seconds: float = 0.0
+    rollouts: dict[str, int] = field(default_factory=dict)
+    restarts: dict[str, int] = field(default_factory=dict)  # generator -> times it was restarted
+    weight_routes: list[str] = field(default_factory=list)  # which transport reaches which generators
+
+    @property
+    def steps_per_second(self) -> float:
+        return self.steps / self.seconds if self.seconds else 0.0
+
+
+class _Hosts(NamedTuple):
+    """Where the roles go."""
+
+    head: HostMesh  # the trainer's, scorer's and reference model's host
+    everywhere: HostMesh  # the generators' hosts
+    cluster: RayHostMesh | None  # the Ray host mesh, if any
+    head_described: str  # the head host in words, for the run's log
+
+
+async def _hosts(config: Config) -> _Hosts:
+    """Where the roles go: the trainer's host, every host for generators, the Ray host mesh if any.
+
+    On a Ray cluster the trainer, scorer and reference model share one host:
+    this program's own node when Ray reserved it (so checkpoints land in
+    this machine's run directory), else host 0. The generators spread
+    evenly over every host.
+    """
+    if not config.ray:
+        return _Hosts(this_host(), this_host(), None, "this host")
+    try:
+        import ray
+    except ImportError:
+        raise ValueError("--ray needs Ray: pip install -e '.[ray]'") from None
+    from actors.ray import host_mesh_async
+
+    if not ray.is_initialized():
+        await asyncio.to_thread(ray.init, address=config.ray, include_dashboard=False)
+    nodes = await asyncio.to_thread(ray.nodes)  # a round trip to Ray's control store: off the loop
+    alive = len([node for node in nodes if node.get("Alive")])
+    count = config.ray_hosts or alive
+    if count > alive:
+        raise ValueError(f"--ray-hosts {count}: the cluster at {config.ray} has {alive} live nodes")
+    if config.generators % count:
+        raise ValueError(f"--generators {config.generators} must be a multiple of the {count} Ray hosts")
+    cluster = await host_mesh_async(config.ray, hosts=count)
+    here = ray.get_runtime_context().get_node_id()
+    hosts = cluster.hosts
+    head = next((i for i, host in enumerate(hosts) if host["node"] == here), None)
+    if head is None:  # Ray reserved other nodes than this one: the checkpoints go to host 0's disk
+        return _Hosts(cluster.slice(0), cluster, cluster, f"host 0 ({hosts[0]['ip']}; checkpoints go to its disk)")
+    return _Hosts(cluster.slice(head), cluster, cluster, f"host {head} (this node, {hosts[head]['ip']})")
+
+
+async def run_pipeline(
+    config: Config, *, resume: bool = False, quiet: bool = False, roles: Roles | None = None
+) -> RunResult:
+    """Run the pipeline described by ``config``; raises PipelineError if a role fails."""
+    roles = roles or Roles()
+    check_settings(config)  # before anything starts: settings that cannot train start nothing
+    check_placement(config)  # nor do roles that cannot be placed
+    config = resolve(config)
+    load_task(config)  # a task that cannot be built fails here, with its own message, before any process starts
+    os.makedirs(config.run_dir, exist_ok=True)
+    if resume and not checkpoint.exists(config.run_dir):
+        raise FileNotFoundError(f"no checkpoint in {config.run_dir!r} to resume from")
+    if not resume:
+        for stale in ("metrics.jsonl", checkpoint.FILENAME):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(config.run_dir, stale))
+    with open(os.path.join(config.run_dir, "config.json"), "w") as f:
+        json.dump(config.to_dict(), f, indent=2)
+
+    started = time.perf_counter()
+    meshes: list[ProcMesh] = []
+    log: MetricsLog | None = None
+    progress = Progress(config.steps, quiet)
+    tasks: dict[str, asyncio.Task[Any]] = {}
+    restarts: dict[str, int] = {}
+    consumer: asyncio.Future[None] | None = None
+    trainer = None
+    cluster: RayHostMesh | None = None
+    try:
+        head, everywhere, cluster, head_described = await _hosts(config)
+        # torch threads are set where the processes start: a worker with more than one is forked from a fresh
+        # forkserver (GNU OpenMP hangs in a child of a process that already ran its thread pool)
+        threads = config.threads
+        trainer_procs = head.spawn_procs(per_host={"procs": 1}, name="trainer", threads=threads)
+        scorer_procs = head.spawn_procs(per_host={"procs": 1}, name="scorer", threads=threads)
+        ref_procs = (
+            head.spawn_procs(per_host={"procs": 1}, name="ref", threads=threads) if uses_reference(config) else None
+        )
+        per_host = config.generators // (len(cluster.hosts) if cluster is not None else 1)
+        gen_procs = everywhere.spawn_procs(
+            per_host={"procs": per_host},
+            name="generators",
+            threads=threads,
+            restart="on-failure" if config.generator_restarts > 0 else "never",
+            max_restarts=max(1, config.generator_restarts),
+            restart_period=60.0,
+        )
+        meshes = [mesh for mesh in (gen_procs, scorer_procs, ref_procs, trainer_procs) if mesh is not None]
+        # Only now, with the roles' processes forked from a still single-threaded
+        # launcher, the threads of a runtime and of TensorBoard's writer start.
+        reports_port, reports = Channel.open(StepReport)
+        log = metrics_log = MetricsLog(config.run_dir, config.report_to, config.to_dict())
+
+        trainer = trainer_procs.spawn("trainer", roles.trainer, config, reports_port, resume)
+        scorer = scorer_procs.spawn("scorer", roles.scorer, config)
+        policy_manifest, ref_manifest = await trainer.initial_manifests.call_one()
+        rollouts_in = await scorer.inlet.call_one()
+        initial = policy_manifest if cluster is None else None  # across hosts the first grant brings it
+        spawned: Any = gen_procs.spawn("generator", roles.generator, config, rollouts_in, initial)
+        gens: Generator = spawned.flatten("procs")  # one dimension of ranks, however many hosts
+        weight_routes = await trainer.route_weights.call_one(gens)
+        if cluster is not None:  # on one host there is nothing to choose: the run's transport reaches all
+            progress.note(
+                f"placed on {len(cluster.hosts)} Ray hosts: trainer, scorer and reference on {head_described}"
+            )
+            progress.note("weights: " + "; ".join(weight_routes))
+        trainer_in = await trainer.inlet.call_one()
+        ref = None
+        if ref_procs is not None and ref_manifest is not None:  # β > 0: scorer -> reference model -> trainer
+            ref = ref_procs.spawn("ref", roles.ref, config, ref_manifest)
+            scored_in = await ref.inlet.call_one()
+        else:  # β = 0: the scorer feeds the trainer
+            scored_in = trainer_in
+        grants = list((await gens.grant_inlet.call()).values())
+        startup = time.perf_counter() - started
+
+        generator_names = [f"generator {rank}" for rank in range(config.generators)]
+        tasks = {
+            **{
+                name: asyncio.ensure_future(gens.slice(procs=r).run.call_one())
+                for r, name in enumerate(generator_names)
+            },
+            "scorer": asyncio.ensure_future(scorer.run.call_one(scored_in)),
+            **({"reference model": asyncio.ensure_future(ref.run.call_one(trainer_in))} if ref is not None else {}),
+            "trainer": asyncio.ensure_future(trainer.run.call_one(gens, grants)),
+        }
+        training_started = time.perf_counter()
+
+        async def rejoin(rank: int) -> int:
+            """Wire a restarted generator in again: new grant port, newest weights, then produce."""
+            gen = gens.slice(procs=rank)
+            grants_in = await gen.grant_inlet.call_one()
+            version = await trainer.generator_restarted.call_one(rank, grants_in)
+            progress.note(
+                f"generator {rank} restarted (pid {gen_procs.pids[rank]}); it starts from policy version {version}"
+            )
+            return await gen.run.call_one()  # type: ignore[no-any-return]
+
+        def on_generator_failure(failure: Failure) -> bool:
+            if not failure.restarted:
+                return False  # out of restarts: the run stops, naming the generator
+            progress.note(f"generator {failure.rank} died (pid {failure.pid}): {failure.message}")
+            tasks[generator_names[failure.rank]] = asyncio.ensure_future(rejoin(failure.rank))
+            restarts[generator_names[failure.rank]] = restarts.get(generator_names[failure.rank], 0) + 1
+            return True
+
+        gen_procs.add_failure_handler(on_generator_failure)
+
+        async def consume_reports() -> None:
+            while (report := await reports.recv()) is not None:
+                row = metrics_log.write(report)
+                progress.update(row, force=report.step == config.steps)
+
+        consumer = asyncio.ensure_future(consume_reports())
+        await first_failure(tasks, consumer)
+        summary = await tasks["trainer"]
+        seconds = time.perf_counter() - training_started
+        progress.done()
+        await gens.drain.call()
+        produced = [await tasks[name] for name in generator_names]
+        await asyncio.wait_for(
+            asyncio.gather(*(tasks[role] for role in ("scorer", "reference model") if role in tasks)), 10
+        )
+        stop_started = time.perf_counter()
+        for mesh in meshes:
+            await mesh.stop(timeout=2)
+        result = RunResult(
+            steps=summary["steps"],
+            version=summary["version"],
+            score=summary["score"],
+            dropped=summary["dropped"],
+            seconds=seconds,
+            run_dir=config.run_dir,
+            evaluation=summary["evaluation"] or {},
+            target_reached=config.target_score is not None
+            and summary["score"] is not None
+            and summary["score"] >= config.target_score,
+            startup_seconds=startup,
+            stop_seconds=time.perf_counter() - stop_started,
+            rollouts=dict(zip(generator_names, produced, strict=True)),
+            restarts=restarts,
+            weight_routes=weight_routes,
+        )
+        return result
+    except asyncio.CancelledError:  # Ctrl-C: leave a checkpoint, then stop fast
+        if trainer is not None and not tasks.get("trainer", asyncio.Future()).done():
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(trainer.checkpoint.call_one(), 0.5)
+        raise
+    except ActorsError as exc:  # a role failed outside the watched tasks (e.g. at startup)
+        raise PipelineError(f"a role failed: {exc}") from exc
+    finally:
+        for task in [*tasks.values(), *([consumer] if consumer is not None else [])]:
+            task.cancel()
+            if task.done() and not task.cancelled():
+                task.exception()  # retrieved: the failure was already reported
+        progress.done()
+        if log is not None:
+            log.close()
+        for mesh in meshes:
+            with contextlib.suppress(ActorsError, asyncio.TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(mesh.stop(timeout=0.5)), 2)
+        if cluster is not None:
+            await cluster.shutdown_async()
+        with contextlib.suppress(Exception):
+            plot(config.run_dir)
+
+
+async def _until_terminated(run: Coroutine[Any, Any, RunResult]) -> RunResult:
+    """Run ``run``; SIGTERM cancels it like Ctrl-C does (final checkpoint, clean stop)."""
+    task = asyncio.ensure_future(run)
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    try:
+        return await task
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config, args = parse_args(argv)
+    except SettingsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    resume_hint = f"the last checkpoint is in {config.run_dir} (resume with --resume {config.run_dir})"
+    try:
+        result = uvloop.run(_until_terminated(run_pipeline(config, resume=bool(args.resume), quiet=args.quiet)))
+    except KeyboardInterrupt:
+        print(f"\ninterrupted; {resume_hint}")
+        return 130
+    except asyncio.CancelledError:
+        print(f"\nterminated; {resume_hint}")
+        return 143
+    except (PipelineError, FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    held_out = ", ".join(f"{name} {value:.3f}" for name, value in result.evaluation.items()) or "n/a"
+    reached = f" (target {config.target_score} reached)" if result.target_reached else ""
+    print(
+        f"done: {result.steps} steps in {result.seconds:.1f}s ({result.steps_per_second:.1f} steps/s), "
+        f"held-out {held_out}{reached}; {result.dropped} stale rollouts dropped, policy version {result.version}\n"
+        f"outputs in {result.run_dir}: {', '.join(_outputs(result.run_dir))}"
+    )
+    return 0
+
+
+#: What a run folder may hold, in the order the summary names it.
+OUTPUTS = (
+    "config.json",
+    "metrics.jsonl",
+    "learning_curve.png",
+    "checkpoint.pt",
+    "model",
+    "completions.jsonl",
+    "tensorboard",
+    "wandb",
+)
+
+
+def _outputs(run_dir: str) -> list[str]:
+    """The outputs the run left in ``run_dir`` (a folder with a trailing slash)."""
+    return [
+        name + ("/" if os.path.isdir(os.path.join(run_dir, name)) else "")
+        for name in OUTPUTS
+        if os.path.exists(os.path.join(run_dir, name))
+    ]
+
+
+def exit_now(code: int) -> NoReturn:
+    """End the launcher's process once the run has cleaned up after itself.
+
+    The exit hooks (runtime, forkserver: every actor process and segment)
+    run first and output is flushed; only the interpreter's teardown of
+    torch's and matplotlib's modules (~0.7 s here) is skipped, which keeps
+    Ctrl-C and role failures well inside their 2 s bound.
+    """
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

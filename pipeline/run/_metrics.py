@@ -1,0 +1,247 @@
+"""Run outputs: metrics.jsonl rows, the live progress line, and the learning-curve plot (trackers: :mod:`.sinks`).
+
+The trainer sends one :class:`~pipeline.roles.StepReport` per step;
+:func:`metric_row` turns it into the row written to ``metrics.jsonl``, with
+names that verl / prime-rl / NeMo-RL users know (each is defined in
+``docs/pipeline.md``). Rates and ratios are taken over the last
+:data:`WINDOW` steps, so the row shows the pipeline's current pace rather
+than its average since start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections import deque
+from typing import Any, TextIO
+
+from ..roles import StepReport
+from ._sinks import open_sink
+
+__all__ = ["METRICS", "PLOT", "WINDOW", "MetricsLog", "Progress", "RateWindow", "metric_row", "plot", "read_rows"]
+
+METRICS = "metrics.jsonl"
+PLOT = "learning_curve.png"
+#: Steps that windowed metrics (rates, idle ratios, staleness mean/max) cover.
+WINDOW = 20
+
+
+class RateWindow:
+    """The last :data:`WINDOW` reports, and what per-second and per-cycle figures they give."""
+
+    def __init__(self, size: int = WINDOW) -> None:
+        self._reports: deque[StepReport] = deque(maxlen=size)
+        self._before: tuple[float, int] = (0.0, 0)  # (time, tokens received) just before the window
+
+    def add(self, report: StepReport) -> dict[str, float]:
+        if len(self._reports) == self._reports.maxlen:
+            oldest = self._reports[0]
+            self._before = (oldest.time, oldest.tokens_received)
+        if report.time < self._before[0]:  # a resumed run counts from its own start again
+            self._reports.clear()
+            self._before = (0.0, 0)
+        self._reports.append(report)
+        reports = self._reports
+        span = max(report.time - self._before[0], 1e-9)
+        lags = [r.staleness for r in reports]
+        cycle = sum(r.generator_times.cycle for r in reports)
+        return {
+            "staleness/mean": sum(lags) / len(lags),
+            "staleness/max": float(max(lags)),
+            "perf/steps_per_s": len(reports) / span,
+            "perf/tokens_generated_per_s": (report.tokens_received - self._before[1]) / span,
+            "perf/tokens_trained_per_s": sum(r.tokens for r in reports) / span,
+            "perf/trainer_idle_ratio": min(1.0, sum(r.wait_batch for r in reports) / span),
+            "perf/generator_idle_ratio": sum(r.generator_times.wait for r in reports) / cycle if cycle else 0.0,
+        }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 3)
+
+
+def metric_row(report: StepReport, windowed: dict[str, float]) -> dict[str, Any]:
+    """The metrics.jsonl row of one step."""
+    gen = report.generator_times
+    row: dict[str, Any] = {
+        "step": report.step,
+        "time": round(report.time, 4),
+        "version": report.version,
+        "generator": report.generator,
+        "reward/mean": report.reward_mean,
+        "reward/std": report.reward_std,
+        "accuracy/train": report.accuracy,
+        "score": report.score,
+        "actor/loss": report.loss,
+        "actor/pg_loss": report.policy_loss,
+        "actor/kl": report.kl,
+        "actor/clip_fraction": report.clip_fraction,
+        "actor/dual_clip_fraction": report.dual_clip_fraction,
+        "actor/entropy": report.entropy,
+        "mismatch/logp_abs": report.logp_diff,
+        "mismatch/is_weight": report.is_weight,
+        "mismatch/is_truncated": report.is_truncated,
+        "actor/grad_norm": report.grad_norm,
+        "actor/lr": report.lr,
+        "response_length/mean": report.response_length,
+        "tokens/step": report.tokens,
+        "staleness/lag": report.staleness,
+        "staleness/dropped": report.dropped_stale,
+        "timing/wait_batch_ms": _ms(report.wait_batch),
+        "timing/train_ms": _ms(report.train),
+        "timing/publish_ms": _ms(report.publish),
+        "weights/update_mb": report.update_bytes / 2**20,
+        "memory/trainer_peak_gpu_gb": report.trainer_peak_gpu_gb,
+        "memory/generator_peak_gpu_gb": report.generator_peak_gpu_gb,
+        "memory/trainer_reserved_gpu_gb": report.trainer_reserved_gpu_gb,
+        "memory/generator_reserved_gpu_gb": report.generator_reserved_gpu_gb,
+        "timing/delivery_ms": _ms(gen.delivery),
+        "timing/install_ms": _ms(gen.install),
+        "timing/weight_sync_ms": _ms(report.publish + gen.install),
+        "timing/wait_policy_ms": _ms(gen.wait),
+        "timing/generate_ms": _ms(gen.generate),
+        "queue/trainer": report.trainer_queue,
+        "queue/scorer": report.scorer_queue,
+        "queue/ref": report.ref_queue,
+    }
+    for name, value in report.reward_components.items():  # one per reward function, as TRL logs them
+        row[f"reward/{name}"] = value
+    row.update({name: round(value, 6) for name, value in windowed.items()})
+    for name, value in (report.evaluation or {}).items():
+        row[f"eval/{name}"] = value
+    return row
+
+
+class MetricsLog:
+    """Appends one JSON row per trainer step to ``<run_dir>/metrics.jsonl``, and sends it to ``--report-to``'s sink."""
+
+    def __init__(self, run_dir: str, report_to: str = "tensorboard", config: dict[str, Any] | None = None) -> None:
+        self.path = os.path.join(run_dir, METRICS)
+        self._file = open(self.path, "a", buffering=1)
+        self._window = RateWindow()
+        self._sink = open_sink(report_to, run_dir, config)
+        self.rows = 0
+
+    def write(self, report: StepReport) -> dict[str, Any]:
+        row = metric_row(report, self._window.add(report))
+        self._file.write(json.dumps(row) + "\n")
+        self._sink.write(row)
+        self.rows += 1
+        return row
+
+    def close(self) -> None:
+        self._file.close()
+        self._sink.close()
+
+
+def read_rows(run_dir: str) -> list[dict[str, Any]]:
+    path = os.path.join(run_dir, METRICS)
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class Progress:
+    """A one-line live view of the newest row: reward, accuracy, held-out score, KL, pace, staleness."""
+
+    def __init__(self, total: int, quiet: bool, stream: TextIO = sys.stdout, every: float = 0.5) -> None:
+        self.total = total
+        self.quiet = quiet
+        self.stream = stream
+        self.every = every
+        self.tty = stream.isatty()
+        self._last = 0.0
+
+    def update(self, row: dict[str, Any], force: bool = False) -> None:
+        now = time.perf_counter()
+        if self.quiet or (not force and now - self._last < self.every):
+            return
+        self._last = now
+        self.stream.write(("\r" + self.line(row)) if self.tty else self.line(row) + "\n")
+        self.stream.flush()
+
+    def line(self, row: dict[str, Any]) -> str:
+        score = "  -  " if row["score"] is None else f"{row['score']:5.3f}"
+        accuracy = "" if row["accuracy/train"] is None else f"  acc {row['accuracy/train']:.2f}"
+        parts = [f"{name[7:]} {value:.2f}" for name, value in row.items() if _reward_component(name, value)]
+        components = f" ({', '.join(parts)})" if len(parts) > 1 else ""  # one function: the reward itself
+        return (
+            f"step {row['step']:>5}/{self.total}  reward {row['reward/mean']:.3f}{components}{accuracy}  eval {score}  "
+            f"kl {row['actor/kl']:.4f}  lag {row['staleness/mean']:.1f}  "
+            f"{row['perf/steps_per_s']:.1f} steps/s  {row['perf/tokens_trained_per_s'] / 1000:.1f}k tok/s  "
+            f"idle trainer {row['perf/trainer_idle_ratio']:.2f}"
+        )
+
+    def note(self, text: str) -> None:
+        """An event worth a line of its own (a generator restart), on stderr even when quiet."""
+        if self.tty and not self.quiet:
+            self.stream.write("\n")
+        print(text, file=sys.stderr, flush=True)
+
+    def done(self) -> None:
+        if self.tty and not self.quiet:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _reward_component(name: str, value: Any) -> bool:
+    """Whether a row's ``name`` is one reward function's mean (``reward/<name>``, not the mean or std)."""
+    return name.startswith("reward/") and name not in ("reward/mean", "reward/std") and isinstance(value, float)
+
+
+def _smooth(values: list[float], window: int) -> list[float]:
+    out = []
+    for i in range(len(values)):
+        chunk = values[max(0, i - window + 1) : i + 1]
+        out.append(sum(chunk) / len(chunk))
+    return out
+
+
+def plot(run_dir: str) -> str | None:
+    """Draw reward and accuracy, KL and entropy, and staleness to ``<run_dir>/learning_curve.png``."""
+    rows = read_rows(run_dir)
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    window = max(1, len(rows) // 50)
+    fig, (top, middle, bottom) = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
+    top.plot(steps, _smooth([r["reward/mean"] for r in rows], window), label=f"reward (mean of {window} steps)")
+    components = sorted({k for r in rows for k, v in r.items() if _reward_component(k, v)})
+    for name in components:  # each reward function's mean
+        points = [(r["step"], r[name]) for r in rows if r.get(name) is not None]
+        top.plot(*zip(*points, strict=True), linewidth=0.7, label=name)
+    if rows[0].get("accuracy/train") is not None:
+        train_acc = [r["accuracy/train"] for r in rows]
+        top.plot(steps, _smooth(train_acc, window), label="exact match, samples")
+    evaluated = sorted({k for r in rows for k in r if k.startswith("eval/")})
+    for name in evaluated:
+        points = [(r["step"], r[name]) for r in rows if r.get(name) is not None]
+        top.plot(*zip(*points, strict=True), marker=".", label=f"held-out {name.removeprefix('eval/')}")
+    top.set_ylabel("reward / accuracy")
+    top.legend(loc="lower right", fontsize="small")
+    top.set_title("GRPO learning curve")
+    middle.plot(steps, _smooth([r["actor/kl"] for r in rows], window), color="tab:purple", label="KL to reference")
+    middle.set_ylabel("KL")
+    right = middle.twinx()
+    right.plot(steps, _smooth([r["actor/entropy"] for r in rows], window), color="tab:gray", label="entropy")
+    right.set_ylabel("entropy")
+    middle.legend(loc="upper left", fontsize="small")
+    right.legend(loc="upper right", fontsize="small")
+    bottom.plot(steps, [r["staleness/lag"] for r in rows], color="tab:orange", linewidth=0.7, label="staleness")
+    bottom.plot(steps, [r["staleness/dropped"] for r in rows], color="tab:red", label="dropped (stale, cumulative)")
+    bottom.set_xlabel("trainer step")
+    bottom.set_ylabel("versions / rollouts")
+    bottom.legend(loc="upper left", fontsize="small")
+    fig.tight_layout()
+    path = os.path.join(run_dir, PLOT)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,72 @@
+"""Where each role runs: a device per role, checked before any process starts.
+
+``--device`` places every role; ``--trainer-device``, ``--generator-device``,
+``--scorer-device`` and ``--ref-device`` override it one role at a time. A
+role's model, its batches and the weights it installs live on its device;
+tensors cross processes on the CPU (ports carry CPU tensors) and weights
+through the chosen transport.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from actors import available_transports
+
+from ..config import Config
+
+__all__ = ["ROLES", "PlacementError", "check_placement"]
+
+#: The roles that take a device.
+ROLES = ("trainer", "generator", "scorer", "ref")
+
+
+class PlacementError(ValueError):
+    """The requested devices or transport cannot run on this machine; the message says why."""
+
+
+def _check_device(flag: str, spec: str) -> torch.device:
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, TypeError):
+        raise PlacementError(f"{flag} {spec}: not a device (use cpu, cuda or cuda:N)") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise PlacementError(f"{flag} {spec}: only cpu and cuda devices are supported")
+    if not torch.cuda.is_available():
+        raise PlacementError(f"{flag} {spec} needs CUDA, but this machine has no CUDA device")
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise PlacementError(f"{flag} {spec}: this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}")
+    return device
+
+
+def check_placement(config: Config) -> dict[str, torch.device]:
+    """Each role's device, once the placement and the transport can run here; else :class:`PlacementError`."""
+    devices = {}
+    for role in ROLES:
+        flag = f"--{role}-device" if role in config.devices else "--device"
+        devices[role] = _check_device(flag, config.device_of(role))
+    status = available_transports().get(config.transport)
+    if status is None:
+        raise PlacementError(f"--transport {config.transport}: unknown transport")
+    if status != "pass":
+        what = "needs CUDA" if config.transport == "cuda-ipc" else "cannot run here"
+        raise PlacementError(f"--transport {config.transport} {what}: {status.removeprefix('blocked: ')}")
+    if config.transport == "cuda-ipc" and devices["trainer"].type != "cuda":
+        raise PlacementError("--transport cuda-ipc publishes from the trainer's GPU: place the trainer on cuda")
+    if config.install not in ("copy", "alias"):
+        raise PlacementError(f"--weights-install {config.install}: choose copy or alias")
+    if config.install == "alias":
+        source = devices["trainer"] if config.transport == "cuda-ipc" else torch.device("cpu")
+        if _same(devices["generator"]) != _same(source):
+            raise PlacementError(
+                "--weights-install alias makes the generators' parameters views of the published weights, "
+                f"which live on {source}: place the generators there too, or install by copy"
+            )
+    return devices
+
+
+def _same(device: torch.device) -> tuple[str, int]:
+    return device.type, device.index or 0

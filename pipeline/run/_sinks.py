@@ -1,0 +1,171 @@
+"""Where metric rows go besides ``metrics.jsonl``: TensorBoard, Weights & Biases, or nowhere (``--report-to``).
+
+Both trackers are optional packages, imported only when a run asks for
+them, and started by the launcher only after the roles' processes exist
+(their threads must not be inherited by a fork). A sink takes each row
+:func:`pipeline.run.metric_row` builds and is closed with the run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from typing import Any, Protocol
+
+from ..config import REPORT_TO
+
+__all__ = [
+    "CompletionsFeed",
+    "Sink",
+    "TensorBoardSink",
+    "WandbSink",
+    "missing_tracker",
+    "open_sink",
+]
+
+#: Shortest run time (s) between two rows sent to a tracker, evaluation rows excepted.
+TRACKER_PERIOD = 0.1
+
+
+class Sink(Protocol):
+    def write(self, row: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _due(row: dict[str, Any], last: float) -> bool:
+    """Whether ``row`` goes out: every evaluation row, others at most every :data:`TRACKER_PERIOD` s."""
+    return any(name.startswith("eval/") for name in row) or row["time"] - last >= TRACKER_PERIOD
+
+
+def _scalars(row: dict[str, Any]) -> dict[str, float]:
+    return {name: value for name, value in row.items() if "/" in name and isinstance(value, (int, float))}
+
+
+class TensorBoardSink:
+    """Scalars to ``<run_dir>/tensorboard`` (a no-op when the ``tensorboard`` package is missing).
+
+    Each scalar costs ~60 us to encode, so rows go at most every
+    :data:`TRACKER_PERIOD` s of run time: a fast task's hundreds of steps
+    per second would otherwise slow the controller.
+    """
+
+    def __init__(self, run_dir: str) -> None:
+        self._writer: Any = None
+        self._last = -float("inf")
+        self._completions = CompletionsFeed(run_dir)
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # optional: pip install tensorboard
+            return
+        self._writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+
+    def write(self, row: dict[str, Any]) -> None:
+        if self._writer is None or not _due(row, self._last):
+            return
+        self._last = row["time"]
+        for name, value in _scalars(row).items():
+            self._writer.add_scalar(name, value, row["step"])
+        if any(name.startswith("eval/") for name in row):
+            text = self._completions.new_as_markdown()
+            if text:
+                self._writer.add_text("completions", text, row["step"])
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+
+class CompletionsFeed:
+    """The rows the trainer appended to ``<run_dir>/completions.jsonl`` (``--log-completions``) since last asked.
+
+    The trainer writes the file where it runs; a trainer on another host
+    (Ray) leaves none here, and the feed stays empty.
+    """
+
+    def __init__(self, run_dir: str) -> None:
+        self.path = os.path.join(run_dir, "completions.jsonl")
+        self._offset = os.path.getsize(self.path) if os.path.exists(self.path) else 0  # a resumed run's old rows
+
+    def new_rows(self) -> list[dict[str, Any]]:
+        if not os.path.exists(self.path):
+            return []
+        with open(self.path) as f:
+            f.seek(self._offset)
+            lines = f.read()
+        complete = lines[: lines.rfind("\n") + 1]  # a row still being written waits for the next call
+        self._offset += len(complete.encode())
+        return [json.loads(line) for line in complete.splitlines() if line.strip()]
+
+    def new_as_markdown(self) -> str:
+        """The new rows as a Markdown table (TensorBoard's text plugin renders it)."""
+        rows = self.new_rows()
+        if not rows:
+            return ""
+        names = sorted({name for row in rows for name in row.get("rewards", {})})
+        lines = ["| prompt | completion | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+        for row in rows:
+            cells = [_cell(row.get("prompt")), _cell(row.get("completion"))]
+            cells += [_cell(row.get("rewards", {}).get(name)) for name in names]
+            lines.append("| " + " | ".join(cells) + " |")
+        return "\n".join(lines)
+
+
+def _cell(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value)
+    return text.replace("|", "\\|").replace("\n", "<br>")
+
+
+class WandbSink:
+    """Rows to a Weights & Biases run named after the run folder (``WANDB_MODE=offline`` keeps it local).
+
+    The run's files go under ``<run_dir>/wandb``; ``WANDB_PROJECT`` names
+    the project (default ``pipeline-grpo``).
+    """
+
+    def __init__(self, run_dir: str, config: dict[str, Any]) -> None:
+        import wandb
+
+        self._last = -float("inf")
+        self._run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "pipeline-grpo"),
+            name=os.path.basename(os.path.abspath(run_dir)),
+            dir=run_dir,
+            config=config,
+        )
+
+    def write(self, row: dict[str, Any]) -> None:
+        if not _due(row, self._last):
+            return
+        self._last = row["time"]
+        self._run.log(_scalars(row), step=row["step"])
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class _Nowhere:
+    def write(self, row: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def missing_tracker(report_to: str) -> str | None:
+    """Why ``report_to`` cannot be used here (its package is not installed), or None."""
+    if report_to == "wandb" and importlib.util.find_spec("wandb") is None:
+        return "--report-to wandb needs the wandb package: pip install -e '.[wandb]'"
+    return None
+
+
+def open_sink(report_to: str, run_dir: str, config: dict[str, Any] | None = None) -> Sink:
+    """The sink ``--report-to`` names, started."""
+    if report_to == "tensorboard":
+        return TensorBoardSink(run_dir)
+    if report_to == "wandb":
+        return WandbSink(run_dir, config or {})
+    if report_to == "none":
+        return _Nowhere()
+    raise ValueError(f"--report-to {report_to}: choose one of {', '.join(REPORT_TO)}")

@@ -1,0 +1,69 @@
+"""GRPO's loss over a task's completions, in passes of a bounded size: the loss every token-level task shares."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..algorithm import LossSpec, group_advantages, token_grpo_loss, token_weights
+from ._interface import LossReport
+
+if TYPE_CHECKING:
+    from ..config import Config
+
+__all__ = ["completion_loss", "loss_spec"]
+
+
+def loss_spec(config: Config, max_length: int = 0) -> LossSpec:
+    """The GRPO variant a resolved ``config`` names; ``max_length`` is the completion limit (``dr_grpo``'s L)."""
+    return LossSpec(
+        kind=config.loss,
+        clip_low=config.hyper("clip"),
+        clip_high=config.hyper("epsilon_high"),
+        dual_clip=config.dual_clip,
+        kl_coeff=config.hyper("kl_coeff"),
+        max_length=max_length,
+        is_cap=config.is_cap if config.is_correction == "tis" else 0.0,
+    )
+
+
+def completion_loss(
+    config: Config,
+    max_length: int,
+    policy_logps: Callable[[slice], tuple[torch.Tensor, torch.Tensor]],
+    behaviour: torch.Tensor,
+    ref_logps: torch.Tensor | None,
+    mask: torch.Tensor,
+    rewards: torch.Tensor,
+    group: int,
+    truncated: torch.Tensor,
+    rows: slice | None,
+) -> LossReport:
+    """The GRPO loss of the completions in ``rows`` of one rollout of token completions.
+
+    ``policy_logps(part)`` gives the policy's log-probabilities and entropies
+    [n, T] of those rows; ``behaviour``, ``ref_logps`` and ``mask`` [N, T],
+    ``rewards`` and ``truncated`` [N] are the whole rollout's, so advantages
+    and normalisers are the whole batch's whatever the micro-batch.
+    """
+    spec = loss_spec(config, max_length)
+    if config.mask_truncated:  # a completion cut off at the limit has no verdict on its end: it does not train
+        mask = mask * (~truncated).to(mask.dtype).unsqueeze(1)
+    part = slice(None) if rows is None else rows
+    advantages = group_advantages(rewards, group, config.scale_rewards or "group")
+    weights = token_weights(mask, spec.kind, spec.max_length)
+    logps, entropy = policy_logps(part)
+    out = token_grpo_loss(
+        logps,
+        behaviour[part],
+        None if ref_logps is None else ref_logps[part],
+        mask[part],
+        advantages[part],
+        spec,
+        entropy=entropy,
+        weights=weights[part],
+        tokens=float(mask.sum().clamp_min(1.0)),
+    )
+    return LossReport.of(out)

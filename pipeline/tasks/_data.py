@@ -1,0 +1,133 @@
+"""Prompt datasets: a file or a Hub dataset, its prompt column rendered for the model, the rest for rewards.
+
+``--dataset`` is a local JSONL, JSON, parquet or CSV file, or a Hub dataset
+name; either is loaded with the ``datasets`` library. The prompt column holds
+text, or a list of chat messages rendered with the tokenizer's chat template
+(``add_generation_prompt=True``). Every other column goes with its prompt to
+the reward functions.
+
+Which rows a rollout trains on depends only on its ticket (the trainer step
+it is for; :mod:`pipeline.roles`): ticket ``t`` takes samples ``t·B`` to
+``(t+1)·B - 1`` of an endless sequence of epochs, each a fresh seeded
+permutation. Every generator, a restarted one, and a resumed run therefore
+agree on the order, and a resumed run's data position is its step.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+__all__ = ["DataError", "PromptData", "load_rows", "split_held_out"]
+
+_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+class DataError(ValueError):
+    """A dataset that cannot be loaded or used; the message names the flag."""
+
+
+def load_rows(source: str, split: str = "train", flag: str = "--dataset", subset: str = "") -> Any:
+    """The ``datasets.Dataset`` that ``source`` (a local file, or a Hub name with its ``subset``) holds."""
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"{flag} needs the datasets library: pip install -e '.[hf]'") from None
+    datasets.disable_progress_bars()
+    extension = os.path.splitext(source)[1].lower()
+    try:
+        if os.path.exists(source):
+            builder = _BUILDERS.get(extension)
+            if builder is None:
+                raise DataError(f"{flag} {source}: use a .jsonl, .json, .parquet or .csv file, or a Hub dataset name")
+            return datasets.load_dataset(builder, data_files=source, split="train")
+        if extension in _BUILDERS:
+            raise DataError(f"{flag} {source}: no such file")
+        return datasets.load_dataset(source, subset or None, split=split)
+    except DataError:
+        raise
+    except Exception as exc:  # the library's own errors: one line, naming the flag
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise DataError(f"{flag} {source}: cannot be loaded ({first})") from None
+
+
+def split_held_out(count: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Row indices for training and for evaluation: a seeded ``fraction`` of ``count`` rows held out."""
+    held = round(count * fraction)
+    if held <= 0 or held >= count:
+        raise DataError(f"--eval-fraction {fraction}: holds out {held} of {count} rows; it must leave some of each")
+    order = torch.randperm(count, generator=torch.Generator(device="cpu").manual_seed(seed), device="cpu").tolist()
+    return sorted(order[held:]), sorted(order[:held])
+
+
+class PromptData:
+    """One set of prompts: their token ids for the model, their raw values and columns for the rewards."""
+
+    def __init__(
+        self, rows: Any, prompt_column: str, tokenizer: Any, indices: list[int] | None = None, flag: str = "--dataset"
+    ) -> None:
+        names = list(rows.column_names)
+        if prompt_column not in names:
+            raise DataError(f"{flag}: no column {prompt_column!r} (--prompt-column); it has {', '.join(names)}")
+        self.rows = rows
+        self.prompt_column = prompt_column
+        self.indices = list(range(len(rows))) if indices is None else indices
+        if not self.indices:
+            raise DataError(f"{flag}: no rows")
+        self.tokenizer = tokenizer
+        self.columns = [name for name in names if name != prompt_column]
+        self.chat = isinstance(rows[self.indices[0]][prompt_column], list)
+        if self.chat and not getattr(tokenizer, "chat_template", None):
+            raise DataError(f"{flag}: the prompts are chat messages, but the model's tokenizer has no chat template")
+        self._ids: dict[int, list[int]] = {}
+        self._order: tuple[tuple[int, int], list[int]] | None = None
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def prompt(self, row: int) -> Any:
+        """The prompt of dataset row ``row`` as the dataset holds it (text, or messages)."""
+        return self.rows[row][self.prompt_column]
+
+    def prompt_ids(self, row: int) -> list[int]:
+        """Row ``row``'s prompt as token ids (rendered with the chat template if it is messages)."""
+        ids = self._ids.get(row)
+        if ids is None:
+            prompt = self.prompt(row)
+            if self.chat:
+                ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+                if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # newer tokenizers return a BatchEncoding
+                    ids = ids["input_ids"]
+            else:
+                ids = self.tokenizer(str(prompt), add_special_tokens=True)["input_ids"]
+            ids = [int(token) for token in ids]
+            if not ids:
+                raise DataError(f"row {row}: its prompt has no tokens")
+            self._ids[row] = ids
+        return ids
+
+    def columns_of(self, rows: list[int]) -> dict[str, list[Any]]:
+        """Every column but the prompt, one value per row in ``rows`` (the reward functions' keyword arguments)."""
+        records = [self.rows[row] for row in rows]
+        return {name: [record[name] for record in records] for name in self.columns}
+
+    def completion(self, text: str) -> Any:
+        """A completion as TRL passes it to reward functions: text, or one assistant message for chat prompts."""
+        return [{"role": "assistant", "content": text}] if self.chat else text
+
+    def rows_for(self, ticket: int, batch: int, seed: int) -> list[int]:
+        """The ``batch`` dataset rows of rollout ``ticket``: consecutive samples of seeded, reshuffled epochs."""
+        count = len(self.indices)
+        return [
+            self.indices[self._epoch_order(sample // count, seed)[sample % count]]
+            for sample in range(ticket * batch, (ticket + 1) * batch)
+        ]
+
+    def _epoch_order(self, epoch: int, seed: int) -> list[int]:
+        """Epoch ``epoch``'s permutation of the rows (the newest kept: consecutive tickets share one)."""
+        if self._order is None or self._order[0] != (epoch, seed):
+            generator = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + epoch)
+            self._order = ((epoch, seed), torch.randperm(len(self.indices), generator=generator, device="cpu").tolist())
+        return self._order[1]

@@ -1,0 +1,296 @@
+"""The user's task: a Hugging Face causal LM, a dataset of prompts, reward functions in TRL's signature.
+
+``--task hf`` (implied by ``--dataset``). Each rollout takes ``--prompts``
+dataset rows by its ticket (:meth:`pipeline.tasks.PromptData.rows_for`) and
+samples ``--group`` completions of each with the generator's engine
+(``--engine``: :mod:`pipeline.models`, :mod:`pipeline.models`); the scorer awaits the reward functions
+(:class:`pipeline.tasks.RewardSet`), the reference model and the trainer
+score the same left-padded tokens with :class:`pipeline.models.CompletionLogps`, in passes of at most
+``--max-tokens-per-pass`` tokens, never holding logits over the vocabulary for the whole rollout.
+Evaluation decodes the held-out prompts greedily and reports the weighted
+reward (the primary metric) and each function's mean; ``--log-completions N``
+appends N of them to ``completions.jsonl``. The trainer also writes the
+policy as a Hugging Face folder, ``<run_dir>/model`` (:meth:`HFTask.export`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+import torch
+
+from ..models import (
+    BuiltinEngine,
+    CompletionLogps,
+    Engine,
+    SamplingParams,
+    VLLMOptions,
+    build_engine,
+    check_model,
+    load_model,
+    load_tokenizer,
+)
+from ._completion_loss import completion_loss
+from ._data import PromptData, load_rows, split_held_out
+from ._interface import LossReport, Scores, Task
+from ._rewards import RewardSet
+
+if TYPE_CHECKING:
+    from ..config import Config
+
+__all__ = ["HFBatch", "HFTask"]
+
+T = TypeVar("T")
+
+#: Completion limit when ``--max-new-tokens`` is not given (TRL's default).
+DEFAULT_MAX_NEW_TOKENS = 256
+
+
+@dataclass
+class HFBatch:
+    """One rollout: ``group`` completions of each of ``rows`` (dataset indices), left-padded prompts first."""
+
+    rows: torch.Tensor  # [B] int64
+    tokens: torch.Tensor  # [B*G, P+T]
+    prompt_mask: torch.Tensor  # [B*G, P] 1 on prompt tokens, 0 on left padding
+    logps: torch.Tensor  # [B*G, T] behaviour log-probabilities
+    mask: torch.Tensor  # [B*G, T] 1 up to and including the end token
+    truncated: torch.Tensor  # [B*G] bool: reached the limit without an end token
+    texts: list[str]  # the completions, decoded
+    group: int
+
+
+class HFTask(Task):
+    """GRPO on a Hugging Face causal LM with the user's prompts and reward functions."""
+
+    #: TRL's defaults for a pretrained model: a small learning rate, no KL term.
+    defaults: ClassVar[dict[str, float]] = {"lr": 1e-6, "kl_coeff": 0.0, "clip": 0.2}
+    primary: ClassVar[str] = "reward"
+    target: ClassVar[float | None] = None
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        if not config.dataset:
+            raise ValueError("--task hf needs --dataset")
+        self.max_new_tokens = config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+        self._engines: dict[int, tuple[torch.nn.Module, Engine]] = {}
+        self._scorers: dict[int, tuple[torch.nn.Module, CompletionLogps]] = {}
+
+    # -- what each role loads, once, when it first needs it ------------------------------------------------
+
+    @cached_property
+    def tokenizer(self) -> Any:
+        return load_tokenizer(self.config.model)
+
+    @cached_property
+    def _splits(self) -> tuple[PromptData, PromptData]:
+        config = self.config
+        rows = load_rows(config.dataset, config.dataset_split, subset=config.dataset_config)
+        if config.eval_dataset:
+            train = PromptData(rows, config.prompt_column, self.tokenizer)
+            held = load_rows(config.eval_dataset, config.dataset_split, "--eval-dataset", config.dataset_config)
+            return train, PromptData(held, config.prompt_column, self.tokenizer, flag="--eval-dataset")
+        train_rows, held_rows = split_held_out(len(rows), config.eval_fraction, config.seed)
+        return (
+            PromptData(rows, config.prompt_column, self.tokenizer, train_rows),
+            PromptData(rows, config.prompt_column, self.tokenizer, held_rows, flag="--eval-fraction"),
+        )
+
+    @property
+    def train_data(self) -> PromptData:
+        return self._splits[0]
+
+    @property
+    def eval_data(self) -> PromptData:
+        return self._splits[1]
+
+    @cached_property
+    def rewards(self) -> RewardSet:
+        return RewardSet(self.config.rewards, self.config.reward_timeout)
+
+    def check(self) -> None:
+        """Load everything a role will need (model config, tokenizer, both prompt sets, rewards): fail before starting."""
+        check_model(self.config.model)
+        self.train_data.prompt_ids(self.train_data.indices[0])
+        self.eval_data.prompt_ids(self.eval_data.indices[0])
+        self.rewards  # noqa: B018 - imported and signature-checked here
+
+    # -- the Task interface ----------------------------------------------------------------------------------
+
+    def build_policy(self) -> torch.nn.Module:
+        return load_model(self.config.model)
+
+    def params(self, samples: int, greedy: bool = False) -> SamplingParams:
+        config = self.config
+        return SamplingParams(
+            max_new_tokens=self.max_new_tokens,
+            temperature=0.0 if greedy else config.temperature,
+            top_p=config.top_p,
+            top_k=config.top_k,
+            samples=samples,
+        )
+
+    def build_engine(self, policy: torch.nn.Module) -> Engine:
+        """The generator's engine for ``policy``, as ``--engine`` names it (vLLM is imported only then)."""
+        config = self.config
+        vllm = VLLMOptions(
+            temperature=config.temperature,
+            top_k=config.top_k,
+            top_p=config.top_p,
+            seed=config.seed,
+            dtype=config.vllm_dtype,
+            max_model_len=config.vllm_max_model_len or None,
+            gpu_memory_utilization=config.vllm_gpu_memory,
+        )
+        engine = build_engine(config.engine, policy, self.tokenizer, config.model, vllm)
+        self._engines[id(policy)] = (policy, engine)
+        return engine
+
+    def engine(self, policy: torch.nn.Module) -> Engine:
+        """The engine that samples ``policy``: the one built for it, else (the trainer's evaluation) the built-in."""
+        return _held(self._engines, policy, lambda: BuiltinEngine(policy, self.tokenizer))
+
+    def sample(self, policy: torch.nn.Module, generator: torch.Generator, ticket: int = 0) -> HFBatch:
+        data = self.train_data
+        rows = data.rows_for(max(0, ticket), self.config.prompts, self.config.seed)
+        engine = self.engine(policy)
+        out = engine.generate([data.prompt_ids(row) for row in rows], self.params(self.config.group), generator)
+        completion = out.tokens[:, out.prompt_mask.shape[1] :]
+        ends = torch.tensor(engine.eos, device=completion.device)
+        truncated = ~(torch.isin(completion, ends) & out.mask.bool()).any(1)  # no end token
+        return HFBatch(
+            torch.tensor(rows, dtype=torch.long, device=out.tokens.device),
+            out.tokens,
+            out.prompt_mask,
+            out.logps,
+            out.mask,
+            truncated,
+            out.texts,
+            self.config.group,
+        )
+
+    async def score_async(self, scorer: Any, samples: HFBatch) -> Scores:
+        data = self.train_data
+        rows = samples.rows.repeat_interleave(samples.group).tolist()
+        per_function = await self.rewards.score(
+            [data.prompt(row) for row in rows],
+            [data.completion(text) for text in samples.texts],
+            data.columns_of(rows),
+        )
+        return Scores(self.rewards.combine(per_function), None, self.rewards.means(per_function))
+
+    def score(self, scorer: Any, samples: HFBatch) -> Scores:
+        return asyncio.run(self.score_async(scorer, samples))
+
+    def logps_of(self, model: torch.nn.Module) -> CompletionLogps:
+        """What scores completions under ``model`` (one per model: its body/head split is checked once)."""
+        return _held(self._scorers, model, lambda: CompletionLogps(model))
+
+    def reference_logps(self, reference: torch.nn.Module, samples: HFBatch) -> torch.Tensor:
+        """The reference's log-probs, in passes of at most ``--max-tokens-per-pass`` tokens."""
+        scorer, config = self.logps_of(reference), self.config
+        with torch.no_grad():
+            parts = [
+                scorer(samples.tokens[rows], samples.prompt_mask[rows], config.temperature)[0]
+                for rows in self.micro_batches(samples, config.micro_batch, config.max_tokens_per_pass)
+            ]
+        return torch.cat(parts) * samples.mask
+
+    def loss(
+        self,
+        policy: torch.nn.Module,
+        samples: HFBatch,
+        rewards: torch.Tensor,
+        ref_logps: torch.Tensor | None,
+        rows: slice | None = None,
+    ) -> LossReport:
+        scorer = self.logps_of(policy)
+
+        def policy_logps(part: slice) -> tuple[torch.Tensor, torch.Tensor]:
+            return scorer(samples.tokens[part], samples.prompt_mask[part], self.config.temperature)
+
+        return completion_loss(
+            self.config,
+            self.max_new_tokens,
+            policy_logps,
+            samples.logps,
+            ref_logps,
+            samples.mask,
+            rewards,
+            samples.group,
+            samples.truncated,
+            rows,
+        )
+
+    def rows(self, samples: HFBatch) -> int:
+        return int(samples.tokens.shape[0])
+
+    def row_tokens(self, samples: HFBatch) -> int:
+        return int(samples.tokens.shape[1])
+
+    def measure(self, samples: HFBatch) -> tuple[int, float]:
+        tokens = int(samples.mask.sum())
+        return tokens, tokens / max(1, samples.mask.shape[0])
+
+    async def evaluate_async(self, policy: torch.nn.Module) -> dict[str, float]:
+        """Greedy completions of the held-out prompts: the weighted reward and each function's mean."""
+        data = self.eval_data
+        rows = data.indices[: self.config.eval_size]
+        was_training = policy.training
+        policy.eval()
+        try:
+            out = self.engine(policy).generate([data.prompt_ids(row) for row in rows], self.params(1, greedy=True))
+        finally:
+            policy.train(was_training)
+        prompts = [data.prompt(row) for row in rows]
+        per_function = await self.rewards.score(prompts, [data.completion(t) for t in out.texts], data.columns_of(rows))
+        combined = self.rewards.combine(per_function)
+        self._log_completions(prompts, out.texts, per_function)
+        return {
+            "reward": float(combined.mean()),
+            **{f"reward/{name}": value for name, value in self.rewards.means(per_function).items()},
+        }
+
+    def evaluate(self, policy: torch.nn.Module) -> dict[str, float]:
+        return asyncio.run(self.evaluate_async(policy))
+
+    def _log_completions(self, prompts: list[Any], texts: list[str], per_function: torch.Tensor) -> None:
+        count, run_dir = self.config.log_completions, self.config.run_dir
+        if count <= 0 or not run_dir:
+            return
+        names = self.rewards.names
+        with open(os.path.join(run_dir, "completions.jsonl"), "a") as f:
+            for i in range(min(count, len(texts))):
+                scores = {n: (None if v != v else v) for n, v in zip(names, per_function[:, i].tolist(), strict=True)}
+                f.write(json.dumps({"prompt": prompts[i], "completion": texts[i], "rewards": scores}) + "\n")
+
+    def export(self, policy: torch.nn.Module, run_dir: str) -> str | None:
+        """``policy`` and its tokenizer as ``<run_dir>/model`` (safetensors), replaced whole."""
+        if not run_dir:
+            return None
+        target = os.path.join(run_dir, "model")
+        staging = f"{target}.tmp-{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        policy.save_pretrained(staging, safe_serialization=True)  # type: ignore[operator]
+        self.tokenizer.save_pretrained(staging)
+        old = f"{target}.old-{os.getpid()}"
+        if os.path.exists(target):
+            os.replace(target, old)
+        os.replace(staging, target)
+        shutil.rmtree(old, ignore_errors=True)
+        return target
+
+
+def _held(cache: dict[int, tuple[torch.nn.Module, T]], model: torch.nn.Module, build: Callable[[], T]) -> T:
+    """What ``cache`` holds for ``model``, built once (keyed by identity: a module is not hashable by value)."""
+    held = cache.get(id(model))
+    if held is None or held[0] is not model:
+        held = cache[id(model)] = (model, build())
+    return held[1]
