@@ -104,6 +104,7 @@ class Config:
     mask_truncated: bool = False  # completions that hit the length limit do not train
     micro_batch: int = 0  # samples per forward/backward pass; 0: as many as ``max_tokens_per_pass`` allows
     max_tokens_per_pass: int = 8192  # rows x token width of one trainer or reference pass (0: no limit)
+    trainer_ranks: int = 1  # trainer processes, each training its share of every rollout's rows (gradients summed)
     gradient_checkpointing: bool = False  # a Hugging Face policy recomputes activations in the backward pass
     max_grad_norm: float = 1.0  # clip the gradient's L2 norm to this (0: no clipping)
     lr_schedule: LrSchedule = "constant"  # constant | cosine (to 0 at ``steps``)

@@ -46,7 +46,16 @@ def check_settings(config: Config) -> None:
         )
     if not 0 < config.top_p <= 1:
         raise SettingsError(f"--top-p {config.top_p}: the nucleus mass must be in (0, 1]")
-    for name in ("prompts", "steps", "eval_size", "eval_every", "generators", "max_inflight", "threads"):
+    for name in (
+        "prompts",
+        "steps",
+        "eval_size",
+        "eval_every",
+        "generators",
+        "max_inflight",
+        "threads",
+        "trainer_ranks",
+    ):
         _at_least(config, name, 1)
     for name in (
         "max_new_tokens",
@@ -98,8 +107,31 @@ def check_settings(config: Config) -> None:
             "--gradient-checkpointing recomputes a Hugging Face model's layers (--task hf, --dataset); the built-in "
             "tasks' models are small enough to keep their activations"
         )
+    _check_trainer_ranks(config)
     if config.engine != "builtin" and config.task != "hf":
         raise SettingsError(
             f"--engine {config.engine} samples a Hugging Face model (--task hf, --dataset); the built-in tasks' "
             "models sample with the built-in sampler"
+        )
+
+
+def _check_trainer_ranks(config: Config) -> None:
+    """Several trainer ranks: each needs rows to train; on a CPU and one host only, so far (issue 39)."""
+    ranks = config.trainer_ranks
+    if ranks == 1:
+        return
+    if config.prompts * config.group < ranks:
+        raise SettingsError(
+            f"--trainer-ranks {ranks}: a rollout has {config.prompts * config.group} rows (--prompts x --group) "
+            "to share out; each rank needs at least one"
+        )
+    if config.device_of("trainer") != "cpu":
+        raise SettingsError(
+            f"--trainer-ranks {ranks} with the trainer on {config.device_of('trainer')}: ranks run on CPUs so far "
+            "(their GPU placement, NCCL and sharded weights are not built yet)"
+        )
+    if config.ray:
+        raise SettingsError(
+            f"--trainer-ranks {ranks} with --ray: the ranks run on the trainer's host so far (across hosts is not "
+            "built yet)"
         )

@@ -6,12 +6,17 @@ the yardstick the pipeline is measured against. May import
 """
 
 from . import checkpoint
+from ._data_parallel import COLLECTIVE_TIMEOUT, DataParallel, RankShare, Rendezvous
 from ._learner import Learner, Update, lr_factor
 from ._one_process import ReferenceResult, train_one_process
 
 __all__ = [
+    "COLLECTIVE_TIMEOUT",
+    "DataParallel",
     "Learner",
+    "RankShare",
     "ReferenceResult",
+    "Rendezvous",
     "Update",
     "checkpoint",
     "lr_factor",

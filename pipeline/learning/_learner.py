@@ -23,6 +23,7 @@ from ..tasks import LossReport, Task
 
 if TYPE_CHECKING:
     from ..config import Config
+    from ._data_parallel import DataParallel
 
 __all__ = ["Learner", "Update", "lr_factor"]
 
@@ -53,11 +54,17 @@ def lr_factor(config: Config) -> Callable[[int], float]:
 
 
 class Learner:
-    """Policy + Adam (with its schedule) + reference weights for one task on one device."""
+    """Policy + Adam (with its schedule) + reference weights for one task on one device.
 
-    def __init__(self, task: Task, device: torch.device) -> None:
+    With ``parallel`` it is one rank of several: it trains its share of each
+    rollout's rows and the ranks' gradients are summed before the step, so
+    every rank takes the step one learner would (:mod:`._data_parallel`).
+    """
+
+    def __init__(self, task: Task, device: torch.device, parallel: DataParallel | None = None) -> None:
         self.task = task
         self.device = device
+        self.parallel = parallel
         config = task.config
         torch.manual_seed(task.seed)  # every run of a seed starts from the same policy
         self.policy = task.build_policy().to(device)
@@ -75,6 +82,12 @@ class Learner:
         self.max_grad_norm = config.max_grad_norm if config.max_grad_norm > 0 else math.inf
         self.compute_dtype = getattr(torch, config.dtype)
 
+    def share_with(self, parallel: DataParallel) -> None:
+        """From now on, train as one rank of ``parallel``'s group (a learner joins one group, once)."""
+        if self.parallel is not None:
+            raise RuntimeError("this learner already trains as a rank of a group")
+        self.parallel = parallel
+
     def _precision(self) -> contextlib.AbstractContextManager[Any]:
         """Autocast to the run's compute dtype (nothing for float32): the parameters stay in their own."""
         if self.compute_dtype == torch.float32:
@@ -86,11 +99,17 @@ class Learner:
         started = time.perf_counter()
         self.optim.zero_grad()
         total: LossReport | None = None
-        for rows in self.task.micro_batches(samples, self.micro_batch, self.max_tokens):
+        passes = self.task.micro_batches(samples, self.micro_batch, self.max_tokens)
+        if self.parallel is not None:
+            passes = self.parallel.passes(passes, self.task.rows(samples))
+        for rows in passes:
             with self._precision():
                 report = self.task.loss(self.policy, samples, rewards, ref_logps, rows)
             report.loss.backward()  # type: ignore[no-untyped-call]
             total = report if total is None else total.add(report)
+        if self.parallel is not None:
+            self.parallel.sum_gradients(self.policy)
+            total = self.parallel.sum_report(total)
         if total is None:
             raise ValueError(f"{type(self.task).__name__}.micro_batches gave no rows to train on")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)

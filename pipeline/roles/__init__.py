@@ -31,6 +31,7 @@ from ._messages import WAKE, GeneratorTimes, Grant, Rollout, ScoredRollout, Step
 from ._scorers import RefModel, Scorer
 from ._tickets import Tickets
 from ._trainer import Trainer
+from ._trainer_rank import TrainerRank
 from ._weight_routes import Route, WeightRoutes, choose_transport
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "StepReport",
     "Tickets",
     "Trainer",
+    "TrainerRank",
     "WeightRoutes",
     "choose_transport",
     "compact_gpu_allocator",

@@ -11,9 +11,11 @@ with a recent policy. Reports go to the controller in batches.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,7 +33,7 @@ from actors import (
 )
 
 from ..config import Config
-from ..learning import Learner, Update, checkpoint
+from ..learning import DataParallel, Learner, RankShare, Rendezvous, Update, checkpoint
 from ..tasks import load_task, to_device
 from ._devices import peak_gpu_gb, reserved_gpu_gb, role_device, uses_reference, weights_dtype
 from ._generator import Generator
@@ -39,10 +41,36 @@ from ._messages import Grant, ScoredRollout, StepReport
 from ._tickets import Tickets
 from ._weight_routes import WeightRoutes
 
+if TYPE_CHECKING:
+    from ._trainer_rank import TrainerRank
+
 __all__ = ["Trainer"]
 
 #: Step reports the trainer gathers before sending them to the controller.
 REPORT_BATCH = 10
+#: Where rank 0 serves the trainer ranks' rendezvous: they run on its host (``--trainer-ranks``).
+RENDEZVOUS_HOST = "127.0.0.1"
+#: How long a failed step waits to learn whether a trainer rank died (and name it) before reporting itself.
+RANK_FAILURE_GRACE = 2.0
+
+
+async def _outcome(future: Any) -> Any:
+    """An actor call's result, as a coroutine (for ``asyncio.gather`` and ``wait_for``)."""
+    return await future
+
+
+async def _until_a_death(calls: Sequence[asyncio.Future[Any]], grace: float) -> None:
+    """Wait until one of ``calls`` failed because its process died, all are done, or ``grace`` seconds passed."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace
+    while True:
+        if any(c.done() and not c.cancelled() and isinstance(c.exception(), ActorDied) for c in calls):
+            return
+        pending = [c for c in calls if not c.done()]
+        left = deadline - loop.time()
+        if not pending or left <= 0:
+            return
+        await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
 
 
 class Trainer(Actor):
@@ -86,6 +114,13 @@ class Trainer(Actor):
         self._reports: list[StepReport] = []
         self.grants: list[Port[Grant]] = []
         self.generators: Generator | None = None
+        # --trainer-ranks N > 1: this is rank 0; the others train their shares of each step beside it
+        self.ranks: TrainerRank | None = None
+        self.ranks_count = 1
+        self._rendezvous: Rendezvous | None = None
+        self._parallel: DataParallel | None = None
+        self._weights = asyncio.Lock()  # held while a step runs off the loop: nothing publishes or saves midway
+        self._stepping: asyncio.Future[Update] | None = None  # a step left blocked in a collective by a dead rank
 
     @property
     def policy(self) -> torch.nn.Module:
@@ -93,6 +128,14 @@ class Trainer(Actor):
 
     def _metadata(self) -> dict[str, Any]:
         return {"step": self.step, "published_at": time.time()}
+
+    def _name_dead_rank(self, others: Sequence[asyncio.Future[Any]], cause: BaseException) -> None:
+        """Raise the failure of the first trainer rank whose process died during this step, naming it, if any did."""
+        for rank, other in enumerate(others, start=1):
+            if other.done() and not other.cancelled() and isinstance(other.exception(), ActorDied):
+                raise RuntimeError(
+                    f"trainer rank {rank} died during step {self.step + 1}: {other.exception()}"
+                ) from cause
 
     @endpoint
     async def inlet(self) -> Port[ScoredRollout]:
@@ -119,7 +162,66 @@ class Trainer(Actor):
     async def manifest_for(self, generator: int) -> WeightManifest:
         """The current policy on the transport that reaches ``generator``."""
         transport = self.routes.transport_of(generator)
-        return await self.routes.publish_async(transport, self.learner.policy, self.version, self._metadata())
+        async with self._weights:
+            return await self.routes.publish_async(transport, self.learner.policy, self.version, self._metadata())
+
+    @endpoint
+    async def rendezvous(self, world: int) -> list[Any]:
+        """Serve the store through which ``world`` trainer ranks join (this is rank 0); its address."""
+        self._rendezvous = Rendezvous(RENDEZVOUS_HOST, world)
+        return list(self._rendezvous.address)
+
+    @endpoint
+    async def join(self, ranks: TrainerRank, world: int) -> None:
+        """Join the group as rank 0 while ``ranks`` (1..world-1) join it too; from now on they share every step."""
+        if self._rendezvous is None:
+            raise RuntimeError("call rendezvous() first: rank 0 serves the store the others join through")
+        share = RankShare(0, world)
+        rendezvous = self._rendezvous
+        self._parallel = await asyncio.to_thread(
+            DataParallel, share, rendezvous.address, self.device, rendezvous=rendezvous
+        )
+        self.learner.share_with(self._parallel)
+        self.ranks = ranks
+        self.ranks_count = world
+
+    async def train(self, item: ScoredRollout) -> Update:
+        """One step: :meth:`train_step` on the loop with one rank; with several, beside the others, off the loop."""
+        if self.ranks is None:
+            return self.train_step(item)
+        args = (item.rollout.samples, item.rewards, item.ref_logps)
+        others = [
+            asyncio.ensure_future(_outcome(self.ranks.slice(procs=r).train.call_one(*args)))
+            for r in range(self.ranks_count - 1)
+        ]
+        async with self._weights:
+            step = asyncio.ensure_future(asyncio.to_thread(self.train_step, item))
+            self._stepping = step
+            done, _ = await asyncio.wait([step, *others], return_when=asyncio.FIRST_EXCEPTION)
+            if step not in done:  # a rank failed first: this step's collective may never finish; do not wait for it
+                await _until_a_death(others, RANK_FAILURE_GRACE)
+                failed = next(other for other in others if other.done() and other.exception() is not None)
+                cause = failed.exception()
+                assert cause is not None
+                self._name_dead_rank(others, cause)
+                raise cause  # not a death: the rank's own error
+            self._stepping = None
+        try:
+            update = step.result()
+        except RuntimeError as exc:  # a rank that died broke the collective: name the rank, not the socket
+            await _until_a_death(others, RANK_FAILURE_GRACE)
+            self._name_dead_rank(others, exc)
+            raise
+        finally:
+            for other in others:
+                if not other.done():
+                    other.cancel()
+        try:
+            await asyncio.gather(*others)  # a rank that failed on its own is named here
+        except ActorDied as exc:
+            self._name_dead_rank(others, exc)
+            raise
+        return update
 
     def train_step(self, item: ScoredRollout) -> Update:
         device = self.device
@@ -172,7 +274,7 @@ class Trainer(Actor):
                 self.tickets.retry(rollout.ticket)
                 await self.send_grant(rollout.ticket)
                 continue
-            update = self.train_step(item)
+            update = await self.train(item)
             self.step += 1
             self.version += 1
             self.tickets.trained()
@@ -324,9 +426,12 @@ class Trainer(Actor):
 
     @endpoint
     async def checkpoint(self) -> str:
-        return self.save()
+        async with self._weights:
+            return self.save()
 
     async def __cleanup__(self, exc: BaseException | None) -> None:
+        if self._parallel is not None and self._stepping is None:  # leaving the group waits for a step in flight
+            self._parallel.close()
         self.routes.close()
         if self.ref_publisher is not None:
             self.ref_publisher.close()

@@ -171,6 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
         "rollout at once)",
     )
     train.add_argument(
+        "--trainer-ranks",
+        type=int,
+        default=1,
+        help="trainer processes joined with torch.distributed (gloo), each training its share of every "
+        "rollout's rows, gradients summed: the step one trainer takes (default 1; CPU, one host)",
+    )
+    train.add_argument(
         "--gradient-checkpointing",
         action="store_true",
         help="a Hugging Face policy recomputes its layers' activations in the backward pass instead of keeping "
@@ -303,6 +310,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
             scale_rewards=args.scale_rewards,
             mask_truncated=args.mask_truncated,
             micro_batch=args.micro_batch,
+            trainer_ranks=args.trainer_ranks,
             max_tokens_per_pass=args.max_tokens_per_pass,
             gradient_checkpointing=args.gradient_checkpointing,
             max_grad_norm=args.max_grad_norm,

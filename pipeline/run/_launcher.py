@@ -33,7 +33,7 @@ from actors import ActorsError, Channel, Failure, HostMesh, ProcMesh, this_host
 
 from ..config import Config, SettingsError, check_settings
 from ..learning import checkpoint
-from ..roles import Generator, RefModel, Scorer, StepReport, Trainer, uses_reference
+from ..roles import Generator, RefModel, Scorer, StepReport, Trainer, TrainerRank, uses_reference
 from ..tasks import load_task, resolve
 from ._cli import parse_args
 from ._failures import PipelineError, first_failure
@@ -54,6 +54,7 @@ class Roles:
     scorer: type[Scorer] = Scorer
     ref: type[RefModel] = RefModel
     trainer: type[Trainer] = Trainer
+    trainer_rank: type[TrainerRank] = TrainerRank
 
 
 @dataclass
@@ -167,13 +168,24 @@ async def run_pipeline(
             max_restarts=max(1, config.generator_restarts),
             restart_period=60.0,
         )
-        meshes = [mesh for mesh in (gen_procs, scorer_procs, ref_procs, trainer_procs) if mesh is not None]
+        rank_procs = (
+            head.spawn_procs(per_host={"procs": config.trainer_ranks - 1}, name="trainer-ranks", threads=threads)
+            if config.trainer_ranks > 1
+            else None
+        )
+        meshes = [mesh for mesh in (gen_procs, scorer_procs, ref_procs, trainer_procs, rank_procs) if mesh is not None]
         # Only now, with the roles' processes forked from a still single-threaded
         # launcher, the threads of a runtime and of TensorBoard's writer start.
         reports_port, reports = Channel.open(StepReport)
         log = metrics_log = MetricsLog(config.run_dir, config.report_to, config.to_dict())
 
         trainer = trainer_procs.spawn("trainer", roles.trainer, config, reports_port, resume)
+        if rank_procs is not None:  # rank 0 serves the rendezvous; every rank joins, each waiting for the others
+            ranks = rank_procs.spawn("trainer-ranks", roles.trainer_rank, config, resume)
+            address = await trainer.rendezvous.call_one(config.trainer_ranks)
+            await asyncio.gather(
+                trainer.join.call_one(ranks, config.trainer_ranks), ranks.join.call(address, config.trainer_ranks)
+            )
         scorer = scorer_procs.spawn("scorer", roles.scorer, config)
         policy_manifest, ref_manifest = await trainer.initial_manifests.call_one()
         rollouts_in = await scorer.inlet.call_one()

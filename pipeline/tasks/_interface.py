@@ -84,6 +84,22 @@ class LossReport:
             out.is_truncated,
         )
 
+    @classmethod
+    def nothing(cls, device: torch.device) -> LossReport:
+        """The report of no rows: every share zero (what a rank with no rows of a rollout adds)."""
+        return cls(torch.zeros((), device=device), *(0.0 for _ in _SHARES))
+
+    def figures(self) -> list[float]:
+        """The shares that add up across a batch's parts, in a fixed order (the loss aside)."""
+        return [float(getattr(self, name)) for name in _SHARES]
+
+    @classmethod
+    def from_figures(cls, loss: torch.Tensor, figures: list[float]) -> LossReport:
+        """A report of ``loss`` and the shares :meth:`figures` lists."""
+        if len(figures) != len(_SHARES):
+            raise ValueError(f"a report has {len(_SHARES)} shares besides its loss, not {len(figures)}")
+        return cls(loss, *figures)
+
     def add(self, other: LossReport) -> LossReport:
         """The report of this part and ``other`` together (the loss detached: each part was backpropagated)."""
         return LossReport(

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import math
 import os
+from typing import Any
 
-from pipeline import BanditTask, Generator, RefModel, Scorer
+import torch
+
+from actors import Actor, current_rank, current_size, endpoint
+from pipeline import BanditTask, Config, DigitsTask, Generator, Learner, RefModel, Scorer, resolve
+from pipeline.learning import DataParallel, RankShare, Rendezvous
 
 
 class WideBandit(BanditTask):
@@ -87,3 +93,49 @@ class DtypeRefModel(RefModel):
         super().__init__(*args, **kwargs)
         dtypes = sorted({str(p.dtype) for p in self.model.state_dict().values() if p.is_floating_point()})
         _note(self.config.run_dir, f"ref {' '.join(dtypes)}")
+
+
+class LearnerRank(Actor):
+    """One rank of a data-parallel learner on the CPU: joins the group, takes one step, reports its weights."""
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        self.settings = settings
+        self.rendezvous: Rendezvous | None = None
+
+    @endpoint
+    def serve(self, world: int) -> list[Any]:
+        """Rank 0: the store the others join through."""
+        self.rendezvous = Rendezvous("127.0.0.1", world)
+        return list(self.rendezvous.address)
+
+    @endpoint
+    def step(self, address: list[Any], samples: Any, rewards: torch.Tensor, ref: torch.Tensor | None) -> dict[str, Any]:
+        """One update of this rank's share: the summed gradients, the weights after it, the loss, norm and figures."""
+        cpu = torch.device("cpu")
+        share = RankShare(current_rank().rank, math.prod(current_size().values()))
+        parallel = DataParallel(share, (str(address[0]), int(address[1])), cpu, rendezvous=self.rendezvous)
+        try:
+            learner = Learner(DigitsTask(resolve(Config(**self.settings))), cpu, parallel)
+            passes = parallel.passes(
+                learner.task.micro_batches(samples, learner.micro_batch), learner.task.rows(samples)
+            )
+            update = learner.update(samples, rewards, ref)
+        finally:
+            parallel.close()
+        return {
+            "weights": dict(learner.policy.state_dict()),
+            "gradients": {name: p.grad for name, p in learner.policy.named_parameters() if p.grad is not None},
+            "loss": float(update.report.loss),
+            "grad_norm": update.grad_norm,
+            "figures": update.report.figures(),
+            "passes": [[part.start, part.stop] for part in passes],
+        }
+
+    @endpoint
+    def join_alone(self, address: list[Any], world: int, timeout: float) -> str:
+        """Rank 1 of ``world`` joining a group whose other ranks never come: the error it ends with."""
+        try:
+            DataParallel(RankShare(1, world), (str(address[0]), int(address[1])), torch.device("cpu"), timeout=timeout)
+        except Exception as exc:  # the test reads what a user would see
+            return f"{type(exc).__name__}: {exc}"
+        return "joined"

@@ -302,6 +302,27 @@ def test_kill_9_of_a_role_stops_the_run_naming_it(tmp_path, role, title):
         proc.wait()
 
 
+def test_kill_9_of_a_trainer_rank_stops_the_run_naming_it(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = cli("--task", "bandit", "--steps", "200000", "--trainer-ranks", "3", "--run-dir", str(run_dir), "--quiet")
+    try:
+        assert wait_for(lambda: (run_dir / "checkpoint.pt").exists(), timeout=60)
+        victim = next(pid for pid in actor_pids() if _title(pid).startswith("actors[trainer-ranks.1"))
+        before = actor_pids()
+        start = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        out, err = proc.communicate(timeout=15)
+        elapsed = time.monotonic() - start
+        assert proc.returncode == 1, out + err
+        assert "the trainer failed" in err and "trainer rank 2 died during step" in err, err
+        assert elapsed < 3.0, f"the run took {elapsed:.2f}s to stop after a trainer rank died"
+        assert wait_for(lambda: not (before & actor_pids()), timeout=3)
+        assert load_checkpoint(str(run_dir))["step"] > 0, "the last checkpoint stays usable"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 async def test_a_role_failing_because_a_peer_died_is_not_named_for_it():
     """The scorer dies; a generator's send to it fails first (PortClosed): the scorer is the one named."""
     from actors import ActorDied, ActorError

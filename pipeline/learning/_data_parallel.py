@@ -1,0 +1,168 @@
+"""Data-parallel training over trainer ranks: each rank trains its share of a rollout's rows, gradients summed.
+
+Every pass's loss is its share of the whole rollout's loss (the token
+normaliser is the rollout's, not the rank's: :meth:`Task.loss` with
+``rows``), so the ranks' gradients summed are the one-rank gradient, and
+their reports add up to the one-rank report. The weights stay whole on every
+rank (``--trainer-shard ddp``). torch's ``DistributedDataParallel`` is not
+used: it syncs only through its own ``forward``, which a Hugging Face model
+scored body and head apart (:class:`~pipeline.models.CompletionLogps`)
+never calls; one ``all_reduce`` per bucket of gradients after the rank's
+passes does the same sum.
+
+The ranks join a ``torch.distributed`` process group (gloo on CPUs, NCCL on
+GPUs) through a store that rank 0 serves on an address it hands out
+(:class:`Rendezvous`), not through variables the user sets. Every
+collective has the group's deadline: a rank that died makes the others fail
+within it rather than wait for ever.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not in its __all__, but its documented name
+
+from ..tasks import LossReport
+
+__all__ = ["COLLECTIVE_TIMEOUT", "DataParallel", "RankShare", "Rendezvous"]
+
+#: How long a rendezvous or a collective may wait for the other ranks (seconds).
+COLLECTIVE_TIMEOUT = 60.0
+#: Gradients summed per all_reduce, at most (bytes).
+BUCKET_BYTES = 32 << 20
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """Which rows of each rollout rank ``rank`` of ``world`` trains: a contiguous block, as even as the rows allow."""
+
+    rank: int
+    world: int
+
+    def __post_init__(self) -> None:
+        if self.world < 1 or not 0 <= self.rank < self.world:
+            raise ValueError(f"rank {self.rank} of {self.world}: need 0 <= rank < world, world >= 1")
+
+    def block(self, rows: int) -> tuple[int, int]:
+        """The [start, stop) rows of ``rows`` that are this rank's."""
+        return self.rank * rows // self.world, (self.rank + 1) * rows // self.world
+
+    def passes(self, slices: list[slice], rows: int | None) -> list[slice]:
+        """This rank's part of each pass in ``slices`` (over ``rows`` rows): no pass grows, none is empty."""
+        if rows is None:
+            raise ValueError("the task's samples have no rows to share out: give its rows() to train on several ranks")
+        start, stop = self.block(rows)
+        mine = []
+        for part in slices:
+            first, last, step = part.indices(rows)
+            if step != 1:
+                raise ValueError(f"a micro-batch must be a contiguous range of rows, not {part}")
+            first, last = max(first, start), min(last, stop)
+            if first < last:
+                mine.append(slice(first, last))
+        return mine
+
+
+class Rendezvous:
+    """Rank 0's store, on ``host`` at a port the OS chose: the address the other ranks join the group through."""
+
+    def __init__(self, host: str, world: int, timeout: float = COLLECTIVE_TIMEOUT) -> None:
+        self.store = TCPStore(
+            host,
+            0,
+            world,
+            is_master=True,
+            timeout=datetime.timedelta(seconds=timeout),
+            wait_for_workers=False,
+        )
+        self.address = (host, int(self.store.port))
+
+
+class DataParallel:
+    """This process as rank ``share.rank`` of a process group: its share of the rows, gradients and reports summed."""
+
+    def __init__(
+        self,
+        share: RankShare,
+        address: tuple[str, int],
+        device: torch.device,
+        *,
+        rendezvous: Rendezvous | None = None,
+        timeout: float = COLLECTIVE_TIMEOUT,
+    ) -> None:
+        """Join the group at ``address`` (rank 0 passes the :class:`Rendezvous` it serves there); waits for every rank.
+
+        Raises :class:`RuntimeError`, naming the rank, when the store cannot be
+        reached or the other ranks do not come within ``timeout`` seconds.
+        """
+        if dist.is_initialized():
+            raise RuntimeError("this process is already in a torch.distributed group: one trainer rank per process")
+        if (share.rank == 0) != (rendezvous is not None):
+            raise ValueError("rank 0, and only rank 0, serves the rendezvous")
+        deadline = datetime.timedelta(seconds=timeout)
+        self.share = share
+        self.device = device
+        self._rendezvous = rendezvous  # rank 0's store lives as long as the group
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        try:
+            store = (
+                rendezvous.store
+                if rendezvous is not None
+                else TCPStore(address[0], address[1], share.world, is_master=False, timeout=deadline)
+            )
+            dist.init_process_group(backend, store=store, rank=share.rank, world_size=share.world, timeout=deadline)
+        except (RuntimeError, OSError) as exc:  # torch's DistStoreError and DistNetworkError are RuntimeErrors
+            where = f"{address[0]}:{address[1]}"
+            raise RuntimeError(
+                f"trainer rank {share.rank} of {share.world}: the group at {where} did not form within {timeout:g} s "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else exc!r})"
+            ) from exc
+
+    def passes(self, slices: list[slice], rows: int | None) -> list[slice]:
+        """This rank's passes of a rollout of ``rows`` rows that one rank would train in ``slices``."""
+        return self.share.passes(slices, rows)
+
+    def sum_gradients(self, module: torch.nn.Module) -> None:
+        """Every trainable parameter's gradient summed over the ranks (a missing one counts as zeros)."""
+        grads = []
+        for parameter in module.parameters():
+            if parameter.requires_grad:
+                if parameter.grad is None:
+                    parameter.grad = torch.zeros_like(parameter)
+                grads.append(parameter.grad)
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for grad in grads:
+            if bucket and (grad.dtype != bucket[0].dtype or size + grad.numel() * grad.element_size() > BUCKET_BYTES):
+                self._sum(bucket)
+                bucket, size = [], 0
+            bucket.append(grad)
+            size += grad.numel() * grad.element_size()
+        if bucket:
+            self._sum(bucket)
+
+    def _sum(self, bucket: list[torch.Tensor]) -> None:
+        flat = torch.cat([grad.reshape(-1) for grad in bucket])
+        dist.all_reduce(flat)
+        offset = 0
+        for grad in bucket:
+            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
+    def sum_report(self, report: LossReport | None) -> LossReport:
+        """The whole rollout's report: the ranks' shares added (a rank with no rows adds nothing)."""
+        mine = report if report is not None else LossReport.nothing(self.device)
+        figures = mine.figures()
+        flat = torch.tensor([float(mine.loss.detach()), *figures], dtype=torch.float64, device=self.device)
+        dist.all_reduce(flat)
+        total = flat.tolist()
+        return LossReport.from_figures(torch.tensor(total[0], device=mine.loss.device), total[1:])
+
+    def close(self) -> None:
+        """Leave the group (every rank calls it)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,114 @@
+"""Several trainer ranks take the step one learner takes: rows shared out, gradients and reports summed (issue 39)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pipeline_support import LearnerRank
+
+from actors import this_host
+from pipeline import Config, DigitsTask, Learner, resolve, run_pipeline
+from pipeline.learning import RankShare, Rendezvous
+from pipeline.learning.checkpoint import load as load_checkpoint
+from pipeline.run import read_rows
+
+SETTINGS = {"digits": 3, "prompts": 6, "group": 4, "eval_size": 16, "micro_batch": 5, "lr": 1e-2, "kl_coeff": 0.02}
+
+
+def _rollout() -> tuple[DigitsTask, object, torch.Tensor, torch.Tensor]:
+    task = DigitsTask(resolve(Config(**SETTINGS)))  # type: ignore[arg-type]
+    torch.manual_seed(0)
+    net = task.build_policy()
+    batch = task.sample(net, torch.Generator().manual_seed(0))
+    rewards = task.score(None, batch).rewards
+    ref = task.reference_logps(net, batch) - 0.05  # not the policy itself: the KL term has a gradient
+    return task, batch, rewards, ref
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_the_ranks_shares_cover_every_row_once_and_no_pass_grows(world):
+    passes = [slice(0, 5), slice(5, 10), slice(10, 15), slice(15, 20), slice(20, 24)]
+    seen: list[int] = []
+    for rank in range(world):
+        mine = RankShare(rank, world).passes(passes, 24)
+        for part in mine:
+            assert part.stop > part.start
+            assert any(whole.start <= part.start and part.stop <= whole.stop for whole in passes), part
+        seen += [row for part in mine for row in range(part.start, part.stop)]
+    assert seen == list(range(24))
+    assert RankShare(0, 2).passes([slice(None)], 7) == [slice(0, 3)], "one pass over all rows splits at the block"
+
+
+def test_bad_ranks_and_unsplittable_samples_are_refused():
+    for rank, world in [(2, 2), (-1, 2), (0, 0)]:
+        with pytest.raises(ValueError, match="need 0 <= rank < world"):
+            RankShare(rank, world)
+    with pytest.raises(ValueError, match="no rows to share out"):
+        RankShare(0, 2).passes([slice(None)], None)
+
+
+def test_two_ranks_take_the_step_one_learner_takes():
+    task, batch, rewards, ref = _rollout()
+    one = Learner(task, torch.device("cpu"))
+    update = one.update(batch, rewards, ref)
+    mesh = this_host().spawn_procs({"procs": 2}, name="learner-ranks")
+    try:
+        ranks = mesh.spawn("ranks", LearnerRank, SETTINGS)
+        address = ranks.slice(procs=0).serve.call_one(2).get(timeout=30)
+        results = [value for _, value in ranks.step.call(address, batch, rewards, ref).get(timeout=120).items()]
+    finally:
+        mesh.stop().get(timeout=30)
+    assert [r["passes"] for r in results] == [[[0, 5], [5, 10], [10, 12]], [[12, 15], [15, 20], [20, 24]]]
+    gradients = {name: p.grad for name, p in one.policy.named_parameters() if p.grad is not None}
+    for result in results:
+        assert set(result["gradients"]) == set(gradients)
+        for name, value in gradients.items():  # the sum is the one-rank gradient, up to the order of additions
+            torch.testing.assert_close(result["gradients"][name], value, atol=1e-7, rtol=1e-5)
+        assert result["loss"] == pytest.approx(float(update.report.loss), abs=1e-6)
+        assert result["grad_norm"] == pytest.approx(update.grad_norm, rel=1e-5)
+        assert result["figures"] == pytest.approx(update.report.figures(), abs=1e-6)
+    # every rank took the same step: the same summed gradients, bit for bit (Adam's first step divides by
+    # |g|, so against the one learner the weights may differ by up to 2 lr where a gradient is ~0)
+    for name, value in results[0]["weights"].items():
+        assert torch.equal(results[1]["weights"][name], value), name
+
+
+def test_a_rank_whose_peers_never_come_fails_within_the_deadline():
+    store = Rendezvous("127.0.0.1", 2)
+    mesh = this_host().spawn_procs({"procs": 1}, name="lonely-rank")
+    try:
+        rank = mesh.spawn("rank", LearnerRank, SETTINGS)
+        error = rank.join_alone.call_one(list(store.address), 2, 2.0).get(timeout=60)
+    finally:
+        mesh.stop().get(timeout=30)
+    assert error.startswith("RuntimeError: trainer rank 1 of 2: the group at 127.0.0.1:") and "within 2 s" in error, (
+        error
+    )
+    assert "timeout" in error, error
+
+
+async def test_the_pipeline_with_two_trainer_ranks_trains_as_with_one(tmp_path, sockets_dir):
+    """On-policy (sync) runs of one seed: the same rollouts, so the same steps, whether one rank trains or two."""
+    rows = {}
+    for ranks in (1, 2):
+        run_dir = tmp_path / f"ranks{ranks}"
+        config = Config(steps=8, mode="sync", trainer_ranks=ranks, target_score=None, run_dir=str(run_dir))
+        result = await run_pipeline(config, quiet=True)
+        assert result.steps == 8
+        rows[ranks] = read_rows(str(run_dir))
+        assert load_checkpoint(str(run_dir))["step"] == 8
+    one, two = rows[1], rows[2]
+    assert [r["reward/mean"] for r in one[:3]] == [r["reward/mean"] for r in two[:3]], "the same first rollouts"
+    for a, b in zip(one[:3], two[:3], strict=True):  # the first steps agree to float noise (Adam can amplify it later)
+        assert b["actor/loss"] == pytest.approx(a["actor/loss"], abs=1e-6)
+        assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=1e-4)
+
+
+async def test_a_resumed_run_continues_with_another_number_of_ranks(tmp_path, sockets_dir):
+    """Every rank holds the whole policy, so a checkpoint of two ranks resumes on three, and on one."""
+    run_dir = tmp_path / "run"
+    await run_pipeline(Config(steps=4, trainer_ranks=2, target_score=None, run_dir=str(run_dir)), quiet=True)
+    for ranks, steps in ((3, 6), (1, 8)):
+        config = Config(steps=steps, trainer_ranks=ranks, target_score=None, run_dir=str(run_dir))
+        result = await run_pipeline(config, quiet=True, resume=True)
+        assert result.steps == steps and load_checkpoint(str(run_dir))["step"] == steps
