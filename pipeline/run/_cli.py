@@ -388,7 +388,13 @@ def _resumed(args: argparse.Namespace, given: list[str]) -> Config:
     except (OSError, ValueError, TypeError) as exc:
         raise SettingsError(f"--resume {args.resume}: its config.json cannot be read ({exc})") from None
     config.run_dir = args.resume
-    for flag, attr in (("--steps", "steps"), ("--target-score", "target_score"), ("--device", "device")):
+    resumable = (
+        ("--steps", "steps"),
+        ("--target-score", "target_score"),
+        ("--device", "device"),
+        ("--trainer-ranks", "trainer_ranks"),  # every rank holds the whole policy: any N continues
+    )
+    for flag, attr in resumable:
         if flag in given and getattr(args, attr) != "auto":
             setattr(config, attr, getattr(args, attr))
     config.devices.update(_role_devices(args))

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from pipeline_support import LearnerRank
 
 from actors import this_host
 from pipeline import Config, DigitsTask, Learner, resolve, run_pipeline
+from pipeline.grpo import parse_args
 from pipeline.learning import RankShare, Rendezvous
 from pipeline.learning.checkpoint import load as load_checkpoint
 from pipeline.run import read_rows
@@ -112,3 +115,9 @@ async def test_a_resumed_run_continues_with_another_number_of_ranks(tmp_path, so
         config = Config(steps=steps, trainer_ranks=ranks, target_score=None, run_dir=str(run_dir))
         result = await run_pipeline(config, quiet=True, resume=True)
         assert result.steps == steps and load_checkpoint(str(run_dir))["step"] == steps
+
+
+def test_resume_may_change_the_number_of_ranks(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(Config(trainer_ranks=2, steps=10).to_dict()))
+    assert parse_args(["--resume", str(tmp_path)])[0].trainer_ranks == 2
+    assert parse_args(["--resume", str(tmp_path), "--trainer-ranks", "3"])[0].trainer_ranks == 3
