@@ -280,42 +280,34 @@ def test_ctrl_c_or_sigterm_stops_within_2s_and_leaves_a_checkpoint(tmp_path, sig
         proc.wait()
 
 
-@pytest.mark.parametrize("role, title", [("trainer", "trainer"), ("scorer", "scorer"), ("ref", "reference model")])
-def test_kill_9_of_a_role_stops_the_run_naming_it(tmp_path, role, title):
+@pytest.mark.parametrize(
+    "victim, flags, named",
+    [
+        ("trainer.", [], "the trainer failed"),
+        ("scorer.", [], "the scorer failed"),
+        ("ref.", [], "the reference model failed"),
+        # a rank blocked in a collective with the dead one must not hold the run up: it is named, not waited for
+        ("trainer-ranks.1", ["--trainer-ranks", "3"], "the trainer failed: Actor call trainer.run failed: "),
+    ],
+    ids=["trainer", "scorer", "ref", "trainer-rank"],
+)
+def test_kill_9_of_a_role_stops_the_run_naming_it(tmp_path, victim, flags, named):
     run_dir = tmp_path / "run"
-    proc = cli("--task", "bandit", "--steps", "200000", "--run-dir", str(run_dir), "--quiet")
+    proc = cli("--task", "bandit", "--steps", "200000", *flags, "--run-dir", str(run_dir), "--quiet")
     try:
         assert wait_for(lambda: (run_dir / "checkpoint.pt").exists(), timeout=60)
-        victim = next(pid for pid in actor_pids() if _title(pid).startswith(f"actors[{role}."))
+        pid = next(pid for pid in actor_pids() if _title(pid).startswith(f"actors[{victim}"))
         before = actor_pids()
         start = time.monotonic()
-        os.kill(victim, signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
         out, err = proc.communicate(timeout=15)
         elapsed = time.monotonic() - start
         assert proc.returncode == 1, out + err
-        assert f"the {title} failed" in err and "died" in err
-        assert elapsed < 2.0, f"the run took {elapsed:.2f}s to stop after the {role} died"
-        assert wait_for(lambda: not (before & actor_pids()), timeout=3)
-        assert load_checkpoint(str(run_dir))["step"] > 0, "the last checkpoint stays usable"
-    finally:
-        proc.kill()
-        proc.wait()
-
-
-def test_kill_9_of_a_trainer_rank_stops_the_run_naming_it(tmp_path):
-    run_dir = tmp_path / "run"
-    proc = cli("--task", "bandit", "--steps", "200000", "--trainer-ranks", "3", "--run-dir", str(run_dir), "--quiet")
-    try:
-        assert wait_for(lambda: (run_dir / "checkpoint.pt").exists(), timeout=60)
-        victim = next(pid for pid in actor_pids() if _title(pid).startswith("actors[trainer-ranks.1"))
-        before = actor_pids()
-        start = time.monotonic()
-        os.kill(victim, signal.SIGKILL)
-        out, err = proc.communicate(timeout=15)
-        elapsed = time.monotonic() - start
-        assert proc.returncode == 1, out + err
-        assert "the trainer failed" in err and "trainer rank 2 died during step" in err, err
-        assert elapsed < 3.0, f"the run took {elapsed:.2f}s to stop after a trainer rank died"
+        assert named in err and "died" in err, err
+        if flags:
+            assert "trainer rank 2 died during step" in err, err
+        limit = 3.0 if flags else 2.0  # the trainer may wait a moment for the dead rank's own failure, to name it
+        assert elapsed < limit, f"the run took {elapsed:.2f}s to stop after {victim} died"
         assert wait_for(lambda: not (before & actor_pids()), timeout=3)
         assert load_checkpoint(str(run_dir))["step"] > 0, "the last checkpoint stays usable"
     finally:
