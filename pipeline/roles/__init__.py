@@ -14,6 +14,7 @@ ordinary subclassable actor: override ``collect`` (Generator), ``score``
 May import :mod:`pipeline.learning` and below, and the ``actors`` runtime.
 """
 
+from ._deaths import first_death
 from ._devices import (
     ALLOCATOR_VARIABLES,
     CPU,
@@ -54,6 +55,7 @@ __all__ = [
     "WeightRoutes",
     "choose_transport",
     "compact_gpu_allocator",
+    "first_death",
     "hold_weights",
     "peak_gpu_gb",
     "reserved_gpu_gb",

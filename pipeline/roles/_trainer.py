@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,6 +34,7 @@ from actors import (
 from ..config import Config
 from ..learning import DataParallel, Learner, RankShare, Rendezvous, Update, checkpoint
 from ..tasks import load_task, to_device
+from ._deaths import first_death
 from ._devices import peak_gpu_gb, reserved_gpu_gb, role_device, uses_reference, weights_dtype
 from ._generator import Generator
 from ._messages import Grant, ScoredRollout, StepReport
@@ -55,22 +55,8 @@ RANK_FAILURE_GRACE = 2.0
 
 
 async def _outcome(future: Any) -> Any:
-    """An actor call's result, as a coroutine (for ``asyncio.gather`` and ``wait_for``)."""
+    """An actor call's result, as a coroutine (for ``asyncio.ensure_future``)."""
     return await future
-
-
-async def _until_a_death(calls: Sequence[asyncio.Future[Any]], grace: float) -> None:
-    """Wait until one of ``calls`` failed because its process died, all are done, or ``grace`` seconds passed."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + grace
-    while True:
-        if any(c.done() and not c.cancelled() and isinstance(c.exception(), ActorDied) for c in calls):
-            return
-        pending = [c for c in calls if not c.done()]
-        left = deadline - loop.time()
-        if not pending or left <= 0:
-            return
-        await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
 
 
 class Trainer(Actor):
@@ -116,7 +102,6 @@ class Trainer(Actor):
         self.generators: Generator | None = None
         # --trainer-ranks N > 1: this is rank 0; the others train their shares of each step beside it
         self.ranks: TrainerRank | None = None
-        self.ranks_count = 1
         self._rendezvous: Rendezvous | None = None
         self._parallel: DataParallel | None = None
         self._weights = asyncio.Lock()  # held while a step runs off the loop: nothing publishes or saves midway
@@ -128,14 +113,6 @@ class Trainer(Actor):
 
     def _metadata(self) -> dict[str, Any]:
         return {"step": self.step, "published_at": time.time()}
-
-    def _name_dead_rank(self, others: Sequence[asyncio.Future[Any]], cause: BaseException) -> None:
-        """Raise the failure of the first trainer rank whose process died during this step, naming it, if any did."""
-        for rank, other in enumerate(others, start=1):
-            if other.done() and not other.cancelled() and isinstance(other.exception(), ActorDied):
-                raise RuntimeError(
-                    f"trainer rank {rank} died during step {self.step + 1}: {other.exception()}"
-                ) from cause
 
     @endpoint
     async def inlet(self) -> Port[ScoredRollout]:
@@ -183,45 +160,45 @@ class Trainer(Actor):
         )
         self.learner.share_with(self._parallel)
         self.ranks = ranks
-        self.ranks_count = world
 
     async def train(self, item: ScoredRollout) -> Update:
         """One step: :meth:`train_step` on the loop with one rank; with several, beside the others, off the loop."""
         if self.ranks is None:
             return self.train_step(item)
+        assert self._parallel is not None, "join() sets the group with the ranks"
         args = (item.rollout.samples, item.rewards, item.ref_logps)
         others = [
             asyncio.ensure_future(_outcome(self.ranks.slice(procs=r).train.call_one(*args)))
-            for r in range(self.ranks_count - 1)
+            for r in range(self._parallel.share.world - 1)
         ]
         async with self._weights:
             step = asyncio.ensure_future(asyncio.to_thread(self.train_step, item))
             self._stepping = step
-            done, _ = await asyncio.wait([step, *others], return_when=asyncio.FIRST_EXCEPTION)
-            if step not in done:  # a rank failed first: this step's collective may never finish; do not wait for it
-                await _until_a_death(others, RANK_FAILURE_GRACE)
-                failed = next(other for other in others if other.done() and other.exception() is not None)
-                cause = failed.exception()
-                assert cause is not None
-                self._name_dead_rank(others, cause)
-                raise cause  # not a death: the rank's own error
-            self._stepping = None
+            await asyncio.wait([step, *others], return_when=asyncio.FIRST_EXCEPTION)
+            if step.done():
+                self._stepping = None  # else a rank failed first and this step's collective may never finish
         try:
-            update = step.result()
-        except RuntimeError as exc:  # a rank that died broke the collective: name the rank, not the socket
-            await _until_a_death(others, RANK_FAILURE_GRACE)
-            self._name_dead_rank(others, exc)
-            raise
+            if step.done() and step.exception() is not None:
+                failed: asyncio.Future[Any] | None = step
+            else:
+                failed = next((other for other in others if other.done() and other.exception() is not None), None)
+            if failed is None:
+                return step.result()
+            cause = failed.exception()
+            assert cause is not None
+            # a rank's failure, or a collective broken under this one, may be a rank's death: name the rank
+            if failed is not step or isinstance(cause, RuntimeError):
+                dead = await first_death(others, RANK_FAILURE_GRACE)
+                if dead is not None:
+                    rank = next(r for r, other in enumerate(others, start=1) if other is dead)
+                    raise RuntimeError(
+                        f"trainer rank {rank} died during step {self.step + 1}: {dead.exception()}"
+                    ) from cause
+            raise cause
         finally:
             for other in others:
                 if not other.done():
                     other.cancel()
-        try:
-            await asyncio.gather(*others)  # a rank that failed on its own is named here
-        except ActorDied as exc:
-            self._name_dead_rank(others, exc)
-            raise
-        return update
 
     def train_step(self, item: ScoredRollout) -> Update:
         device = self.device

@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from actors import ActorDied, ActorError, PortClosed, PublisherDied
+from actors import ActorError, PortClosed, PublisherDied
 
 from ..models import VLLMUnavailable
+from ..roles import first_death
 from ..tasks import RewardError
 
 __all__ = ["KNOCK_ON_GRACE", "USER_ERRORS", "PipelineError", "first_failure"]
@@ -67,17 +68,8 @@ async def first_failure(tasks: dict[str, asyncio.Task[Any]], until: asyncio.Task
 
 async def _dead_role(tasks: dict[str, asyncio.Task[Any]]) -> asyncio.Task[Any] | None:
     """The task of a role whose process died (``ActorDied``), waiting up to ``KNOCK_ON_GRACE`` s for one."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + KNOCK_ON_GRACE
-    while True:
-        for task in tasks.values():
-            if task.done() and not task.cancelled() and isinstance(task.exception(), ActorDied):
-                return task
-        pending = [task for task in tasks.values() if not task.done()]
-        left = deadline - loop.time()
-        if not pending or left <= 0:
-            return None
-        await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+    dead = await first_death(list(tasks.values()), KNOCK_ON_GRACE)
+    return next((task for task in tasks.values() if task is dead), None)
 
 
 #: Failures that only follow a peer's death: its port closed, or (a generator's) its weight publisher exited.
