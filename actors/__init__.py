@@ -87,6 +87,7 @@ from .weights import (
     WeightManifest,
     WeightPublisher,
     available_transports,
+    join_publish,
 )
 
 __all__ = [
@@ -160,6 +161,7 @@ __all__ = [
     "get_or_spawn_controller",
     "host_id",
     "hosts_from_config",
+    "join_publish",
     "new_session_keys",
     "remove_failure_handler",
     "returns_future",

@@ -33,6 +33,7 @@ import torch
 
 from .._shared._errors import ManifestError
 from .._wire._buffers import DTYPE_NAMES, DTYPES, tensor_buffer, tensor_over
+from ._sharded import gather_each, is_sharded
 from ._stream import TcpHandle
 
 __all__ = [
@@ -43,6 +44,8 @@ __all__ = [
     "Writer",
     "check_specs",
     "copy_all",
+    "gather_each",
+    "is_sharded",
     "probe",
     "read_async",
 ]

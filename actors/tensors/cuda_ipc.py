@@ -33,6 +33,7 @@ import torch
 
 from .._shared._errors import ManifestError, StaleUpdateError, TransportBlocked
 from . import TensorSpec, check_specs, checksum, copy_all
+from ._sharded import is_sharded, whole
 from ._slots import LOCK_TIMEOUT, PooledWriter, Slot, SlotHolds, SlotPool, check_segment_name
 
 __all__ = ["CudaIpcReader", "CudaIpcWriter", "SlotHandle", "parse_handle", "probe"]
@@ -195,9 +196,18 @@ class CudaIpcWriter(PooledWriter):
             side.wait_stream(torch.cuda.current_stream(other))
         dst, src = [], []
         for spec, (_, tensor) in zip(specs, tensors, strict=True):
-            if spec.nbytes:
-                dst.append(_slot_view(storage.buffer, spec))
-                src.append(tensor.detach())
+            if not spec.nbytes:
+                continue
+            if is_sharded(tensor):  # gathered whole and copied at once: one gathered tensor at a time
+                gathered = whole(tensor)
+                side.wait_stream(torch.cuda.current_stream(gathered.device))
+                with torch.cuda.device(device), torch.cuda.stream(side):
+                    _slot_view(storage.buffer, spec).copy_(gathered)
+                if gathered.device == device:
+                    gathered.record_stream(side)  # freed when the loop moves on: not reused mid-copy
+                continue
+            dst.append(_slot_view(storage.buffer, spec))
+            src.append(tensor.detach())
         with torch.cuda.device(device), torch.cuda.stream(side):
             copy_all(dst, src)
             storage.event.record(side)

@@ -14,6 +14,7 @@ import torch
 
 from .._shared._errors import ManifestError, StaleUpdateError, WeightSyncError
 from . import TensorSpec, check_specs, checksum
+from ._sharded import whole
 
 # update_id -> tensors, shared by every writer and reader of this process: the
 # transport's whole point is that both ends live here.
@@ -41,7 +42,7 @@ class LocalWriter:
         with_checksums: bool,
     ) -> list[TensorSpec]:
         for spec, (name, tensor) in zip(specs, tensors, strict=True):
-            copies[name] = tensor.detach().to("cpu", dtype=spec.torch_dtype, copy=True).contiguous()
+            copies[name] = whole(tensor).to("cpu", dtype=spec.torch_dtype, copy=True).contiguous()
         if with_checksums:
             specs = [replace(spec, checksum=checksum(copies[spec.name])) for spec in specs]
         return specs

@@ -17,6 +17,7 @@ import torch
 
 from .._shared._errors import TransportBlocked
 from . import TensorSpec, check_specs, checksum, view
+from ._sharded import whole
 from ._slots import HEADER_BYTES, LOCK_TIMEOUT, SHM_DIR, PooledWriter, Slot, SlotHolds, SlotPool, remove_segments
 
 __all__ = ["HEADER_BYTES", "SHM_DIR", "ShmReader", "ShmWriter", "probe", "remove_segments"]
@@ -46,7 +47,7 @@ class ShmWriter(PooledWriter):
         buffer = self._pool.payload(slot)
         for spec, (_, tensor) in zip(specs, tensors, strict=True):
             dst = view(buffer, spec, HEADER_BYTES)
-            dst.copy_(tensor.detach())
+            dst.copy_(whole(tensor))  # a sharded tensor is gathered here, one at a time
             out.append(replace(spec, checksum=checksum(dst)) if with_checksums else spec)
         return out
 

@@ -39,6 +39,7 @@ from .._shared._loops import loop_running
 from .._shared._session import bind_host
 from .._wire._buffers import tensor_buffer
 from . import ALIGN, TensorSpec, check_specs, checksum
+from ._sharded import is_sharded, whole
 from ._slots import LOCK_TIMEOUT, poll_async, poll_blocking
 from ._stream import (
     CHUNK,
@@ -161,7 +162,8 @@ class TcpWriter:
         data = staged.data
         for spec, (_, tensor) in zip(specs, tensors, strict=True):
             dst = data[spec.offset : spec.offset + spec.nbytes].view(spec.torch_dtype).view(spec.shape)
-            dst.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
+            # a sharded tensor is gathered here; its gathered copy is freed at once, so copied synchronously
+            dst.copy_(whole(tensor), non_blocking=tensor.is_cuda and not is_sharded(tensor))
         if from_gpu:
             torch.cuda.synchronize()
         out = (

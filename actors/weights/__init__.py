@@ -23,7 +23,7 @@ from ..tensors import TensorSpec
 from ._consumer import WeightConsumer
 from ._inbox import ReceivesWeights, WeightInbox
 from ._manifest import WeightManifest, available_transports
-from ._publisher import WeightPublisher
+from ._publisher import WeightPublisher, join_publish
 
 __all__ = [
     "ReceivesWeights",
@@ -33,4 +33,5 @@ __all__ = [
     "WeightManifest",
     "WeightPublisher",
     "available_transports",
+    "join_publish",
 ]

@@ -13,10 +13,10 @@ import torch
 from .._shared._errors import LifecycleError, VersionError, WeightSyncError
 from .._shared._loops import loop_running
 from .._shared._session import host_id
-from ..tensors import TensorSpec, layout
+from ..tensors import TensorSpec, gather_each, layout
 from ._manifest import WeightManifest, make_writer
 
-__all__ = ["WeightPublisher"]
+__all__ = ["WeightPublisher", "join_publish"]
 
 #: Host copies at least this large run on a worker thread under ``publish_async``.
 OFFLOAD_BYTES = 1 << 20
@@ -32,6 +32,17 @@ def _named_tensors(source: torch.nn.Module | dict[str, Any]) -> list[tuple[str, 
             raise TypeError(f"state_dict entry {name!r} is a {type(value).__name__}, not a tensor")
         tensors.append((str(name), value))
     return tensors
+
+
+def join_publish(model: torch.nn.Module | dict[str, Any]) -> int:
+    """On a rank that does not publish, join a sharded ``model``'s publish by a rank that does; the tensors gathered.
+
+    A sharded tensor (FSDP2's ``DTensor``) is gathered whole as a publisher
+    copies it, so publishing a sharded model is a collective: every other rank
+    of its group runs this at the same time, for the same model. It gathers
+    the same tensors in the same order, and drops each at once.
+    """
+    return gather_each(tensor for _, tensor in _named_tensors(model))
 
 
 async def _to_thread_to_the_end(fn: Any, *args: Any) -> Any:
@@ -67,6 +78,10 @@ class WeightPublisher:
     (the address its weight server binds; default this host's actors tcp
     address) and ``chunk`` (bytes per checksummed chunk). A slot whose update is
     superseded is reused once no consumer holds it.
+
+    A model sharded with FSDP2 is published whole: each sharded tensor is
+    gathered as it is copied, one at a time, while the group's other ranks
+    run :func:`join_publish`.
 
     ``dtype`` publishes floating-point tensors in that dtype (``torch.bfloat16``
     halves an update of float32 weights): the copy into the slot casts, so no

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -23,7 +25,7 @@ from actors import (
     send,
     this_host,
 )
-from actors.weights import ReceivesWeights, WeightManifest, WeightPublisher
+from actors.weights import ReceivesWeights, WeightManifest, WeightPublisher, join_publish
 
 
 @dataclass
@@ -518,3 +520,52 @@ class Flooder(Actor):
         if self.task is not None:
             self.task.cancel()
         return self.sent
+
+
+def seeded_model(seed: int = 0, width: int = 64) -> torch.nn.Module:
+    """A small model of two blocks, the same for every process that asks with ``seed``."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, width), torch.nn.Linear(width, 8))
+
+
+class ShardedSource(Actor):
+    """One rank of a gloo group holding :func:`seeded_model` sharded with FSDP2: rank 0 publishes it, the rest join."""
+
+    def __init__(self, transport: str) -> None:
+        self.transport = transport
+        self.store: Any = None
+        self.publisher: WeightPublisher | None = None
+
+    @endpoint
+    def serve(self, world: int) -> int:
+        from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+        self.store = TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+        return int(self.store.port)
+
+    @endpoint
+    def publish(self, port: int, version: int) -> WeightManifest | int:
+        """Rank 0: the manifest of the whole model; another rank: how many tensors it gathered beside it."""
+        import torch.distributed as dist
+        from torch.distributed import TCPStore  # type: ignore[attr-defined]
+        from torch.distributed.fsdp import fully_shard
+
+        rank, world = current_rank().rank, math.prod(current_size().values())
+        store = self.store if rank == 0 else TCPStore("127.0.0.1", port, world, is_master=False)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+        model = seeded_model()
+        for block in model:
+            fully_shard(block)
+        fully_shard(model)
+        if rank != 0:
+            return join_publish(model)
+        self.publisher = WeightPublisher(self.transport, dtype=torch.bfloat16)
+        return self.publisher.publish(model, version)
+
+    def __cleanup__(self, exc: BaseException | None) -> None:
+        import torch.distributed as dist
+
+        if self.publisher is not None:
+            self.publisher.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()

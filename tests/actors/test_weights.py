@@ -11,7 +11,7 @@ import struct
 import pytest
 import torch
 from harness import actor_pids, wait_for
-from support import WeightSink, WeightSource, filled_model, models_equal
+from support import ShardedSource, WeightSink, WeightSource, filled_model, models_equal, seeded_model
 
 from actors import (
     ChecksumError,
@@ -25,6 +25,7 @@ from actors import (
     WeightPublisher,
     WeightSyncError,
     available_transports,
+    join_publish,
     send,
 )
 from actors._wire._codec import Decoder, Encoder
@@ -410,3 +411,29 @@ async def test_a_loader_takes_an_update_whose_names_are_not_the_destinations():
     finally:
         inbox.close()
         publisher.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+async def test_a_model_sharded_over_two_ranks_is_published_whole(procs, transport):
+    """FSDP2 shards on two gloo ranks: rank 0's manifest holds the whole model, each tensor gathered as copied."""
+    sources = procs.spawn("sharded", ShardedSource, transport)
+    port = await sources.slice(procs=0).serve.call_one(2)
+    results = [value for _, value in (await sources.publish.call(port, 7)).items()]
+    manifest, gathered = results
+    expected = seeded_model()
+    assert isinstance(manifest, WeightManifest) and manifest.version == 7
+    assert gathered == len(expected.state_dict()), "the other rank joined every gather"
+    assert manifest.total_nbytes == sum(p.numel() * 2 for p in expected.parameters()), "published whole, in bf16"
+    target = seeded_model(seed=1).to(torch.bfloat16)
+    consumer = WeightConsumer()
+    try:
+        await consumer.install_async(manifest, target)
+        consumer.release(manifest.update_id)
+    finally:
+        consumer.close()
+    for name, value in expected.state_dict().items():
+        assert torch.equal(target.state_dict()[name], value.to(torch.bfloat16)), name
+
+
+def test_a_rank_outside_any_group_joins_no_gather():
+    assert join_publish(filled_model(1.0)) == 0, "nothing sharded: nothing to gather, nothing waited for"
