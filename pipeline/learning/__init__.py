@@ -7,18 +7,22 @@ the yardstick the pipeline is measured against. May import
 
 from . import checkpoint
 from ._data_parallel import COLLECTIVE_TIMEOUT, DataParallel, RankShare, Rendezvous
+from ._fully_sharded import FullySharded, group_kind, repeated_blocks
 from ._learner import Learner, Update, lr_factor
 from ._one_process import ReferenceResult, train_one_process
 
 __all__ = [
     "COLLECTIVE_TIMEOUT",
     "DataParallel",
+    "FullySharded",
     "Learner",
     "RankShare",
     "ReferenceResult",
     "Rendezvous",
     "Update",
     "checkpoint",
+    "group_kind",
     "lr_factor",
+    "repeated_blocks",
     "train_one_process",
 ]

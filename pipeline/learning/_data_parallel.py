@@ -19,6 +19,7 @@ within it rather than wait for ever.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from dataclasses import dataclass
 
@@ -125,6 +126,14 @@ class DataParallel:
     def passes(self, slices: list[slice], rows: int | None) -> list[slice]:
         """This rank's passes of a rollout of ``rows`` rows that one rank would train in ``slices``."""
         return self.share.passes(slices, rows)
+
+    def idle_passes(self, slices: list[slice], rows: int | None) -> list[slice]:
+        """Passes counted zero that this rank must run to keep in step: none, as a replica syncs only after its passes."""
+        return []
+
+    def whole_root(self) -> contextlib.AbstractContextManager[None]:
+        """The policy as a whole, for code that runs it outside the loss: a replica's always is."""
+        return contextlib.nullcontext()
 
     def sum_gradients(self, module: torch.nn.Module) -> None:
         """Every trainable parameter's gradient summed over the ranks (a missing one counts as zeros)."""

@@ -18,12 +18,24 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+
+from actors.tensors import is_sharded
 
 from ..tasks import LossReport, Task
+from ._fully_sharded import FullySharded
 
 if TYPE_CHECKING:
     from ..config import Config
     from ._data_parallel import DataParallel
+
+#: A sharded learner's state, gathered whole into host memory (on rank 0 only) for a checkpoint or an export.
+WHOLE_ON_HOST = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 __all__ = ["Learner", "Update", "lr_factor"]
 
@@ -68,8 +80,7 @@ class Learner:
         config = task.config
         torch.manual_seed(task.seed)  # every run of a seed starts from the same policy
         self.policy = task.build_policy().to(device)
-        self.optim = torch.optim.Adam(self.policy.parameters(), lr=config.hyper("lr"))
-        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optim, lr_factor(config))
+        self.optim, self.schedule = self._optimizer()
         self.reference_state = copy.deepcopy(self.policy.state_dict())
         self.micro_batch = config.micro_batch
         self.max_tokens = config.max_tokens_per_pass
@@ -82,11 +93,39 @@ class Learner:
         self.max_grad_norm = config.max_grad_norm if config.max_grad_norm > 0 else math.inf
         self.compute_dtype = getattr(torch, config.dtype)
 
+    def _optimizer(self) -> tuple[torch.optim.Adam, torch.optim.lr_scheduler.LambdaLR]:
+        config = self.task.config
+        optim = torch.optim.Adam(self.policy.parameters(), lr=config.hyper("lr"))
+        return optim, torch.optim.lr_scheduler.LambdaLR(optim, lr_factor(config))
+
     def share_with(self, parallel: DataParallel) -> None:
-        """From now on, train as one rank of ``parallel``'s group (a learner joins one group, once)."""
+        """From now on, train as one rank of ``parallel``'s group (a learner joins one group, once).
+
+        A :class:`FullySharded` group shards the policy here; the optimizer is
+        rebuilt over the shards, keeping its state and schedule, and the
+        reference weights move to host memory on rank 0 (the only rank that
+        publishes or saves them).
+        """
         if self.parallel is not None:
             raise RuntimeError("this learner already trains as a rank of a group")
         self.parallel = parallel
+        if not isinstance(parallel, FullySharded):
+            return
+        moments = get_optimizer_state_dict(self.policy, self.optim) if self.optim.state else None
+        schedule = self.schedule.state_dict()
+        parallel.shard(self.policy, self.task.forward_module(self.policy))
+        self.optim, self.schedule = self._optimizer()
+        if moments is not None:
+            options = StateDictOptions(full_state_dict=True)
+            set_optimizer_state_dict(self.policy, self.optim, moments, options=options)
+        self.schedule.load_state_dict(schedule)
+        on_host = parallel.share.rank == 0
+        self.reference_state = {name: t.cpu() for name, t in self.reference_state.items()} if on_host else {}
+
+    @property
+    def sharded(self) -> bool:
+        """Whether this learner holds a shard of the policy (every call that reads it whole is a collective)."""
+        return isinstance(self.parallel, FullySharded)
 
     def _precision(self) -> contextlib.AbstractContextManager[Any]:
         """Autocast to the run's compute dtype (nothing for float32): the parameters stay in their own."""
@@ -100,19 +139,27 @@ class Learner:
         self.optim.zero_grad()
         total: LossReport | None = None
         passes = self.task.micro_batches(samples, self.micro_batch, self.max_tokens)
+        idle: list[slice] = []
         if self.parallel is not None:
-            passes = self.parallel.passes(passes, self.task.rows(samples))
+            count = self.task.rows(samples)
+            passes, idle = self.parallel.passes(passes, count), self.parallel.idle_passes(passes, count)
         for rows in passes:
             with self._precision():
                 report = self.task.loss(self.policy, samples, rewards, ref_logps, rows)
             report.loss.backward()  # type: ignore[no-untyped-call]
             total = report if total is None else total.add(report)
+        for rows in idle:  # in step with busier ranks: the same collectives, nothing learnt
+            with self._precision():
+                report = self.task.loss(self.policy, samples, rewards, ref_logps, rows)
+            (report.loss * 0.0).backward()  # type: ignore[no-untyped-call]
         if self.parallel is not None:
             self.parallel.sum_gradients(self.policy)
             total = self.parallel.sum_report(total)
         if total is None:
             raise ValueError(f"{type(self.task).__name__}.micro_batches gave no rows to train on")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
+        if is_sharded(grad_norm):  # the norm over every rank's shards
+            grad_norm = grad_norm.full_tensor()  # type: ignore[attr-defined]
         lr = self.optim.param_groups[0]["lr"]
         self.optim.step()
         self.schedule.step()
@@ -120,11 +167,15 @@ class Learner:
         return Update(total, float(grad_norm), time.perf_counter() - started, float(lr))
 
     def evaluate(self) -> dict[str, float]:
-        """The task's held-out metrics for the current policy."""
-        return self._with_primary(self.task.evaluate(self.policy))
+        """The task's held-out metrics for the current policy (sharded: a collective every rank runs)."""
+        whole = self.parallel.whole_root() if self.parallel is not None else contextlib.nullcontext()
+        with whole:
+            return self._with_primary(self.task.evaluate(self.policy))
 
     async def evaluate_async(self) -> dict[str, float]:
-        """:meth:`evaluate` on an event loop (the task's reward functions are awaited)."""
+        """:meth:`evaluate` on an event loop (the task's reward functions are awaited); a replica's only."""
+        if self.sharded:
+            raise RuntimeError("a sharded learner evaluates with every rank at once: call evaluate() off the loop")
         return self._with_primary(await self.task.evaluate_async(self.policy))
 
     def _with_primary(self, metrics: dict[str, float]) -> dict[str, float]:
@@ -139,17 +190,41 @@ class Learner:
         return model.requires_grad_(False).eval()
 
     def state(self) -> dict[str, Any]:
-        """What a checkpoint keeps of the learner."""
+        """What a checkpoint keeps of the learner: whole tensors, the optimizer's keyed by parameter name.
+
+        Sharded, every rank calls it (the shards are gathered one tensor at a
+        time into rank 0's host memory); only rank 0's is whole.
+        """
+        if self.sharded:
+            policy = get_model_state_dict(self.policy, options=WHOLE_ON_HOST)
+            optimizer = get_optimizer_state_dict(self.policy, self.optim, options=WHOLE_ON_HOST)
+        else:
+            policy, optimizer = self.policy.state_dict(), get_optimizer_state_dict(self.policy, self.optim)
         return {
-            "policy": self.policy.state_dict(),
-            "optimizer": self.optim.state_dict(),
+            "policy": policy,
+            "optimizer": optimizer,
             "schedule": self.schedule.state_dict(),
             "ref": self.reference_state,
         }
 
+    def whole_policy(self, policy_state: dict[str, torch.Tensor]) -> torch.nn.Module:
+        """The policy as one module, for an export: itself, or (sharded) a host copy built from :meth:`state`'s."""
+        if not self.sharded:
+            return self.policy
+        model = self.task.build_policy()
+        model.load_state_dict(policy_state)
+        return model
+
     def load_state(self, state: dict[str, Any]) -> None:
+        """Load a checkpoint's state into this (unsharded) learner: any number of ranks may have saved it."""
+        if self.sharded:
+            raise RuntimeError("load a checkpoint before the learner joins a sharded group")
         self.policy.load_state_dict(state["policy"])
-        self.optim.load_state_dict(state["optimizer"])
+        optimizer = state["optimizer"]
+        if all(isinstance(key, str) for key in optimizer.get("state", {})):  # keyed by parameter name
+            set_optimizer_state_dict(self.policy, self.optim, optimizer)
+        else:  # checkpoints from before: keyed by position
+            self.optim.load_state_dict(optimizer)
         if "schedule" in state:  # checkpoints from before schedules had none: constant
             self.schedule.load_state_dict(state["schedule"])
         self.reference_state = {name: value.to(self.device) for name, value in state["ref"].items()}

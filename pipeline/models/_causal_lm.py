@@ -16,7 +16,7 @@ import inspect
 import logging
 import os
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -105,7 +105,7 @@ def positions(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
 
 
-class CompletionLogps:
+class CompletionLogps(torch.nn.Module):
     """Per-token log-probabilities of completions under one causal LM, with memory that does not grow with the vocabulary.
 
     The model's body runs once over prompt + completion; only the hidden
@@ -117,9 +117,13 @@ class CompletionLogps:
     architectures add); the split is checked against the model's own logits
     on first use, and a model that does not split so is asked for logits at
     the completion positions only (``logits_to_keep``), then scored chunk by chunk.
+
+    It is a module holding the model, so that a sharded trainer can make it
+    the root of the shards: its forward is the one the loss runs.
     """
 
     def __init__(self, model: torch.nn.Module, budget: int = LOGITS_PER_CHUNK) -> None:
+        super().__init__()
         self.model = model
         self.budget = budget
         self.split = _body_and_head(model)
@@ -127,7 +131,13 @@ class CompletionLogps:
         forward = inspect.signature(model.forward).parameters
         self._keep = next((name for name in ("logits_to_keep", "num_logits_to_keep") if name in forward), None)
 
-    def __call__(
+    if TYPE_CHECKING:  # Module.__call__ runs forward (and a sharded root's hooks); typed as forward is
+
+        def __call__(
+            self, tokens: torch.Tensor, prompt_mask: torch.Tensor, temperature: float = 1.0
+        ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def forward(
         self, tokens: torch.Tensor, prompt_mask: torch.Tensor, temperature: float = 1.0
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probabilities [N, T] of the completions in ``tokens`` and their entropies (no gradient).

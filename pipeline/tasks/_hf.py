@@ -193,6 +193,10 @@ class HFTask(Task):
         """What scores completions under ``model`` (one per model: its body/head split is checked once)."""
         return _held(self._scorers, model, lambda: CompletionLogps(model))
 
+    def forward_module(self, policy: torch.nn.Module) -> torch.nn.Module:
+        """The scorer: the loss runs the model's body and chunked head through its forward."""
+        return self.logps_of(policy)
+
     def reference_logps(self, reference: torch.nn.Module, samples: HFBatch) -> torch.Tensor:
         """The reference's log-probs, in passes of at most ``--max-tokens-per-pass`` tokens."""
         scorer, config = self.logps_of(reference), self.config

@@ -139,6 +139,14 @@ class Task:
         """A freshly initialised policy (the trainer seeds torch first; every role builds the same one)."""
         raise NotImplementedError
 
+    def forward_module(self, policy: torch.nn.Module) -> torch.nn.Module:
+        """The module whose forward :meth:`loss` runs ``policy`` through: the root a sharded trainer shards under.
+
+        ``policy`` itself unless the loss calls its parts apart; then a module
+        holding it whose forward is what the loss calls.
+        """
+        return policy
+
     def sample(self, policy: torch.nn.Module, generator: torch.Generator, ticket: int = 0) -> Any:
         """One rollout's samples, drawn with ``policy``: a dataclass of tensors (behaviour log-probs included).
 

@@ -9,8 +9,10 @@ from typing import Any
 import torch
 
 from actors import Actor, current_rank, current_size, endpoint
-from pipeline import BanditTask, Config, DigitsTask, Generator, Learner, RefModel, Scorer, resolve
-from pipeline.learning import DataParallel, RankShare, Rendezvous
+from actors.tensors import is_sharded
+from pipeline import BanditTask, Config, Generator, Learner, RefModel, Scorer, resolve
+from pipeline.learning import DataParallel, RankShare, Rendezvous, group_kind
+from pipeline.tasks import load_task
 
 
 class WideBandit(BanditTask):
@@ -95,6 +97,11 @@ class DtypeRefModel(RefModel):
         _note(self.config.run_dir, f"ref {' '.join(dtypes)}")
 
 
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor gathered whole if it is a shard (a collective of its group), detached."""
+    return tensor.full_tensor().detach() if is_sharded(tensor) else tensor.detach()  # type: ignore[attr-defined]
+
+
 class LearnerRank(Actor):
     """One rank of a data-parallel learner on the CPU: joins the group, takes one step, reports its weights."""
 
@@ -109,26 +116,31 @@ class LearnerRank(Actor):
         return list(self.rendezvous.address)
 
     @endpoint
-    def step(self, address: list[Any], samples: Any, rewards: torch.Tensor, ref: torch.Tensor | None) -> dict[str, Any]:
-        """One update of this rank's share: the summed gradients, the weights after it, the loss, norm and figures."""
+    def step(
+        self, address: list[Any], samples: Any, rewards: torch.Tensor, ref: torch.Tensor | None, shard: str = "ddp"
+    ) -> dict[str, Any]:
+        """One update of this rank's share: the summed gradients and the weights after it (whole), loss, norm, figures."""
         cpu = torch.device("cpu")
         share = RankShare(current_rank().rank, math.prod(current_size().values()))
-        parallel = DataParallel(share, (str(address[0]), int(address[1])), cpu, rendezvous=self.rendezvous)
+        parallel = group_kind(shard)(share, (str(address[0]), int(address[1])), cpu, rendezvous=self.rendezvous)
         try:
-            learner = Learner(DigitsTask(resolve(Config(**self.settings))), cpu, parallel)
-            passes = parallel.passes(
-                learner.task.micro_batches(samples, learner.micro_batch), learner.task.rows(samples)
-            )
+            learner = Learner(load_task(resolve(Config(**self.settings))), cpu)
+            learner.share_with(parallel)
+            slices, rows = learner.task.micro_batches(samples, learner.micro_batch), learner.task.rows(samples)
+            passes, idle = parallel.passes(slices, rows), parallel.idle_passes(slices, rows)
             update = learner.update(samples, rewards, ref)
+            weights = {name: _whole(value) for name, value in learner.policy.state_dict().items()}
+            gradients = {name: _whole(p.grad) for name, p in learner.policy.named_parameters() if p.grad is not None}
         finally:
             parallel.close()
         return {
-            "weights": dict(learner.policy.state_dict()),
-            "gradients": {name: p.grad for name, p in learner.policy.named_parameters() if p.grad is not None},
+            "weights": weights,
+            "gradients": gradients,
             "loss": float(update.report.loss),
             "grad_norm": update.grad_norm,
             "figures": update.report.figures(),
             "passes": [[part.start, part.stop] for part in passes],
+            "idle": len(idle),
         }
 
     @endpoint

@@ -50,7 +50,9 @@ def test_bad_ranks_and_unsplittable_samples_are_refused():
         RankShare(0, 2).passes([slice(None)], None)
 
 
-def test_two_ranks_take_the_step_one_learner_takes():
+@pytest.mark.parametrize("shard", ["ddp", "fsdp"])
+def test_two_ranks_take_the_step_one_learner_takes(shard):
+    """Replicated (DDP) or sharded (FSDP2) over two gloo ranks: the one learner's gradients and loss."""
     task, batch, rewards, ref = _rollout()
     one = Learner(task, torch.device("cpu"))
     update = one.update(batch, rewards, ref)
@@ -58,10 +60,11 @@ def test_two_ranks_take_the_step_one_learner_takes():
     try:
         ranks = mesh.spawn("ranks", LearnerRank, SETTINGS)
         address = ranks.slice(procs=0).serve.call_one(2).get(timeout=30)
-        results = [value for _, value in ranks.step.call(address, batch, rewards, ref).get(timeout=120).items()]
+        results = [value for _, value in ranks.step.call(address, batch, rewards, ref, shard).get(timeout=120).items()]
     finally:
         mesh.stop().get(timeout=30)
     assert [r["passes"] for r in results] == [[[0, 5], [5, 10], [10, 12]], [[12, 15], [15, 20], [20, 24]]]
+    assert [r["idle"] for r in results] == [0, 0]
     gradients = {name: p.grad for name, p in one.policy.named_parameters() if p.grad is not None}
     for result in results:
         assert set(result["gradients"]) == set(gradients)
@@ -74,6 +77,30 @@ def test_two_ranks_take_the_step_one_learner_takes():
     # |g|, so against the one learner the weights may differ by up to 2 lr where a gradient is ~0)
     for name, value in results[0]["weights"].items():
         assert torch.equal(results[1]["weights"][name], value), name
+        torch.testing.assert_close(value, one.policy.state_dict()[name], atol=2.1 * SETTINGS["lr"], rtol=0)
+
+
+def test_sharded_ranks_with_uneven_passes_run_as_many_and_learn_the_same():
+    """5 micro-batches of 24 rows split 12/12 give 3 passes each; of 5 rows over 2 ranks, 1 pass and 2 (one idle)."""
+    share = [RankShare(rank, 2) for rank in range(2)]
+    slices = [slice(start, start + 1) for start in range(5)]
+    assert [len(s.passes(slices, 5)) for s in share] == [2, 3]
+    task, batch, rewards, ref = _rollout()
+    settings = {**SETTINGS, "micro_batch": 7}  # 24 rows: passes of 7, 7, 7, 3 -> rank 0 gets 2, rank 1 gets 3
+    task = DigitsTask(resolve(Config(**settings)))  # type: ignore[arg-type]
+    one = Learner(task, torch.device("cpu"))
+    update = one.update(batch, rewards, ref)
+    mesh = this_host().spawn_procs({"procs": 2}, name="learner-ranks")
+    try:
+        ranks = mesh.spawn("ranks", LearnerRank, settings)
+        address = ranks.slice(procs=0).serve.call_one(2).get(timeout=30)
+        results = [v for _, v in ranks.step.call(address, batch, rewards, ref, "fsdp").get(timeout=120).items()]
+    finally:
+        mesh.stop().get(timeout=30)
+    assert [len(r["passes"]) + r["idle"] for r in results] == [3, 3] and [r["idle"] for r in results] == [1, 0]
+    for result in results:  # the idle pass adds nothing
+        assert result["loss"] == pytest.approx(float(update.report.loss), abs=1e-6)
+        assert result["grad_norm"] == pytest.approx(update.grad_norm, rel=1e-5)
 
 
 def test_a_rank_whose_peers_never_come_fails_within_the_deadline():

@@ -454,3 +454,36 @@ def test_bfloat16_roles_hold_their_weights_in_bfloat16_and_derived_buffers_in_fl
     assert {v.dtype for v in model.state_dict().values() if v.is_floating_point()} == {torch.bfloat16}
     assert model.model.rotary_emb.inv_freq.dtype == torch.float32
     assert model.lm_head.weight is model.model.embed_tokens.weight, "tied weights stay tied"
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient-checkpointing"])
+def test_a_hf_model_sharded_over_two_ranks_takes_the_one_learner_step(tmp_path, tiny, checkpointing):
+    """FSDP2 on two gloo ranks: the scorer is the root (tied head and embedding in it), each layer a unit."""
+    from pipeline_support import LearnerRank
+
+    from actors import this_host
+    from pipeline.learning import Learner
+
+    config = _config(tiny, tmp_path, prompts=4, group=2, kl_coeff=0.05, gradient_checkpointing=checkpointing)
+    task = HFTask(resolve(config))
+    learner = Learner(task, torch.device("cpu"))
+    learner.policy.eval()
+    batch = task.sample(learner.policy, torch.Generator(device="cpu").manual_seed(0), ticket=0)
+    learner.policy.train()
+    rewards = torch.arange(8, dtype=torch.float32) / 8
+    ref = task.reference_logps(learner.reference(), batch)
+    update = learner.update(batch, rewards, ref)
+    mesh = this_host().spawn_procs({"procs": 2}, name="learner-ranks")
+    try:
+        ranks = mesh.spawn("ranks", LearnerRank, config.to_dict())
+        address = ranks.slice(procs=0).serve.call_one(2).get(timeout=30)
+        results = [v for _, v in ranks.step.call(address, batch, rewards, ref, "fsdp").get(timeout=180).items()]
+    finally:
+        mesh.stop().get(timeout=30)
+    for result in results:
+        assert result["loss"] == pytest.approx(float(update.report.loss), rel=1e-5, abs=1e-6)
+        assert result["grad_norm"] == pytest.approx(update.grad_norm, rel=1e-4)
+        for name, p in learner.policy.named_parameters():
+            torch.testing.assert_close(result["gradients"][name], p.grad, rtol=1e-4, atol=1e-7)
+    for name, value in results[0]["weights"].items():
+        assert torch.equal(results[1]["weights"][name], value), name
