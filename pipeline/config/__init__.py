@@ -14,6 +14,7 @@ from ._config import (
     Mode,
     ReportTo,
     TrainDtype,
+    TrainerShard,
 )
 from ._settings import SettingsError, check_settings
 
@@ -29,5 +30,6 @@ __all__ = [
     "ReportTo",
     "SettingsError",
     "TrainDtype",
+    "TrainerShard",
     "check_settings",
 ]

@@ -19,6 +19,7 @@ __all__ = [
     "Mode",
     "ReportTo",
     "TrainDtype",
+    "TrainerShard",
 ]
 
 #: ``--report-to`` choices.
@@ -38,6 +39,10 @@ InstallMode = Literal["copy", "alias"]
 
 #: The learning rate over the run: ``constant``, or ``cosine`` decay to 0 at the last step (after any warm-up).
 LrSchedule = Literal["constant", "cosine"]
+
+
+#: How several trainer ranks hold the policy: ``fsdp`` shards weights, gradients and Adam state; ``ddp`` replicates.
+TrainerShard = Literal["ddp", "fsdp"]
 
 
 #: The run's precision: the trainer's autocast, and the weights generators and the reference hold and receive.
@@ -105,6 +110,7 @@ class Config:
     micro_batch: int = 0  # samples per forward/backward pass; 0: as many as ``max_tokens_per_pass`` allows
     max_tokens_per_pass: int = 8192  # rows x token width of one trainer or reference pass (0: no limit)
     trainer_ranks: int = 1  # trainer processes, each training its share of every rollout's rows (gradients summed)
+    trainer_shard: TrainerShard = "fsdp"  # with several ranks: fsdp shards the policy over them, ddp replicates it
     gradient_checkpointing: bool = False  # a Hugging Face policy recomputes activations in the backward pass
     max_grad_norm: float = 1.0  # clip the gradient's L2 norm to this (0: no clipping)
     lr_schedule: LrSchedule = "constant"  # constant | cosine (to 0 at ``steps``)

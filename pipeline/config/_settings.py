@@ -85,6 +85,7 @@ def check_settings(config: Config) -> None:
     _one_of(config, "loss", LOSSES)
     _one_of(config, "scale_rewards", REWARD_SCALES)
     _one_of(config, "lr_schedule", ("constant", "cosine"))
+    _one_of(config, "trainer_shard", ("ddp", "fsdp"))
     _one_of(config, "dtype", ("float32", "bfloat16"))
     _one_of(config, "mode", ("async", "sync"))
     _one_of(config, "report_to", REPORT_TO)
@@ -128,7 +129,7 @@ def _check_trainer_ranks(config: Config) -> None:
     if config.device_of("trainer") != "cpu":
         raise SettingsError(
             f"--trainer-ranks {ranks} with the trainer on {config.device_of('trainer')}: ranks run on CPUs so far "
-            "(their GPU placement, NCCL and sharded weights are not built yet)"
+            "(their GPU placement and NCCL are not built yet)"
         )
     if config.ray:
         raise SettingsError(

@@ -14,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -32,7 +33,7 @@ from actors import (
 )
 
 from ..config import Config
-from ..learning import DataParallel, Learner, RankShare, Rendezvous, Update, checkpoint
+from ..learning import DataParallel, Learner, RankShare, Rendezvous, Update, checkpoint, group_kind
 from ..tasks import load_task, to_device
 from ._deaths import first_death
 from ._devices import peak_gpu_gb, reserved_gpu_gb, role_device, uses_reference, weights_dtype
@@ -45,6 +46,8 @@ if TYPE_CHECKING:
     from ._trainer_rank import TrainerRank
 
 __all__ = ["Trainer"]
+
+T = TypeVar("T")
 
 #: Step reports the trainer gathers before sending them to the controller.
 REPORT_BATCH = 10
@@ -105,14 +108,30 @@ class Trainer(Actor):
         self._rendezvous: Rendezvous | None = None
         self._parallel: DataParallel | None = None
         self._weights = asyncio.Lock()  # held while a step runs off the loop: nothing publishes or saves midway
-        self._stepping: asyncio.Future[Update] | None = None  # a step left blocked in a collective by a dead rank
+        self._stepping: asyncio.Future[Any] | None = None  # a step left blocked in a collective by a dead rank
 
     @property
     def policy(self) -> torch.nn.Module:
         return self.learner.policy
 
-    def _metadata(self) -> dict[str, Any]:
-        return {"step": self.step, "published_at": time.time()}
+    def _metadata(self, step: int | None = None) -> dict[str, Any]:
+        return {"step": self.step if step is None else step, "published_at": time.time()}
+
+    async def _publish(self, transport: str) -> WeightManifest:
+        """The current version on ``transport``: published now, or (a sharded policy) when its step published it.
+
+        A sharded policy is gathered with every rank, so it is published only
+        at the end of each step, on every transport in use (:meth:`train`).
+        """
+        if self.learner.sharded:
+            published = self.routes.published(transport, self.version)
+            if published is None:
+                raise RuntimeError(
+                    f"version {self.version} of the sharded policy was not published on {transport}: it is "
+                    "published with every rank at the end of its step"
+                )
+            return published
+        return await self.routes.publish_async(transport, self.learner.policy, self.version, self._metadata())
 
     @endpoint
     async def inlet(self) -> Port[ScoredRollout]:
@@ -124,10 +143,7 @@ class Trainer(Actor):
 
         The second is None when the run has no KL term (β = 0): no RefModel runs then.
         """
-        policy = await self.routes.publish_async(
-            self.config.transport, self.learner.policy, self.version, self._metadata()
-        )
-        return policy, self.ref_manifest
+        return await self._publish(self.config.transport), self.ref_manifest
 
     @endpoint
     async def route_weights(self, generators: Generator) -> list[str]:
@@ -140,7 +156,7 @@ class Trainer(Actor):
         """The current policy on the transport that reaches ``generator``."""
         transport = self.routes.transport_of(generator)
         async with self._weights:
-            return await self.routes.publish_async(transport, self.learner.policy, self.version, self._metadata())
+            return await self._publish(transport)
 
     @endpoint
     async def rendezvous(self, world: int) -> list[Any]:
@@ -156,38 +172,60 @@ class Trainer(Actor):
         share = RankShare(0, world)
         rendezvous = self._rendezvous
         self._parallel = await asyncio.to_thread(
-            DataParallel, share, rendezvous.address, self.device, rendezvous=rendezvous
+            group_kind(self.config.trainer_shard), share, rendezvous.address, self.device, rendezvous=rendezvous
         )
-        self.learner.share_with(self._parallel)
+        self.learner.share_with(self._parallel)  # sharded: every rank shards its copy now
         self.ranks = ranks
 
     async def train(self, item: ScoredRollout) -> Update:
-        """One step: :meth:`train_step` on the loop with one rank; with several, beside the others, off the loop."""
+        """One step: :meth:`train_step` on the loop with one rank; with several, beside the others, off the loop.
+
+        A sharded policy is then published (version + 1) on every transport in
+        use, each rank joining the gathers, before the step returns.
+        """
         if self.ranks is None:
             return self.train_step(item)
-        assert self._parallel is not None, "join() sets the group with the ranks"
-        args = (item.rollout.samples, item.rewards, item.ref_logps)
+        publishes = self.routes.transports() if self.learner.sharded else []
+        version, step = self.version + 1, self.step + 1
+
+        def mine() -> Update:
+            update = self.train_step(item)
+            for transport in publishes:
+                self.routes.publish(transport, self.learner.policy, version, self._metadata(step))
+            return update
+
+        args = (item.rollout.samples, item.rewards, item.ref_logps, len(publishes))
+        return await self._with_ranks(mine, lambda rank: rank.train.call_one(*args))
+
+    async def _with_ranks(self, mine: Callable[[], T], theirs: Callable[[TrainerRank], Any]) -> T:
+        """``mine()`` off the loop while every other rank runs ``theirs(rank)``: one collective, or its failure.
+
+        Holds the weights lock (nothing publishes or saves midway). A rank that
+        dies makes the others' collectives fail within their deadline; the
+        failure then names the rank.
+        """
+        assert self.ranks is not None and self._parallel is not None, "join() sets the group with the ranks"
         others = [
-            asyncio.ensure_future(_outcome(self.ranks.slice(procs=r).train.call_one(*args)))
+            asyncio.ensure_future(_outcome(theirs(self.ranks.slice(procs=r))))
             for r in range(self._parallel.share.world - 1)
         ]
         async with self._weights:
-            step = asyncio.ensure_future(asyncio.to_thread(self.train_step, item))
-            self._stepping = step
-            await asyncio.wait([step, *others], return_when=asyncio.FIRST_EXCEPTION)
-            if step.done():
-                self._stepping = None  # else a rank failed first and this step's collective may never finish
+            work = asyncio.ensure_future(asyncio.to_thread(mine))
+            self._stepping = work
+            await asyncio.wait([work, *others], return_when=asyncio.FIRST_EXCEPTION)
+            if work.done():
+                self._stepping = None  # else a rank failed first and this collective may never finish
         try:
-            if step.done() and step.exception() is not None:
-                failed: asyncio.Future[Any] | None = step
+            if work.done() and work.exception() is not None:
+                failed: asyncio.Future[Any] | None = work
             else:
                 failed = next((other for other in others if other.done() and other.exception() is not None), None)
             if failed is None:
-                return step.result()
+                return work.result()
             cause = failed.exception()
             assert cause is not None
             # a rank's failure, or a collective broken under this one, may be a rank's death: name the rank
-            if failed is not step or isinstance(cause, RuntimeError):
+            if failed is not work or isinstance(cause, RuntimeError):
                 dead = await first_death(others, RANK_FAILURE_GRACE)
                 if dead is not None:
                     rank = next(r for r, other in enumerate(others, start=1) if other is dead)
@@ -211,8 +249,11 @@ class Trainer(Actor):
         return self.learner.update(samples, item.rewards.to(device), ref_logps)
 
     async def evaluate(self) -> float:
-        """Held-out metrics of the current policy; returns the task's primary one."""
-        self.evaluation = await self.learner.evaluate_async()
+        """Held-out metrics of the current policy; returns the task's primary one (sharded: with every rank)."""
+        if self.learner.sharded:
+            self.evaluation = await self._with_ranks(self.learner.evaluate, lambda rank: rank.evaluate.call_one())
+        else:
+            self.evaluation = await self.learner.evaluate_async()
         self.score = self.evaluation[self.task.primary]
         return self.score
 
@@ -268,11 +309,11 @@ class Trainer(Actor):
             if len(self._reports) >= REPORT_BATCH or final:
                 self.flush_reports()
             if config.checkpoint_every and self.step % config.checkpoint_every == 0:
-                self.save()
+                await self._save()
             if config.target_score is not None and self.score is not None and self.score >= config.target_score:
                 break
         self.flush_reports()
-        self.save()
+        await self._save()
         self.reports.send(None)
         return {
             "steps": self.step,
@@ -304,7 +345,7 @@ class Trainer(Actor):
         if reached and self.tickets.staleness == 0:
             return
         route = self.routes.next_route()
-        manifest = await self.routes.publish_async(route.transport, self.learner.policy, self.version, self._metadata())
+        manifest = await self._publish(route.transport)
         chosen = self.generators.slice(procs=slice(route.first, route.last + 1))
         with contextlib.suppress(ActorDied):  # every generator there is down; a restarted one gets a grant
             send(chosen.update_weights, (manifest,), selection="choose")
@@ -395,16 +436,24 @@ class Trainer(Actor):
         self._reports.clear()
 
     def save(self) -> str:
-        """Write the checkpoint, and the policy where other tools load it if the task exports one."""
-        self.task.export(self.learner.policy, self.config.run_dir)
-        return checkpoint.save(
-            self.config.run_dir, {"step": self.step, "version": self.version, **self.learner.state()}
-        )
+        """Write the checkpoint, and the policy where other tools load it if the task exports one.
+
+        Sharded, every rank runs :meth:`Learner.state` at once (:meth:`_save`);
+        rank 0 writes what it gathered.
+        """
+        state = self.learner.state()
+        self.task.export(self.learner.whole_policy(state["policy"]), self.config.run_dir)
+        return checkpoint.save(self.config.run_dir, {"step": self.step, "version": self.version, **state})
+
+    async def _save(self) -> str:
+        if self.learner.sharded:
+            return await self._with_ranks(self.save, lambda rank: rank.save.call_one())
+        async with self._weights:
+            return self.save()
 
     @endpoint
     async def checkpoint(self) -> str:
-        async with self._weights:
-            return self.save()
+        return await self._save()
 
     async def __cleanup__(self, exc: BaseException | None) -> None:
         if self._parallel is not None and self._stepping is None:  # leaving the group waits for a step in flight

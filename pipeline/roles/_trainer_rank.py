@@ -1,24 +1,28 @@
 """A trainer rank past the first (``--trainer-ranks N``): trains its share of every rollout beside the Trainer.
 
 Rank 0 is the :class:`~pipeline.roles.Trainer`: it receives the rollouts,
-publishes, evaluates and checkpoints. Ranks 1..N-1 are these: each holds the
-same policy and optimizer (the same seed, or the same checkpoint), trains
-its block of each rollout's rows when the Trainer hands it the rollout, and
-sums gradients with the others (:class:`~pipeline.learning.DataParallel`),
-so every rank takes the same step.
+publishes, evaluates and checkpoints. Ranks 1..N-1 are these: each starts
+from the same policy and optimizer (the same seed, or the same checkpoint),
+trains its block of each rollout's rows when the Trainer hands it the
+rollout, and sums gradients with the others, so every rank takes the same
+step. With ``--trainer-shard fsdp`` each holds a shard of the policy
+(:class:`~pipeline.learning.FullySharded`), so it also joins, at the
+Trainer's call, every act that reads the policy whole: publishing,
+evaluating, saving.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 import torch
 
-from actors import Actor, current_rank, endpoint
+from actors import Actor, current_rank, endpoint, join_publish
 
 from ..config import Config
-from ..learning import DataParallel, Learner, RankShare, checkpoint
+from ..learning import DataParallel, Learner, RankShare, checkpoint, group_kind
 from ..tasks import load_task, to_device
 from ._devices import role_device
 
@@ -29,6 +33,7 @@ class TrainerRank(Actor):
     """One of ranks 1..N-1 of the trainer: its share of each update, nothing else."""
 
     def __init__(self, config: Config, resume: bool = False) -> None:
+        config = dataclasses.replace(config, log_completions=0)  # rank 0 logs what the ranks evaluate together
         self.config = config
         self.task = load_task(config)
         self.device = role_device(config, "trainer")
@@ -42,17 +47,38 @@ class TrainerRank(Actor):
         """Join the group at rank 0's ``address`` (this mesh's rank + 1); returns the rank. Waits for every rank."""
         share = RankShare(current_rank().rank + 1, world)
         where = (str(address[0]), int(address[1]))
-        self.parallel = await asyncio.to_thread(DataParallel, share, where, self.device)
+        self.parallel = await asyncio.to_thread(group_kind(self.config.trainer_shard), share, where, self.device)
         self.learner.share_with(self.parallel)
         return share.rank
 
     @endpoint
-    async def train(self, samples: Any, rewards: torch.Tensor, ref_logps: torch.Tensor | None) -> float:
-        """This rank's share of one rollout's update (beside the others'); the gradient norm, the same on every rank."""
+    async def train(
+        self, samples: Any, rewards: torch.Tensor, ref_logps: torch.Tensor | None, publishes: int = 0
+    ) -> float:
+        """This rank's share of one rollout's update, then its part in ``publishes`` publishes of the sharded policy.
+
+        Returns the gradient norm, the same on every rank.
+        """
         device = self.device
         ref = None if ref_logps is None else ref_logps.to(device)
-        update = await asyncio.to_thread(self.learner.update, to_device(samples, device), rewards.to(device), ref)
-        return update.grad_norm
+
+        def step() -> float:
+            update = self.learner.update(to_device(samples, device), rewards.to(device), ref)
+            for _ in range(publishes):
+                join_publish(self.learner.policy)
+            return update.grad_norm
+
+        return await asyncio.to_thread(step)
+
+    @endpoint
+    async def evaluate(self) -> None:
+        """Join the Trainer's evaluation of the sharded policy (its forwards gather every rank's shards)."""
+        await asyncio.to_thread(self.learner.evaluate)
+
+    @endpoint
+    async def save(self) -> None:
+        """Join the Trainer's checkpoint of the sharded policy: this rank's shards gathered into rank 0's copy."""
+        await asyncio.to_thread(self.learner.state)
 
     async def __cleanup__(self, exc: BaseException | None) -> None:
         if self.parallel is not None:

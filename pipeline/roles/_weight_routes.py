@@ -87,6 +87,15 @@ class WeightRoutes:
         """The route of the next update: the routes take turns."""
         return self.routes[next(self._turn) % len(self.routes)]
 
+    def transports(self) -> list[str]:
+        """The transports the routes use (the local one before any plan), in a fixed order."""
+        return sorted({route.transport for route in self.routes}) or [self.local]
+
+    def published(self, transport: str, version: int) -> WeightManifest | None:
+        """The manifest of ``version`` on ``transport`` if it is published already."""
+        latest = self._latest.get(transport)
+        return latest if latest is not None and latest.version == version else None
+
     def publisher(self, transport: str) -> WeightPublisher:
         publisher = self._publishers.get(transport)
         if publisher is None:

@@ -178,6 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
         "rollout's rows, gradients summed: the step one trainer takes (default 1; CPU, one host)",
     )
     train.add_argument(
+        "--trainer-shard",
+        choices=("fsdp", "ddp"),
+        default="fsdp",
+        help="with several trainer ranks: fsdp shards the weights, gradients and Adam state over them (FSDP2; "
+        "each holds 1/N), ddp gives each a whole copy (default fsdp)",
+    )
+    train.add_argument(
         "--gradient-checkpointing",
         action="store_true",
         help="a Hugging Face policy recomputes its layers' activations in the backward pass instead of keeping "
@@ -311,6 +318,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
             mask_truncated=args.mask_truncated,
             micro_batch=args.micro_batch,
             trainer_ranks=args.trainer_ranks,
+            trainer_shard=args.trainer_shard,
             max_tokens_per_pass=args.max_tokens_per_pass,
             gradient_checkpointing=args.gradient_checkpointing,
             max_grad_norm=args.max_grad_norm,
@@ -392,7 +400,8 @@ def _resumed(args: argparse.Namespace, given: list[str]) -> Config:
         ("--steps", "steps"),
         ("--target-score", "target_score"),
         ("--device", "device"),
-        ("--trainer-ranks", "trainer_ranks"),  # every rank holds the whole policy: any N continues
+        ("--trainer-ranks", "trainer_ranks"),  # a checkpoint holds the policy whole: any N continues
+        ("--trainer-shard", "trainer_shard"),
     )
     for flag, attr in resumable:
         if flag in given and getattr(args, attr) != "auto":

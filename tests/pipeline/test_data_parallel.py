@@ -118,20 +118,23 @@ def test_a_rank_whose_peers_never_come_fails_within_the_deadline():
 
 
 async def test_the_pipeline_with_two_trainer_ranks_trains_as_with_one(tmp_path, sockets_dir):
-    """On-policy (sync) runs of one seed: the same rollouts, so the same steps, whether one rank trains or two."""
+    """On-policy (sync) runs of one seed: the same rollouts, so the same steps, one rank or two (sharded or not)."""
     rows = {}
-    for ranks in (1, 2):
-        run_dir = tmp_path / f"ranks{ranks}"
-        config = Config(steps=8, mode="sync", trainer_ranks=ranks, target_score=None, run_dir=str(run_dir))
+    for ranks, shard in ((1, "fsdp"), (2, "fsdp"), (2, "ddp")):
+        run_dir = tmp_path / f"ranks{ranks}-{shard}"
+        config = Config(
+            steps=8, mode="sync", trainer_ranks=ranks, trainer_shard=shard, target_score=None, run_dir=str(run_dir)
+        )
         result = await run_pipeline(config, quiet=True)
         assert result.steps == 8
-        rows[ranks] = read_rows(str(run_dir))
+        rows[ranks, shard] = read_rows(str(run_dir))
         assert load_checkpoint(str(run_dir))["step"] == 8
-    one, two = rows[1], rows[2]
-    assert [r["reward/mean"] for r in one[:3]] == [r["reward/mean"] for r in two[:3]], "the same first rollouts"
-    for a, b in zip(one[:3], two[:3], strict=True):  # the first steps agree to float noise (Adam can amplify it later)
-        assert b["actor/loss"] == pytest.approx(a["actor/loss"], abs=1e-6)
-        assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=1e-4)
+    one = rows[1, "fsdp"]
+    for two in (rows[2, "fsdp"], rows[2, "ddp"]):
+        assert [r["reward/mean"] for r in one[:3]] == [r["reward/mean"] for r in two[:3]], "the same first rollouts"
+        for a, b in zip(one[:3], two[:3], strict=True):  # the first steps agree to float noise (Adam amplifies it)
+            assert b["actor/loss"] == pytest.approx(a["actor/loss"], abs=1e-6)
+            assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=1e-4)
 
 
 async def test_a_resumed_run_continues_with_another_number_of_ranks(tmp_path, sockets_dir):
@@ -148,3 +151,5 @@ def test_resume_may_change_the_number_of_ranks(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(Config(trainer_ranks=2, steps=10).to_dict()))
     assert parse_args(["--resume", str(tmp_path)])[0].trainer_ranks == 2
     assert parse_args(["--resume", str(tmp_path), "--trainer-ranks", "3"])[0].trainer_ranks == 3
+    assert parse_args(["--resume", str(tmp_path), "--trainer-shard", "ddp"])[0].trainer_shard == "ddp"
+    assert parse_args(["--trainer-ranks", "2"])[0].trainer_shard == "fsdp", "sharded by default"

@@ -294,15 +294,17 @@ def _config(tiny, run_dir, **changes) -> Config:  # type: ignore[no-untyped-def]
     return Config(**values)  # type: ignore[arg-type]
 
 
-async def test_a_hf_model_trains_in_the_pipeline_and_saves_what_transformers_loads(tmp_path, tiny, sockets_dir):
+@pytest.mark.parametrize("ranks", [1, 2], ids=["one-trainer", "two-sharded-ranks"])
+async def test_a_hf_model_trains_in_the_pipeline_and_saves_what_transformers_loads(tmp_path, tiny, sockets_dir, ranks):
+    """Also on two FSDP2 ranks: the generator gets whole weights, evaluation and the export see the whole policy."""
     import transformers
 
-    result = await run_pipeline(_config(tiny, tmp_path, kl_coeff=0.02), quiet=True)
+    result = await run_pipeline(_config(tiny, tmp_path, kl_coeff=0.02, trainer_ranks=ranks), quiet=True)
     assert result.steps == 6 and set(result.evaluation) == {"reward", "reward/reversed_digits", "reward/exact_match"}
     rows = read_rows(str(tmp_path))
     assert all("reward/reversed_digits" in row and "reward/exact_match" in row for row in rows)
     logged = [json.loads(line) for line in open(tmp_path / "completions.jsonl")]
-    assert len(logged) == 4 and set(logged[0]["rewards"]) == {"reversed_digits", "exact_match"}
+    assert len(logged) == 4 and set(logged[0]["rewards"]) == {"reversed_digits", "exact_match"}, "rank 0 logs them"
     # the exported folder gives the trainer's logits
     saved = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "model")).eval()
     from pipeline.learning.checkpoint import load

@@ -91,6 +91,8 @@ def test_every_setting_a_run_refuses_is_refused_by_the_api_too():
         check_settings(Config(loss="ppo"))  # type: ignore[arg-type]
     with pytest.raises(SettingsError, match="--scale-rewards mean: choose one of group, batch, none"):
         check_settings(Config(scale_rewards="mean"))  # type: ignore[arg-type]
+    with pytest.raises(SettingsError, match="--trainer-shard zero: choose one of ddp, fsdp"):
+        check_settings(Config(trainer_ranks=2, trainer_shard="zero"))  # type: ignore[arg-type]
     check_settings(Config())  # the defaults train
 
 
