@@ -3,7 +3,8 @@
     python benchmarks/bench_grpo.py [--seeds 0 1 2] [--target 0.99] [--json]
     python benchmarks/bench_grpo.py --lr 1e-3 --kl-coeff 0.02 --baseline-kl-coeff 0.02   # the CLI's defaults
     python benchmarks/bench_grpo.py --device cuda --transport cuda-ipc --model gpu-300m   # on a GPU
-    python benchmarks/bench_grpo.py --trainer-ranks 2      # the trainer as two ranks (gradients summed)
+    python benchmarks/bench_grpo.py --trainer-ranks 2      # the trainer as two ranks, sharded (FSDP2)
+    python benchmarks/bench_grpo.py --trainer-ranks 2 --trainer-shard ddp   # two replicas
 
 For each seed, trains the default task (a tiny transformer reversing 6
 digits) three ways, all measured in this run: the pipeline exactly as
@@ -85,6 +86,7 @@ def _config(args: argparse.Namespace, seed: int, threads: int, baseline: bool = 
         max_inflight=args.max_inflight,
         threads=threads,
         trainer_ranks=1 if baseline else args.trainer_ranks,
+        trainer_shard=args.trainer_shard,
     )
 
 
@@ -144,6 +146,7 @@ def main() -> None:
     parser.add_argument("--max-inflight", type=int, default=Config().max_inflight)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per pipeline role (default 1)")
     parser.add_argument("--trainer-ranks", type=int, default=1, help="the pipeline's trainer processes (default 1)")
+    parser.add_argument("--trainer-shard", choices=["fsdp", "ddp"], default="fsdp", help="with several ranks")
     parser.add_argument(
         "--baseline-threads",
         type=int,
@@ -197,6 +200,7 @@ def main() -> None:
         "transport": args.transport,
         "generators": args.generators,
         "trainer_ranks": args.trainer_ranks,
+        "trainer_shard": args.trainer_shard,
         "mode": args.mode,
         "lr": args.lr,
         "kl_coeff": args.kl_coeff,

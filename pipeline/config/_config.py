@@ -138,6 +138,11 @@ class Config:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in values.items() if k in names})
 
+    @property
+    def sharded_trainer(self) -> bool:
+        """Whether the trainer's ranks shard the policy (several ranks, ``--trainer-shard fsdp``)."""
+        return self.trainer_ranks > 1 and self.trainer_shard == "fsdp"
+
     def device_of(self, role: str) -> str:
         """The device ``role`` runs on."""
         return self.devices.get(role, self.device)

@@ -21,7 +21,6 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from ._data_parallel import DataParallel, RankShare
 
@@ -43,6 +42,8 @@ class FullySharded(DataParallel):
 
     def shard(self, policy: torch.nn.Module, root: torch.nn.Module) -> None:
         """Shard ``policy`` in place: a unit per repeated block, ``root`` (the module the loss calls) over them."""
+        from torch.distributed.fsdp import FSDPModule, fully_shard  # ~0.6 s to import: only where ranks shard
+
         if self._root is not None:
             raise RuntimeError("this rank's policy is already sharded")
         if root is not policy and not any(module is policy for module in root.modules()):
@@ -75,6 +76,8 @@ class FullySharded(DataParallel):
         blocks gather themselves, the root's parameters (embeddings, final
         norm, head) are gathered here. A collective: every rank enters it.
         """
+        from torch.distributed.fsdp import FSDPModule
+
         root = self._root
         if not isinstance(root, FSDPModule):
             yield

@@ -18,24 +18,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
 
 from actors.tensors import is_sharded
 
 from ..tasks import LossReport, Task
+from . import checkpoint
 from ._fully_sharded import FullySharded
 
 if TYPE_CHECKING:
     from ..config import Config
     from ._data_parallel import DataParallel
 
-#: A sharded learner's state, gathered whole into host memory (on rank 0 only) for a checkpoint or an export.
-WHOLE_ON_HOST = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 __all__ = ["Learner", "Update", "lr_factor"]
 
@@ -111,13 +104,14 @@ class Learner:
         self.parallel = parallel
         if not isinstance(parallel, FullySharded):
             return
-        moments = get_optimizer_state_dict(self.policy, self.optim) if self.optim.state else None
+        from . import _sharded_state
+
+        moments = _sharded_state.moments(self.policy, self.optim) if self.optim.state else None
         schedule = self.schedule.state_dict()
         parallel.shard(self.policy, self.task.forward_module(self.policy))
         self.optim, self.schedule = self._optimizer()
         if moments is not None:
-            options = StateDictOptions(full_state_dict=True)
-            set_optimizer_state_dict(self.policy, self.optim, moments, options=options)
+            _sharded_state.restore_moments(self.policy, self.optim, moments)
         self.schedule.load_state_dict(schedule)
         on_host = parallel.share.rank == 0
         self.reference_state = {name: t.cpu() for name, t in self.reference_state.items()} if on_host else {}
@@ -190,41 +184,81 @@ class Learner:
         return model.requires_grad_(False).eval()
 
     def state(self) -> dict[str, Any]:
-        """What a checkpoint keeps of the learner: whole tensors, the optimizer's keyed by parameter name.
+        """What a checkpoint keeps of an unsharded learner, whole.
 
-        Sharded, every rank calls it (the shards are gathered one tensor at a
-        time into rank 0's host memory); only rank 0's is whole.
+        A sharded learner saves its shards instead (:meth:`save_shards`, :meth:`small_state`).
         """
         if self.sharded:
-            policy = get_model_state_dict(self.policy, options=WHOLE_ON_HOST)
-            optimizer = get_optimizer_state_dict(self.policy, self.optim, options=WHOLE_ON_HOST)
-        else:
-            policy, optimizer = self.policy.state_dict(), get_optimizer_state_dict(self.policy, self.optim)
-        return {
-            "policy": policy,
-            "optimizer": optimizer,
-            "schedule": self.schedule.state_dict(),
-            "ref": self.reference_state,
-        }
+            raise RuntimeError("a sharded learner's checkpoint is its shards: save_shards() and small_state()")
+        return {"policy": self.policy.state_dict(), "optimizer": self.optim.state_dict(), **self.small_state()}
+
+    def small_state(self) -> dict[str, Any]:
+        """The part of a checkpoint that is not the policy or its optimizer: the schedule, the reference weights."""
+        return {"schedule": self.schedule.state_dict(), "ref": self.reference_state}
+
+    def save_shards(self, folder: str) -> None:
+        """Write the policy and optimizer into ``folder`` with ``torch.distributed.checkpoint``: every rank its shards.
+
+        A collective of a sharded group (each rank writes only what it holds);
+        unsharded, this process writes them whole.
+        """
+        from . import _sharded_state
+
+        _sharded_state.save_shards(self.policy, self.optim, folder)
+
+    def load_shards(self, folder: str) -> None:
+        """Load the policy and optimizer :meth:`save_shards` wrote, whatever the number of ranks that wrote them.
+
+        Sharded, every rank reads the parts of the shards that fall in its own;
+        unsharded (before any group forms), this process reads them whole.
+        """
+        from . import _sharded_state
+
+        _sharded_state.load_shards(self.policy, self.optim, folder)
+
+    def whole_policy_state(self) -> dict[str, torch.Tensor]:
+        """The policy's tensors whole (sharded: gathered into rank 0's host memory, every rank calling)."""
+        if not self.sharded:
+            return self.policy.state_dict()
+        from . import _sharded_state
+
+        return _sharded_state.whole_policy_state(self.policy)
 
     def whole_policy(self, policy_state: dict[str, torch.Tensor]) -> torch.nn.Module:
-        """The policy as one module, for an export: itself, or (sharded) a host copy built from :meth:`state`'s."""
+        """The policy as one module, for an export: itself, or (sharded) a host copy built from whole tensors."""
         if not self.sharded:
             return self.policy
         model = self.task.build_policy()
         model.load_state_dict(policy_state)
         return model
 
+    def resume(self, run_dir: str, *, shard_later: bool = False) -> tuple[dict[str, Any], str | None]:
+        """Load ``run_dir``'s checkpoint; its state (step, version, ...) and the shards still to load, if any.
+
+        A sharded checkpoint's policy and optimizer are loaded here, unless
+        ``shard_later`` (this learner will join a sharded group): then the
+        caller loads them with :meth:`load_shards` after :meth:`share_with`,
+        every rank at once.
+        """
+        state = checkpoint.load(run_dir)
+        self.load_state(state)
+        shards = checkpoint.shards_of(run_dir, state)
+        if shards is not None and not shard_later:
+            self.load_shards(shards)
+            shards = None
+        return state, shards
+
     def load_state(self, state: dict[str, Any]) -> None:
-        """Load a checkpoint's state into this (unsharded) learner: any number of ranks may have saved it."""
+        """Load a checkpoint's state into this (unsharded) learner: any number of ranks may have saved it.
+
+        A sharded checkpoint's ``checkpoint.pt`` holds only the small state;
+        its policy and optimizer come from :meth:`load_shards`.
+        """
         if self.sharded:
             raise RuntimeError("load a checkpoint before the learner joins a sharded group")
-        self.policy.load_state_dict(state["policy"])
-        optimizer = state["optimizer"]
-        if all(isinstance(key, str) for key in optimizer.get("state", {})):  # keyed by parameter name
-            set_optimizer_state_dict(self.policy, self.optim, optimizer)
-        else:  # checkpoints from before: keyed by position
-            self.optim.load_state_dict(optimizer)
+        if "policy" in state:
+            self.policy.load_state_dict(state["policy"])
+            self.optim.load_state_dict(state["optimizer"])
         if "schedule" in state:  # checkpoints from before schedules had none: constant
             self.schedule.load_state_dict(state["schedule"])
         self.reference_state = {name: value.to(self.device) for name, value in state["ref"].items()}

@@ -1,19 +1,31 @@
-"""Checkpoints: the trainer's state in ``<run_dir>/checkpoint.pt``, written atomically.
+"""Checkpoints: the trainer's state in ``<run_dir>/checkpoint.pt``, written atomically; a sharded trainer's beside it.
 
 A checkpoint is replaced by rename, so a run killed at any moment (Ctrl-C,
 ``kill -9``) leaves the previous one intact and loadable. Loading uses
 ``torch.load(weights_only=True)``: tensors and plain containers only, onto
 the CPU (the roles move them to their devices), so a run resumes on any machine.
+
+A sharded trainer (``--trainer-shard fsdp``) writes its policy and optimizer
+with ``torch.distributed.checkpoint``, each rank its own shards, into
+``checkpoint-<step>-<id>.dcp/``; ``checkpoint.pt`` then holds the rest (step,
+version, schedule, reference weights) and names that folder (``shards``).
+It is written after the folder is complete, and older folders are removed
+after it, so the file always names a whole set of shards. Any number of
+ranks, sharded or not, loads either kind (:meth:`Learner.load_shards`).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import uuid
 from typing import Any
 
 import torch
 
 FILENAME = "checkpoint.pt"
+#: The key of ``checkpoint.pt`` that names a sharded checkpoint's folder of shards.
+SHARDS = "shards"
 
 
 def path(run_dir: str) -> str:
@@ -21,14 +33,27 @@ def path(run_dir: str) -> str:
 
 
 def save(run_dir: str, state: dict[str, Any]) -> str:
-    """Write ``state`` atomically; a no-op without a run directory."""
+    """Write ``state`` atomically; a no-op without a run directory. Older shard folders it no longer names go."""
     if not run_dir:
         return ""
     target = path(run_dir)
     tmp = f"{target}.tmp-{os.getpid()}"
     torch.save(state, tmp)
     os.replace(tmp, target)
+    remove_shards(run_dir, keep=state.get(SHARDS))
     return target
+
+
+def remove_shards(run_dir: str, keep: str | None = None) -> None:
+    """Remove the folders of shards in ``run_dir`` but ``keep`` (a fresh run's, or those a newer checkpoint replaced)."""
+    for name in os.listdir(run_dir):
+        if name.startswith("checkpoint-") and name.endswith(".dcp") and name != keep:
+            shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
+
+
+def shards_folder(run_dir: str, step: int) -> str:
+    """A new folder for the shards of a checkpoint at ``step`` (rank 0 names it; every rank writes there)."""
+    return os.path.join(run_dir, f"checkpoint-{step}-{uuid.uuid4().hex[:8]}.dcp")
 
 
 def load(run_dir: str) -> dict[str, Any]:
@@ -37,6 +62,17 @@ def load(run_dir: str) -> dict[str, Any]:
         raise FileNotFoundError(f"no checkpoint in {run_dir!r} to resume from")
     state: dict[str, Any] = torch.load(target, weights_only=True, map_location="cpu")
     return state
+
+
+def shards_of(run_dir: str, state: dict[str, Any]) -> str | None:
+    """The folder of shards a loaded checkpoint names, or None if it holds its tensors whole."""
+    name = state.get(SHARDS)
+    if name is None:
+        return None
+    folder = os.path.join(run_dir, str(name))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"the checkpoint in {run_dir!r} names shards {name!r}, which are missing")
+    return folder
 
 
 def exists(run_dir: str) -> bool:

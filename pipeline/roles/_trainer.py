@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -72,9 +73,9 @@ class Trainer(Actor):
         self.learner = Learner(self.task, self.device)
         self.step = 0
         self.version = 0
+        self._shards_to_load: str | None = None  # a sharded checkpoint's, loaded once the ranks have sharded
         if resume:
-            state = checkpoint.load(config.run_dir)
-            self.learner.load_state(state)
+            state, self._shards_to_load = self.learner.resume(config.run_dir, shard_later=config.sharded_trainer)
             self.step, self.version = int(state["step"]), int(state["version"])
         self.reports = reports
         # Rollouts come from the reference model, or straight from the scorer when the run has no KL term.
@@ -90,7 +91,8 @@ class Trainer(Actor):
         # A slot per version a generator may yet install: it takes one at its next rollout boundary.
         slots = max(config.generators, self.tickets.credits) + 3
         self.routes = WeightRoutes(config.transport, slots, dtype=weights_dtype(config), **on_gpu)
-        self.routes.publish(config.transport, self.learner.policy, self.version, self._metadata())  # fail early
+        if self._shards_to_load is None:  # else published once the shards are loaded (join)
+            self.routes.publish(config.transport, self.learner.policy, self.version, self._metadata())  # fail early
         self.ref_publisher: WeightPublisher | None = None
         self.ref_manifest: WeightManifest | None = None
         if uses_reference(config):
@@ -169,30 +171,39 @@ class Trainer(Actor):
         """Join the group as rank 0 while ``ranks`` (1..world-1) join it too; from now on they share every step."""
         if self._rendezvous is None:
             raise RuntimeError("call rendezvous() first: rank 0 serves the store the others join through")
-        share = RankShare(0, world)
-        rendezvous = self._rendezvous
-        self._parallel = await asyncio.to_thread(
-            group_kind(self.config.trainer_shard), share, rendezvous.address, self.device, rendezvous=rendezvous
-        )
-        self.learner.share_with(self._parallel)  # sharded: every rank shards its copy now
+        rendezvous, config = self._rendezvous, self.config
+
+        def form() -> DataParallel:
+            group = group_kind(config.trainer_shard)(
+                RankShare(0, world), rendezvous.address, self.device, rendezvous=rendezvous
+            )
+            self.learner.share_with(group)  # sharded: every rank shards its copy now
+            if self._shards_to_load is not None:  # every rank loads its part, then the policy goes out whole
+                self.learner.load_shards(self._shards_to_load)
+                self.routes.publish(config.transport, self.learner.policy, self.version, self._metadata())
+            return group
+
+        self._parallel = await asyncio.to_thread(form)
         self.ranks = ranks
 
-    async def train(self, item: ScoredRollout) -> Update:
+    async def train(self, item: ScoredRollout) -> tuple[Update, float]:
         """One step: :meth:`train_step` on the loop with one rank; with several, beside the others, off the loop.
 
         A sharded policy is then published (version + 1) on every transport in
-        use, each rank joining the gathers, before the step returns.
+        use, each rank joining the gathers, before the step returns. Returns
+        the update and the seconds that publish took (0 otherwise).
         """
         if self.ranks is None:
-            return self.train_step(item)
+            return self.train_step(item), 0.0
         publishes = self.routes.transports() if self.learner.sharded else []
         version, step = self.version + 1, self.step + 1
 
-        def mine() -> Update:
+        def mine() -> tuple[Update, float]:
             update = self.train_step(item)
+            publishing = time.perf_counter()
             for transport in publishes:
                 self.routes.publish(transport, self.learner.policy, version, self._metadata(step))
-            return update
+            return update, time.perf_counter() - publishing
 
         args = (item.rollout.samples, item.rewards, item.ref_logps, len(publishes))
         return await self._with_ranks(mine, lambda rank: rank.train.call_one(*args))
@@ -292,13 +303,13 @@ class Trainer(Actor):
                 self.tickets.retry(rollout.ticket)
                 await self.send_grant(rollout.ticket)
                 continue
-            update = await self.train(item)
+            update, published = await self.train(item)
             self.step += 1
             self.version += 1
             self.tickets.trained()
             publishing = time.perf_counter()
             await self.deliver()
-            published = time.perf_counter() - publishing
+            published += time.perf_counter() - publishing
             final = self.step >= config.steps
             evaluation = None
             if self.step % config.eval_every == 0 or final:
@@ -436,20 +447,31 @@ class Trainer(Actor):
         self._reports.clear()
 
     def save(self) -> str:
-        """Write the checkpoint, and the policy where other tools load it if the task exports one.
-
-        Sharded, every rank runs :meth:`Learner.state` at once (:meth:`_save`);
-        rank 0 writes what it gathered.
-        """
+        """Write the checkpoint, and the policy where other tools load it if the task exports one."""
         state = self.learner.state()
         self.task.export(self.learner.whole_policy(state["policy"]), self.config.run_dir)
         return checkpoint.save(self.config.run_dir, {"step": self.step, "version": self.version, **state})
 
+    def save_sharded(self, folder: str) -> str:
+        """:meth:`save` of a sharded policy, beside every rank: the shards into ``folder``, then the rest.
+
+        The export gathers the policy whole into this rank's host memory;
+        ``checkpoint.pt`` names the folder once it is complete.
+        """
+        run_dir = self.config.run_dir
+        self.learner.save_shards(folder)
+        self.task.export(self.learner.whole_policy(self.learner.whole_policy_state()), run_dir)
+        small = {"step": self.step, "version": self.version, **self.learner.small_state()}
+        return checkpoint.save(run_dir, {**small, checkpoint.SHARDS: os.path.basename(folder)})
+
     async def _save(self) -> str:
-        if self.learner.sharded:
-            return await self._with_ranks(self.save, lambda rank: rank.save.call_one())
-        async with self._weights:
-            return self.save()
+        if not self.learner.sharded:
+            async with self._weights:
+                return self.save()
+        if not self.config.run_dir:
+            return ""
+        folder = checkpoint.shards_folder(self.config.run_dir, self.step)
+        return await self._with_ranks(lambda: self.save_sharded(folder), lambda rank: rank.save.call_one(folder))
 
     @endpoint
     async def checkpoint(self) -> str:

@@ -22,7 +22,7 @@ import torch
 from actors import Actor, current_rank, endpoint, join_publish
 
 from ..config import Config
-from ..learning import DataParallel, Learner, RankShare, checkpoint, group_kind
+from ..learning import DataParallel, Learner, RankShare, group_kind
 from ..tasks import load_task, to_device
 from ._devices import role_device
 
@@ -38,8 +38,9 @@ class TrainerRank(Actor):
         self.task = load_task(config)
         self.device = role_device(config, "trainer")
         self.learner = Learner(self.task, self.device)
+        self._shards_to_load: str | None = None  # a sharded checkpoint's, loaded once the ranks have sharded
         if resume:
-            self.learner.load_state(checkpoint.load(config.run_dir))
+            _, self._shards_to_load = self.learner.resume(config.run_dir, shard_later=config.sharded_trainer)
         self.parallel: DataParallel | None = None
 
     @endpoint
@@ -47,8 +48,16 @@ class TrainerRank(Actor):
         """Join the group at rank 0's ``address`` (this mesh's rank + 1); returns the rank. Waits for every rank."""
         share = RankShare(current_rank().rank + 1, world)
         where = (str(address[0]), int(address[1]))
-        self.parallel = await asyncio.to_thread(group_kind(self.config.trainer_shard), share, where, self.device)
-        self.learner.share_with(self.parallel)
+
+        def form() -> DataParallel:
+            group = group_kind(self.config.trainer_shard)(share, where, self.device)
+            self.learner.share_with(group)
+            if self._shards_to_load is not None:  # as rank 0 does, which then publishes the policy
+                self.learner.load_shards(self._shards_to_load)
+                join_publish(self.learner.policy)
+            return group
+
+        self.parallel = await asyncio.to_thread(form)
         return share.rank
 
     @endpoint
@@ -76,9 +85,14 @@ class TrainerRank(Actor):
         await asyncio.to_thread(self.learner.evaluate)
 
     @endpoint
-    async def save(self) -> None:
-        """Join the Trainer's checkpoint of the sharded policy: this rank's shards gathered into rank 0's copy."""
-        await asyncio.to_thread(self.learner.state)
+    async def save(self, folder: str) -> None:
+        """Join the Trainer's checkpoint of the sharded policy: this rank's shards into ``folder``, then the export."""
+
+        def save() -> None:
+            self.learner.save_shards(folder)
+            self.learner.whole_policy_state()  # gathered into rank 0's copy
+
+        await asyncio.to_thread(save)
 
     async def __cleanup__(self, exc: BaseException | None) -> None:
         if self.parallel is not None:

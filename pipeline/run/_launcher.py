@@ -137,6 +137,7 @@ async def run_pipeline(
         for stale in ("metrics.jsonl", checkpoint.FILENAME):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(config.run_dir, stale))
+        checkpoint.remove_shards(config.run_dir)
     with open(os.path.join(config.run_dir, "config.json"), "w") as f:
         json.dump(config.to_dict(), f, indent=2)
 

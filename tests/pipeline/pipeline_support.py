@@ -117,9 +117,18 @@ class LearnerRank(Actor):
 
     @endpoint
     def step(
-        self, address: list[Any], samples: Any, rewards: torch.Tensor, ref: torch.Tensor | None, shard: str = "ddp"
+        self,
+        address: list[Any],
+        samples: Any,
+        rewards: torch.Tensor,
+        ref: torch.Tensor | None,
+        shard: str = "ddp",
+        folder: str = "",
     ) -> dict[str, Any]:
-        """One update of this rank's share: the summed gradients and the weights after it (whole), loss, norm, figures."""
+        """One update of this rank's share: the summed gradients and the weights after it (whole), loss, norm, figures.
+
+        With ``folder``, the ranks then save their shards there.
+        """
         cpu = torch.device("cpu")
         share = RankShare(current_rank().rank, math.prod(current_size().values()))
         parallel = group_kind(shard)(share, (str(address[0]), int(address[1])), cpu, rendezvous=self.rendezvous)
@@ -129,6 +138,8 @@ class LearnerRank(Actor):
             slices, rows = learner.task.micro_batches(samples, learner.micro_batch), learner.task.rows(samples)
             passes, idle = parallel.passes(slices, rows), parallel.idle_passes(slices, rows)
             update = learner.update(samples, rewards, ref)
+            if folder:
+                learner.save_shards(folder)
             weights = {name: _whole(value) for name, value in learner.policy.state_dict().items()}
             gradients = {name: _whole(p.grad) for name, p in learner.policy.named_parameters() if p.grad is not None}
         finally:

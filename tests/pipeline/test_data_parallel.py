@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -80,6 +81,31 @@ def test_two_ranks_take_the_step_one_learner_takes(shard):
         torch.testing.assert_close(value, one.policy.state_dict()[name], atol=2.1 * SETTINGS["lr"], rtol=0)
 
 
+def test_shards_saved_by_two_ranks_load_whole_into_one_learner(tmp_path):
+    """torch.distributed.checkpoint: each rank writes its shards; one process (no group) reads them whole."""
+    task, batch, rewards, ref = _rollout()
+    one = Learner(task, torch.device("cpu"))
+    one.update(batch, rewards, ref)
+    folder = str(tmp_path / "checkpoint-1.dcp")
+    mesh = this_host().spawn_procs({"procs": 2}, name="learner-ranks")
+    try:
+        ranks = mesh.spawn("ranks", LearnerRank, SETTINGS)
+        address = ranks.slice(procs=0).serve.call_one(2).get(timeout=30)
+        result = ranks.step.call(address, batch, rewards, ref, "fsdp", folder).get(timeout=120).item(procs=0)
+    finally:
+        mesh.stop().get(timeout=30)
+    assert sorted(os.listdir(folder)) == [".metadata", "__0_0.distcp", "__1_0.distcp"], "each rank wrote its own"
+    loaded = Learner(task, torch.device("cpu"))
+    loaded.load_shards(folder)
+    for name, value in loaded.policy.state_dict().items():
+        assert torch.equal(value, result["weights"][name]), name
+    for p, q in zip(loaded.policy.parameters(), one.policy.parameters(), strict=True):  # Adam's moments came too
+        torch.testing.assert_close(
+            loaded.optim.state[p]["exp_avg"], one.optim.state[q]["exp_avg"], atol=1e-8, rtol=1e-5
+        )
+        assert int(loaded.optim.state[p]["step"]) == 1
+
+
 def test_sharded_ranks_with_uneven_passes_run_as_many_and_learn_the_same():
     """5 micro-batches of 24 rows split 12/12 give 3 passes each; of 5 rows over 2 ranks, 1 pass and 2 (one idle)."""
     share = [RankShare(rank, 2) for rank in range(2)]
@@ -138,13 +164,26 @@ async def test_the_pipeline_with_two_trainer_ranks_trains_as_with_one(tmp_path, 
 
 
 async def test_a_resumed_run_continues_with_another_number_of_ranks(tmp_path, sockets_dir):
-    """Every rank holds the whole policy, so a checkpoint of two ranks resumes on three, and on one."""
+    """Shards of two ranks resume on three sharded ones, on one, on two replicas, and sharded again from those."""
     run_dir = tmp_path / "run"
     await run_pipeline(Config(steps=4, trainer_ranks=2, target_score=None, run_dir=str(run_dir)), quiet=True)
-    for ranks, steps in ((3, 6), (1, 8)):
-        config = Config(steps=steps, trainer_ranks=ranks, target_score=None, run_dir=str(run_dir))
+
+    def shard_folders() -> list[str]:
+        return [name for name in os.listdir(run_dir) if name.endswith(".dcp")]
+
+    state = load_checkpoint(str(run_dir))
+    assert "policy" not in state and shard_folders() == [state["shards"]], "the policy and Adam state are in shards"
+    for ranks, shard, steps, sharded in (
+        (3, "fsdp", 6, True),
+        (1, "fsdp", 8, False),
+        (2, "ddp", 9, False),
+        (2, "fsdp", 10, True),
+    ):
+        config = Config(steps=steps, trainer_ranks=ranks, trainer_shard=shard, target_score=None, run_dir=str(run_dir))
         result = await run_pipeline(config, quiet=True, resume=True)
-        assert result.steps == steps and load_checkpoint(str(run_dir))["step"] == steps
+        state = load_checkpoint(str(run_dir))
+        assert result.steps == steps and state["step"] == steps
+        assert ("shards" in state) == sharded and len(shard_folders()) == int(sharded), "only the newest is kept"
 
 
 def test_resume_may_change_the_number_of_ranks(tmp_path):

@@ -305,13 +305,14 @@ async def test_a_hf_model_trains_in_the_pipeline_and_saves_what_transformers_loa
     assert all("reward/reversed_digits" in row and "reward/exact_match" in row for row in rows)
     logged = [json.loads(line) for line in open(tmp_path / "completions.jsonl")]
     assert len(logged) == 4 and set(logged[0]["rewards"]) == {"reversed_digits", "exact_match"}, "rank 0 logs them"
-    # the exported folder gives the trainer's logits
+    # the exported folder gives the checkpoint's logits (a sharded one's read whole by one learner)
     saved = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "model")).eval()
-    from pipeline.learning.checkpoint import load
+    from pipeline.learning import Learner
 
     task = HFTask(resolve(_config(tiny, tmp_path)))
-    policy = task.build_policy().eval()
-    policy.load_state_dict(load(str(tmp_path))["policy"])
+    learner = Learner(task, torch.device("cpu"))
+    learner.resume(str(tmp_path))
+    policy = learner.policy.eval()
     ids = torch.tensor([task.tokenizer("reverse:1234=")["input_ids"]])
     with torch.no_grad():
         assert torch.equal(saved(ids).logits, policy(ids).logits)
