@@ -78,7 +78,7 @@ from ._shared._errors import (
     WeightSyncError,
 )
 from ._shared._restart import RestartMode, RestartPolicy
-from ._shared._session import host_id, new_session_keys
+from ._shared._session import bind_host, host_id, new_session_keys
 from ._wire._code import allow_code
 from .weights import (
     ReceivesWeights,
@@ -147,6 +147,7 @@ __all__ = [
     "attach",
     "attach_to_workers",
     "available_transports",
+    "bind_host",
     "concurrent_endpoint",
     "config",
     "context",

@@ -33,7 +33,7 @@ import torch
 
 from .._shared._errors import ManifestError, StaleUpdateError, TransportBlocked
 from . import TensorSpec, check_specs, checksum, copy_all
-from ._sharded import is_sharded, whole
+from ._sharded import is_sharded, wholes
 from ._slots import LOCK_TIMEOUT, PooledWriter, Slot, SlotHolds, SlotPool, check_segment_name
 
 __all__ = ["CudaIpcReader", "CudaIpcWriter", "SlotHandle", "parse_handle", "probe"]
@@ -195,11 +195,10 @@ class CudaIpcWriter(PooledWriter):
         for other in {t.device for _, t in tensors if t.is_cuda and t.device != device}:
             side.wait_stream(torch.cuda.current_stream(other))
         dst, src = [], []
-        for spec, (_, tensor) in zip(specs, tensors, strict=True):
+        for spec, (_, tensor), gathered in zip(specs, tensors, wholes(t for _, t in tensors), strict=True):
             if not spec.nbytes:
                 continue
-            if is_sharded(tensor):  # gathered whole and copied at once: one gathered tensor at a time
-                gathered = whole(tensor)
+            if is_sharded(tensor):  # gathered whole (a bucket at a time) and copied at once
                 side.wait_stream(torch.cuda.current_stream(gathered.device))
                 with torch.cuda.device(device), torch.cuda.stream(side):
                     _slot_view(storage.buffer, spec).copy_(gathered)
@@ -207,7 +206,7 @@ class CudaIpcWriter(PooledWriter):
                     gathered.record_stream(side)  # freed when the loop moves on: not reused mid-copy
                 continue
             dst.append(_slot_view(storage.buffer, spec))
-            src.append(tensor.detach())
+            src.append(gathered)
         with torch.cuda.device(device), torch.cuda.stream(side):
             copy_all(dst, src)
             storage.event.record(side)

@@ -14,7 +14,7 @@ import torch
 
 from .._shared._errors import ManifestError, StaleUpdateError, WeightSyncError
 from . import TensorSpec, check_specs, checksum
-from ._sharded import whole
+from ._sharded import wholes
 
 # update_id -> tensors, shared by every writer and reader of this process: the
 # transport's whole point is that both ends live here.
@@ -41,8 +41,8 @@ class LocalWriter:
         specs: list[TensorSpec],
         with_checksums: bool,
     ) -> list[TensorSpec]:
-        for spec, (name, tensor) in zip(specs, tensors, strict=True):
-            copies[name] = whole(tensor).to("cpu", dtype=spec.torch_dtype, copy=True).contiguous()
+        for spec, source in zip(specs, wholes(t for _, t in tensors), strict=True):
+            copies[spec.name] = source.to("cpu", dtype=spec.torch_dtype, copy=True).contiguous()
         if with_checksums:
             specs = [replace(spec, checksum=checksum(copies[spec.name])) for spec in specs]
         return specs

@@ -17,7 +17,7 @@ import torch
 
 from .._shared._errors import TransportBlocked
 from . import TensorSpec, check_specs, checksum, view
-from ._sharded import whole
+from ._sharded import wholes
 from ._slots import HEADER_BYTES, LOCK_TIMEOUT, SHM_DIR, PooledWriter, Slot, SlotHolds, SlotPool, remove_segments
 
 __all__ = ["HEADER_BYTES", "SHM_DIR", "ShmReader", "ShmWriter", "probe", "remove_segments"]
@@ -45,9 +45,9 @@ class ShmWriter(PooledWriter):
     ) -> list[TensorSpec]:
         out = []
         buffer = self._pool.payload(slot)
-        for spec, (_, tensor) in zip(specs, tensors, strict=True):
+        for spec, source in zip(specs, wholes(t for _, t in tensors), strict=True):  # sharded ones gathered here
             dst = view(buffer, spec, HEADER_BYTES)
-            dst.copy_(whole(tensor))  # a sharded tensor is gathered here, one at a time
+            dst.copy_(source)
             out.append(replace(spec, checksum=checksum(dst)) if with_checksums else spec)
         return out
 

@@ -39,7 +39,7 @@ from .._shared._loops import loop_running
 from .._shared._session import bind_host
 from .._wire._buffers import tensor_buffer
 from . import ALIGN, TensorSpec, check_specs, checksum
-from ._sharded import is_sharded, whole
+from ._sharded import is_sharded, wholes
 from ._slots import LOCK_TIMEOUT, poll_async, poll_blocking
 from ._stream import (
     CHUNK,
@@ -160,10 +160,11 @@ class TcpWriter:
         if staged.capacity < staged.nbytes or (from_gpu and not staged.data.is_pinned()):
             staged.data = torch.empty(staged.nbytes, dtype=torch.uint8, pin_memory=from_gpu)
         data = staged.data
-        for spec, (_, tensor) in zip(specs, tensors, strict=True):
+        sources = wholes(t for _, t in tensors)  # sharded ones gathered here, a bucket at a time
+        for spec, (_, tensor), source in zip(specs, tensors, sources, strict=True):
             dst = data[spec.offset : spec.offset + spec.nbytes].view(spec.torch_dtype).view(spec.shape)
-            # a sharded tensor is gathered here; its gathered copy is freed at once, so copied synchronously
-            dst.copy_(whole(tensor), non_blocking=tensor.is_cuda and not is_sharded(tensor))
+            # a gathered copy is freed at once: copied synchronously
+            dst.copy_(source, non_blocking=tensor.is_cuda and not is_sharded(tensor))
         if from_gpu:
             torch.cuda.synchronize()
         out = (

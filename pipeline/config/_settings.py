@@ -117,7 +117,7 @@ def check_settings(config: Config) -> None:
 
 
 def _check_trainer_ranks(config: Config) -> None:
-    """Several trainer ranks: each needs rows to train; on a CPU and one host only, so far (issue 39)."""
+    """Several trainer ranks: each needs rows to train; on CPUs only, so far (issue 39)."""
     ranks = config.trainer_ranks
     if ranks == 1:
         return
@@ -130,9 +130,4 @@ def _check_trainer_ranks(config: Config) -> None:
         raise SettingsError(
             f"--trainer-ranks {ranks} with the trainer on {config.device_of('trainer')}: ranks run on CPUs so far "
             "(their GPU placement and NCCL are not built yet)"
-        )
-    if config.ray:
-        raise SettingsError(
-            f"--trainer-ranks {ranks} with --ray: the ranks run on the trainer's host so far (across hosts is not "
-            "built yet)"
         )

@@ -6,7 +6,7 @@ the yardstick the pipeline is measured against. May import
 """
 
 from . import checkpoint
-from ._data_parallel import COLLECTIVE_TIMEOUT, DataParallel, RankShare, Rendezvous
+from ._data_parallel import COLLECTIVE_TIMEOUT, DataParallel, GroupAddress, RankShare, Rendezvous
 from ._fully_sharded import FullySharded, group_kind, repeated_blocks
 from ._learner import Learner, Update, lr_factor
 from ._one_process import ReferenceResult, train_one_process
@@ -15,6 +15,7 @@ __all__ = [
     "COLLECTIVE_TIMEOUT",
     "DataParallel",
     "FullySharded",
+    "GroupAddress",
     "Learner",
     "RankShare",
     "ReferenceResult",

@@ -12,15 +12,20 @@ passes does the same sum.
 
 The ranks join a ``torch.distributed`` process group (gloo on CPUs, NCCL on
 GPUs) through a store that rank 0 serves on an address it hands out
-(:class:`Rendezvous`), not through variables the user sets. Every
-collective has the group's deadline: a rank that died makes the others fail
-within it rather than wait for ever.
+(:class:`Rendezvous`, :class:`GroupAddress`), not through variables the user
+sets. The store has no key, so the address comes with a secret token that
+travels only through the session's authenticated calls: once the group has
+formed, every rank shows it, and a group that a process outside the session
+joined is refused. Every collective has the group's deadline: a rank that
+died makes the others fail within it rather than wait for ever.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
+import secrets
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +34,7 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not in i
 
 from ..tasks import LossReport
 
-__all__ = ["COLLECTIVE_TIMEOUT", "DataParallel", "RankShare", "Rendezvous"]
+__all__ = ["COLLECTIVE_TIMEOUT", "DataParallel", "GroupAddress", "RankShare", "Rendezvous"]
 
 #: How long a rendezvous or a collective may wait for the other ranks (seconds).
 COLLECTIVE_TIMEOUT = 60.0
@@ -68,8 +73,24 @@ class RankShare:
         return mine
 
 
+@dataclass(frozen=True)
+class GroupAddress:
+    """Where the ranks join a group (rank 0's store) and the token that shows a rank belongs to the session."""
+
+    host: str
+    port: int
+    token: bytes
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
 class Rendezvous:
-    """Rank 0's store, on ``host`` at a port the OS chose: the address the other ranks join the group through."""
+    """Rank 0's store, on ``host`` at a port the OS chose, and a new token: the :class:`GroupAddress` to hand out.
+
+    ``host`` is the address this process serves the session on (loopback on
+    one machine, its cluster address on several): nothing else is bound.
+    """
 
     def __init__(self, host: str, world: int, timeout: float = COLLECTIVE_TIMEOUT) -> None:
         self.store = TCPStore(
@@ -80,7 +101,7 @@ class Rendezvous:
             timeout=datetime.timedelta(seconds=timeout),
             wait_for_workers=False,
         )
-        self.address = (host, int(self.store.port))
+        self.address = GroupAddress(host, int(self.store.port), secrets.token_bytes(16))
 
 
 class DataParallel:
@@ -89,16 +110,19 @@ class DataParallel:
     def __init__(
         self,
         share: RankShare,
-        address: tuple[str, int],
+        address: GroupAddress,
         device: torch.device,
         *,
+        host: str = "127.0.0.1",
         rendezvous: Rendezvous | None = None,
         timeout: float = COLLECTIVE_TIMEOUT,
     ) -> None:
         """Join the group at ``address`` (rank 0 passes the :class:`Rendezvous` it serves there); waits for every rank.
 
-        Raises :class:`RuntimeError`, naming the rank, when the store cannot be
-        reached or the other ranks do not come within ``timeout`` seconds.
+        ``host`` is the address this rank's gloo connections use (its session
+        address). Raises :class:`RuntimeError`, naming the rank, when the store
+        cannot be reached, the other ranks do not come within ``timeout``
+        seconds, or a rank of the group cannot show the address's token.
         """
         if dist.is_initialized():
             raise RuntimeError("this process is already in a torch.distributed group: one trainer rank per process")
@@ -108,20 +132,41 @@ class DataParallel:
         self.share = share
         self.device = device
         self._rendezvous = rendezvous  # rank 0's store lives as long as the group
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        who = f"trainer rank {share.rank} of {share.world}"
         try:
             store = (
                 rendezvous.store
                 if rendezvous is not None
-                else TCPStore(address[0], address[1], share.world, is_master=False, timeout=deadline)
+                else TCPStore(address.host, address.port, share.world, is_master=False, timeout=deadline)
             )
-            dist.init_process_group(backend, store=store, rank=share.rank, world_size=share.world, timeout=deadline)
+            if device.type == "cuda":
+                dist.init_process_group("nccl", store=store, rank=share.rank, world_size=share.world, timeout=deadline)
+            else:  # gloo's own connections on this rank's session address, not whatever its host name resolves to
+                options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # its pg_options type
+                options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+                options._timeout = deadline
+                dist.init_process_group(
+                    "gloo", store=store, rank=share.rank, world_size=share.world, timeout=deadline, pg_options=options
+                )
         except (RuntimeError, OSError) as exc:  # torch's DistStoreError and DistNetworkError are RuntimeErrors
-            where = f"{address[0]}:{address[1]}"
             raise RuntimeError(
-                f"trainer rank {share.rank} of {share.world}: the group at {where} did not form within {timeout:g} s "
+                f"{who}: the group at {address} did not form within {timeout:g} s "
                 f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else exc!r})"
             ) from exc
+        strangers = self._strangers(address.token)
+        if strangers:
+            dist.destroy_process_group()
+            raise RuntimeError(
+                f"{who}: rank(s) {', '.join(map(str, strangers))} of the group at {address} did not show the "
+                "session's token: a process outside the session joined the group; refused"
+            )
+
+    def _strangers(self, token: bytes) -> list[int]:
+        """The ranks whose digest of the group's token differs from this rank's (a collective)."""
+        digest = torch.tensor(list(hashlib.sha256(token).digest()), dtype=torch.uint8, device=self.device)
+        shown = [torch.empty_like(digest) for _ in range(self.share.world)]
+        dist.all_gather(shown, digest)
+        return [rank for rank, other in enumerate(shown) if not torch.equal(other, digest)]
 
     def passes(self, slices: list[slice], rows: int | None) -> list[slice]:
         """This rank's passes of a rollout of ``rows`` rows that one rank would train in ``slices``."""

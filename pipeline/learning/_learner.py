@@ -200,11 +200,18 @@ class Learner:
         """Write the policy and optimizer into ``folder`` with ``torch.distributed.checkpoint``: every rank its shards.
 
         A collective of a sharded group (each rank writes only what it holds);
-        unsharded, this process writes them whole.
+        unsharded, this process writes them whole. Rank 0 then checks that
+        every rank's file is in ``folder`` (ranks on other hosts need it shared).
         """
         from . import _sharded_state
 
         _sharded_state.save_shards(self.policy, self.optim, folder)
+        missing = _sharded_state.missing_files(folder) if not self.parallel or self.parallel.share.rank == 0 else []
+        if missing:
+            raise RuntimeError(
+                f"the checkpoint's shards {', '.join(missing)} are not in {folder}: ranks on other hosts wrote them "
+                "to their own disks; give --run-dir a folder every trainer host shares, or --trainer-shard ddp"
+            )
 
     def load_shards(self, folder: str) -> None:
         """Load the policy and optimizer :meth:`save_shards` wrote, whatever the number of ranks that wrote them.

@@ -6,10 +6,12 @@ torch's module costs ~0.6 s to import, which every role process would pay.
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -21,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_loader import load as load_distributed
 from torch.distributed.checkpoint.state_dict_saver import save as save_distributed
 
-__all__ = ["load_shards", "moments", "restore_moments", "save_shards", "whole_policy_state"]
+__all__ = ["load_shards", "missing_files", "moments", "restore_moments", "save_shards", "whole_policy_state"]
 
 #: A sharded policy gathered whole into host memory, on rank 0 only.
 WHOLE_ON_HOST = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -34,6 +36,12 @@ def save_shards(policy: torch.nn.Module, optim: torch.optim.Optimizer, folder: s
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         save_distributed({"policy": model_state, "optimizer": optim_state}, checkpoint_id=folder, no_dist=alone)
+
+
+def missing_files(folder: str) -> list[str]:
+    """The files of a saved checkpoint in ``folder`` that are not there (ranks on other hosts wrote to their disks)."""
+    files = {info.relative_path for info in FileSystemReader(folder).read_metadata().storage_data.values()}
+    return sorted(name for name in files if not os.path.exists(os.path.join(folder, name)))
 
 
 def load_shards(policy: torch.nn.Module, optim: torch.optim.Optimizer, folder: str) -> None:

@@ -28,13 +28,14 @@ from actors import (
     PortClosed,
     WeightManifest,
     WeightPublisher,
+    bind_host,
     endpoint,
     host_id,
     send,
 )
 
 from ..config import Config
-from ..learning import DataParallel, Learner, RankShare, Rendezvous, Update, checkpoint, group_kind
+from ..learning import DataParallel, GroupAddress, Learner, RankShare, Rendezvous, Update, checkpoint, group_kind
 from ..tasks import load_task, to_device
 from ._deaths import first_death
 from ._devices import peak_gpu_gb, reserved_gpu_gb, role_device, uses_reference, weights_dtype
@@ -52,8 +53,6 @@ T = TypeVar("T")
 
 #: Step reports the trainer gathers before sending them to the controller.
 REPORT_BATCH = 10
-#: Where rank 0 serves the trainer ranks' rendezvous: they run on its host (``--trainer-ranks``).
-RENDEZVOUS_HOST = "127.0.0.1"
 #: How long a failed step waits to learn whether a trainer rank died (and name it) before reporting itself.
 RANK_FAILURE_GRACE = 2.0
 
@@ -161,14 +160,14 @@ class Trainer(Actor):
             return await self._publish(transport)
 
     @endpoint
-    async def rendezvous(self, world: int) -> list[Any]:
-        """Serve the store through which ``world`` trainer ranks join (this is rank 0); its address."""
-        self._rendezvous = Rendezvous(RENDEZVOUS_HOST, world)
-        return list(self._rendezvous.address)
+    async def rendezvous(self, world: int) -> GroupAddress:
+        """Serve the store through which ``world`` trainer ranks join (this is rank 0), on the session's address."""
+        self._rendezvous = Rendezvous(bind_host(), world)
+        return self._rendezvous.address
 
     @endpoint
-    async def join(self, ranks: TrainerRank, world: int) -> None:
-        """Join the group as rank 0 while ``ranks`` (1..world-1) join it too; from now on they share every step."""
+    async def join(self, ranks: TrainerRank, world: int) -> str:
+        """Join the group as rank 0 while ``ranks`` (1..world-1) join it too; this host. They share every step from now on."""
         if self._rendezvous is None:
             raise RuntimeError("call rendezvous() first: rank 0 serves the store the others join through")
         rendezvous, config = self._rendezvous, self.config
@@ -185,6 +184,7 @@ class Trainer(Actor):
 
         self._parallel = await asyncio.to_thread(form)
         self.ranks = ranks
+        return host_id()
 
     async def train(self, item: ScoredRollout) -> tuple[Update, float]:
         """One step: :meth:`train_step` on the loop with one rank; with several, beside the others, off the loop.

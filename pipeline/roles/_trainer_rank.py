@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from actors import Actor, current_rank, endpoint, join_publish
+from actors import Actor, bind_host, current_rank, endpoint, host_id, join_publish
 
 from ..config import Config
-from ..learning import DataParallel, Learner, RankShare, group_kind
+from ..learning import DataParallel, GroupAddress, Learner, RankShare, group_kind
 from ..tasks import load_task, to_device
 from ._devices import role_device
 
@@ -44,13 +44,12 @@ class TrainerRank(Actor):
         self.parallel: DataParallel | None = None
 
     @endpoint
-    async def join(self, address: list[Any], world: int) -> int:
-        """Join the group at rank 0's ``address`` (this mesh's rank + 1); returns the rank. Waits for every rank."""
+    async def join(self, address: GroupAddress, world: int) -> tuple[int, str]:
+        """Join the group at rank 0's ``address`` as this mesh's rank + 1; that rank and this host. Waits for every rank."""
         share = RankShare(current_rank().rank + 1, world)
-        where = (str(address[0]), int(address[1]))
 
         def form() -> DataParallel:
-            group = group_kind(self.config.trainer_shard)(share, where, self.device)
+            group = group_kind(self.config.trainer_shard)(share, address, self.device, host=bind_host())
             self.learner.share_with(group)
             if self._shards_to_load is not None:  # as rank 0 does, which then publishes the policy
                 self.learner.load_shards(self._shards_to_load)
@@ -58,7 +57,7 @@ class TrainerRank(Actor):
             return group
 
         self.parallel = await asyncio.to_thread(form)
-        return share.rank
+        return share.rank, host_id()
 
     @endpoint
     async def train(

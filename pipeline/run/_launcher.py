@@ -72,6 +72,7 @@ class RunResult:
     rollouts: dict[str, int] = field(default_factory=dict)
     restarts: dict[str, int] = field(default_factory=dict)  # generator -> times it was restarted
     weight_routes: list[str] = field(default_factory=list)  # which transport reaches which generators
+    trainer_hosts: list[str] = field(default_factory=list)  # the host of each trainer rank (``actors.host_id``)
 
     @property
     def steps_per_second(self) -> float:
@@ -85,6 +86,29 @@ class _Hosts(NamedTuple):
     everywhere: HostMesh  # the generators' hosts
     cluster: RayHostMesh | None  # the Ray host mesh, if any
     head_described: str  # the head host in words, for the run's log
+    head_index: int = 0  # the head's place among the cluster's hosts
+
+    def for_ranks(self, ranks: int) -> tuple[HostMesh, int]:
+        """The hosts of trainer ranks 1..``ranks``-1 and how many per host: the head, or (Ray) every other host, evenly.
+
+        The others must be one run of hosts in Ray's order (the trainer's host
+        first or last among them, as it always is with two).
+        """
+        cluster = self.cluster
+        if cluster is None or len(cluster.hosts) == 1:
+            return self.head, ranks - 1
+        count, head = len(cluster.hosts), self.head_index
+        if (ranks - 1) % (count - 1):
+            raise ValueError(
+                f"--trainer-ranks {ranks}: ranks 1..{ranks - 1} spread over the {count - 1} Ray hosts beside the "
+                f"trainer's, so {ranks} - 1 must be a multiple of {count - 1}"
+            )
+        if head not in (0, count - 1):
+            raise ValueError(
+                f"--trainer-ranks {ranks}: the trainer's host is host {head} of {count}; its ranks go to the hosts "
+                "beside it when those follow or precede it (--ray-hosts 2, or run this program on the first node)"
+            )
+        return cluster.slice(slice(1, None) if head == 0 else slice(0, count - 1)), (ranks - 1) // (count - 1)
 
 
 async def _hosts(config: Config) -> _Hosts:
@@ -118,7 +142,7 @@ async def _hosts(config: Config) -> _Hosts:
     head = next((i for i, host in enumerate(hosts) if host["node"] == here), None)
     if head is None:  # Ray reserved other nodes than this one: the checkpoints go to host 0's disk
         return _Hosts(cluster.slice(0), cluster, cluster, f"host 0 ({hosts[0]['ip']}; checkpoints go to its disk)")
-    return _Hosts(cluster.slice(head), cluster, cluster, f"host {head} (this node, {hosts[head]['ip']})")
+    return _Hosts(cluster.slice(head), cluster, cluster, f"host {head} (this node, {hosts[head]['ip']})", head)
 
 
 async def run_pipeline(
@@ -151,7 +175,15 @@ async def run_pipeline(
     trainer = None
     cluster: RayHostMesh | None = None
     try:
-        head, everywhere, cluster, head_described = await _hosts(config)
+        placed = await _hosts(config)
+        head, everywhere, cluster, head_described = (
+            placed.head,
+            placed.everywhere,
+            placed.cluster,
+            placed.head_described,
+        )
+        trainer_hosts: list[str] = []  # filled when the ranks join (one trainer: left empty)
+        rank_hosts = placed.for_ranks(config.trainer_ranks) if config.trainer_ranks > 1 else None  # refused early
         # torch threads are set where the processes start: a worker with more than one is forked from a fresh
         # forkserver (GNU OpenMP hangs in a child of a process that already ran its thread pool)
         threads = config.threads
@@ -169,11 +201,12 @@ async def run_pipeline(
             max_restarts=max(1, config.generator_restarts),
             restart_period=60.0,
         )
-        rank_procs = (
-            head.spawn_procs(per_host={"procs": config.trainer_ranks - 1}, name="trainer-ranks", threads=threads)
-            if config.trainer_ranks > 1
-            else None
-        )
+        rank_procs = None
+        if rank_hosts is not None:
+            hosts_of_ranks, per_rank_host = rank_hosts
+            rank_procs = hosts_of_ranks.spawn_procs(
+                per_host={"procs": per_rank_host}, name="trainer-ranks", threads=threads
+            )
         meshes = [mesh for mesh in (gen_procs, scorer_procs, ref_procs, trainer_procs, rank_procs) if mesh is not None]
         # Only now, with the roles' processes forked from a still single-threaded
         # launcher, the threads of a runtime and of TensorBoard's writer start.
@@ -184,9 +217,10 @@ async def run_pipeline(
         if rank_procs is not None:  # rank 0 serves the rendezvous; every rank joins, each waiting for the others
             ranks = rank_procs.spawn("trainer-ranks", roles.trainer_rank, config, resume)
             address = await trainer.rendezvous.call_one(config.trainer_ranks)
-            await asyncio.gather(
+            first, joined = await asyncio.gather(
                 trainer.join.call_one(ranks, config.trainer_ranks), ranks.join.call(address, config.trainer_ranks)
             )
+            trainer_hosts = [first, *(where for _, where in sorted(joined.values()))]
         scorer = scorer_procs.spawn("scorer", roles.scorer, config)
         policy_manifest, ref_manifest = await trainer.initial_manifests.call_one()
         rollouts_in = await scorer.inlet.call_one()
@@ -275,6 +309,7 @@ async def run_pipeline(
             rollouts=dict(zip(generator_names, produced, strict=True)),
             restarts=restarts,
             weight_routes=weight_routes,
+            trainer_hosts=trainer_hosts,
         )
         return result
     except asyncio.CancelledError:  # Ctrl-C: leave a checkpoint, then stop fast

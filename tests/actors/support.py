@@ -523,9 +523,18 @@ class Flooder(Actor):
 
 
 def seeded_model(seed: int = 0, width: int = 64) -> torch.nn.Module:
-    """A small model of two blocks, the same for every process that asks with ``seed``."""
+    """A small model of four blocks, the same in every process that asks with ``seed``.
+
+    Some tensors split unevenly over two ranks (7 rows), some leave a rank nothing (1 row).
+    """
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, width), torch.nn.Linear(width, 8))
+    linears = (
+        torch.nn.Linear(width, width),
+        torch.nn.Linear(width, width),
+        torch.nn.Linear(width, 7),
+        torch.nn.Linear(7, 1),
+    )
+    return torch.nn.Sequential(*linears)
 
 
 class ShardedSource(Actor):
@@ -544,8 +553,8 @@ class ShardedSource(Actor):
         return int(self.store.port)
 
     @endpoint
-    def publish(self, port: int, version: int) -> WeightManifest | int:
-        """Rank 0: the manifest of the whole model; another rank: how many tensors it gathered beside it."""
+    def join(self, port: int) -> None:
+        """Join rank 0's group and shard :func:`seeded_model` over it (a unit per layer, the model as root)."""
         import torch.distributed as dist
         from torch.distributed import TCPStore  # type: ignore[attr-defined]
         from torch.distributed.fsdp import fully_shard
@@ -553,14 +562,25 @@ class ShardedSource(Actor):
         rank, world = current_rank().rank, math.prod(current_size().values())
         store = self.store if rank == 0 else TCPStore("127.0.0.1", port, world, is_master=False)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-        model = seeded_model()
-        for block in model:
+        self.model = seeded_model()
+        for block in self.model:
             fully_shard(block)
-        fully_shard(model)
-        if rank != 0:
-            return join_publish(model)
+        fully_shard(self.model)
+
+    @endpoint
+    def publish(self, version: int) -> WeightManifest | int:
+        """Rank 0: the manifest of the whole model; another rank: how many tensors it gathered beside it."""
+        if current_rank().rank != 0:
+            return join_publish(self.model)
         self.publisher = WeightPublisher(self.transport, dtype=torch.bfloat16)
-        return self.publisher.publish(model, version)
+        return self.publisher.publish(self.model, version)
+
+    @endpoint
+    def gathered_in_buckets(self, bucket_bytes: int) -> list[torch.Tensor]:
+        """The model's tensors gathered whole in buckets of ``bucket_bytes`` (every rank calls)."""
+        from actors.tensors._sharded import wholes
+
+        return list(wholes(self.model.state_dict().values(), bucket_bytes))
 
     def __cleanup__(self, exc: BaseException | None) -> None:
         import torch.distributed as dist

@@ -418,7 +418,8 @@ async def test_a_model_sharded_over_two_ranks_is_published_whole(procs, transpor
     """FSDP2 shards on two gloo ranks: rank 0's manifest holds the whole model, each tensor gathered as copied."""
     sources = procs.spawn("sharded", ShardedSource, transport)
     port = await sources.slice(procs=0).serve.call_one(2)
-    results = [value for _, value in (await sources.publish.call(port, 7)).items()]
+    await sources.join.call(port)
+    results = [value for _, value in (await sources.publish.call(7)).items()]
     manifest, gathered = results
     expected = seeded_model()
     assert isinstance(manifest, WeightManifest) and manifest.version == 7
@@ -433,6 +434,19 @@ async def test_a_model_sharded_over_two_ranks_is_published_whole(procs, transpor
         consumer.close()
     for name, value in expected.state_dict().items():
         assert torch.equal(target.state_dict()[name], value.to(torch.bfloat16)), name
+
+
+async def test_shards_gathered_in_small_buckets_are_the_whole_tensors(procs):
+    """Several buckets (flushed by size), uneven rows, a rank left no row: each tensor whole, in order, on each rank."""
+    sources = procs.spawn("sharded", ShardedSource, "shm")
+    port = await sources.slice(procs=0).serve.call_one(2)
+    await sources.join.call(port)
+    expected = list(seeded_model().state_dict().values())
+    for bucket_bytes in (1, 4096, 1 << 30):  # one tensor per bucket, a few, all in one
+        for _, gathered in (await sources.gathered_in_buckets.call(bucket_bytes)).items():
+            assert len(gathered) == len(expected)
+            for got, want in zip(gathered, expected, strict=True):
+                assert torch.equal(got, want)
 
 
 def test_a_rank_outside_any_group_joins_no_gather():

@@ -305,12 +305,18 @@ async def weights_across_nodes(hosts):  # type: ignore[no-untyped-def]
 
 @check("pipeline_across_nodes")
 async def pipeline_across_nodes(address):  # type: ignore[no-untyped-def]
-    """``--ray``: trainer on this node, generators on both, weights over shm here and tcp there, 300 steps."""
+    """``--ray``: trainer on this node, generators on both, weights over shm here and tcp there, 300 steps.
+
+    The trainer is two sharded ranks (FSDP2 over gloo), rank 1 on the other node: every step's update, publish,
+    evaluation and checkpoint crosses the hosts.
+    """
     import tempfile
 
     from pipeline import Config, run_pipeline
 
-    config = Config(task="bandit", steps=300, generators=2, ray=address, ray_hosts=2, target_score=None)
+    config = Config(
+        task="bandit", steps=300, generators=2, ray=address, ray_hosts=2, target_score=None, trainer_ranks=2
+    )
     config.run_dir = tempfile.mkdtemp(prefix="ray-pipeline-")
     result = await asyncio.wait_for(run_pipeline(config, quiet=True), 240)
     assert result.steps == 300, result
@@ -320,19 +326,32 @@ async def pipeline_across_nodes(address):  # type: ignore[no-untyped-def]
     assert len(here) == 1 and "the trainer's host" in here[0], routes
     assert sum(route.endswith(": tcp") for route in routes) == 1, routes
     assert all(count > 0 for count in result.rollouts.values()), result.rollouts
-    return {"routes": routes, "rollouts": result.rollouts, "score": result.score, "seconds": round(result.seconds, 2)}
+    assert len(result.trainer_hosts) == 2 and len(set(result.trainer_hosts)) == 2, result.trainer_hosts
+    return {
+        "routes": routes,
+        "rollouts": result.rollouts,
+        "score": result.score,
+        "seconds": round(result.seconds, 2),
+        "trainer_hosts": result.trainer_hosts,
+    }
 
 
 @check("pipeline_placement_refused")
 async def pipeline_placement_refused(address):  # type: ignore[no-untyped-def]
-    """More hosts than live nodes, or generators that do not spread evenly: refused before anything starts."""
+    """More hosts than live nodes, generators or trainer ranks that do not spread evenly: refused before anything starts."""
     import tempfile
 
     from pipeline import Config, run_pipeline
 
     errors = []
-    for generators, hosts, expected in ((2, 4, "has 3 live nodes"), (3, 2, "must be a multiple of the 2 Ray hosts")):
-        config = Config(task="bandit", steps=10, generators=generators, ray=address, ray_hosts=hosts)
+    for generators, hosts, ranks, expected in (
+        (2, 4, 1, "has 3 live nodes"),
+        (3, 2, 1, "must be a multiple of the 2 Ray hosts"),
+        (3, 3, 2, "--trainer-ranks 2: ranks 1..1 spread over the 2 Ray hosts beside the trainer's"),
+    ):
+        config = Config(
+            task="bandit", steps=10, generators=generators, ray=address, ray_hosts=hosts, trainer_ranks=ranks
+        )
         config.run_dir = tempfile.mkdtemp(prefix="ray-refused-")
         try:
             await asyncio.wait_for(run_pipeline(config, quiet=True), 60)
@@ -340,7 +359,7 @@ async def pipeline_placement_refused(address):  # type: ignore[no-untyped-def]
             assert expected in str(exc), exc
             errors.append(str(exc))
         else:
-            raise AssertionError(f"--generators {generators} --ray-hosts {hosts} ran")
+            raise AssertionError(f"--generators {generators} --ray-hosts {hosts} --trainer-ranks {ranks} ran")
     return {"errors": errors}
 
 

@@ -11,7 +11,7 @@ import torch
 from actors import Actor, current_rank, current_size, endpoint
 from actors.tensors import is_sharded
 from pipeline import BanditTask, Config, Generator, Learner, RefModel, Scorer, resolve
-from pipeline.learning import DataParallel, RankShare, Rendezvous, group_kind
+from pipeline.learning import DataParallel, GroupAddress, RankShare, Rendezvous, group_kind
 from pipeline.tasks import load_task
 
 
@@ -110,15 +110,15 @@ class LearnerRank(Actor):
         self.rendezvous: Rendezvous | None = None
 
     @endpoint
-    def serve(self, world: int) -> list[Any]:
+    def serve(self, world: int) -> GroupAddress:
         """Rank 0: the store the others join through."""
         self.rendezvous = Rendezvous("127.0.0.1", world)
-        return list(self.rendezvous.address)
+        return self.rendezvous.address
 
     @endpoint
     def step(
         self,
-        address: list[Any],
+        address: GroupAddress,
         samples: Any,
         rewards: torch.Tensor,
         ref: torch.Tensor | None,
@@ -131,7 +131,7 @@ class LearnerRank(Actor):
         """
         cpu = torch.device("cpu")
         share = RankShare(current_rank().rank, math.prod(current_size().values()))
-        parallel = group_kind(shard)(share, (str(address[0]), int(address[1])), cpu, rendezvous=self.rendezvous)
+        parallel = group_kind(shard)(share, address, cpu, rendezvous=self.rendezvous)
         try:
             learner = Learner(load_task(resolve(Config(**self.settings))), cpu)
             learner.share_with(parallel)
@@ -155,10 +155,14 @@ class LearnerRank(Actor):
         }
 
     @endpoint
-    def join_alone(self, address: list[Any], world: int, timeout: float) -> str:
-        """Rank 1 of ``world`` joining a group whose other ranks never come: the error it ends with."""
+    def join(self, address: GroupAddress, world: int, timeout: float) -> str:
+        """Join the group at ``address`` as this mesh's rank (rank 0 serves it): "joined", or the error a user sees."""
+        rank = current_rank().rank
         try:
-            DataParallel(RankShare(1, world), (str(address[0]), int(address[1])), torch.device("cpu"), timeout=timeout)
+            group = DataParallel(
+                RankShare(rank, world), address, torch.device("cpu"), rendezvous=self.rendezvous, timeout=timeout
+            )
         except Exception as exc:  # the test reads what a user would see
             return f"{type(exc).__name__}: {exc}"
+        group.close()
         return "joined"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -13,6 +14,7 @@ from actors import this_host
 from pipeline import Config, DigitsTask, Learner, resolve, run_pipeline
 from pipeline.grpo import parse_args
 from pipeline.learning import RankShare, Rendezvous
+from pipeline.learning._sharded_state import missing_files
 from pipeline.learning.checkpoint import load as load_checkpoint
 from pipeline.run import read_rows
 
@@ -104,6 +106,8 @@ def test_shards_saved_by_two_ranks_load_whole_into_one_learner(tmp_path):
             loaded.optim.state[p]["exp_avg"], one.optim.state[q]["exp_avg"], atol=1e-8, rtol=1e-5
         )
         assert int(loaded.optim.state[p]["step"]) == 1
+    os.remove(os.path.join(folder, "__1_0.distcp"))  # as if rank 1 had written to another host's disk
+    assert missing_files(folder) == ["__1_0.distcp"], "what rank 0 checks after saving, to refuse a split checkpoint"
 
 
 def test_sharded_ranks_with_uneven_passes_run_as_many_and_learn_the_same():
@@ -131,16 +135,38 @@ def test_sharded_ranks_with_uneven_passes_run_as_many_and_learn_the_same():
 
 def test_a_rank_whose_peers_never_come_fails_within_the_deadline():
     store = Rendezvous("127.0.0.1", 2)
-    mesh = this_host().spawn_procs({"procs": 1}, name="lonely-rank")
+    mesh = this_host().spawn_procs({"procs": 2}, name="lonely-rank")
     try:
-        rank = mesh.spawn("rank", LearnerRank, SETTINGS)
-        error = rank.join_alone.call_one(list(store.address), 2, 2.0).get(timeout=60)
+        rank = mesh.spawn("rank", LearnerRank, SETTINGS).slice(procs=1)  # rank 1 of 2, rank 0 never comes
+        error = rank.join.call_one(store.address, 2, 2.0).get(timeout=60)
     finally:
         mesh.stop().get(timeout=30)
     assert error.startswith("RuntimeError: trainer rank 1 of 2: the group at 127.0.0.1:") and "within 2 s" in error, (
         error
     )
     assert "timeout" in error, error
+
+
+def test_a_process_outside_the_session_that_joins_the_group_is_refused():
+    """The store has no key: a joiner that has the address but not the token (never in the store) is found out."""
+    mesh = this_host().spawn_procs({"procs": 2}, name="ranks")
+    try:
+        ranks = mesh.spawn("ranks", LearnerRank, SETTINGS)
+        address = ranks.slice(procs=0).serve.call_one(2).get(timeout=30)
+        stranger = dataclasses.replace(address, token=b"guessed" * 2)
+        joins = [
+            ranks.slice(procs=0).join.call_one(address, 2, 10.0),
+            ranks.slice(procs=1).join.call_one(stranger, 2, 10.0),
+        ]
+        errors = [join.get(timeout=60) for join in joins]
+    finally:
+        mesh.stop().get(timeout=30)
+    for rank, error in enumerate(errors):
+        assert (
+            error.startswith(f"RuntimeError: trainer rank {rank} of 2: rank(s) ")
+            and "a process outside the session" in error
+        ), error
+    assert "rank(s) 1 of the group" in errors[0], "rank 0 names the stranger"
 
 
 async def test_the_pipeline_with_two_trainer_ranks_trains_as_with_one(tmp_path, sockets_dir):

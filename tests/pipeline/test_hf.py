@@ -459,15 +459,23 @@ def test_bfloat16_roles_hold_their_weights_in_bfloat16_and_derived_buffers_in_fl
     assert model.lm_head.weight is model.model.embed_tokens.weight, "tied weights stay tied"
 
 
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient-checkpointing"])
-def test_a_hf_model_sharded_over_two_ranks_takes_the_one_learner_step(tmp_path, tiny, checkpointing):
-    """FSDP2 on two gloo ranks: the scorer is the root (tied head and embedding in it), each layer a unit."""
+@pytest.mark.parametrize(
+    "changes, tolerance",
+    [({"gradient_checkpointing": True}, 1e-4), ({"dtype": "bfloat16"}, 2e-2)],
+    ids=["gradient-checkpointing", "bfloat16-autocast"],
+)
+def test_a_hf_model_sharded_over_two_ranks_takes_the_one_learner_step(tmp_path, tiny, changes, tolerance):
+    """FSDP2 on two gloo ranks: the scorer is the root (tied head and embedding in it), each layer a unit.
+
+    Gradient checkpointing recomputes each unit's forward in the backward; bfloat16 autocasts over float32 shards
+    (rows split differently round differently: a looser tolerance).
+    """
     from pipeline_support import LearnerRank
 
     from actors import this_host
     from pipeline.learning import Learner
 
-    config = _config(tiny, tmp_path, prompts=4, group=2, kl_coeff=0.05, gradient_checkpointing=checkpointing)
+    config = _config(tiny, tmp_path, prompts=4, group=2, kl_coeff=0.05, **changes)
     task = HFTask(resolve(config))
     learner = Learner(task, torch.device("cpu"))
     learner.policy.eval()
@@ -484,9 +492,9 @@ def test_a_hf_model_sharded_over_two_ranks_takes_the_one_learner_step(tmp_path, 
     finally:
         mesh.stop().get(timeout=30)
     for result in results:
-        assert result["loss"] == pytest.approx(float(update.report.loss), rel=1e-5, abs=1e-6)
-        assert result["grad_norm"] == pytest.approx(update.grad_norm, rel=1e-4)
+        assert result["loss"] == pytest.approx(float(update.report.loss), rel=tolerance, abs=1e-6)
+        assert result["grad_norm"] == pytest.approx(update.grad_norm, rel=tolerance)
         for name, p in learner.policy.named_parameters():
-            torch.testing.assert_close(result["gradients"][name], p.grad, rtol=1e-4, atol=1e-7)
+            torch.testing.assert_close(result["gradients"][name], p.grad, rtol=tolerance, atol=tolerance * 1e-3)
     for name, value in results[0]["weights"].items():
         assert torch.equal(results[1]["weights"][name], value), name

@@ -42,7 +42,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
         (["--gradient-checkpointing"], "--gradient-checkpointing recomputes a Hugging Face model's layers"),
         (["--trainer-ranks", "0"], "--trainer-ranks 0: must be at least 1"),
         (["--trainer-ranks", "9", "--prompts", "2", "--group", "4"], "--trainer-ranks 9: a rollout has 8 rows"),
-        (["--trainer-ranks", "2", "--ray", "auto"], "--trainer-ranks 2 with --ray: the ranks run on the trainer's"),
     ],
 )
 def test_a_setting_that_cannot_train_is_one_line_and_exit_2(tmp_path, capsys, flags, message):
