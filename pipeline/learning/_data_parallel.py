@@ -24,8 +24,12 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import fcntl
 import hashlib
+import os
 import secrets
+import socket
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +75,33 @@ class RankShare:
             if first < last:
                 mine.append(slice(first, last))
         return mine
+
+
+def interface_of(address: str) -> str | None:
+    """The name of this machine's network interface whose IPv4 address is ``address`` (Linux), or None."""
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            try:  # SIOCGIFADDR: the interface's IPv4 address
+                answer = fcntl.ioctl(probe.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+        if socket.inet_ntoa(answer[20:24]) == address:
+            return name
+    return None
+
+
+def use_interface_of(host: str) -> None:
+    """Make gloo connect over ``host``'s interface (``GLOO_SOCKET_IFNAME``) unless the user chose one.
+
+    By default gloo uses the address this machine's name resolves to, which
+    on a cluster may be loopback or an address the other ranks cannot reach;
+    its process-group options cannot name a device. Loopback needs nothing.
+    """
+    if host.startswith("127.") or os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    interface = interface_of(host)
+    if interface is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
 
 
 @dataclass(frozen=True)
@@ -120,7 +151,7 @@ class DataParallel:
         """Join the group at ``address`` (rank 0 passes the :class:`Rendezvous` it serves there); waits for every rank.
 
         ``host`` is the address this rank's gloo connections use (its session
-        address). Raises :class:`RuntimeError`, naming the rank, when the store
+        address: :func:`use_interface_of`). Raises :class:`RuntimeError`, naming the rank, when the store
         cannot be reached, the other ranks do not come within ``timeout``
         seconds, or a rank of the group cannot show the address's token.
         """
@@ -139,15 +170,10 @@ class DataParallel:
                 if rendezvous is not None
                 else TCPStore(address.host, address.port, share.world, is_master=False, timeout=deadline)
             )
-            if device.type == "cuda":
-                dist.init_process_group("nccl", store=store, rank=share.rank, world_size=share.world, timeout=deadline)
-            else:  # gloo's own connections on this rank's session address, not whatever its host name resolves to
-                options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # its pg_options type
-                options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-                options._timeout = deadline
-                dist.init_process_group(
-                    "gloo", store=store, rank=share.rank, world_size=share.world, timeout=deadline, pg_options=options
-                )
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            if backend == "gloo":
+                use_interface_of(host)
+            dist.init_process_group(backend, store=store, rank=share.rank, world_size=share.world, timeout=deadline)
         except (RuntimeError, OSError) as exc:  # torch's DistStoreError and DistNetworkError are RuntimeErrors
             raise RuntimeError(
                 f"{who}: the group at {address} did not form within {timeout:g} s "

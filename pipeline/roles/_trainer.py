@@ -151,7 +151,20 @@ class Trainer(Actor):
         """Choose each generator's weight transport by where it runs; the routes, in words."""
         hosts = [host for _, host in (await generators.host.call()).items()]
         routes = self.routes.plan(host_id(), hosts)
+        if self.learner.sharded:  # the current version on each new transport, gathered with every rank
+            missing = [t for t in self.routes.transports() if self.routes.published(t, self.version) is None]
+            if missing:
+                await self._with_ranks(
+                    lambda: self._publish_on(missing), lambda rank: rank.publish.call_one(len(missing))
+                )
         return [route.describe() for route in routes]
+
+    def _publish_on(self, transports: list[str], version: int | None = None, step: int | None = None) -> None:
+        """Publish the policy (``version``, default the current) on each of ``transports``; off the loop."""
+        for transport in transports:
+            self.routes.publish(
+                transport, self.learner.policy, self.version if version is None else version, self._metadata(step)
+            )
 
     async def manifest_for(self, generator: int) -> WeightManifest:
         """The current policy on the transport that reaches ``generator``."""
@@ -201,8 +214,7 @@ class Trainer(Actor):
         def mine() -> tuple[Update, float]:
             update = self.train_step(item)
             publishing = time.perf_counter()
-            for transport in publishes:
-                self.routes.publish(transport, self.learner.policy, version, self._metadata(step))
+            self._publish_on(publishes, version, step)
             return update, time.perf_counter() - publishing
 
         args = (item.rollout.samples, item.rewards, item.ref_logps, len(publishes))

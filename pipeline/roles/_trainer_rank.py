@@ -79,6 +79,16 @@ class TrainerRank(Actor):
         return await asyncio.to_thread(step)
 
     @endpoint
+    async def publish(self, count: int) -> None:
+        """Join ``count`` publishes of the sharded policy by the Trainer (a transport it starts to use)."""
+
+        def publish() -> None:
+            for _ in range(count):
+                join_publish(self.learner.policy)
+
+        await asyncio.to_thread(publish)
+
+    @endpoint
     async def evaluate(self) -> None:
         """Join the Trainer's evaluation of the sharded policy (its forwards gather every rank's shards)."""
         await asyncio.to_thread(self.learner.evaluate)

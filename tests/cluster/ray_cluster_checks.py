@@ -305,7 +305,7 @@ async def weights_across_nodes(hosts):  # type: ignore[no-untyped-def]
 
 @check("pipeline_across_nodes")
 async def pipeline_across_nodes(address):  # type: ignore[no-untyped-def]
-    """``--ray``: trainer on this node, generators on both, weights over shm here and tcp there, 300 steps.
+    """``--ray``: trainer on this node, generators on both, weights over shm here and tcp there, 120 steps.
 
     The trainer is two sharded ranks (FSDP2 over gloo), rank 1 on the other node: every step's update, publish,
     evaluation and checkpoint crosses the hosts.
@@ -315,11 +315,11 @@ async def pipeline_across_nodes(address):  # type: ignore[no-untyped-def]
     from pipeline import Config, run_pipeline
 
     config = Config(
-        task="bandit", steps=300, generators=2, ray=address, ray_hosts=2, target_score=None, trainer_ranks=2
+        task="bandit", steps=120, generators=2, ray=address, ray_hosts=2, target_score=None, trainer_ranks=2
     )
     config.run_dir = tempfile.mkdtemp(prefix="ray-pipeline-")
     result = await asyncio.wait_for(run_pipeline(config, quiet=True), 240)
-    assert result.steps == 300, result
+    assert result.steps == 120, result
     routes = result.weight_routes
     assert len(routes) == 2, routes
     here = [route for route in routes if route.endswith(": shm")]  # the trainer is on this node: shm there

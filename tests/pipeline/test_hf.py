@@ -460,15 +460,13 @@ def test_bfloat16_roles_hold_their_weights_in_bfloat16_and_derived_buffers_in_fl
 
 
 @pytest.mark.parametrize(
-    "changes, tolerance",
-    [({"gradient_checkpointing": True}, 1e-4), ({"dtype": "bfloat16"}, 2e-2)],
-    ids=["gradient-checkpointing", "bfloat16-autocast"],
+    "changes, tolerance", [({"gradient_checkpointing": True}, 1e-4)], ids=["gradient-checkpointing"]
 )
 def test_a_hf_model_sharded_over_two_ranks_takes_the_one_learner_step(tmp_path, tiny, changes, tolerance):
     """FSDP2 on two gloo ranks: the scorer is the root (tied head and embedding in it), each layer a unit.
 
-    Gradient checkpointing recomputes each unit's forward in the backward; bfloat16 autocasts over float32 shards
-    (rows split differently round differently: a looser tolerance).
+    Gradient checkpointing recomputes each unit's forward in the backward. (bfloat16 autocast is refused with
+    sharded ranks: there the gradient norm came out 1.74 against one trainer's 2.34, the loss equal; not found yet.)
     """
     from pipeline_support import LearnerRank
 
