@@ -126,12 +126,6 @@ def _check_trainer_ranks(config: Config) -> None:
             f"--trainer-ranks {ranks}: a rollout has {config.prompts * config.group} rows (--prompts x --group) "
             "to share out; each rank needs at least one"
         )
-    if config.trainer_shard == "fsdp" and config.dtype != "float32":
-        raise SettingsError(
-            f"--trainer-ranks {ranks} --trainer-shard fsdp with --dtype {config.dtype}: under autocast the sharded "
-            "ranks' gradients differ from one trainer's (a known fault, not yet found); use --trainer-shard ddp, "
-            "or --dtype float32"
-        )
     if config.device_of("trainer") != "cpu":
         raise SettingsError(
             f"--trainer-ranks {ranks} with the trainer on {config.device_of('trainer')}: ranks run on CPUs so far "

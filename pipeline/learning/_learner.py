@@ -108,7 +108,7 @@ class Learner:
 
         moments = _sharded_state.moments(self.policy, self.optim) if self.optim.state else None
         schedule = self.schedule.state_dict()
-        parallel.shard(self.policy, self.task.forward_module(self.policy))
+        parallel.shard(self.policy, self.task.forward_module(self.policy), self.compute_dtype)
         self.optim, self.schedule = self._optimizer()
         if moments is not None:
             _sharded_state.restore_moments(self.policy, self.optim, moments)
@@ -122,8 +122,11 @@ class Learner:
         return isinstance(self.parallel, FullySharded)
 
     def _precision(self) -> contextlib.AbstractContextManager[Any]:
-        """Autocast to the run's compute dtype (nothing for float32): the parameters stay in their own."""
-        if self.compute_dtype == torch.float32:
+        """Autocast to the run's compute dtype (nothing for float32): the parameters stay in their own.
+
+        Sharded, FSDP2 computes in that dtype itself (:meth:`FullySharded.shard`): no autocast.
+        """
+        if self.compute_dtype == torch.float32 or self.sharded:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
 

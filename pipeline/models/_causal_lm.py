@@ -167,10 +167,12 @@ class CompletionLogps(torch.nn.Module):
         if self.split is not None:
             body, head, vocab = self.split
             hidden = body(**inputs).last_hidden_state[:, -completion:]
-            return chunked_token_logps(hidden, head, targets, temperature, vocab, self.budget)
+            logps, entropy = chunked_token_logps(hidden, head, targets, temperature, vocab, self.budget)
+            return _own(logps), _own(entropy)
         keep = {self._keep: completion} if self._keep is not None else {}
         logits = self.model(**inputs, **keep).logits[:, -completion:]
-        return chunked_token_logps(logits, _identity, targets, temperature, logits.shape[-1], self.budget)
+        logps, entropy = chunked_token_logps(logits, _identity, targets, temperature, logits.shape[-1], self.budget)
+        return _own(logps), _own(entropy)
 
     def _check_split(self, inputs: dict[str, Any]) -> None:
         """Use the body/head split only if it gives the model's own logits (on one row, no gradient).
@@ -216,6 +218,15 @@ def causal_logps(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One-off :class:`CompletionLogps` of ``model`` (roles keep one per model: its split is checked once)."""
     return CompletionLogps(model)(tokens, prompt_mask, temperature)
+
+
+def _own(values: torch.Tensor) -> torch.Tensor:
+    """``values`` in storage of their own, not a view ([N, T] floats: a negligible copy).
+
+    A sharded root's outputs carry FSDP's backward hook, which an in-place op
+    on a view would drop (FSDP2 warns of every view a root returns).
+    """
+    return values.clone()
 
 
 def _identity(logits: torch.Tensor) -> torch.Tensor:

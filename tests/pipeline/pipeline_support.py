@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from actors import Actor, current_rank, current_size, endpoint
+from actors import Actor, current_rank, current_size, endpoint, this_host
 from actors.tensors import is_sharded
 from pipeline import BanditTask, Config, Generator, Learner, RefModel, Scorer, resolve
 from pipeline.learning import DataParallel, GroupAddress, RankShare, Rendezvous, group_kind
@@ -166,3 +166,23 @@ class LearnerRank(Actor):
             return f"{type(exc).__name__}: {exc}"
         group.close()
         return "joined"
+
+
+def two_ranks_step(
+    settings: dict[str, Any],
+    samples: Any,
+    rewards: torch.Tensor,
+    ref: torch.Tensor | None,
+    shard: str,
+    folder: str = "",
+    timeout: float = 120,
+) -> list[dict[str, Any]]:
+    """Two :class:`LearnerRank` processes take one step together (``LearnerRank.step``); each one's report, by rank."""
+    mesh = this_host().spawn_procs({"procs": 2}, name="learner-ranks")
+    try:
+        ranks = mesh.spawn("ranks", LearnerRank, settings)
+        address = ranks.slice(procs=0).serve.call_one(2).get(timeout=30)
+        reports = ranks.step.call(address, samples, rewards, ref, shard, folder).get(timeout=timeout)
+    finally:
+        mesh.stop().get(timeout=30)
+    return [report for _, report in reports.items()]

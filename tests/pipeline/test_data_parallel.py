@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from pipeline_support import LearnerRank
+from pipeline_support import LearnerRank, two_ranks_step
 
 from actors import this_host
 from pipeline import Config, DigitsTask, Learner, resolve, run_pipeline
@@ -59,13 +59,7 @@ def test_two_ranks_take_the_step_one_learner_takes(shard):
     task, batch, rewards, ref = _rollout()
     one = Learner(task, torch.device("cpu"))
     update = one.update(batch, rewards, ref)
-    mesh = this_host().spawn_procs({"procs": 2}, name="learner-ranks")
-    try:
-        ranks = mesh.spawn("ranks", LearnerRank, SETTINGS)
-        address = ranks.slice(procs=0).serve.call_one(2).get(timeout=30)
-        results = [value for _, value in ranks.step.call(address, batch, rewards, ref, shard).get(timeout=120).items()]
-    finally:
-        mesh.stop().get(timeout=30)
+    results = two_ranks_step(SETTINGS, batch, rewards, ref, shard)
     assert [r["passes"] for r in results] == [[[0, 5], [5, 10], [10, 12]], [[12, 15], [15, 20], [20, 24]]]
     assert [r["idle"] for r in results] == [0, 0]
     gradients = {name: p.grad for name, p in one.policy.named_parameters() if p.grad is not None}
@@ -89,13 +83,7 @@ def test_shards_saved_by_two_ranks_load_whole_into_one_learner(tmp_path):
     one = Learner(task, torch.device("cpu"))
     one.update(batch, rewards, ref)
     folder = str(tmp_path / "checkpoint-1.dcp")
-    mesh = this_host().spawn_procs({"procs": 2}, name="learner-ranks")
-    try:
-        ranks = mesh.spawn("ranks", LearnerRank, SETTINGS)
-        address = ranks.slice(procs=0).serve.call_one(2).get(timeout=30)
-        result = ranks.step.call(address, batch, rewards, ref, "fsdp", folder).get(timeout=120).item(procs=0)
-    finally:
-        mesh.stop().get(timeout=30)
+    result = two_ranks_step(SETTINGS, batch, rewards, ref, "fsdp", folder)[0]
     assert sorted(os.listdir(folder)) == [".metadata", "__0_0.distcp", "__1_0.distcp"], "each rank wrote its own"
     loaded = Learner(task, torch.device("cpu"))
     loaded.load_shards(folder)
@@ -111,7 +99,7 @@ def test_shards_saved_by_two_ranks_load_whole_into_one_learner(tmp_path):
 
 
 def test_sharded_ranks_with_uneven_passes_run_as_many_and_learn_the_same():
-    """5 micro-batches of 24 rows split 12/12 give 3 passes each; of 5 rows over 2 ranks, 1 pass and 2 (one idle)."""
+    """Passes of 7 rows over 24 rows split 12/12 give rank 0 two passes and rank 1 three: rank 0 runs one idle."""
     share = [RankShare(rank, 2) for rank in range(2)]
     slices = [slice(start, start + 1) for start in range(5)]
     assert [len(s.passes(slices, 5)) for s in share] == [2, 3]
@@ -120,13 +108,7 @@ def test_sharded_ranks_with_uneven_passes_run_as_many_and_learn_the_same():
     task = DigitsTask(resolve(Config(**settings)))  # type: ignore[arg-type]
     one = Learner(task, torch.device("cpu"))
     update = one.update(batch, rewards, ref)
-    mesh = this_host().spawn_procs({"procs": 2}, name="learner-ranks")
-    try:
-        ranks = mesh.spawn("ranks", LearnerRank, settings)
-        address = ranks.slice(procs=0).serve.call_one(2).get(timeout=30)
-        results = [v for _, v in ranks.step.call(address, batch, rewards, ref, "fsdp").get(timeout=120).items()]
-    finally:
-        mesh.stop().get(timeout=30)
+    results = two_ranks_step(settings, batch, rewards, ref, "fsdp")
     assert [len(r["passes"]) + r["idle"] for r in results] == [3, 3] and [r["idle"] for r in results] == [1, 0]
     for result in results:  # the idle pass adds nothing
         assert result["loss"] == pytest.approx(float(update.report.loss), abs=1e-6)

@@ -460,17 +460,19 @@ def test_bfloat16_roles_hold_their_weights_in_bfloat16_and_derived_buffers_in_fl
 
 
 @pytest.mark.parametrize(
-    "changes, tolerance", [({"gradient_checkpointing": True}, 1e-4)], ids=["gradient-checkpointing"]
+    "changes, tolerance, loss_abs",
+    [({"gradient_checkpointing": True}, 1e-4, 1e-6), ({"dtype": "bfloat16"}, 0.05, 1e-3)],
+    ids=["gradient-checkpointing", "bfloat16"],
 )
-def test_a_hf_model_sharded_over_two_ranks_takes_the_one_learner_step(tmp_path, tiny, changes, tolerance):
+def test_a_hf_model_sharded_over_two_ranks_takes_the_one_learner_step(tmp_path, tiny, changes, tolerance, loss_abs):
     """FSDP2 on two gloo ranks: the scorer is the root (tied head and embedding in it), each layer a unit.
 
-    Gradient checkpointing recomputes each unit's forward in the backward. (bfloat16 autocast is refused with
-    sharded ranks: there the gradient norm came out 1.74 against one trainer's 2.34, the loss equal; not found yet.)
+    Gradient checkpointing recomputes each unit's forward in the backward. In bfloat16 the ranks compute under
+    FSDP2's mixed precision where one trainer autocasts: equal to bf16 rounding (under autocast the sharded
+    gradient norm was 1.74 against 2.34: the case that caught it).
     """
-    from pipeline_support import LearnerRank
+    from pipeline_support import two_ranks_step
 
-    from actors import this_host
     from pipeline.learning import Learner
 
     config = _config(tiny, tmp_path, prompts=4, group=2, kl_coeff=0.05, **changes)
@@ -482,17 +484,11 @@ def test_a_hf_model_sharded_over_two_ranks_takes_the_one_learner_step(tmp_path, 
     rewards = torch.arange(8, dtype=torch.float32) / 8
     ref = task.reference_logps(learner.reference(), batch)
     update = learner.update(batch, rewards, ref)
-    mesh = this_host().spawn_procs({"procs": 2}, name="learner-ranks")
-    try:
-        ranks = mesh.spawn("ranks", LearnerRank, config.to_dict())
-        address = ranks.slice(procs=0).serve.call_one(2).get(timeout=30)
-        results = [v for _, v in ranks.step.call(address, batch, rewards, ref, "fsdp").get(timeout=180).items()]
-    finally:
-        mesh.stop().get(timeout=30)
+    results = two_ranks_step(config.to_dict(), batch, rewards, ref, "fsdp", timeout=180)
     for result in results:
-        assert result["loss"] == pytest.approx(float(update.report.loss), rel=tolerance, abs=1e-6)
-        assert result["grad_norm"] == pytest.approx(update.grad_norm, rel=tolerance)
-        for name, p in learner.policy.named_parameters():
-            torch.testing.assert_close(result["gradients"][name], p.grad, rtol=tolerance, atol=tolerance * 1e-3)
+        assert result["loss"] == pytest.approx(float(update.report.loss), rel=tolerance, abs=loss_abs)
+        assert result["grad_norm"] == pytest.approx(update.grad_norm, rel=tolerance / 5)
+        for name, p in learner.policy.named_parameters():  # each parameter's gradient, to its own scale
+            assert (result["gradients"][name] - p.grad).norm() <= tolerance * p.grad.norm() + 1e-9, name
     for name, value in results[0]["weights"].items():
         assert torch.equal(results[1]["weights"][name], value), name

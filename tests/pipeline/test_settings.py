@@ -41,10 +41,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
         (["--max-tokens-per-pass", "-1"], "--max-tokens-per-pass -1: must be at least 0"),
         (["--gradient-checkpointing"], "--gradient-checkpointing recomputes a Hugging Face model's layers"),
         (["--trainer-ranks", "0"], "--trainer-ranks 0: must be at least 1"),
-        (
-            ["--trainer-ranks", "2", "--dtype", "bfloat16"],
-            "--trainer-ranks 2 --trainer-shard fsdp with --dtype bfloat16",
-        ),
         (["--trainer-ranks", "9", "--prompts", "2", "--group", "4"], "--trainer-ranks 9: a rollout has 8 rows"),
     ],
 )
