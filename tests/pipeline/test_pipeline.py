@@ -306,7 +306,9 @@ def test_kill_9_of_a_role_stops_the_run_naming_it(tmp_path, victim, flags, named
         assert named in err and "died" in err, err
         if flags:
             assert "trainer rank 2 died during step" in err, err
-        limit = 3.0 if flags else 2.0  # the trainer may wait a moment for the dead rank's own failure, to name it
+        # the trainer may wait a moment for the dead rank's own failure, to name it, and the sharded ranks still
+        # blocked in a collective with it take their stop's grace (3.17 s seen once under a full suite)
+        limit = 4.0 if flags else 2.0
         assert elapsed < limit, f"the run took {elapsed:.2f}s to stop after {victim} died"
         assert wait_for(lambda: not (before & actor_pids()), timeout=3)
         assert load_checkpoint(str(run_dir))["step"] > 0, "the last checkpoint stays usable"
