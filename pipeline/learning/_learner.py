@@ -235,9 +235,7 @@ class Learner:
         return _sharded_state.whole_policy_state(self.policy)
 
     def whole_policy(self, policy_state: dict[str, torch.Tensor]) -> torch.nn.Module:
-        """The policy as one module, for an export: itself, or (sharded) a host copy built from whole tensors."""
-        if not self.sharded:
-            return self.policy
+        """A host copy of the policy built from :meth:`whole_policy_state`'s tensors, for a sharded learner's export."""
         model = self.task.build_policy()
         model.load_state_dict(policy_state)
         return model

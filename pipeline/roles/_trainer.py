@@ -192,7 +192,7 @@ class Trainer(Actor):
             self.learner.share_with(group)  # sharded: every rank shards its copy now
             if self._shards_to_load is not None:  # every rank loads its part, then the policy goes out whole
                 self.learner.load_shards(self._shards_to_load)
-                self.routes.publish(config.transport, self.learner.policy, self.version, self._metadata())
+                self._publish_on([config.transport])
             return group
 
         self._parallel = await asyncio.to_thread(form)
@@ -460,9 +460,10 @@ class Trainer(Actor):
 
     def save(self) -> str:
         """Write the checkpoint, and the policy where other tools load it if the task exports one."""
-        state = self.learner.state()
-        self.task.export(self.learner.whole_policy(state["policy"]), self.config.run_dir)
-        return checkpoint.save(self.config.run_dir, {"step": self.step, "version": self.version, **state})
+        self.task.export(self.learner.policy, self.config.run_dir)
+        return checkpoint.save(
+            self.config.run_dir, {"step": self.step, "version": self.version, **self.learner.state()}
+        )
 
     def save_sharded(self, folder: str) -> str:
         """:meth:`save` of a sharded policy, beside every rank: the shards into ``folder``, then the rest.

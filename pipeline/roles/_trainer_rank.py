@@ -53,7 +53,7 @@ class TrainerRank(Actor):
             self.learner.share_with(group)
             if self._shards_to_load is not None:  # as rank 0 does, which then publishes the policy
                 self.learner.load_shards(self._shards_to_load)
-                join_publish(self.learner.policy)
+                self._join_publishes(1)
             return group
 
         self.parallel = await asyncio.to_thread(form)
@@ -72,8 +72,7 @@ class TrainerRank(Actor):
 
         def step() -> float:
             update = self.learner.update(to_device(samples, device), rewards.to(device), ref)
-            for _ in range(publishes):
-                join_publish(self.learner.policy)
+            self._join_publishes(publishes)
             return update.grad_norm
 
         return await asyncio.to_thread(step)
@@ -81,12 +80,12 @@ class TrainerRank(Actor):
     @endpoint
     async def publish(self, count: int) -> None:
         """Join ``count`` publishes of the sharded policy by the Trainer (a transport it starts to use)."""
+        await asyncio.to_thread(self._join_publishes, count)
 
-        def publish() -> None:
-            for _ in range(count):
-                join_publish(self.learner.policy)
-
-        await asyncio.to_thread(publish)
+    def _join_publishes(self, count: int) -> None:
+        """This rank's part in ``count`` publishes of the sharded policy by rank 0 (off the loop: collectives)."""
+        for _ in range(count):
+            join_publish(self.learner.policy)
 
     @endpoint
     async def evaluate(self) -> None:
