@@ -1,10 +1,10 @@
 """The whole GPU round in one command: the gpu tests, weight sync, the digit pipeline, a 0.5 B-shaped model.
 
-    python benchmarks/gpu_round.py [--wheels .whl] [--out DIR] [--budget 450]
-        [--skip tests weights digits hf] [--hf-runs bfloat16:64:20 float32:256:8]
+    python benchmarks/gpu_round.py [--wheels .whl] [--out DIR] [--budget 540]
+        [--skip tests weights digits hf] [--hf-runs bfloat16:64:12 float32:256:4]
 
 For a GPU machine lent for a few minutes: the whole round keeps within
-``--budget`` seconds (450), each step a subprocess whose deadline is the
+``--budget`` seconds (540), each step a subprocess whose deadline is the
 smaller of its own and what the round has left; a step that fails or runs
 out of time is recorded and the round goes on. In order:
 
@@ -19,8 +19,8 @@ out of time is recorded and the round goes on. In order:
    151,936-token vocabulary; built from a config by
    ``examples/tiny_hf_model.py --shape qwen2.5-0.5b``, nothing downloaded)
    trained with the default flags (two generators) for each ``--hf-runs``
-   entry ``dtype:completion tokens:steps``: 20 steps of 256 x 64 tokens in
-   bfloat16 (the speed figures), and 8 of 256 x 256 in float32 (the
+   entry ``dtype:completion tokens:steps``: 12 steps of 256 x 64 tokens in
+   bfloat16 (the speed figures), and 4 of 256 x 256 in float32 (the
    largest default: does it fit one GPU?). Per run: steps/s, completion
    tokens/s, generate / train / weight-sync milliseconds (medians), the
    update's size, the log-prob mismatch, the trainer's and the generators'
@@ -41,10 +41,13 @@ saying so and exits 0 at once. Staging the wheels: docs/benchmarks.md
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
+import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -93,14 +96,18 @@ class Round:
             print(f"[  skip  ] {name}: the round's budget is spent", flush=True)
             return 125, "not run: the round's budget was spent"
         started = time.perf_counter()
+        # a session of its own: a step stopped at its deadline takes its children (a test's
+        # pipeline, a run's actors) with it instead of leaving them on the GPU for the next step
+        child = subprocess.Popen(
+            command, cwd=ROOT, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
-            out = subprocess.run(
-                command, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout, check=False
-            )
-            code, text = out.returncode, out.stdout + out.stderr
-        except subprocess.TimeoutExpired as exc:
+            output, _ = child.communicate(timeout=timeout)
+            code, text = child.returncode, _text(output)
+        except subprocess.TimeoutExpired:
             code = 124
-            text = f"{_text(exc.stdout)}{_text(exc.stderr)}\n[gpu_round: stopped after {timeout:.0f} s]"
+            output = _stop_group(child)
+            text = f"{_text(output)}\n[gpu_round: stopped after {timeout:.0f} s]"
         with open(os.path.join(self.out, "round.log"), "a") as f:
             f.write(f"===== {name} (rc={code}) =====\n{text}\n")
         print(f"[{time.perf_counter() - started:6.1f} s] rc={code} {name}", flush=True)
@@ -113,6 +120,19 @@ class Round:
 
     def close(self) -> None:
         shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def _stop_group(child: subprocess.Popen[bytes]) -> bytes:
+    """SIGTERM to ``child``'s whole process group, SIGKILL 10 s later if it is still there; what it printed."""
+    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, sig)
+        try:
+            output, _ = child.communicate(timeout=grace)
+            return output
+        except subprocess.TimeoutExpired:
+            continue
+    return b""
 
 
 class GpuMemory:
@@ -211,14 +231,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--wheels", default=os.path.join(ROOT, ".whl"), help="folder of wheels to install first")
     parser.add_argument("--out", default=os.environ.get("OUT") or tempfile.mkdtemp(prefix="gpu-round-"))
-    parser.add_argument("--budget", type=float, default=450, help="seconds the whole round may take (default 450)")
+    parser.add_argument("--budget", type=float, default=540, help="seconds the whole round may take (default 540)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["tests", "weights", "digits", "hf"])
     parser.add_argument(
         "--hf-runs",
         nargs="+",
         type=hf_run,
-        default=[hf_run("bfloat16:64:20"), hf_run("float32:256:8")],
-        help="the 0.5 B-shaped model's runs, each dtype:completion tokens:steps (default bfloat16:64:20 float32:256:8)",
+        default=[hf_run("bfloat16:64:12"), hf_run("float32:256:4")],
+        help="the 0.5 B-shaped model's runs, each dtype:completion tokens:steps (default bfloat16:64:12 float32:256:4)",
     )
     args = parser.parse_args()
     device = cuda_device()
@@ -249,12 +269,14 @@ def play(round_: Round, args: argparse.Namespace) -> None:
 
     if "tests" not in args.skip:
         code, text = round_.run(
-            "pytest_gpu", [python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"], 200
+            "pytest_gpu", [python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "--durations=8"], 260
         )
         lines = text.strip().splitlines()
         tail = [line for line in lines if " passed" in line or " failed" in line or " error" in line]
         failed = [line.split()[1] for line in lines if line.startswith(("FAILED ", "ERROR ")) and " " in line]
-        round_.record("pytest_gpu", {"rc": code, "result": tail[-1] if tail else text[-300:], "failed": failed})
+        slowest = [line for line in lines if re.match(r"\d+\.\d+s (call|setup|teardown) ", line)]
+        summary = {"rc": code, "result": tail[-1] if tail else text[-300:], "failed": failed, "slowest": slowest[:8]}
+        round_.record("pytest_gpu", summary)
 
     if "weights" not in args.skip:
         sizes = ["--mb", "64", "1024", "4096", "--dtype", "float32", "bfloat16", "--install", "alias", "copy"]
@@ -266,7 +288,15 @@ def play(round_: Round, args: argparse.Namespace) -> None:
     def train(name: str, flags: list[str], limit: float) -> dict[str, Any]:
         """``python -m pipeline.grpo`` on the GPU over cuda-ipc with ``flags``: its figures and peak GPU memory."""
         run_dir = os.path.join(round_.scratch, name)
-        command = [python, "-m", "pipeline.grpo", "--device", "cuda", "--transport", "cuda-ipc", "--quiet"]
+        command = [
+            python,
+            "-m",
+            "pipeline.grpo",
+            "--device",
+            "cuda",
+            "--transport",
+            "cuda-ipc",
+        ]  # progress to round.log
         with GpuMemory() as memory:
             code, _ = round_.run(name, [*command, "--report-to", "none", "--run-dir", run_dir, *flags], limit)
         figures = pipeline_figures(run_dir)
@@ -293,7 +323,7 @@ def play(round_: Round, args: argparse.Namespace) -> None:
                 round_.record(name, {"rc": code, "why": "the model could not be built"})
                 continue
             length = ["--max-new-tokens", str(tokens), "--steps", str(steps), "--eval-every", str(steps)]
-            figures = train(name.replace("_", "-"), [*task, *length, "--dtype", dtype], 180)
+            figures = train(name.replace("_", "-"), [*task, *length, "--dtype", dtype], 200)
             round_.record(name, {"completion_tokens": tokens, **figures})
 
 
