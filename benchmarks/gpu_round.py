@@ -14,7 +14,9 @@ out of time is recorded and the round goes on. In order:
 2. ``pytest -m gpu``;
 3. ``bench_weights.py`` over ``cuda-ipc``: 64 / 1024 / 4096 MiB, float32 and
    bfloat16, alias and copy installs;
-4. the digit pipeline on the GPU (``--device cuda --transport cuda-ipc``);
+4. the digit pipeline on the GPU (``--device cuda --transport cuda-ipc``),
+   and on a machine with two GPUs again with two sharded trainer ranks
+   (``--trainer-ranks 2``: NCCL, one GPU a rank);
 5. a random Qwen2 of Qwen2.5-0.5B's shape (494 M parameters, a
    151,936-token vocabulary; built from a config by
    ``examples/tiny_hf_model.py --shape qwen2.5-0.5b``, nothing downloaded)
@@ -64,6 +66,13 @@ def cuda_device() -> str | None:
     import torch
 
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+
+def gpu_count() -> int:
+    """How many GPUs torch sees."""
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def _text(value: str | bytes | None) -> str:
@@ -307,6 +316,11 @@ def play(round_: Round, args: argparse.Namespace) -> None:
 
     if "digits" not in args.skip:
         round_.record("digits", train("digits", [], 90))
+        if gpu_count() >= 2:  # issue 39: the trainer as two NCCL ranks, one GPU each, sharded (FSDP2)
+            ranks = ["--trainer-ranks", "2", "--trainer-shard", "fsdp"]
+            round_.record("digits_2_ranks", train("digits-2-ranks", ranks, 90))
+        else:
+            round_.record("digits_2_ranks", {"rc": None, "why": "one GPU: two trainer ranks need a GPU each"})
 
     if "hf" not in args.skip:
         folder = os.path.join(round_.scratch, "qwen-shape")

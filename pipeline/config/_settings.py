@@ -117,7 +117,7 @@ def check_settings(config: Config) -> None:
 
 
 def _check_trainer_ranks(config: Config) -> None:
-    """Several trainer ranks: each needs rows to train; on CPUs only, so far (issue 39)."""
+    """Several trainer ranks: each needs rows to train (their GPUs are checked with the placement)."""
     ranks = config.trainer_ranks
     if ranks == 1:
         return
@@ -125,9 +125,4 @@ def _check_trainer_ranks(config: Config) -> None:
         raise SettingsError(
             f"--trainer-ranks {ranks}: a rollout has {config.prompts * config.group} rows (--prompts x --group) "
             "to share out; each rank needs at least one"
-        )
-    if config.device_of("trainer") != "cpu":
-        raise SettingsError(
-            f"--trainer-ranks {ranks} with the trainer on {config.device_of('trainer')}: ranks run on CPUs so far "
-            "(their GPU placement and NCCL are not built yet)"
         )

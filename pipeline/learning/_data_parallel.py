@@ -161,6 +161,9 @@ class DataParallel:
             raise ValueError("rank 0, and only rank 0, serves the rendezvous")
         deadline = datetime.timedelta(seconds=timeout)
         self.share = share
+        if device.type == "cuda":  # NCCL: one GPU per rank, this process's current one, bound before the group
+            device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+            torch.cuda.set_device(device)
         self.device = device
         self._rendezvous = rendezvous  # rank 0's store lives as long as the group
         who = f"trainer rank {share.rank} of {share.world}"
@@ -173,7 +176,10 @@ class DataParallel:
             backend = "nccl" if device.type == "cuda" else "gloo"
             if backend == "gloo":
                 use_interface_of(host)
-            dist.init_process_group(backend, store=store, rank=share.rank, world_size=share.world, timeout=deadline)
+            bound = device if backend == "nccl" else None  # NCCL's communicator made now, on this GPU
+            dist.init_process_group(
+                backend, store=store, rank=share.rank, world_size=share.world, timeout=deadline, device_id=bound
+            )
         except (RuntimeError, OSError) as exc:  # torch's DistStoreError and DistNetworkError are RuntimeErrors
             raise RuntimeError(
                 f"{who}: the group at {address} did not form within {timeout:g} s "

@@ -24,6 +24,7 @@ from ._devices import (
     reserved_gpu_gb,
     role_device,
     sampling_seed,
+    trainer_rank_device,
     uses_reference,
     weights_dtype,
 )
@@ -61,6 +62,7 @@ __all__ = [
     "reserved_gpu_gb",
     "role_device",
     "sampling_seed",
+    "trainer_rank_device",
     "uses_reference",
     "weights_dtype",
 ]

@@ -22,6 +22,7 @@ __all__ = [
     "reserved_gpu_gb",
     "role_device",
     "sampling_seed",
+    "trainer_rank_device",
     "uses_reference",
     "weights_dtype",
 ]
@@ -110,3 +111,23 @@ def role_device(config: Config, role: str) -> torch.device:
     """The role's device, with torch limited to the run's threads (every role is one process of many)."""
     torch.set_num_threads(config.threads)
     return torch.device(config.device_of(role))
+
+
+def trainer_rank_device(config: Config, offset: int) -> torch.device:
+    """The device of the trainer rank ``offset`` GPUs past the trainer's own on its host: NCCL needs one GPU a rank.
+
+    On CPUs every rank shares the CPU. With the trainer on ``cuda:K`` (or
+    ``cuda``: K = 0) the rank takes ``cuda:K+offset``; a host without that
+    GPU is refused with a line that names it, before the rank loads anything.
+    """
+    device = role_device(config, "trainer")
+    if device.type != "cuda":
+        return device
+    index = (device.index or 0) + offset
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise RuntimeError(
+            f"--trainer-ranks {config.trainer_ranks} on {config.device_of('trainer')}: a rank needs cuda:{index}, "
+            f"but its host has {count} CUDA device(s); one GPU per rank"
+        )
+    return torch.device("cuda", index)

@@ -24,7 +24,7 @@ from actors import Actor, bind_host, current_rank, endpoint, host_id, join_publi
 from ..config import Config
 from ..learning import DataParallel, GroupAddress, Learner, RankShare, group_kind
 from ..tasks import load_task, to_device
-from ._devices import role_device
+from ._devices import trainer_rank_device
 
 __all__ = ["TrainerRank"]
 
@@ -32,11 +32,12 @@ __all__ = ["TrainerRank"]
 class TrainerRank(Actor):
     """One of ranks 1..N-1 of the trainer: its share of each update, nothing else."""
 
-    def __init__(self, config: Config, resume: bool = False) -> None:
+    def __init__(self, config: Config, resume: bool = False, first_gpu: int = 1) -> None:
+        """``first_gpu``: the GPU offset (past the trainer's) of this host's first rank: 1 beside the trainer, else 0."""
         config = dataclasses.replace(config, log_completions=0)  # rank 0 logs what the ranks evaluate together
         self.config = config
         self.task = load_task(config)
-        self.device = role_device(config, "trainer")
+        self.device = trainer_rank_device(config, first_gpu + current_rank()["procs"])
         self.learner = Learner(self.task, self.device)
         self._shards_to_load: str | None = None  # a sharded checkpoint's, loaded once the ranks have sharded
         if resume:

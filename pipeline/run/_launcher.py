@@ -79,6 +79,14 @@ class RunResult:
         return self.steps / self.seconds if self.seconds else 0.0
 
 
+class _RankHosts(NamedTuple):
+    """Where trainer ranks 1..N-1 go: the hosts, how many on each, and the GPU offset of each host's first."""
+
+    hosts: HostMesh
+    per_host: int
+    first_gpu: int  # 1 on the trainer's host (rank 0 holds the trainer's GPU), else 0
+
+
 class _Hosts(NamedTuple):
     """Where the roles go."""
 
@@ -88,7 +96,7 @@ class _Hosts(NamedTuple):
     head_described: str  # the head host in words, for the run's log
     head_index: int = 0  # the head's place among the cluster's hosts
 
-    def for_ranks(self, ranks: int) -> tuple[HostMesh, int]:
+    def for_ranks(self, ranks: int) -> _RankHosts:
         """The hosts of trainer ranks 1..``ranks``-1 and how many per host: the head, or (Ray) every other host, evenly.
 
         The others must be one run of hosts in Ray's order (the trainer's host
@@ -96,7 +104,7 @@ class _Hosts(NamedTuple):
         """
         cluster = self.cluster
         if cluster is None or len(cluster.hosts) == 1:
-            return self.head, ranks - 1
+            return _RankHosts(self.head, ranks - 1, 1)
         count, head = len(cluster.hosts), self.head_index
         if (ranks - 1) % (count - 1):
             raise ValueError(
@@ -108,7 +116,8 @@ class _Hosts(NamedTuple):
                 f"--trainer-ranks {ranks}: the trainer's host is host {head} of {count}; its ranks go to the hosts "
                 "beside it when those follow or precede it (--ray-hosts 2, or run this program on the first node)"
             )
-        return cluster.slice(slice(1, None) if head == 0 else slice(0, count - 1)), (ranks - 1) // (count - 1)
+        others = cluster.slice(slice(1, None) if head == 0 else slice(0, count - 1))
+        return _RankHosts(others, (ranks - 1) // (count - 1), 0)
 
 
 async def _hosts(config: Config) -> _Hosts:
@@ -209,9 +218,8 @@ async def run_pipeline(
         )
         rank_procs = None
         if rank_hosts is not None:
-            hosts_of_ranks, per_rank_host = rank_hosts
-            rank_procs = hosts_of_ranks.spawn_procs(
-                per_host={"procs": per_rank_host}, name="trainer-ranks", threads=threads
+            rank_procs = rank_hosts.hosts.spawn_procs(
+                per_host={"procs": rank_hosts.per_host}, name="trainer-ranks", threads=threads
             )
         meshes = [mesh for mesh in (gen_procs, scorer_procs, ref_procs, trainer_procs, rank_procs) if mesh is not None]
         # Only now, with the roles' processes forked from a still single-threaded
@@ -220,8 +228,8 @@ async def run_pipeline(
         log = metrics_log = MetricsLog(config.run_dir, config.report_to, config.to_dict())
 
         trainer = trainer_procs.spawn("trainer", roles.trainer, config, reports_port, resume)
-        if rank_procs is not None:  # rank 0 serves the rendezvous; every rank joins, each waiting for the others
-            ranks = rank_procs.spawn("trainer-ranks", roles.trainer_rank, config, resume)
+        if rank_procs is not None and rank_hosts is not None:  # rank 0 serves the rendezvous; every rank joins
+            ranks = rank_procs.spawn("trainer-ranks", roles.trainer_rank, config, resume, rank_hosts.first_gpu)
             address = await trainer.rendezvous.call_one(config.trainer_ranks)
             first, joined = await asyncio.gather(
                 trainer.join.call_one(ranks, config.trainer_ranks), ranks.join.call(address, config.trainer_ranks)

@@ -56,6 +56,7 @@ def check_placement(config: Config) -> dict[str, torch.device]:
         raise PlacementError(f"--transport {config.transport} {what}: {status.removeprefix('blocked: ')}")
     if config.transport == "cuda-ipc" and devices["trainer"].type != "cuda":
         raise PlacementError("--transport cuda-ipc publishes from the trainer's GPU: place the trainer on cuda")
+    _check_rank_gpus(config, devices["trainer"])
     if config.install not in ("copy", "alias"):
         raise PlacementError(f"--weights-install {config.install}: choose copy or alias")
     if config.install == "alias":
@@ -66,6 +67,19 @@ def check_placement(config: Config) -> dict[str, torch.device]:
                 f"which live on {source}: place the generators there too, or install by copy"
             )
     return devices
+
+
+def _check_rank_gpus(config: Config, trainer: torch.device) -> None:
+    """Trainer ranks on GPUs take one each, from the trainer's on: this machine must have them (Ray: each host checks)."""
+    if trainer.type != "cuda" or config.trainer_ranks == 1 or config.ray:
+        return
+    first, count = trainer.index or 0, torch.cuda.device_count()
+    last = first + config.trainer_ranks - 1
+    if last >= count:
+        raise PlacementError(
+            f"--trainer-ranks {config.trainer_ranks} on {config.device_of('trainer')}: the ranks take one GPU each, "
+            f"cuda:{first}..cuda:{last}, but this machine has {count} CUDA device(s)"
+        )
 
 
 def _same(device: torch.device) -> tuple[str, int]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,7 +18,8 @@ from pipeline.grpo import parse_args
 from pipeline.learning import RankShare, Rendezvous
 from pipeline.learning._sharded_state import missing_files
 from pipeline.learning.checkpoint import load as load_checkpoint
-from pipeline.run import read_rows
+from pipeline.roles import trainer_rank_device
+from pipeline.run import PlacementError, check_placement, read_rows
 
 SETTINGS = {"digits": 3, "prompts": 6, "group": 4, "eval_size": 16, "micro_batch": 5, "lr": 1e-2, "kl_coeff": 0.02}
 
@@ -199,3 +202,51 @@ def test_resume_may_change_the_number_of_ranks(tmp_path):
     assert parse_args(["--resume", str(tmp_path), "--trainer-ranks", "3"])[0].trainer_ranks == 3
     assert parse_args(["--resume", str(tmp_path), "--trainer-shard", "ddp"])[0].trainer_shard == "ddp"
     assert parse_args(["--trainer-ranks", "2"])[0].trainer_shard == "fsdp", "sharded by default"
+
+
+def test_ranks_on_gpus_take_one_gpu_each_and_a_machine_short_of_gpus_is_refused(monkeypatch):
+    """NCCL needs a GPU a rank: ranks take cuda:K, cuda:K+1, ... from the trainer's; too few GPUs is one clear line."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert check_placement(Config(device="cuda", trainer_ranks=2))["trainer"] == torch.device("cuda")
+    with pytest.raises(PlacementError, match=r"--trainer-ranks 2 on cuda:1: .* cuda:1..cuda:2, but this machine has 2"):
+        check_placement(Config(devices={"trainer": "cuda:1"}, trainer_ranks=2))
+    with pytest.raises(PlacementError, match=r"--trainer-ranks 3 on cuda: .* cuda:0..cuda:2"):
+        check_placement(Config(device="cuda", trainer_ranks=3))
+    config = Config(devices={"trainer": "cuda:1"}, trainer_ranks=3)
+    assert trainer_rank_device(config, 0) == torch.device("cuda", 1)  # on a host of its own (Ray): from K
+    with pytest.raises(RuntimeError, match=r"a rank needs cuda:2, but its host has 2 CUDA device\(s\)"):
+        trainer_rank_device(config, 1)
+    assert trainer_rank_device(Config(trainer_ranks=3), 2) == torch.device("cpu"), "on CPUs every rank shares the CPU"
+
+
+@pytest.mark.gpu
+def test_more_trainer_ranks_than_gpus_is_refused_before_anything_starts(tmp_path):
+    ranks = torch.cuda.device_count() + 1
+    flags = ["--device", "cuda", "--transport", "cuda-ipc", "--trainer-ranks", str(ranks), "--steps", "3"]
+    out = subprocess.run(
+        [sys.executable, "-m", "pipeline.grpo", *flags, "--run-dir", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 1 and len(lines) == 1 and "the ranks take one GPU each" in lines[0], out.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="two trainer ranks on GPUs need two GPUs (NCCL: one a rank)")
+@pytest.mark.parametrize("shard", ["fsdp", "ddp"])
+def test_two_trainer_ranks_train_on_two_gpus_over_nccl(tmp_path, shard):
+    run_dir = tmp_path / "run"
+    flags = ["--device", "cuda", "--transport", "cuda-ipc", "--trainer-ranks", "2", "--trainer-shard", shard]
+    out = subprocess.run(
+        [sys.executable, "-m", "pipeline.grpo", *flags, "--steps", "400", "--quiet", "--run-dir", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "target 0.99 reached" in out.stdout, out.stdout
+    rows = read_rows(str(run_dir))
+    assert rows and all(r["weights/update_mb"] > 0 for r in rows)
