@@ -66,13 +66,19 @@ class Learner:
     every rank takes the step one learner would (:mod:`._data_parallel`).
     """
 
-    def __init__(self, task: Task, device: torch.device, parallel: DataParallel | None = None) -> None:
+    def __init__(
+        self, task: Task, device: torch.device, parallel: DataParallel | None = None, *, stage_on_host: bool = False
+    ) -> None:
+        """``stage_on_host``: this learner will be sharded (:meth:`share_with` a FullySharded group), so build the
+        policy and its reference copy in host memory; sharding moves this rank's shard, one block at a time, to
+        ``device``, which never holds the whole model (one that fits the host but not one GPU)."""
         self.task = task
         self.device = device
         self.parallel = parallel
+        self._home = torch.device("cpu") if stage_on_host else device  # where the whole policy lives until sharded
         config = task.config
         torch.manual_seed(task.seed)  # every run of a seed starts from the same policy
-        self.policy = task.build_policy().to(device)
+        self.policy = task.build_policy().to(self._home)
         self.optim, self.schedule = self._optimizer()
         self.reference_state = copy.deepcopy(self.policy.state_dict())
         self.micro_batch = config.micro_batch
@@ -269,4 +275,4 @@ class Learner:
             self.optim.load_state_dict(state["optimizer"])
         if "schedule" in state:  # checkpoints from before schedules had none: constant
             self.schedule.load_state_dict(state["schedule"])
-        self.reference_state = {name: value.to(self.device) for name, value in state["ref"].items()}
+        self.reference_state = {name: value.to(self._home) for name, value in state["ref"].items()}

@@ -69,7 +69,7 @@ class Trainer(Actor):
         self.config = config
         self.task = load_task(config)
         self.device = role_device(config, "trainer")
-        self.learner = Learner(self.task, self.device)
+        self.learner = Learner(self.task, self.device, stage_on_host=config.sharded_trainer)
         self.step = 0
         self.version = 0
         self._shards_to_load: str | None = None  # a sharded checkpoint's, loaded once the ranks have sharded

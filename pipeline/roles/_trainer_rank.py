@@ -38,7 +38,7 @@ class TrainerRank(Actor):
         self.config = config
         self.task = load_task(config)
         self.device = trainer_rank_device(config, first_gpu + current_rank()["procs"])
-        self.learner = Learner(self.task, self.device)
+        self.learner = Learner(self.task, self.device, stage_on_host=config.sharded_trainer)
         self._shards_to_load: str | None = None  # a sharded checkpoint's, loaded once the ranks have sharded
         if resume:
             _, self._shards_to_load = self.learner.resume(config.run_dir, shard_later=config.sharded_trainer)

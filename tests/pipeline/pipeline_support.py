@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import resource
 from typing import Any
 
 import torch
@@ -102,6 +103,11 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor().detach() if is_sharded(tensor) else tensor.detach()  # type: ignore[attr-defined]
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: its shard, or the tensor itself."""
+    return tensor.to_local() if is_sharded(tensor) else tensor  # type: ignore[attr-defined]
+
+
 class LearnerRank(Actor):
     """One rank of a data-parallel learner on the CPU: joins the group, takes one step, reports its weights."""
 
@@ -133,8 +139,9 @@ class LearnerRank(Actor):
         share = RankShare(current_rank().rank, math.prod(current_size().values()))
         parallel = group_kind(shard)(share, address, cpu, rendezvous=self.rendezvous)
         try:
-            learner = Learner(load_task(resolve(Config(**self.settings))), cpu)
+            learner = Learner(load_task(resolve(Config(**self.settings))), cpu, stage_on_host=shard == "fsdp")
             learner.share_with(parallel)
+            held = sum(_local(p).numel() * p.element_size() for p in learner.policy.parameters())
             slices, rows = learner.task.micro_batches(samples, learner.micro_batch), learner.task.rows(samples)
             passes, idle = parallel.passes(slices, rows), parallel.idle_passes(slices, rows)
             update = learner.update(samples, rewards, ref)
@@ -152,6 +159,8 @@ class LearnerRank(Actor):
             "figures": update.report.figures(),
             "passes": [[part.start, part.stop] for part in passes],
             "idle": len(idle),
+            "held_bytes": held,  # this rank's parameters: its shards, or the whole policy
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         }
 
     @endpoint
