@@ -13,7 +13,7 @@ from actors import Actor, current_rank, current_size, endpoint, this_host
 from actors.tensors import is_sharded
 from pipeline import BanditTask, Config, Generator, Learner, RefModel, Scorer, resolve
 from pipeline.learning import DataParallel, GroupAddress, RankShare, Rendezvous, group_kind
-from pipeline.tasks import load_task
+from pipeline.tasks import load_task, to_device
 
 
 class WideBandit(BanditTask):
@@ -100,7 +100,8 @@ class DtypeRefModel(RefModel):
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor gathered whole if it is a shard (a collective of its group), detached."""
-    return tensor.full_tensor().detach() if is_sharded(tensor) else tensor.detach()  # type: ignore[attr-defined]
+    whole = tensor.full_tensor() if is_sharded(tensor) else tensor  # type: ignore[attr-defined]
+    return whole.detach().cpu()
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -130,16 +131,19 @@ class LearnerRank(Actor):
         ref: torch.Tensor | None,
         shard: str = "ddp",
         folder: str = "",
+        device: str = "cpu",
     ) -> dict[str, Any]:
         """One update of this rank's share: the summed gradients and the weights after it (whole), loss, norm, figures.
 
-        With ``folder``, the ranks then save their shards there.
+        With ``folder``, the ranks then save their shards there. On ``cuda`` the rank joins over NCCL.
         """
-        cpu = torch.device("cpu")
         share = RankShare(current_rank().rank, math.prod(current_size().values()))
-        parallel = group_kind(shard)(share, address, cpu, rendezvous=self.rendezvous)
+        parallel = group_kind(shard)(share, address, torch.device(device), rendezvous=self.rendezvous)
+        on = parallel.device
+        samples, rewards = to_device(samples, on), rewards.to(on)
+        ref = None if ref is None else ref.to(on)
         try:
-            learner = Learner(load_task(resolve(Config(**self.settings))), cpu, stage_on_host=shard == "fsdp")
+            learner = Learner(load_task(resolve(Config(**self.settings))), on, stage_on_host=shard == "fsdp")
             learner.share_with(parallel)
             held = sum(_local(p).numel() * p.element_size() for p in learner.policy.parameters())
             slices, rows = learner.task.micro_batches(samples, learner.micro_batch), learner.task.rows(samples)
@@ -161,6 +165,9 @@ class LearnerRank(Actor):
             "idle": len(idle),
             "held_bytes": held,  # this rank's parameters: its shards, or the whole policy
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "device": str(on),
+            "backend": str(torch.distributed.get_backend()) if torch.distributed.is_initialized() else "",
+            "on_device": sorted({str(_local(p).device) for p in learner.policy.parameters()}),
         }
 
     @endpoint
@@ -187,11 +194,26 @@ def two_ranks_step(
     timeout: float = 120,
 ) -> list[dict[str, Any]]:
     """Two :class:`LearnerRank` processes take one step together (``LearnerRank.step``); each one's report, by rank."""
-    mesh = this_host().spawn_procs({"procs": 2}, name="learner-ranks")
+    return ranks_step(2, settings, samples, rewards, ref, shard, folder, timeout)
+
+
+def ranks_step(
+    world: int,
+    settings: dict[str, Any],
+    samples: Any,
+    rewards: torch.Tensor,
+    ref: torch.Tensor | None,
+    shard: str,
+    folder: str = "",
+    timeout: float = 120,
+    device: str = "cpu",
+) -> list[dict[str, Any]]:
+    """``world`` :class:`LearnerRank` processes on ``device`` take one step together; each one's report, by rank."""
+    mesh = this_host().spawn_procs({"procs": world}, name="learner-ranks")
     try:
         ranks = mesh.spawn("ranks", LearnerRank, settings)
-        address = ranks.slice(procs=0).serve.call_one(2).get(timeout=30)
-        reports = ranks.step.call(address, samples, rewards, ref, shard, folder).get(timeout=timeout)
+        address = ranks.slice(procs=0).serve.call_one(world).get(timeout=30)
+        reports = ranks.step.call(address, samples, rewards, ref, shard, folder, device).get(timeout=timeout)
     finally:
         mesh.stop().get(timeout=30)
     return [report for _, report in reports.items()]

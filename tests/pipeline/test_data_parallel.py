@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from pipeline_support import LearnerRank, two_ranks_step
+from pipeline_support import LearnerRank, ranks_step, two_ranks_step
 
 from actors import this_host
 from pipeline import Config, DigitsTask, Learner, resolve, run_pipeline
@@ -250,3 +250,18 @@ def test_two_trainer_ranks_train_on_two_gpus_over_nccl(tmp_path, shard):
     assert "target 0.99 reached" in out.stdout, out.stdout
     rows = read_rows(str(run_dir))
     assert rows and all(r["weights/update_mb"] > 0 for r in rows)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shard", ["fsdp", "ddp"])
+def test_a_rank_on_a_gpu_joins_over_nccl_and_takes_the_one_learner_step(shard):
+    """One GPU is enough for one rank: NCCL bound to the rank's GPU, the policy staged on the host and sharded onto it."""
+    task, batch, rewards, ref = _rollout()
+    one = Learner(task, torch.device("cpu"))
+    update = one.update(batch, rewards, ref)
+    (result,) = ranks_step(1, SETTINGS, batch, rewards, ref, shard, timeout=180, device="cuda")
+    assert result["backend"] == "nccl" and result["device"] == "cuda:0" and result["on_device"] == ["cuda:0"]
+    assert result["loss"] == pytest.approx(float(update.report.loss), rel=1e-4, abs=1e-5)
+    assert result["grad_norm"] == pytest.approx(update.grad_norm, rel=1e-4)
+    for name, value in result["weights"].items():
+        torch.testing.assert_close(value, one.policy.state_dict()[name], atol=2.1 * SETTINGS["lr"], rtol=0)
