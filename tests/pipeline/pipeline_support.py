@@ -184,19 +184,6 @@ class LearnerRank(Actor):
         return "joined"
 
 
-def two_ranks_step(
-    settings: dict[str, Any],
-    samples: Any,
-    rewards: torch.Tensor,
-    ref: torch.Tensor | None,
-    shard: str,
-    folder: str = "",
-    timeout: float = 120,
-) -> list[dict[str, Any]]:
-    """Two :class:`LearnerRank` processes take one step together (``LearnerRank.step``); each one's report, by rank."""
-    return ranks_step(2, settings, samples, rewards, ref, shard, folder, timeout)
-
-
 def ranks_step(
     world: int,
     settings: dict[str, Any],

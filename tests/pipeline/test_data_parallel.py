@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from pipeline_support import LearnerRank, ranks_step, two_ranks_step
+from pipeline_support import LearnerRank, ranks_step
 
 from actors import this_host
 from pipeline import Config, DigitsTask, Learner, resolve, run_pipeline
@@ -62,7 +62,7 @@ def test_two_ranks_take_the_step_one_learner_takes(shard):
     task, batch, rewards, ref = _rollout()
     one = Learner(task, torch.device("cpu"))
     update = one.update(batch, rewards, ref)
-    results = two_ranks_step(SETTINGS, batch, rewards, ref, shard)
+    results = ranks_step(2, SETTINGS, batch, rewards, ref, shard)
     assert [r["passes"] for r in results] == [[[0, 5], [5, 10], [10, 12]], [[12, 15], [15, 20], [20, 24]]]
     assert [r["idle"] for r in results] == [0, 0]
     gradients = {name: p.grad for name, p in one.policy.named_parameters() if p.grad is not None}
@@ -86,7 +86,7 @@ def test_shards_saved_by_two_ranks_load_whole_into_one_learner(tmp_path):
     one = Learner(task, torch.device("cpu"))
     one.update(batch, rewards, ref)
     folder = str(tmp_path / "checkpoint-1.dcp")
-    result = two_ranks_step(SETTINGS, batch, rewards, ref, "fsdp", folder)[0]
+    result = ranks_step(2, SETTINGS, batch, rewards, ref, "fsdp", folder)[0]
     assert sorted(os.listdir(folder)) == [".metadata", "__0_0.distcp", "__1_0.distcp"], "each rank wrote its own"
     loaded = Learner(task, torch.device("cpu"))
     loaded.load_shards(folder)
@@ -111,7 +111,7 @@ def test_sharded_ranks_with_uneven_passes_run_as_many_and_learn_the_same():
     task = DigitsTask(resolve(Config(**settings)))  # type: ignore[arg-type]
     one = Learner(task, torch.device("cpu"))
     update = one.update(batch, rewards, ref)
-    results = two_ranks_step(settings, batch, rewards, ref, "fsdp")
+    results = ranks_step(2, settings, batch, rewards, ref, "fsdp")
     assert [len(r["passes"]) + r["idle"] for r in results] == [3, 3] and [r["idle"] for r in results] == [1, 0]
     for result in results:  # the idle pass adds nothing
         assert result["loss"] == pytest.approx(float(update.report.loss), abs=1e-6)

@@ -471,7 +471,7 @@ def test_a_hf_model_sharded_over_two_ranks_takes_the_one_learner_step(tmp_path, 
     FSDP2's mixed precision where one trainer autocasts: equal to bf16 rounding (under autocast the sharded
     gradient norm was 1.74 against 2.34: the case that caught it).
     """
-    from pipeline_support import two_ranks_step
+    from pipeline_support import ranks_step
 
     from pipeline.learning import Learner
 
@@ -484,7 +484,7 @@ def test_a_hf_model_sharded_over_two_ranks_takes_the_one_learner_step(tmp_path, 
     rewards = torch.arange(8, dtype=torch.float32) / 8
     ref = task.reference_logps(learner.reference(), batch)
     update = learner.update(batch, rewards, ref)
-    results = two_ranks_step(config.to_dict(), batch, rewards, ref, "fsdp", timeout=180)
+    results = ranks_step(2, config.to_dict(), batch, rewards, ref, "fsdp", timeout=180)
     for result in results:
         assert result["loss"] == pytest.approx(float(update.report.loss), rel=tolerance, abs=loss_abs)
         assert result["grad_norm"] == pytest.approx(update.grad_norm, rel=tolerance / 5)
@@ -504,7 +504,7 @@ def test_two_sharded_ranks_at_a_real_vocabulary_hold_half_the_model_each_and_tak
     """
     import shutil
 
-    from pipeline_support import two_ranks_step
+    from pipeline_support import ranks_step
 
     from pipeline.learning import Learner
 
@@ -519,7 +519,7 @@ def test_two_sharded_ranks_at_a_real_vocabulary_hold_half_the_model_each_and_tak
     learner.policy.train()
     rewards = torch.arange(32, dtype=torch.float32) / 32
     update = learner.update(batch, rewards, None)
-    results = two_ranks_step(config.to_dict(), batch, rewards, None, "fsdp", timeout=180)
+    results = ranks_step(2, config.to_dict(), batch, rewards, None, "fsdp", timeout=180)
     whole = parameters * 4
     for result in results:
         assert result["loss"] == pytest.approx(float(update.report.loss), rel=1e-4, abs=1e-6)
