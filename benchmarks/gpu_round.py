@@ -297,15 +297,8 @@ def play(round_: Round, args: argparse.Namespace) -> None:
     def train(name: str, flags: list[str], limit: float) -> dict[str, Any]:
         """``python -m pipeline.grpo`` on the GPU over cuda-ipc with ``flags``: its figures and peak GPU memory."""
         run_dir = os.path.join(round_.scratch, name)
-        command = [
-            python,
-            "-m",
-            "pipeline.grpo",
-            "--device",
-            "cuda",
-            "--transport",
-            "cuda-ipc",
-        ]  # progress to round.log
+        # not --quiet: the progress lines go to round.log
+        command = [python, "-m", "pipeline.grpo", "--device", "cuda", "--transport", "cuda-ipc"]
         with GpuMemory() as memory:
             code, _ = round_.run(name, [*command, "--report-to", "none", "--run-dir", run_dir, *flags], limit)
         figures = pipeline_figures(run_dir)

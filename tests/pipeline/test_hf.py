@@ -15,6 +15,7 @@ pytest.importorskip("datasets", reason="needs the hf extra: pip install -e '.[hf
 
 from pipeline import Config, PipelineError, resolve, run_pipeline
 from pipeline.grpo import main
+from pipeline.learning import Learner, Update
 from pipeline.models import BuiltinEngine, GenerateEngine, SamplingParams, causal_logps, load_model, load_tokenizer
 from pipeline.run import read_rows
 from pipeline.tasks import DataError, HFTask, PromptData, RewardError, RewardSet, load_reward, load_rows
@@ -307,8 +308,6 @@ async def test_a_hf_model_trains_in_the_pipeline_and_saves_what_transformers_loa
     assert len(logged) == 4 and set(logged[0]["rewards"]) == {"reversed_digits", "exact_match"}, "rank 0 logs them"
     # the exported folder gives the checkpoint's logits (a sharded one's read whole by one learner)
     saved = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "model")).eval()
-    from pipeline.learning import Learner
-
     task = HFTask(resolve(_config(tiny, tmp_path)))
     learner = Learner(task, torch.device("cpu"))
     learner.resume(str(tmp_path))
@@ -421,8 +420,6 @@ def test_a_completion_without_its_end_token_is_marked_truncated(tmp_path, tiny, 
     ids=["token-budget", "checkpointing", "micro-batch+checkpointing"],
 )
 def test_passes_by_token_budget_and_checkpointing_give_the_same_update(tmp_path, tiny, changes):
-    from pipeline.learning import Learner
-
     def one_update(**overrides):  # type: ignore[no-untyped-def]
         config = resolve(_config(tiny, tmp_path, prompts=4, group=2, max_new_tokens=6, kl_coeff=0.05, **overrides))
         task = HFTask(config)
@@ -459,6 +456,25 @@ def test_bfloat16_roles_hold_their_weights_in_bfloat16_and_derived_buffers_in_fl
     assert model.lm_head.weight is model.model.embed_tokens.weight, "tied weights stay tied"
 
 
+def _two_sharded_ranks_and_one_learner(config: Config) -> tuple[Learner, Update, list[dict[str, object]]]:
+    """One rollout of ``config``'s task, rewards 0..1 by row: one learner's update of it, and two FSDP2 ranks' reports.
+
+    The reference log-probs are the initial policy's when the run has a KL term, else none.
+    """
+    from pipeline_support import ranks_step
+
+    task = HFTask(resolve(config))
+    learner = Learner(task, torch.device("cpu"))
+    learner.policy.eval()
+    batch = task.sample(learner.policy, torch.Generator(device="cpu").manual_seed(0), ticket=0)
+    learner.policy.train()
+    rows = config.prompts * config.group
+    rewards = torch.arange(rows, dtype=torch.float32) / rows
+    ref = task.reference_logps(learner.reference(), batch) if config.hyper("kl_coeff") > 0 else None
+    update = learner.update(batch, rewards, ref)
+    return learner, update, ranks_step(2, config.to_dict(), batch, rewards, ref, "fsdp", timeout=180)
+
+
 @pytest.mark.parametrize(
     "changes, tolerance, loss_abs",
     [({"gradient_checkpointing": True}, 1e-4, 1e-6), ({"dtype": "bfloat16"}, 0.05, 1e-3)],
@@ -471,20 +487,8 @@ def test_a_hf_model_sharded_over_two_ranks_takes_the_one_learner_step(tmp_path, 
     FSDP2's mixed precision where one trainer autocasts: equal to bf16 rounding (under autocast the sharded
     gradient norm was 1.74 against 2.34: the case that caught it).
     """
-    from pipeline_support import ranks_step
-
-    from pipeline.learning import Learner
-
     config = _config(tiny, tmp_path, prompts=4, group=2, kl_coeff=0.05, **changes)
-    task = HFTask(resolve(config))
-    learner = Learner(task, torch.device("cpu"))
-    learner.policy.eval()
-    batch = task.sample(learner.policy, torch.Generator(device="cpu").manual_seed(0), ticket=0)
-    learner.policy.train()
-    rewards = torch.arange(8, dtype=torch.float32) / 8
-    ref = task.reference_logps(learner.reference(), batch)
-    update = learner.update(batch, rewards, ref)
-    results = ranks_step(2, config.to_dict(), batch, rewards, ref, "fsdp", timeout=180)
+    learner, update, results = _two_sharded_ranks_and_one_learner(config)
     for result in results:
         assert result["loss"] == pytest.approx(float(update.report.loss), rel=tolerance, abs=loss_abs)
         assert result["grad_norm"] == pytest.approx(update.grad_norm, rel=tolerance / 5)
@@ -504,22 +508,11 @@ def test_two_sharded_ranks_at_a_real_vocabulary_hold_half_the_model_each_and_tak
     """
     import shutil
 
-    from pipeline_support import ranks_step
-
-    from pipeline.learning import Learner
-
     folder = tmp_path / "model"
     shutil.copytree(tiny / "model", folder)  # the tokenizer; the weights are replaced
     parameters = _example().build_model(str(folder), "qwen2", 151_936, 0, heads=2)
     config = _config(tiny, tmp_path, model=str(folder), prompts=8, group=4, kl_coeff=0.0, max_new_tokens=8)
-    task = HFTask(resolve(config))
-    learner = Learner(task, torch.device("cpu"))
-    learner.policy.eval()
-    batch = task.sample(learner.policy, torch.Generator(device="cpu").manual_seed(0), ticket=0)
-    learner.policy.train()
-    rewards = torch.arange(32, dtype=torch.float32) / 32
-    update = learner.update(batch, rewards, None)
-    results = ranks_step(2, config.to_dict(), batch, rewards, None, "fsdp", timeout=180)
+    _, update, results = _two_sharded_ranks_and_one_learner(config)
     whole = parameters * 4
     for result in results:
         assert result["loss"] == pytest.approx(float(update.report.loss), rel=1e-4, abs=1e-6)
