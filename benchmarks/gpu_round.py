@@ -1,7 +1,7 @@
-"""The whole GPU round in one command: the gpu tests, weight sync, the digit pipeline, a 0.5 B-shaped model.
+"""The whole GPU round in one command: the gpu tests, decoding, weight sync, the digit pipeline, a 0.5 B model.
 
     python benchmarks/gpu_round.py [--wheels .whl] [--out DIR] [--budget 540]
-        [--skip tests weights digits hf] [--hf-runs bfloat16:64:12 float32:256:4]
+        [--skip tests decode weights digits hf] [--hf-runs bfloat16:64:12 float32:256:4]
 
 For a GPU machine lent for a few minutes: the whole round keeps within
 ``--budget`` seconds (540), each step a subprocess whose deadline is the
@@ -11,13 +11,16 @@ out of time is recorded and the round goes on. In order:
 1. the wheels the bare GPU image lacks (pyzmq, setproctitle, pytest-asyncio,
    datasets, dill, multiprocess) installed from ``--wheels`` into a folder
    of their own, put on ``PYTHONPATH`` for every later step;
-2. ``pytest -m gpu``;
-3. ``bench_weights.py`` over ``cuda-ipc``: 64 / 1024 / 4096 MiB, float32 and
+2. ``pytest -m gpu`` (the decode and trainer-rank tests first);
+3. ``bench_decode.py``: the built-in engine's completion tokens/s for the
+   0.5 B shape below in bfloat16, 256 x 64 tokens, over the dynamic KV cache
+   against replayed CUDA graphs (issue 40);
+4. ``bench_weights.py`` over ``cuda-ipc``: 64 / 1024 / 4096 MiB, float32 and
    bfloat16, alias and copy installs;
-4. the digit pipeline on the GPU (``--device cuda --transport cuda-ipc``),
+5. the digit pipeline on the GPU (``--device cuda --transport cuda-ipc``),
    and on a machine with two GPUs again with two sharded trainer ranks
    (``--trainer-ranks 2``: NCCL, one GPU a rank);
-5. a random Qwen2 of Qwen2.5-0.5B's shape (494 M parameters, a
+6. a random Qwen2 of Qwen2.5-0.5B's shape (494 M parameters, a
    151,936-token vocabulary; built from a config by
    ``examples/tiny_hf_model.py --shape qwen2.5-0.5b``, nothing downloaded)
    trained with the default flags (two generators) for each ``--hf-runs``
@@ -241,7 +244,7 @@ def main() -> int:
     parser.add_argument("--wheels", default=os.path.join(ROOT, ".whl"), help="folder of wheels to install first")
     parser.add_argument("--out", default=os.environ.get("OUT") or tempfile.mkdtemp(prefix="gpu-round-"))
     parser.add_argument("--budget", type=float, default=540, help="seconds the whole round may take (default 540)")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["tests", "weights", "digits", "hf"])
+    parser.add_argument("--skip", nargs="*", default=[], choices=["tests", "decode", "weights", "digits", "hf"])
     parser.add_argument(
         "--hf-runs",
         nargs="+",
@@ -277,15 +280,33 @@ def play(round_: Round, args: argparse.Namespace) -> None:
     round_.env.update(PYTHONPATH=os.pathsep.join(p for p in paths if p), PYTHONUNBUFFERED="1")
 
     if "tests" not in args.skip:
-        code, text = round_.run(
-            "pytest_gpu", [python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "--durations=8"], 260
-        )
+        # the newest GPU tests first (the decode graphs, the NCCL ranks): a step stopped at its limit keeps them
+        first = ["tests/pipeline/test_decoding.py", "tests/pipeline/test_data_parallel.py", "tests"]
+        pytest = [python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "--durations=8", *first]
+        code, text = round_.run("pytest_gpu", pytest, 260)
         lines = text.strip().splitlines()
         tail = [line for line in lines if " passed" in line or " failed" in line or " error" in line]
         failed = [line.split()[1] for line in lines if line.startswith(("FAILED ", "ERROR ")) and " " in line]
         slowest = [line for line in lines if re.match(r"\d+\.\d+s (call|setup|teardown) ", line)]
         summary = {"rc": code, "result": tail[-1] if tail else text[-300:], "failed": failed, "slowest": slowest[:8]}
         round_.record("pytest_gpu", summary)
+
+    if "decode" not in args.skip:  # issue 40: the built-in engine's decode, dynamic cache against CUDA graphs
+        shape = ["--shape", "qwen2.5-0.5b", "--dtype", "bfloat16", "--prompts", "32", "--group", "8"]
+        bench = [
+            python,
+            "benchmarks/bench_decode.py",
+            "--device",
+            "cuda",
+            *shape,
+            "--new-tokens",
+            "64",
+            "--repeat",
+            "3",
+        ]
+        code, text = round_.run("bench_decode", bench, 120)
+        lines = [line for line in text.splitlines() if line.startswith("{")]
+        round_.record("bench_decode", json.loads(lines[-1]) if code == 0 and lines else {"rc": code})
 
     if "weights" not in args.skip:
         sizes = ["--mb", "64", "1024", "4096", "--dtype", "float32", "bfloat16", "--install", "alias", "copy"]

@@ -4,9 +4,11 @@ May import :mod:`pipeline.algorithm` (the loss kinds its fields name).
 """
 
 from ._config import (
+    DECODE_PATHS,
     ENGINES,
     REPORT_TO,
     Config,
+    DecodePath,
     EngineKind,
     InstallMode,
     IsCorrection,
@@ -19,9 +21,11 @@ from ._config import (
 from ._settings import SettingsError, check_settings
 
 __all__ = [
+    "DECODE_PATHS",
     "ENGINES",
     "REPORT_TO",
     "Config",
+    "DecodePath",
     "EngineKind",
     "InstallMode",
     "IsCorrection",

@@ -9,9 +9,11 @@ from typing import Any, Literal
 from ..algorithm import LossKind, RewardScale
 
 __all__ = [
+    "DECODE_PATHS",
     "ENGINES",
     "REPORT_TO",
     "Config",
+    "DecodePath",
     "EngineKind",
     "InstallMode",
     "IsCorrection",
@@ -53,6 +55,11 @@ TrainDtype = Literal["float32", "bfloat16"]
 EngineKind = Literal["builtin", "hf", "vllm"]
 ENGINES: tuple[str, ...] = ("builtin", "hf", "vllm")
 
+#: How ``--engine builtin`` decodes: ``auto`` (CUDA graphs over a static KV cache on a GPU, else the model's
+#: dynamic cache), ``dynamic``, ``static`` (a static cache, eager steps) or ``graphs``.
+DecodePath = Literal["auto", "dynamic", "static", "graphs"]
+DECODE_PATHS: tuple[str, ...] = ("auto", "dynamic", "static", "graphs")
+
 
 #: How the loss corrects for a behaviour policy that is not the trainer's (pipeline.algorithm).
 IsCorrection = Literal["none", "tis"]
@@ -81,6 +88,7 @@ class Config:
     top_k: int = 0  # 0: off
     report_to: ReportTo = "tensorboard"  # tensorboard | wandb | none: where metric rows go besides metrics.jsonl
     engine: EngineKind = "builtin"  # the generators' sampler: builtin | hf (transformers' generate) | vllm
+    decode: DecodePath = "auto"  # builtin: auto | dynamic | static | graphs (pipeline.models.DecoderChoice)
     vllm_dtype: str = "float32"  # vllm: the engine's weights (auto: the checkpoint's); updates are cast to it
     vllm_gpu_memory: float = 0.3  # vllm on a GPU: the share of its memory the engine may take
     vllm_max_model_len: int = 0  # vllm: the longest prompt + completion (0: the model's own limit)

@@ -11,7 +11,7 @@ prompts cannot fill a training and a held-out set), when it is built.
 from __future__ import annotations
 
 from ..algorithm import LOSSES, REWARD_SCALES
-from ._config import ENGINES, REPORT_TO, Config
+from ._config import DECODE_PATHS, ENGINES, REPORT_TO, Config
 
 __all__ = ["SettingsError", "check_settings"]
 
@@ -90,6 +90,12 @@ def check_settings(config: Config) -> None:
     _one_of(config, "mode", ("async", "sync"))
     _one_of(config, "report_to", REPORT_TO)
     _one_of(config, "engine", ENGINES)
+    _one_of(config, "decode", DECODE_PATHS)
+    if config.decode != "auto" and config.engine != "builtin":
+        raise SettingsError(
+            f"--decode {config.decode} picks how the built-in sampler decodes; --engine {config.engine} decodes its "
+            "own way"
+        )
     _one_of(config, "is_correction", ("none", "tis"))
     _one_of(config, "vllm_dtype", ("auto", "float32", "bfloat16", "float16"))
     if not config.is_cap >= 1:

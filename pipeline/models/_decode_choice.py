@@ -1,0 +1,148 @@
+"""Which decoder the built-in engine runs: decided on its first batch, said in one log line, kept per batch shape.
+
+``--decode auto`` (the default) captures the decode step as a CUDA graph
+over a static KV cache where the model is on a GPU and can decode so, and
+otherwise runs today's dynamic cache; ``dynamic``, ``static`` (eager steps
+over the static cache) and ``graphs`` ask for one path, and a model or
+device that cannot take it is refused with the reason. Before the static
+cache is trusted, one row's prefill and first step are checked against the
+dynamic cache's logits: a model that ignores the prepared mask would
+otherwise sample from the wrong distribution, silently.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal, get_args
+
+import torch
+
+from ._causal_lm import ModelError
+from ._decoders import Decoder, DynamicDecoder, ModelCall, StaticDecoder, static_refusal
+
+__all__ = ["DECODE_PATHS", "DecodePath", "DecoderChoice"]
+
+_log = logging.getLogger(__name__)
+
+DecodePath = Literal["auto", "dynamic", "static", "graphs"]
+DECODE_PATHS: tuple[str, ...] = get_args(DecodePath)
+
+#: steps between the host's checks that every row has ended on the graph path (a check stalls the queued replays)
+GRAPH_CHECK_EVERY = 8
+#: a static cache's length is rounded up to this many tokens, so batches of nearby prompt lengths share a graph
+LENGTH_BUCKET = 64
+
+
+class DecoderChoice:
+    """The decode path a built-in engine takes, and the static decoder it keeps for its batch shape.
+
+    A kept decoder serves a batch with its rows whose prompt + new tokens
+    fit its length (and fill at least half of it); another shape builds
+    another (its graph captured anew). Weights that moved to new storage
+    are the decoder's :class:`~pipeline.models.StepGraphs`' to follow.
+    """
+
+    def __init__(self, model: torch.nn.Module, call: ModelCall, wanted: DecodePath = "auto") -> None:
+        if wanted not in DECODE_PATHS:
+            raise ValueError(f"decode path {wanted!r}: expected one of {', '.join(DECODE_PATHS)}")
+        self.model = model
+        self.call = call
+        self.wanted = wanted
+        self.path: str | None = None  # dynamic | static | graphs, once the first batch decided it
+        self._static: StaticDecoder | None = None
+
+    @property
+    def kept(self) -> StaticDecoder | None:
+        """The static decoder kept for the last batch's shape, if the path is static."""
+        return self._static
+
+    @property
+    def check_every(self) -> int:
+        """Steps between the host's checks that every row has ended (1 where a check stalls nothing)."""
+        return GRAPH_CHECK_EVERY if self.path == "graphs" else 1
+
+    def decoder(self, ids: torch.Tensor, prompt_mask: torch.Tensor, new_tokens: int) -> Decoder:
+        """A decoder for this batch ([rows, P] left-padded prompts, ``new_tokens`` to draw)."""
+        if self.path is None:
+            self.path = self._decide(ids, prompt_mask)
+        if self.path == "dynamic":
+            return DynamicDecoder(self.model, self.call)
+        rows, need = ids.shape[0], ids.shape[1] + new_tokens
+        kept = self._static
+        if kept is not None and (kept.rows != rows or not need <= kept.length <= 2 * need):
+            kept.close()
+            self._static = kept = None
+        if kept is None:
+            kept = self._static = self._build(rows, -(-need // LENGTH_BUCKET) * LENGTH_BUCKET)
+        return DynamicDecoder(self.model, self.call) if kept is None else kept
+
+    def close(self) -> None:
+        """Release the kept decoder's cache and graph."""
+        if self._static is not None:
+            self._static.close()
+            self._static = None
+
+    def _build(self, rows: int, length: int) -> StaticDecoder | None:
+        """A static decoder of this shape (its step captured on the graph path); None if ``auto`` could not
+        capture it, the path then dynamic from here on."""
+        graphs = self.path == "graphs"
+        try:
+            decoder = StaticDecoder(self.model, self.call, rows, length, graphs=graphs)
+        except Exception as exc:
+            if not graphs or self.wanted == "graphs":
+                raise
+            self.path = "dynamic"
+            _log.warning("builtin engine: capturing the decode step failed (%s); decoding over a dynamic cache", exc)
+            return None
+        return decoder
+
+    def _decide(self, ids: torch.Tensor, prompt_mask: torch.Tensor) -> str:
+        device = next(self.model.parameters()).device
+        wanted = self.wanted
+        if wanted == "dynamic":
+            return self._chosen("dynamic", device, "as asked")
+        refusal = static_refusal(self.model)
+        if refusal is not None:
+            if wanted != "auto":
+                raise ModelError(f"decode {wanted}: {type(self.model).__name__} cannot use a static cache: {refusal}")
+            return self._chosen("dynamic", device, f"no static cache: {refusal}")
+        if device.type != "cuda":
+            if wanted == "graphs":
+                raise ModelError(f"decode graphs: CUDA graphs need the model on a CUDA device, not {device}")
+            if wanted == "auto":
+                return self._chosen("dynamic", device, f"no CUDA graphs on {device.type}")
+        gap = self._static_gap(ids[:1], prompt_mask[:1])
+        if gap is not None:
+            message = f"the static cache's logits differ from the dynamic cache's by {gap:.3g}"
+            if wanted != "auto":
+                raise ModelError(f"decode {wanted}: {type(self.model).__name__}: {message}")
+            _log.warning("builtin engine: %s; decoding over a dynamic cache", message)
+            return self._chosen("dynamic", device, "the static cache did not match")
+        return self._chosen("graphs" if device.type == "cuda" and wanted != "static" else "static", device, "")
+
+    def _chosen(self, path: str, device: torch.device, why: str) -> str:
+        how = {
+            "graphs": "replaying a captured CUDA graph per step over a static KV cache",
+            "static": "over a static KV cache, each step run eagerly",
+            "dynamic": "over the model's dynamic KV cache",
+        }[path]
+        _log.info("builtin engine on %s: decoding %s%s", device, how, f" ({why})" if why else "")
+        return path
+
+    def _static_gap(self, ids: torch.Tensor, prompt_mask: torch.Tensor) -> float | None:
+        """How far one row's prefill and first step over a static cache are from the dynamic cache's; None if
+        within the logits' precision (bfloat16 rounds at 2⁻⁸)."""
+        dynamic = DynamicDecoder(self.model, self.call)
+        static = StaticDecoder(self.model, self.call, 1, ids.shape[1] + 2)
+        try:
+            want = [dynamic.prefill(ids, prompt_mask)]
+            got = [static.prefill(ids, prompt_mask)]
+            token = want[0].argmax(-1)
+            want.append(dynamic.step(token))
+            got.append(static.step(token))
+        finally:
+            static.close()
+        tolerance = 1e-3 if next(self.model.parameters()).dtype == torch.float32 else 3e-2
+        if all(torch.allclose(g, w, rtol=tolerance, atol=tolerance) for g, w in zip(got, want, strict=True)):
+            return None
+        return max(float((g - w).abs().max()) for g, w in zip(got, want, strict=True))

@@ -1,0 +1,308 @@
+"""The built-in engine's decoders: a static KV cache (its step captured as a CUDA graph on a GPU) draws exactly what
+the model's dynamic cache draws, never synchronises inside the step, and never samples with weights it no longer has."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
+
+import transformers
+
+from actors import WeightInbox, WeightPublisher
+from pipeline.models import (
+    BuiltinEngine,
+    DecoderChoice,
+    ModelCall,
+    ModelError,
+    SamplingParams,
+    StaticDecoder,
+    static_refusal,
+)
+
+CHOICE_LOG = "pipeline.models._decode_choice"
+
+
+class Tokenizer:
+    """What the engine needs of a tokenizer: pad and end ids, and a decode."""
+
+    pad_token_id = 0
+    eos_token_id = 2
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return " ".join(map(str, ids))
+
+
+def qwen2(vocab: int = 500, attention: str = "sdpa", seed: int = 0, **extra: Any) -> Any:
+    torch.manual_seed(seed)
+    config = transformers.Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=2,
+        attn_implementation=attention,
+        **extra,
+    )
+    return transformers.Qwen2ForCausalLM(config).eval()
+
+
+def prompts(vocab: int, lengths: tuple[int, ...] = (5, 17, 1, 9, 30)) -> list[list[int]]:
+    rng = torch.Generator().manual_seed(11)
+    return [torch.randint(3, vocab, (n,), generator=rng).tolist() for n in lengths]
+
+
+def draw_with(engine: BuiltinEngine, batch: list[list[int]], params: SamplingParams, seed: int = 7) -> Any:
+    return engine.generate(batch, params, torch.Generator(device=engine.model.device).manual_seed(seed))
+
+
+def assert_same_completions(got: Any, want: Any, atol: float = 1e-5) -> None:
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.mask, want.mask)
+    torch.testing.assert_close(got.logps, want.logps, rtol=0, atol=atol)
+    assert got.texts == want.texts
+
+
+# -- the static cache draws what the dynamic cache draws ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "attention, vocab, params",
+    [
+        ("sdpa", 500, SamplingParams(24, temperature=1.0, samples=3)),
+        ("sdpa", 500, SamplingParams(24, temperature=0.7, top_p=0.8, top_k=20, samples=2)),
+        ("eager", 500, SamplingParams(24, temperature=1.3, samples=3)),
+        ("sdpa", 500, SamplingParams(12, temperature=0.0)),
+        ("sdpa", 151_936, SamplingParams(6, temperature=1.0, samples=2)),  # a real vocabulary, a tiny width
+    ],
+)
+def test_the_static_cache_draws_the_dynamic_caches_tokens_and_log_probs(attention, vocab, params):
+    model = qwen2(vocab, attention)
+    batch = prompts(vocab)
+    dynamic = draw_with(BuiltinEngine(model, Tokenizer(), "dynamic"), batch, params)
+    static_engine = BuiltinEngine(model, Tokenizer(), "static")
+    static = draw_with(static_engine, batch, params)
+    assert static_engine.decoding.path == "static" and static.tokens.shape[0] == len(batch) * params.samples
+    assert_same_completions(static, dynamic)
+    again = draw_with(static_engine, batch, params)  # the kept cache, emptied and filled afresh
+    assert_same_completions(again, static, atol=0)
+
+
+def test_the_completions_end_where_every_row_ended_however_seldom_the_host_looks():
+    """On the graph path the host looks every few steps whether all rows ended; the steps drawn after that are
+    dropped, so the completions are the ones a look every step gives."""
+    model, batch = qwen2(), prompts(500)
+    with torch.no_grad():  # the end token likelier along the hidden states' mean: rows end at 1 to 37 tokens
+        hidden = model.model(input_ids=torch.tensor([batch[1]])).last_hidden_state[0].mean(0)
+        model.lm_head.weight[2] += 20 * hidden / hidden.norm() ** 2
+    params = SamplingParams(40, samples=4)
+    every_step = draw_with(BuiltinEngine(model, Tokenizer(), "static"), batch, params)
+    assert every_step.mask.shape[1] == 37 and every_step.mask.sum(1).min() == 1, "the last row ends at 37, not 8k"
+
+    class SeldomLooks(DecoderChoice):
+        check_every = 8  # type: ignore[assignment]
+
+    seldom = BuiltinEngine(model, Tokenizer(), "static")
+    seldom.decoding = SeldomLooks(model, ModelCall.of(model), "static")
+    assert_same_completions(draw_with(seldom, batch, params), every_step, atol=0)
+
+
+class NoHostSync(TorchDispatchMode):
+    """Fails on any operation that makes the host wait for the device (a CUDA graph cannot capture one)."""
+
+    SYNCING = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "item", "equal")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = func.__name__.split(".")[0]
+        assert name not in self.SYNCING, f"the step synchronises with the host: {func}"
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_the_step_a_graph_captures_never_waits_for_the_device(attention):
+    model = qwen2(attention=attention)
+    decoder = StaticDecoder(model, ModelCall.of(model), 2, 16)
+    with torch.no_grad():
+        logits = decoder.prefill(torch.tensor([[0, 5, 6], [7, 8, 9]]), torch.tensor([[0, 1, 1], [1, 1, 1]]))
+        with NoHostSync():
+            for _ in range(3):
+                logits = decoder.step(logits.argmax(-1))
+    assert logits.shape == (2, 500) and bool(torch.isfinite(logits).all())
+
+
+def test_a_full_static_cache_and_a_batch_that_does_not_fit_are_refused():
+    model = qwen2()
+    decoder = StaticDecoder(model, ModelCall.of(model), 1, 4)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="2 prompts of 3 tokens do not fit a decoder of 1 x 4"):
+            decoder.prefill(torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long))
+        decoder.prefill(torch.ones(1, 3, dtype=torch.long), torch.ones(1, 3, dtype=torch.long))
+        decoder.step(torch.tensor([4]))
+        with pytest.raises(ValueError, match="cache of 4 tokens is full"):
+            decoder.step(torch.tensor([4]))
+
+
+# -- which path runs, said once --------------------------------------------------------------------------------
+
+
+def test_auto_keeps_the_dynamic_cache_on_a_cpu_and_says_so_once(caplog):
+    model = qwen2()
+    engine = BuiltinEngine(model, Tokenizer())
+    with caplog.at_level(logging.INFO, logger=CHOICE_LOG):
+        for seed in (1, 2):
+            draw_with(engine, prompts(500), SamplingParams(4, samples=2), seed)
+    lines = [record.getMessage() for record in caplog.records if record.name == CHOICE_LOG]
+    assert lines == ["builtin engine on cpu: decoding over the model's dynamic KV cache (no CUDA graphs on cpu)"]
+    assert engine.decoding.path == "dynamic" and engine.decoding.kept is None
+
+
+def test_a_model_or_device_that_cannot_take_the_path_asked_for_is_refused_with_the_reason(caplog):
+    sliding = qwen2(use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    assert static_refusal(sliding) == "it has layers other than full attention (sliding_attention)"
+    with pytest.raises(ModelError, match="decode static: Qwen2ForCausalLM cannot use a static cache: it has layers"):
+        draw_with(BuiltinEngine(sliding, Tokenizer(), "static"), prompts(500), SamplingParams(4))
+    flex = qwen2(attention="flex_attention")
+    assert static_refusal(flex) == "its attention (flex_attention) does not take a prepared mask (sdpa and eager do)"
+    with pytest.raises(ModelError, match="decode graphs: CUDA graphs need the model on a CUDA device, not cpu"):
+        draw_with(BuiltinEngine(qwen2(), Tokenizer(), "graphs"), prompts(500), SamplingParams(4))
+    with pytest.raises(ValueError, match="decode path 'fast': expected one of auto, dynamic, static, graphs"):
+        BuiltinEngine(qwen2(), Tokenizer(), "fast")  # type: ignore[arg-type]
+    with caplog.at_level(logging.INFO, logger=CHOICE_LOG):
+        engine = BuiltinEngine(sliding, Tokenizer())
+        draw_with(engine, prompts(500), SamplingParams(4))
+    assert engine.decoding.path == "dynamic"
+    assert "no static cache: it has layers other than full attention" in caplog.text
+
+
+class IgnoresPreparedMasks(transformers.Qwen2ForCausalLM):  # type: ignore[misc]
+    """A model that lets every query see every cache slot when handed a prepared mask."""
+
+    def forward(self, *args: Any, attention_mask: Any = None, **kwargs: Any) -> Any:
+        if attention_mask is not None and attention_mask.dim() == 4:
+            attention_mask = torch.ones_like(attention_mask)
+        return super().forward(*args, attention_mask=attention_mask, **kwargs)
+
+
+def test_a_model_whose_static_cache_gives_other_logits_is_caught_before_it_samples():
+    model = IgnoresPreparedMasks(qwen2().config).eval()
+    with pytest.raises(ModelError, match="the static cache's logits differ from the dynamic cache's"):
+        draw_with(BuiltinEngine(model, Tokenizer(), "static"), prompts(500), SamplingParams(4))
+
+
+# -- the kept decoder and the weights it reads -----------------------------------------------------------------
+
+
+def test_the_kept_cache_serves_batches_of_its_shape_and_is_rebuilt_for_another():
+    model = qwen2()
+    engine = BuiltinEngine(model, Tokenizer(), "static")
+    params = SamplingParams(8, samples=2)
+    draw_with(engine, prompts(500, (5, 30)), params)
+    kept = engine.decoding.kept
+    assert kept is not None and (kept.rows, kept.length) == (4, 64)  # 30 + 8 tokens, rounded up to 64
+    draw_with(engine, prompts(500, (25, 3)), params)
+    assert engine.decoding.kept is kept, "a batch of the same rows within the length reuses the cache"
+    draw_with(engine, prompts(500, (5, 60)), params)
+    longer = engine.decoding.kept
+    assert longer is not kept and longer is not None and longer.length == 128
+    draw_with(engine, prompts(500, (5, 25)), params)
+    shorter = engine.decoding.kept
+    assert shorter is not longer and shorter is not None and shorter.length == 64, "more than twice the need"
+    draw_with(engine, prompts(500, (5, 6, 7)), params)
+    assert engine.decoding.kept is not None and engine.decoding.kept.rows == 6
+
+
+@pytest.mark.parametrize("alias", [False, True])
+async def test_a_weight_update_reaches_the_cache_the_engine_decodes_with(alias):
+    """The kept static cache holds no weights: whether the update is copied into the parameters or aliased (its
+    tensors assigned), the next batch draws what the trained model draws (on a GPU: the graphs' test below)."""
+    model, trained = qwen2(seed=0), qwen2(seed=1)
+    engine = BuiltinEngine(model, Tokenizer(), "static")
+    batch, params = prompts(500), SamplingParams(10, samples=2)
+    draw_with(engine, batch, params)
+    kept = engine.decoding.kept
+    publisher, inbox = WeightPublisher("shm", slots=3), WeightInbox()
+    try:
+        inbox.put(publisher.publish(trained, 1))
+        assert await engine.load_weights(inbox, alias=alias) is not None
+        got = draw_with(engine, batch, params)
+        assert kept is not None and engine.decoding.kept is kept
+        assert_same_completions(got, draw_with(BuiltinEngine(trained, Tokenizer(), "dynamic"), batch, params))
+    finally:
+        engine.decoding.close()
+        inbox.close()
+        publisher.close()
+
+
+# -- on a GPU: the captured graph ------------------------------------------------------------------------------
+
+
+def _on_gpu(model: Any) -> Any:
+    return model.to("cuda")
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_auto_replays_a_captured_graph_that_draws_the_dynamic_caches_tokens(caplog):
+    model = _on_gpu(qwen2(5_000))
+    batch = prompts(5_000)
+    params = SamplingParams(24, temperature=0.9, top_p=0.95, samples=4)
+    engine = BuiltinEngine(model, Tokenizer())
+    with caplog.at_level(logging.INFO, logger=CHOICE_LOG):
+        graphed = draw_with(engine, batch, params)
+    kept = engine.decoding.kept
+    assert engine.decoding.path == "graphs" and kept is not None and kept.graphs is not None
+    assert kept.graphs.captures == 1
+    assert "replaying a captured CUDA graph per step over a static KV cache" in caplog.text
+    assert_same_completions(graphed, draw_with(BuiltinEngine(model, Tokenizer(), "dynamic"), batch, params), 1e-4)
+    assert_same_completions(draw_with(engine, batch, params), graphed, atol=0)  # replayed, not captured again
+    assert kept.graphs.captures == 1
+    engine.decoding.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("alias", [False, True])
+def test_on_a_gpu_a_weight_update_reaches_the_captured_graph(alias):
+    """As the weight consumer installs: a copy into the parameters, or (alias) the update's tensors assigned — a
+    graph is captured for the new storage, and the first one replayed again when the first storage comes back."""
+    model, trained = _on_gpu(qwen2(seed=0)), _on_gpu(qwen2(seed=1))
+    engine = BuiltinEngine(model, Tokenizer(), "graphs")
+    batch, params = prompts(500), SamplingParams(10, samples=2)
+    before = draw_with(engine, batch, params)
+    first = dict(model.state_dict())
+    update = {name: tensor.clone() for name, tensor in trained.state_dict().items()}
+    with torch.no_grad():
+        if alias:
+            model.load_state_dict(update, assign=True)
+        else:
+            for name, tensor in model.state_dict().items():
+                tensor.copy_(update[name])
+    got = draw_with(engine, batch, params)
+    kept = engine.decoding.kept
+    assert kept is not None and kept.graphs is not None and kept.graphs.captures == (2 if alias else 1)
+    assert_same_completions(got, draw_with(BuiltinEngine(trained, Tokenizer(), "dynamic"), batch, params), 1e-4)
+    assert not torch.equal(got.tokens, before.tokens)
+    if alias:  # the first storage again (a publisher's slots recur): its graph is replayed, none captured
+        with torch.no_grad():
+            model.load_state_dict(first, assign=True)
+        assert_same_completions(draw_with(engine, batch, params), before, atol=0)
+        assert kept.graphs.captures == 2
+    engine.decoding.close()
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_auto_falls_back_to_the_dynamic_cache_for_a_model_the_static_cache_does_not_fit(caplog):
+    model = _on_gpu(IgnoresPreparedMasks(qwen2().config).eval())
+    engine = BuiltinEngine(model, Tokenizer())
+    with caplog.at_level(logging.INFO, logger=CHOICE_LOG):
+        got = draw_with(engine, prompts(500), SamplingParams(4))
+    assert engine.decoding.path == "dynamic" and "the static cache's logits differ" in caplog.text
+    assert_same_completions(
+        got, draw_with(BuiltinEngine(model, Tokenizer(), "dynamic"), prompts(500), SamplingParams(4))
+    )
