@@ -46,8 +46,11 @@ __all__ = [
     "copy_all",
     "gather_each",
     "is_sharded",
+    "layout",
+    "origins",
     "probe",
     "read_async",
+    "ties",
 ]
 
 TRANSPORTS = ("local", "shm", "cuda-ipc", "tcp")
@@ -89,33 +92,60 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 @functools.lru_cache(maxsize=64)
-def _layout(key: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]) -> tuple[tuple[TensorSpec, ...], int]:
-    specs = []
+def _layout(
+    key: tuple[tuple[str, tuple[int, ...], torch.dtype, int | None], ...],
+) -> tuple[tuple[TensorSpec, ...], int]:
+    specs: list[TensorSpec] = []
     offset = 0
-    for name, shape, dtype in key:
+    for name, shape, dtype, tie in key:
         numel = 1
         for dim in shape:
             numel *= dim
         nbytes = numel * dtype.itemsize
-        specs.append(TensorSpec(name, dtype_name(dtype), shape, _contiguous_stride(shape), nbytes, offset))
-        offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
+        at = offset if tie is None else specs[tie].offset
+        specs.append(TensorSpec(name, dtype_name(dtype), shape, _contiguous_stride(shape), nbytes, at))
+        if tie is None:
+            offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
     return tuple(specs), offset
+
+
+def ties(tensors: list[tuple[str, torch.Tensor]]) -> list[int | None]:
+    """For each tensor, the index of an earlier one that is the same bytes (a tied output head and the embedding
+    it shares), else None. Of a sharded tensor, its shard's storage is compared: every rank finds the same ties."""
+    first: dict[tuple[Any, ...], int] = {}
+    found: list[int | None] = []
+    for index, (_, tensor) in enumerate(tensors):
+        local = tensor.to_local() if is_sharded(tensor) else tensor  # type: ignore[attr-defined]
+        storage = local.untyped_storage()._cdata  # the storage itself: an empty one is no other's
+        key = (storage, local.storage_offset(), tuple(tensor.shape), local.stride(), tensor.dtype)
+        earlier = first.setdefault(key, index)
+        found.append(None if earlier == index else earlier)
+    return found
 
 
 def layout(tensors: list[tuple[str, torch.Tensor]], cast: torch.dtype | None = None) -> tuple[list[TensorSpec], int]:
     """Contiguous, aligned placement of ``tensors`` in one buffer: specs and total bytes.
 
     With ``cast``, floating-point tensors are described (and so copied) in
-    that dtype. Cached per (names, shapes, dtypes): a publisher sends the
-    same layout every step.
+    that dtype. A tensor that is another's bytes (:func:`ties`) is laid at
+    that one's offset: a tied output head costs no bytes and no copy. Cached
+    per (names, shapes, dtypes, ties): a publisher sends the same layout
+    every step.
     """
     specs, total = _layout(
         tuple(
-            (name, tuple(t.shape), cast if cast is not None and t.is_floating_point() else t.dtype)
-            for name, t in tensors
+            (name, tuple(t.shape), cast if cast is not None and t.is_floating_point() else t.dtype, tie)
+            for (name, t), tie in zip(tensors, ties(tensors), strict=True)
         )
     )
     return list(specs), total
+
+
+def origins(specs: Any) -> list[int]:
+    """For each spec, the index of the first spec over the same bytes (itself, unless its tensor is tied to an
+    earlier one's): only those are copied. Zero-byte tensors share no bytes."""
+    first: dict[int, int] = {}
+    return [first.setdefault(spec.offset, index) if spec.nbytes else index for index, spec in enumerate(specs)]
 
 
 def check_specs(specs: Any, capacity: int) -> tuple[TensorSpec, ...]:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .._shared._errors import ManifestError, StaleUpdateError, WeightSyncError
-from . import TensorSpec, check_specs, checksum
+from . import TensorSpec, check_specs, checksum, origins
 from ._sharded import wholes
 
 # update_id -> tensors, shared by every writer and reader of this process: the
@@ -79,12 +79,14 @@ class LocalReader:
         if tensors is None:
             raise StaleUpdateError(f"update {update_id} is no longer held by its publisher")
         check_specs(specs, 1 << 62)  # the bytes are private tensors: only their shapes and dtypes must agree
-        for spec in specs:
-            tensor = tensors.get(spec.name)
+        out = {}
+        for spec, origin in zip(specs, origins(specs), strict=True):
+            tensor = tensors.get(specs[origin].name)  # a tied tensor is its twin's copy
             if tensor is None or tuple(tensor.shape) != spec.shape or tensor.dtype != spec.torch_dtype:
                 raise ManifestError(f"tensor {spec.name!r} does not match what update {update_id} holds")
+            out[spec.name] = tensor
         self._held.add(update_id)
-        return dict(tensors)
+        return out
 
     def release(self, update_id: str) -> None:
         self._held.discard(update_id)

@@ -329,7 +329,13 @@ class WeightConsumer:
                         )
                 model.load_state_dict(tensors, strict=strict, assign=True)
             else:
-                names = list(targets)
+                seen: set[tuple[int, int, tuple[int, ...]]] = set()
+                names = []
+                for name, target in targets.items():  # a tied head is its embedding's bytes on both sides: copied once
+                    pair = (target.data_ptr(), tensors[name].data_ptr(), tuple(target.shape))
+                    if pair not in seen:
+                        seen.add(pair)
+                        names.append(name)
                 copy_all([targets[n] for n in names], [tensors[n] for n in names])
 
     def _failed(self, manifest: WeightManifest, exc: BaseException) -> None:

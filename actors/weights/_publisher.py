@@ -6,6 +6,7 @@ import asyncio
 import os
 import uuid
 import weakref
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -13,7 +14,7 @@ import torch
 from .._shared._errors import LifecycleError, VersionError, WeightSyncError
 from .._shared._loops import loop_running
 from .._shared._session import host_id
-from ..tensors import TensorSpec, gather_each, layout
+from ..tensors import TensorSpec, gather_each, layout, origins
 from ._manifest import WeightManifest, make_writer
 
 __all__ = ["WeightPublisher", "join_publish"]
@@ -42,7 +43,9 @@ def join_publish(model: torch.nn.Module | dict[str, Any]) -> int:
     of its group runs this at the same time, for the same model. It gathers
     the same tensors in the same order, and drops each at once.
     """
-    return gather_each(tensor for _, tensor in _named_tensors(model))
+    tensors = _named_tensors(model)
+    specs, _ = layout(tensors)
+    return gather_each(tensors[index][1] for index, origin in enumerate(origins(specs)) if origin == index)
 
 
 async def _to_thread_to_the_end(fn: Any, *args: Any) -> Any:
@@ -205,9 +208,23 @@ class WeightPublisher:
             self._publishing = False
         return self._commit(reservation, version, specs, total, metadata)
 
-    def _fill_no_grad(self, reservation: Any, tensors: list[tuple[str, torch.Tensor]], specs: list[TensorSpec]) -> Any:
+    def _fill_no_grad(
+        self, reservation: Any, tensors: list[tuple[str, torch.Tensor]], specs: list[TensorSpec]
+    ) -> list[TensorSpec]:
+        """Copy each distinct tensor once (a tied one's spec points at its twin's bytes and checksum)."""
+        origin = origins(specs)
+        copied = [index for index, first in enumerate(origin) if first == index]
         with torch.no_grad():
-            return self._writer.fill(reservation, tensors, specs, self.checksums)
+            filled = self._writer.fill(
+                reservation, [tensors[i] for i in copied], [specs[i] for i in copied], self.checksums
+            )
+        out = list(specs)
+        for index, spec in zip(copied, filled, strict=True):
+            out[index] = spec
+        return [
+            spec if first == index else replace(spec, checksum=out[first].checksum)
+            for index, (spec, first) in enumerate(zip(out, origin, strict=True))
+        ]
 
     def _commit(
         self, reservation: Any, version: int, specs: list[TensorSpec], total: int, metadata: dict[str, Any] | None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import glob
 import os
 import signal
@@ -451,3 +452,44 @@ async def test_shards_gathered_in_small_buckets_are_the_whole_tensors(procs):
 
 def test_a_rank_outside_any_group_joins_no_gather():
     assert join_publish(filled_model(1.0)) == 0, "nothing sharded: nothing to gather, nothing waited for"
+
+
+class TiedLM(torch.nn.Module):
+    """An embedding and an output head that share one weight, as tied language models do."""
+
+    def __init__(self, value: float, tied: bool = True) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 8)
+        self.norm = torch.nn.LayerNorm(8)
+        self.head = torch.nn.Linear(8, 50, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+        with torch.no_grad():
+            for index, parameter in enumerate(self.parameters()):
+                parameter.fill_(value + index)
+
+
+@pytest.mark.parametrize("transport", ["local", "shm", "tcp"])
+@pytest.mark.parametrize("alias", [False, True], ids=["copy", "alias"])
+def test_a_tied_head_is_published_once_and_installs_into_tied_and_untied_models(transport, alias):
+    if alias and transport != "shm":
+        pytest.skip("aliasing installs views of a shared slot: shm's")
+    source = TiedLM(2.0)
+    with WeightPublisher(transport, checksums=True) as publisher:
+        manifest = publisher.publish(source, 1)
+        if transport == "tcp":
+            manifest = dataclasses.replace(manifest, publisher_host="another-host")
+        specs = {spec.name: spec for spec in manifest.tensors}
+        assert specs["head.weight"].offset == specs["embed.weight"].offset
+        assert specs["head.weight"].checksum == specs["embed.weight"].checksum is not None
+        assert manifest.total_nbytes == 4 * (50 * 8 + 8 + 8), "the head's bytes are the embedding's: sent once"
+        for target in (TiedLM(0.0), TiedLM(0.0, tied=False)):
+            consumer = WeightConsumer()
+            consumer.install(manifest, target, alias=alias)
+            for name, value in source.state_dict().items():
+                assert torch.equal(target.state_dict()[name], value), name
+            consumer.release(manifest.update_id)
+            consumer.close()
+    untied = TiedLM(2.0, tied=False)  # equal values, separate storage: both sent
+    with WeightPublisher("local") as publisher:
+        assert publisher.publish(untied, 1).total_nbytes == 4 * (2 * 50 * 8 + 8 + 8)
