@@ -4,6 +4,7 @@
     python benchmarks/bench_weights.py --transport cuda-ipc --device cuda --mb 64 1024 4096 \\
         --dtype float32 bfloat16 --install alias copy
     python benchmarks/bench_weights.py --transport local --mb 1024
+    python benchmarks/bench_weights.py --transport shm --mb 8 --layers 48 --install copy alias   # fixed costs
 
 The publisher is this process (the trainer); the consumer is an actor in
 another process (in this process for ``local``, which cannot cross
@@ -42,12 +43,15 @@ from actors.tensors import copy_all, probe
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def model_shapes(total_mb: int, dtype: torch.dtype) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of a transformer-like state_dict of about ``total_mb`` MiB."""
+def model_shapes(total_mb: int, dtype: torch.dtype, layers: int | None = None) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of a transformer-like state_dict of about ``total_mb`` MiB (``layers`` of 6 tensors each:
+    the width follows; by default the layers follow the width)."""
     elements = total_mb * 2**20 // dtype.itemsize
-    layers = 24 if total_mb >= 256 else 8
+    given = layers
+    layers = given or (24 if total_mb >= 256 else 8)
     width = max(64, round(math.sqrt(elements / (12 * layers + 8)) / 64) * 64)
-    layers = max(1, round((elements - 8 * width * width) / (12 * width * width)))
+    if given is None:
+        layers = max(1, round((elements - 8 * width * width) / (12 * width * width)))
     shapes: dict[str, tuple[int, ...]] = {"embed.weight": (8 * width, width)}
     for layer in range(layers):
         prefix = f"layers.{layer}."
@@ -160,7 +164,7 @@ class Copy:
 
 async def measure(args: argparse.Namespace, mb: int, dtype: str, install: str) -> dict[str, Any]:
     torch_dtype = DTYPES[dtype]
-    shapes = model_shapes(mb, torch_dtype)
+    shapes = model_shapes(mb, torch_dtype, args.layers)
     state = make_state(shapes, torch_dtype, args.device, 1.0)
     total = sum(t.numel() * t.element_size() for t in state.values())
     baseline = Copy(state, args.device)
@@ -250,6 +254,7 @@ def main() -> None:
     parser.add_argument("--mb", type=int, nargs="+", default=[1024], help="sizes of the state_dict in MiB")
     parser.add_argument("--dtype", nargs="+", choices=list(DTYPES), default=["float32"])
     parser.add_argument("--install", nargs="+", choices=["copy", "alias"], default=["copy"])
+    parser.add_argument("--layers", type=int, help="layers of 6 tensors (default: 24 from 256 MiB, else ~8)")
     parser.add_argument("--updates", type=int, default=5, help="measured updates per row (after warm-up)")
     parser.add_argument("--warmup", type=int, default=2, help="updates not measured (fresh memory)")
     parser.add_argument("--slots", type=int, default=3, help="slot pool size (an aliasing consumer holds one)")

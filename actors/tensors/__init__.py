@@ -115,10 +115,20 @@ def ties(tensors: list[tuple[str, torch.Tensor]]) -> list[int | None]:
     first: dict[tuple[Any, ...], int] = {}
     found: list[int | None] = []
     for index, (_, tensor) in enumerate(tensors):
-        local = tensor.to_local() if is_sharded(tensor) else tensor  # type: ignore[attr-defined]
-        storage = local.untyped_storage()._cdata  # the storage itself: an empty one is no other's
-        key = (storage, local.storage_offset(), tuple(tensor.shape), local.stride(), tensor.dtype)
-        earlier = first.setdefault(key, index)
+        if is_sharded(tensor):  # its shard's storage itself: an empty shard is no other's, on every rank alike
+            local = tensor.to_local()  # type: ignore[attr-defined]
+            key: tuple[Any, ...] = (
+                local.untyped_storage()._cdata,
+                local.storage_offset(),
+                tensor.shape,
+                local.stride(),
+            )
+        elif pointer := tensor.data_ptr():  # none: an empty (or meta) tensor is no other's bytes
+            key = (tensor.device, pointer, tensor.shape, tensor.stride())
+        else:
+            found.append(None)
+            continue
+        earlier = first.setdefault((*key, tensor.dtype), index)
         found.append(None if earlier == index else earlier)
     return found
 

@@ -47,16 +47,22 @@ def _rows_sharded(tensor: Any) -> bool:
 
 
 def wholes(tensors: Iterable[torch.Tensor], bucket_bytes: int = BUCKET_BYTES) -> Iterator[torch.Tensor]:
-    """Each of ``tensors`` detached and whole, in order: sharded ones gathered a bucket at a time (a collective)."""
+    """Each of ``tensors`` whole, in order: sharded ones gathered (and detached) a bucket at a time, a collective.
+
+    The others are given as they are: writers copy from them under ``no_grad``."""
+    dtensor = _dtensor_type()
+    if dtensor is None:  # no DTensor exists in this process: the tensors as they are
+        yield from tensors
+        return
     bucket: list[Any] = []
     size = 0
     for given in tensors:
-        tensor: Any = given.detach()  # a DTensor's attributes are not Tensor's
-        if not is_sharded(tensor):
+        if not isinstance(given, dtensor):
             yield from _gathered(bucket)
             bucket, size = [], 0
-            yield tensor
+            yield given
             continue
+        tensor: Any = given.detach()  # a DTensor's attributes are not Tensor's
         if not _rows_sharded(tensor):  # another layout: torch gathers it alone
             yield from _gathered(bucket)
             bucket, size = [], 0

@@ -30,13 +30,14 @@ import os
 import struct
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from .._runtime._core import current_runtime
 from .._shared._errors import ManifestError, StaleUpdateError, WeightSyncError
 from .._shared._segments import SHM_DIR, process_prefix
 from .._shared._segments import remove_process_segments as remove_segments
+from ._slot_views import SlotViews
 
 __all__ = [
     "HEADER_BYTES",
@@ -125,6 +126,7 @@ class Slot:
     update_id: str | None = None
     version: int = -1
     released: bool = True
+    views: SlotViews = field(default_factory=SlotViews)  # the payload's tensors by layout (shm)
 
 
 class SlotPool:
@@ -306,13 +308,14 @@ class PooledWriter:
 class Mapping:
     """The reader's mapping of one control segment, and how many held updates use it."""
 
-    __slots__ = ("fd", "holders", "mm", "name")
+    __slots__ = ("fd", "holders", "mm", "name", "views")
 
     def __init__(self, name: str, fd: int, mm: mmap.mmap) -> None:
         self.name = name
         self.fd = fd
         self.mm = mm
         self.holders = 0
+        self.views = SlotViews()  # the payload's tensors by layout (shm): unmapped with the mapping
 
 
 def check_segment_name(handle: Any) -> str:
@@ -397,6 +400,7 @@ class SlotHolds:
 
     def _unmap(self, mapping: Mapping) -> None:
         del self._maps[mapping.name]
+        mapping.views.clear()
         if self._on_forget is not None:
             self._on_forget(mapping.name)
         with contextlib.suppress(BufferError):  # tensors still alive keep the pages mapped

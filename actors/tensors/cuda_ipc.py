@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -34,6 +34,7 @@ import torch
 from .._shared._errors import ManifestError, StaleUpdateError, TransportBlocked
 from . import TensorSpec, check_specs, checksum, copy_all
 from ._sharded import is_sharded, wholes
+from ._slot_views import SlotViews
 from ._slots import LOCK_TIMEOUT, PooledWriter, Slot, SlotHolds, SlotPool, check_segment_name
 
 __all__ = ["CudaIpcReader", "CudaIpcWriter", "SlotHandle", "parse_handle", "probe"]
@@ -124,6 +125,7 @@ class _DeviceSlot:
     buffer: torch.Tensor  # uint8 [capacity] on the writer's GPU
     event: torch.cuda.Event  # interprocess; recorded after each fill
     handle: SlotHandle
+    views: SlotViews = field(default_factory=SlotViews)  # the buffer's tensors by layout
 
 
 class CudaIpcWriter(PooledWriter):
@@ -195,17 +197,19 @@ class CudaIpcWriter(PooledWriter):
         for other in {t.device for _, t in tensors if t.is_cuda and t.device != device}:
             side.wait_stream(torch.cuda.current_stream(other))
         dst, src = [], []
-        for spec, (_, tensor), gathered in zip(specs, tensors, wholes(t for _, t in tensors), strict=True):
+        targets = storage.views.of(specs, lambda spec: _slot_view(storage.buffer, spec))
+        sources = wholes(t for _, t in tensors)
+        for spec, (_, tensor), target, gathered in zip(specs, tensors, targets, sources, strict=True):
             if not spec.nbytes:
                 continue
             if is_sharded(tensor):  # gathered whole (a bucket at a time) and copied at once
                 side.wait_stream(torch.cuda.current_stream(gathered.device))
                 with torch.cuda.device(device), torch.cuda.stream(side):
-                    _slot_view(storage.buffer, spec).copy_(gathered)
+                    target.copy_(gathered)
                 if gathered.device == device:
                     gathered.record_stream(side)  # freed when the loop moves on: not reused mid-copy
                 continue
-            dst.append(_slot_view(storage.buffer, spec))
+            dst.append(target)
             src.append(gathered)
         with torch.cuda.device(device), torch.cuda.stream(side):
             copy_all(dst, src)
@@ -236,6 +240,7 @@ class _OpenSlot:
     base: torch.Tensor  # uint8 view of the whole slot, in this process
     event: torch.cuda.Event
     device: int  # this process's index of the slot's GPU
+    views: SlotViews = field(default_factory=SlotViews)  # the slot's tensors by layout, checked once
 
 
 class CudaIpcReader:
@@ -259,10 +264,17 @@ class CudaIpcReader:
         parsed = parse_handle(handle)
         _, nbytes = self._holds.hold(parsed.slot, update_id, version)
         try:
-            check_specs(specs, min(nbytes, parsed.capacity))
+            known = self._open.get(parsed.slot)
+            if known is None or known.mem != parsed.mem:
+                check_specs(specs, min(nbytes, parsed.capacity))  # before a slot is opened
             opened = self._opened(parsed)
+            made = opened.views.of(
+                specs,
+                lambda spec: _slot_view(opened.base, spec),
+                lambda: check_specs(specs, min(nbytes, parsed.capacity)),
+            )
             torch.cuda.current_stream(opened.device).wait_event(opened.event)
-            tensors = {spec.name: _slot_view(opened.base, spec) for spec in specs}
+            tensors = {spec.name: tensor for spec, tensor in zip(specs, made, strict=True)}
         except BaseException:
             self._holds.unhold(parsed.slot)
             raise

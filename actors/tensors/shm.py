@@ -45,8 +45,8 @@ class ShmWriter(PooledWriter):
     ) -> list[TensorSpec]:
         out = []
         buffer = self._pool.payload(slot)
-        for spec, source in zip(specs, wholes(t for _, t in tensors), strict=True):  # sharded ones gathered here
-            dst = view(buffer, spec, HEADER_BYTES)
+        targets = slot.views.of(specs, lambda spec: view(buffer, spec, HEADER_BYTES))
+        for spec, dst, source in zip(specs, targets, wholes(t for _, t in tensors), strict=True):  # sharded: gathered
             dst.copy_(source)
             out.append(replace(spec, checksum=checksum(dst)) if with_checksums else spec)
         return out
@@ -66,8 +66,10 @@ class ShmReader:
     def read(self, update_id: str, version: int, handle: Any, specs: tuple[TensorSpec, ...]) -> dict[str, torch.Tensor]:
         mapping, total = self._holds.hold(handle, update_id, version)
         try:
-            check_specs(specs, total)
-            tensors = {spec.name: view(mapping.mm, spec, HEADER_BYTES) for spec in specs}
+            made = mapping.views.of(
+                specs, lambda spec: view(mapping.mm, spec, HEADER_BYTES), lambda: check_specs(specs, total)
+            )
+            tensors = {spec.name: tensor for spec, tensor in zip(specs, made, strict=True)}
         except BaseException:
             self._holds.unhold(handle)
             raise

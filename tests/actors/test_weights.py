@@ -17,6 +17,7 @@ from support import ShardedSource, WeightSink, WeightSource, filled_model, model
 from actors import (
     ChecksumError,
     LifecycleError,
+    ManifestError,
     StaleUpdateError,
     TransportBlocked,
     VersionError,
@@ -493,3 +494,29 @@ def test_a_tied_head_is_published_once_and_installs_into_tied_and_untied_models(
     untied = TiedLM(2.0, tied=False)  # equal values, separate storage: both sent
     with WeightPublisher("local") as publisher:
         assert publisher.publish(untied, 1).total_nbytes == 4 * (2 * 50 * 8 + 8 + 8)
+
+
+def test_a_slots_views_are_made_once_per_layout_and_a_new_layout_is_checked_first():
+    """Both sides make the tensors over a slot once per layout (hundreds of tensor operations an update), and the
+    reader still checks any layout it has not seen in that slot."""
+    source = filled_model(1.0)
+    with WeightPublisher("shm", slots=1) as publisher:
+        consumer = WeightConsumer()
+        try:
+            first = publisher.publish(source, 1)
+            made = consumer.import_update(first)
+            consumer.release(first.update_id)
+            with torch.no_grad():
+                next(source.parameters()).add_(1.0)
+            second = publisher.publish(source, 2)
+            again = consumer.import_update(second)
+            assert all(again[name] is made[name] for name in made), "the same views, not made again"
+            assert torch.equal(again[first.tensors[0].name], next(source.parameters())), "over the new bytes"
+            consumer.release(second.update_id)
+            third = publisher.publish(source, 3)
+            outside = dataclasses.replace(third.tensors[0], offset=1 << 40)
+            tampered = dataclasses.replace(third, tensors=(outside, *third.tensors[1:]))
+            with pytest.raises(ManifestError, match="outside its slot"):
+                consumer.import_update(tampered)
+        finally:
+            consumer.close()
