@@ -65,7 +65,7 @@ class AttachedHostMesh(RemoteHostMesh):
 
     def __init__(self, rt: Runtime, nodes: list[RemoteNode], lifelines: Lifelines, agents: list[ProcMesh]) -> None:
         super().__init__(rt, nodes, lifelines)
-        self._agents = agents  # their proc meshes (handles: stopping one stops only the agent)
+        self._agents = agents  # the worker loops' processes, as handles (never stopped: the loops outlive us)
         at_runtime_exit(self.shutdown)
 
     def __repr__(self) -> str:
@@ -105,13 +105,16 @@ class AttachedHostMesh(RemoteHostMesh):
         if self.closed:
             return
         self.closed = True
-        calls = [_ask(self._rt, n.handle, "stop", ()) for n in self._nodes if not n.lost]
+        reached = [n for n in self._nodes if not n.lost]
+        calls = [_ask(self._rt, n.handle, "stop", ()) for n in reached]
         for call in calls:
             with contextlib.suppress(Exception):
                 _wait(self._rt, call, STOP_TIMEOUT, "the hosts to stop their workers")
-        for agent in self._agents:
+        # the agent actors only: their process is the worker loop, which serves the next controller
+        stops = [n.handle.stop() for n in reached]
+        for stop in stops:
             with contextlib.suppress(Exception):
-                agent.stop().get(timeout=STOP_TIMEOUT)
+                stop.get(timeout=STOP_TIMEOUT)
         self._relay.close()
         self._lifelines.close()
         self._forget_workers("its host mesh was shut down")

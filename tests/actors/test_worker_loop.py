@@ -57,7 +57,9 @@ CONTROLLER = textwrap.dedent(
             print(json.dumps(out), flush=True)
             os._exit(0)
         procs.stop().get(timeout=30)
+        t = time.monotonic()
         hosts.shutdown()
+        out["shutdown_s"] = time.monotonic() - t
         print(json.dumps(out), flush=True)
 
     if __name__ == "__main__":
@@ -161,6 +163,9 @@ def test_when_its_controller_dies_a_worker_ends_its_workers_and_serves_the_next_
     assert wait_for(lambda: not actor_pids() & orphans, timeout=15), "the hosts end the dead controller's workers"
     second = result_of(run_controller(tmp_path, workers, keys, "stop"))
     assert len({pid for pid, _, _ in second["answers"]}) == 4
+    assert second["shutdown_s"] < 5, "a shutdown stops the agents, never waits for the worker loops to exit"
+    third = result_of(run_controller(tmp_path, workers, keys, "stop"))  # a clean shutdown leaves the loops serving
+    assert len({pid for pid, _, _ in third["answers"]}) == 4
 
 
 def test_bad_arguments_are_refused_with_the_reason(monkeypatch):
