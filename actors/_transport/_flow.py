@@ -61,7 +61,9 @@ class Window:
         self.dead = False
         self.inflight = 0
         self.inflight_bytes = 0
-        self.backlog: deque[tuple[bytes, list[Any], int]] = deque()
+        # (record, its buffer frames or None, bytes): without frames an entry is bytes and ints, which the
+        # garbage collector stops tracking, so a full backlog adds nothing to a full collection's walk
+        self.backlog: deque[tuple[bytes, list[Any] | None, int]] = deque()
         self.backlog_bytes = 0
         self.waiters: list[asyncio.Future[None]] = []
 
@@ -120,7 +122,7 @@ class SenderWindows:
                 f"({window.backlog_bytes >> 20} MiB) already wait for its receiver to consume; "
                 "await port.drain() between sends to pace this sender"
             )
-        window.backlog.append((data, frames, size))
+        window.backlog.append((data, frames or None, size))
         window.backlog_bytes += size
         self.backlogged += 1
 
@@ -140,7 +142,7 @@ class SenderWindows:
             window.inflight += 1
             window.inflight_bytes += size
             released += 1
-            post(window.link, data, frames, False)
+            post(window.link, data, frames or [], False)
         self.backlogged -= released
         if not backlog:
             _wake(window.waiters)
