@@ -9,9 +9,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import sysconfig
 import textwrap
+import types
 
 import pytest
+
+from actors._hosting._worker import program_modules
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), ROOT]))
@@ -147,3 +151,26 @@ def test_a_library_on_pythonpath_keeps_its_globals_when_a_worker_exits(tmp_path,
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.splitlines()[-1] == "stopped"
     assert not mark.exists(), mark.read_text()
+
+
+def test_the_programs_modules_are_found_by_their_real_folders_and_a_relative_name_is_never_one(tmp_path, monkeypatch):
+    """What a stopping worker clears: files under the program's folders, their folders resolved (a link to one
+    counts); a module named relatively (torch's ``torch.ops`` is ``_ops.py``) or under an install folder never."""
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "linked").symlink_to(real, target_is_directory=True)
+    for name in ("mine.py", "_ops.py"):
+        (real / name).write_text("")
+    monkeypatch.chdir(real)
+    monkeypatch.setattr(sys, "path", [str(real), *sys.path[1:]])
+    modules = {
+        "program_mine": str(tmp_path / "linked" / "mine.py"),  # the program's, reached through a link
+        "library_ops": "_ops.py",  # relative: would resolve under the working folder
+        "library_site": os.path.join(sysconfig.get_paths()["purelib"], "somelib.py"),
+    }
+    for name, file in modules.items():
+        module = types.ModuleType(name)
+        module.__file__ = file
+        monkeypatch.setitem(sys.modules, name, module)
+    found = {name for name, _ in program_modules()}
+    assert "program_mine" in found and not found & {"library_ops", "library_site"}
