@@ -204,3 +204,21 @@ def ranks_step(
     finally:
         mesh.stop().get(timeout=30)
     return [report for _, report in reports.items()]
+
+
+def tiny_qwen2(vocab: int = 300, width: int = 32, heads: int = 4, seed: int = 0, **extra: Any) -> Any:
+    """A random two-layer Qwen2 with a tied head, built from a config (nothing downloaded), in eval mode."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=width,
+        intermediate_size=2 * width,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        tie_word_embeddings=True,
+        **extra,
+    )
+    return transformers.Qwen2ForCausalLM(config).eval()

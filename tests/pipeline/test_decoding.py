@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
 
 import transformers
+from pipeline_support import tiny_qwen2
 
 from actors import WeightInbox, WeightPublisher
 from pipeline.models import (
@@ -39,21 +40,7 @@ class Tokenizer:
 
 
 def qwen2(vocab: int = 500, attention: str = "sdpa", seed: int = 0, **extra: Any) -> Any:
-    torch.manual_seed(seed)
-    config = transformers.Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        eos_token_id=2,
-        attn_implementation=attention,
-        **extra,
-    )
-    return transformers.Qwen2ForCausalLM(config).eval()
+    return tiny_qwen2(vocab, seed=seed, pad_token_id=0, eos_token_id=2, attn_implementation=attention, **extra)
 
 
 def prompts(vocab: int, lengths: tuple[int, ...] = (5, 17, 1, 9, 30)) -> list[list[int]]:

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from pipeline_support import tiny_qwen2
 
 from pipeline.algorithm import chunk_positions, chunked_token_logps, token_logps
 
@@ -43,20 +44,10 @@ def test_a_chunk_holds_at_most_the_budget():
 
 
 def test_the_split_model_gives_the_models_own_log_probs_and_falls_back_when_it_cannot(caplog):
-    transformers = pytest.importorskip("transformers", reason="needs the hf extra")
+    pytest.importorskip("transformers", reason="needs the hf extra")
     from pipeline.models import CompletionLogps
 
-    torch.manual_seed(0)
-    config = transformers.Qwen2Config(
-        vocab_size=300,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
-    model = transformers.Qwen2ForCausalLM(config).eval()
+    model = tiny_qwen2(300)
     prompt_mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]], device="cpu")
     tokens = torch.randint(3, 300, (2, 10), device="cpu")
     attention = torch.cat([prompt_mask, torch.ones(2, 6, dtype=torch.long, device="cpu")], 1)[:, :-1]
