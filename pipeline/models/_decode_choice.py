@@ -111,7 +111,19 @@ class DecoderChoice:
                 raise ModelError(f"decode graphs: CUDA graphs need the model on a CUDA device, not {device}")
             if wanted == "auto":
                 return self._chosen("dynamic", device, f"no CUDA graphs on {device.type}")
-        gap = self._static_gap(ids[:1], prompt_mask[:1])
+        try:
+            gap = self._static_gap(ids[:1], prompt_mask[:1])
+        except Exception as exc:  # a transformers whose static cache works otherwise, say
+            if wanted != "auto":
+                raise ModelError(
+                    f"decode {wanted}: {type(self.model).__name__}: its static cache failed: {exc}"
+                ) from exc
+            _log.warning(
+                "builtin engine: the static cache failed (%s: %s); decoding over a dynamic cache",
+                type(exc).__name__,
+                exc,
+            )
+            return self._chosen("dynamic", device, "the static cache failed")
         if gap is not None:
             message = f"the static cache's logits differ from the dynamic cache's by {gap:.3g}"
             if wanted != "auto":

@@ -293,3 +293,29 @@ def test_on_a_gpu_auto_falls_back_to_the_dynamic_cache_for_a_model_the_static_ca
     assert_same_completions(
         got, draw_with(BuiltinEngine(model, Tokenizer(), "dynamic"), prompts(500), SamplingParams(4))
     )
+
+
+class BreaksOnStaticCaches(transformers.Qwen2ForCausalLM):  # type: ignore[misc]
+    """A model (or a transformers release) whose forward fails over a static cache."""
+
+    def forward(self, *args: Any, past_key_values: Any = None, **kwargs: Any) -> Any:
+        if isinstance(past_key_values, transformers.StaticCache):
+            raise TypeError("this model's layers cannot update a StaticCache")
+        return super().forward(*args, past_key_values=past_key_values, **kwargs)
+
+
+def test_a_static_cache_that_fails_is_refused_with_the_reason_when_asked_for():
+    model = BreaksOnStaticCaches(qwen2().config).eval()
+    with pytest.raises(ModelError, match="decode static: BreaksOnStaticCaches: its static cache failed: this model"):
+        draw_with(BuiltinEngine(model, Tokenizer(), "static"), prompts(500), SamplingParams(4))
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_auto_decodes_over_the_dynamic_cache_when_the_static_one_fails(caplog):
+    model = _on_gpu(BreaksOnStaticCaches(qwen2().config).eval())
+    engine = BuiltinEngine(model, Tokenizer())
+    with caplog.at_level(logging.INFO, logger=CHOICE_LOG):
+        got = draw_with(engine, prompts(500), SamplingParams(4))
+    assert engine.decoding.path == "dynamic" and "the static cache failed (TypeError" in caplog.text
+    want = draw_with(BuiltinEngine(model, Tokenizer(), "dynamic"), prompts(500), SamplingParams(4))
+    assert_same_completions(got, want)
