@@ -104,10 +104,11 @@ class Installing:
         tensors = flat(self.consumer.import_update(manifest))
         t1 = time.perf_counter()
         with torch.no_grad():
-            if alias:
-                self.model.load_state_dict(tensors, assign=True)
+            params = dict(self.model.named_parameters())
+            if alias:  # as WeightConsumer.install(alias=True) does: each parameter takes the slot's storage
+                for name, tensor in tensors.items():
+                    params[name].data = tensor
             else:
-                params = dict(self.model.named_parameters())
                 copy_all([params[name] for name in tensors], list(tensors.values()))
         synchronize(self.device)  # installed means the bytes are in place on the device
         t2 = time.perf_counter()

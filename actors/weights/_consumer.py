@@ -20,7 +20,7 @@ from .._shared._errors import (
     WeightSyncError,
 )
 from .._shared._session import host_id
-from ..tensors import Reader, TensorSpec, checksum, copy_all, dtype_name, read_async
+from ..tensors import Reader, TensorSpec, checksum, copy_all, dtype_name, is_sharded, read_async
 from ._manifest import WeightManifest, make_reader
 
 __all__ = ["PublisherWatch", "WeightConsumer", "fit"]
@@ -98,6 +98,28 @@ class PublisherWatch:
 def _check_type(manifest: object) -> None:
     if not isinstance(manifest, WeightManifest):
         raise TypeError(f"expected a WeightManifest, got {type(manifest).__name__}")
+
+
+def _alias(
+    model: torch.nn.Module, targets: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], strict: bool
+) -> None:
+    """Make the module's tensors named in ``targets`` views of the update's ``tensors``.
+
+    Each parameter or buffer keeps its identity and takes the update's
+    storage (``.data``): a few microseconds a tensor, where
+    ``load_state_dict(assign=True)`` built a new ``Parameter`` for each
+    through the module tree (3.9 ms for 289 tensors, the install's whole
+    fixed cost). A module whose state_dict names are not its tensors' own
+    (one that renames them in hooks), or sharded ones, take the
+    ``load_state_dict`` path.
+    """
+    own: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+    own.update(model.named_buffers(remove_duplicate=False))
+    if all(name in own and not is_sharded(own[name]) for name in targets):
+        for name in targets:
+            own[name].data = tensors[name]
+    else:
+        model.load_state_dict(tensors, strict=strict, assign=True)
 
 
 def fit(manifest: WeightManifest, model: torch.nn.Module, strict: bool = True) -> dict[str, torch.Tensor]:
@@ -327,7 +349,7 @@ class WeightConsumer:
                             f"an aliasing install needs the update on the model's device: {name!r} is on "
                             f"{tensors[name].device}, the model on {target.device} (install with alias=False)"
                         )
-                model.load_state_dict(tensors, strict=strict, assign=True)
+                _alias(model, targets, tensors, strict)
             else:
                 seen: set[tuple[int, int, tuple[int, ...]]] = set()
                 names = []

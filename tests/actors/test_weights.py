@@ -520,3 +520,35 @@ def test_a_slots_views_are_made_once_per_layout_and_a_new_layout_is_checked_firs
                 consumer.import_update(tampered)
         finally:
             consumer.close()
+
+
+def test_an_alias_install_keeps_each_parameter_and_gives_it_the_slots_bytes():
+    """Each parameter object stays (an optimizer or a captured graph's owner holding it sees the update) and views
+    the slot; a module whose state_dict names are not its tensors' own still installs, through load_state_dict."""
+    model = filled_model(0.0)
+    before = list(model.parameters())
+    with WeightPublisher("shm", slots=2) as publisher:
+        inbox = WeightInbox()
+        manifest = publisher.publish(filled_model(1.0), 1)
+        inbox.put(manifest)
+        assert inbox.install_newest(model, alias=True) is manifest
+        views = inbox.consumer.import_update(manifest)  # the same update's tensors: views of the slot
+        assert all(a is b for a, b in zip(model.parameters(), before, strict=True))
+        for name, parameter in model.named_parameters():
+            assert parameter.data_ptr() == views[name].data_ptr() and bool((parameter == 1.0).all())
+        inbox.close()
+
+        class Renamed(torch.nn.Module):  # its state_dict says "w", its parameter is "inner.weight"
+            def __init__(self) -> None:
+                super().__init__()
+                self.inner = torch.nn.Linear(2, 2, bias=False)
+                self._register_state_dict_hook(lambda module, state, prefix, local: {"w": state["inner.weight"]})
+                self.register_load_state_dict_pre_hook(
+                    lambda module, state, prefix, *rest: state.update({"inner.weight": state.pop("w")})
+                )
+
+        source, target = Renamed(), Renamed()
+        consumer = WeightConsumer()
+        consumer.install(publisher.publish(source, 2), target, alias=True)
+        assert torch.equal(target.inner.weight, source.inner.weight)
+        consumer.close()
