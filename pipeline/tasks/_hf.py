@@ -154,8 +154,14 @@ class HFTask(Task):
         return engine
 
     def engine(self, policy: torch.nn.Module) -> Engine:
-        """The engine that samples ``policy``: the one built for it, else (the trainer's evaluation) the built-in."""
-        return _held(self._engines, policy, lambda: BuiltinEngine(policy, self.tokenizer, self.config.decode))
+        """The engine that samples ``policy``: the one built for it, else (the trainer's evaluation) the built-in.
+
+        The trainer's evaluation decodes over the dynamic cache unless a path
+        is asked for: a kept static cache and its graphs would hold memory
+        between evaluations in the process that holds the optimizer's state.
+        """
+        decode = "dynamic" if self.config.decode == "auto" else self.config.decode
+        return _held(self._engines, policy, lambda: BuiltinEngine(policy, self.tokenizer, decode))
 
     def sample(self, policy: torch.nn.Module, generator: torch.Generator, ticket: int = 0) -> HFBatch:
         data = self.train_data

@@ -519,3 +519,12 @@ def test_two_sharded_ranks_at_a_real_vocabulary_hold_half_the_model_each_and_tak
         assert result["grad_norm"] == pytest.approx(update.grad_norm, rel=2e-5)
         assert abs(result["held_bytes"] - whole / 2) < 0.001 * whole, (result["held_bytes"], whole)
         assert result["peak_rss_mb"] < 1100, result["peak_rss_mb"]  # 792 MB measured
+
+
+def test_the_trainers_evaluation_decodes_over_the_dynamic_cache_unless_a_path_is_asked_for(tmp_path, tiny):
+    """A kept static cache and its graphs would hold memory between evaluations in the trainer's process."""
+    model = load_model(str(tiny / "model")).eval()
+    for asked, decodes in (("auto", "dynamic"), ("static", "static")):
+        task = HFTask(resolve(_config(tiny, tmp_path, decode=asked)))
+        engine = task.engine(model)
+        assert isinstance(engine, BuiltinEngine) and engine.decoding.wanted == decodes
