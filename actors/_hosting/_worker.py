@@ -133,9 +133,7 @@ def _real_folder(folder: str, folders: dict[str, str]) -> str:
     real = folders.get(folder)
     if real is None:
         parent, name = os.path.split(folder)
-        if not name or name in (".", "..") or parent == folder:
-            real = os.path.realpath(folder)
-        elif os.path.islink(folder):
+        if not name or name in (".", "..") or parent == folder or os.path.islink(folder):
             real = os.path.realpath(folder)
         else:
             real = os.path.join(_real_folder(parent, folders), name)

@@ -44,6 +44,7 @@ __all__ = [
     "Writer",
     "check_specs",
     "copy_all",
+    "distinct",
     "gather_each",
     "is_sharded",
     "layout",
@@ -156,6 +157,11 @@ def origins(specs: Any) -> list[int]:
     earlier one's): only those are copied. Zero-byte tensors share no bytes."""
     first: dict[int, int] = {}
     return [first.setdefault(spec.offset, index) if spec.nbytes else index for index, spec in enumerate(specs)]
+
+
+def distinct(specs: Any) -> list[int]:
+    """The indices of the specs over bytes of their own (:func:`origins`): what is copied, gathered and counted."""
+    return [index for index, origin in enumerate(origins(specs)) if origin == index]
 
 
 def check_specs(specs: Any, capacity: int) -> tuple[TensorSpec, ...]:

@@ -264,14 +264,16 @@ class CudaIpcReader:
         parsed = parse_handle(handle)
         _, nbytes = self._holds.hold(parsed.slot, update_id, version)
         try:
+            capacity = min(nbytes, parsed.capacity)
             known = self._open.get(parsed.slot)
-            if known is None or known.mem != parsed.mem:
-                check_specs(specs, min(nbytes, parsed.capacity))  # before a slot is opened
+            opening = known is None or known.mem != parsed.mem
+            if opening:
+                check_specs(specs, capacity)  # before a slot is opened
             opened = self._opened(parsed)
             made = opened.views.of(
                 specs,
                 lambda spec: _slot_view(opened.base, spec),
-                lambda: check_specs(specs, min(nbytes, parsed.capacity)),
+                None if opening else lambda: check_specs(specs, capacity),  # an opened slot knows checked layouts
             )
             torch.cuda.current_stream(opened.device).wait_event(opened.event)
             tensors = {spec.name: tensor for spec, tensor in zip(specs, made, strict=True)}

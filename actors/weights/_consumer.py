@@ -106,10 +106,9 @@ def _alias(
     """Make the module's tensors named in ``targets`` views of the update's ``tensors``.
 
     Each parameter or buffer keeps its identity and takes the update's
-    storage (``.data``): a few microseconds a tensor, where
+    storage (``.data``): 0.11 ms for 289 tensors, where
     ``load_state_dict(assign=True)`` built a new ``Parameter`` for each
-    through the module tree (3.9 ms for 289 tensors, the install's whole
-    fixed cost). A module whose state_dict names are not its tensors' own
+    through the module tree (1.9 ms, measured in one process). A module whose state_dict names are not its tensors' own
     (one that renames them in hooks), or sharded ones, take the
     ``load_state_dict`` path.
     """

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._shared._errors import TransportBlocked
-from ..tensors import TRANSPORTS, Reader, TensorSpec, Writer, origins, probe
+from ..tensors import TRANSPORTS, Reader, TensorSpec, Writer, distinct, probe
 
 __all__ = ["WeightManifest", "available_transports", "make_reader", "make_writer"]
 
@@ -35,11 +35,7 @@ class WeightManifest:
     @property
     def total_nbytes(self) -> int:
         """The update's bytes: a tied tensor's are its twin's, counted once."""
-        return sum(
-            spec.nbytes
-            for index, (spec, origin) in enumerate(zip(self.tensors, origins(self.tensors), strict=True))
-            if origin == index
-        )
+        return sum(self.tensors[index].nbytes for index in distinct(self.tensors))
 
     @property
     def names(self) -> list[str]:

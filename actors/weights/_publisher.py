@@ -14,7 +14,7 @@ import torch
 from .._shared._errors import LifecycleError, VersionError, WeightSyncError
 from .._shared._loops import loop_running
 from .._shared._session import host_id
-from ..tensors import TensorSpec, gather_each, layout, origins
+from ..tensors import TensorSpec, distinct, gather_each, layout, origins
 from ._manifest import WeightManifest, make_writer
 
 __all__ = ["WeightPublisher", "join_publish"]
@@ -45,7 +45,7 @@ def join_publish(model: torch.nn.Module | dict[str, Any]) -> int:
     """
     tensors = _named_tensors(model)
     specs, _ = layout(tensors)
-    return gather_each(tensors[index][1] for index, origin in enumerate(origins(specs)) if origin == index)
+    return gather_each(tensors[index][1] for index in distinct(specs))
 
 
 async def _to_thread_to_the_end(fn: Any, *args: Any) -> Any:
@@ -213,7 +213,7 @@ class WeightPublisher:
     ) -> list[TensorSpec]:
         """Copy each distinct tensor once (a tied one's spec points at its twin's bytes and checksum)."""
         origin = origins(specs)
-        copied = [index for index, first in enumerate(origin) if first == index]
+        copied = distinct(specs)
         with torch.no_grad():
             filled = self._writer.fill(
                 reservation, [tensors[i] for i in copied], [specs[i] for i in copied], self.checksums
