@@ -261,6 +261,8 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=3, help="slot pool size (an aliasing consumer holds one)")
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
     args = parser.parse_args()
+    if args.layers is not None and args.layers < 1:
+        parser.error(f"--layers {args.layers}: a model needs at least one layer")
     args.consumer_device = args.consumer_device or args.device
     reason = probe(args.transport)
     if reason is None and "cuda" in args.device + args.consumer_device and not torch.cuda.is_available():
