@@ -78,5 +78,5 @@ class ChildSupervision:
         if slot is None:  # already gone: its owner still hears of it
             self._reports.report(actor, 0, "__supervise__", record)
             return
-        exc = SupervisionError(actor_failed(actor, slot.rank, cause))
+        exc = SupervisionError(actor_failed(actor, slot.rank, cause, slot.class_ref))
         self._lifecycle.kill(slot, "__supervise__", cause, record, exc)

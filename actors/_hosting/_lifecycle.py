@@ -124,10 +124,12 @@ class Lifecycle:
         stopped (``__cleanup__``, what it spawned).
         """
         if slot.error is None:
-            failed = actor_failed(slot.name, slot.rank, why)
+            failed = actor_failed(slot.name, slot.rank, why, slot.class_ref)
             slot.error = ErrorRecord(SUPERVISION, failed, record.traceback)
             log.error("%s\n%s", failed, record.traceback.rstrip())
-            told = ErrorRecord(record.type_name, actor_failed(slot.name, slot.rank, record.message), record.traceback)
+            told = ErrorRecord(
+                record.type_name, actor_failed(slot.name, slot.rank, record.message, slot.class_ref), record.traceback
+            )
             self._reports.report(slot.name, slot.rank, method, told)
             self.background(self.stop_slot(slot, exc, CLEANUP_TIMEOUT))
         if inv is not None and inv.wants_reply:

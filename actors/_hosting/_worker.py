@@ -30,6 +30,7 @@ from .._shared._config import WorkerConfig
 from .._shared._main_loader import load_definitions
 from .._shared._session import write_incarnation
 from .._wire import _refs
+from ._breakpoint import WorkerBreakpoints
 from ._output import ProcessOutput, WorkerStream
 from ._server import ActorServer
 
@@ -177,6 +178,7 @@ def _run(config: WorkerConfig) -> int:
         _load_main(config.main)
     except BaseException:
         print(f"could not load the launching script's module:\n{traceback.format_exc()}", file=sys.stderr)
+    sys.breakpointhook = WorkerBreakpoints(config.name)
     if config.bootstrap:
         _refs.resolve(config.bootstrap, allow_import=True)()
     _tune_gc()

@@ -20,7 +20,7 @@ from .._runtime._pending_calls import PendingCall
 from .._runtime._value_mesh import ValueMesh, extent_from_wire, flattened, select
 from .._shared._errors import ActorDied, DecodeError, SupervisionError, actor_stopped
 from .._shared._liveness import ProcRef
-from .._shared._names import shown
+from .._shared._names import MeshName, shown
 from .._wire._codec import register_handle
 from .._wire._records import PROCESS_ACTOR
 
@@ -64,7 +64,17 @@ class MeshEndpoint(Generic[P, R]):
 
         def send() -> PendingCall | None:
             encoded = encode_arguments(rt, args, kwargs)
-            return send_call(rt, targets, self._mesh._name, self._name, encoded, want_reply=True, timeout=self._timeout)
+            mesh = self._mesh
+            return send_call(
+                rt,
+                targets,
+                mesh._name,
+                self._name,
+                encoded,
+                want_reply=True,
+                timeout=self._timeout,
+                class_ref=mesh._class_ref,
+            )
 
         pending = rt.driver.on_thread(send)
         assert pending is not None
@@ -135,7 +145,9 @@ def _send_now(
 
     def send() -> None:
         encoded = encode_arguments(rt, args, kwargs)
-        send_call(rt, targets, ep._mesh._name, ep._name, encoded, want_reply=False, port=port)
+        send_call(
+            rt, targets, ep._mesh._name, ep._name, encoded, want_reply=False, port=port, class_ref=ep._mesh._class_ref
+        )
 
     rt.driver.on_thread(send)
 
@@ -185,7 +197,7 @@ class ActorMesh(Generic[A]):
         targets: list[tuple[int, ProcRef]],
         proc_mesh: ProcMesh | None = None,
     ) -> None:
-        self._name = name
+        self._name = MeshName(name)  # (``await mesh._name`` reads as in Monarch)
         self._proc_mesh = proc_mesh  # set where the mesh was spawned: its faults are checked here
         self._class_ref = class_ref
         self._endpoints = endpoints

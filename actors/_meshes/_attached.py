@@ -44,6 +44,7 @@ from .._shared._session import (
 from ._actor_mesh import ActorMesh
 from ._proc_mesh import ProcMesh
 from ._remote_host_mesh import ADDRESS_POOL, RemoteHostMesh, RemoteNode, Requested, use_tcp
+from ._worker_addresses import attach_address
 from ._worker_loop import HostAgent, check_worker_loop_args
 
 __all__ = ["AttachedHostMesh", "attach_to_workers", "hosts_from_config"]
@@ -66,7 +67,7 @@ class AttachedHostMesh(RemoteHostMesh):
     def __init__(self, rt: Runtime, nodes: list[RemoteNode], lifelines: Lifelines, agents: list[ProcMesh]) -> None:
         super().__init__(rt, nodes, lifelines)
         self._agents = agents  # the worker loops' processes, as handles (never stopped: the loops outlive us)
-        at_runtime_exit(self.shutdown)
+        at_runtime_exit(lambda: self._release(end_hosts=False))
 
     def __repr__(self) -> str:
         return f"<AttachedHostMesh {[node.node for node in self._nodes]}>"
@@ -98,23 +99,25 @@ class AttachedHostMesh(RemoteHostMesh):
         agent_ref = self._agents[node.index]._procs[0]  # (the handle's targets raise once its mesh is stopping)
         self._rt.registry.mark_dead(agent_ref, f"its host was lost ({why})")  # its pending requests fail now
 
-    def shutdown(self) -> None:
-        """End every process this mesh started on every host, and the agents (the worker loops keep serving)."""
-        if self._root is not None:
-            raise RuntimeError("shut down the host mesh this one was sliced from: they share their hosts")
+    def _release(self, end_hosts: bool) -> None:
+        """End every process this mesh started on every host, then the worker loops (``shutdown()``, as in
+        Monarch) or, at this program's exit, only the agents (the loops serve the next controller)."""
         if self.closed:
             return
         self.closed = True
         reached = [n for n in self._nodes if not n.lost]
-        calls = [_ask(self._rt, n.handle, "stop", ()) for n in reached]
+        calls = [_ask(self._rt, n.handle, "stop", (end_hosts,)) for n in reached]
+        if end_hosts:
+            for node in reached:  # the loop's process ends after answering: no failure
+                self._agents[node.index].supervisor.stopping = True
         for call in calls:
             with contextlib.suppress(Exception):
                 _wait(self._rt, call, STOP_TIMEOUT, "the hosts to stop their workers")
-        # the agent actors only: their process is the worker loop, which serves the next controller
-        stops = [n.handle.stop() for n in reached]
-        for stop in stops:
-            with contextlib.suppress(Exception):
-                stop.get(timeout=STOP_TIMEOUT)
+        if not end_hosts:  # the agent actors only: their process is the worker loop
+            stops = [n.handle.stop() for n in reached]
+            for stop in stops:
+                with contextlib.suppress(Exception):
+                    stop.get(timeout=STOP_TIMEOUT)
         self._relay.close()
         self._lifelines.close()
         self._forget_workers("its host mesh was shut down")
@@ -167,21 +170,21 @@ def attach_to_workers(
     name: str | None = None,
     timeout: float = ATTACH_TIMEOUT,
 ) -> AttachedHostMesh:
-    """A host mesh over worker loops already running at ``workers`` (``tcp://host:port`` each), Monarch's way.
+    """A host mesh over worker loops already running at ``workers``, Monarch's way.
 
     Each worker was started with ``run_worker_loop_forever(address=...)``, by a
     scheduler, a script or a person, with the same session CURVE key as this
-    process (``ACTORS_CURVE_PUBLIC`` / ``ACTORS_CURVE_SECRET``). Blocks until
-    every worker answered (``timeout`` s; a worker that does not hold the key
-    never does), so call it from synchronous code or a thread.
+    process (``ACTORS_CURVE_PUBLIC`` / ``ACTORS_CURVE_SECRET``); each address is
+    ``tcp://host:port`` or ``ipc:///absolute/path`` (a worker on this machine),
+    optionally as ``<proc-id>@<url>``. Blocks until every worker answered
+    (``timeout`` s; a worker that does not hold the key never does), so call it
+    from synchronous code or a thread. ``shutdown()`` ends the worker loops
+    too; at this program's exit they keep serving the next controller.
     """
     check_worker_loop_args(private_key, ca)
     if isinstance(workers, str) or not workers:
         raise TypeError(f"workers must be a non-empty list of worker addresses, not {workers!r}")
-    addresses = [w.get(timeout=timeout) if isinstance(w, Future) else w for w in workers]
-    for address in addresses:
-        if not isinstance(address, str) or tcp_host(address) is None:
-            raise ValueError(f"a worker's address must be 'tcp://<host>:<port>', not {address!r}")
+    addresses = [attach_address(w.get(timeout=timeout) if isinstance(w, Future) else w) for w in workers]
     rt = _use_tcp()
     lifelines = Lifelines(tcp_host(rt.address) or "127.0.0.1")
     agents: list[ProcMesh] = []

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 from .._processes._devices import GPU_DIM, gpu_env
 from .._processes._lifeline import Lifelines
 from .._runtime._core import Runtime, current_runtime
+from .._runtime._future import Future
 from .._runtime._relay import Relay
 from .._runtime._value_mesh import select
 from .._shared._liveness import ProcRef
@@ -130,8 +131,20 @@ class RemoteHostMesh(HostMesh):
         """``count`` free addresses on each of ``nodes``, waited for (never called on an event loop)."""
         raise NotImplementedError
 
-    def shutdown(self) -> None:
-        """End every process this mesh started on every host, and release the hosts (blocks until done)."""
+    def shutdown(self) -> Future[None]:
+        """End every process this mesh started on every host, and release the hosts; blocks until done.
+
+        Returns a completed :class:`Future`, so Monarch's ``hosts.shutdown().get()``
+        reads as there (code on an event loop awaits :meth:`shutdown_async`).
+        """
+        if self._root is not None:
+            raise RuntimeError("shut down the host mesh this one was sliced from: they share their hosts")
+        self._release(end_hosts=True)
+        return Future.ready(None)
+
+    def _release(self, end_hosts: bool) -> None:
+        """What :meth:`shutdown` does (once); ``end_hosts=False`` at the program's exit keeps what serves a host
+        that outlives this controller (an attached worker loop) serving."""
         raise NotImplementedError
 
     async def shutdown_async(self) -> None:

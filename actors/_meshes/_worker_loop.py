@@ -1,17 +1,20 @@
 """A worker host that a scheduler (Slurm, Kubernetes, ssh) started: Monarch's ``run_worker_loop_forever``.
 
-``run_worker_loop_forever(address="tcp://host:port")`` makes this process
-an actors worker listening on ``address``, authenticated with the session's
-CURVE key (``ACTORS_CURVE_PUBLIC`` / ``ACTORS_CURVE_SECRET``, which the
-controller holds too: a controller without them cannot complete the
-handshake, so nothing it sends is ever read). It serves until it is killed.
+``run_worker_loop_forever(address=...)`` makes this process an actors
+worker listening on ``address`` (tcp, an inherited tcp socket, or a unix
+socket: :mod:`._worker_addresses`), authenticated with the session's CURVE
+key on every transport (``ACTORS_CURVE_PUBLIC`` / ``ACTORS_CURVE_SECRET``,
+which the controller holds too: a controller without them cannot complete
+the handshake, so nothing it sends is ever read).
 
 A controller joins it with ``attach_to_workers`` by spawning a
 :class:`HostAgent` here: the agent starts this host's forkserver and forks
 the controller's workers on request, each on a tcp address of this host,
 and holds a lifeline to the controller. When the controller goes (its
 lifeline ends), the agent ends every worker it started and the worker loop
-waits for the next controller, as Monarch's does.
+waits for the next controller; when the controller shuts its host mesh
+down, the loop ends too (``run_worker_loop_forever`` exits the process,
+``run_worker_loop_until_shutdown`` returns), as Monarch's do.
 """
 
 from __future__ import annotations
@@ -35,10 +38,11 @@ from .._shared._session import (
     HOST_ID_ENV,
     TCP_HOST_ENV,
     TRANSPORT_ENV,
+    bind_host,
     make_runtime_dir,
-    tcp_host,
     write_incarnation,
 )
+from ._worker_addresses import ServingAddress, serving_address
 
 __all__ = [
     "HostAgent",
@@ -60,9 +64,7 @@ class HostAgent(Actor):
     """
 
     def __init__(self, lifeline: list[Any]) -> None:
-        ip = tcp_host(runtime().address)
-        assert ip is not None  # run_worker_loop_forever serves tcp only
-        self._node = NodeForkserver(ip, make_runtime_dir())
+        self._node = NodeForkserver(bind_host(), make_runtime_dir())  # the loop's host (loopback for ipc)
         host, port, key, index = lifeline
         self._node.hold_lifeline((str(host), int(port)), bytes.fromhex(str(key)), int(index))
 
@@ -92,9 +94,16 @@ class HostAgent(Actor):
         return [[e.worker, e.pid, e.code] for e in reaped]
 
     @endpoint
-    async def stop(self) -> None:
-        """End every worker this agent started, and the forkserver."""
+    async def stop(self, end_loop: bool = False) -> None:
+        """End every worker this agent started, and the forkserver; with ``end_loop``, the worker loop too.
+
+        The loop ends after this answer has left (its host mesh was shut down, Monarch's ``shutdown()``).
+        """
         await asyncio.to_thread(self._node.stop)
+        if end_loop:
+            server = runtime().server
+            assert server is not None  # an agent lives in a worker loop's process, which serves actors
+            asyncio.get_running_loop().call_soon(server.shutdown, "its host mesh was shut down")
 
     async def __cleanup__(self, exc: BaseException | None) -> None:
         if not self._node.stopped:
@@ -120,14 +129,8 @@ def check_worker_loop_args(private_key: bytes | None, ca: str) -> None:
         )
 
 
-def _serving_address(address: str) -> str:
-    if not isinstance(address, str) or tcp_host(address) is None:
-        raise ValueError(
-            f"a worker loop listens on tcp (authenticated with the session's CURVE key): "
-            f"address must be 'tcp://<host>:<port>', not {address!r}"
-        )
-    if "*" in address or "0.0.0.0" in address:
-        raise ValueError(f"give the address controllers reach this host at, not a wildcard: {address!r}")
+def _serving_address(address: object) -> ServingAddress:
+    serving = serving_address(address)
     if os.environ.get(CURVE_ENV, "1") == "0":
         raise RuntimeError(f"a worker loop never runs unauthenticated; unset {CURVE_ENV}=0")
     if not os.environ.get(CURVE_PUBLIC_ENV) or not os.environ.get(CURVE_SECRET_ENV):
@@ -135,11 +138,12 @@ def _serving_address(address: str) -> str:
             f"a worker loop needs the session's CURVE key in its environment ({CURVE_PUBLIC_ENV} and "
             f"{CURVE_SECRET_ENV}, the same as the controller's; actors.new_session_keys() makes a pair)"
         )
-    return address
+    return serving
 
 
-async def _serve(address: str) -> None:
-    rt = Runtime(address=address)
+async def _serve(serving: ServingAddress) -> None:
+    address = serving.address
+    rt = Runtime(address=address, fd=serving.fd)
     install_runtime(rt)
     loop = rt.driver.ensure_loop()
     write_incarnation(rt.dir, rt.address, rt.pid)
@@ -159,26 +163,33 @@ async def _serve(address: str) -> None:
 
 
 def run_worker_loop_forever(*, private_key: bytes | None = None, ca: str, address: str) -> None:
-    """Serve as a worker host at ``address`` (``tcp://host:port``) until this process is terminated.
+    """Serve as a worker host at ``address`` until its host mesh is shut down or this process is terminated.
 
-    Controllers join it with ``attach_to_workers(workers=[address, ...])``.
-    Both sides must hold the session's CURVE key (``ACTORS_CURVE_PUBLIC`` and
-    ``ACTORS_CURVE_SECRET``); ``ca`` must be ``"trust_all_connections"`` and
-    ``private_key`` None (Monarch's TLS arguments; the CURVE key replaces them).
+    ``address`` is ``tcp://host:port``, ``tcp://host:fdN`` (a tcp socket this
+    process inherited, bound) or ``ipc:///absolute/path``, optionally as
+    Monarch's ``<proc-id>@<url>``. Controllers join it with
+    ``attach_to_workers(workers=[address, ...])``. Both sides must hold the
+    session's CURVE key (``ACTORS_CURVE_PUBLIC`` and ``ACTORS_CURVE_SECRET``),
+    on ipc as on tcp; ``ca`` must be ``"trust_all_connections"`` and
+    ``private_key`` None (Monarch's TLS arguments; the CURVE key replaces
+    them). A controller that exits leaves the loop serving the next one; one
+    that calls ``shutdown()`` on its host mesh ends it, and the process exits
+    (``SystemExit(0)``): it never returns.
     """
-    check_worker_loop_args(private_key, ca)
-    address = _serving_address(address)
-    os.environ[TRANSPORT_ENV] = "tcp"
-    os.environ[TCP_HOST_ENV] = tcp_host(address) or "127.0.0.1"
-    os.environ.setdefault(HOST_ID_ENV, f"worker-{address}")
-    import uvloop
-
-    uvloop.run(_serve(address))
+    run_worker_loop_until_shutdown(private_key=private_key, ca=ca, address=address)
+    raise SystemExit(0)
 
 
 def run_worker_loop_until_shutdown(*, private_key: bytes | None = None, ca: str, address: str) -> None:
-    """Monarch's variant that returns when its host mesh shuts it down: here, when it is terminated (SIGTERM)."""
-    run_worker_loop_forever(private_key=private_key, ca=ca, address=address)
+    """:func:`run_worker_loop_forever` that returns when its host mesh is shut down (or it is terminated)."""
+    check_worker_loop_args(private_key, ca)
+    serving = _serving_address(address)
+    os.environ[TRANSPORT_ENV] = "tcp"  # the session's CURVE key on every link, and tcp for the workers it forks
+    os.environ[TCP_HOST_ENV] = serving.host
+    os.environ.setdefault(HOST_ID_ENV, f"worker-{serving.address}")
+    import uvloop
+
+    uvloop.run(_serve(serving))
 
 
 def start_worker_loop_forever(*, private_key: bytes | None = None, ca: str, address: str) -> None:

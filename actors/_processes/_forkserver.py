@@ -243,6 +243,8 @@ class Forkserver:
 
     def close(self) -> None:
         """Shut the forkserver down; it terminates every worker it forked."""
+        # The program is exiting: a process it asked for and never got is no failure to report.
+        self._refs.clear()
         with contextlib.suppress(OSError):
             os.close(self.process.requests)
         if not self.process.wait(TERM_GRACE + 3):

@@ -37,6 +37,8 @@ class ActorHost(Protocol):
 
     def abort(self, actor: str, reason: str) -> None: ...
 
+    def shutdown(self, reason: str) -> None: ...  # stop every actor and end the process's serving
+
     def adopt(self, actor: str, child: Stoppable) -> None: ...  # stopped when ``actor`` stops
 
     def stop_last(self, child: Stoppable) -> None: ...  # stopped when the worker stops, after its actors

@@ -44,6 +44,7 @@ def send_call(
     want_reply: bool,
     port: Any = None,
     timeout: float | None = None,
+    class_ref: str = "",
 ) -> PendingCall | None:
     """Put one call per ``(rank, process)`` on the wire; the pending call if a reply is wanted.
 
@@ -51,12 +52,12 @@ def send_call(
     for a fire-and-forget call).
     """
     blob, frames, handles = encoded
-    pending = rt.calls.open(actor, method, targets, timeout) if want_reply else None
+    pending = rt.calls.open(actor, method, targets, timeout, class_ref) if want_reply else None
     call_id = pending.call_id if pending is not None else 0
     enc = rt.encoder
     for rank, ref in targets:
         if ref.dead and not rt.registry.alive(ref):
-            error = ActorDied.of(actor, rank, ref.pid, ref.exit_reason, method)
+            error = ActorDied.of(actor, rank, ref.pid, ref.exit_reason, method, class_ref)
             if pending is None:
                 raise error
             pending.fail(error)

@@ -31,6 +31,7 @@ class PendingCall:
         "actor",
         "call_id",
         "callbacks",
+        "class_ref",
         "deadline",
         "done",
         "error",
@@ -43,11 +44,18 @@ class PendingCall:
     )
 
     def __init__(
-        self, call_id: int, actor: str, procs: dict[int, ProcRef], method: str = "", timeout: float | None = None
+        self,
+        call_id: int,
+        actor: str,
+        procs: dict[int, ProcRef],
+        method: str = "",
+        timeout: float | None = None,
+        class_ref: str = "",
     ) -> None:
         self.call_id = call_id
         self.actor = shown(actor)  # for messages
         self.method = method
+        self.class_ref = class_ref  # ``module:Class`` of the actor called, for messages ("" for the runtime's own)
         self.timeout = timeout
         #: ``time.monotonic()`` after which a waiting caller gets CallTimeout (None: no deadline).
         self.deadline = None if timeout is None else time.monotonic() + timeout
@@ -144,9 +152,14 @@ class CallTable:
         self._ids = itertools.count(1)
 
     def open(
-        self, actor: str, method: str, targets: list[tuple[int, ProcRef]], timeout: float | None = None
+        self,
+        actor: str,
+        method: str,
+        targets: list[tuple[int, ProcRef]],
+        timeout: float | None = None,
+        class_ref: str = "",
     ) -> PendingCall:
-        call = PendingCall(next(self._ids), actor, dict(targets), method, timeout)
+        call = PendingCall(next(self._ids), actor, dict(targets), method, timeout, class_ref)
         self._pending[call.call_id] = call
         call.callbacks.append(self._forget)
         return call
@@ -164,7 +177,7 @@ class CallTable:
         for call in list(self._pending.values()):
             for rank in call.remaining:
                 if call.procs[rank] is ref:
-                    call.fail(ActorDied.of(call.actor, rank, ref.pid, ref.exit_reason, call.method))
+                    call.fail(ActorDied.of(call.actor, rank, ref.pid, ref.exit_reason, call.method, call.class_ref))
                     break
 
     def __len__(self) -> int:

@@ -137,9 +137,19 @@ class SupervisionError(ActorsError, RuntimeError):
         super().__init__(message)
 
 
-def actor_failed(actor: str, rank: int, why: str) -> str:
+def actor_label(actor: str, rank: int, class_ref: str = "") -> str:
+    """How a failure names one actor: ``<module.Class name[rank]>``, or ``name[rank]`` where its class is not known.
+
+    Monarch's texts name the class too (``<module.FaultActor fault{...}>``), and its programs match on it.
+    """
+    if not class_ref:
+        return f"{shown(actor)}[{rank}]"
+    return f"<{class_ref.replace(':', '.')} {shown(actor)}[{rank}]>"
+
+
+def actor_failed(actor: str, rank: int, why: str, class_ref: str = "") -> str:
     """The message of an actor's failure, in the words Monarch's programs match on."""
-    return f"The actor {shown(actor)}[{rank}] and all its descendants have failed: {why}"
+    return f"The actor {actor_label(actor, rank, class_ref)} and all its descendants have failed: {why}"
 
 
 def actor_stopped(actor: str) -> str:
@@ -156,12 +166,14 @@ class ActorDied(SupervisionError):
         super().__init__(message)
 
     @classmethod
-    def of(cls, actor: str, rank: int, pid: int | None, reason: str, method: str = "") -> ActorDied:
-        """The error for calls to ``actor`` (rank ``rank``) whose process ``pid`` ended with ``reason``."""
+    def of(
+        cls, actor: str, rank: int, pid: int | None, reason: str, method: str = "", class_ref: str = ""
+    ) -> ActorDied:
+        """The error for calls to ``actor`` (rank ``rank``, of class ``class_ref``) whose process ``pid`` ended."""
         actor = shown(actor)
         call = f"Endpoint call {actor}.{method}() failed, " if method else ""
         why = f"its process (pid {pid}) died: {reason}"
-        return cls(call + actor_failed(actor, rank, why), pid=pid, actor=actor)
+        return cls(call + actor_failed(actor, rank, why, class_ref), pid=pid, actor=actor)
 
 
 class MainLoadingError(ActorsError, RuntimeError):

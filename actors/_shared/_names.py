@@ -9,11 +9,26 @@ and ``current_actor_name()`` show the name the user gave.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Generator
+from typing import Any
 
-__all__ = ["shown", "wire_name"]
+__all__ = ["MeshName", "shown", "wire_name"]
 
 _SEPARATOR = "#"
 _TOKEN_BYTES = 6
+
+
+class MeshName(str):
+    """An actor mesh's wire name: a string, that Monarch's programs may also ``await`` (its ``_name`` is a future)."""
+
+    __slots__ = ()
+
+    def __await__(self) -> Generator[Any, None, str]:
+        return _ready(str(self)).__await__()
+
+
+async def _ready(value: str) -> str:
+    return value
 
 
 def wire_name(name: str) -> str:

@@ -32,6 +32,7 @@ __all__ = [
     "session_keys",
     "tcp_host",
     "transport_kind",
+    "valid_ipc_path",
     "valid_peer_address",
     "write_incarnation",
 ]
@@ -104,16 +105,35 @@ def inbox_address(runtime_dir: str, name: str) -> str:
 _TCP_ADDRESS = re.compile(r"tcp://[A-Za-z0-9.\-]+:[0-9]{1,5}")
 
 
-def valid_peer_address(address: str, runtime_dir: str) -> bool:
+def valid_peer_address(address: str, runtime_dir: str, authenticated: bool = False) -> bool:
     """Only addresses this session could own: an ipc socket in its private directory, or tcp host:port.
 
     A header is attacker-controlled input; its address decides where replies
-    and credits go, so it must never point anywhere else.
+    and credits go, so it must never point anywhere else. On an
+    ``authenticated`` (CURVE) inbox every sender holds the session key, and
+    an ipc worker loop's socket lies wherever its scheduler put it: any
+    absolute socket path is then a peer's own.
     """
     if address.startswith("ipc://"):
         path = address[len("ipc://") :]
+        if authenticated:
+            return valid_ipc_path(path)
         return os.path.dirname(path) == runtime_dir and path.endswith(".sock") and ".." not in path
     return _TCP_ADDRESS.fullmatch(address) is not None
+
+
+#: The longest path a unix socket address holds (``sun_path``, less its terminating NUL).
+MAX_IPC_PATH = 107
+
+
+def valid_ipc_path(path: str) -> bool:
+    """An absolute, normalised unix socket path that fits ``sun_path``."""
+    return (
+        os.path.isabs(path)
+        and os.path.normpath(path) == path
+        and "\0" not in path
+        and 0 < len(path.encode()) <= MAX_IPC_PATH
+    )
 
 
 def bind_host() -> str:

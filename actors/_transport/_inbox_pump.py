@@ -71,8 +71,11 @@ class Inbox:
         own_address: str,
         learn_sender: Callable[[Header], None],
         drops: DropLog,
+        authenticated: bool = False,
     ) -> None:
         self.sock = sock
+        #: A CURVE inbox: every sender holds the session key (see ``valid_peer_address``).
+        self._authenticated = authenticated
         self.decoder = Decoder()
         self._session_dir = session_dir
         self._own_address = own_address
@@ -129,7 +132,7 @@ class Inbox:
         header = self._senders.get(raw)
         if header is None:
             header = Header.decode(raw)
-            if not valid_peer_address(header.address, self._session_dir):
+            if not valid_peer_address(header.address, self._session_dir, self._authenticated):
                 raise DecodeError(f"sender address {header.address!r:.80} is not a peer of this session")
             if len(self._senders) > 4096:
                 self._senders.clear()

@@ -53,13 +53,22 @@ def session_authenticator(ctx: zmq.Context[Any], public_key: bytes) -> Any:
     return auth
 
 
-def bind_inbox(ctx: zmq.Context[Any], address: str, keys: tuple[bytes, bytes] | None = None) -> zmq.Socket[Any]:
+def bind_inbox(
+    ctx: zmq.Context[Any], address: str, keys: tuple[bytes, bytes] | None = None, fd: int | None = None
+) -> zmq.Socket[Any]:
+    """The process's PULL inbox bound at ``address`` (a CURVE server with ``keys``).
+
+    ``fd``: a listening tcp socket the process inherited (a scheduler bound
+    it), served instead of a new one; ``address`` is then its own.
+    """
     sock: zmq.Socket[Any] = ctx.socket(zmq.PULL)
     if keys is not None:
         sock.curve_server = True
         sock.curve_publickey, sock.curve_secretkey = keys
     sock.setsockopt(zmq.RCVHWM, RCVHWM)
     sock.setsockopt(zmq.LINGER, 0)
+    if fd is not None:
+        sock.setsockopt(zmq.USE_FD, fd)
     sock.bind(address)
     return sock
 

@@ -46,7 +46,7 @@ class RayHostMesh(RemoteHostMesh):
     def __init__(self, rt: Runtime, placement_group: Any, nodes: list[RemoteNode], lifelines: Lifelines) -> None:
         super().__init__(rt, nodes, lifelines)
         self._pg = placement_group
-        at_runtime_exit(self.shutdown)
+        at_runtime_exit(lambda: self._release(end_hosts=True))
 
     def __repr__(self) -> str:
         return f"<RayHostMesh {[node.ip for node in self._nodes]}>"
@@ -58,10 +58,8 @@ class RayHostMesh(RemoteHostMesh):
         fresh: list[list[str]] = _ray().get([n.handle.addresses.remote(count) for n in nodes], timeout=SETUP_TIMEOUT)
         return fresh
 
-    def shutdown(self) -> None:
-        """End every process on every host, the node hosts and the Ray reservation (blocks until done)."""
-        if self._root is not None:
-            raise RuntimeError("shut down the Ray host mesh this one was sliced from: they share their hosts")
+    def _release(self, end_hosts: bool) -> None:
+        """End every process on every host, the node hosts and the Ray reservation (at exit too)."""
         if self.closed:
             return
         self.closed = True

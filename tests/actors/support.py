@@ -372,6 +372,16 @@ class Supervisor(Actor):
             await self.procs.stop()
 
 
+def _schedstat() -> tuple[float, float]:
+    """This thread's time on a CPU and waiting in the run queue for one, in seconds (Linux's schedstat)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            running, waiting, _ = f.read().split()
+    except (OSError, ValueError):
+        return 0.0, 0.0
+    return int(running) / 1e9, int(waiting) / 1e9
+
+
 class Heartbeat:
     """A beat every ``period`` s on the running event loop; ``worst`` is the longest gap seen (s).
 
@@ -383,6 +393,11 @@ class Heartbeat:
     def __init__(self, period: float = 0.001) -> None:
         self.period = period
         self.worst = 0.0
+        #: The longest gap less the time the loop's thread waited for a CPU meanwhile (the OS not running this
+        #: process is no stall of its loop): what code on the loop kept it from turning.
+        self.worst_stall = 0.0
+        #: For the longest gap: (on-CPU, waiting for a CPU) seconds of the loop's thread meanwhile.
+        self.worst_split = (0.0, 0.0)
         self.beats = 0
         self.gc_pauses: list[float] = []  # collections of the garbage collector meanwhile (s each)
         self._gc_started = 0.0
@@ -396,19 +411,25 @@ class Heartbeat:
 
     def __str__(self) -> str:
         longest = max(self.gc_pauses, default=0.0)
+        running, waiting = self.worst_split
         return (
-            f"worst gap {self.worst * 1000:.0f} ms over {self.beats} beats; "
-            f"{len(self.gc_pauses)} garbage collections meanwhile, the longest {longest * 1000:.0f} ms"
+            f"worst gap {self.worst * 1000:.0f} ms over {self.beats} beats (the loop's thread on a CPU "
+            f"{running * 1000:.0f} ms of it, waiting for one {waiting * 1000:.0f} ms), the worst stall "
+            f"{self.worst_stall * 1000:.0f} ms; {len(self.gc_pauses)} garbage collections meanwhile, the longest "
+            f"{longest * 1000:.0f} ms"
         )
 
     async def _run(self) -> None:
-        last = time.perf_counter()
+        last, (cpu, queued) = time.perf_counter(), _schedstat()
         while True:
             await asyncio.sleep(self.period)
-            now = time.perf_counter()
-            self.worst = max(self.worst, now - last)
+            now, (cpu_now, queued_now) = time.perf_counter(), _schedstat()
+            gap = now - last
+            self.worst_stall = max(self.worst_stall, gap - (queued_now - queued))
+            if gap > self.worst:
+                self.worst, self.worst_split = gap, (cpu_now - cpu, queued_now - queued)
             self.beats += 1
-            last = now
+            last, cpu, queued = now, cpu_now, queued_now
 
     async def __aenter__(self) -> Heartbeat:
         import gc

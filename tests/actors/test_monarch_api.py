@@ -14,6 +14,8 @@ import threading
 import time
 
 import pytest
+from harness import actor_pids, wait_for
+from support import Echo
 
 import actors
 from actors import (
@@ -315,7 +317,9 @@ async def test_an_exception_escaping_an_explicit_port_endpoint_is_a_supervision_
     with pytest.raises(SupervisionError, match=r"raised instead of answering.*KeyError"):
         await asyncio.wait_for(replies.escape.call_one(), 20)
     assert [f.endpoint for f in seen] == ["escape"]  # the supervisor hears first
-    with pytest.raises(SupervisionError, match=r"The actor replies\[0\] and all its descendants have failed"):
+    with pytest.raises(
+        SupervisionError, match=r"The actor <test_monarch_api.Replies replies\[0\]> and all its descendants have failed"
+    ):
         await replies.later.call_one(1, 2)  # the actor is gone for good, as in Monarch
 
 
@@ -361,7 +365,10 @@ async def test_a_base_exception_fails_the_actor_and_later_calls_raise_supervisio
     with pytest.raises(ActorError, match="a bad argument"):  # an Exception with a reply port: the actor lives on
         await doomed.ordinary.call_one()
     assert await doomed.ping.call_one() == "pong"
-    with pytest.raises(SupervisionError, match=r"The actor doomed\[0\] and all its descendants have failed.*Fatal"):
+    with pytest.raises(
+        SupervisionError,
+        match=r"The actor <test_monarch_api.Doomed doomed\[0\]> and all its descendants have failed.*Fatal",
+    ):
         await asyncio.wait_for(doomed.fatal.call_one(), 20)
     assert [(f.endpoint, f.exception_type) for f in seen] == [("fatal", "test_monarch_api.Fatal")]
     assert await asyncio.wait_for(receiver.recv(), 20) == "cleanup after Fatal"
@@ -413,6 +420,10 @@ def test_actor_died_is_a_supervision_error_naming_the_call():
     died = actors.ActorDied.of("worker", 3, 1234, "killed by SIGKILL", "step")
     assert isinstance(died, SupervisionError) and isinstance(died, RuntimeError)
     assert str(died).startswith("Endpoint call worker.step() failed, The actor worker[3] and all its descendants")
+    # with its class known, as Monarch's texts (and programs matching ``Actor .* and all its descendants``)
+    named = actors.ActorDied.of("fault", 0, 1234, "killed by SIGSEGV", "sigsegv", "tests.faults:FaultActor")
+    assert "The actor <tests.faults.FaultActor fault[0]> and all its descendants have failed" in str(named)
+    assert re.search("Actor .* and all its descendants have failed", str(named))
     assert died.pid == 1234 and died.actor == "worker"
 
 
@@ -738,3 +749,30 @@ async def test_stop_cancels_running_calls_before_cleanup(spawn):
     assert [await asyncio.wait_for(receiver.recv(), 20) for _ in range(2)] == ["cancelled", "cleanup"]
     with pytest.raises(ActorError, match="CancelledError"):
         await asyncio.wait_for(hanging, 20)
+
+
+class NeverConstructed(Actor):
+    """Its constructor blocks for good (Monarch's ``test_run_forever_on_init``)."""
+
+    def __init__(self) -> None:
+        threading.Event().wait()
+
+    @endpoint
+    async def ping(self) -> str:
+        return "pong"
+
+
+async def test_a_constructor_that_never_returns_stalls_its_own_process_only(spawn):
+    """A documented difference: an async actor's constructor runs on its process's event loop, as in Monarch
+    (where asyncio, ``torch.cuda.set_device`` and other thread state set there carry to its endpoints), but that
+    loop is shared by the process's actors. One that never returns stalls that process: calls to it time out
+    (never hang, given a deadline), other processes serve on, and stopping the mesh still ends the process."""
+    stuck, free = spawn(procs=1), spawn(procs=1)
+    never = stuck.spawn("never", NeverConstructed)
+    echo = free.spawn("echo", Echo, 1)
+    with pytest.raises(actors.CallTimeout):
+        await never.ping.with_timeout(1.0).call_one()
+    assert await echo.add.call_one(1) == 2
+    pid = stuck.pids[0]
+    await asyncio.wait_for(stuck.stop(timeout=1.0), 30)
+    assert wait_for(lambda: pid not in actor_pids(), timeout=10)

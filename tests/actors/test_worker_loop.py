@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -81,35 +82,47 @@ def clean_env(keys: dict[str, str] | None) -> dict[str, str]:
     return env
 
 
-@pytest.fixture
-def worker_loops() -> Iterator[tuple[list[str], dict[str, str]]]:
-    """Two worker loops on loopback tcp holding a fresh session key; killed at the end."""
-    keys = new_session_keys()
-    addresses = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
-    loops = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                f"from actors import run_worker_loop_forever; "
-                f"run_worker_loop_forever(address={address!r}, ca='trust_all_connections')",
-            ],
-            env=clean_env(keys),
-            start_new_session=True,
-        )
-        for address in addresses
-    ]
-    try:
-        yield addresses, keys
-    finally:
-        for loop in loops:
+def start_loop(
+    address: str, keys: dict[str, str], run: str = "run_worker_loop_forever", pass_fds: tuple[int, ...] = ()
+) -> subprocess.Popen[str]:
+    """A worker loop serving ``address`` in a process of its own; it prints ``returned`` if ``run`` returns."""
+    boot = f"from actors import {run}; {run}(address={address!r}, ca='trust_all_connections'); print('returned')"
+    return subprocess.Popen(
+        [sys.executable, "-c", boot],
+        env=clean_env(keys),
+        start_new_session=True,
+        pass_fds=pass_fds,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def end_loops(loops: list[subprocess.Popen[str]]) -> None:
+    for loop in loops:
+        if loop.poll() is None:
             loop.send_signal(signal.SIGTERM)
-        for loop in loops:
-            try:
-                loop.wait(15)
-            except subprocess.TimeoutExpired:
-                loop.kill()
-                loop.wait(5)
+    for loop in loops:
+        try:
+            loop.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            loop.kill()
+            loop.communicate(timeout=5)
+
+
+@pytest.fixture
+def worker_loops(request, tmp_path) -> Iterator[tuple[list[str], dict[str, str], list[subprocess.Popen[str]]]]:
+    """Two worker loops holding a fresh session key, on loopback tcp or at unix sockets outside any session
+    folder (both CURVE-authenticated); ended at the end."""
+    keys = new_session_keys()
+    if getattr(request, "param", "tcp") == "tcp":
+        addresses = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    else:
+        addresses = [f"ipc://{tmp_path}/loop{i}" for i in range(2)]
+    loops = [start_loop(address, keys) for address in addresses]
+    try:
+        yield addresses, keys, loops
+    finally:
+        end_loops(loops)
 
 
 def run_controller(
@@ -131,8 +144,12 @@ def result_of(proc: Any) -> dict[str, Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
+BOTH_TRANSPORTS = pytest.mark.parametrize("worker_loops", ["tcp", "ipc"], indirect=True)
+
+
+@BOTH_TRANSPORTS
 def test_attach_spawns_on_every_worker_and_a_killed_worker_fails_its_calls(tmp_path, worker_loops):
-    workers, keys = worker_loops
+    workers, keys, _ = worker_loops
     out = result_of(run_controller(tmp_path, workers, keys, "kill"))
     assert out["hosts"] == {"hosts": 2} and out["extent"] == {"hosts": 2, "procs": 2}
     assert [info["node"] for info in out["infos"]] == workers
@@ -143,38 +160,83 @@ def test_attach_spawns_on_every_worker_and_a_killed_worker_fails_its_calls(tmp_p
     assert wait_for(lambda: not actor_pids() & {pid for pid, _, _ in out["answers"]}, timeout=15)
 
 
+@BOTH_TRANSPORTS
 def test_a_controller_without_the_session_key_is_never_heard(tmp_path, worker_loops):
-    workers, _keys = worker_loops
+    workers, _keys, _ = worker_loops
     proc = run_controller(tmp_path, workers, new_session_keys(), "kill", timeout=3)  # a key pair of its own
     assert proc.returncode != 0
     assert "did not answer within 3s" in proc.stderr and "CURVE key" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_a_controller_with_no_key_at_all_is_refused_before_it_sends(tmp_path, worker_loops):
-    workers, _keys = worker_loops
+    workers, _keys, _ = worker_loops
     proc = run_controller(tmp_path, workers, None, "kill")
     assert proc.returncode != 0 and "needs the session's CURVE key" in proc.stderr, proc.stderr[-2000:]
 
 
-def test_when_its_controller_dies_a_worker_ends_its_workers_and_serves_the_next_one(tmp_path, worker_loops):
-    workers, keys = worker_loops
+@pytest.mark.parametrize("worker_loops", ["ipc"], indirect=True)  # (tcp: the test of the other address forms)
+def test_a_worker_loop_serves_the_next_controller_until_one_shuts_its_hosts_down(tmp_path, worker_loops):
+    workers, keys, loops = worker_loops
     first = result_of(run_controller(tmp_path, workers, keys, "exit"))
     orphans = {pid for pid, _, _ in first["answers"]}
     assert wait_for(lambda: not actor_pids() & orphans, timeout=15), "the hosts end the dead controller's workers"
+    assert all(loop.poll() is None for loop in loops), "a controller that exits leaves the loops serving"
     second = result_of(run_controller(tmp_path, workers, keys, "stop"))
     assert len({pid for pid, _, _ in second["answers"]}) == 4
-    assert second["shutdown_s"] < 5, "a shutdown stops the agents, never waits for the worker loops to exit"
-    third = result_of(run_controller(tmp_path, workers, keys, "stop"))  # a clean shutdown leaves the loops serving
-    assert len({pid for pid, _, _ in third["answers"]}) == 4
+    assert second["shutdown_s"] < 5, "shutdown() never waits for a worker loop's process to exit"
+    for loop in loops:  # Monarch's shutdown() ends run_worker_loop_forever's process
+        assert loop.wait(15) == 0
+        assert "returned" not in (loop.communicate()[0] or ""), "run_worker_loop_forever never returns"
+    assert not any(os.path.exists(w.removeprefix("ipc://")) for w in workers), "the loops remove their socket files"
+
+
+def test_inherited_socket_proc_id_forms_and_the_variant_that_returns(tmp_path):
+    """Monarch's fd bootstrap (``tcp://host:fdN``), a ``<proc-id>@<url>`` address, and
+    ``run_worker_loop_until_shutdown``, which returns when its host mesh is shut down."""
+    keys = new_session_keys()
+    bound = socket.socket()
+    bound.bind(("127.0.0.1", 0))  # bound, not listening: the worker loop makes it listen
+    port = bound.getsockname()[1]
+    loops = [
+        start_loop(f"tcp://127.0.0.1:fd{bound.fileno()}", keys, "run_worker_loop_until_shutdown", (bound.fileno(),)),
+        start_loop(f"service@tcp://127.0.0.1:{(other := free_port())}", keys),
+    ]
+    bound.close()
+    try:
+        out = result_of(run_controller(tmp_path, [f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{other}"], keys, "stop"))
+        assert len({pid for pid, _, _ in out["answers"]}) == 4
+        assert [loop.wait(15) for loop in loops] == [0, 0]
+        assert [loop.communicate()[0].strip() for loop in loops] == ["returned", ""]
+    finally:
+        end_loops(loops)
 
 
 def test_bad_arguments_are_refused_with_the_reason(monkeypatch):
     with pytest.raises(NotImplementedError, match="CURVE key"):
         actors.run_worker_loop_forever(address="tcp://127.0.0.1:1", ca="my-ca.pem")
-    with pytest.raises(ValueError, match="tcp://<host>:<port>"):
-        actors.run_worker_loop_forever(address="ipc:///tmp/x", ca="trust_all_connections")
+    bad_addresses = {
+        "localhost:4444": "tcp://<host>:<port>",
+        "ipc://relative/path": "absolute path",
+        "ipc:///tmp/../x": "normalised",
+        f"ipc:///{'x' * 120}": "at most 107 bytes",
+        "tcp://127.0.0.1:99999": "1-65535",
+        "tcp://127.0.0.1:fdx": "descriptor number",
+        "tcp://127.0.0.1:fd987654": "not an open socket",
+        "tcp://host:4444@tcp://0.0.0.0:4444": "'<advertised>@<bind>' is not offered",
+        "proc@localhost": "<proc-id>@<url>",
+    }
+    for address, why in bad_addresses.items():
+        with pytest.raises(ValueError, match=re.escape(why)):
+            actors.run_worker_loop_forever(address=address, ca="trust_all_connections")
+    with pytest.raises(TypeError, match="is a string"):
+        actors.run_worker_loop_forever(address=4444, ca="trust_all_connections")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="wildcard"):
         actors.run_worker_loop_forever(address="tcp://0.0.0.0:4444", ca="trust_all_connections")
+    with open(os.devnull) as not_a_socket:
+        with pytest.raises(ValueError, match=r"not an open socket|not a tcp socket"):
+            actors.run_worker_loop_forever(
+                address=f"tcp://127.0.0.1:fd{not_a_socket.fileno()}", ca="trust_all_connections"
+            )
     monkeypatch.delenv("ACTORS_CURVE_PUBLIC", raising=False)
     with pytest.raises(RuntimeError, match="needs the session's CURVE key"):
         actors.run_worker_loop_forever(address="tcp://127.0.0.1:4444", ca="trust_all_connections")
@@ -182,6 +244,8 @@ def test_bad_arguments_are_refused_with_the_reason(monkeypatch):
         actors.attach_to_workers(workers="tcp://127.0.0.1:4444")
     with pytest.raises(ValueError, match="tcp://<host>:<port>"):
         actors.attach_to_workers(workers=["localhost:4444"])
+    with pytest.raises(ValueError, match="not its descriptor"):
+        actors.attach_to_workers(workers=["tcp://127.0.0.1:fd3"])
     with pytest.raises(NotImplementedError, match="start_worker_loop_forever"):
         actors.start_worker_loop_forever(address="tcp://127.0.0.1:4444", ca="trust_all_connections")
 
@@ -217,3 +281,18 @@ def test_hosts_from_config_starts_worker_loops_here_and_everything_ends_with_the
     assert wait_for(lambda: not (actor_pids() - before), timeout=15)
     loops = subprocess.run(["pgrep", "-f", "run_worker_loop_forever"], capture_output=True, text=True).stdout.split()
     assert not loops, "the worker loops end with the program that started them"
+
+
+def test_a_senders_ipc_address_outside_the_session_folder_is_trusted_only_on_an_authenticated_inbox(tmp_path):
+    """A header names where replies go: without CURVE only this session's folder may hold a peer's socket; with
+    it (every sender holds the key) an ipc worker loop's socket may lie anywhere, but never a relative, denormalised
+    or over-long path."""
+    from actors._shared._session import valid_peer_address
+
+    folder = str(tmp_path / "session")
+    inside, outside = f"ipc://{folder}/w1.sock", f"ipc://{tmp_path}/loop0"
+    assert valid_peer_address(inside, folder) and valid_peer_address(inside, folder, authenticated=True)
+    assert not valid_peer_address(outside, folder)
+    assert valid_peer_address(outside, folder, authenticated=True)
+    for bad in ("ipc://relative/loop", f"ipc://{tmp_path}/../loop", f"ipc:///{'x' * 120}", "ipc://"):
+        assert not valid_peer_address(bad, folder, authenticated=True), bad

@@ -14,7 +14,10 @@ cases, how many pass on each, and how many of Monarch's passing cases pass
 on ``actors``; then every case that passes on Monarch and fails here (without
 a Monarch run: every case that does not pass here), with the first line of
 its error; then one JSON line. ``ACTORS_SEND_CODE=1`` in the environment
-measures a session that lets code travel.
+measures a session that lets code travel. The ``actors`` run gets a fresh
+session key pair in its environment (``ACTORS_CURVE_PUBLIC`` /
+``ACTORS_CURVE_SECRET``), as any deployment of worker loops does: Monarch's
+bootstrap tests start worker loops that authenticate with it.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import sys
 import tempfile
 import xml.etree.ElementTree as ET
 
+import zmq
 from shim import rewrite_imports, write_shim
 
 FILES = ("test_python_actors", "test_actor_error", "test_concurrent_endpoints", "test_supervision_hierarchy")
@@ -107,6 +111,10 @@ def main() -> None:
     workdir = tempfile.mkdtemp(prefix="monarch-tests-")
     prepare(args.tests, workdir)
     ours_env = dict(os.environ, PYTHONPATH=os.pathsep.join([workdir, ROOT]))
+    # The session's CURVE key pair, as every deployment of worker loops provides it (docs/multihost.md): the
+    # tests start worker loops and attach to them, which here authenticate with it (Monarch: "trust all").
+    public, secret = zmq.curve_keypair()
+    ours_env.update(ACTORS_CURVE_PUBLIC=public.decode(), ACTORS_CURVE_SECRET=secret.decode())
     theirs_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     summary = []
     misses: list[str] = []
