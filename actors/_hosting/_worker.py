@@ -18,11 +18,9 @@ import logging
 import os
 import random
 import signal
-import site
 import sys
 import threading
 import traceback
-from types import ModuleType
 from typing import TextIO
 
 from .._runtime._core import Runtime, install_runtime
@@ -32,6 +30,7 @@ from .._shared._session import write_incarnation
 from .._wire import _refs
 from ._breakpoint import WorkerBreakpoints
 from ._output import ProcessOutput, WorkerStream
+from ._program_modules import Inherited, exiting_program_modules, program_modules
 from ._server import ActorServer
 
 __all__ = ["run"]
@@ -48,111 +47,37 @@ def _load_main(main: list[str] | None) -> None:
     sys.modules["__main__"] = sys.modules["__mp_main__"] = module
 
 
-def run(config: WorkerConfig) -> int:
-    """Entry point of a freshly forked worker; returns the exit code (after :func:`finalize` when it stopped in order)."""
+def run(config: WorkerConfig, inherited: Inherited | None = None) -> int:
+    """Entry point of a freshly forked worker; returns the exit code (after :func:`finalize` when it stopped in order).
+
+    ``inherited``: the forkserver's classification of the modules this worker inherited (see
+    :mod:`._program_modules`).
+    """
     atexit._clear()  # the hooks a fork inherited are the controller's, not this worker's
     code = _run(config)
     if code == 0:
-        finalize()
+        finalize(inherited)
     return code
 
 
-def finalize() -> None:
+def finalize(inherited: Inherited | None = None) -> None:
     """What a normal interpreter exit does that the program's own code can see: its ``atexit`` hooks, its finalizers.
 
     A worker ends with ``os._exit`` (a full finalization in a process forked
     from a forkserver could wait on thread pools it inherited), so after an
     orderly stop this runs the ``atexit`` hooks registered in this worker,
     then, unless another thread still runs, drops the globals of the program's own modules
-    (:func:`program_modules`) so that the finalizers of what they held run, as Monarch's processes do at exit.
+    (:mod:`._program_modules`) so that the finalizers of what they held run, as Monarch's processes do at exit.
     """
     with contextlib.suppress(Exception):
         atexit._run_exitfuncs()
     if threading.active_count() > 1:
         return  # code of the program's still runs on another thread: its globals stay
-    for name, module in program_modules():
+    for name, module in program_modules() if inherited is None else exiting_program_modules(inherited):
         with contextlib.suppress(Exception):
             sys.modules.pop(name, None)
             module.__dict__.clear()
     gc.collect()
-
-
-def program_modules() -> list[tuple[str, ModuleType]]:
-    """The loaded modules that are the program's own source: never a library's, wherever it was installed.
-
-    A module is the program's when its file lies under the launching script's
-    folder (``sys.path[0]``) or the working directory and it was imported
-    from one of those two folders, or from another folder that is neither on
-    ``PYTHONPATH`` nor an install location (one holding ``*.dist-info`` or
-    ``*.egg-info``). Libraries put on ``PYTHONPATH`` (vendored or not),
-    installed with ``pip --target`` or baked into a container layer keep
-    their globals: their finalizers may still need them.
-    """
-    roots = {os.path.realpath(p) for p in (sys.path[0] if sys.path and sys.path[0] else os.getcwd(), os.getcwd())}
-    installed = (sys.prefix, sys.base_prefix, *site.getsitepackages())
-    excluded = {os.path.realpath(p) for p in installed}
-    excluded.add(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))  # this runtime
-    # most modules are a library's, named under an install folder: refused by their name alone (no file looked at)
-    libraries = tuple(p.rstrip(os.sep) + os.sep for p in {*installed, *excluded})
-    declared = {os.path.realpath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p} - roots
-    entries = sorted({os.path.realpath(p or os.getcwd()) for p in sys.path}, key=len, reverse=True)
-    installs: dict[str, bool] = {}
-    folders: dict[str, str] = {}
-    found = []
-    for name, module in list(sys.modules.items()):
-        file = getattr(module, "__file__", None)
-        if not isinstance(file, str) or not os.path.isabs(file) or file.startswith(libraries):
-            continue  # built in, a library's stand-in named relatively (torch.ops' "_ops.py"), or a library's
-        path = _real_file(file, folders)
-        if not any(path.startswith(root + os.sep) for root in roots):
-            continue  # (a library's file linked into the program's folder stays a library's: never cleared)
-        if os.path.islink(file):
-            path = os.path.realpath(file)
-            if not any(path.startswith(root + os.sep) for root in roots):
-                continue
-        if any(path.startswith(p + os.sep) for p in excluded):
-            continue
-        if name not in ("__main__", "__mp_main__"):
-            entry = next((e for e in entries if path.startswith(e + os.sep)), None)  # where it was found
-            if entry is not None and entry not in roots:
-                if entry in declared or _install_location(entry, installs):
-                    continue
-        found.append((name, module))
-    return found
-
-
-def _real_file(path: str, folders: dict[str, str]) -> str:
-    """``path`` in its folder's real location, each folder resolved once (``folders``): a worker's exit looks at
-    ~1,300 modules' files in a few hundred folders, and resolving every file's every component took 40-190 ms
-    of its stop (seven workers exiting at once on two cores)."""
-    folder, name = os.path.split(path)
-    return os.path.join(_real_folder(folder, folders), name)
-
-
-def _real_folder(folder: str, folders: dict[str, str]) -> str:
-    """``os.path.realpath(folder)``, built from its parent's (one ``lstat`` per folder, not per component)."""
-    real = folders.get(folder)
-    if real is None:
-        parent, name = os.path.split(folder)
-        if not name or name in (".", "..") or parent == folder or os.path.islink(folder):
-            real = os.path.realpath(folder)
-        else:
-            real = os.path.join(_real_folder(parent, folders), name)
-        folders[folder] = real
-    return real
-
-
-def _install_location(folder: str, seen: dict[str, bool]) -> bool:
-    """Whether ``folder`` is where packages were installed (it holds their metadata); remembered in ``seen``."""
-    known = seen.get(folder)
-    if known is None:
-        try:
-            with os.scandir(folder) as entries:
-                known = any(e.name.endswith((".dist-info", ".egg-info")) for e in entries)
-        except OSError:
-            known = False
-        seen[folder] = known
-    return known
 
 
 def _run(config: WorkerConfig) -> int:

@@ -25,6 +25,7 @@ import sys
 import time
 import traceback
 
+from .._hosting._program_modules import Inherited, ModuleScan
 from .._shared._config import WorkerConfig
 from .._shared._segments import remove_process_segments, remove_session_segments
 from .._shared._session import forget_incarnation, remove_socket_file, write_incarnation
@@ -62,6 +63,7 @@ def serve(status_fd: int, session_dir: str, session: str, owns_session: bool) ->
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     children: dict[int, int] = {}  # pid -> index
+    modules = ModuleScan()  # which of the modules the workers inherit are the program's, classified here once
     addresses: dict[int, str] = {}  # pid -> inbox address
     buffer = bytearray()
 
@@ -99,13 +101,15 @@ def serve(status_fd: int, session_dir: str, session: str, owns_session: bool) ->
         buffer += data
         for request in read_requests(buffer):
             index, config = request.worker, WorkerConfig.from_wire(request.config)
+            pythonpath = config.env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+            inherited = modules.before_fork(config.sys_path, config.cwd, pythonpath)
             try:
                 pid = os.fork()
             except OSError as exc:
                 report(SpawnFailed(index, str(exc)))
                 continue
             if pid == 0:
-                _child(config, status_fd)
+                _child(config, status_fd, inherited)
             children[pid] = index
             addresses[pid] = config.address
             with contextlib.suppress(OSError):
@@ -114,7 +118,7 @@ def serve(status_fd: int, session_dir: str, session: str, owns_session: bool) ->
     _teardown(children, session_dir, session, addresses if not owns_session else None)
 
 
-def _child(config: WorkerConfig, status_fd: int) -> None:
+def _child(config: WorkerConfig, status_fd: int, inherited: Inherited) -> None:
     code = 1
     try:
         os.close(status_fd)
@@ -130,7 +134,7 @@ def _child(config: WorkerConfig, status_fd: int) -> None:
             os._exit(0)
         from .._hosting import _worker
 
-        code = _worker.run(config)
+        code = _worker.run(config, inherited)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:

@@ -15,7 +15,7 @@ import types
 
 import pytest
 
-from actors._hosting._worker import program_modules
+from actors._hosting._program_modules import ModuleScan, exiting_program_modules, program_modules
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), ROOT]))
@@ -174,3 +174,26 @@ def test_the_programs_modules_are_found_by_their_real_folders_and_a_relative_nam
         monkeypatch.setitem(sys.modules, name, module)
     found = {name for name, _ in program_modules()}
     assert "program_mine" in found and not found & {"library_ops", "library_site"}
+
+
+def test_an_exiting_worker_finds_the_same_modules_from_its_forkservers_classification(tmp_path, monkeypatch):
+    """The forkserver classifies the modules a worker inherits; the worker classifies only those it imported
+    since (and its script's): the same modules as a full scan, without touching the ~1,300 it shares."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path[1:]])
+    pythonpath = os.environ.get("PYTHONPATH", "")
+
+    def program_module(name: str) -> None:
+        module = types.ModuleType(name)
+        module.__file__ = str(tmp_path / f"{name}.py")
+        monkeypatch.setitem(sys.modules, name, module)
+
+    program_module("inherited_mine")  # imported before the fork
+    scan = ModuleScan()
+    inherited = scan.before_fork(sys.path, str(tmp_path), pythonpath)
+    assert "inherited_mine" in inherited.program and "torch" in inherited.names
+    assert scan.before_fork(sys.path, str(tmp_path), pythonpath) is inherited, "classified once while nothing changes"
+    program_module("imported_since")  # imported by the worker
+    found = {name for name, _ in exiting_program_modules(inherited)}
+    assert found == {name for name, _ in program_modules()}
+    assert {"inherited_mine", "imported_since"} <= found
