@@ -49,7 +49,12 @@ def stop_steps(
             )
     if pending is not None:
         yield (lambda: pending.done or all_dead()), timeout + ANSWER_GRACE
-    yield all_dead, EXIT_WAIT
+        # A process that never answered will not exit by itself (its loop is stuck): only those that
+        # answered are given time to exit; the rest are killed at once.
+        answered = [ref for rank, ref in alive if rank not in pending.remaining or pending.error is not None]
+        yield (lambda: all(ref.dead for ref in answered)), EXIT_WAIT
+    else:
+        yield all_dead, EXIT_WAIT
     registry = rt.registry
     for ref in procs:
         if ref.dead:

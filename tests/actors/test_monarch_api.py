@@ -23,6 +23,7 @@ from actors import (
     Actor,
     ActorDied,
     ActorError,
+    ActorMesh,
     EncodeError,
     Failure,
     MeshFailure,
@@ -40,6 +41,7 @@ from actors import (
     this_proc,
 )
 from actors._meshes._controllers import stop_controllers
+from actors._meshes._proc_stop import ANSWER_GRACE, EXIT_WAIT
 from actors._runtime._core import runtime
 
 
@@ -774,5 +776,41 @@ async def test_a_constructor_that_never_returns_stalls_its_own_process_only(spaw
         await never.ping.with_timeout(1.0).call_one()
     assert await echo.add.call_one(1) == 2
     pid = stuck.pids[0]
+    started = time.monotonic()
     await asyncio.wait_for(stuck.stop(timeout=1.0), 30)
     assert wait_for(lambda: pid not in actor_pids(), timeout=10)
+    # it never answered the stop: it is killed then, not also given the time to exit that answering processes get
+    assert time.monotonic() - started < 1.0 + ANSWER_GRACE + EXIT_WAIT
+
+
+class Wrapper(Actor):
+    """Spawns an actor on a mesh it was handed, hands it out, stops it, then its own process dies."""
+
+    def __init__(self, procs: ProcMesh) -> None:
+        self.inner = procs.spawn("inner", Echo)
+
+    @endpoint
+    async def get_inner(self) -> ActorMesh[Echo]:
+        return self.inner
+
+    @endpoint
+    async def stop_inner(self) -> None:
+        await self.inner.stop()
+
+    @endpoint
+    async def crash(self) -> None:
+        os._exit(1)
+
+
+async def test_a_call_to_an_actor_its_dead_spawner_stopped_says_it_was_stopped(spawn):
+    """A documented difference (Monarch's ``test_actor_mesh_supervision_controller_dead``): the process serving
+    the actor knows it was stopped and says so at once; Monarch says it timed out reaching the dead spawner."""
+    outer, second = spawn(procs=1), spawn(procs=1)
+    outer.add_failure_handler(lambda failure: True)  # the wrapper's death is expected here
+    wrapper = outer.spawn("wrapper", Wrapper, second)
+    inner = await wrapper.get_inner.call_one()
+    await wrapper.stop_inner.call_one()
+    with pytest.raises(SupervisionError):
+        await asyncio.wait_for(wrapper.crash.call_one(), 30)
+    with pytest.raises(SupervisionError, match="actor inner has status: stopped"):
+        await asyncio.wait_for(inner.add.call_one(1), 30)
