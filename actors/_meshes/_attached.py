@@ -17,8 +17,8 @@ import contextlib
 import ctypes
 import logging
 import os
+import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -37,6 +37,7 @@ from .._shared._session import (
     CURVE_SECRET_ENV,
     HOST_ID_ENV,
     SESSION_ENV,
+    make_runtime_dir,
     new_session_keys,
     session_keys,
     tcp_host,
@@ -222,10 +223,11 @@ def attach_to_workers(
 def hosts_from_config(name: str, hosts: int = 2) -> AttachedHostMesh:
     """Monarch's stand-in for a scheduler's config: ``hosts`` worker loops started here, attached as one mesh.
 
-    Each worker loop is a process of this machine on loopback tcp, holding
-    this session's CURVE key (made now if the environment has none, before
-    the runtime starts); they end with this process. A real deployment
-    starts ``run_worker_loop_forever`` on each machine and calls
+    Each worker loop is a process of this machine serving a unix socket in a
+    private folder (no tcp port to race for), holding this session's CURVE
+    key (made now if the environment has none, before the runtime starts);
+    they end with this process. A real deployment starts
+    ``run_worker_loop_forever`` on each machine and calls
     :func:`attach_to_workers` with their addresses.
     """
     if not isinstance(name, str) or not name:
@@ -240,20 +242,15 @@ def hosts_from_config(name: str, hosts: int = 2) -> AttachedHostMesh:
             )
         os.environ.update(new_session_keys())
     _use_tcp()
-    loops = [_start_worker_loop(f"tcp://127.0.0.1:{_free_port()}") for _ in range(hosts)]
+    folder = make_runtime_dir()
+    loops = [_start_worker_loop(f"ipc://{folder}/loop{i}") for i in range(hosts)]
     try:
         mesh = attach_to_workers(workers=[address for address, _ in loops], name=name)
     except BaseException:
-        _end_worker_loops(loops)
+        _end_worker_loops(loops, folder)
         raise
-    at_runtime_exit(lambda: _end_worker_loops(loops))  # after the mesh's own shutdown, which needs them
+    at_runtime_exit(lambda: _end_worker_loops(loops, folder))  # after the mesh's own shutdown, which needs them
     return mesh
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _start_worker_loop(address: str) -> tuple[str, subprocess.Popen[bytes]]:
@@ -271,7 +268,7 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _end_worker_loops(loops: list[tuple[str, subprocess.Popen[bytes]]]) -> None:
+def _end_worker_loops(loops: list[tuple[str, subprocess.Popen[bytes]]], folder: str) -> None:
     for _, child in loops:
         if child.poll() is None:
             child.terminate()
@@ -281,3 +278,4 @@ def _end_worker_loops(loops: list[tuple[str, subprocess.Popen[bytes]]]) -> None:
         except subprocess.TimeoutExpired:
             child.kill()
             child.wait(5)
+    shutil.rmtree(folder, ignore_errors=True)
