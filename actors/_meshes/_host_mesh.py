@@ -6,10 +6,12 @@ import math
 import os
 import sys
 from collections.abc import Callable
+from typing import Literal
 
 from .._processes._devices import GPU_DIM, gpu_env, visible_gpus
 from .._processes._forkserver import forkserver, prefork
 from .._runtime._core import Runtime, current_runtime, runtime
+from .._runtime._future import Future
 from .._runtime._parts import Part
 from .._shared._config import WorkerConfig
 from .._shared._liveness import ProcRef
@@ -84,6 +86,12 @@ def worker_config(
 
 class HostMesh:
     """The local host. ``spawn_procs`` starts processes forked from a warm forkserver."""
+
+    @property
+    def initialized(self) -> Future[Literal[True]]:
+        """Monarch's readiness future: ``True``. A host mesh here is ready when it is returned (this host is;
+        ``attach_to_workers`` and Ray's ``host_mesh`` wait for their hosts before they return)."""
+        return Future.ready(True)
 
     def spawn_procs(
         self,

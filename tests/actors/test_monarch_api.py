@@ -38,6 +38,7 @@ from actors import (
     current_rank,
     endpoint,
     get_or_spawn_controller,
+    this_host,
     this_proc,
 )
 from actors._meshes._controllers import stop_controllers
@@ -814,3 +815,8 @@ async def test_a_call_to_an_actor_its_dead_spawner_stopped_says_it_was_stopped(s
         await asyncio.wait_for(wrapper.crash.call_one(), 30)
     with pytest.raises(SupervisionError, match="actor inner has status: stopped"):
         await asyncio.wait_for(inner.add.call_one(1), 30)
+
+
+async def test_a_host_mesh_is_initialized_when_returned():
+    """Monarch's ``HostMesh.initialized``: here every host mesh is ready when it is returned."""
+    assert await this_host().initialized is True

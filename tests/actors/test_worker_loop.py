@@ -38,6 +38,7 @@ CONTROLLER = textwrap.dedent(
     def main(workers, action, timeout):
         t = time.monotonic()
         hosts = attach_to_workers(name="test", ca="trust_all_connections", workers=workers, timeout=timeout)
+        assert hosts.initialized.get() is True  # (Monarch's readiness future: attached when returned)
         out = {"hosts": hosts.extent, "infos": hosts.hosts, "attach_s": time.monotonic() - t}
         procs = hosts.spawn_procs(per_host={"procs": 2})
         mesh = procs.spawn("where", Where)
