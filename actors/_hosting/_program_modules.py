@@ -36,14 +36,15 @@ class ProgramPlaces:
     """Where a process's program lives (its script's folder, its working directory), and what is a library's."""
 
     def __init__(self, path: list[str], cwd: str, pythonpath: str) -> None:
-        self.roots = {os.path.realpath(p) for p in (path[0] if path and path[0] else cwd, cwd)}
+        self.roots = {os.path.realpath(os.path.join(cwd, p)) for p in (path[0] if path and path[0] else cwd, cwd)}
         installed = (sys.prefix, sys.base_prefix, *site.getsitepackages())
         self.excluded = {os.path.realpath(p) for p in installed}
         self.excluded.add(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))  # this runtime
         # most modules are a library's, named under an install folder: refused by their name alone (no file looked at)
         self.libraries = tuple(p.rstrip(os.sep) + os.sep for p in {*installed, *self.excluded})
-        self.declared = {os.path.realpath(p) for p in pythonpath.split(os.pathsep) if p} - self.roots
-        self.entries = sorted({os.path.realpath(p or cwd) for p in path}, key=len, reverse=True)
+        # (relative entries are the worker's: resolved against its working folder, not this process's)
+        self.declared = {os.path.realpath(os.path.join(cwd, p)) for p in pythonpath.split(os.pathsep) if p} - self.roots
+        self.entries = sorted({os.path.realpath(os.path.join(cwd, p)) for p in path}, key=len, reverse=True)
         self._installs: dict[str, bool] = {}
         self._folders: dict[str, str] = {}
 
@@ -53,8 +54,11 @@ class ProgramPlaces:
         return cls(sys.path, os.getcwd(), os.environ.get("PYTHONPATH", ""))
 
     def owns(self, name: str, module: object) -> bool:
-        """Whether ``module`` (loaded as ``name``) is the program's own source."""
-        file = getattr(module, "__file__", None)
+        """Whether ``module`` (loaded as ``name``) is the program's own source (not when asking raises)."""
+        try:
+            file = getattr(module, "__file__", None)
+        except Exception:  # an odd entry of sys.modules: never the program's, never a reason to fail
+            return False
         if not isinstance(file, str) or not os.path.isabs(file) or file.startswith(self.libraries):
             return False  # built in, a library's stand-in named relatively (torch.ops' "_ops.py"), or a library's
         roots = self.roots
@@ -96,13 +100,17 @@ class ModuleScan:
         self._key: tuple[object, ...] | None = None
         self._inherited = Inherited(frozenset(), ())
 
-    def before_fork(self, path: list[str], cwd: str, pythonpath: str) -> Inherited:
-        """What a worker running with ``path``, ``cwd`` and ``PYTHONPATH`` inherits (in the forkserver, before a fork)."""
+    def before_fork(self, path: list[str], cwd: str, pythonpath: str) -> Inherited | None:
+        """What a worker running with ``path``, ``cwd`` and ``PYTHONPATH`` inherits (in the forkserver, before a
+        fork); None if the modules could not be classified (the worker then scans them all at its exit)."""
         key = (tuple(path), cwd, pythonpath, len(sys.modules))
         if key != self._key:
-            places = ProgramPlaces(path, cwd, pythonpath)
-            modules = list(sys.modules.items())
-            program = tuple(name for name, module in modules if name not in MAIN_NAMES and places.owns(name, module))
+            try:
+                places = ProgramPlaces(path, cwd, pythonpath)
+                modules = list(sys.modules.items())
+                program = tuple(n for n, module in modules if n not in MAIN_NAMES and places.owns(n, module))
+            except Exception:  # never a reason for the forkserver to stop forking
+                return None
             self._key, self._inherited = key, Inherited(frozenset(name for name, _ in modules), program)
         return self._inherited
 
@@ -111,9 +119,11 @@ def exiting_program_modules(inherited: Inherited) -> list[tuple[str, ModuleType]
     """:func:`program_modules` in an exiting worker, touching only what it did not inherit classified.
 
     The modules imported since the fork are the newest entries of
-    ``sys.modules`` (read backwards to the first inherited name); the
-    script's own (``__main__``) is looked at in any case, since a worker
-    loads the launching script's definitions under that inherited name.
+    ``sys.modules`` (read backwards to the first inherited name: an inherited
+    module deleted and imported again would end the reading early, and the
+    modules imported before it would keep their globals); the script's own
+    (``__main__``) is looked at in any case, since a worker loads the
+    launching script's definitions under that inherited name.
     """
     places = ProgramPlaces.here()
     found = []
@@ -121,11 +131,14 @@ def exiting_program_modules(inherited: Inherited) -> list[tuple[str, ModuleType]
         module = sys.modules.get(name)
         if module is not None:
             found.append((name, module))
-    for name in reversed(sys.modules):
+    imported = []
+    for name in reversed(sys.modules):  # names only: looking at a module may import (a lazy one), not while reading
         if name in inherited.names:
             break
-        module = sys.modules[name]
-        if places.owns(name, module):
+        imported.append(name)
+    for name in imported:
+        module = sys.modules.get(name)
+        if module is not None and places.owns(name, module):
             found.append((name, module))
     for name in MAIN_NAMES:
         module = sys.modules.get(name)

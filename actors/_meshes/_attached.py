@@ -67,7 +67,7 @@ class AttachedHostMesh(RemoteHostMesh):
 
     def __init__(self, rt: Runtime, nodes: list[RemoteNode], lifelines: Lifelines, agents: list[ProcMesh]) -> None:
         super().__init__(rt, nodes, lifelines)
-        self._agents = agents  # the worker loops' processes, as handles (never stopped: the loops outlive us)
+        self._agents = agents  # the worker loops' processes, as handles (ended by shutdown(), not at our exit)
         at_runtime_exit(lambda: self._release(end_hosts=False))
 
     def __repr__(self) -> str:

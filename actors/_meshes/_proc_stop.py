@@ -50,7 +50,8 @@ def stop_steps(
     if pending is not None:
         yield (lambda: pending.done or all_dead()), timeout + ANSWER_GRACE
         # A process that never answered will not exit by itself (its loop is stuck): only those that
-        # answered are given time to exit; the rest are killed at once.
+        # answered are given time to exit; the rest are killed at once. Once the call failed (a process
+        # died), later answers are not recorded: every process then gets the time, as before.
         answered = [ref for rank, ref in alive if rank not in pending.remaining or pending.error is not None]
         yield (lambda: all(ref.dead for ref in answered)), EXIT_WAIT
     else:

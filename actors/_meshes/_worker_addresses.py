@@ -72,6 +72,8 @@ def _without_proc_id(address: object) -> str:
     """Monarch's ``<proc-id>@<url>`` names ``url``; advertising one url while binding another is not offered."""
     if not isinstance(address, str):
         raise TypeError(f"a worker loop's address is a string ({_FORMS}), not {type(address).__name__}")
+    if address.startswith("ipc://"):
+        return address  # a socket path may hold '@'
     left, at, right = address.partition("@")
     if not at:
         return address
@@ -99,7 +101,12 @@ def _check_port(port: str, address: object) -> None:
 
 
 def _listening_port(fd_text: str, address: object) -> int:
-    """The port of the inherited tcp socket ``fd``, made to listen (a scheduler may only have bound it)."""
+    """The port of the inherited tcp socket ``fd``, made to listen (a scheduler may only have bound it).
+
+    The descriptor becomes the worker loop's inbox: ZeroMQ closes it when the loop ends, so the code that
+    passed it must not close it itself afterwards (a launcher closes its own copy before the loop starts, as
+    ``subprocess``'s ``pass_fds`` does).
+    """
     if not fd_text.isdigit():
         raise ValueError(f"expected 'tcp://<host>:fd<N>' with a descriptor number, not {address!r}")
     fd = int(fd_text)

@@ -118,7 +118,7 @@ def serve(status_fd: int, session_dir: str, session: str, owns_session: bool) ->
     _teardown(children, session_dir, session, addresses if not owns_session else None)
 
 
-def _child(config: WorkerConfig, status_fd: int, inherited: Inherited) -> None:
+def _child(config: WorkerConfig, status_fd: int, inherited: Inherited | None) -> None:
     code = 1
     try:
         os.close(status_fd)

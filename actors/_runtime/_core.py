@@ -76,12 +76,10 @@ class Runtime:
         address: str | None = None,
         *,
         serve_in_background: bool = False,
-        bind: str | None = None,
         fd: int | None = None,
     ) -> None:
-        """``address`` is where peers reach this process; its inbox binds there, or at ``bind`` when that
-        differs (a worker loop advertising its host's name while bound to every interface), or serves the
-        inherited listening socket ``fd``."""
+        """``address`` is where peers reach this process; its inbox binds there, or serves the inherited
+        listening socket ``fd`` bound there (a worker loop's fd bootstrap)."""
         self.pid = os.getpid()
         self.dir, self.owns_dir = prepare_session()
         _process.session = None
@@ -99,7 +97,7 @@ class Runtime:
         self.windows = SenderWindows(self.outbox)
         self.calls = CallTable()
         self.receivers = Receivers(self.pid, self.registry.watcher.watch, self._credit, self.drops)
-        sock = bind_inbox(self.ctx, bind or self.address, self.keys, fd)
+        sock = bind_inbox(self.ctx, self.address, self.keys, fd)
         self.inbox = Inbox(sock, self.dir, self.address, self._learn_sender, self.drops, self.keys is not None)
         self.driver = Driver(self.inbox, self.registry, self.outbox, serve_in_background=serve_in_background)
         #: Deaths and restarts of processes on other hosts, told to and heard from peers.

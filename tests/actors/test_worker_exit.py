@@ -197,3 +197,17 @@ def test_an_exiting_worker_finds_the_same_modules_from_its_forkservers_classific
     found = {name for name, _ in exiting_program_modules(inherited)}
     assert found == {name for name, _ in program_modules()}
     assert {"inherited_mine", "imported_since"} <= found
+
+
+def test_an_odd_module_never_stops_the_classification(tmp_path, monkeypatch):
+    """An entry of ``sys.modules`` whose ``__file__`` raises is not the program's; the forkserver keeps forking."""
+
+    class Odd(types.ModuleType):
+        @property
+        def __file__(self) -> str:  # type: ignore[override]
+            raise RuntimeError("a lazily loaded module that fails to load")
+
+    monkeypatch.setitem(sys.modules, "odd_module", Odd("odd_module"))
+    inherited = ModuleScan().before_fork(sys.path, str(tmp_path), "")
+    assert inherited is not None and "odd_module" not in inherited.program
+    assert "odd_module" not in {name for name, _ in program_modules()}

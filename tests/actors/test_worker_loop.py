@@ -229,6 +229,10 @@ def test_bad_arguments_are_refused_with_the_reason(monkeypatch):
     for address, why in bad_addresses.items():
         with pytest.raises(ValueError, match=re.escape(why)):
             actors.run_worker_loop_forever(address=address, ca="trust_all_connections")
+    from actors._meshes._worker_addresses import serving_address
+
+    assert serving_address("ipc:///tmp/a@b/loop").address == "ipc:///tmp/a@b/loop"  # '@' in a socket path
+    assert serving_address("service@ipc:///tmp/loop").address == "ipc:///tmp/loop"
     with pytest.raises(TypeError, match="is a string"):
         actors.run_worker_loop_forever(address=4444, ca="trust_all_connections")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="wildcard"):
