@@ -9,7 +9,10 @@ CURVE-authenticated with the session's key, ipc as much as tcp.
 
 from __future__ import annotations
 
+import errno
+import os
 import socket
+import stat
 from dataclasses import dataclass
 
 from .._shared._session import tcp_host, valid_ipc_path
@@ -36,7 +39,7 @@ def serving_address(address: object) -> ServingAddress:
     """``address`` as given to ``run_worker_loop_forever``, checked; ValueError saying which forms there are."""
     url = _without_proc_id(address)
     if url.startswith("ipc://"):
-        return ServingAddress(_ipc(url))
+        return ServingAddress(_unserved(_ipc(url)))
     host = tcp_host(url)
     if host is None or not host:
         raise ValueError(f"a worker loop serves {_FORMS}, not {address!r}")
@@ -93,6 +96,27 @@ def _ipc(url: str) -> str:
             f"an ipc worker address is 'ipc://<absolute path>' of at most 107 bytes, normalised, not {url!r}"
         )
     return url
+
+
+def _unserved(url: str) -> str:
+    """``url`` if no process serves its socket now: binding would silently take the path over (ZeroMQ removes
+    the file it finds), and the first server would later remove the second's. A stale file is fine."""
+    path = url[len("ipc://") :]
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return url
+    if not stat.S_ISSOCK(mode):
+        raise ValueError(
+            f"{path} exists and is not a socket: a worker loop's ipc path must be free (it would be removed)"
+        )
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except OSError:
+            return url  # nobody listens there (a file left by a loop that was killed)
+    raise OSError(errno.EADDRINUSE, f"another process already serves {url}: give each worker loop a path of its own")
 
 
 def _check_port(port: str, address: object) -> None:

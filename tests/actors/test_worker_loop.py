@@ -301,3 +301,24 @@ def test_a_senders_ipc_address_outside_the_session_folder_is_trusted_only_on_an_
     assert valid_peer_address(outside, folder, authenticated=True)
     for bad in ("ipc://relative/loop", f"ipc://{tmp_path}/../loop", f"ipc:///{'x' * 120}", "ipc://"):
         assert not valid_peer_address(bad, folder, authenticated=True), bad
+
+
+def test_an_ipc_path_another_process_serves_or_a_plain_file_is_refused(tmp_path):
+    """Binding would silently take the path over (ZeroMQ removes what it finds there); a stale socket is fine."""
+    import errno as errno_codes
+    import socket as sockets
+
+    from actors._meshes._worker_addresses import serving_address
+
+    served = str(tmp_path / "served")
+    with sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM) as listener:
+        listener.bind(served)
+        listener.listen()
+        with pytest.raises(OSError, match="already serves") as refused:
+            serving_address(f"ipc://{served}")
+        assert refused.value.errno == errno_codes.EADDRINUSE
+    assert serving_address(f"ipc://{served}").address == f"ipc://{served}", "a socket nobody serves is stale"
+    (tmp_path / "notes.txt").write_text("keep me")
+    with pytest.raises(ValueError, match="is not a socket"):
+        serving_address(f"ipc://{tmp_path}/notes.txt")
+    assert (tmp_path / "notes.txt").read_text() == "keep me"
