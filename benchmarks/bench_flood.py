@@ -127,6 +127,8 @@ def main() -> None:
     parser.add_argument("--floats", type=int, nargs="+", default=[1, 256])
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
+    if args.repeat < 1 or min(args.floats) < 1:
+        parser.error(f"--repeat and --floats must be 1 or more, not {args.repeat} and {args.floats}")
     record: dict[str, object] = {"bench": "flood", "repeat": args.repeat}
     for floats in args.floats:
         runs = [uvloop.run(flood(floats)) for _ in range(args.repeat)]

@@ -109,8 +109,8 @@ class AttachedHostMesh(RemoteHostMesh):
         reached = [n for n in self._nodes if not n.lost]
         calls = [_ask(self._rt, n.handle, "stop", (end_hosts,)) for n in reached]
         if end_hosts:
-            for node in reached:  # the loop's process ends after answering: no failure
-                self._agents[node.index].supervisor.stopping = True
+            for node in reached:
+                self._agents[node.index]._expect_exit()  # the loop's process ends after answering
         for call in calls:
             with contextlib.suppress(Exception):
                 _wait(self._rt, call, STOP_TIMEOUT, "the hosts to stop their workers")

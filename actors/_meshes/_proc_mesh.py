@@ -265,6 +265,11 @@ class ProcMesh:
         for name, class_ref, args, kwargs in self._spawned:
             self._send_spawn(rt, [(rank, ref)], name, class_ref, args, kwargs)
 
+    def _expect_exit(self) -> None:
+        """Its processes were told to end by other means (an attached worker loop's shutdown): their deaths
+        from now on are expected, not failures."""
+        self.supervisor.stopping = True
+
     def stop(self, timeout: float = CLEANUP_TIMEOUT) -> Future[None]:
         """Run every actor's ``__cleanup__`` and end the processes (a no-op if already stopped)."""
         rt = runtime()

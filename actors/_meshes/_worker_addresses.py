@@ -41,7 +41,7 @@ def serving_address(address: object) -> ServingAddress:
     if url.startswith("ipc://"):
         return ServingAddress(_unserved(_ipc(url)))
     host = tcp_host(url)
-    if host is None or not host:
+    if not host:  # (None: not tcp at all)
         raise ValueError(f"a worker loop serves {_FORMS}, not {address!r}")
     if host in ("*", "0.0.0.0", "[::]", "::"):
         raise ValueError(f"give the address controllers reach this host at, not a wildcard: {address!r}")
@@ -58,7 +58,7 @@ def attach_address(address: object) -> str:
     if url.startswith("ipc://"):
         return _ipc(url)
     host = tcp_host(url)
-    if host is None or not host:
+    if not host:  # (None: not tcp at all)
         raise ValueError(
             f"a worker's address must be 'tcp://<host>:<port>' or 'ipc://<absolute path>', not {address!r}"
         )

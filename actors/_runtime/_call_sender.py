@@ -52,6 +52,7 @@ def send_call(
     for a fire-and-forget call).
     """
     blob, frames, handles = encoded
+    actor = str(actor)  # a mesh's name is a str subclass (awaitable): a plain str keeps the encoder's fast path
     pending = rt.calls.open(actor, method, targets, timeout, class_ref) if want_reply else None
     call_id = pending.call_id if pending is not None else 0
     enc = rt.encoder
