@@ -46,11 +46,14 @@ _MASKED_ATTENTION = ("sdpa", "eager")
 
 @dataclass(frozen=True)
 class ModelCall:
-    """How a causal LM is called in a decode loop: its KV cache's keyword, and asking for the last position's
-    logits only (the prompt's pass then makes [rows, vocabulary], not [rows, prompt, vocabulary])."""
+    """How a causal LM is called in a decode loop: its KV cache's keyword, asking for the last position's logits
+    only (the prompt's pass then makes [rows, vocabulary], not [rows, prompt, vocabulary]), and whether it takes
+    the cache slots to write (transformers 4.x's ``cache_position``: without it a static cache guesses its fill
+    from row 0's non-zero keys, which a left-padded row with zero pad keys gets wrong)."""
 
     cache_argument: str
     last_only: dict[str, int]
+    takes_cache_position: bool = False
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> ModelCall:
@@ -58,7 +61,7 @@ class ModelCall:
         # transformers 5 names the KV cache ``cache`` in some models, ``past_key_values`` in others (and 4.x)
         cache_argument = "cache" if "cache" in forward else "past_key_values"
         keep = next((name for name in ("logits_to_keep", "num_logits_to_keep") if name in forward), None)
-        return cls(cache_argument, {} if keep is None else {keep: 1})
+        return cls(cache_argument, {} if keep is None else {keep: 1}, "cache_position" in forward)
 
 
 class Decoder(Protocol):
@@ -220,6 +223,7 @@ class StaticDecoder:
         self._token = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self._position = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self._mask = torch.full((rows, 1, 1, length), self._blocked, dtype=self._mask_dtype, device=device)
+        self._slot = torch.zeros(1, dtype=torch.long, device=device)  # the cache slot the next step writes
         self._filled = 0
         self.graphs: StepGraphs | None = None
         if graphs:
@@ -241,17 +245,20 @@ class StaticDecoder:
         allowed = torch.zeros(rows, 1, width, self.length, dtype=torch.bool, device=ids.device)
         allowed[:, 0, :, :width] = (causal & valid[:, None, :]) | itself
         position = positions(prompt_mask)
+        slots = torch.arange(width, device=ids.device)
         out = self.model(
             input_ids=ids,
             attention_mask=self._as_mask(allowed),
             position_ids=position,
             use_cache=True,
             **{self.call.cache_argument: self.cache},
+            **self._slots(slots),
             **self.call.last_only,
         )
         self._mask.fill_(self._blocked)
         self._mask[:, 0, 0, :width] = self._as_mask(valid)
         self._position.copy_(position[:, -1:])
+        self._slot.fill_(width - 1)
         self._filled = width
         return _next_logits(out)
 
@@ -261,6 +268,7 @@ class StaticDecoder:
             raise ValueError(f"the decoder's cache of {self.length} tokens is full")
         self._token.copy_(token.unsqueeze(-1))
         self._position.add_(1)
+        self._slot.add_(1)
         self._mask[:, 0, 0, self._filled] = self._open
         self._filled += 1
         if self.graphs is not None:
@@ -281,9 +289,14 @@ class StaticDecoder:
             position_ids=self._position,
             use_cache=True,
             **{self.call.cache_argument: self.cache},
+            **self._slots(self._slot),
             **self.call.last_only,
         )
         return _next_logits(out)
+
+    def _slots(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The cache slots a pass writes, as a keyword for a model that takes them (transformers 4.x)."""
+        return {"cache_position": slots} if self.call.takes_cache_position else {}
 
     def _as_mask(self, allowed: torch.Tensor) -> torch.Tensor:
         """``allowed`` (True: attend) in the attention implementation's form: itself for sdpa, additive for eager."""

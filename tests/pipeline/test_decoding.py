@@ -19,6 +19,7 @@ from actors import WeightInbox, WeightPublisher
 from pipeline.models import (
     BuiltinEngine,
     DecoderChoice,
+    DynamicDecoder,
     ModelCall,
     ModelError,
     SamplingParams,
@@ -123,6 +124,44 @@ def test_the_step_a_graph_captures_never_waits_for_the_device(attention):
             for _ in range(3):
                 logits = decoder.step(logits.argmax(-1))
     assert logits.shape == (2, 500) and bool(torch.isfinite(logits).all())
+
+
+class TakesSlots(torch.nn.Module):
+    """A transformers 4.x-shaped forward, which takes the cache slots a pass writes (``cache_position``): records
+    them and runs the model."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__()
+        self.inner, self.config, self.slots = model, model.config, []  # type: ignore[var-annotated]
+
+    def forward(  # type: ignore[no-untyped-def]
+        self, input_ids, attention_mask, position_ids, use_cache, past_key_values, cache_position=None, **keep
+    ):
+        self.slots.append(cache_position.tolist())
+        inner = ModelCall.of(self.inner)
+        if inner.takes_cache_position:  # a transformers 4.x model itself
+            keep["cache_position"] = cache_position
+        cache = {inner.cache_argument: past_key_values}
+        return self.inner(input_ids, attention_mask, position_ids, use_cache=use_cache, **cache, **keep)
+
+
+def test_a_model_that_takes_the_cache_slots_is_told_them_every_pass():
+    """transformers 4.x guesses a static cache's fill from row 0's non-zero keys unless told the slots: a
+    left-padded first row whose pad keys are zero then wrote each step one slot too early, sampling from other
+    logits than the dynamic cache's (caught by the check before sampling, so 4.x decoded dynamically)."""
+    model = TakesSlots(qwen2())
+    assert ModelCall.of(model).takes_cache_position
+    static = StaticDecoder(model, ModelCall.of(model), 2, 16)
+    dynamic = DynamicDecoder(model.inner, ModelCall.of(model.inner))
+    ids, mask = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 4]]), torch.tensor([[0, 0, 1, 1], [1] * 4])
+    with torch.no_grad():
+        got, want = static.prefill(ids, mask), dynamic.prefill(ids, mask)
+        for _ in range(3):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+            token = want.argmax(-1)
+            got, want = static.step(token), dynamic.step(token)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert model.slots == [[0, 1, 2, 3], [4], [5], [6]]
 
 
 def test_a_full_static_cache_and_a_batch_that_does_not_fit_are_refused():
