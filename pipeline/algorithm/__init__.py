@@ -10,9 +10,11 @@ Imports torch alone: no actors, no models, no configuration.
 from ._logit_head import LOGITS_PER_CHUNK, chunk_positions, chunked_token_logps
 from ._loss import (
     LOSSES,
+    RATIO_LEVELS,
     REWARD_SCALES,
     LossKind,
     LossSpec,
+    RatioLevel,
     RewardScale,
     TokenLoss,
     group_advantages,
@@ -24,9 +26,11 @@ from ._sampling import draw, filter_logits, token_logps
 __all__ = [
     "LOGITS_PER_CHUNK",
     "LOSSES",
+    "RATIO_LEVELS",
     "REWARD_SCALES",
     "LossKind",
     "LossSpec",
+    "RatioLevel",
     "RewardScale",
     "TokenLoss",
     "chunk_positions",

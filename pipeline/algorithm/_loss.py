@@ -7,7 +7,9 @@ completion mask ``m`` [N, T]:
   token of completion ``i``; ``s`` is the std of its group (``scale="group"``),
   of the whole batch (``"batch"``), or 1 with no ``+ 1e-6`` (``"none"``);
 * **ratio** ``rho = exp(log pi(y_t) - log mu(y_t))`` against the behaviour
-  log-probabilities the generator recorded;
+  log-probabilities the generator recorded — per token, or (``level=
+  "sequence"``, GSPO) one ratio per completion, the exponential of its tokens'
+  mean log-ratio, shared by its tokens;
 * **policy term** ``max(-rho A, -clip(rho, 1 - eps_low, 1 + eps_high) A)``,
   and where ``A < 0`` at most ``-C A`` (the dual clip; ``C = 0`` turns it off);
 * **KL** to the reference, k3: ``exp(d) - d - 1`` with ``d = log pi_ref - log pi``;
@@ -31,9 +33,11 @@ import torch
 
 __all__ = [
     "LOSSES",
+    "RATIO_LEVELS",
     "REWARD_SCALES",
     "LossKind",
     "LossSpec",
+    "RatioLevel",
     "RewardScale",
     "TokenLoss",
     "group_advantages",
@@ -45,7 +49,10 @@ __all__ = [
 LossKind = Literal["grpo", "dr_grpo", "dapo"]
 #: What divides a group's centred rewards: its own std, the batch's, or nothing.
 RewardScale = Literal["group", "batch", "none"]
+#: One importance ratio per token (GRPO), or per completion, the geometric mean of its tokens' (GSPO).
+RatioLevel = Literal["token", "sequence"]
 LOSSES: tuple[str, ...] = get_args(LossKind)
+RATIO_LEVELS: tuple[str, ...] = get_args(RatioLevel)
 REWARD_SCALES: tuple[str, ...] = get_args(RewardScale)
 
 
@@ -60,6 +67,7 @@ class LossSpec:
     kl_coeff: float = 0.0
     max_length: int = 0  # dr_grpo's L; 0: the width of the mask
     is_cap: float = 0.0  # > 0: truncated importance sampling (TIS) with this cap; 0: the ratio is to the behaviour
+    level: RatioLevel = "token"  # sequence: one ratio per completion (GSPO, TRL's importance_sampling_level)
 
 
 def group_advantages(
@@ -138,6 +146,11 @@ def token_grpo_loss(
     else:
         anchor = behaviour_logps
     log_ratio = torch.where(real, logps - anchor, torch.zeros_like(logps))
+    if spec.level == "sequence":  # GSPO: a completion's tokens share exp(their mean log-ratio), clipped as one
+        mean = log_ratio.sum(1, keepdim=True) / real.sum(1, keepdim=True).clamp_min(1)
+        log_ratio = torch.where(real, mean.expand_as(log_ratio), torch.zeros_like(log_ratio))
+    elif spec.level != "token":
+        raise ValueError(f"unknown ratio level {spec.level!r}; choose one of {', '.join(RATIO_LEVELS)}")
     ratio = log_ratio.exp()
     adv = advantages.unsqueeze(1).to(logps.dtype)
     unclipped = -ratio * adv

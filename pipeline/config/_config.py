@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from ..algorithm import LossKind, RewardScale
+from ..algorithm import LossKind, RatioLevel, RewardScale
 
 __all__ = [
     "DECODE_PATHS",
@@ -115,6 +115,8 @@ class Config:
     epsilon_high: float | None = None  # the clip's upper bound (clip-higher); None: the same as ``clip``
     dual_clip: float = 3.0  # a negative advantage's term is at most C |A| (0: off)
     mask_truncated: bool = False  # completions that hit the length limit do not train
+    importance_sampling_level: RatioLevel = "token"  # sequence: one clipped ratio per completion (GSPO)
+    num_iterations: int = 1  # optimiser steps on each rollout (TRL's μ; the clip bounds the later ones)
     micro_batch: int = 0  # samples per forward/backward pass; 0: as many as ``max_tokens_per_pass`` allows
     max_tokens_per_pass: int = 8192  # rows x token width of one trainer or reference pass (0: no limit)
     trainer_ranks: int = 1  # trainer processes, each training its share of every rollout's rows (gradients summed)

@@ -10,7 +10,7 @@ prompts cannot fill a training and a held-out set), when it is built.
 
 from __future__ import annotations
 
-from ..algorithm import LOSSES, REWARD_SCALES
+from ..algorithm import LOSSES, RATIO_LEVELS, REWARD_SCALES
 from ._config import DECODE_PATHS, ENGINES, REPORT_TO, Config
 
 __all__ = ["SettingsError", "check_settings"]
@@ -97,6 +97,14 @@ def check_settings(config: Config) -> None:
             "own way"
         )
     _one_of(config, "is_correction", ("none", "tis"))
+    _one_of(config, "importance_sampling_level", RATIO_LEVELS)
+    _at_least(config, "num_iterations", 1)
+    if config.num_iterations > 1 and config.is_correction == "tis":
+        raise SettingsError(
+            f"--num-iterations {config.num_iterations} with --is-correction tis: tis takes each update's ratio to "
+            "the trainer's own log-probs just before it, so the later iterations' ratios are 1 and no clip bounds "
+            "them; use --is-correction none (the ratio is then to the behaviour log-probs in every iteration)"
+        )
     _one_of(config, "vllm_dtype", ("auto", "float32", "bfloat16", "float16"))
     if not config.is_cap >= 1:
         raise SettingsError(f"--is-cap {config.is_cap}: a truncated importance weight's cap must be at least 1")

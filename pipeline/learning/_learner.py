@@ -44,8 +44,14 @@ class Update:
 
 
 def lr_factor(config: Config) -> Callable[[int], float]:
-    """The learning rate's multiplier at each optimiser step: linear warm-up, then constant or cosine to 0."""
-    warmup, total, cosine = config.warmup_steps, config.steps, config.lr_schedule == "cosine"
+    """The learning rate's multiplier at each optimiser step: linear warm-up, then constant or cosine to 0.
+
+    Warm-up and length are counted in trainer steps (rollouts); a rollout
+    takes ``num_iterations`` optimiser steps, so the schedule is stretched by it.
+    """
+    iterations = max(1, config.num_iterations)
+    warmup, total = config.warmup_steps * iterations, config.steps * iterations
+    cosine = config.lr_schedule == "cosine"
 
     def factor(step: int) -> float:
         if step < warmup:
@@ -82,6 +88,7 @@ class Learner:
         self.optim, self.schedule = self._optimizer()
         self.reference_state = copy.deepcopy(self.policy.state_dict())
         self.micro_batch = config.micro_batch
+        self.iterations = config.num_iterations
         self.max_tokens = config.max_tokens_per_pass
         if config.gradient_checkpointing:
             enable = getattr(self.policy, "gradient_checkpointing_enable", None)
@@ -137,8 +144,29 @@ class Learner:
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
     def update(self, samples: Any, rewards: torch.Tensor, ref_logps: torch.Tensor | None) -> Update:
-        """One GRPO step on ``samples`` (already on this device), in micro-batches if the run asks for them."""
+        """One GRPO step on ``samples`` (already on this device): ``num_iterations`` optimiser steps on them.
+
+        Each iteration's ratio is to the behaviour log-probs, so after the
+        first the policy has moved and the clip bounds how far. The report's
+        figures are the iterations' means, but ``logp_diff`` is the first's
+        (the trainer against the behaviour policy before this rollout's update);
+        ``lr`` is the last iteration's rate.
+        """
         started = time.perf_counter()
+        done = [self._iterate(samples, rewards, ref_logps) for _ in range(max(1, self.iterations))]
+        reports, norms, rates = zip(*done, strict=True)
+        report = reports[0]
+        if len(reports) > 1:
+            figures = [sum(column) / len(reports) for column in zip(*(r.figures() for r in reports), strict=True)]
+            report = LossReport.from_figures(torch.stack([r.loss for r in reports]).mean(), figures)
+            report.logp_diff = reports[0].logp_diff
+        return Update(report, sum(norms) / len(norms), time.perf_counter() - started, rates[-1])
+
+    def _iterate(
+        self, samples: Any, rewards: torch.Tensor, ref_logps: torch.Tensor | None
+    ) -> tuple[LossReport, float, float]:
+        """One optimiser step on ``samples``, in micro-batches if the run asks for them: its report, gradient norm
+        (before clipping) and learning rate."""
         self.optim.zero_grad()
         total: LossReport | None = None
         passes = self.task.micro_batches(samples, self.micro_batch, self.max_tokens)
@@ -167,7 +195,7 @@ class Learner:
         self.optim.step()
         self.schedule.step()
         total.loss = total.loss.detach()
-        return Update(total, float(grad_norm), time.perf_counter() - started, float(lr))
+        return total, float(grad_norm), float(lr)
 
     def evaluate(self) -> dict[str, float]:
         """The task's held-out metrics for the current policy (sharded: a collective every rank runs)."""

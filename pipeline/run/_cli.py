@@ -16,7 +16,7 @@ import os
 import sys
 import time
 
-from ..algorithm import LOSSES, REWARD_SCALES
+from ..algorithm import LOSSES, RATIO_LEVELS, REWARD_SCALES
 from ..config import DECODE_PATHS, ENGINES, REPORT_TO, Config, SettingsError, check_settings
 from ..models import PRESETS, ModelError, vllm_missing
 from ..tasks import BUILTINS, DataError, HFTask, RewardError, resolve, task_class
@@ -161,6 +161,19 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--is-cap", type=float, default=2.0, help="tis: the most a token's weight may be (default 2)")
     train.add_argument(
         "--mask-truncated", action="store_true", help="completions that hit the length limit do not train"
+    )
+    train.add_argument(
+        "--importance-sampling-level",
+        choices=RATIO_LEVELS,
+        default="token",
+        help="token: a clipped ratio per token (default); sequence: one per completion, the geometric mean of its "
+        "tokens' (GSPO; its paper clips at ε 3e-4 / ε_high 4e-4)",
+    )
+    train.add_argument(
+        "--num-iterations",
+        type=int,
+        default=1,
+        help="optimiser steps on each rollout (μ; default 1); later steps' ratios move off 1 and the clip bounds them",
     )
     train.add_argument(
         "--micro-batch",
@@ -324,6 +337,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
             loss=args.loss,
             scale_rewards=args.scale_rewards,
             mask_truncated=args.mask_truncated,
+            importance_sampling_level=args.importance_sampling_level,
+            num_iterations=args.num_iterations,
             micro_batch=args.micro_batch,
             trainer_ranks=args.trainer_ranks,
             trainer_shard=args.trainer_shard,

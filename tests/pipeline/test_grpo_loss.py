@@ -50,6 +50,35 @@ def test_tis_gradient_is_the_weighted_policy_gradient():
     assert torch.allclose(logps.grad, expected, atol=1e-6)
 
 
+def test_gspo_shares_one_clipped_ratio_per_completion():
+    # row 0's log-ratios 0.5 and 0 share e^0.25 = 1.284, clipped to 1.2 (A = 1); row 1's one token e^-0.5, held
+    # at 0.8 (A = -1): every token's clipped term is the one taken
+    out = loss(LossSpec(kind="dapo", level="sequence"))
+    assert out.policy_loss == pytest.approx((-1.2 - 1.2 + 0.8) / 3, abs=1e-5)
+    assert out.clip_fraction == pytest.approx(1.0)
+    assert out.logp_diff == pytest.approx(1 / 3, abs=1e-5), "the mismatch stays a token mean"
+
+
+def test_gspo_gradient_flows_through_the_mean_log_ratio():
+    logps = LOGPS.clone().requires_grad_(True)
+    wide = LossSpec(kind="dapo", clip_low=0.9, clip_high=1.0, dual_clip=0, level="sequence")
+    token_grpo_loss(logps, BEHAVIOUR, None, MASK, ADVANTAGES, wide).loss.backward()
+    # a completion's n tokens each carry -A e^(mean log-ratio), weighted 1/3 (dapo), and each token's log-prob
+    # enters that mean with 1/n: its gradient is n x 1/n of one term's
+    row0 = -math.exp(0.25) / 3
+    expected = torch.tensor([[row0, row0], [math.exp(-0.5) / 3, 0.0]])
+    assert logps.grad is not None and torch.allclose(logps.grad, expected, atol=1e-6)
+    token_level = token_grpo_loss(LOGPS, BEHAVIOUR, None, MASK, ADVANTAGES, LossSpec(kind="dapo"))
+    same = LOGPS.clone()
+    same[0] = BEHAVIOUR[0] + 0.25  # one log-ratio across a completion: the two levels agree
+    assert loss(LossSpec(kind="dapo", level="sequence")).policy_loss != pytest.approx(token_level.policy_loss)
+    for level in ("token", "sequence"):
+        out = token_grpo_loss(same, BEHAVIOUR, None, MASK, ADVANTAGES, LossSpec(kind="dapo", level=level))  # type: ignore[arg-type]
+        assert out.policy_loss == pytest.approx((-1.2 - 1.2 + 0.8) / 3, abs=1e-5), level
+    with pytest.raises(ValueError, match="unknown ratio level 'word'; choose one of token, sequence"):
+        loss(LossSpec(level="word"))  # type: ignore[arg-type]
+
+
 def test_without_tis_the_mismatch_is_still_measured():
     out = loss(LossSpec(kind="dapo"))
     assert out.logp_diff == pytest.approx(1 / 3, abs=1e-5) and out.is_weight == pytest.approx(1.0)
@@ -147,9 +176,14 @@ def _gradient(net: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.flatten() for p in net.parameters() if p.grad is not None])
 
 
-@pytest.mark.parametrize("kind", ["grpo", "dr_grpo", "dapo"])
-def test_micro_batches_accumulate_the_whole_batchs_gradient(kind):
-    task, net, batch, rewards, ref = _task(loss=kind, micro_batch=5, mask_truncated=True)
+@pytest.mark.parametrize(
+    "kind, level", [("grpo", "token"), ("dr_grpo", "token"), ("dapo", "token"), ("dapo", "sequence")]
+)
+def test_micro_batches_accumulate_the_whole_batchs_gradient(kind, level):
+    settings = {"loss": kind, "importance_sampling_level": level}
+    task, net, batch, rewards, ref = _task(**settings, micro_batch=5, mask_truncated=True)
+    if level == "sequence":  # behaviour log-probs off the policy's, so the ratios are not 1
+        batch = dataclasses.replace(batch, logps=batch.logps - 0.1 * torch.rand(batch.logps.shape))
     whole = task.loss(net, batch, rewards, ref)
     whole.loss.backward()  # type: ignore[no-untyped-call]
     expected = _gradient(net)
@@ -178,6 +212,28 @@ def test_the_learner_steps_in_micro_batches_as_in_one():
     assert parts.grad_norm == pytest.approx(whole.grad_norm, abs=1e-6)
     torch.testing.assert_close(parts_gradient, whole_gradient, atol=1e-6, rtol=0)
     assert float(parts.report.loss) == pytest.approx(float(whole.report.loss), abs=1e-6)
+
+
+def test_num_iterations_takes_that_many_optimiser_steps_on_one_rollout():
+    """μ = 3 is three optimiser steps on the same rollout, each ratio to the behaviour log-probs: the same as three
+    updates of μ = 1; the report holds their means, and the first's mismatch (before the rollout's update)."""
+    task, _, batch, rewards, ref = _task(lr=1e-2, num_iterations=3)
+    learner = Learner(task, torch.device("cpu"))
+    update = learner.update(batch, rewards, ref)
+    once = Learner(_task(lr=1e-2)[0], torch.device("cpu"))
+    singles = [once.update(batch, rewards, ref) for _ in range(3)]
+    for mine, theirs in zip(learner.policy.parameters(), once.policy.parameters(), strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=0)
+    assert learner.schedule.last_epoch == 3 and once.schedule.last_epoch == 3
+    assert singles[2].report.logp_diff > singles[0].report.logp_diff, "the later steps' policy moved off"
+    assert update.report.logp_diff == pytest.approx(singles[0].report.logp_diff, abs=1e-7)
+    assert update.grad_norm == pytest.approx(sum(s.grad_norm for s in singles) / 3, rel=1e-5)
+    for name in ("policy_loss", "clip_fraction", "entropy"):
+        want = sum(getattr(s.report, name) for s in singles) / 3
+        assert getattr(update.report, name) == pytest.approx(want, abs=1e-6), name
+    assert float(update.report.loss) == pytest.approx(sum(float(s.report.loss) for s in singles) / 3, abs=1e-6)
+    stretched = lr_factor(Config(steps=10, warmup_steps=2, num_iterations=2))  # counted in rollouts: 4 of 20
+    assert [stretched(s) for s in (0, 1, 3, 19)] == [0.25, 0.5, 1.0, 1.0]
 
 
 def test_mask_truncated_takes_cut_off_completions_out_of_the_loss():

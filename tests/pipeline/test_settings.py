@@ -41,6 +41,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
         (["--max-tokens-per-pass", "-1"], "--max-tokens-per-pass -1: must be at least 0"),
         (["--gradient-checkpointing"], "--gradient-checkpointing recomputes a Hugging Face model's layers"),
         (["--trainer-ranks", "0"], "--trainer-ranks 0: must be at least 1"),
+        (["--num-iterations", "0"], "--num-iterations 0: must be at least 1"),
+        (
+            ["--num-iterations", "2", "--is-correction", "tis"],
+            "--num-iterations 2 with --is-correction tis: tis takes each update's ratio",
+        ),
         (["--decode", "static", "--engine", "hf"], "--decode static picks how the built-in sampler decodes"),
         (["--trainer-ranks", "9", "--prompts", "2", "--group", "4"], "--trainer-ranks 9: a rollout has 8 rows"),
     ],
