@@ -1,7 +1,7 @@
 """The whole GPU round in one command: the gpu tests, decoding, weight sync, the digit pipeline, a 0.5 B model.
 
     python benchmarks/gpu_round.py [--wheels .whl] [--out DIR] [--budget 540]
-        [--skip tests decode weights digits hf] [--hf-runs bfloat16:64:12 float32:256:4]
+        [--skip tests decode weights digits train hf] [--hf-runs bfloat16:64:12 float32:256:4]
 
 For a GPU machine lent for a few minutes: the whole round keeps within
 ``--budget`` seconds (540), each step a subprocess whose deadline is the
@@ -31,7 +31,11 @@ out of time is recorded and the round goes on. In order:
    update's size, the log-prob mismatch, the trainer's and the generators'
    peak and reserved GPU memory as torch's allocator saw it (``memory/*``
    metrics), and every process's as the driver saw it (``nvidia-smi`` every
-   0.25 s, by process title).
+   0.25 s, by process title);
+7. before those runs, ``bench_train_step.py`` on the same model: the
+   trainer's update alone (bfloat16, 256 x 64 tokens after the prompts),
+   against its body's forward and backward, and the operators that took the
+   most device time (issue 40's pipeline target: where the step's time goes).
 
 Every step's output is appended to ``<out>/round.log`` and each run's
 metrics go to ``<out>/<name>.metrics.jsonl`` (few files: a lent machine
@@ -244,7 +248,9 @@ def main() -> int:
     parser.add_argument("--wheels", default=os.path.join(ROOT, ".whl"), help="folder of wheels to install first")
     parser.add_argument("--out", default=os.environ.get("OUT") or tempfile.mkdtemp(prefix="gpu-round-"))
     parser.add_argument("--budget", type=float, default=540, help="seconds the whole round may take (default 540)")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["tests", "decode", "weights", "digits", "hf"])
+    parser.add_argument(
+        "--skip", nargs="*", default=[], choices=["tests", "decode", "weights", "digits", "train", "hf"]
+    )
     parser.add_argument(
         "--hf-runs",
         nargs="+",
@@ -336,10 +342,18 @@ def play(round_: Round, args: argparse.Namespace) -> None:
         else:
             round_.record("digits_2_ranks", {"rc": None, "why": "one GPU: two trainer ranks need a GPU each"})
 
-    if "hf" not in args.skip:
+    if "hf" not in args.skip or "train" not in args.skip:
         folder = os.path.join(round_.scratch, "qwen-shape")
         build = [python, "examples/tiny_hf_model.py", folder, "--shape", "qwen2.5-0.5b", "--rows", "2000"]
         code, _ = round_.run("build_model", build, 150)
+    if "train" not in args.skip:  # issue 40: where a trainer step's time goes, without generators beside it
+        shape = ["--dtype", "bfloat16", "--prompts", "32", "--group", "8", "--new-tokens", "64"]
+        bench = [python, "benchmarks/bench_train_step.py", "--model", folder, "--device", "cuda", *shape, "--profile"]
+        train_code, text = round_.run("bench_train_step", bench, 90) if code == 0 else (code, "")
+        lines = [line for line in text.splitlines() if line.startswith("{")]
+        round_.record("bench_train_step", json.loads(lines[-1]) if train_code == 0 and lines else {"rc": train_code})
+
+    if "hf" not in args.skip:
         task = [
             *("--model", os.path.join(folder, "model"), "--dataset", os.path.join(folder, "train.jsonl")),
             *("--reward", os.path.join(folder, "rewards.py") + ":reversed_digits", "--target-score", "none"),

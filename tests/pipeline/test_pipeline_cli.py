@@ -76,6 +76,23 @@ def test_the_300m_preset_runs_on_the_gpu_and_reports_its_pace(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU round runs whole on a GPU machine")
+def test_the_train_step_benchmark_times_the_update_against_its_body_and_lists_operators():
+    pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
+    flags = ["--prompts", "2", "--group", "2", "--new-tokens", "3", "--repeat", "1", "--profile", "--top", "3"]
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_train_step.py"), *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    record = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert record["bench"] == "train_step" and record["rows"] == 4 and record["tokens"] % 4 == 0
+    assert record["step_ms"] > 0 and record["raw_body_ms"] > 0 and record["ratio"] > 0
+    assert len(record["top_ops"]) == 3 and all(op["op"] and op["ms"] >= 0 for op in record["top_ops"])
+
+
 def test_the_gpu_round_ends_at_once_with_one_line_without_cuda():
     out = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_round.py")],
