@@ -18,6 +18,7 @@ from ._loss import (
     RewardScale,
     TokenLoss,
     group_advantages,
+    high_entropy_tokens,
     token_grpo_loss,
     token_weights,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "draw",
     "filter_logits",
     "group_advantages",
+    "high_entropy_tokens",
     "token_grpo_loss",
     "token_logps",
     "token_weights",

@@ -12,6 +12,10 @@ completion mask ``m`` [N, T]:
   mean log-ratio, shared by its tokens;
 * **policy term** ``max(-rho A, -clip(rho, 1 - eps_low, 1 + eps_high) A)``,
   and where ``A < 0`` at most ``-C A`` (the dual clip; ``C = 0`` turns it off);
+* **top entropy** (``top_entropy`` below 1): the policy term only for
+  the tokens whose entropy is in that top share of the batch's unmasked tokens (the
+  high-entropy "forking" tokens; TRL's ``top_entropy_quantile``), the KL
+  for every token;
 * **KL** to the reference, k3: ``exp(d) - d - 1`` with ``d = log pi_ref - log pi``;
 * **loss** ``sum_{i,t} w_{i,t} (policy + beta KL)``, the weights ``w`` set by
   the variant (:func:`token_weights`): ``grpo`` averages each completion's
@@ -41,6 +45,7 @@ __all__ = [
     "RewardScale",
     "TokenLoss",
     "group_advantages",
+    "high_entropy_tokens",
     "token_grpo_loss",
     "token_weights",
 ]
@@ -68,6 +73,7 @@ class LossSpec:
     max_length: int = 0  # dr_grpo's L; 0: the width of the mask
     is_cap: float = 0.0  # > 0: truncated importance sampling (TIS) with this cap; 0: the ratio is to the behaviour
     level: RatioLevel = "token"  # sequence: one ratio per completion (GSPO, TRL's importance_sampling_level)
+    top_entropy: float = 1.0  # < 1: the policy term for this top share of tokens by entropy only
 
 
 def group_advantages(
@@ -83,6 +89,16 @@ def group_advantages(
     elif scale != "none":
         raise ValueError(f"unknown reward scaling {scale!r}; choose one of {', '.join(REWARD_SCALES)}")
     return centred.reshape(-1)
+
+
+def high_entropy_tokens(entropy: torch.Tensor, real: torch.Tensor, share: float) -> torch.Tensor:
+    """The tokens of ``real`` [N, T] whose ``entropy`` is in the top ``share`` of theirs: at or above its
+    (1 - share) quantile, so ties at the threshold all stay and the highest one always does."""
+    values = entropy[real].float()
+    if share >= 1 or values.numel() == 0:
+        return real
+    threshold = torch.quantile(values, 1.0 - share)
+    return real & (entropy >= threshold.to(entropy.dtype))
 
 
 def token_weights(mask: torch.Tensor, kind: LossKind, max_length: int = 0) -> torch.Tensor:
@@ -162,6 +178,10 @@ def token_grpo_loss(
         dual = (adv < 0) & (policy > cap)
         policy = torch.where(dual, cap.expand_as(policy), policy)
     policy = policy * is_weight
+    if spec.top_entropy < 1:
+        if entropy is None:
+            raise ValueError("a top-entropy share below 1 needs the tokens' entropies")
+        policy = policy * high_entropy_tokens(entropy, real, spec.top_entropy).to(policy.dtype)
     per_token = policy
     kl = torch.zeros_like(logps)
     if ref_logps is not None:

@@ -117,6 +117,7 @@ class Config:
     mask_truncated: bool = False  # completions that hit the length limit do not train
     importance_sampling_level: RatioLevel = "token"  # sequence: one clipped ratio per completion (GSPO)
     num_iterations: int = 1  # optimiser steps on each rollout (TRL's μ; the clip bounds the later ones)
+    top_entropy_quantile: float = 1.0  # < 1: the policy term only for this top share of each pass's tokens by entropy
     micro_batch: int = 0  # samples per forward/backward pass; 0: as many as ``max_tokens_per_pass`` allows
     max_tokens_per_pass: int = 8192  # rows x token width of one trainer or reference pass (0: no limit)
     trainer_ranks: int = 1  # trainer processes, each training its share of every rollout's rows (gradients summed)

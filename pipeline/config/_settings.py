@@ -99,6 +99,10 @@ def check_settings(config: Config) -> None:
     _one_of(config, "is_correction", ("none", "tis"))
     _one_of(config, "importance_sampling_level", RATIO_LEVELS)
     _at_least(config, "num_iterations", 1)
+    if not 0 < config.top_entropy_quantile <= 1:
+        raise SettingsError(
+            f"--top-entropy-quantile {config.top_entropy_quantile}: the share of tokens trained must be in (0, 1]"
+        )
     if config.num_iterations > 1 and config.is_correction == "tis":
         raise SettingsError(
             f"--num-iterations {config.num_iterations} with --is-correction tis: tis takes each update's ratio to "

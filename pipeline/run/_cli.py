@@ -170,6 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
         "tokens' (GSPO; its paper clips at ε 3e-4 / ε_high 4e-4)",
     )
     train.add_argument(
+        "--top-entropy-quantile",
+        type=float,
+        default=1.0,
+        help="the policy term only for this top share of each pass's tokens by entropy, the KL for all (default 1: "
+        "every token; the 80/20 paper trains 0.2)",
+    )
+    train.add_argument(
         "--num-iterations",
         type=int,
         default=1,
@@ -339,6 +346,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
             mask_truncated=args.mask_truncated,
             importance_sampling_level=args.importance_sampling_level,
             num_iterations=args.num_iterations,
+            top_entropy_quantile=args.top_entropy_quantile,
             micro_batch=args.micro_batch,
             trainer_ranks=args.trainer_ranks,
             trainer_shard=args.trainer_shard,

@@ -27,6 +27,7 @@ def loss_spec(config: Config, max_length: int = 0) -> LossSpec:
         max_length=max_length,
         is_cap=config.is_cap if config.is_correction == "tis" else 0.0,
         level=config.importance_sampling_level,
+        top_entropy=config.top_entropy_quantile,
     )
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pipeline import Config, DigitsTask, Learner, resolve, train_one_process
-from pipeline.algorithm import LossSpec, group_advantages, token_grpo_loss, token_weights
+from pipeline.algorithm import LossSpec, group_advantages, high_entropy_tokens, token_grpo_loss, token_weights
 from pipeline.learning import lr_factor
 from pipeline.models import completion_logps
 from pipeline.tasks import EOS, PAD, TokenBatch
@@ -77,6 +77,37 @@ def test_gspo_gradient_flows_through_the_mean_log_ratio():
         assert out.policy_loss == pytest.approx((-1.2 - 1.2 + 0.8) / 3, abs=1e-5), level
     with pytest.raises(ValueError, match="unknown ratio level 'word'; choose one of token, sequence"):
         loss(LossSpec(level="word"))  # type: ignore[arg-type]
+
+
+def test_the_high_entropy_tokens_are_the_top_share_of_the_unmasked_ones():
+    entropy = torch.tensor([[0.1, 0.9, 0.5], [0.7, 0.3, 9.0]])
+    real = torch.tensor([[True, True, True], [True, True, False]])  # the 9.0 is padding
+    # the 0.6 quantile of 0.1 0.3 0.5 0.7 0.9 is 0.58: 0.7 and 0.9 stay, two of five
+    assert high_entropy_tokens(entropy, real, 0.4).tolist() == [[False, True, False], [True, False, False]]
+    assert high_entropy_tokens(entropy, real, 0.01).sum() == 1, "the highest one always stays"
+    assert torch.equal(high_entropy_tokens(entropy, real, 1.0), real)
+    assert torch.equal(high_entropy_tokens(torch.full((2, 3), 0.5), real, 0.2), real), "ties at the threshold stay"
+    nothing = torch.zeros(2, 3, dtype=torch.bool)
+    assert torch.equal(high_entropy_tokens(entropy, nothing, 0.5), nothing)
+
+
+def test_top_entropy_trains_the_policy_term_of_the_high_entropy_tokens_only():
+    # entropies 0.2, 0.9 | 0.5 (and a pad's 5.0): the top third is token 2 alone, whose term is -1 (A = 1, ratio 1)
+    entropy = torch.tensor([[0.2, 0.9], [0.5, 5.0]])
+    logps = LOGPS.clone().requires_grad_(True)
+    spec = LossSpec(kind="dapo", kl_coeff=0.1, top_entropy=1 / 3)
+    out = token_grpo_loss(logps, BEHAVIOUR, REF, MASK, ADVANTAGES, spec, entropy=entropy)
+    assert out.policy_loss == pytest.approx(-1.0 / 3, abs=1e-5)
+    assert out.kl == pytest.approx(sum(KL) / 3, abs=1e-5), "the KL counts every token"
+    assert float(out.loss.detach()) == pytest.approx((-1.0 + 0.1 * sum(KL)) / 3, abs=1e-5)
+    out.loss.backward()  # type: ignore[no-untyped-call]
+    assert logps.grad is not None
+    # token 1 and 3 keep only their KL's gradient: d/dlogp of β (e^d - d - 1), d = ref - logp, over 3 tokens
+    kl_grad = [0.1 * (1 - math.exp(-0.5)) / 3, 0.1 * (1 - math.exp(0.5)) / 3]
+    assert float(logps.grad[0, 0]) == pytest.approx(kl_grad[0], abs=1e-6)
+    assert float(logps.grad[1, 0]) == pytest.approx(kl_grad[1], abs=1e-6)
+    with pytest.raises(ValueError, match="needs the tokens' entropies"):
+        token_grpo_loss(LOGPS, BEHAVIOUR, REF, MASK, ADVANTAGES, spec)
 
 
 def test_without_tis_the_mismatch_is_still_measured():

@@ -42,6 +42,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
         (["--gradient-checkpointing"], "--gradient-checkpointing recomputes a Hugging Face model's layers"),
         (["--trainer-ranks", "0"], "--trainer-ranks 0: must be at least 1"),
         (["--num-iterations", "0"], "--num-iterations 0: must be at least 1"),
+        (["--top-entropy-quantile", "0"], "--top-entropy-quantile 0.0: the share of tokens trained must be in (0, 1]"),
+        (["--top-entropy-quantile", "1.5"], "--top-entropy-quantile 1.5: the share of tokens trained must be in"),
         (
             ["--num-iterations", "2", "--is-correction", "tis"],
             "--num-iterations 2 with --is-correction tis: tis takes each update's ratio",
