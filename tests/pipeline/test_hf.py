@@ -14,6 +14,7 @@ pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '
 pytest.importorskip("datasets", reason="needs the hf extra: pip install -e '.[hf]'")
 
 from pipeline import Config, PipelineError, resolve, run_pipeline
+from pipeline.algorithm import group_advantages, high_entropy_tokens
 from pipeline.grpo import main
 from pipeline.learning import Learner, Update
 from pipeline.models import BuiltinEngine, GenerateEngine, SamplingParams, causal_logps, load_model, load_tokenizer
@@ -441,6 +442,40 @@ def test_passes_by_token_budget_and_checkpointing_give_the_same_update(tmp_path,
     assert update.grad_norm == pytest.approx(whole.grad_norm, rel=1e-5)
     for name, gradient in expected.items():  # the step's gradients (Adam's first step would magnify rounding)
         torch.testing.assert_close(got[name], gradient, rtol=1e-4, atol=1e-7)
+
+
+def test_gspo_iterations_and_top_entropy_train_a_hf_model(tmp_path, tiny):
+    """Sequence-level ratios with μ = 2 take the two steps two single updates take; a top-entropy share keeps the
+    policy term of the tokens the pass's own entropies rank highest (the HF scorer's chunked head gives them)."""
+
+    def learner(**overrides):  # type: ignore[no-untyped-def]
+        config = resolve(_config(tiny, tmp_path, prompts=4, group=2, **{"kl_coeff": 0.05, **overrides}))
+        task = HFTask(config)
+        return task, Learner(task, torch.device("cpu"))
+
+    task, twice = learner(importance_sampling_level="sequence", num_iterations=2)
+    twice.policy.eval()
+    batch = task.sample(twice.policy, torch.Generator(device="cpu").manual_seed(0), ticket=0)
+    twice.policy.train()
+    rewards = torch.arange(8, dtype=torch.float32) / 8
+    ref = task.reference_logps(twice.reference(), batch)
+    twice.update(batch, rewards, ref)
+    _, once = learner(importance_sampling_level="sequence")
+    for _ in range(2):
+        once.update(batch, rewards, ref)
+    for mine, theirs in zip(twice.policy.parameters(), once.policy.parameters(), strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=0)
+
+    top_task, top = learner(top_entropy_quantile=0.25, kl_coeff=0.0)
+    with torch.no_grad():
+        logps, entropy = top_task.logps_of(top.policy)(batch.tokens, batch.prompt_mask, 1.0)
+        report = top_task.loss(top.policy, batch, rewards, None)
+    kept = high_entropy_tokens(entropy, batch.mask > 0, 0.25)
+    assert 0 < int(kept.sum()) < int((batch.mask > 0).sum()) / 2
+    advantages = group_advantages(rewards, 2).unsqueeze(1)
+    ratio = torch.where(kept, (logps - batch.logps).exp(), torch.zeros_like(logps))  # 1 at lag 0, to rounding
+    expected = float((-ratio * advantages).sum() / batch.mask.sum())
+    assert report.policy_loss == pytest.approx(expected, abs=1e-5)
 
 
 def test_bfloat16_roles_hold_their_weights_in_bfloat16_and_derived_buffers_in_float32(model_and_tokenizer):
