@@ -38,6 +38,7 @@ import torch
 
 from pipeline import Config, resolve
 from pipeline.learning import Learner
+from pipeline.models import positions
 from pipeline.tasks import HFBatch, HFTask, load_task
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -83,17 +84,21 @@ def rollout(task: HFTask, device: torch.device, new_tokens: int, seed: int = 0) 
 
 
 def body_step(learner: Learner, samples: HFBatch) -> None:
-    """The raw baseline: the policy's body forward and backward over the same passes, then Adam."""
+    """The raw baseline: the policy's body forward and backward over the same passes, with the update's attention
+    mask and positions (left-padded prompts), then Adam."""
     policy, task, dtype = learner.policy, learner.task, learner.compute_dtype
     body = policy.get_decoder()  # type: ignore[operator]
     learner.optim.zero_grad()
+    completion = samples.tokens.shape[1] - samples.prompt_mask.shape[1]
+    attention = torch.cat([samples.prompt_mask, torch.ones_like(samples.tokens[:, -completion:])], 1)[:, :-1]
     for rows in task.micro_batches(samples, learner.micro_batch, learner.max_tokens):
         autocast = (
             torch.autocast(learner.device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
         )
         with autocast:
-            hidden = body(input_ids=samples.tokens[rows]).last_hidden_state
-        hidden.float().square().mean().backward()  # type: ignore[no-untyped-call]
+            mask = attention[rows]
+            out = body(input_ids=samples.tokens[rows, :-1], attention_mask=mask, position_ids=positions(mask))
+        out.last_hidden_state.float().square().mean().backward()  # type: ignore[no-untyped-call]
     learner.optim.step()
 
 

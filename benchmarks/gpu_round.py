@@ -32,8 +32,8 @@ out of time is recorded and the round goes on. In order:
    peak and reserved GPU memory as torch's allocator saw it (``memory/*``
    metrics), and every process's as the driver saw it (``nvidia-smi`` every
    0.25 s, by process title);
-7. before those runs, ``bench_train_step.py`` on the same model: the
-   trainer's update alone (bfloat16, 256 x 64 tokens after the prompts),
+7. ``bench_train_step.py`` on the same model, with what the round has left:
+   the trainer's update alone (bfloat16, 256 x 64 tokens after the prompts),
    against its body's forward and backward, and the operators that took the
    most device time (issue 40's pipeline target: where the step's time goes).
 
@@ -346,13 +346,6 @@ def play(round_: Round, args: argparse.Namespace) -> None:
         folder = os.path.join(round_.scratch, "qwen-shape")
         build = [python, "examples/tiny_hf_model.py", folder, "--shape", "qwen2.5-0.5b", "--rows", "2000"]
         code, _ = round_.run("build_model", build, 150)
-    if "train" not in args.skip:  # issue 40: where a trainer step's time goes, without generators beside it
-        shape = ["--dtype", "bfloat16", "--prompts", "32", "--group", "8", "--new-tokens", "64"]
-        bench = [python, "benchmarks/bench_train_step.py", "--model", folder, "--device", "cuda", *shape, "--profile"]
-        train_code, text = round_.run("bench_train_step", bench, 90) if code == 0 else (code, "")
-        lines = [line for line in text.splitlines() if line.startswith("{")]
-        round_.record("bench_train_step", json.loads(lines[-1]) if train_code == 0 and lines else {"rc": train_code})
-
     if "hf" not in args.skip:
         task = [
             *("--model", os.path.join(folder, "model"), "--dataset", os.path.join(folder, "train.jsonl")),
@@ -367,6 +360,13 @@ def play(round_: Round, args: argparse.Namespace) -> None:
             length = ["--max-new-tokens", str(tokens), "--steps", str(steps), "--eval-every", str(steps)]
             figures = train(name.replace("_", "-"), [*task, *length, "--dtype", dtype], 200)
             round_.record(name, {"completion_tokens": tokens, **figures})
+
+    if "train" not in args.skip:  # issue 40: where a trainer step's time goes, without generators beside it
+        shape = ["--dtype", "bfloat16", "--prompts", "32", "--group", "8", "--new-tokens", "64"]
+        bench = [python, "benchmarks/bench_train_step.py", "--model", folder, "--device", "cuda", *shape, "--profile"]
+        train_code, text = round_.run("bench_train_step", bench, 90) if code == 0 else (code, "")
+        lines = [line for line in text.splitlines() if line.startswith("{")]
+        round_.record("bench_train_step", json.loads(lines[-1]) if train_code == 0 and lines else {"rc": train_code})
 
 
 if __name__ == "__main__":

@@ -97,7 +97,12 @@ def high_entropy_tokens(entropy: torch.Tensor, real: torch.Tensor, share: float)
     values = entropy[real].float()
     if share >= 1 or values.numel() == 0:
         return real
-    threshold = torch.quantile(values, 1.0 - share)
+    # the (1 - share) quantile, interpolated as torch.quantile does (which refuses over 2**24 values)
+    ordered = values.sort().values
+    position = (1.0 - share) * (ordered.numel() - 1)
+    low = int(position)
+    high = min(low + 1, ordered.numel() - 1)
+    threshold = ordered[low] + (position - low) * (ordered[high] - ordered[low])
     return real & (entropy >= threshold.to(entropy.dtype))
 
 

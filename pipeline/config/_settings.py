@@ -103,6 +103,12 @@ def check_settings(config: Config) -> None:
         raise SettingsError(
             f"--top-entropy-quantile {config.top_entropy_quantile}: the share of tokens trained must be in (0, 1]"
         )
+    if config.top_entropy_quantile < 1 and config.trainer_ranks > 1:
+        raise SettingsError(
+            f"--top-entropy-quantile {config.top_entropy_quantile} with --trainer-ranks {config.trainer_ranks}: each "
+            "rank would rank only its own rows' entropies, so the ranks' step would not be one trainer's; "
+            "train with one rank"
+        )
     if config.num_iterations > 1 and config.is_correction == "tis":
         raise SettingsError(
             f"--num-iterations {config.num_iterations} with --is-correction tis: tis takes each update's ratio to "

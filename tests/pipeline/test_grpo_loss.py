@@ -91,6 +91,17 @@ def test_the_high_entropy_tokens_are_the_top_share_of_the_unmasked_ones():
     assert torch.equal(high_entropy_tokens(entropy, nothing, 0.5), nothing)
 
 
+def test_the_high_entropy_threshold_is_torch_quantiles_and_has_no_size_limit():
+    entropy = torch.rand(64, 50, generator=torch.Generator().manual_seed(3))
+    real = torch.rand(64, 50, generator=torch.Generator().manual_seed(4)) > 0.3
+    for share in (0.05, 0.2, 0.5, 0.93):
+        want = real & (entropy >= torch.quantile(entropy[real], 1 - share))
+        assert torch.equal(high_entropy_tokens(entropy, real, share), want), share
+    many = torch.arange(2**24 + 8, dtype=torch.float32).view(1, -1)  # torch.quantile refuses over 2**24 values
+    kept = high_entropy_tokens(many, torch.ones_like(many, dtype=torch.bool), 0.25)
+    assert int(kept.sum()) == pytest.approx(0.25 * many.numel(), abs=2)
+
+
 def test_top_entropy_trains_the_policy_term_of_the_high_entropy_tokens_only():
     # entropies 0.2, 0.9 | 0.5 (and a pad's 5.0): the top third is token 2 alone, whose term is -1 (A = 1, ratio 1)
     entropy = torch.tensor([[0.2, 0.9], [0.5, 5.0]])

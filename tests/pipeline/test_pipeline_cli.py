@@ -75,7 +75,6 @@ def test_the_300m_preset_runs_on_the_gpu_and_reports_its_pace(tmp_path):
     assert all(r["timing/publish_ms"] > 0 for r in rows)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU round runs whole on a GPU machine")
 def test_the_train_step_benchmark_times_the_update_against_its_body_and_lists_operators():
     pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
     flags = ["--prompts", "2", "--group", "2", "--new-tokens", "3", "--repeat", "1", "--profile", "--top", "3"]
@@ -93,6 +92,7 @@ def test_the_train_step_benchmark_times_the_update_against_its_body_and_lists_op
     assert len(record["top_ops"]) == 3 and all(op["op"] and op["ms"] >= 0 for op in record["top_ops"])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU round runs whole on a GPU machine")
 def test_the_gpu_round_ends_at_once_with_one_line_without_cuda():
     out = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_round.py")],

@@ -45,6 +45,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
         (["--top-entropy-quantile", "0"], "--top-entropy-quantile 0.0: the share of tokens trained must be in (0, 1]"),
         (["--top-entropy-quantile", "1.5"], "--top-entropy-quantile 1.5: the share of tokens trained must be in"),
         (
+            ["--top-entropy-quantile", "0.2", "--trainer-ranks", "2"],
+            "--top-entropy-quantile 0.2 with --trainer-ranks 2: each rank would rank only its own rows",
+        ),
+        (
             ["--num-iterations", "2", "--is-correction", "tis"],
             "--num-iterations 2 with --is-correction tis: tis takes each update's ratio",
         ),
