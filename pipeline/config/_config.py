@@ -117,6 +117,9 @@ class Config:
     mask_truncated: bool = False  # completions that hit the length limit do not train
     importance_sampling_level: RatioLevel = "token"  # sequence: one clipped ratio per completion (GSPO)
     num_iterations: int = 1  # optimiser steps on each rollout (TRL's μ; the clip bounds the later ones)
+    sync_ref_model: bool = False  # mix the policy into the reference every ``ref_model_sync_steps`` (TR-DPO style)
+    ref_model_mixup_alpha: float = 0.6  # the policy's share of a synced reference: a pi + (1 - a) pi_ref
+    ref_model_sync_steps: int = 512  # trainer steps between syncs of the reference
     top_entropy_quantile: float = 1.0  # < 1: the policy term only for this top share of each pass's tokens by entropy
     micro_batch: int = 0  # samples per forward/backward pass; 0: as many as ``max_tokens_per_pass`` allows
     max_tokens_per_pass: int = 8192  # rows x token width of one trainer or reference pass (0: no limit)

@@ -103,6 +103,20 @@ def check_settings(config: Config) -> None:
         raise SettingsError(
             f"--top-entropy-quantile {config.top_entropy_quantile}: the share of tokens trained must be in (0, 1]"
         )
+    if config.sync_ref_model:
+        _at_least(config, "ref_model_sync_steps", 1)
+        if not 0 < config.ref_model_mixup_alpha <= 1:
+            raise SettingsError(
+                f"--ref-model-mixup-alpha {config.ref_model_mixup_alpha}: the policy's share of a synced reference "
+                "must be in (0, 1]"
+            )
+        if config.kl_coeff == 0:
+            raise SettingsError("--sync-ref-model with --kl-coeff 0: there is no reference model to sync")
+        if config.sharded_trainer:
+            raise SettingsError(
+                f"--sync-ref-model with --trainer-ranks {config.trainer_ranks} --trainer-shard fsdp: the policy is "
+                "sharded and the reference is not; use --trainer-shard ddp"
+            )
     if config.top_entropy_quantile < 1 and config.trainer_ranks > 1:
         raise SettingsError(
             f"--top-entropy-quantile {config.top_entropy_quantile} with --trainer-ranks {config.trainer_ranks}: each "

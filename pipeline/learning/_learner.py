@@ -197,6 +197,23 @@ class Learner:
         total.loss = total.loss.detach()
         return total, float(grad_norm), float(lr)
 
+    def mix_reference(self, alpha: float) -> None:
+        """The reference weights become ``alpha`` x the policy + (1 - ``alpha``) x themselves (TRL's ref sync).
+
+        In place, each storage once (a tied head shares its embedding's);
+        integer buffers are left as they are. An unsharded learner only.
+        """
+        if self.sharded:
+            raise RuntimeError("a sharded learner's policy is in shards; its reference is whole: mix unsharded")
+        policy = self.policy.state_dict()
+        mixed: set[int] = set()
+        with torch.no_grad():
+            for name, reference in self.reference_state.items():
+                if not reference.is_floating_point() or reference.data_ptr() in mixed:
+                    continue
+                mixed.add(reference.data_ptr())
+                reference.mul_(1.0 - alpha).add_(policy[name].to(reference.device, reference.dtype), alpha=alpha)
+
     def evaluate(self) -> dict[str, float]:
         """The task's held-out metrics for the current policy (sharded: a collective every rank runs)."""
         whole = self.parallel.whole_root() if self.parallel is not None else contextlib.nullcontext()

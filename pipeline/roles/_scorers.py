@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import torch
@@ -62,6 +63,20 @@ class RefModel(Actor):
         consumer.install(initial, self.model)
         consumer.close()
         self.port, self.inbox = Channel.open(ScoredRollout)
+        self._weights = asyncio.Lock()  # held while a synced reference installs: no rollout sees half of it
+        self.syncs = 0
+
+    @endpoint
+    async def update_reference(self, manifest: WeightManifest) -> int:
+        """Install a synced reference (``--sync-ref-model``) between two rollouts; the syncs so far."""
+        async with self._weights:
+            consumer = WeightConsumer()
+            try:
+                await asyncio.to_thread(consumer.install, manifest, self.model)
+            finally:
+                consumer.close()
+        self.syncs += 1
+        return self.syncs
 
     @endpoint
     async def inlet(self) -> Port[ScoredRollout]:
@@ -74,7 +89,8 @@ class RefModel(Actor):
     async def run(self, out: Port[ScoredRollout]) -> int:
         count = 0
         while (scored := await self.inbox.recv()) is not None:
-            ref = self.reference_logps(scored.rollout)
+            async with self._weights:
+                ref = self.reference_logps(scored.rollout)
             out.send(dataclasses.replace(scored, ref_logps=ref, ref_queue=self.inbox.qsize()))
             count += 1
         out.send(None)

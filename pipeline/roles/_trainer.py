@@ -41,6 +41,7 @@ from ._deaths import first_death
 from ._devices import peak_gpu_gb, reserved_gpu_gb, role_device, uses_reference, weights_dtype
 from ._generator import Generator
 from ._messages import Grant, ScoredRollout, StepReport
+from ._scorers import RefModel
 from ._tickets import Tickets
 from ._weight_routes import WeightRoutes
 
@@ -95,7 +96,11 @@ class Trainer(Actor):
         self.ref_publisher: WeightPublisher | None = None
         self.ref_manifest: WeightManifest | None = None
         if uses_reference(config):
-            self.ref_publisher = WeightPublisher(config.transport, slots=1, dtype=weights_dtype(config), **on_gpu)
+            # a synced reference needs a second slot: the next one is written while RefModel may hold the last
+            ref_slots = 2 if config.sync_ref_model else 1
+            self.ref_publisher = WeightPublisher(
+                config.transport, slots=ref_slots, dtype=weights_dtype(config), **on_gpu
+            )
             self.ref_manifest = self.ref_publisher.publish(self.learner.reference_state, 1)
         self.dropped = 0
         self.tokens_received = 0
@@ -293,8 +298,13 @@ class Trainer(Actor):
         return item
 
     @endpoint
-    async def run(self, generators: Generator, grants: list[Port[Grant]]) -> dict[str, Any]:
-        """Train until ``config.steps`` (or the target score); returns a summary."""
+    async def run(
+        self, generators: Generator, grants: list[Port[Grant]], reference: RefModel | None = None
+    ) -> dict[str, Any]:
+        """Train until ``config.steps`` (or the target score); returns a summary.
+
+        ``reference`` is the RefModel a synced reference goes to (``--sync-ref-model``).
+        """
         config = self.config
         self.generators = generators
         self.grants = list(grants)
@@ -321,6 +331,8 @@ class Trainer(Actor):
             self.tickets.trained()
             publishing = time.perf_counter()
             await self.deliver()
+            if config.sync_ref_model and self.step % config.ref_model_sync_steps == 0:
+                await self.sync_reference(reference)
             published += time.perf_counter() - publishing
             final = self.step >= config.steps
             evaluation = None
@@ -345,6 +357,18 @@ class Trainer(Actor):
             "score": self.score,
             "evaluation": self.evaluation,
         }
+
+    async def sync_reference(self, reference: RefModel | None) -> None:
+        """Mix the policy into the reference weights and install them in ``reference`` before the next rollout
+        it scores (the checkpoint keeps the mixed weights, so a resumed run's RefModel starts from them)."""
+        if self.ref_publisher is None or self.ref_manifest is None:
+            return  # no KL term: no reference to sync (refused before the run starts)
+        async with self._weights:
+            await asyncio.to_thread(self.learner.mix_reference, self.config.ref_model_mixup_alpha)
+            version = self.ref_manifest.version + 1
+            self.ref_manifest = await self.ref_publisher.publish_async(self.learner.reference_state, version)
+        if reference is not None:
+            await reference.update_reference.call_one(self.ref_manifest)
 
     async def deliver(self) -> None:
         """Grant the tickets the trained one's credit opens and get the new version to generators.

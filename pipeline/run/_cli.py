@@ -170,6 +170,18 @@ def build_parser() -> argparse.ArgumentParser:
         "tokens' (GSPO; its paper clips at ε 3e-4 / ε_high 4e-4)",
     )
     train.add_argument(
+        "--sync-ref-model",
+        action="store_true",
+        help="every --ref-model-sync-steps steps the reference becomes a·policy + (1 - a)·reference (TRL's "
+        "sync_ref_model); needs a KL term",
+    )
+    train.add_argument(
+        "--ref-model-mixup-alpha", type=float, default=0.6, help="a, the policy's share of a synced reference (0.6)"
+    )
+    train.add_argument(
+        "--ref-model-sync-steps", type=int, default=512, help="trainer steps between syncs of the reference (512)"
+    )
+    train.add_argument(
         "--top-entropy-quantile",
         type=float,
         default=1.0,
@@ -347,6 +359,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
             importance_sampling_level=args.importance_sampling_level,
             num_iterations=args.num_iterations,
             top_entropy_quantile=args.top_entropy_quantile,
+            sync_ref_model=args.sync_ref_model,
+            ref_model_mixup_alpha=args.ref_model_mixup_alpha,
+            ref_model_sync_steps=args.ref_model_sync_steps,
             micro_batch=args.micro_batch,
             trainer_ranks=args.trainer_ranks,
             trainer_shard=args.trainer_shard,
@@ -372,12 +387,22 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
             ray_hosts=args.ray_hosts,
         )
     check_settings(config)
+    check_reference_sync(config)
     missing = missing_tracker(config.report_to)
     if missing is not None:
         raise SettingsError(missing)
     if config.task == "hf":
         check_hf(config)
     return config, args
+
+
+def check_reference_sync(config: Config) -> None:
+    """Refuse ``--sync-ref-model`` where the task's own β is 0: there would be no reference model to sync."""
+    if config.sync_ref_model and config.kl_coeff is None and resolve(config).hyper("kl_coeff") == 0:
+        raise SettingsError(
+            f"--sync-ref-model: --task {config.task} has no KL term by default (β 0), so no reference model to "
+            "sync; give --kl-coeff"
+        )
 
 
 def _task_name(args: argparse.Namespace) -> str:

@@ -35,7 +35,7 @@ from ..config import Config, SettingsError, check_settings
 from ..learning import checkpoint
 from ..roles import Generator, RefModel, Scorer, StepReport, Trainer, TrainerRank, uses_reference
 from ..tasks import load_task, resolve
-from ._cli import parse_args
+from ._cli import check_reference_sync, parse_args
 from ._failures import PipelineError, first_failure
 from ._metrics import MetricsLog, Progress, plot
 from ._placement import check_placement
@@ -166,6 +166,7 @@ async def run_pipeline(
     """Run the pipeline described by ``config``; raises PipelineError if a role fails."""
     roles = roles or Roles()
     check_settings(config)  # before anything starts: settings that cannot train start nothing
+    check_reference_sync(config)
     check_placement(config)  # nor do roles that cannot be placed
     config = resolve(config)
     load_task(config)  # a task that cannot be built fails here, with its own message, before any process starts
@@ -266,7 +267,7 @@ async def run_pipeline(
             },
             "scorer": asyncio.ensure_future(scorer.run.call_one(scored_in)),
             **({"reference model": asyncio.ensure_future(ref.run.call_one(trainer_in))} if ref is not None else {}),
-            "trainer": asyncio.ensure_future(trainer.run.call_one(gens, grants)),
+            "trainer": asyncio.ensure_future(trainer.run.call_one(gens, grants, ref)),
         }
         training_started = time.perf_counter()
 

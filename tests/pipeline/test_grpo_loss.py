@@ -278,6 +278,24 @@ def test_num_iterations_takes_that_many_optimiser_steps_on_one_rollout():
     assert [stretched(s) for s in (0, 1, 3, 19)] == [0.25, 0.5, 1.0, 1.0]
 
 
+def test_mixing_the_reference_takes_alpha_of_the_policy_and_the_one_process_run_syncs_it():
+    task, _, batch, rewards, ref = _task(lr=1e-2)
+    learner = Learner(task, torch.device("cpu"))
+    learner.update(batch, rewards, ref)
+    before = {name: value.clone() for name, value in learner.reference_state.items()}
+    policy = learner.policy.state_dict()
+    learner.mix_reference(0.6)
+    for name, value in learner.reference_state.items():
+        torch.testing.assert_close(value, 0.6 * policy[name] + 0.4 * before[name], atol=1e-6, rtol=0)
+    assert any(not torch.equal(value, before[name]) for name, value in learner.reference_state.items())
+    synced = train_one_process(
+        dataclasses.replace(
+            task.config, steps=4, target_score=None, eval_every=4, sync_ref_model=True, ref_model_sync_steps=2
+        )
+    )
+    assert synced.steps == 4
+
+
 def test_mask_truncated_takes_cut_off_completions_out_of_the_loss():
     task, net, batch, rewards, ref = _task(mask_truncated=True, max_new_tokens=4)
     truncated = task.truncated(batch)

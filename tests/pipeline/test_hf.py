@@ -478,6 +478,17 @@ def test_gspo_iterations_and_top_entropy_train_a_hf_model(tmp_path, tiny):
     assert report.policy_loss == pytest.approx(expected, abs=1e-5)
 
 
+def test_a_tied_reference_is_mixed_once(tmp_path, tiny):
+    learner = Learner(HFTask(resolve(_config(tiny, tmp_path, kl_coeff=0.05))), torch.device("cpu"))
+    ref = learner.reference_state
+    assert ref["lm_head.weight"].data_ptr() == ref["model.embed_tokens.weight"].data_ptr(), "tied in the copy too"
+    before = ref["lm_head.weight"].clone()
+    with torch.no_grad():
+        learner.policy.model.embed_tokens.weight.add_(1.0)  # type: ignore[operator]
+    learner.mix_reference(0.5)
+    torch.testing.assert_close(ref["lm_head.weight"], before + 0.5, atol=1e-6, rtol=0)  # not + 0.75: mixed once
+
+
 def test_bfloat16_roles_hold_their_weights_in_bfloat16_and_derived_buffers_in_float32(model_and_tokenizer):
     """A rotary embedding's inverse frequencies are not weights: in bfloat16 they would shift every position."""
     import copy

@@ -20,9 +20,10 @@ from pipeline_support import (
     ForbiddenRefModel,
     HookedGenerator,
     ProbeGenerator,
+    SyncRecordingRefModel,
 )
 
-from pipeline import Config, DigitsTask, PipelineError, Roles, run_pipeline
+from pipeline import Config, DigitsTask, PipelineError, Roles, resolve, run_pipeline
 from pipeline.learning.checkpoint import load as load_checkpoint
 from pipeline.run import read_rows
 
@@ -181,6 +182,35 @@ async def test_resume_continues_steps_and_versions(tmp_path, sockets_dir):
     after = load_checkpoint(str(tmp_path))
     assert torch.equal(after["ref"]["embed.weight"], before["ref"]["embed.weight"]), "the reference stays frozen"
     assert not torch.equal(after["policy"]["embed.weight"], before["policy"]["embed.weight"])
+
+
+async def test_a_synced_reference_reaches_the_reference_model_and_the_checkpoint(tmp_path, sockets_dir):
+    """--sync-ref-model: every 3 steps the trainer mixes the policy into the reference and the RefModel installs it
+    before it scores the next rollout (a rollout granted after a sync is scored with it); the checkpoint keeps it."""
+    config = Config(
+        steps=12,
+        lr=1e-2,
+        kl_coeff=0.05,
+        sync_ref_model=True,
+        ref_model_sync_steps=3,
+        ref_model_mixup_alpha=0.5,
+        run_dir=str(tmp_path),
+    )
+    initial = DigitsTask(resolve(config)).build_policy  # the seed's policy: the reference before any sync
+    torch.manual_seed(config.seed)
+    start = {name: value.clone() for name, value in initial().state_dict().items()}
+    result = await run_pipeline(config, quiet=True, roles=Roles(ref=SyncRecordingRefModel))
+    assert result.steps == 12
+    records = [line.split() for line in (tmp_path / "ref_syncs.txt").read_text().splitlines()]
+    by_ticket = sorted((int(ticket), int(syncs), float(checksum)) for ticket, syncs, checksum in records)
+    syncs = [s for _, s, _ in by_ticket]
+    assert syncs == sorted(syncs) and syncs[0] == 0 and syncs[-1] >= 2, by_ticket
+    # ticket t is granted once step t - 4 is trained (2 generators x 2 in flight): tickets 8 on follow the sync at 3
+    assert all(s >= 1 for t, s, _ in by_ticket if t >= 8) and all(s >= 2 for t, s, _ in by_ticket if t >= 11)
+    checksums = {s: c for _, s, c in by_ticket}
+    assert len(set(checksums.values())) == len(checksums), "each sync installed other weights"
+    saved = load_checkpoint(str(tmp_path))["ref"]
+    assert not torch.equal(saved["embed.weight"], start["embed.weight"]), "the checkpoint keeps the mixed reference"
 
 
 def test_roles_with_several_torch_threads_start_after_the_program_ran_its_own_pool(tmp_path):

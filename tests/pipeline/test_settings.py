@@ -42,6 +42,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
         (["--gradient-checkpointing"], "--gradient-checkpointing recomputes a Hugging Face model's layers"),
         (["--trainer-ranks", "0"], "--trainer-ranks 0: must be at least 1"),
         (["--num-iterations", "0"], "--num-iterations 0: must be at least 1"),
+        (["--sync-ref-model", "--kl-coeff", "0"], "--sync-ref-model with --kl-coeff 0: there is no reference model"),
+        (["--sync-ref-model", "--ref-model-sync-steps", "0"], "--ref-model-sync-steps 0: must be at least 1"),
+        (["--sync-ref-model", "--ref-model-mixup-alpha", "0"], "--ref-model-mixup-alpha 0.0: the policy's share"),
+        (
+            ["--sync-ref-model", "--trainer-ranks", "2"],
+            "--sync-ref-model with --trainer-ranks 2 --trainer-shard fsdp: the policy is sharded",
+        ),
+        (
+            ["--sync-ref-model", "--dataset", "prompts.jsonl", "--reward", "exact_match"],
+            "--sync-ref-model: --task hf has no KL term by default (β 0)",
+        ),
         (["--top-entropy-quantile", "0"], "--top-entropy-quantile 0.0: the share of tokens trained must be in (0, 1]"),
         (["--top-entropy-quantile", "1.5"], "--top-entropy-quantile 1.5: the share of tokens trained must be in"),
         (
