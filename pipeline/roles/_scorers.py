@@ -71,9 +71,12 @@ class RefModel(Actor):
         """Install a synced reference (``--sync-ref-model``) between two rollouts; the syncs so far."""
         async with self._weights:
             consumer = WeightConsumer()
+            work = asyncio.ensure_future(asyncio.to_thread(consumer.install, manifest, self.model))
             try:
-                await asyncio.to_thread(consumer.install, manifest, self.model)
+                await asyncio.shield(work)
             finally:
+                if not work.done():  # cancelled: the copy still ends before the slot and the model are let go
+                    await asyncio.wait([work])
                 consumer.close()
         self.syncs += 1
         return self.syncs

@@ -96,11 +96,8 @@ class Trainer(Actor):
         self.ref_publisher: WeightPublisher | None = None
         self.ref_manifest: WeightManifest | None = None
         if uses_reference(config):
-            # a synced reference needs a second slot: the next one is written while RefModel may hold the last
-            ref_slots = 2 if config.sync_ref_model else 1
-            self.ref_publisher = WeightPublisher(
-                config.transport, slots=ref_slots, dtype=weights_dtype(config), **on_gpu
-            )
+            # one slot: the RefModel lets go of it after each install, and a sync waits for that install
+            self.ref_publisher = WeightPublisher(config.transport, slots=1, dtype=weights_dtype(config), **on_gpu)
             self.ref_manifest = self.ref_publisher.publish(self.learner.reference_state, 1)
         self.dropped = 0
         self.tokens_received = 0
@@ -330,9 +327,9 @@ class Trainer(Actor):
             self.version += 1
             self.tickets.trained()
             publishing = time.perf_counter()
-            await self.deliver()
             if config.sync_ref_model and self.step % config.ref_model_sync_steps == 0:
-                await self.sync_reference(reference)
+                await self.sync_reference(reference)  # before the grants: every rollout granted now is scored with it
+            await self.deliver()
             published += time.perf_counter() - publishing
             final = self.step >= config.steps
             evaluation = None

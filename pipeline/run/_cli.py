@@ -179,7 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--ref-model-mixup-alpha", type=float, default=0.6, help="a, the policy's share of a synced reference (0.6)"
     )
     train.add_argument(
-        "--ref-model-sync-steps", type=int, default=512, help="trainer steps between syncs of the reference (512)"
+        "--ref-model-sync-steps",
+        type=int,
+        default=512,
+        help="trainer steps (rollouts, not the --num-iterations optimiser steps) between syncs of the reference (512)",
     )
     train.add_argument(
         "--top-entropy-quantile",

@@ -278,7 +278,7 @@ def test_num_iterations_takes_that_many_optimiser_steps_on_one_rollout():
     assert [stretched(s) for s in (0, 1, 3, 19)] == [0.25, 0.5, 1.0, 1.0]
 
 
-def test_mixing_the_reference_takes_alpha_of_the_policy_and_the_one_process_run_syncs_it():
+def test_mixing_the_reference_takes_alpha_of_the_policy_and_the_one_process_run_syncs_it(monkeypatch):
     task, _, batch, rewards, ref = _task(lr=1e-2)
     learner = Learner(task, torch.device("cpu"))
     learner.update(batch, rewards, ref)
@@ -288,12 +288,18 @@ def test_mixing_the_reference_takes_alpha_of_the_policy_and_the_one_process_run_
     for name, value in learner.reference_state.items():
         torch.testing.assert_close(value, 0.6 * policy[name] + 0.4 * before[name], atol=1e-6, rtol=0)
     assert any(not torch.equal(value, before[name]) for name, value in learner.reference_state.items())
-    synced = train_one_process(
-        dataclasses.replace(
-            task.config, steps=4, target_score=None, eval_every=4, sync_ref_model=True, ref_model_sync_steps=2
-        )
+    mixes: list[float] = []
+    mix = Learner.mix_reference
+    monkeypatch.setattr(Learner, "mix_reference", lambda self, alpha: mixes.append(alpha) or mix(self, alpha))
+    loaded: list[int] = []
+    load = torch.nn.Module.load_state_dict
+    monkeypatch.setattr(
+        torch.nn.Module, "load_state_dict", lambda self, *a, **k: loaded.append(1) or load(self, *a, **k)
     )
-    assert synced.steps == 4
+    settings = {"steps": 4, "target_score": None, "eval_every": 4, "sync_ref_model": True, "ref_model_sync_steps": 2}
+    assert train_one_process(dataclasses.replace(task.config, **settings)).steps == 4
+    assert mixes == [0.6, 0.6], "synced at steps 2 and 4"
+    assert len(loaded) == 3, "the reference model loads its weights when built and at each sync"
 
 
 def test_mask_truncated_takes_cut_off_completions_out_of_the_loss():

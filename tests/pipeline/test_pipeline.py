@@ -205,12 +205,21 @@ async def test_a_synced_reference_reaches_the_reference_model_and_the_checkpoint
     by_ticket = sorted((int(ticket), int(syncs), float(checksum)) for ticket, syncs, checksum in records)
     syncs = [s for _, s, _ in by_ticket]
     assert syncs == sorted(syncs) and syncs[0] == 0 and syncs[-1] >= 2, by_ticket
-    # ticket t is granted once step t - 4 is trained (2 generators x 2 in flight): tickets 8 on follow the sync at 3
-    assert all(s >= 1 for t, s, _ in by_ticket if t >= 8) and all(s >= 2 for t, s, _ in by_ticket if t >= 11)
+    # training step s grants ticket s + 3 (2 generators x 2 in flight), after that step's sync
+    assert all(s >= 1 for t, s, _ in by_ticket if t >= 6) and all(s >= 2 for t, s, _ in by_ticket if t >= 9)
     checksums = {s: c for _, s, c in by_ticket}
     assert len(set(checksums.values())) == len(checksums), "each sync installed other weights"
     saved = load_checkpoint(str(tmp_path))["ref"]
     assert not torch.equal(saved["embed.weight"], start["embed.weight"]), "the checkpoint keeps the mixed reference"
+    # resumed, the RefModel starts from the checkpoint's reference (the sync at step 12), bit for bit
+    (tmp_path / "ref_syncs.txt").unlink()
+    config.steps = 13
+    await run_pipeline(config, resume=True, quiet=True, roles=Roles(ref=SyncRecordingRefModel))
+    model = initial()
+    model.load_state_dict(saved)
+    want = sum(float(p.detach().double().sum()) for p in model.parameters())
+    (first,) = [line.split() for line in (tmp_path / "ref_syncs.txt").read_text().splitlines()]
+    assert first[:2] == ["12", "0"] and float(first[2]) == want
 
 
 def test_roles_with_several_torch_threads_start_after_the_program_ran_its_own_pool(tmp_path):
