@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 
 import torch
 
-from actors import Actor, Channel, Port, WeightConsumer, WeightManifest, endpoint
+from actors import Actor, Channel, Port, ReceivesWeights, WeightManifest, endpoint
 
 from ..config import Config
 from ..tasks import Scores, load_task, to_device
@@ -49,8 +48,13 @@ class Scorer(Actor):
         return count
 
 
-class RefModel(Actor):
-    """Adds the frozen initial policy's log-probabilities of each rollout's samples."""
+class RefModel(ReceivesWeights):
+    """Adds the reference policy's log-probabilities of each rollout's samples.
+
+    The reference is the policy as initialised; with ``--sync-ref-model``
+    the trainer sends a mixed one every few steps to ``update_weights``
+    (queue-backed, as a generator's), installed before the next rollout.
+    """
 
     def __init__(self, config: Config, initial: WeightManifest) -> None:
         self.config = config
@@ -59,27 +63,11 @@ class RefModel(Actor):
         compact_gpu_allocator(self.device)
         model = hold_weights(self.task.build_policy(), self.device, weights_dtype(config))
         self.model = model.requires_grad_(False).eval()
-        consumer = WeightConsumer()
-        consumer.install(initial, self.model)
-        consumer.close()
+        self.weight_inbox.put(initial)
+        if self.weight_inbox.install_newest(self.model) is None:
+            raise RuntimeError(f"the reference's weights (version {initial.version}) were overwritten before install")
+        self.version = initial.version  # of the reference the model holds
         self.port, self.inbox = Channel.open(ScoredRollout)
-        self._weights = asyncio.Lock()  # held while a synced reference installs: no rollout sees half of it
-        self.syncs = 0
-
-    @endpoint
-    async def update_reference(self, manifest: WeightManifest) -> int:
-        """Install a synced reference (``--sync-ref-model``) between two rollouts; the syncs so far."""
-        async with self._weights:
-            consumer = WeightConsumer()
-            work = asyncio.ensure_future(asyncio.to_thread(consumer.install, manifest, self.model))
-            try:
-                await asyncio.shield(work)
-            finally:
-                if not work.done():  # cancelled: the copy still ends before the slot and the model are let go
-                    await asyncio.wait([work])
-                consumer.close()
-        self.syncs += 1
-        return self.syncs
 
     @endpoint
     async def inlet(self) -> Port[ScoredRollout]:
@@ -92,8 +80,10 @@ class RefModel(Actor):
     async def run(self, out: Port[ScoredRollout]) -> int:
         count = 0
         while (scored := await self.inbox.recv()) is not None:
-            async with self._weights:
-                ref = self.reference_logps(scored.rollout)
+            installed = await self.weight_inbox.install_newest_async(self.model)  # a synced reference, if one came
+            if installed is not None:
+                self.version = installed.version
+            ref = self.reference_logps(scored.rollout)
             out.send(dataclasses.replace(scored, ref_logps=ref, ref_queue=self.inbox.qsize()))
             count += 1
         out.send(None)

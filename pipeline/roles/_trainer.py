@@ -364,8 +364,8 @@ class Trainer(Actor):
             await asyncio.to_thread(self.learner.mix_reference, self.config.ref_model_mixup_alpha)
             version = self.ref_manifest.version + 1
             self.ref_manifest = await self.ref_publisher.publish_async(self.learner.reference_state, version)
-        if reference is not None:
-            await reference.update_reference.call_one(self.ref_manifest)
+        if reference is not None:  # queued there before this step's grants: their rollouts are scored with it
+            await reference.update_weights.call_one(self.ref_manifest)
 
     async def deliver(self) -> None:
         """Grant the tickets the trained one's credit opens and get the new version to generators.

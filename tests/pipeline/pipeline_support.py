@@ -40,13 +40,13 @@ class ForbiddenRefModel(RefModel):
 
 
 class SyncRecordingRefModel(RefModel):
-    """Appends, for each rollout it scores, the rollout's ticket, the syncs installed so far and a checksum of its
-    weights to ``ref_syncs.txt`` in the run's folder."""
+    """Appends, for each rollout it scores, the rollout's ticket, the reference version it holds and a checksum of
+    its weights to ``ref_syncs.txt`` in the run's folder."""
 
     def reference_logps(self, rollout):  # type: ignore[no-untyped-def]
         checksum = sum(float(p.double().sum()) for p in self.model.parameters())
         with open(os.path.join(self.config.run_dir, "ref_syncs.txt"), "a") as f:
-            f.write(f"{rollout.ticket} {self.syncs} {checksum!r}\n")
+            f.write(f"{rollout.ticket} {self.version} {checksum!r}\n")
         return super().reference_logps(rollout)
 
 

@@ -202,12 +202,13 @@ async def test_a_synced_reference_reaches_the_reference_model_and_the_checkpoint
     result = await run_pipeline(config, quiet=True, roles=Roles(ref=SyncRecordingRefModel))
     assert result.steps == 12
     records = [line.split() for line in (tmp_path / "ref_syncs.txt").read_text().splitlines()]
-    by_ticket = sorted((int(ticket), int(syncs), float(checksum)) for ticket, syncs, checksum in records)
-    syncs = [s for _, s, _ in by_ticket]
-    assert syncs == sorted(syncs) and syncs[0] == 0 and syncs[-1] >= 2, by_ticket
+    # the reference's version: 1 as initialised, 1 + k after the k-th sync
+    by_ticket = sorted((int(ticket), int(version), float(checksum)) for ticket, version, checksum in records)
+    versions = [v for _, v, _ in by_ticket]
+    assert versions == sorted(versions) and versions[0] == 1 and versions[-1] >= 3, by_ticket
     # training step s grants ticket s + 3 (2 generators x 2 in flight), after that step's sync
-    assert all(s >= 1 for t, s, _ in by_ticket if t >= 6) and all(s >= 2 for t, s, _ in by_ticket if t >= 9)
-    checksums = {s: c for _, s, c in by_ticket}
+    assert all(v >= 2 for t, v, _ in by_ticket if t >= 6) and all(v >= 3 for t, v, _ in by_ticket if t >= 9)
+    checksums = {v: c for _, v, c in by_ticket}
     assert len(set(checksums.values())) == len(checksums), "each sync installed other weights"
     saved = load_checkpoint(str(tmp_path))["ref"]
     assert not torch.equal(saved["embed.weight"], start["embed.weight"]), "the checkpoint keeps the mixed reference"
@@ -219,7 +220,7 @@ async def test_a_synced_reference_reaches_the_reference_model_and_the_checkpoint
     model.load_state_dict(saved)
     want = sum(float(p.detach().double().sum()) for p in model.parameters())
     (first,) = [line.split() for line in (tmp_path / "ref_syncs.txt").read_text().splitlines()]
-    assert first[:2] == ["12", "0"] and float(first[2]) == want
+    assert first[:2] == ["12", "1"] and float(first[2]) == want  # the resumed trainer publishes it as version 1
 
 
 def test_roles_with_several_torch_threads_start_after_the_program_ran_its_own_pool(tmp_path):
