@@ -157,6 +157,10 @@ class Config:
         """Whether the trainer's ranks shard the policy (several ranks, ``--trainer-shard fsdp``)."""
         return self.trainer_ranks > 1 and self.trainer_shard == "fsdp"
 
+    def syncs_reference_after(self, step: int) -> bool:
+        """Whether the reference is mixed toward the policy after trainer step ``step`` (``--sync-ref-model``)."""
+        return self.sync_ref_model and step % self.ref_model_sync_steps == 0
+
     def device_of(self, role: str) -> str:
         """The device ``role`` runs on."""
         return self.devices.get(role, self.device)

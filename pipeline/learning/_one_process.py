@@ -55,7 +55,7 @@ def train_one_process(config: Config) -> ReferenceResult:
             ref_logps = None if reference is None else task.reference_logps(reference, samples)
         learner.update(samples, scores.rewards, ref_logps)
         step += 1
-        if reference is not None and config.sync_ref_model and step % config.ref_model_sync_steps == 0:
+        if reference is not None and config.syncs_reference_after(step):
             learner.mix_reference(config.ref_model_mixup_alpha)
             reference.load_state_dict(learner.reference_state)
         if step % config.eval_every == 0 or step == config.steps:

@@ -327,7 +327,7 @@ class Trainer(Actor):
             self.version += 1
             self.tickets.trained()
             publishing = time.perf_counter()
-            if config.sync_ref_model and self.step % config.ref_model_sync_steps == 0:
+            if config.syncs_reference_after(self.step):
                 await self.sync_reference(reference)  # before the grants: every rollout granted now is scored with it
             await self.deliver()
             published += time.perf_counter() - publishing
