@@ -110,8 +110,6 @@ def check_settings(config: Config) -> None:
                 f"--ref-model-mixup-alpha {config.ref_model_mixup_alpha}: the policy's share of a synced reference "
                 "must be in (0, 1]"
             )
-        if config.kl_coeff == 0:
-            raise SettingsError("--sync-ref-model with --kl-coeff 0: there is no reference model to sync")
         if config.sharded_trainer:
             raise SettingsError(
                 f"--sync-ref-model with --trainer-ranks {config.trainer_ranks} --trainer-shard fsdp: the policy is "

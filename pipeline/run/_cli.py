@@ -400,8 +400,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
 
 
 def check_reference_sync(config: Config) -> None:
-    """Refuse ``--sync-ref-model`` where the task's own β is 0: there would be no reference model to sync."""
-    if config.sync_ref_model and config.kl_coeff is None and resolve(config).hyper("kl_coeff") == 0:
+    """Refuse ``--sync-ref-model`` in a run without a KL term, given or the task's default: no reference to sync."""
+    if not config.sync_ref_model:
+        return
+    if config.kl_coeff == 0:
+        raise SettingsError("--sync-ref-model with --kl-coeff 0: there is no reference model to sync")
+    if config.kl_coeff is None and resolve(config).hyper("kl_coeff") == 0:
         raise SettingsError(
             f"--sync-ref-model: --task {config.task} has no KL term by default (β 0), so no reference model to "
             "sync; give --kl-coeff"
