@@ -1,11 +1,19 @@
-"""What every test needs: the actor processes alive now, and waiting for a condition with a deadline."""
+"""What every test needs: the actor processes alive now, waiting for a condition with a deadline, a Python child."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
+from collections.abc import Mapping
+from typing import Any
 
-__all__ = ["actor_pids", "wait_for"]
+__all__ = ["ROOT", "actor_pids", "last_json", "run_python", "wait_for"]
+
+#: The repository's root: where examples, benchmarks and ``python -m pipeline.grpo`` run from.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def actor_pids() -> set[int]:
@@ -34,3 +42,17 @@ def wait_for(condition, timeout: float = 5.0, interval: float = 0.02) -> bool:
             return True
         time.sleep(interval)
     return condition()
+
+
+def run_python(
+    *args: str, timeout: float, env: Mapping[str, str] | None = None, cwd: str = ROOT
+) -> subprocess.CompletedProcess[str]:
+    """``python *args`` from the repository's root, its output captured as text; ``timeout`` guards against a hang."""
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd, check=False
+    )
+
+
+def last_json(stdout: str) -> Any:
+    """The JSON record a benchmark or a checks child prints as its last line."""
+    return json.loads(stdout.strip().splitlines()[-1])

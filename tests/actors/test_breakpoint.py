@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
-import sys
 import textwrap
 
-from actors import Actor, ProcMesh, endpoint
+from harness import ROOT, run_python
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from actors import Actor, ProcMesh, endpoint
 
 
 class Debuggee(Actor):
@@ -68,6 +66,6 @@ def test_processes_the_exiting_program_never_started_are_not_reported_as_failure
         )
     )
     env = dict(os.environ, PYTHONPATH=ROOT)
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    out = run_python(str(script), timeout=120, env=env)
     assert out.returncode == 1 and "ending before the processes started" in out.stderr
     assert "MeshFailure" not in out.stderr and "ActorDied" not in out.stderr, out.stderr

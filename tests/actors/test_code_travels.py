@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import subprocess
-import sys
 import textwrap
 import threading
 
 import msgpack
 import pytest
+from harness import last_json, run_python
 
 import actors
 from actors import DecodeError, EncodeError
@@ -117,13 +116,13 @@ def run_session(tmp_path, allow: bool) -> subprocess.CompletedProcess[str]:
     if allow:
         env[CODE_ENV] = "1"
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(actors.__file__)), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    return run_python(str(script), timeout=120, env=env)
 
 
 def test_with_the_switch_functions_lambdas_closures_and_classes_travel_both_ways(tmp_path):
     proc = run_session(tmp_path, allow=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = last_json(proc.stdout)
     assert out == {
         "lambda": 21,
         "closure": [11, 11],

@@ -6,6 +6,7 @@ import asyncio
 
 import anyio
 import uvloop
+from harness import run_python
 from support import Echo
 
 from actors import Channel, this_host
@@ -53,7 +54,6 @@ def test_synchronous_program_uses_get(sockets_dir):
 def test_tcp_transport_binds_loopback(tmp_path):
     """ACTORS_TRANSPORT=tcp switches every inbox to tcp on 127.0.0.1."""
     import os
-    import subprocess
     import sys
 
     script = tmp_path / "tcp_controller.py"
@@ -75,7 +75,7 @@ def test_tcp_transport_binds_loopback(tmp_path):
         "    asyncio.run(main())\n"
     )
     env = dict(os.environ, ACTORS_TRANSPORT="tcp", PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=env)
+    out = run_python(str(script), timeout=60, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     addresses = next(line for line in out.stdout.splitlines() if line.startswith("ADDR")).split()[1:]
     assert len(addresses) == 3 and all(a.startswith("tcp://127.0.0.1:") for a in addresses)
@@ -147,7 +147,6 @@ if __name__ == "__main__":
 
 def test_tcp_inboxes_refuse_peers_without_the_session_key(tmp_path):
     import os
-    import subprocess
     import sys
 
     script = tmp_path / "curve.py"
@@ -155,7 +154,7 @@ def test_tcp_inboxes_refuse_peers_without_the_session_key(tmp_path):
     env = dict(os.environ, ACTORS_TRANSPORT="tcp", PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]))
     env.pop("ACTORS_CURVE_PUBLIC", None)
     env.pop("ACTORS_CURVE_SECRET", None)
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=env)
+    out = run_python(str(script), timeout=60, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "WORKER from a worker" in out.stdout
     assert "INTRUDER_QUEUED 0" in out.stdout, "a peer without the key must not deliver"

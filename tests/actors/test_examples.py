@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from harness import ROOT, last_json, run_python
 
 
 @pytest.mark.parametrize(
@@ -34,13 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
     ],
 )
 def test_example_runs(script, expected):
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "examples", script)],
-        capture_output=True,
-        text=True,
-        timeout=90,
-        cwd=ROOT,
-    )
+    proc = run_python(os.path.join(ROOT, "examples", script), timeout=90)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for text in expected:
         assert text in proc.stdout, proc.stdout + proc.stderr
@@ -50,19 +41,12 @@ def test_example_runs(script, expected):
     "transport, mode", [("shm", "copy"), ("shm", "alias"), ("local", "copy"), ("cuda-ipc", "copy")]
 )
 def test_weights_benchmark_prints_its_json_line(transport, mode):
-    import json
 
     device = "cuda" if transport == "cuda-ipc" else "cpu"
     flags = ["--transport", transport, "--device", device, "--mb", "8", "--updates", "2", "--install", mode]
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_weights.py"), *flags, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
+    proc = run_python(os.path.join(ROOT, "benchmarks", "bench_weights.py"), *flags, "--json", timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = last_json(proc.stdout)
     assert result["transport"] == transport and result["status"] in ("pass", "blocked")
     if result["status"] == "blocked":
         assert transport == "cuda-ipc" and "CUDA" in result["reason"]

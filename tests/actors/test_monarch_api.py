@@ -7,14 +7,12 @@ import logging
 import operator
 import os
 import re
-import subprocess
-import sys
 import textwrap
 import threading
 import time
 
 import pytest
-from harness import actor_pids, wait_for
+from harness import actor_pids, run_python, wait_for
 from support import Echo
 
 import actors
@@ -677,7 +675,7 @@ def test_a_script_without_a_main_guard_runs_once(tmp_path):
         )
     )
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    done = run_python(str(script), timeout=120, env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("top level ran") == 1, done.stdout
     assert "hello there" in done.stdout and "later 42" in done.stdout

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from harness import last_json, run_python
 
 import actors
 from actors import ProcMesh
@@ -74,9 +72,9 @@ def test_a_pickled_proc_mesh_serves_another_program_and_outlives_it(tmp_path):
     script.write_text(PROGRAM)
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACTORS_")}
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(actors.__file__)), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=180)
+    proc = run_python(str(script), timeout=180, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = last_json(proc.stdout)
     # the other program spawned on the handed mesh's process; its own processes ended with it; the mesh lives on
     # (its actors there stopped with it: the process title lists the actors a worker hosts)
     assert out == {"same_process": True, "its_own_gone": True, "handed_alive": True, "its_actors_stopped": True}

@@ -4,21 +4,17 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import textwrap
 
-from harness import actor_pids, wait_for
+from harness import ROOT, actor_pids, run_python, wait_for
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), ROOT]))
 
 
 def run_script(tmp_path, body: str, *args: str, flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
     script = tmp_path / "program.py"
     script.write_text(textwrap.dedent(body))
-    return subprocess.run(
-        [sys.executable, *flags, str(script), *args], capture_output=True, text=True, timeout=120, env=ENV, cwd=ROOT
-    )
+    return run_python(*flags, str(script), *args, timeout=120, env=ENV)
 
 
 def test_importing_actors_changes_no_global_state(tmp_path):

@@ -7,13 +7,10 @@ runtime is process-wide state), run to completion; it prints what it saw.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 
-from harness import actor_pids
+from harness import ROOT, actor_pids, run_python
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), ROOT]))
 
 ACTORS = """
@@ -55,7 +52,7 @@ def runtime_threads():
 def run_program(tmp_path, body: str) -> list[str]:
     script = tmp_path / "program.py"
     script.write_text(ACTORS + textwrap.dedent(body))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=ENV, cwd=ROOT)
+    out = run_python(str(script), timeout=120, env=ENV)
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout.split()
 

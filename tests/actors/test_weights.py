@@ -11,7 +11,7 @@ import struct
 
 import pytest
 import torch
-from harness import actor_pids, wait_for
+from harness import actor_pids, run_python, wait_for
 from support import ShardedSource, WeightSink, WeightSource, filled_model, models_equal, seeded_model
 
 from actors import (
@@ -340,7 +340,6 @@ async def test_manifests_travel_through_a_typed_port(procs):
 
 
 def test_publisher_segments_are_freed_at_interpreter_exit(tmp_path):
-    import subprocess
     import sys
 
     script = tmp_path / "publisher.py"
@@ -355,7 +354,7 @@ def test_publisher_segments_are_freed_at_interpreter_exit(tmp_path):
         "signal.pause()\n"
     )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=env)
+    out = run_python(str(script), timeout=60, env=env)
     handle = out.stdout.split()[0]
     assert "KeyboardInterrupt" in out.stderr
     assert not os.path.exists(os.path.join(SHM_DIR, handle))

@@ -7,17 +7,16 @@ the worker holds its globals in the script's module.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import sysconfig
 import textwrap
 import types
 
 import pytest
+from harness import ROOT, run_python
 
 from actors._hosting._program_modules import ModuleScan, exiting_program_modules, program_modules
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), ROOT]))
 
 PROGRAM = """
@@ -66,9 +65,7 @@ if __name__ == "__main__":
 def test_a_stopped_worker_runs_its_atexit_hooks_and_finalizers_but_not_the_controllers(tmp_path):
     script = tmp_path / "program.py"
     script.write_text(textwrap.dedent(PROGRAM))
-    out = subprocess.run(
-        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=120, env=ENV, cwd=ROOT
-    )
+    out = run_python(str(script), str(tmp_path), timeout=120, env=ENV)
     assert out.returncode == 0, out.stdout + out.stderr
     controller, workers, stopped = out.stdout.splitlines()[:3]
     workers = sorted(workers.split())
@@ -147,7 +144,7 @@ def test_a_library_on_pythonpath_keeps_its_globals_when_a_worker_exits(tmp_path,
     mark = tmp_path / "wiped"
     paths = [str(root)] if on_pythonpath else []
     env = dict(ENV, PYTHONPATH=os.pathsep.join([*paths, ENV["PYTHONPATH"]]), FARLIB_MARK=str(mark))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    out = run_python(str(script), timeout=120, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.splitlines()[-1] == "stopped"
     assert not mark.exists(), mark.read_text()

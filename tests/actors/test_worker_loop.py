@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from harness import actor_pids, wait_for
+from harness import actor_pids, last_json, run_python, wait_for
 
 import actors
 from actors import new_session_keys
@@ -131,18 +131,12 @@ def run_controller(
 ) -> Any:
     script = tmp_path / "controller.py"
     script.write_text(CONTROLLER)
-    return subprocess.run(
-        [sys.executable, str(script), json.dumps(workers), action, str(timeout)],
-        env=clean_env(keys),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_python(str(script), json.dumps(workers), action, str(timeout), timeout=120, env=clean_env(keys))
 
 
 def result_of(proc: Any) -> dict[str, Any]:
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    return last_json(proc.stdout)  # type: ignore[no-any-return]
 
 
 BOTH_TRANSPORTS = pytest.mark.parametrize("worker_loops", ["tcp", "ipc"], indirect=True)
@@ -277,9 +271,7 @@ def test_hosts_from_config_starts_worker_loops_here_and_everything_ends_with_the
     script = tmp_path / "getting_started.py"
     script.write_text(HOSTS_FROM_CONFIG)
     before = actor_pids()
-    proc = subprocess.run(
-        [sys.executable, str(script)], env=clean_env(None), capture_output=True, text=True, timeout=120
-    )
+    proc = run_python(str(script), timeout=120, env=clean_env(None))
     out = result_of(proc)
     assert out["extent"] == {"hosts": 2, "gpus": 2}
     assert [text for _, text in out["steps"]][1] == "Trainer {'hosts': 0/2, 'gpus': 1/2} taking a step."

@@ -5,11 +5,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from harness import run_python
 from pipeline_support import LearnerRank, ranks_step
 
 from actors import this_host
@@ -224,12 +223,7 @@ def test_ranks_on_gpus_take_one_gpu_each_and_a_machine_short_of_gpus_is_refused(
 def test_more_trainer_ranks_than_gpus_is_refused_before_anything_starts(tmp_path):
     ranks = torch.cuda.device_count() + 1
     flags = ["--device", "cuda", "--transport", "cuda-ipc", "--trainer-ranks", str(ranks), "--steps", "3"]
-    out = subprocess.run(
-        [sys.executable, "-m", "pipeline.grpo", *flags, "--run-dir", str(tmp_path / "run")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = run_python("-m", "pipeline.grpo", *flags, "--run-dir", str(tmp_path / "run"), timeout=120)
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 1 and len(lines) == 1 and "the ranks take one GPU each" in lines[0], out.stderr
 
@@ -240,12 +234,7 @@ def test_more_trainer_ranks_than_gpus_is_refused_before_anything_starts(tmp_path
 def test_two_trainer_ranks_train_on_two_gpus_over_nccl(tmp_path, shard):
     run_dir = tmp_path / "run"
     flags = ["--device", "cuda", "--transport", "cuda-ipc", "--trainer-ranks", "2", "--trainer-shard", shard]
-    out = subprocess.run(
-        [sys.executable, "-m", "pipeline.grpo", *flags, "--steps", "400", "--quiet", "--run-dir", str(run_dir)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = run_python("-m", "pipeline.grpo", *flags, "--steps", "400", "--quiet", "--run-dir", str(run_dir), timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "target 0.99 reached" in out.stdout, out.stdout
     rows = read_rows(str(run_dir))

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from harness import ROOT, last_json, run_python
 
 from pipeline.roles import ALLOCATOR_VARIABLES, compact_gpu_allocator, reserved_gpu_gb
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 #: A decode loop's KV cache, as a Hugging Face DynamicCache grows it: one torch.cat per layer and step.
 GROWTH = """
@@ -44,10 +40,9 @@ def test_off_a_gpu_or_under_the_users_own_setting_nothing_changes(monkeypatch):
 def _grow(mode: str) -> dict[str, float]:
     env = {k: v for k, v in os.environ.items() if k not in ALLOCATOR_VARIABLES}
     env["PYTHONPATH"] = os.pathsep.join(p for p in [ROOT, os.environ.get("PYTHONPATH", "")] if p)
-    out = subprocess.run(
-        [sys.executable, "-c", GROWTH, mode], capture_output=True, text=True, timeout=120, env=env, check=True
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    out = run_python("-c", GROWTH, mode, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return dict(last_json(out.stdout))
 
 
 @pytest.mark.gpu

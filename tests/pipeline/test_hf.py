@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from harness import ROOT
 
 pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
 pytest.importorskip("datasets", reason="needs the hf extra: pip install -e '.[hf]'")
@@ -20,8 +21,6 @@ from pipeline.learning import Learner, Update
 from pipeline.models import BuiltinEngine, GenerateEngine, SamplingParams, causal_logps, load_model, load_tokenizer
 from pipeline.run import read_rows
 from pipeline.tasks import DataError, HFTask, PromptData, RewardError, RewardSet, load_reward, load_rows
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _example():  # type: ignore[no-untyped-def]

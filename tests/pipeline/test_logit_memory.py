@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from harness import ROOT, last_json, run_python
 from pipeline_support import tiny_qwen2
 
 from pipeline.algorithm import chunk_positions, chunked_token_logps, token_logps
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -93,16 +89,9 @@ def test_micro_batches_follow_the_token_budget():
 def peak_of_one_step(rows: int, new: int, how: str) -> dict[str, float]:
     """Peak resident memory (MB) of a fresh process taking one GRPO training step (log-probs, loss, backward, Adam)."""
     bench = os.path.join(ROOT, "benchmarks", "bench_logit_memory.py")
-    out = subprocess.run(
-        [sys.executable, bench, "--step", str(rows), str(new), how],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-        check=False,
-    )
+    out = run_python(bench, "--step", str(rows), str(new), how, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+    return dict(last_json(out.stdout))
 
 
 #: The stated bound for one GRPO step (log-probs, loss, backward, Adam) of 256 rows x 64 new tokens at a

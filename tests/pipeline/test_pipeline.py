@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from harness import actor_pids, wait_for
+from harness import ROOT, actor_pids, run_python, wait_for
 from pipeline_support import (
     DtypeGenerator,
     DtypeRefModel,
@@ -27,7 +27,6 @@ from pipeline import Config, DigitsTask, PipelineError, Roles, resolve, run_pipe
 from pipeline.learning.checkpoint import load as load_checkpoint
 from pipeline.run import read_rows
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: Keys every metrics.jsonl row has (docs/pipeline.md defines each).
 FIELDS = {
     "step",
@@ -234,7 +233,7 @@ def test_roles_with_several_torch_threads_start_after_the_program_ran_its_own_po
         "print('steps', uvloop.run(run_pipeline(config, quiet=True)).steps)\n"
     )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), ROOT]))
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=90)
+    proc = run_python("-c", script, timeout=90, env=env)
     assert proc.returncode == 0 and "steps 10" in proc.stdout, proc.stdout + proc.stderr
 
 

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from harness import ROOT, last_json, run_python
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # The folders the subprocesses import from, before whatever PYTHONPATH already holds (a pip --target folder, say).
 ENV = dict(
     os.environ,
@@ -19,27 +17,14 @@ ENV = dict(
 
 
 def test_the_custom_task_example_trains_and_prints_its_score():
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "examples", "custom_task.py")],
-        capture_output=True,
-        text=True,
-        timeout=90,
-        cwd=ROOT,
-    )
+    proc = run_python(os.path.join(ROOT, "examples", "custom_task.py"), timeout=90)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "custom task: 1500 steps, normalized score" in proc.stdout, proc.stdout + proc.stderr
 
 
 def test_a_normal_run_prints_no_warning_even_with_warnings_as_errors(tmp_path):
     flags = ["--steps", "50", "--quiet", "--run-dir", str(tmp_path / "run")]
-    out = subprocess.run(
-        [sys.executable, "-W", "error", "-m", "pipeline.grpo", *flags],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=ENV,
-        cwd=ROOT,
-    )
+    out = run_python("-W", "error", "-m", "pipeline.grpo", *flags, timeout=120, env=ENV)
     assert out.returncode == 0, out.stderr
     assert out.stderr == "", f"stderr of a normal run: {out.stderr}"
 
@@ -48,12 +33,7 @@ def test_a_normal_run_prints_no_warning_even_with_warnings_as_errors(tmp_path):
 def test_the_pipeline_trains_on_the_gpu_over_cuda_ipc(tmp_path):
     run_dir = tmp_path / "run"
     flags = ["--device", "cuda", "--transport", "cuda-ipc", "--steps", "400", "--quiet", "--run-dir", str(run_dir)]
-    out = subprocess.run(
-        [sys.executable, "-m", "pipeline.grpo", *flags],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = run_python("-m", "pipeline.grpo", *flags, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "target 0.99 reached" in out.stdout, out.stdout
     assert (run_dir / "metrics.jsonl").exists()
@@ -63,11 +43,8 @@ def test_the_pipeline_trains_on_the_gpu_over_cuda_ipc(tmp_path):
 def test_the_300m_preset_runs_on_the_gpu_and_reports_its_pace(tmp_path):
     run_dir = tmp_path / "run"
     flags = ["--model", "gpu-300m", "--device", "cuda", "--transport", "cuda-ipc", "--steps", "5"]
-    out = subprocess.run(
-        [sys.executable, "-m", "pipeline.grpo", *flags, "--target-score", "none", "--quiet", "--run-dir", str(run_dir)],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    out = run_python(
+        "-m", "pipeline.grpo", *flags, "--target-score", "none", "--quiet", "--run-dir", str(run_dir), timeout=300
     )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -78,15 +55,9 @@ def test_the_300m_preset_runs_on_the_gpu_and_reports_its_pace(tmp_path):
 def test_the_train_step_benchmark_times_the_update_against_its_body_and_lists_operators():
     pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
     flags = ["--prompts", "2", "--group", "2", "--new-tokens", "3", "--repeat", "1", "--profile", "--top", "3"]
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_train_step.py"), *flags],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
+    proc = run_python(os.path.join(ROOT, "benchmarks", "bench_train_step.py"), *flags, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    record = json.loads(proc.stdout.strip().splitlines()[-1])
+    record = last_json(proc.stdout)
     assert record["bench"] == "train_step" and record["rows"] == 4 and record["tokens"] % 4 == 0
     assert record["step_ms"] > 0 and record["raw_body_ms"] > 0 and record["ratio"] > 0
     assert len(record["top_ops"]) == 3 and all(op["op"] and op["ms"] >= 0 for op in record["top_ops"])
@@ -94,14 +65,7 @@ def test_the_train_step_benchmark_times_the_update_against_its_body_and_lists_op
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU round runs whole on a GPU machine")
 def test_the_gpu_round_ends_at_once_with_one_line_without_cuda():
-    out = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_round.py")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=ENV,
-        cwd=ROOT,
-    )
+    out = run_python(os.path.join(ROOT, "benchmarks", "gpu_round.py"), timeout=60, env=ENV)
     assert out.returncode == 0 and out.stderr == "", out.stderr
     assert out.stdout.splitlines() == [
         "gpu_round: no CUDA device here (torch.cuda.is_available() is False): nothing to run"
@@ -113,13 +77,8 @@ def test_the_gpu_round_ends_at_once_with_one_line_without_cuda():
 def test_a_hugging_face_model_trains_on_the_gpu_with_each_engine_and_dtype(tmp_path, engine, dtype):
     """The user's path on a GPU: a Hugging Face model, the CUDA generators' engines, the run's dtype end to end."""
     folder = tmp_path / "tiny"
-    built = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "examples", "tiny_hf_model.py"), str(folder), "--rows", "200"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=ENV,
-        cwd=ROOT,
+    built = run_python(
+        os.path.join(ROOT, "examples", "tiny_hf_model.py"), str(folder), "--rows", "200", timeout=120, env=ENV
     )
     assert built.returncode == 0, built.stderr
     run_dir = tmp_path / "run"
@@ -129,9 +88,7 @@ def test_a_hugging_face_model_trains_on_the_gpu_with_each_engine_and_dtype(tmp_p
         *("--engine", engine, "--dtype", dtype, "--kl-coeff", "0.02", "--eval-every", "6", "--eval-size", "16"),
         *("--device", "cuda", "--transport", "cuda-ipc", "--quiet", "--report-to", "none", "--run-dir", str(run_dir)),
     ]
-    out = subprocess.run(
-        [sys.executable, "-m", "pipeline.grpo", *flags], capture_output=True, text=True, timeout=300, env=ENV, cwd=ROOT
-    )
+    out = run_python("-m", "pipeline.grpo", *flags, timeout=300, env=ENV)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 12 and all(r["actor/loss"] == r["actor/loss"] for r in rows)

@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from harness import actor_pids
+from harness import ROOT, actor_pids, run_python
 
 from pipeline import Config, DigitsTask, resolve
 from pipeline.config import SettingsError, check_settings
 from pipeline.grpo import main, parse_args
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.parametrize(
@@ -138,13 +134,6 @@ def test_new_flags_reach_the_config_and_its_resolved_defaults():
 
 def test_the_command_line_refuses_with_one_line_and_no_traceback(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), ROOT]))
-    proc = subprocess.run(
-        [sys.executable, "-m", "pipeline.grpo", "--group", "1", "--run-dir", str(tmp_path / "run")],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=60,
-    )
+    proc = run_python("-m", "pipeline.grpo", "--group", "1", "--run-dir", str(tmp_path / "run"), timeout=60, env=env)
     assert proc.returncode == 2 and proc.stderr.startswith("error: --group 1:") and proc.stderr.count("\n") == 1
     assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()

@@ -14,6 +14,7 @@ import os
 
 import pytest
 import torch
+from harness import ROOT
 
 pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
 
@@ -31,7 +32,6 @@ from pipeline.models import (
 )
 from pipeline.run import parse_args, read_rows
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MISSING = vllm_missing()
 needs_vllm = pytest.mark.skipif(MISSING is not None, reason=str(MISSING))
 
