@@ -1,14 +1,15 @@
 """GRPO's mathematics on tensors, at the bottom of the pipeline.
 
 Group advantages, the clipped token loss and its variants (``grpo``,
-``dr_grpo``, ``dapo``, the dual clip, the k3 KL, truncated importance
-weights), one sampling step, and the log-probabilities of chosen tokens
+``dr_grpo``, ``dapo``, ``cispo``, GSPO's sequence ratio, the dual clip, the
+off-policy mask, the k3 KL, truncated importance weights), one sampling step, and the log-probabilities of chosen tokens
 computed chunk by chunk so memory does not grow with the vocabulary.
 Imports torch alone: no actors, no models, no configuration.
 """
 
 from ._logit_head import LOGITS_PER_CHUNK, chunk_positions, chunked_token_logps
 from ._loss import (
+    CISPO_CAP,
     LOSSES,
     RATIO_LEVELS,
     REWARD_SCALES,
@@ -25,6 +26,7 @@ from ._loss import (
 from ._sampling import draw, filter_logits, token_logps
 
 __all__ = [
+    "CISPO_CAP",
     "LOGITS_PER_CHUNK",
     "LOSSES",
     "RATIO_LEVELS",

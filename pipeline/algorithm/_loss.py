@@ -11,16 +11,25 @@ completion mask ``m`` [N, T]:
   "sequence"``, GSPO) one ratio per completion, the exponential of its tokens'
   mean log-ratio, shared by its tokens;
 * **policy term** ``max(-rho A, -clip(rho, 1 - eps_low, 1 + eps_high) A)``,
-  and where ``A < 0`` at most ``-C A`` (the dual clip; ``C = 0`` turns it off);
+  and where ``A < 0`` at most ``-C A`` (the dual clip; ``C = 0`` turns it off;
+  TRL's two-sided ``delta`` is this clip with ``C = delta``); or, for ``cispo``
+  (MiniMax-M1), ``-sg(min(rho, eps_high)) A log pi``: the capped ratio weighs
+  the plain policy gradient and no token's gradient is ever zeroed;
+* **off-policy mask** (a threshold ``delta``; DeepSeek-V3.2, TRL's
+  ``off_policy_mask_threshold``): a completion with ``A < 0`` whose tokens'
+  mean ``log mu - log pi`` exceeds ``delta`` drops out of the policy term;
 * **top entropy** (``top_entropy`` below 1): the policy term only for
   the tokens whose entropy is in that top share of the batch's unmasked tokens (the
   high-entropy "forking" tokens; TRL's ``top_entropy_quantile``), the KL
   for every token;
-* **KL** to the reference, k3: ``exp(d) - d - 1`` with ``d = log pi_ref - log pi``;
+* **KL** to the reference, k3: ``exp(d) - d - 1`` with ``d = log pi_ref - log pi``,
+  times ``rho`` with ``kl_is_weighted`` (TRL's ``use_bias_correction_kl``: the
+  estimate under the behaviour's samples, corrected to the policy's);
 * **loss** ``sum_{i,t} w_{i,t} (policy + beta KL)``, the weights ``w`` set by
   the variant (:func:`token_weights`): ``grpo`` averages each completion's
-  tokens, then the completions; ``dapo`` averages every token of the batch;
-  ``dr_grpo`` divides by the constant ``N x L`` (``L`` the completion limit).
+  tokens, then the completions; ``dapo`` and ``cispo`` average every token of
+  the batch; ``dr_grpo`` divides by the constant ``N x L`` (``L`` the
+  completion limit).
 
 Weights are computed over a whole batch, so a micro-batch's loss is its share
 of the batch's loss and gradients accumulated over micro-batches equal the
@@ -36,6 +45,7 @@ from typing import Literal, get_args
 import torch
 
 __all__ = [
+    "CISPO_CAP",
     "LOSSES",
     "RATIO_LEVELS",
     "REWARD_SCALES",
@@ -50,13 +60,16 @@ __all__ = [
     "token_weights",
 ]
 
-#: ``grpo``: per-completion token mean; ``dr_grpo``: constant normaliser; ``dapo``: token mean over the batch.
-LossKind = Literal["grpo", "dr_grpo", "dapo"]
+#: ``grpo``: per-completion token mean; ``dr_grpo``: constant normaliser; ``dapo``: token mean over the batch;
+#: ``cispo``: the capped ratio as a weight on the policy gradient (no token's gradient zeroed), dapo's mean.
+LossKind = Literal["grpo", "dr_grpo", "dapo", "cispo"]
 #: What divides a group's centred rewards: its own std, the batch's, or nothing.
 RewardScale = Literal["group", "batch", "none"]
 #: One importance ratio per token (GRPO), or per completion, the geometric mean of its tokens' (GSPO).
 RatioLevel = Literal["token", "sequence"]
 LOSSES: tuple[str, ...] = get_args(LossKind)
+#: cispo's cap on the ratio (eps_max) where none is given: ScaleRL's recommended value.
+CISPO_CAP = 5.0
 RATIO_LEVELS: tuple[str, ...] = get_args(RatioLevel)
 REWARD_SCALES: tuple[str, ...] = get_args(RewardScale)
 
@@ -67,13 +80,15 @@ class LossSpec:
 
     kind: LossKind = "dapo"
     clip_low: float = 0.2
-    clip_high: float = 0.2
+    clip_high: float = 0.2  # cispo: the cap on the ratio itself (eps_max), not 1 + it
     dual_clip: float = 3.0  # 0: off
     kl_coeff: float = 0.0
     max_length: int = 0  # dr_grpo's L; 0: the width of the mask
     is_cap: float = 0.0  # > 0: truncated importance sampling (TIS) with this cap; 0: the ratio is to the behaviour
     level: RatioLevel = "token"  # sequence: one ratio per completion (GSPO, TRL's importance_sampling_level)
     top_entropy: float = 1.0  # < 1: the policy term for this top share of tokens by entropy only
+    off_policy_mask: float | None = None  # delta: A < 0 completions further than it from the behaviour drop out
+    kl_is_weighted: bool = False  # the KL term times the ratio (TRL's use_bias_correction_kl)
 
 
 def group_advantages(
@@ -110,7 +125,7 @@ def token_weights(mask: torch.Tensor, kind: LossKind, max_length: int = 0) -> to
     """Each token's weight [N, T] in the loss of the batch ``mask`` [N, T] describes (0 where masked)."""
     mask = mask.to(torch.float32)
     rows = max(1, mask.shape[0])
-    if kind == "dapo":
+    if kind in ("dapo", "cispo"):
         return mask / mask.sum().clamp_min(1.0)
     if kind == "grpo":
         return mask / (mask.sum(1, keepdim=True).clamp_min(1.0) * rows)
@@ -126,12 +141,13 @@ class TokenLoss:
     loss: torch.Tensor
     policy_loss: float
     kl: float
-    clip_fraction: float  # tokens whose clipped term was the one taken
+    clip_fraction: float  # tokens whose clipped term was the one taken (cispo: whose ratio was capped)
     dual_clip_fraction: float  # tokens (A < 0) held at -C A by the dual clip
     entropy: float
     logp_diff: float = 0.0  # mean |log π_trainer - log π_behaviour| before the update: engine mismatch + staleness
     is_weight: float = 1.0  # TIS: the mean token weight min(π_trainer/π_behaviour, cap)
     is_truncated: float = 0.0  # TIS: tokens whose weight was capped
+    off_policy_masked: float = 0.0  # tokens of completions the off-policy mask took out of the policy term
 
 
 def token_grpo_loss(
@@ -174,15 +190,26 @@ def token_grpo_loss(
         raise ValueError(f"unknown ratio level {spec.level!r}; choose one of {', '.join(RATIO_LEVELS)}")
     ratio = log_ratio.exp()
     adv = advantages.unsqueeze(1).to(logps.dtype)
-    unclipped = -ratio * adv
-    clipped = -ratio.clamp(1 - spec.clip_low, 1 + spec.clip_high) * adv
-    policy = torch.maximum(unclipped, clipped)
     dual = torch.zeros_like(real)
-    if spec.dual_clip > 0:
-        cap = -spec.dual_clip * adv
-        dual = (adv < 0) & (policy > cap)
-        policy = torch.where(dual, cap.expand_as(policy), policy)
+    if spec.kind == "cispo":  # the capped ratio weighs -A log pi: its gradient is -sg(min(rho, cap)) A grad log pi
+        capped = ratio > spec.clip_high
+        policy = -ratio.detach().clamp(max=spec.clip_high) * adv * torch.where(real, logps, torch.zeros_like(logps))
+    else:
+        unclipped = -ratio * adv
+        clipped = -ratio.clamp(1 - spec.clip_low, 1 + spec.clip_high) * adv
+        capped = clipped > unclipped
+        policy = torch.maximum(unclipped, clipped)
+        if spec.dual_clip > 0:
+            cap = -spec.dual_clip * adv
+            dual = (adv < 0) & (policy > cap)
+            policy = torch.where(dual, cap.expand_as(policy), policy)
     policy = policy * is_weight
+    dropped = torch.zeros_like(real)
+    if spec.off_policy_mask is not None:  # the behaviour's own log-probs: engine mismatch and staleness both count
+        drift = torch.where(real, behaviour_logps - logps.detach(), torch.zeros_like(logps))
+        far = drift.sum(1) / real.sum(1).clamp_min(1) > spec.off_policy_mask
+        dropped = ((advantages < 0) & far).unsqueeze(1) & real
+        policy = torch.where(dropped, torch.zeros_like(policy), policy)
     if spec.top_entropy < 1:
         if entropy is None:
             raise ValueError("a top-entropy share below 1 needs the tokens' entropies")
@@ -192,6 +219,8 @@ def token_grpo_loss(
     if ref_logps is not None:
         d = torch.where(real, ref_logps - logps, torch.zeros_like(logps))
         kl = d.exp() - d - 1
+        if spec.kl_is_weighted:
+            kl = kl * ratio
         per_token = per_token + spec.kl_coeff * kl
     loss = (per_token * weights.to(per_token.dtype)).sum()
     with torch.no_grad():
@@ -199,7 +228,7 @@ def token_grpo_loss(
             loss,
             float((policy * per_token_mean).sum()),
             float((kl * per_token_mean).sum()),
-            float(((clipped > unclipped) & real).to(logps.dtype).mul(per_token_mean).sum()),
+            float((capped & real).to(logps.dtype).mul(per_token_mean).sum()),
             float((dual & real).to(logps.dtype).mul(per_token_mean).sum()),
             float((entropy * per_token_mean).sum()) if entropy is not None else 0.0,
             float((trainer_gap.abs() * per_token_mean).sum()),
@@ -207,4 +236,5 @@ def token_grpo_loss(
             float(((trainer_gap.exp() > spec.is_cap) & real).to(logps.dtype).mul(per_token_mean).sum())
             if spec.is_cap > 0
             else 0.0,
+            float(dropped.to(logps.dtype).mul(per_token_mean).sum()),
         )

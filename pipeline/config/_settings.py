@@ -115,6 +115,11 @@ def check_settings(config: Config) -> None:
                 f"--sync-ref-model with --trainer-ranks {config.trainer_ranks} --trainer-shard fsdp: the policy is "
                 "sharded and the reference is not; use --trainer-shard ddp"
             )
+    if config.off_policy_mask_threshold is not None and not config.off_policy_mask_threshold >= 0:
+        raise SettingsError(
+            f"--off-policy-mask-threshold {config.off_policy_mask_threshold}: a completion's mean drift from the "
+            "behaviour log-probs is compared with it, so it must be at least 0"
+        )
     if config.top_entropy_quantile < 1 and config.trainer_ranks > 1:
         raise SettingsError(
             f"--top-entropy-quantile {config.top_entropy_quantile} with --trainer-ranks {config.trainer_ranks}: each "

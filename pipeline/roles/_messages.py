@@ -123,6 +123,7 @@ class StepReport:
     logp_diff: float = 0.0  # mean |log π_trainer - log π_behaviour| of the rollout's tokens, before the update
     is_weight: float = 1.0  # --is-correction tis: the mean token weight
     is_truncated: float = 0.0  # --is-correction tis: the share of tokens whose weight was capped
+    off_policy_masked: float = 0.0  # --off-policy-mask-threshold: the share of tokens out of the policy term
     lr: float = 0.0  # the learning rate this step used
     update_bytes: int = 0  # bytes of the newest weight update published (in the generators' dtype)
     trainer_peak_gpu_gb: float | None = None  # the trainer's peak GPU memory so far; None on a CPU

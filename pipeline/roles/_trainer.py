@@ -436,6 +436,7 @@ class Trainer(Actor):
             logp_diff=loss.logp_diff,
             is_weight=loss.is_weight,
             is_truncated=loss.is_truncated,
+            off_policy_masked=loss.off_policy_masked,
             entropy=loss.entropy,
             grad_norm=update.grad_norm,
             lr=update.lr,

@@ -16,7 +16,7 @@ import os
 import sys
 import time
 
-from ..algorithm import LOSSES, RATIO_LEVELS, REWARD_SCALES
+from ..algorithm import CISPO_CAP, LOSSES, RATIO_LEVELS, REWARD_SCALES
 from ..config import DECODE_PATHS, ENGINES, REPORT_TO, Config, SettingsError, check_settings
 from ..models import PRESETS, ModelError, vllm_missing
 from ..tasks import BUILTINS, DataError, HFTask, RewardError, resolve, task_class
@@ -134,16 +134,25 @@ def build_parser() -> argparse.ArgumentParser:
         f"{digits['kl_coeff']:g} for the digit tasks)",
     )
     train.add_argument("--clip", type=float, help=f"PPO ratio clip ε (default: the task's, {digits['clip']:g})")
-    train.add_argument("--epsilon-high", type=float, help="upper ratio clip, 1 + ε_high (clip-higher; default: ε)")
     train.add_argument(
-        "--dual-clip", type=float, default=3.0, help="a negative advantage's term is at most C·|A| (default 3; 0: off)"
+        "--epsilon-high",
+        type=float,
+        help=f"upper ratio clip, 1 + ε_high (clip-higher; default: ε); cispo: the ratio's cap ε_max (default "
+        f"{CISPO_CAP:g})",
+    )
+    train.add_argument(
+        "--dual-clip",
+        type=float,
+        default=3.0,
+        help="a negative advantage's term is at most C·|A| (default 3; 0: off); TRL's two-sided delta is C",
     )
     train.add_argument(
         "--loss",
         choices=LOSSES,
         default="dapo",
         help="how token terms are averaged: grpo (per completion, then over completions), dr_grpo (constant "
-        "normaliser, no std scaling), dapo (over every token of the batch; default)",
+        "normaliser, no std scaling), dapo (over every token of the batch; default); cispo: the policy gradient "
+        "weighted by the ratio capped at --epsilon-high, dapo's average (MiniMax-M1)",
     )
     train.add_argument(
         "--scale-rewards",
@@ -190,6 +199,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="the policy term only for this top share of each pass's tokens by entropy, the KL for all (default 1: "
         "every token; the 80/20 paper trains 0.2)",
+    )
+    train.add_argument(
+        "--off-policy-mask-threshold",
+        type=float,
+        metavar="DELTA",
+        help="a completion with a negative advantage whose tokens' mean log π_behaviour - log π exceeds DELTA "
+        "leaves the policy term (DeepSeek-V3.2's off-policy sequence mask; default: off)",
+    )
+    train.add_argument(
+        "--use-bias-correction-kl",
+        action="store_true",
+        help="weight each token's KL by its importance ratio (the estimate corrected to the policy's samples); "
+        "needs a KL term",
     )
     train.add_argument(
         "--num-iterations",
@@ -362,6 +384,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
             importance_sampling_level=args.importance_sampling_level,
             num_iterations=args.num_iterations,
             top_entropy_quantile=args.top_entropy_quantile,
+            off_policy_mask_threshold=args.off_policy_mask_threshold,
+            use_bias_correction_kl=args.use_bias_correction_kl,
             sync_ref_model=args.sync_ref_model,
             ref_model_mixup_alpha=args.ref_model_mixup_alpha,
             ref_model_sync_steps=args.ref_model_sync_steps,
@@ -390,7 +414,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
             ray_hosts=args.ray_hosts,
         )
     check_settings(config)
-    check_reference_sync(config)
+    check_kl_term(config)
     missing = missing_tracker(config.report_to)
     if missing is not None:
         raise SettingsError(missing)
@@ -399,17 +423,20 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     return config, args
 
 
-def check_reference_sync(config: Config) -> None:
-    """Refuse ``--sync-ref-model`` in a run without a KL term, given or the task's default: no reference to sync."""
-    if not config.sync_ref_model:
-        return
-    if config.kl_coeff == 0:
-        raise SettingsError("--sync-ref-model with --kl-coeff 0: there is no reference model to sync")
-    if config.kl_coeff is None and resolve(config).hyper("kl_coeff") == 0:
-        raise SettingsError(
-            f"--sync-ref-model: --task {config.task} has no KL term by default (β 0), so no reference model to "
-            "sync; give --kl-coeff"
-        )
+def check_kl_term(config: Config) -> None:
+    """Refuse a flag about the KL term in a run without one, given or the task's default (β 0)."""
+    for flag, on, what in (
+        ("--sync-ref-model", config.sync_ref_model, "no reference model to sync"),
+        ("--use-bias-correction-kl", config.use_bias_correction_kl, "no KL term to correct"),
+    ):
+        if not on:
+            continue
+        if config.kl_coeff == 0:
+            raise SettingsError(f"{flag} with --kl-coeff 0: there is {what}")
+        if config.kl_coeff is None and resolve(config).hyper("kl_coeff") == 0:
+            raise SettingsError(
+                f"{flag}: --task {config.task} has no KL term by default (β 0), so {what}; give --kl-coeff"
+            )
 
 
 def _task_name(args: argparse.Namespace) -> str:

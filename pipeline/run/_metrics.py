@@ -79,6 +79,7 @@ def metric_row(report: StepReport, windowed: dict[str, float]) -> dict[str, Any]
         "actor/kl": report.kl,
         "actor/clip_fraction": report.clip_fraction,
         "actor/dual_clip_fraction": report.dual_clip_fraction,
+        "actor/off_policy_masked_fraction": report.off_policy_masked,
         "actor/entropy": report.entropy,
         "mismatch/logp_abs": report.logp_diff,
         "mismatch/is_weight": report.is_weight,

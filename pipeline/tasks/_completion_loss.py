@@ -28,6 +28,8 @@ def loss_spec(config: Config, max_length: int = 0) -> LossSpec:
         is_cap=config.is_cap if config.is_correction == "tis" else 0.0,
         level=config.importance_sampling_level,
         top_entropy=config.top_entropy_quantile,
+        off_policy_mask=config.off_policy_mask_threshold,
+        kl_is_weighted=config.use_bias_correction_kl,
     )
 
 

@@ -68,6 +68,7 @@ class LossReport:
     logp_diff: float = 0.0  # mean |log π_trainer - log π_behaviour| before the update
     is_weight: float = 1.0  # --is-correction tis: the mean token weight
     is_truncated: float = 0.0  # --is-correction tis: tokens whose weight hit --is-cap
+    off_policy_masked: float = 0.0  # --off-policy-mask-threshold: tokens taken out of the policy term
 
     @classmethod
     def of(cls, out: TokenLoss) -> LossReport:
@@ -82,6 +83,7 @@ class LossReport:
             out.logp_diff,
             out.is_weight,
             out.is_truncated,
+            out.off_policy_masked,
         )
 
     @classmethod
@@ -118,6 +120,7 @@ _SHARES = (
     "logp_diff",
     "is_weight",
     "is_truncated",
+    "off_policy_masked",
 )
 
 

@@ -6,6 +6,7 @@ import dataclasses
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ..algorithm import CISPO_CAP
 from ._bandit import BanditTask
 from ._digit_task import DigitsTask
 from ._digits import DIGIT_TASKS
@@ -45,16 +46,17 @@ def load_task(config: Config) -> Task:
 def resolve(config: Config) -> Config:
     """``config`` with every setting it leaves unset filled in: the task's defaults, then those that follow.
 
-    The clip's upper bound defaults to the lower one; the reward scaling to
-    none for ``dr_grpo`` (the paper drops the std) and to the group's std
-    otherwise.
+    The clip's upper bound defaults to the lower one, or for ``cispo``, where
+    it caps the ratio itself, to 5 (ScaleRL's value; TRL takes the clip's,
+    which would weigh every on-policy token 0.2); the reward scaling to none
+    for ``dr_grpo`` (the paper drops the std) and to the group's std otherwise.
     """
     defaults = task_class(config.task).defaults
     changes: dict[str, Any] = {
         name: defaults[name] for name in ("lr", "clip", "kl_coeff") if getattr(config, name) is None
     }
     if config.epsilon_high is None:
-        changes["epsilon_high"] = changes.get("clip", config.clip)
+        changes["epsilon_high"] = CISPO_CAP if config.loss == "cispo" else changes.get("clip", config.clip)
     if config.scale_rewards is None:
         changes["scale_rewards"] = "none" if config.loss == "dr_grpo" else "group"
     return dataclasses.replace(config, **changes) if changes else config

@@ -142,6 +142,73 @@ def test_grpo_averages_each_completion_then_the_completions():
     assert out.policy_loss == pytest.approx(sum(POLICY) / 3, abs=1e-5), "figures stay token means"
 
 
+def test_cispo_weighs_the_policy_gradient_by_the_capped_ratio_and_never_zeroes_it():
+    # ratios e^0.5 (capped at 1.5), 1, e^-0.5; each term -w A log pi with w = min(ratio, 1.5) held constant;
+    # the dual clip (on by default) has no clipped branch to bound here
+    logps = LOGPS.clone()
+    logps[1, 1] = float("-inf")  # a masked position's log-prob, whatever it holds, reaches neither loss nor gradient
+    logps.requires_grad_(True)
+    out = token_grpo_loss(logps, BEHAVIOUR, None, MASK, ADVANTAGES, LossSpec(kind="cispo", clip_high=1.5))
+    w = [1.5, 1.0, math.exp(-0.5)]
+    assert out.policy_loss == pytest.approx((-w[0] * -0.5 - w[1] * -1.0 + w[2] * -1.5) / 3, abs=1e-5)
+    assert out.clip_fraction == pytest.approx(1 / 3) and out.dual_clip_fraction == 0
+    out.loss.backward()
+    # token 1's ratio is past the cap, yet its gradient is -1.5 A / 3, where the clipped objective's is 0
+    expected = torch.tensor([[-w[0], -w[1]], [w[2], 0.0]]) / 3
+    assert torch.allclose(logps.grad, expected, atol=1e-6)
+
+
+def test_trls_two_sided_delta_is_the_dual_clip():
+    """TRL's ``delta`` (INTELLECT-2): -min(min(rho, delta) A, clip(rho) A); equal to ``dual_clip=delta`` in value
+    and gradient for every ratio and advantage sign."""
+    torch.manual_seed(0)
+    behaviour = torch.randn(8, 6)
+    start = behaviour + torch.randn(8, 6)  # ratios from e^-3 to e^3: below, inside and past both bounds
+    advantages = torch.randn(8)
+    mask = torch.ones(8, 6)
+    eps, delta = 0.2, 2.5
+    ours = start.clone().requires_grad_(True)
+    out = token_grpo_loss(ours, behaviour, None, mask, advantages, LossSpec(kind="dapo", dual_clip=delta))
+    out.loss.backward()
+    theirs = start.clone().requires_grad_(True)
+    coef = (theirs - behaviour).exp()
+    a = advantages.unsqueeze(1)
+    trl = -torch.minimum(coef.clamp(max=delta) * a, coef.clamp(1 - eps, 1 + eps) * a)
+    (trl.sum() / mask.sum()).backward()
+    assert float(out.loss.detach()) == pytest.approx(float(trl.detach().sum() / mask.sum()), abs=1e-6)
+    assert out.dual_clip_fraction > 0, "some negative-advantage ratios pass delta"
+    assert torch.allclose(ours.grad, theirs.grad, atol=1e-7)
+
+
+@pytest.mark.parametrize("threshold, dropped", [(0.4, True), (0.6, False)])
+def test_the_off_policy_mask_drops_negative_advantage_completions_that_drifted(threshold, dropped):
+    # mean log mu - log pi: row 0 (A = 1) (-0.5 + 0) / 2; row 1 (A = -1) 0.5: dropped when the threshold is below 0.5
+    out = loss(LossSpec(kind="dapo", kl_coeff=0.1, off_policy_mask=threshold))
+    policy = POLICY[:2] + ([0.0] if dropped else POLICY[2:])
+    assert out.policy_loss == pytest.approx(sum(policy) / 3, abs=1e-5)
+    assert out.off_policy_masked == pytest.approx(1 / 3 if dropped else 0.0)
+    assert out.kl == pytest.approx(sum(KL) / 3, abs=1e-5), "the KL term keeps every token"
+    # a positive advantage is never dropped, however far its completion drifted
+    flipped = token_grpo_loss(LOGPS, BEHAVIOUR, REF, MASK, -ADVANTAGES, LossSpec(kind="dapo", off_policy_mask=-1.0))
+    assert flipped.off_policy_masked == pytest.approx(2 / 3), "row 0 (now A = -1, drift -0.25 > -1) only"
+
+
+def test_the_bias_corrected_kl_is_weighted_by_the_ratio_with_its_gradient():
+    ratio = [math.exp(0.5), 1.0, math.exp(-0.5)]
+    logps = LOGPS.clone().requires_grad_(True)
+    spec = LossSpec(kind="dapo", kl_coeff=1.0, kl_is_weighted=True)
+    out = token_grpo_loss(logps, BEHAVIOUR, REF, MASK, ADVANTAGES, spec)
+    assert out.kl == pytest.approx(sum(k * r for k, r in zip(KL, ratio, strict=True)) / 3, abs=1e-6)
+    out.loss.backward()
+    plain = LOGPS.clone().requires_grad_(True)
+    token_grpo_loss(plain, BEHAVIOUR, None, MASK, ADVANTAGES, spec).loss.backward()
+    # d/dlogp [rho (e^d - d - 1)] with d = ref - logp: rho (e^d - d - 1) + rho (1 - e^d)
+    d = [-0.5, 0.0, 0.5]
+    kl_grad = [r * (math.exp(x) - x - 1) + r * (1 - math.exp(x)) for r, x in zip(ratio, d, strict=True)]
+    expected = plain.grad + torch.tensor([[kl_grad[0], kl_grad[1]], [kl_grad[2], 0.0]]) / 3
+    assert torch.allclose(logps.grad, expected, atol=1e-6)
+
+
 def test_dr_grpo_divides_by_a_constant():
     out = loss(LossSpec(kind="dr_grpo", kl_coeff=0.1, max_length=4))
     assert float(out.loss) == pytest.approx((sum(POLICY) + 0.1 * sum(KL)) / (2 * 4), abs=1e-5)
@@ -219,13 +286,21 @@ def _gradient(net: torch.nn.Module) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "kind, level", [("grpo", "token"), ("dr_grpo", "token"), ("dapo", "token"), ("dapo", "sequence")]
+    "settings",
+    [
+        {"loss": "grpo"},
+        {"loss": "dr_grpo"},
+        {"loss": "dapo"},
+        {"loss": "dapo", "importance_sampling_level": "sequence"},
+        {"loss": "cispo", "epsilon_high": 1.05},
+        {"loss": "dapo", "off_policy_mask_threshold": 0.02, "use_bias_correction_kl": True},
+    ],
+    ids=["grpo", "dr_grpo", "dapo", "gspo", "cispo", "off-policy-mask-and-bias-corrected-kl"],
 )
-def test_micro_batches_accumulate_the_whole_batchs_gradient(kind, level):
-    settings = {"loss": kind, "importance_sampling_level": level}
+def test_micro_batches_accumulate_the_whole_batchs_gradient(settings):
     task, net, batch, rewards, ref = _task(**settings, micro_batch=5, mask_truncated=True)
-    if level == "sequence":  # behaviour log-probs off the policy's, so the ratios are not 1
-        batch = dataclasses.replace(batch, logps=batch.logps - 0.1 * torch.rand(batch.logps.shape))
+    if settings != {"loss": "dapo"}:  # behaviour log-probs off the policy's, so the ratios are not 1
+        batch = dataclasses.replace(batch, logps=batch.logps + 0.2 * (torch.rand(batch.logps.shape) - 0.5))
     whole = task.loss(net, batch, rewards, ref)
     whole.loss.backward()  # type: ignore[no-untyped-call]
     expected = _gradient(net)
@@ -240,8 +315,12 @@ def test_micro_batches_accumulate_the_whole_batchs_gradient(kind, level):
     assert total is not None
     torch.testing.assert_close(_gradient(net), expected, atol=1e-6, rtol=0)
     assert float(total.loss) == pytest.approx(float(whole.loss.detach()), abs=1e-6)
-    for name in ("policy_loss", "kl", "clip_fraction", "entropy"):
+    for name in ("policy_loss", "kl", "clip_fraction", "entropy", "off_policy_masked"):
         assert getattr(total, name) == pytest.approx(getattr(whole, name), abs=1e-6), name
+    if "off_policy_mask_threshold" in settings:
+        assert 0 < whole.off_policy_masked < 1, "the drift puts some completions past the threshold, not all"
+    if settings["loss"] == "cispo":
+        assert 0 < whole.clip_fraction < 1, "some ratios pass the cap"
 
 
 def test_the_learner_steps_in_micro_batches_as_in_one():

@@ -42,6 +42,7 @@ FIELDS = {
     "actor/kl",
     "actor/clip_fraction",
     "actor/dual_clip_fraction",
+    "actor/off_policy_masked_fraction",
     "actor/entropy",
     "actor/grad_norm",
     "actor/lr",

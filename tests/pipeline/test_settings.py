@@ -49,6 +49,15 @@ from pipeline.grpo import main, parse_args
             ["--sync-ref-model", "--dataset", "prompts.jsonl", "--reward", "exact_match"],
             "--sync-ref-model: --task hf has no KL term by default (β 0)",
         ),
+        (
+            ["--use-bias-correction-kl", "--kl-coeff", "0"],
+            "--use-bias-correction-kl with --kl-coeff 0: there is no KL term to correct",
+        ),
+        (
+            ["--use-bias-correction-kl", "--dataset", "prompts.jsonl", "--reward", "exact_match"],
+            "--use-bias-correction-kl: --task hf has no KL term by default (β 0), so no KL term to correct",
+        ),
+        (["--off-policy-mask-threshold", "-0.1"], "--off-policy-mask-threshold -0.1: a completion's mean drift"),
         (["--top-entropy-quantile", "0"], "--top-entropy-quantile 0.0: the share of tokens trained must be in (0, 1]"),
         (["--top-entropy-quantile", "1.5"], "--top-entropy-quantile 1.5: the share of tokens trained must be in"),
         (
@@ -105,7 +114,7 @@ def test_a_small_prompt_space_splits_into_disjoint_held_out_and_training_sets(di
 def test_every_setting_a_run_refuses_is_refused_by_the_api_too():
     with pytest.raises(SettingsError, match="--group 1"):
         check_settings(Config(group=1))
-    with pytest.raises(SettingsError, match="--loss ppo: choose one of grpo, dr_grpo, dapo"):
+    with pytest.raises(SettingsError, match="--loss ppo: choose one of grpo, dr_grpo, dapo, cispo"):
         check_settings(Config(loss="ppo"))  # type: ignore[arg-type]
     with pytest.raises(SettingsError, match="--scale-rewards mean: choose one of group, batch, none"):
         check_settings(Config(scale_rewards="mean"))  # type: ignore[arg-type]
@@ -116,6 +125,16 @@ def test_every_setting_a_run_refuses_is_refused_by_the_api_too():
     check_settings(Config())  # the defaults train
 
 
+def test_cispo_caps_the_ratio_at_5_unless_given_and_the_trl_flags_reach_the_config():
+    """cispo's --epsilon-high is the cap on the ratio itself (ScaleRL's 5 by default), not the clip's 1 + eps."""
+    config, _ = parse_args(["--loss", "cispo", "--off-policy-mask-threshold", "0.5", "--use-bias-correction-kl"])
+    resolved = resolve(config)
+    assert (resolved.loss, resolved.epsilon_high, resolved.clip) == ("cispo", 5.0, 0.2)
+    assert resolved.off_policy_mask_threshold == 0.5 and resolved.use_bias_correction_kl
+    given, _ = parse_args(["--loss", "cispo", "--epsilon-high", "2"])
+    assert resolve(given).epsilon_high == 2.0
+
+
 def test_new_flags_reach_the_config_and_its_resolved_defaults():
     config, _ = parse_args(
         ["--loss", "dr_grpo", "--clip", "0.1", "--mask-truncated", "--micro-batch", "64", "--kl-coeff", "0"]
@@ -123,6 +142,7 @@ def test_new_flags_reach_the_config_and_its_resolved_defaults():
     resolved = resolve(config)
     assert (resolved.loss, resolved.scale_rewards, resolved.epsilon_high) == ("dr_grpo", "none", 0.1)
     assert resolved.mask_truncated and resolved.micro_batch == 64 and resolved.kl_coeff == 0
+    assert resolved.off_policy_mask_threshold is None and not resolved.use_bias_correction_kl
     assert (resolved.dual_clip, resolved.max_grad_norm, resolved.lr_schedule, resolved.dtype) == (
         3.0,
         1.0,
