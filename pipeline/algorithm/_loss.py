@@ -14,7 +14,11 @@ completion mask ``m`` [N, T]:
   and where ``A < 0`` at most ``-C A`` (the dual clip; ``C = 0`` turns it off;
   TRL's two-sided ``delta`` is this clip with ``C = delta``); or, for ``cispo``
   (MiniMax-M1), ``-sg(min(rho, eps_high)) A log pi``: the capped ratio weighs
-  the plain policy gradient and no token's gradient is ever zeroed;
+  the plain policy gradient and no token's gradient is ever zeroed; or, for
+  ``sapo`` (Qwen's SAPO), ``-(4 / tau) sigmoid(tau (rho - 1)) A``, a soft gate
+  in place of the clip (``tau`` one temperature for ``A > 0``, another for
+  the rest): its gradient is the policy gradient at ``rho = 1`` and fades
+  smoothly away from it;
 * **off-policy mask** (a threshold ``delta``; DeepSeek-V3.2, TRL's
   ``off_policy_mask_threshold``): a completion with ``A < 0`` whose tokens'
   mean ``log mu - log pi`` exceeds ``delta`` drops out of the policy term;
@@ -27,8 +31,8 @@ completion mask ``m`` [N, T]:
   estimate under the behaviour's samples, corrected to the policy's);
 * **loss** ``sum_{i,t} w_{i,t} (policy + beta KL)``, the weights ``w`` set by
   the variant (:func:`token_weights`): ``grpo`` averages each completion's
-  tokens, then the completions; ``dapo`` and ``cispo`` average every token of
-  the batch; ``dr_grpo`` divides by the constant ``N x L`` (``L`` the
+  tokens, then the completions (so does ``sapo``); ``dapo`` and ``cispo``
+  average every token of the batch; ``dr_grpo`` divides by the constant ``N x L`` (``L`` the
   completion limit).
 
 Weights are computed over a whole batch, so a micro-batch's loss is its share
@@ -61,8 +65,9 @@ __all__ = [
 ]
 
 #: ``grpo``: per-completion token mean; ``dr_grpo``: constant normaliser; ``dapo``: token mean over the batch;
-#: ``cispo``: the capped ratio as a weight on the policy gradient (no token's gradient zeroed), dapo's mean.
-LossKind = Literal["grpo", "dr_grpo", "dapo", "cispo"]
+#: ``cispo``: the capped ratio as a weight on the policy gradient (no token's gradient zeroed), dapo's mean;
+#: ``sapo``: a soft, temperature-controlled gate on the ratio in place of the clip, grpo's mean.
+LossKind = Literal["grpo", "dr_grpo", "dapo", "cispo", "sapo"]
 #: What divides a group's centred rewards: its own std, the batch's, or nothing.
 RewardScale = Literal["group", "batch", "none"]
 #: One importance ratio per token (GRPO), or per completion, the geometric mean of its tokens' (GSPO).
@@ -89,6 +94,8 @@ class LossSpec:
     top_entropy: float = 1.0  # < 1: the policy term for this top share of tokens by entropy only
     off_policy_mask: float | None = None  # delta: A < 0 completions further than it from the behaviour drop out
     kl_is_weighted: bool = False  # the KL term times the ratio (TRL's use_bias_correction_kl)
+    sapo_tau_pos: float = 1.0  # sapo: the gate's temperature where A > 0
+    sapo_tau_neg: float = 1.05  # sapo: where A <= 0 (steeper: a negative token's update fades sooner)
 
 
 def group_advantages(
@@ -127,7 +134,7 @@ def token_weights(mask: torch.Tensor, kind: LossKind, max_length: int = 0) -> to
     rows = max(1, mask.shape[0])
     if kind in ("dapo", "cispo"):
         return mask / mask.sum().clamp_min(1.0)
-    if kind == "grpo":
+    if kind in ("grpo", "sapo"):
         return mask / (mask.sum(1, keepdim=True).clamp_min(1.0) * rows)
     if kind == "dr_grpo":
         return mask / (rows * (max_length or mask.shape[1]))
@@ -194,6 +201,10 @@ def token_grpo_loss(
     if spec.kind == "cispo":  # the capped ratio weighs -A log pi: its gradient is -sg(min(rho, cap)) A grad log pi
         capped = ratio > spec.clip_high
         policy = -ratio.detach().clamp(max=spec.clip_high) * adv * torch.where(real, logps, torch.zeros_like(logps))
+    elif spec.kind == "sapo":  # the gate 4 sigmoid(tau (rho - 1)) / tau: slope 1 at rho = 1, bounded by 4 / tau
+        capped = torch.zeros_like(real)
+        tau = torch.where(adv > 0, spec.sapo_tau_pos, spec.sapo_tau_neg)
+        policy = -torch.sigmoid(tau * (ratio - 1)) * (4 / tau) * adv
     else:
         unclipped = -ratio * adv
         clipped = -ratio.clamp(1 - spec.clip_low, 1 + spec.clip_high) * adv

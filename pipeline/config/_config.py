@@ -110,7 +110,7 @@ class Config:
     clip: float | None = None
     kl_coeff: float | None = None
     max_inflight: int = 2  # rollouts a generator may have ahead of the trainer
-    loss: LossKind = "dapo"  # grpo | dr_grpo | dapo | cispo: the policy term and its average (pipeline.algorithm)
+    loss: LossKind = "dapo"  # grpo | dr_grpo | dapo | cispo | sapo: the policy term, its average (pipeline.algorithm)
     scale_rewards: RewardScale | None = None  # group | batch | none; None: none for dr_grpo, else group
     epsilon_high: float | None = None  # the clip's upper bound (clip-higher); None: ``clip`` (cispo: the cap, 5)
     dual_clip: float = 3.0  # a negative advantage's term is at most C |A| (0: off)
@@ -123,6 +123,8 @@ class Config:
     top_entropy_quantile: float = 1.0  # < 1: the policy term only for this top share of each pass's tokens by entropy
     off_policy_mask_threshold: float | None = None  # A < 0 completions drifted further drop out (DeepSeek-V3.2)
     use_bias_correction_kl: bool = False  # the KL term weighted by the importance ratio
+    sapo_temperature_pos: float = 1.0  # --loss sapo: the soft gate's temperature for positive advantages
+    sapo_temperature_neg: float = 1.05  # --loss sapo: for the others
     micro_batch: int = 0  # samples per forward/backward pass; 0: as many as ``max_tokens_per_pass`` allows
     max_tokens_per_pass: int = 8192  # rows x token width of one trainer or reference pass (0: no limit)
     trainer_ranks: int = 1  # trainer processes, each training its share of every rollout's rows (gradients summed)

@@ -115,6 +115,10 @@ def check_settings(config: Config) -> None:
                 f"--sync-ref-model with --trainer-ranks {config.trainer_ranks} --trainer-shard fsdp: the policy is "
                 "sharded and the reference is not; use --trainer-shard ddp"
             )
+    for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+        if not getattr(config, name) > 0:
+            flag = "--" + name.replace("_", "-")
+            raise SettingsError(f"{flag} {getattr(config, name)}: the gate's temperature must be above 0")
     if config.off_policy_mask_threshold is not None and not config.off_policy_mask_threshold >= 0:
         raise SettingsError(
             f"--off-policy-mask-threshold {config.off_policy_mask_threshold}: a completion's mean drift from the "

@@ -152,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="dapo",
         help="how token terms are averaged: grpo (per completion, then over completions), dr_grpo (constant "
         "normaliser, no std scaling), dapo (over every token of the batch; default); cispo: the policy gradient "
-        "weighted by the ratio capped at --epsilon-high, dapo's average (MiniMax-M1)",
+        "weighted by the ratio capped at --epsilon-high, dapo's average (MiniMax-M1); sapo: a soft gate on the "
+        "ratio in place of the clip, grpo's average (SAPO)",
     )
     train.add_argument(
         "--scale-rewards",
@@ -199,6 +200,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="the policy term only for this top share of each pass's tokens by entropy, the KL for all (default 1: "
         "every token; the 80/20 paper trains 0.2)",
+    )
+    train.add_argument(
+        "--sapo-temperature-pos",
+        type=float,
+        default=1.0,
+        help="sapo: the gate's temperature for positive advantages (default 1)",
+    )
+    train.add_argument(
+        "--sapo-temperature-neg",
+        type=float,
+        default=1.05,
+        help="sapo: the gate's temperature for the others (default 1.05: their updates fade sooner)",
     )
     train.add_argument(
         "--off-policy-mask-threshold",
@@ -386,6 +399,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
             top_entropy_quantile=args.top_entropy_quantile,
             off_policy_mask_threshold=args.off_policy_mask_threshold,
             use_bias_correction_kl=args.use_bias_correction_kl,
+            sapo_temperature_pos=args.sapo_temperature_pos,
+            sapo_temperature_neg=args.sapo_temperature_neg,
             sync_ref_model=args.sync_ref_model,
             ref_model_mixup_alpha=args.ref_model_mixup_alpha,
             ref_model_sync_steps=args.ref_model_sync_steps,

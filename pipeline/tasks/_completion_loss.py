@@ -30,6 +30,8 @@ def loss_spec(config: Config, max_length: int = 0) -> LossSpec:
         top_entropy=config.top_entropy_quantile,
         off_policy_mask=config.off_policy_mask_threshold,
         kl_is_weighted=config.use_bias_correction_kl,
+        sapo_tau_pos=config.sapo_temperature_pos,
+        sapo_tau_neg=config.sapo_temperature_neg,
     )
 
 

@@ -158,6 +158,24 @@ def test_cispo_weighs_the_policy_gradient_by_the_capped_ratio_and_never_zeroes_i
     assert torch.allclose(logps.grad, expected, atol=1e-6)
 
 
+def test_sapo_gates_the_ratio_softly_with_a_temperature_per_advantage_sign():
+    # ratios e^0.5, 1 (A = 1, tau 1) | e^-0.5 (A = -1, tau 1.05); grpo's weights 1/4, 1/4 | 1/2
+    logps = LOGPS.clone().requires_grad_(True)
+    out = token_grpo_loss(logps, BEHAVIOUR, None, MASK, ADVANTAGES, LossSpec(kind="sapo"))
+    rho, tau, adv = [math.exp(0.5), 1.0, math.exp(-0.5)], [1.0, 1.0, 1.05], [1.0, 1.0, -1.0]
+    gate = [1 / (1 + math.exp(-t * (r - 1))) for r, t in zip(rho, tau, strict=True)]
+    terms = [-4 / t * g * a for t, g, a in zip(tau, gate, adv, strict=True)]
+    assert float(out.loss.detach()) == pytest.approx(terms[0] / 4 + terms[1] / 4 + terms[2] / 2, abs=1e-6)
+    assert out.policy_loss == pytest.approx(sum(terms) / 3, abs=1e-5)
+    assert out.clip_fraction == 0 and out.dual_clip_fraction == 0, "a soft gate clips nothing"
+    out.loss.backward()
+    # d/dlogp = -4 g (1 - g) rho A: the unclipped surrogate's -rho A scaled by 4 g (1 - g), 1 at rho = 1 only
+    grad = [-4 * g * (1 - g) * r * a for g, r, a in zip(gate, rho, adv, strict=True)]
+    expected = torch.tensor([[grad[0] / 4, grad[1] / 4], [grad[2] / 2, 0.0]])
+    assert torch.allclose(logps.grad, expected, atol=1e-6)
+    assert grad[1] == pytest.approx(-1.0) and abs(grad[0]) < rho[0], "on-policy: the policy gradient; off it, less"
+
+
 def test_trls_two_sided_delta_is_the_dual_clip():
     """TRL's ``delta`` (INTELLECT-2): -min(min(rho, delta) A, clip(rho) A); equal to ``dual_clip=delta`` in value
     and gradient for every ratio and advantage sign."""
@@ -293,9 +311,10 @@ def _gradient(net: torch.nn.Module) -> torch.Tensor:
         {"loss": "dapo"},
         {"loss": "dapo", "importance_sampling_level": "sequence"},
         {"loss": "cispo", "epsilon_high": 1.05},
+        {"loss": "sapo", "sapo_temperature_neg": 2.0},
         {"loss": "dapo", "off_policy_mask_threshold": 0.02, "use_bias_correction_kl": True},
     ],
-    ids=["grpo", "dr_grpo", "dapo", "gspo", "cispo", "off-policy-mask-and-bias-corrected-kl"],
+    ids=["grpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo", "off-policy-mask-and-bias-corrected-kl"],
 )
 def test_micro_batches_accumulate_the_whole_batchs_gradient(settings):
     task, net, batch, rewards, ref = _task(**settings, micro_batch=5, mask_truncated=True)

@@ -57,6 +57,7 @@ from pipeline.grpo import main, parse_args
             ["--use-bias-correction-kl", "--dataset", "prompts.jsonl", "--reward", "exact_match"],
             "--use-bias-correction-kl: --task hf has no KL term by default (β 0), so no KL term to correct",
         ),
+        (["--loss", "sapo", "--sapo-temperature-neg", "0"], "--sapo-temperature-neg 0.0: the gate's temperature"),
         (["--off-policy-mask-threshold", "-0.1"], "--off-policy-mask-threshold -0.1: a completion's mean drift"),
         (["--top-entropy-quantile", "0"], "--top-entropy-quantile 0.0: the share of tokens trained must be in (0, 1]"),
         (["--top-entropy-quantile", "1.5"], "--top-entropy-quantile 1.5: the share of tokens trained must be in"),
@@ -114,7 +115,7 @@ def test_a_small_prompt_space_splits_into_disjoint_held_out_and_training_sets(di
 def test_every_setting_a_run_refuses_is_refused_by_the_api_too():
     with pytest.raises(SettingsError, match="--group 1"):
         check_settings(Config(group=1))
-    with pytest.raises(SettingsError, match="--loss ppo: choose one of grpo, dr_grpo, dapo, cispo"):
+    with pytest.raises(SettingsError, match="--loss ppo: choose one of grpo, dr_grpo, dapo, cispo, sapo"):
         check_settings(Config(loss="ppo"))  # type: ignore[arg-type]
     with pytest.raises(SettingsError, match="--scale-rewards mean: choose one of group, batch, none"):
         check_settings(Config(scale_rewards="mean"))  # type: ignore[arg-type]
