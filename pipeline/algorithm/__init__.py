@@ -10,9 +10,11 @@ Imports torch alone: no actors, no models, no configuration.
 from ._logit_head import LOGITS_PER_CHUNK, chunk_positions, chunked_token_logps
 from ._loss import (
     CISPO_CAP,
+    IS_MODES,
     LOSSES,
     RATIO_LEVELS,
     REWARD_SCALES,
+    IsMode,
     LossKind,
     LossSpec,
     RatioLevel,
@@ -27,10 +29,12 @@ from ._sampling import draw, filter_logits, token_logps
 
 __all__ = [
     "CISPO_CAP",
+    "IS_MODES",
     "LOGITS_PER_CHUNK",
     "LOSSES",
     "RATIO_LEVELS",
     "REWARD_SCALES",
+    "IsMode",
     "LossKind",
     "LossSpec",
     "RatioLevel",

@@ -12,7 +12,8 @@ completion mask ``m`` [N, T]:
   mean log-ratio, shared by its tokens;
 * **policy term** ``max(-rho A, -clip(rho, 1 - eps_low, 1 + eps_high) A)``,
   and where ``A < 0`` at most ``-C A`` (the dual clip; ``C = 0`` turns it off;
-  TRL's two-sided ``delta`` is this clip with ``C = delta``); or, for ``cispo``
+  TRL's two-sided ``delta`` is this clip with ``C = delta`` for any
+  ``delta >= 1 + eps_high``, the range TRL recommends); or, for ``cispo``
   (MiniMax-M1), ``-sg(min(rho, eps_high)) A log pi``: the capped ratio weighs
   the plain policy gradient and no token's gradient is ever zeroed; or, for
   ``sapo`` (Qwen's SAPO), ``-(4 / tau) sigmoid(tau (rho - 1)) A``, a soft gate
@@ -26,6 +27,12 @@ completion mask ``m`` [N, T]:
   the tokens whose entropy is in that top share of the batch's unmasked tokens (the
   high-entropy "forking" tokens; TRL's ``top_entropy_quantile``), the KL
   for every token;
+* **importance weights** (``is_cap`` above 0; TRL's vLLM importance
+  sampling): the ratio is then to the trainer's own log-probs before the
+  update, and each token's policy term is weighted by ``w = pi_old / mu`` —
+  per token, or per completion (the exponential of the sum of its tokens'
+  log-ratios) — truncated to ``[is_min, is_cap]`` or, in the ``mask`` modes,
+  zeroed outside it;
 * **KL** to the reference, k3: ``exp(d) - d - 1`` with ``d = log pi_ref - log pi``,
   times ``rho`` with ``kl_is_weighted`` (TRL's ``use_bias_correction_kl``: the
   estimate under the behaviour's samples, corrected to the policy's);
@@ -50,9 +57,11 @@ import torch
 
 __all__ = [
     "CISPO_CAP",
+    "IS_MODES",
     "LOSSES",
     "RATIO_LEVELS",
     "REWARD_SCALES",
+    "IsMode",
     "LossKind",
     "LossSpec",
     "RatioLevel",
@@ -72,6 +81,9 @@ LossKind = Literal["grpo", "dr_grpo", "dapo", "cispo", "sapo"]
 RewardScale = Literal["group", "batch", "none"]
 #: One importance ratio per token (GRPO), or per completion, the geometric mean of its tokens' (GSPO).
 RatioLevel = Literal["token", "sequence"]
+#: Importance weights against the behaviour policy: per token or per completion, truncated or masked outside bounds.
+IsMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+IS_MODES: tuple[str, ...] = get_args(IsMode)
 LOSSES: tuple[str, ...] = get_args(LossKind)
 #: cispo's cap on the ratio (eps_max) where none is given: ScaleRL's recommended value.
 CISPO_CAP = 5.0
@@ -89,7 +101,9 @@ class LossSpec:
     dual_clip: float = 3.0  # 0: off
     kl_coeff: float = 0.0
     max_length: int = 0  # dr_grpo's L; 0: the width of the mask
-    is_cap: float = 0.0  # > 0: truncated importance sampling (TIS) with this cap; 0: the ratio is to the behaviour
+    is_cap: float = 0.0  # > 0: importance weights with this upper bound; 0: none, the ratio is to the behaviour
+    is_mode: IsMode = "token_truncate"  # per token or per completion; truncated to the bounds or masked outside
+    is_min: float = 0.0  # the importance weight's lower bound (0: none)
     level: RatioLevel = "token"  # sequence: one ratio per completion (GSPO, TRL's importance_sampling_level)
     top_entropy: float = 1.0  # < 1: the policy term for this top share of tokens by entropy only
     off_policy_mask: float | None = None  # delta: A < 0 completions further than it from the behaviour drop out
@@ -152,9 +166,25 @@ class TokenLoss:
     dual_clip_fraction: float  # tokens (A < 0) held at -C A by the dual clip
     entropy: float
     logp_diff: float = 0.0  # mean |log π_trainer - log π_behaviour| before the update: engine mismatch + staleness
-    is_weight: float = 1.0  # TIS: the mean token weight min(π_trainer/π_behaviour, cap)
-    is_truncated: float = 0.0  # TIS: tokens whose weight was capped
+    is_weight: float = 1.0  # importance weights: the mean token weight, π_trainer/π_behaviour bounded
+    is_truncated: float = 0.0  # importance weights: tokens whose weight was outside the bounds (truncated or masked)
     off_policy_masked: float = 0.0  # tokens of completions the off-policy mask took out of the policy term
+
+
+def _importance_weights(gap: torch.Tensor, real: torch.Tensor, spec: LossSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's weight [N, T] from ``gap`` = log pi_old - log mu (0 where masked), and the tokens outside the
+    bounds: per token or, at sequence level, the completion's summed log-ratio shared by its tokens."""
+    if spec.is_mode.startswith("sequence"):
+        gap = torch.where(real, gap.sum(1, keepdim=True).expand_as(gap), torch.zeros_like(gap))
+    elif not spec.is_mode.startswith("token"):
+        raise ValueError(f"unknown importance weights {spec.is_mode!r}; choose one of {', '.join(IS_MODES)}")
+    weight = gap.float().exp()  # float32: a sequence's summed log-ratio may overflow a narrower type's exp
+    outside = real & ((weight > spec.is_cap) | (weight < spec.is_min))
+    if spec.is_mode.endswith("mask"):
+        weight = torch.where(outside, torch.zeros_like(weight), weight)
+    else:
+        weight = weight.clamp(spec.is_min, spec.is_cap)
+    return torch.where(real, weight, torch.ones_like(weight)).to(gap.dtype), outside
 
 
 def token_grpo_loss(
@@ -181,12 +211,13 @@ def token_grpo_loss(
     per_token_mean = real.to(logps.dtype) / (tokens if tokens is not None else float(real.sum().clamp_min(1)))
     trainer_gap = torch.where(real, logps.detach() - behaviour_logps, torch.zeros_like(logps))
     is_weight = torch.ones_like(logps)
+    outside = torch.zeros_like(real)
     if spec.is_cap > 0:
-        # TIS: the ratio is to the trainer's own log-probs before this update (1 in value, the policy gradient in
-        # its gradient) and each token is weighted by the truncated π_trainer/π_behaviour, which absorbs both an
-        # engine whose numerics differ from the trainer's and the rollout's staleness, bounded by the cap
+        # the ratio is to the trainer's own log-probs before this update (1 in value, the policy gradient in its
+        # gradient) and each token is weighted by π_trainer/π_behaviour, bounded, which absorbs both an engine whose
+        # numerics differ from the trainer's and the rollout's staleness
         anchor = logps.detach()
-        is_weight = torch.where(real, trainer_gap.exp().clamp(max=spec.is_cap), is_weight)
+        is_weight, outside = _importance_weights(trainer_gap, real, spec)
     else:
         anchor = behaviour_logps
     log_ratio = torch.where(real, logps - anchor, torch.zeros_like(logps))
@@ -195,7 +226,8 @@ def token_grpo_loss(
         log_ratio = torch.where(real, mean.expand_as(log_ratio), torch.zeros_like(log_ratio))
     elif spec.level != "token":
         raise ValueError(f"unknown ratio level {spec.level!r}; choose one of {', '.join(RATIO_LEVELS)}")
-    ratio = log_ratio.exp()
+    # e^20 is past every clip and gate; bounding the exponent keeps a wild ratio from inf (and inf x 0 from NaN)
+    ratio = log_ratio.clamp(-20.0, 20.0).exp()
     adv = advantages.unsqueeze(1).to(logps.dtype)
     dual = torch.zeros_like(real)
     if spec.kind == "cispo":  # the capped ratio weighs -A log pi: its gradient is -sg(min(rho, cap)) A grad log pi
@@ -244,8 +276,6 @@ def token_grpo_loss(
             float((entropy * per_token_mean).sum()) if entropy is not None else 0.0,
             float((trainer_gap.abs() * per_token_mean).sum()),
             float((is_weight * per_token_mean).sum()),
-            float(((trainer_gap.exp() > spec.is_cap) & real).to(logps.dtype).mul(per_token_mean).sum())
-            if spec.is_cap > 0
-            else 0.0,
+            float(outside.to(logps.dtype).mul(per_token_mean).sum()),
             float(dropped.to(logps.dtype).mul(per_token_mean).sum()),
         )

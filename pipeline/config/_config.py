@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from ..algorithm import LossKind, RatioLevel, RewardScale
+from ..algorithm import IsMode, LossKind, RatioLevel, RewardScale
 
 __all__ = [
     "DECODE_PATHS",
@@ -62,7 +62,8 @@ DECODE_PATHS: tuple[str, ...] = ("auto", "dynamic", "static", "graphs")
 
 
 #: How the loss corrects for a behaviour policy that is not the trainer's (pipeline.algorithm).
-IsCorrection = Literal["none", "tis"]
+#: ``tis`` is ``token_truncate`` (truncated importance sampling), kept under the name it had first.
+IsCorrection = Literal["none", "tis", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 
 
 @dataclass
@@ -92,8 +93,9 @@ class Config:
     vllm_dtype: str = "float32"  # vllm: the engine's weights (auto: the checkpoint's); updates are cast to it
     vllm_gpu_memory: float = 0.3  # vllm on a GPU: the share of its memory the engine may take
     vllm_max_model_len: int = 0  # vllm: the longest prompt + completion (0: the model's own limit)
-    is_correction: IsCorrection = "none"  # tis: truncated importance sampling against the behaviour policy
-    is_cap: float = 2.0  # tis: the most one token's importance weight may be
+    is_correction: IsCorrection = "none"  # importance weights against the behaviour policy (TRL's vLLM IS modes)
+    is_cap: float = 2.0  # importance weights: the upper bound, C_max
+    is_min: float = 0.0  # importance weights: the lower bound, C_min (0: none)
     prompts: int = 32  # prompts per rollout (one trainer step)
     group: int = 8  # samples per prompt (GRPO group)
     max_new_tokens: int = 0  # 0: the answer's length + 2
@@ -168,6 +170,14 @@ class Config:
     def device_of(self, role: str) -> str:
         """The device ``role`` runs on."""
         return self.devices.get(role, self.device)
+
+    def importance_mode(self) -> IsMode | None:
+        """The importance weights ``is_correction`` asks for (``tis`` is ``token_truncate``), or None."""
+        if self.is_correction == "none":
+            return None
+        if self.is_correction == "tis":
+            return "token_truncate"
+        return self.is_correction
 
     def hyper(self, name: str) -> float:
         """A hyper-parameter that :func:`pipeline.tasks.resolve` has filled in."""

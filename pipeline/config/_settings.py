@@ -10,8 +10,10 @@ prompts cannot fill a training and a held-out set), when it is built.
 
 from __future__ import annotations
 
+from typing import get_args
+
 from ..algorithm import LOSSES, RATIO_LEVELS, REWARD_SCALES
-from ._config import DECODE_PATHS, ENGINES, REPORT_TO, Config
+from ._config import DECODE_PATHS, ENGINES, REPORT_TO, Config, IsCorrection
 
 __all__ = ["SettingsError", "check_settings"]
 
@@ -96,7 +98,7 @@ def check_settings(config: Config) -> None:
             f"--decode {config.decode} picks how the built-in sampler decodes; --engine {config.engine} decodes its "
             "own way"
         )
-    _one_of(config, "is_correction", ("none", "tis"))
+    _one_of(config, "is_correction", get_args(IsCorrection))
     _one_of(config, "importance_sampling_level", RATIO_LEVELS)
     _at_least(config, "num_iterations", 1)
     if not 0 < config.top_entropy_quantile <= 1:
@@ -115,6 +117,11 @@ def check_settings(config: Config) -> None:
                 f"--sync-ref-model with --trainer-ranks {config.trainer_ranks} --trainer-shard fsdp: the policy is "
                 "sharded and the reference is not; use --trainer-shard ddp"
             )
+    if config.loss == "cispo" and config.epsilon_high is not None and config.epsilon_high < 1:
+        raise SettingsError(
+            f"--loss cispo --epsilon-high {config.epsilon_high}: cispo caps the ratio itself at --epsilon-high (not "
+            "at 1 + it), so a cap below 1 would weigh every on-policy token below 1; ScaleRL uses 5 (the default)"
+        )
     for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
         if not getattr(config, name) > 0:
             flag = "--" + name.replace("_", "-")
@@ -130,15 +137,18 @@ def check_settings(config: Config) -> None:
             "rank would rank only its own rows' entropies, so the ranks' step would not be one trainer's; "
             "train with one rank"
         )
-    if config.num_iterations > 1 and config.is_correction == "tis":
+    if config.num_iterations > 1 and config.is_correction != "none":
         raise SettingsError(
-            f"--num-iterations {config.num_iterations} with --is-correction tis: tis takes each update's ratio to "
-            "the trainer's own log-probs just before it, so the later iterations' ratios are 1 and no clip bounds "
-            "them; use --is-correction none (the ratio is then to the behaviour log-probs in every iteration)"
+            f"--num-iterations {config.num_iterations} with --is-correction {config.is_correction}: importance "
+            "weights take each update's ratio to the trainer's own log-probs just before it, so the later "
+            "iterations' ratios are 1 and no clip bounds them; use --is-correction none (the ratio is then to the "
+            "behaviour log-probs in every iteration)"
         )
     _one_of(config, "vllm_dtype", ("auto", "float32", "bfloat16", "float16"))
     if not config.is_cap >= 1:
-        raise SettingsError(f"--is-cap {config.is_cap}: a truncated importance weight's cap must be at least 1")
+        raise SettingsError(f"--is-cap {config.is_cap}: an importance weight's upper bound must be at least 1")
+    if not 0 <= config.is_min < 1:
+        raise SettingsError(f"--is-min {config.is_min}: an importance weight's lower bound must be in [0, 1)")
     if not 0 < config.vllm_gpu_memory <= 1:
         raise SettingsError(f"--vllm-gpu-memory {config.vllm_gpu_memory}: a share of the GPU's memory, in (0, 1]")
     _at_least(config, "vllm_max_model_len", 0)

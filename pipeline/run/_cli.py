@@ -15,9 +15,10 @@ import json
 import os
 import sys
 import time
+from typing import get_args
 
 from ..algorithm import CISPO_CAP, LOSSES, RATIO_LEVELS, REWARD_SCALES
-from ..config import DECODE_PATHS, ENGINES, REPORT_TO, Config, SettingsError, check_settings
+from ..config import DECODE_PATHS, ENGINES, REPORT_TO, Config, IsCorrection, SettingsError, check_settings
 from ..models import PRESETS, ModelError, vllm_missing
 from ..tasks import BUILTINS, DataError, HFTask, RewardError, resolve, task_class
 from ._placement import ROLES
@@ -144,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--dual-clip",
         type=float,
         default=3.0,
-        help="a negative advantage's term is at most C·|A| (default 3; 0: off); TRL's two-sided delta is C",
+        help="a negative advantage's term is at most C·|A| (default 3; 0: off; not for cispo or sapo, whose terms "
+        "are bounded); TRL's two-sided delta is C for delta >= 1 + ε_high",
     )
     train.add_argument(
         "--loss",
@@ -163,12 +165,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "--is-correction",
-        choices=["none", "tis"],
+        choices=get_args(IsCorrection),
         default="none",
-        help="tis: weight each token's loss by min(π_trainer/π_behaviour, --is-cap), the trainer's log-probs "
-        "taken before the update, for an engine whose log-probs differ from the trainer's (vLLM); default none",
+        help="weight each token's loss by w = π_trainer/π_behaviour, the trainer's log-probs taken before the "
+        "update, for an engine whose log-probs differ from the trainer's (vLLM; TRL's vLLM importance sampling): "
+        "per token or per completion (exp of its summed log-ratios), truncated to [--is-min, --is-cap] or zeroed "
+        "outside them (mask); tis is token_truncate; default none",
     )
-    train.add_argument("--is-cap", type=float, default=2.0, help="tis: the most a token's weight may be (default 2)")
+    train.add_argument(
+        "--is-cap", type=float, default=2.0, help="the importance weight's upper bound C_max (default 2)"
+    )
+    train.add_argument(
+        "--is-min", type=float, default=0.0, help="the importance weight's lower bound C_min (default 0: none)"
+    )
     train.add_argument(
         "--mask-truncated", action="store_true", help="completions that hit the length limit do not train"
     )
@@ -381,6 +390,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
             vllm_max_model_len=args.vllm_max_model_len,
             is_correction=args.is_correction,
             is_cap=args.is_cap,
+            is_min=args.is_min,
             checkpoint_every=args.save_every,
             eval_size=args.eval_size,
             eval_every=args.eval_every,

@@ -50,6 +50,44 @@ def test_tis_gradient_is_the_weighted_policy_gradient():
     assert torch.allclose(logps.grad, expected, atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "mode, is_min, weights, outside",
+    [
+        # token log-ratios of the trainer to the behaviour: 0.5, 0 | -0.5; bounds [is_min, 1.5]
+        ("token_truncate", 0.7, [1.5, 1.0, 0.7], 2 / 3),
+        ("token_mask", 0.0, [0.0, 1.0, math.exp(-0.5)], 1 / 3),
+        ("token_mask", 0.7, [0.0, 1.0, 0.0], 2 / 3),
+        # a completion's summed log-ratio, shared by its tokens: row 0 e^0.5 (past 1.5), row 1 e^-0.5
+        ("sequence_truncate", 0.0, [1.5, 1.5, math.exp(-0.5)], 2 / 3),
+        ("sequence_mask", 0.0, [0.0, 0.0, math.exp(-0.5)], 2 / 3),
+        ("sequence_mask", 0.7, [0.0, 0.0, 0.0], 1.0),
+    ],
+)
+def test_importance_weights_per_token_or_completion_truncated_or_masked(mode, is_min, weights, outside):
+    logps = LOGPS.clone().requires_grad_(True)
+    spec = LossSpec(kind="dapo", is_cap=1.5, is_mode=mode, is_min=is_min)
+    out = token_grpo_loss(logps, BEHAVIOUR, None, MASK, ADVANTAGES, spec)
+    # the ratio is to the trainer's own log-probs (1 in value): each term is -A times its weight
+    assert out.policy_loss == pytest.approx((-weights[0] - weights[1] + weights[2]) / 3, abs=1e-5)
+    assert out.is_weight == pytest.approx(sum(weights) / 3, abs=1e-5)
+    assert out.is_truncated == pytest.approx(outside)
+    out.loss.backward()
+    expected = torch.tensor([[-weights[0], -weights[1]], [weights[2], 0.0]]) / 3
+    assert torch.allclose(logps.grad, expected, atol=1e-6)
+
+
+def test_a_sequence_weight_past_any_float_is_bounded_not_nan():
+    # 40 tokens each 3 nats more likely to the trainer than to the sampler: e^120 overflows float32 (and bfloat16's
+    # range is float32's, its precision less): truncated to the cap, or masked, never inf x 0
+    logps = torch.zeros(2, 40, dtype=torch.bfloat16, requires_grad=True)
+    behaviour = torch.full((2, 40), -3.0, dtype=torch.bfloat16)
+    for mode, weight in (("sequence_truncate", 2.0), ("sequence_mask", 0.0)):
+        spec = LossSpec(kind="dapo", is_cap=2.0, is_mode=mode)
+        out = token_grpo_loss(logps, behaviour, None, torch.ones(2, 40), torch.tensor([1.0, -1.0]), spec)
+        assert math.isfinite(float(out.loss.detach())) and out.is_weight == pytest.approx(weight), mode
+        assert out.is_truncated == 1.0
+
+
 def test_gspo_shares_one_clipped_ratio_per_completion():
     # row 0's log-ratios 0.5 and 0 share e^0.25 = 1.284, clipped to 1.2 (A = 1); row 1's one token e^-0.5, held
     # at 0.8 (A = -1): every token's clipped term is the one taken
@@ -176,15 +214,16 @@ def test_sapo_gates_the_ratio_softly_with_a_temperature_per_advantage_sign():
     assert grad[1] == pytest.approx(-1.0) and abs(grad[0]) < rho[0], "on-policy: the policy gradient; off it, less"
 
 
-def test_trls_two_sided_delta_is_the_dual_clip():
+@pytest.mark.parametrize("delta", [1.2, 1.5, 2.5])
+def test_trls_two_sided_delta_is_the_dual_clip(delta):
     """TRL's ``delta`` (INTELLECT-2): -min(min(rho, delta) A, clip(rho) A); equal to ``dual_clip=delta`` in value
-    and gradient for every ratio and advantage sign."""
+    and gradient for every ratio and advantage sign, for any delta from 1 + eps up."""
     torch.manual_seed(0)
     behaviour = torch.randn(8, 6)
     start = behaviour + torch.randn(8, 6)  # ratios from e^-3 to e^3: below, inside and past both bounds
     advantages = torch.randn(8)
     mask = torch.ones(8, 6)
-    eps, delta = 0.2, 2.5
+    eps = 0.2
     ours = start.clone().requires_grad_(True)
     out = token_grpo_loss(ours, behaviour, None, mask, advantages, LossSpec(kind="dapo", dual_clip=delta))
     out.loss.backward()
@@ -209,6 +248,30 @@ def test_the_off_policy_mask_drops_negative_advantage_completions_that_drifted(t
     # a positive advantage is never dropped, however far its completion drifted
     flipped = token_grpo_loss(LOGPS, BEHAVIOUR, REF, MASK, -ADVANTAGES, LossSpec(kind="dapo", off_policy_mask=-1.0))
     assert flipped.off_policy_masked == pytest.approx(2 / 3), "row 0 (now A = -1, drift -0.25 > -1) only"
+
+
+@pytest.mark.parametrize("is_cap", [0.0, 10.0], ids=["ratio-to-behaviour", "importance-weights"])
+def test_the_off_policy_mask_takes_a_completions_mean_drift_from_the_behaviour_and_keeps_its_kl(is_cap):
+    # drifts log mu - log pi per token, threshold 0.5: row a (A < 0) 0.9, 0, 0 (sum 0.9, mean 0.3: kept); row b
+    # (A < 0) 0.75, 0.25 (mean 0.5, at the threshold: kept); row c (A < 0) 1, 0.5 (mean 0.75: dropped); row d
+    # (A > 0) 2, 2 (kept). Under importance weights the ratio's anchor is the trainer itself; the drift is not.
+    mask = torch.tensor([[1.0, 1, 1], [1, 1, 0], [1, 1, 0], [1, 1, 0]])
+    drift = torch.tensor([[0.9, 0, 0], [0.75, 0.25, 0], [1.0, 0.5, 0], [2.0, 2.0, 0]])
+    logps = torch.full((4, 3), -1.0, requires_grad=True)
+    behaviour, ref = -1.0 + drift, torch.full((4, 3), -1.5)
+    advantages = torch.tensor([-1.0, -1.0, -1.0, 1.0])
+    spec = LossSpec(kind="dapo", kl_coeff=0.1, off_policy_mask=0.5, is_cap=is_cap, dual_clip=0)
+    out = token_grpo_loss(logps, behaviour, ref, mask, advantages, spec)
+    assert out.off_policy_masked == pytest.approx(2 / 9)
+    out.loss.backward()
+    kl_gradient = 0.1 * (1 - math.exp(-0.5)) / 9  # d/dlogp of beta (e^d - d - 1), d = ref - logp = -0.5
+    dropped = logps.grad[2, :2]
+    assert torch.allclose(dropped, torch.full((2,), kl_gradient), atol=1e-7), "only the KL term's gradient is left"
+    # the loss without the mask is more by row c's policy terms exactly, so rows a, b and d kept theirs; row c's
+    # terms (A = -1): the clipped 0.8 for ratios e^-1 and e^-0.5, or the weights themselves under importance weights
+    unmasked = token_grpo_loss(logps, behaviour, ref, mask, advantages, dataclasses.replace(spec, off_policy_mask=None))
+    row_c = [0.8, 0.8] if is_cap == 0 else [math.exp(-1.0), math.exp(-0.5)]
+    assert float(unmasked.loss.detach() - out.loss.detach()) == pytest.approx(sum(row_c) / 9, abs=1e-6)
 
 
 def test_the_bias_corrected_kl_is_weighted_by_the_ratio_with_its_gradient():
@@ -312,9 +375,10 @@ def _gradient(net: torch.nn.Module) -> torch.Tensor:
         {"loss": "dapo", "importance_sampling_level": "sequence"},
         {"loss": "cispo", "epsilon_high": 1.05},
         {"loss": "sapo", "sapo_temperature_neg": 2.0},
+        {"loss": "dapo", "is_correction": "sequence_mask", "is_cap": 1.2, "is_min": 0.8},
         {"loss": "dapo", "off_policy_mask_threshold": 0.02, "use_bias_correction_kl": True},
     ],
-    ids=["grpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo", "off-policy-mask-and-bias-corrected-kl"],
+    ids=["grpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo", "sequence-mask", "off-policy-mask-and-bias-corrected-kl"],
 )
 def test_micro_batches_accumulate_the_whole_batchs_gradient(settings):
     task, net, batch, rewards, ref = _task(**settings, micro_batch=5, mask_truncated=True)
@@ -338,6 +402,8 @@ def test_micro_batches_accumulate_the_whole_batchs_gradient(settings):
         assert getattr(total, name) == pytest.approx(getattr(whole, name), abs=1e-6), name
     if "off_policy_mask_threshold" in settings:
         assert 0 < whole.off_policy_masked < 1, "the drift puts some completions past the threshold, not all"
+    if "is_correction" in settings:
+        assert 0 < whole.is_truncated < 1, "some completions' weights fall outside the bounds, not all"
     if settings["loss"] == "cispo":
         assert 0 < whole.clip_fraction < 1, "some ratios pass the cap"
 
@@ -492,3 +558,44 @@ def test_one_process_training_without_a_kl_term_builds_no_reference(monkeypatch)
     monkeypatch.setattr(Learner, "reference", no_reference)
     result = train_one_process(Config(task="bandit", steps=20, kl_coeff=0.0))
     assert result.steps == 20
+
+
+def test_every_loss_flag_reaches_the_loss_spec():
+    """What the CLI and config say is what the loss computes: each field of the spec from its setting."""
+    from pipeline.tasks import loss_spec
+
+    config = Config(
+        loss="cispo",
+        epsilon_high=3.0,
+        off_policy_mask_threshold=0.3,
+        use_bias_correction_kl=True,
+        sapo_temperature_pos=2.0,
+        sapo_temperature_neg=3.0,
+        is_correction="sequence_mask",
+        is_cap=4.0,
+        is_min=0.5,
+        importance_sampling_level="sequence",
+        top_entropy_quantile=0.5,
+        dual_clip=5.0,
+        kl_coeff=0.07,
+        clip=0.1,
+    )
+    assert loss_spec(resolve(config), 9) == LossSpec(
+        kind="cispo",
+        clip_low=0.1,
+        clip_high=3.0,
+        dual_clip=5.0,
+        kl_coeff=0.07,
+        max_length=9,
+        is_cap=4.0,
+        level="sequence",
+        top_entropy=0.5,
+        off_policy_mask=0.3,
+        kl_is_weighted=True,
+        sapo_tau_pos=2.0,
+        sapo_tau_neg=3.0,
+        is_mode="sequence_mask",
+        is_min=0.5,
+    )
+    assert loss_spec(resolve(Config(is_correction="tis")), 9).is_mode == "token_truncate"
+    assert loss_spec(resolve(Config(is_correction="none", is_cap=4.0)), 9).is_cap == 0, "no weights without one"

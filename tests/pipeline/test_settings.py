@@ -58,6 +58,13 @@ from pipeline.grpo import main, parse_args
             "--use-bias-correction-kl: --task hf has no KL term by default (β 0), so no KL term to correct",
         ),
         (["--loss", "sapo", "--sapo-temperature-neg", "0"], "--sapo-temperature-neg 0.0: the gate's temperature"),
+        (["--loss", "sapo", "--sapo-temperature-pos", "-1"], "--sapo-temperature-pos -1.0: the gate's temperature"),
+        (["--loss", "cispo", "--epsilon-high", "0.28"], "--loss cispo --epsilon-high 0.28: cispo caps the ratio"),
+        (["--is-correction", "token_mask", "--is-min", "1"], "--is-min 1.0: an importance weight's lower bound"),
+        (
+            ["--num-iterations", "2", "--is-correction", "sequence_mask"],
+            "--num-iterations 2 with --is-correction sequence_mask: importance weights take",
+        ),
         (["--off-policy-mask-threshold", "-0.1"], "--off-policy-mask-threshold -0.1: a completion's mean drift"),
         (["--top-entropy-quantile", "0"], "--top-entropy-quantile 0.0: the share of tokens trained must be in (0, 1]"),
         (["--top-entropy-quantile", "1.5"], "--top-entropy-quantile 1.5: the share of tokens trained must be in"),
@@ -67,7 +74,7 @@ from pipeline.grpo import main, parse_args
         ),
         (
             ["--num-iterations", "2", "--is-correction", "tis"],
-            "--num-iterations 2 with --is-correction tis: tis takes each update's ratio",
+            "--num-iterations 2 with --is-correction tis: importance weights take each update's ratio",
         ),
         (["--decode", "static", "--engine", "hf"], "--decode static picks how the built-in sampler decodes"),
         (["--trainer-ranks", "9", "--prompts", "2", "--group", "4"], "--trainer-ranks 9: a rollout has 8 rows"),
