@@ -4,7 +4,7 @@ The built-in transformer's :func:`pipeline.models.generate`, the Hugging Face
 engine (:class:`pipeline.models.BuiltinEngine`) and both models' teacher-forced
 log-probabilities use these, so the behaviour log-probability a generator
 records is computed exactly as the trainer computes it: under the whole
-temperature-scaled distribution, whatever top-k or top-p cut the sampler.
+temperature-scaled distribution, whatever top-k, top-p or min-p cut the sampler.
 """
 
 from __future__ import annotations
@@ -16,19 +16,23 @@ import torch
 __all__ = ["draw", "filter_logits", "token_logps"]
 
 
-def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """``logits`` with the tokens outside the top ``top_k`` and outside the smallest set of cumulative
-    probability ``top_p`` masked (``top_k`` 0 and ``top_p`` 1 are off)."""
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
+    """``logits`` with the tokens outside the top ``top_k``, outside the smallest set of cumulative probability
+    ``top_p``, and less likely than ``min_p`` times the likeliest token masked, in that order (transformers'
+    order; ``top_k`` 0, ``top_p`` 1 and ``min_p`` 0 are off)."""
     if 0 < top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, -math.inf)
-    if top_p >= 1.0:
-        return logits
-    ordered, order = logits.sort(dim=-1, descending=True)
-    probs = ordered.softmax(-1)
-    drop = probs.cumsum(-1) - probs > top_p  # keep the token that crosses top_p
-    ordered = ordered.masked_fill(drop, -math.inf)
-    return torch.full_like(logits, -math.inf).scatter(-1, order, ordered)
+    if top_p < 1.0:
+        ordered, order = logits.sort(dim=-1, descending=True)
+        probs = ordered.softmax(-1)
+        drop = probs.cumsum(-1) - probs > top_p  # keep the token that crosses top_p
+        ordered = ordered.masked_fill(drop, -math.inf)
+        logits = torch.full_like(logits, -math.inf).scatter(-1, order, ordered)
+    if min_p > 0.0:  # p >= min_p * p_max, in log space: logit >= max logit + log(min_p)
+        floor = logits.max(-1, keepdim=True).values + math.log(min_p)
+        logits = logits.masked_fill(logits < floor, -math.inf)
+    return logits
 
 
 def draw(
@@ -37,6 +41,7 @@ def draw(
     generator: torch.Generator | None = None,
     top_k: int = 0,
     top_p: float = 1.0,
+    min_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of ``step_logits`` [N, V] and the log-probability [N, V] it was drawn under.
 
@@ -49,8 +54,8 @@ def draw(
         return logp.argmax(-1), logp
     scaled = step_logits / temperature if temperature != 1 else step_logits
     logp = scaled.log_softmax(-1)
-    cut = top_k > 0 or top_p < 1.0
-    nucleus = filter_logits(scaled, top_k, top_p).log_softmax(-1) if cut else logp
+    cut = top_k > 0 or top_p < 1.0 or min_p > 0.0
+    nucleus = filter_logits(scaled, top_k, top_p, min_p).log_softmax(-1) if cut else logp
     return torch.multinomial(nucleus.exp(), 1, generator=generator).squeeze(-1), logp
 
 

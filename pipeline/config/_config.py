@@ -87,6 +87,7 @@ class Config:
     reward_timeout: float = 60.0  # hf: the most seconds one reward function may take on one batch
     log_completions: int = 0  # hf: held-out (prompt, completion, rewards) rows appended per evaluation
     top_k: int = 0  # 0: off
+    min_p: float = 0.0  # sample only tokens at least this share of the likeliest one's probability (0: off)
     report_to: ReportTo = "tensorboard"  # tensorboard | wandb | none: where metric rows go besides metrics.jsonl
     engine: EngineKind = "builtin"  # the generators' sampler: builtin | hf (transformers' generate) | vllm
     decode: DecodePath = "auto"  # builtin: auto | dynamic | static | graphs (pipeline.models.DecoderChoice)

@@ -122,6 +122,8 @@ def check_settings(config: Config) -> None:
             f"--loss cispo --epsilon-high {config.epsilon_high}: cispo caps the ratio itself at --epsilon-high (not "
             "at 1 + it), so a cap below 1 would weigh every on-policy token below 1; ScaleRL uses 5 (the default)"
         )
+    if not 0 <= config.min_p < 1:
+        raise SettingsError(f"--min-p {config.min_p}: a share of the likeliest token's probability, in [0, 1)")
     for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
         if not getattr(config, name) > 0:
             flag = "--" + name.replace("_", "-")

@@ -20,6 +20,7 @@ class VLLMOptions:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int = 0
     dtype: str = "float32"
     max_model_len: int | None = None
@@ -55,6 +56,7 @@ def build_engine(
             temperature=options.temperature,
             top_k=options.top_k,
             top_p=options.top_p,
+            min_p=options.min_p,
             seed=options.seed,
             dtype=options.dtype,
             max_model_len=options.max_model_len,

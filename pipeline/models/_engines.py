@@ -43,12 +43,13 @@ __all__ = [
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample: ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1 are off."""
+    """How to sample: ``temperature`` 0 is greedy; ``top_k`` 0, ``top_p`` 1 and ``min_p`` 0 are off."""
 
     max_new_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     samples: int = 1  # completions per prompt
 
 
@@ -158,7 +159,7 @@ class BuiltinEngine:
         done = torch.zeros(count, dtype=torch.bool, device=device)
         tokens, logps, masks, ended = [], [], [], []
         for step in range(params.max_new_tokens):
-            token, logp = draw(step_logits, params.temperature, generator, params.top_k, params.top_p)
+            token, logp = draw(step_logits, params.temperature, generator, params.top_k, params.top_p, params.min_p)
             token = token.masked_fill(done, self.pad)
             tokens.append(token)
             logps.append(logp.gather(-1, token.unsqueeze(-1)).squeeze(-1).masked_fill(done, 0.0))
@@ -206,6 +207,7 @@ class GenerateEngine(BuiltinEngine):
                 "temperature": params.temperature,
                 "top_k": params.top_k,
                 "top_p": params.top_p,
+                "min_p": params.min_p or None,  # None: no processor (0 would add one that keeps everything)
             }
         seed = None
         if generator is not None:  # drawn where the generator lives (a CUDA generator on a GPU)

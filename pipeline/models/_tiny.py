@@ -135,11 +135,13 @@ def generate(
     generator: torch.Generator | None = None,
     temperature: float = 1.0,
     top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
 ) -> Generation:
     """``samples`` completions of each prompt (prompts [B, P], all of one length), batched.
 
     ``temperature`` 0 is greedy. Tokens are drawn from the temperature-scaled
-    distribution cut to its top-p nucleus, but the behaviour log-probability
+    distribution cut by top-k, top-p and min-p, but the behaviour log-probability
     recorded for each is under the whole temperature-scaled distribution:
     the one :func:`completion_logps` computes, so the trainer's ratio is 1
     for the policy that sampled, whatever ``top_p`` (the nucleus is part of
@@ -156,7 +158,7 @@ def generate(
     out_tokens, out_logps, out_mask = [], [], []
     position = tokens.shape[1]
     for _ in range(max_new_tokens):
-        token, logp = draw(step_logits, temperature, generator, top_p=top_p)
+        token, logp = draw(step_logits, temperature, generator, top_k, top_p, min_p)
         token = token.masked_fill(done, pad)
         out_tokens.append(token)
         out_logps.append(logp.gather(-1, token.unsqueeze(-1)).squeeze(-1).masked_fill(done, 0.0))

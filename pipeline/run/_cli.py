@@ -61,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     task.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: off)")
     task.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default 0: off)")
     task.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        help="sample only tokens at least this share of the likeliest one's probability (default 0: off)",
+    )
+    task.add_argument(
         "--engine",
         choices=ENGINES,
         default="builtin",
@@ -373,6 +379,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
             temperature=args.temperature,
             top_p=args.top_p,
             top_k=args.top_k,
+            min_p=args.min_p,
             dataset=args.dataset,
             dataset_split=args.dataset_split,
             dataset_config=args.dataset_config,

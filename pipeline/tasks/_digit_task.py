@@ -85,6 +85,8 @@ class DigitsTask(Task):
             generator=generator,
             temperature=config.temperature,
             top_p=config.top_p,
+            top_k=config.top_k,
+            min_p=config.min_p,
         )
         return TokenBatch(prompts, out.tokens, out.logps, out.mask, config.group)
 

@@ -134,6 +134,7 @@ class HFTask(Task):
             temperature=0.0 if greedy else config.temperature,
             top_p=config.top_p,
             top_k=config.top_k,
+            min_p=config.min_p,
             samples=samples,
         )
 
@@ -144,6 +145,7 @@ class HFTask(Task):
             temperature=config.temperature,
             top_k=config.top_k,
             top_p=config.top_p,
+            min_p=config.min_p,
             seed=config.seed,
             dtype=config.vllm_dtype,
             max_model_len=config.vllm_max_model_len or None,

@@ -487,11 +487,19 @@ def test_truncated_means_no_eos_within_the_limit():
     assert DigitsTask.truncated(batch).tolist() == [False, True, False]
 
 
-@pytest.mark.parametrize("top_p", [0.3, 0.7, 0.9, 1.0])
-@pytest.mark.parametrize("temperature", [0.7, 1.0])
-def test_the_ratio_is_one_at_lag_zero_whatever_the_sampling(top_p, temperature):
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        *({"top_p": top_p, "temperature": temperature} for top_p in (0.3, 0.7, 0.9, 1.0) for temperature in (0.7, 1.0)),
+        {"top_k": 3, "temperature": 0.7},
+        {"min_p": 0.2, "temperature": 0.7},
+        {"top_k": 4, "top_p": 0.9, "min_p": 0.1, "temperature": 1.0},
+    ],
+)
+def test_the_ratio_is_one_at_lag_zero_whatever_the_sampling(sampling):
     """The generator's behaviour log-probs are the trainer's log-probs of the same policy."""
-    task = DigitsTask(resolve(Config(digits=4, prompts=16, group=8, top_p=top_p, temperature=temperature)))
+    temperature = sampling["temperature"]
+    task = DigitsTask(resolve(Config(digits=4, prompts=16, group=8, **sampling)))
     torch.manual_seed(1)
     net = task.build_policy().eval()
     with torch.no_grad():

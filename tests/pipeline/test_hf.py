@@ -55,14 +55,16 @@ ENGINES = [BuiltinEngine, GenerateEngine]  # --engine builtin, --engine hf (vLLM
 
 
 @pytest.mark.parametrize("engine_class", ENGINES)
-@pytest.mark.parametrize("temperature, top_p, top_k", [(1.0, 1.0, 0), (0.7, 0.8, 0), (1.3, 0.5, 5)])
+@pytest.mark.parametrize(
+    "temperature, top_p, top_k, min_p", [(1.0, 1.0, 0, 0.0), (0.7, 0.8, 0, 0.0), (1.3, 0.5, 5, 0.0), (0.8, 1.0, 0, 0.1)]
+)
 def test_behaviour_logps_equal_the_trainers_at_lag_0_across_mixed_prompt_lengths(
-    model_and_tokenizer, temperature, top_p, top_k, engine_class
+    model_and_tokenizer, temperature, top_p, top_k, min_p, engine_class
 ):
     model, tokenizer = model_and_tokenizer
     prompts = [tokenizer(text)["input_ids"] for text in ("reverse:1234=", "ab=", "reverse:98765432=", "x")]
     engine = engine_class(model, tokenizer)
-    params = SamplingParams(max_new_tokens=8, temperature=temperature, top_p=top_p, top_k=top_k, samples=3)
+    params = SamplingParams(8, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, samples=3)
     out = engine.generate(prompts, params, torch.Generator().manual_seed(0))
     assert out.tokens.shape[0] == 12 and out.prompt_mask.shape == (12, 17)
     assert [int(out.prompt_mask[row].sum()) for row in (0, 3, 6, 9)] == [13, 3, 17, 1]  # left padding

@@ -32,6 +32,7 @@ from pipeline.grpo import main, parse_args
         (["--generators", "0"], "--generators 0: must be at least 1"),
         (["--resume", "no/such/run"], "--resume no/such/run: no such folder"),
         (["--top-k", "-1"], "--top-k -1: must be at least 0"),
+        (["--min-p", "1"], "--min-p 1.0: a share of the likeliest token's probability, in [0, 1)"),
         (["--reward-timeout", "0"], "--reward-timeout 0.0: a reward function needs some time (above 0)"),
         (["--eval-fraction", "1"], "--eval-fraction 1.0: the held-out share must be in (0, 1)"),
         (["--max-tokens-per-pass", "-1"], "--max-tokens-per-pass -1: must be at least 0"),

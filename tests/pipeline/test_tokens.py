@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pipeline import Config, DigitsTask, resolve, train_one_process
-from pipeline.algorithm import filter_logits
+from pipeline.algorithm import draw, filter_logits
 from pipeline.models import ModelConfig, TinyTransformer, completion_logps, generate
 from pipeline.tasks import BOS, EOS, PAD, PLUS, SEP, DigitProblem, verify
 
@@ -72,6 +72,33 @@ def test_greedy_decoding_is_deterministic_and_top_p_keeps_the_smallest_sufficien
     assert torch.isinf(filter_logits(logits, top_p=0.4)).tolist() == [[False, True, True]]
     assert torch.isinf(filter_logits(logits, top_p=0.7)).tolist() == [[False, False, True]]
     assert not torch.isinf(filter_logits(logits, top_p=1.0)).any()
+
+
+def test_min_p_keeps_the_tokens_within_its_share_of_the_likeliest_and_draws_only_them():
+    logits = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.2)]])
+    assert torch.isinf(filter_logits(logits, min_p=0.5)).tolist() == [[False, False, True]]  # 0.2 < 0.25
+    assert torch.isinf(filter_logits(logits, min_p=0.7)).tolist() == [[False, True, True]]  # 0.3 < 0.35
+    assert torch.isinf(filter_logits(logits, top_k=2, min_p=0.1)).tolist() == [[False, False, True]]
+    assert not torch.isinf(filter_logits(logits, min_p=0.0)).any()
+    step = 3 * torch.randn(256, 16, generator=torch.Generator().manual_seed(0))
+    token, logp = draw(step, 0.7, torch.Generator().manual_seed(1), min_p=0.3)
+    chosen = logp.gather(-1, token.unsqueeze(-1)).squeeze(-1)
+    assert (chosen >= logp.max(-1).values + math.log(0.3) - 1e-6).all(), "only tokens within min_p of the likeliest"
+    assert torch.allclose(logp, (step / 0.7).log_softmax(-1)), "the recorded distribution is the policy's, uncut"
+    assert (chosen < logp.max(-1).values - 1e-3).any(), "not greedy: other kept tokens are drawn too"
+
+
+@pytest.mark.parametrize("cut", [{"top_k": 1}, {"min_p": 0.999}])
+def test_the_digit_tasks_sample_with_top_k_and_min_p(cut):
+    """Either cut to the likeliest token makes sampling greedy: every sample of a prompt is the same."""
+    task = DigitsTask(resolve(Config(digits=3, prompts=8, group=4, eval_size=16, **cut)))
+    torch.manual_seed(0)
+    batch = task.sample(task.build_policy(), torch.Generator().manual_seed(0))
+    rows = batch.tokens.view(8, 4, -1)
+    assert (rows == rows[:, :1]).all()
+    uncut = DigitsTask(resolve(Config(digits=3, prompts=8, group=4, eval_size=16)))
+    free = uncut.sample(uncut.build_policy(), torch.Generator().manual_seed(0)).tokens.view(8, 4, -1)
+    assert (free != free[:, :1]).any(), "without a cut the samples of a prompt differ"
 
 
 def test_generation_refuses_to_run_past_the_model_length():

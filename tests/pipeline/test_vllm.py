@@ -64,6 +64,8 @@ def test_vllm_reports_the_trainers_log_probs_where_it_can():
     assert logprobs_mode(0.7, 0, 1.0) == "processed_logprobs"  # temperature applied, nothing filtered
     assert logprobs_mode(1.0, 5, 0.9) == "raw_logprobs"  # filtered, but the raw distribution is the trainer's
     assert logprobs_mode(0.7, 5, 1.0) == "processed_logprobs"  # only the filtered one is on offer
+    assert logprobs_mode(1.0, 0, 1.0, 0.1) == "raw_logprobs"  # min-p filters as top-k and top-p do
+    assert logprobs_mode(0.7, 0, 1.0, 0.1) == "processed_logprobs"
 
 
 def test_an_engine_for_a_built_in_task_is_refused_in_one_line():
