@@ -174,17 +174,18 @@ class TokenLoss:
 def _importance_weights(gap: torch.Tensor, real: torch.Tensor, spec: LossSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's weight [N, T] from ``gap`` = log pi_old - log mu (0 where masked), and the tokens outside the
     bounds: per token or, at sequence level, the completion's summed log-ratio shared by its tokens."""
+    dtype, gap = gap.dtype, gap.float()  # a completion's sum in float32, whatever the log-probs' type
     if spec.is_mode.startswith("sequence"):
         gap = torch.where(real, gap.sum(1, keepdim=True).expand_as(gap), torch.zeros_like(gap))
     elif not spec.is_mode.startswith("token"):
         raise ValueError(f"unknown importance weights {spec.is_mode!r}; choose one of {', '.join(IS_MODES)}")
-    weight = gap.float().exp()  # float32: a sequence's summed log-ratio may overflow a narrower type's exp
+    weight = gap.exp()  # may be inf (a long completion's sum): then outside the bounds, truncated or masked
     outside = real & ((weight > spec.is_cap) | (weight < spec.is_min))
     if spec.is_mode.endswith("mask"):
         weight = torch.where(outside, torch.zeros_like(weight), weight)
     else:
         weight = weight.clamp(spec.is_min, spec.is_cap)
-    return torch.where(real, weight, torch.ones_like(weight)).to(gap.dtype), outside
+    return torch.where(real, weight, torch.ones_like(weight)).to(dtype), outside
 
 
 def token_grpo_loss(

@@ -12,6 +12,7 @@ __all__ = [
     "DECODE_PATHS",
     "ENGINES",
     "REPORT_TO",
+    "Aggregation",
     "Config",
     "DecodePath",
     "EngineKind",
@@ -62,6 +63,8 @@ DECODE_PATHS: tuple[str, ...] = ("auto", "dynamic", "static", "graphs")
 
 
 #: How the loss corrects for a behaviour policy that is not the trainer's (pipeline.algorithm).
+#: Several reward functions: sum them, then normalise (GRPO), or normalise each within its group, then sum (GDPO).
+Aggregation = Literal["sum_then_normalize", "normalize_then_sum"]
 #: ``tis`` is ``token_truncate`` (truncated importance sampling), kept under the name it had first.
 IsCorrection = Literal["none", "tis", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 
@@ -114,7 +117,8 @@ class Config:
     kl_coeff: float | None = None
     max_inflight: int = 2  # rollouts a generator may have ahead of the trainer
     loss: LossKind = "dapo"  # grpo | dr_grpo | dapo | cispo | sapo: the policy term, its average (pipeline.algorithm)
-    scale_rewards: RewardScale | None = None  # group | batch | none; None: none for dr_grpo, else group
+    scale_rewards: RewardScale | None = None  # group | batch | none; None: none for dr_grpo, else group (batch: GDPO)
+    multi_objective_aggregation: Aggregation = "sum_then_normalize"  # hf: normalize_then_sum is GDPO
     epsilon_high: float | None = None  # the clip's upper bound (clip-higher); None: ``clip`` (cispo: the cap, 5)
     dual_clip: float = 3.0  # a negative advantage's term is at most C |A| (0: off)
     mask_truncated: bool = False  # completions that hit the length limit do not train

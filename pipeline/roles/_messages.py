@@ -70,6 +70,7 @@ class ScoredRollout:
     ref_logps: torch.Tensor | None = None
     ref_queue: int = 0  # reference model's backlog when it forwarded this
     reward_components: dict[str, float] = field(default_factory=dict)  # each reward function's mean
+    reward_total: torch.Tensor | None = None  # the weighted sum of the rewards, where ``rewards`` is not it (GDPO)
 
 
 @dataclass

@@ -40,8 +40,16 @@ class Scorer(Actor):
             scores = await self.score(rollout)
             accuracy = None if scores.accuracy is None else scores.accuracy.cpu()
             components = scores.components or {}
+            total = None if scores.total is None else scores.total.cpu()
             out.send(
-                ScoredRollout(rollout, scores.rewards.cpu(), accuracy, self.inbox.qsize(), reward_components=components)
+                ScoredRollout(
+                    rollout,
+                    scores.rewards.cpu(),
+                    accuracy,
+                    self.inbox.qsize(),
+                    reward_components=components,
+                    reward_total=total,
+                )
             )
             count += 1
         out.send(None)

@@ -416,6 +416,7 @@ class Trainer(Actor):
         started: float,
     ) -> StepReport:
         rollout, loss = item.rollout, update.report
+        shown = item.rewards if item.reward_total is None else item.reward_total  # the rewards, not GDPO's signal
         return StepReport(
             step=self.step,
             time=time.perf_counter() - started,
@@ -423,8 +424,8 @@ class Trainer(Actor):
             generator=rollout.generator,
             staleness=lag,
             dropped_stale=self.dropped,
-            reward_mean=float(item.rewards.mean()),
-            reward_std=float(item.rewards.std(unbiased=False)),
+            reward_mean=float(shown.mean()),
+            reward_std=float(shown.std(unbiased=False)),
             accuracy=None if item.accuracy is None else float(item.accuracy.mean()),
             evaluation=evaluation,
             score=self.score,

@@ -18,7 +18,16 @@ import time
 from typing import get_args
 
 from ..algorithm import CISPO_CAP, LOSSES, RATIO_LEVELS, REWARD_SCALES
-from ..config import DECODE_PATHS, ENGINES, REPORT_TO, Config, IsCorrection, SettingsError, check_settings
+from ..config import (
+    DECODE_PATHS,
+    ENGINES,
+    REPORT_TO,
+    Aggregation,
+    Config,
+    IsCorrection,
+    SettingsError,
+    check_settings,
+)
 from ..models import PRESETS, ModelError, vllm_missing
 from ..tasks import BUILTINS, DataError, HFTask, RewardError, resolve, task_class
 from ._placement import ROLES
@@ -110,6 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SPEC",
         help=f"a reward function in TRL's signature: module:function, path/to/file.py:function, or "
         f"{', '.join(BUILTINS)}; optional =WEIGHT; repeat for several",
+    )
+    data.add_argument(
+        "--multi-objective-aggregation",
+        choices=get_args(Aggregation),
+        default="sum_then_normalize",
+        help="several --reward functions: sum them, then normalise (default), or normalise each within its group, "
+        "then sum and normalise over the batch (normalize_then_sum: GDPO)",
     )
     data.add_argument(
         "--reward-timeout", type=float, default=60.0, help="seconds one reward function may take per batch (default 60)"
@@ -410,6 +426,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
             dual_clip=args.dual_clip,
             loss=args.loss,
             scale_rewards=args.scale_rewards,
+            multi_objective_aggregation=args.multi_objective_aggregation,
             mask_truncated=args.mask_truncated,
             importance_sampling_level=args.importance_sampling_level,
             num_iterations=args.num_iterations,

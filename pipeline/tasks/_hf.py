@@ -192,7 +192,11 @@ class HFTask(Task):
             [data.completion(text) for text in samples.texts],
             data.columns_of(rows),
         )
-        return Scores(self.rewards.combine(per_function), None, self.rewards.means(per_function))
+        total = self.rewards.combine(per_function)
+        if self.config.multi_objective_aggregation == "normalize_then_sum":  # GDPO: the advantages' signal differs
+            signal = self.rewards.combine_decoupled(per_function, samples.group)
+            return Scores(signal, None, self.rewards.means(per_function), total)
+        return Scores(total, None, self.rewards.means(per_function))
 
     def score(self, scorer: Any, samples: HFBatch) -> Scores:
         return asyncio.run(self.score_async(scorer, samples))

@@ -46,9 +46,10 @@ __all__ = [
 class Scores:
     """The verifier's verdict on one rollout's samples: a reward each, and exact correctness if it has one."""
 
-    rewards: torch.Tensor  # [N]
+    rewards: torch.Tensor  # [N]: what the advantages come from
     accuracy: torch.Tensor | None = None  # [N] in {0, 1}
     components: dict[str, float] | None = None  # each reward function's mean, logged as reward/<name>
+    total: torch.Tensor | None = None  # [N] the weighted sum logged as reward/mean, where ``rewards`` is not it
 
 
 @dataclass
@@ -66,8 +67,8 @@ class LossReport:
     entropy: float = 0.0
     dual_clip_fraction: float = 0.0
     logp_diff: float = 0.0  # mean |log π_trainer - log π_behaviour| before the update
-    is_weight: float = 1.0  # --is-correction tis: the mean token weight
-    is_truncated: float = 0.0  # --is-correction tis: tokens whose weight hit --is-cap
+    is_weight: float = 1.0  # --is-correction: the mean token weight
+    is_truncated: float = 0.0  # --is-correction: tokens whose weight was outside [--is-min, --is-cap]
     off_policy_masked: float = 0.0  # --off-policy-mask-threshold: tokens taken out of the policy term
 
     @classmethod

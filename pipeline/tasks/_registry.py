@@ -49,7 +49,8 @@ def resolve(config: Config) -> Config:
     The clip's upper bound defaults to the lower one, or for ``cispo``, where
     it caps the ratio itself, to 5 (ScaleRL's value; TRL takes the clip's,
     which would weigh every on-policy token 0.2); the reward scaling to none
-    for ``dr_grpo`` (the paper drops the std) and to the group's std otherwise.
+    for ``dr_grpo`` (the paper drops the std), to the batch's for GDPO
+    (``normalize_then_sum``) and to the group's std otherwise.
     """
     defaults = task_class(config.task).defaults
     changes: dict[str, Any] = {
@@ -58,5 +59,8 @@ def resolve(config: Config) -> Config:
     if config.epsilon_high is None:
         changes["epsilon_high"] = CISPO_CAP if config.loss == "cispo" else changes.get("clip", config.clip)
     if config.scale_rewards is None:
-        changes["scale_rewards"] = "none" if config.loss == "dr_grpo" else "group"
+        if config.multi_objective_aggregation == "normalize_then_sum":
+            changes["scale_rewards"] = "batch"  # GDPO: the decoupled sum is normalised over the batch
+        else:
+            changes["scale_rewards"] = "none" if config.loss == "dr_grpo" else "group"
     return dataclasses.replace(config, **changes) if changes else config

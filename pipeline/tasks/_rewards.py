@@ -253,6 +253,19 @@ class RewardSet:
         """[N] weighted sums over functions, a None (NaN) counting as nothing."""
         return (per_function * self.weights.unsqueeze(1)).nansum(0)
 
+    def combine_decoupled(self, per_function: torch.Tensor, group: int, eps: float = 1e-6) -> torch.Tensor:
+        """[N] weighted sums of each function's rewards normalised within its group first (GDPO): a function whose
+        rewards vary little is not drowned by one that varies much. A None (NaN) is left out of its group's mean and
+        std and counts as nothing in the sum."""
+        grouped = per_function.view(per_function.shape[0], -1, group)
+        present = ~grouped.isnan()
+        count = present.sum(2, keepdim=True).clamp_min(1)
+        mean = grouped.nansum(2, keepdim=True) / count
+        centred = torch.where(present, grouped - mean, torch.zeros_like(grouped))
+        std = (centred.square().sum(2, keepdim=True) / count).sqrt()  # the population std, as group_advantages
+        normalised = torch.where(present, centred / (std + eps), torch.full_like(grouped, math.nan))
+        return self.combine(normalised.view_as(per_function))
+
     def means(self, per_function: torch.Tensor) -> dict[str, float]:
         """Each function's mean over the completions it applied to (NaN if none)."""
         out = {}

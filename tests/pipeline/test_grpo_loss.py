@@ -59,6 +59,7 @@ def test_tis_gradient_is_the_weighted_policy_gradient():
         ("token_mask", 0.7, [0.0, 1.0, 0.0], 2 / 3),
         # a completion's summed log-ratio, shared by its tokens: row 0 e^0.5 (past 1.5), row 1 e^-0.5
         ("sequence_truncate", 0.0, [1.5, 1.5, math.exp(-0.5)], 2 / 3),
+        ("sequence_truncate", 0.7, [1.5, 1.5, 0.7], 1.0),
         ("sequence_mask", 0.0, [0.0, 0.0, math.exp(-0.5)], 2 / 3),
         ("sequence_mask", 0.7, [0.0, 0.0, 0.0], 1.0),
     ],
@@ -398,7 +399,7 @@ def test_micro_batches_accumulate_the_whole_batchs_gradient(settings):
     assert total is not None
     torch.testing.assert_close(_gradient(net), expected, atol=1e-6, rtol=0)
     assert float(total.loss) == pytest.approx(float(whole.loss.detach()), abs=1e-6)
-    for name in ("policy_loss", "kl", "clip_fraction", "entropy", "off_policy_masked"):
+    for name in ("policy_loss", "kl", "clip_fraction", "entropy", "off_policy_masked", "is_weight", "is_truncated"):
         assert getattr(total, name) == pytest.approx(getattr(whole, name), abs=1e-6), name
     if "off_policy_mask_threshold" in settings:
         assert 0 < whole.off_policy_masked < 1, "the drift puts some completions past the threshold, not all"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import math
 import os
 
 import pytest
@@ -72,6 +73,40 @@ def test_behaviour_logps_equal_the_trainers_at_lag_0_across_mixed_prompt_lengths
         logps, _ = causal_logps(model, out.tokens, out.prompt_mask, temperature)
     gap = ((logps - out.logps) * out.mask).abs().max().item()
     assert gap < 1e-4, gap
+
+
+@pytest.mark.parametrize("engine_class", ENGINES)
+def test_min_p_and_top_k_reach_each_engines_sampler(model_and_tokenizer, engine_class):
+    """A cut to the likeliest token makes sampling greedy: every sample of a prompt is then the same."""
+    model, tokenizer = model_and_tokenizer
+    engine = engine_class(model, tokenizer)
+    prompts = [tokenizer(text)["input_ids"] for text in ("reverse:1234=", "ab=")]
+    for cut in ({"min_p": 0.999}, {"top_k": 1}):
+        out = engine.generate(prompts, SamplingParams(6, samples=4, **cut), torch.Generator().manual_seed(0))
+        rows = out.tokens.view(2, 4, -1)
+        assert (rows == rows[:, :1]).all(), cut
+    free = engine.generate(prompts, SamplingParams(6, samples=4), torch.Generator().manual_seed(0))
+    rows = free.tokens.view(2, 4, -1)
+    assert (rows != rows[:, :1]).any(), "without a cut the samples of a prompt differ"
+
+
+def test_the_cuts_keep_what_transformers_warpers_keep_in_their_order():
+    """top-k, then top-p, then min-p, as transformers' generate applies them (vLLM applies min-p first)."""
+    from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    from pipeline.algorithm import filter_logits
+
+    logits = 3 * torch.randn(500, 40, generator=torch.Generator().manual_seed(0))
+    for top_k, top_p, min_p in ((0, 0.8, 0.2), (10, 0.95, 0.05), (5, 1.0, 0.3), (0, 0.5, 0.0)):
+        theirs = logits
+        if top_k:
+            theirs = TopKLogitsWarper(top_k)(None, theirs)
+        if top_p < 1:
+            theirs = TopPLogitsWarper(top_p)(None, theirs)
+        if min_p:
+            theirs = MinPLogitsWarper(min_p)(None, theirs)
+        ours = filter_logits(logits, top_k, top_p, min_p)
+        assert torch.equal(torch.isinf(ours), torch.isinf(theirs)), (top_k, top_p, min_p)
 
 
 @pytest.mark.parametrize("engine_class", ENGINES)
@@ -143,6 +178,19 @@ def test_rewards_combine_with_weights_and_skip_none(tmp_path):
     per = asyncio.run(rewards.score(["p", "q"], ["a", "b"], {"answer": ["x", None]}))
     assert torch.isnan(per[1, 1]) and rewards.combine(per).tolist() == [2.0, 1.0]
     assert rewards.means(per) == {"slow_half": 0.5, "sometimes": 1.0}
+
+
+def test_gdpo_normalises_each_reward_within_its_group_before_the_weighted_sum(tmp_path):
+    zero = "(prompts, completions, **kw):\n    return [0.0] * len(completions)\n"
+    path = _reward_file(tmp_path, f"def r{zero}def s{zero}")
+    rewards = RewardSet([f"{path}:r=2", f"{path}:s"])
+    # two functions x two groups of 3; function 0 varies a lot, function 1 a little; a None in group 2 of function 1
+    per = torch.tensor([[0.0, 10.0, 20.0, 5.0, 5.0, 5.0], [0.0, 0.1, 0.2, 1.0, float("nan"), 0.0]])
+    z = 1 / math.sqrt(2 / 3)  # (x - mean) / population std of 0, 1, 2
+    expected = [2 * -z - z, 0.0, 2 * z + z, 2 * 0 + 1, 0.0, 2 * 0 - 1]  # group 2: function 0 constant, function 1 +-1
+    assert rewards.combine_decoupled(per, 3).tolist() == pytest.approx(expected, abs=1e-4)
+    plain = rewards.combine(per)
+    assert plain.tolist() == pytest.approx([0.0, 20.1, 40.2, 11.0, 10.0, 10.0]), "summed first, function 0 decides"
 
 
 @pytest.mark.parametrize(
@@ -299,13 +347,19 @@ def _config(tiny, run_dir, **changes) -> Config:  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize("ranks", [1, 2], ids=["one-trainer", "two-sharded-ranks"])
 async def test_a_hf_model_trains_in_the_pipeline_and_saves_what_transformers_loads(tmp_path, tiny, sockets_dir, ranks):
-    """Also on two FSDP2 ranks: the generator gets whole weights, evaluation and the export see the whole policy."""
+    """Also on two FSDP2 ranks: the generator gets whole weights, evaluation and the export see the whole policy.
+    The two-rank run combines its rewards as GDPO does; either way reward/mean is the rewards' weighted sum."""
     import transformers
 
-    result = await run_pipeline(_config(tiny, tmp_path, kl_coeff=0.02, trainer_ranks=ranks), quiet=True)
+    aggregation = "normalize_then_sum" if ranks == 2 else "sum_then_normalize"
+    config = _config(tiny, tmp_path, kl_coeff=0.02, trainer_ranks=ranks, multi_objective_aggregation=aggregation)
+    result = await run_pipeline(config, quiet=True)
     assert result.steps == 6 and set(result.evaluation) == {"reward", "reward/reversed_digits", "reward/exact_match"}
     rows = read_rows(str(tmp_path))
     assert all("reward/reversed_digits" in row and "reward/exact_match" in row for row in rows)
+    for row in rows:  # weights 1 and 0.5 (GDPO trains on its normalised sum, but logs the rewards themselves)
+        total = row["reward/reversed_digits"] + 0.5 * row["reward/exact_match"]
+        assert row["reward/mean"] == pytest.approx(total, abs=1e-5), row
     logged = [json.loads(line) for line in open(tmp_path / "completions.jsonl")]
     assert len(logged) == 4 and set(logged[0]["rewards"]) == {"reversed_digits", "exact_match"}, "rank 0 logs them"
     # the exported folder gives the checkpoint's logits (a sharded one's read whole by one learner)

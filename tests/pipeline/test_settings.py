@@ -33,6 +33,22 @@ from pipeline.grpo import main, parse_args
         (["--resume", "no/such/run"], "--resume no/such/run: no such folder"),
         (["--top-k", "-1"], "--top-k -1: must be at least 0"),
         (["--min-p", "1"], "--min-p 1.0: a share of the likeliest token's probability, in [0, 1)"),
+        (["--min-p", "-0.1"], "--min-p -0.1: a share of the likeliest token's probability, in [0, 1)"),
+        (
+            ["--task", "bandit", "--top-p", "0.9", "--temperature", "0.7"],
+            "--temperature, --top-p with --task bandit: the bandit draws its actions from the policy's own softmax",
+        ),
+        (
+            ["--multi-objective-aggregation", "normalize_then_sum"],
+            "--multi-objective-aggregation normalize_then_sum normalises each --reward function's rewards (--task hf)",
+        ),
+        (
+            [
+                *("--multi-objective-aggregation", "normalize_then_sum", "--scale-rewards", "group"),
+                *("--dataset", "prompts.jsonl", "--reward", "exact_match"),
+            ],
+            "--multi-objective-aggregation normalize_then_sum with --scale-rewards group: GDPO normalises",
+        ),
         (["--reward-timeout", "0"], "--reward-timeout 0.0: a reward function needs some time (above 0)"),
         (["--eval-fraction", "1"], "--eval-fraction 1.0: the held-out share must be in (0, 1)"),
         (["--max-tokens-per-pass", "-1"], "--max-tokens-per-pass -1: must be at least 0"),
@@ -142,6 +158,8 @@ def test_cispo_caps_the_ratio_at_5_unless_given_and_the_trl_flags_reach_the_conf
     assert resolved.off_policy_mask_threshold == 0.5 and resolved.use_bias_correction_kl
     given, _ = parse_args(["--loss", "cispo", "--epsilon-high", "2"])
     assert resolve(given).epsilon_high == 2.0
+    gdpo = Config(task="hf", multi_objective_aggregation="normalize_then_sum")
+    assert resolve(gdpo).scale_rewards == "batch", "GDPO normalises the decoupled sum over the batch"
 
 
 def test_new_flags_reach_the_config_and_its_resolved_defaults():

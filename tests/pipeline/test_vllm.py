@@ -68,6 +68,29 @@ def test_vllm_reports_the_trainers_log_probs_where_it_can():
     assert logprobs_mode(0.7, 0, 1.0, 0.1) == "processed_logprobs"
 
 
+def test_every_sampling_setting_reaches_vllms_request():
+    """The request vLLM gets carries the run's sampler (a stand-in records what the engine asks for)."""
+    import types
+
+    from pipeline.models import SamplingParams
+    from pipeline.models._vllm import VLLMEngine
+
+    engine = VLLMEngine.__new__(VLLMEngine)  # no engine started: only its request is under test
+    engine._vllm, engine.eos = types.SimpleNamespace(SamplingParams=lambda **kw: kw), [7]
+    params = SamplingParams(5, temperature=0.7, top_p=0.9, top_k=4, min_p=0.2, samples=3)
+    request = engine._request_params(params, seed=11)
+    assert {k: request[k] for k in ("n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "seed")} == {
+        "n": 3,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 4,
+        "min_p": 0.2,
+        "max_tokens": 5,
+        "seed": 11,
+    }
+    assert request["stop_token_ids"] == [7]
+
+
 def test_an_engine_for_a_built_in_task_is_refused_in_one_line():
     with pytest.raises(SettingsError, match="--engine vllm samples a Hugging Face model"):
         parse_args(["--engine", "vllm"])
