@@ -122,26 +122,8 @@ def check_settings(config: Config) -> None:
             f"--loss cispo --epsilon-high {config.epsilon_high}: cispo caps the ratio itself at --epsilon-high (not "
             "at 1 + it), so a cap below 1 would weigh every on-policy token below 1; ScaleRL uses 5 (the default)"
         )
-    if config.task == "bandit":
-        sampler = {
-            "--temperature": config.temperature != 1.0,
-            "--top-p": config.top_p != 1.0,
-            "--top-k": config.top_k != 0,
-            "--min-p": config.min_p != 0.0,
-        }
-        given = [flag for flag, on in sampler.items() if on]
-        if given:
-            raise SettingsError(
-                f"{', '.join(given)} with --task bandit: the bandit draws its actions from the policy's own softmax, "
-                "with no sampler to set"
-            )
     _one_of(config, "multi_objective_aggregation", ("sum_then_normalize", "normalize_then_sum"))
     if config.multi_objective_aggregation == "normalize_then_sum":
-        if config.task != "hf":
-            raise SettingsError(
-                "--multi-objective-aggregation normalize_then_sum normalises each --reward function's rewards "
-                f"(--task hf); --task {config.task} has one reward of its own"
-            )
         if config.scale_rewards not in (None, "batch"):
             raise SettingsError(
                 f"--multi-objective-aggregation normalize_then_sum with --scale-rewards {config.scale_rewards}: "

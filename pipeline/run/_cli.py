@@ -29,7 +29,7 @@ from ..config import (
     check_settings,
 )
 from ..models import PRESETS, ModelError, vllm_missing
-from ..tasks import BUILTINS, DataError, HFTask, RewardError, resolve, task_class
+from ..tasks import BUILTINS, BanditTask, DataError, HFTask, RewardError, resolve, task_class
 from ._placement import ROLES
 from ._sinks import missing_tracker
 
@@ -463,7 +463,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
             ray_hosts=args.ray_hosts,
         )
     check_settings(config)
-    check_kl_term(config)
+    check_task_settings(config)
     missing = missing_tracker(config.report_to)
     if missing is not None:
         raise SettingsError(missing)
@@ -472,8 +472,34 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     return config, args
 
 
-def check_kl_term(config: Config) -> None:
-    """Refuse a flag about the KL term in a run without one, given or the task's default (β 0)."""
+#: The sampler's settings: (flag, Config attribute, the value that sets nothing).
+SAMPLER: tuple[tuple[str, str, float], ...] = (
+    ("--temperature", "temperature", 1.0),
+    ("--top-p", "top_p", 1.0),
+    ("--top-k", "top_k", 0),
+    ("--min-p", "min_p", 0.0),
+)
+
+
+def check_task_settings(config: Config) -> None:
+    """Refuse settings the run's task cannot honour: a KL-term flag without a KL term (given, or the task's
+    default β 0), sampler flags for the bandit (no sampler), GDPO without reward functions (not an HF task)."""
+    try:
+        task = task_class(config.task)
+    except (ImportError, AttributeError, ValueError, TypeError):
+        return  # a task that cannot be found is reported, in one line, where the run builds it
+    if issubclass(task, BanditTask):
+        given = [flag for flag, attr, default in SAMPLER if getattr(config, attr) != default]
+        if given:
+            raise SettingsError(
+                f"{', '.join(given)} with --task {config.task}: the bandit draws its actions from the policy's own "
+                "softmax, with no sampler to set"
+            )
+    if config.multi_objective_aggregation == "normalize_then_sum" and not issubclass(task, HFTask):
+        raise SettingsError(
+            "--multi-objective-aggregation normalize_then_sum normalises each --reward function's rewards "
+            f"(--task hf); --task {config.task} has one reward of its own"
+        )
     for flag, on, what in (
         ("--sync-ref-model", config.sync_ref_model, "no reference model to sync"),
         ("--use-bias-correction-kl", config.use_bias_correction_kl, "no KL term to correct"),
@@ -546,6 +572,9 @@ def _resumed(args: argparse.Namespace, given: list[str]) -> Config:
         if flag in given and getattr(args, attr) != "auto":
             setattr(config, attr, getattr(args, attr))
     config.devices.update(_role_devices(args))
+    if config.task == "bandit":  # saved before the bandit refused them: sampler settings it never used
+        for _, attr, default in SAMPLER:
+            setattr(config, attr, default)
     return config
 
 

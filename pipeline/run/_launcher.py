@@ -35,7 +35,7 @@ from ..config import Config, SettingsError, check_settings
 from ..learning import checkpoint
 from ..roles import Generator, RefModel, Scorer, StepReport, Trainer, TrainerRank, uses_reference
 from ..tasks import load_task, resolve
-from ._cli import check_kl_term, parse_args
+from ._cli import check_task_settings, parse_args
 from ._failures import PipelineError, first_failure
 from ._metrics import MetricsLog, Progress, plot
 from ._placement import check_placement
@@ -166,7 +166,7 @@ async def run_pipeline(
     """Run the pipeline described by ``config``; raises PipelineError if a role fails."""
     roles = roles or Roles()
     check_settings(config)  # before anything starts: settings that cannot train start nothing
-    check_kl_term(config)
+    check_task_settings(config)
     check_placement(config)  # nor do roles that cannot be placed
     config = resolve(config)
     load_task(config)  # a task that cannot be built fails here, with its own message, before any process starts

@@ -180,6 +180,24 @@ def test_rewards_combine_with_weights_and_skip_none(tmp_path):
     assert rewards.means(per) == {"slow_half": 0.5, "sometimes": 1.0}
 
 
+def test_a_gdpo_task_trains_on_the_decoupled_sum_and_reports_the_plain_one(tiny, tmp_path):
+    # rewards that vary within every group whatever the completions: one widely, one narrowly
+    body = (
+        "def wide(prompts, completions, **kw):\n    return [float(i % 3) for i in range(len(completions))]\n"
+        "def narrow(prompts, completions, **kw):\n    return [0.01 * (i % 2) for i in range(len(completions))]\n"
+    )
+    path = _reward_file(tmp_path, body)
+    settings = dict(prompts=4, group=4, rewards=[f"{path}:wide", f"{path}:narrow=0.5"])
+    config = _config(tiny, tmp_path, **settings)
+    gdpo = HFTask(resolve(_config(tiny, tmp_path, **settings, multi_objective_aggregation="normalize_then_sum")))
+    batch = gdpo.sample(gdpo.build_policy(), torch.Generator().manual_seed(0), ticket=0)
+    plain, decoupled = HFTask(resolve(config)).score(None, batch), gdpo.score(None, batch)
+    assert plain.total is None and decoupled.total is not None
+    assert torch.equal(decoupled.total, plain.rewards), "the weighted sum of the rewards themselves"
+    assert not torch.allclose(decoupled.rewards, plain.rewards), "the signal is the normalised sum"
+    assert decoupled.rewards.view(4, 4).mean(1).abs().max() < 1e-5, "each group's normalised sum has mean 0"
+
+
 def test_gdpo_normalises_each_reward_within_its_group_before_the_weighted_sum(tmp_path):
     zero = "(prompts, completions, **kw):\n    return [0.0] * len(completions)\n"
     path = _reward_file(tmp_path, f"def r{zero}def s{zero}")

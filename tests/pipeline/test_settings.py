@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -34,6 +35,10 @@ from pipeline.grpo import main, parse_args
         (["--top-k", "-1"], "--top-k -1: must be at least 0"),
         (["--min-p", "1"], "--min-p 1.0: a share of the likeliest token's probability, in [0, 1)"),
         (["--min-p", "-0.1"], "--min-p -0.1: a share of the likeliest token's probability, in [0, 1)"),
+        (
+            ["--task", "pipeline.tasks:BanditTask", "--top-k", "2", "--min-p", "0.1"],
+            "--top-k, --min-p with --task pipeline.tasks:BanditTask: the bandit draws its actions",
+        ),
         (
             ["--task", "bandit", "--top-p", "0.9", "--temperature", "0.7"],
             "--temperature, --top-p with --task bandit: the bandit draws its actions from the policy's own softmax",
@@ -160,6 +165,23 @@ def test_cispo_caps_the_ratio_at_5_unless_given_and_the_trl_flags_reach_the_conf
     assert resolve(given).epsilon_high == 2.0
     gdpo = Config(task="hf", multi_objective_aggregation="normalize_then_sum")
     assert resolve(gdpo).scale_rewards == "batch", "GDPO normalises the decoupled sum over the batch"
+
+
+def test_gdpo_is_for_any_task_with_reward_functions_and_resolves_to_the_batchs_std():
+    from pipeline.run._cli import check_task_settings
+
+    check_task_settings(Config(task="pipeline.tasks:HFTask", multi_objective_aggregation="normalize_then_sum"))
+    for loss in ("dapo", "dr_grpo"):
+        gdpo = Config(task="hf", loss=loss, multi_objective_aggregation="normalize_then_sum")
+        check_settings(gdpo)
+        assert resolve(gdpo).scale_rewards == "batch", loss
+    check_settings(Config(task="hf", scale_rewards="batch", multi_objective_aggregation="normalize_then_sum"))
+
+
+def test_a_bandit_run_saved_with_sampler_settings_it_never_used_resumes(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"task": "bandit", "temperature": 0.7, "top_p": 0.9}))
+    config, _ = parse_args(["--resume", str(tmp_path)])
+    assert (config.task, config.temperature, config.top_p) == ("bandit", 1.0, 1.0)
 
 
 def test_new_flags_reach_the_config_and_its_resolved_defaults():
