@@ -25,7 +25,7 @@ from ._loss import (
     token_grpo_loss,
     token_weights,
 )
-from ._sampling import draw, filter_logits, token_logps
+from ._sampling import RepeatPenalty, draw, filter_logits, token_logps
 
 __all__ = [
     "CISPO_CAP",
@@ -38,6 +38,7 @@ __all__ = [
     "LossKind",
     "LossSpec",
     "RatioLevel",
+    "RepeatPenalty",
     "RewardScale",
     "TokenLoss",
     "chunk_positions",

@@ -4,7 +4,8 @@ The built-in transformer's :func:`pipeline.models.generate`, the Hugging Face
 engine (:class:`pipeline.models.BuiltinEngine`) and both models' teacher-forced
 log-probabilities use these, so the behaviour log-probability a generator
 records is computed exactly as the trainer computes it: under the whole
-temperature-scaled distribution, whatever top-k, top-p or min-p cut the sampler.
+temperature-scaled distribution, whatever top-k, top-p or min-p cut the sampler
+or a repetition penalty bent it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,36 @@ import math
 
 import torch
 
-__all__ = ["draw", "filter_logits", "token_logps"]
+__all__ = ["RepeatPenalty", "draw", "filter_logits", "token_logps"]
+
+
+class RepeatPenalty:
+    """The tokens each row has seen (its prompt's and those drawn so far) and the penalty on their logits, as
+    transformers' ``repetition_penalty``: a positive logit divided by it, a negative one multiplied."""
+
+    def __init__(self, seen: torch.Tensor, penalty: float) -> None:
+        self.seen = seen  # [N, V] bool
+        self.penalty = penalty
+
+    @classmethod
+    def of(cls, ids: torch.Tensor, mask: torch.Tensor, vocab: int, penalty: float) -> RepeatPenalty | None:
+        """The penalty for prompts ``ids`` [N, P] (``mask`` 1 on real tokens, not padding), or None at 1 (off)."""
+        if penalty == 1.0:
+            return None
+        seen = torch.zeros(ids.shape[0], vocab, dtype=torch.bool, device=ids.device)
+        rows = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1).expand_as(ids)
+        real = mask.bool()
+        seen[rows[real], ids[real]] = True
+        return cls(seen, penalty)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` [N, V] with the seen tokens' made less likely."""
+        bent = torch.where(logits > 0, logits / self.penalty, logits * self.penalty)
+        return torch.where(self.seen, bent, logits)
+
+    def add(self, token: torch.Tensor) -> None:
+        """Each row has now seen its drawn ``token`` [N]."""
+        self.seen[torch.arange(token.shape[0], device=token.device), token] = True
 
 
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
@@ -42,21 +72,34 @@ def draw(
     top_k: int = 0,
     top_p: float = 1.0,
     min_p: float = 0.0,
+    repeats: RepeatPenalty | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of ``step_logits`` [N, V] and the log-probability [N, V] it was drawn under.
 
     ``temperature`` 0 is greedy. The returned log-probabilities are the
     whole temperature-scaled distribution's (the policy's), not the
-    filtered one the token was sampled from (the sampler's).
+    filtered one the token was sampled from (the sampler's): ``repeats``
+    bends the logits before the temperature and the cuts, as transformers
+    does, for the draw only. The drawn tokens are added to ``repeats``.
     """
     if temperature == 0:
         logp = step_logits.log_softmax(-1)
-        return logp.argmax(-1), logp
-    scaled = step_logits / temperature if temperature != 1 else step_logits
-    logp = scaled.log_softmax(-1)
-    cut = top_k > 0 or top_p < 1.0 or min_p > 0.0
-    nucleus = filter_logits(scaled, top_k, top_p, min_p).log_softmax(-1) if cut else logp
-    return torch.multinomial(nucleus.exp(), 1, generator=generator).squeeze(-1), logp
+        token = (logp if repeats is None else repeats.apply(step_logits)).argmax(-1)
+    else:
+        scaled = step_logits / temperature if temperature != 1 else step_logits
+        logp = scaled.log_softmax(-1)
+        if repeats is not None:
+            bent = repeats.apply(step_logits)
+            scaled = bent / temperature if temperature != 1 else bent
+        cut = top_k > 0 or top_p < 1.0 or min_p > 0.0
+        if cut:
+            nucleus = filter_logits(scaled, top_k, top_p, min_p).log_softmax(-1)
+        else:
+            nucleus = logp if repeats is None else scaled.log_softmax(-1)
+        token = torch.multinomial(nucleus.exp(), 1, generator=generator).squeeze(-1)
+    if repeats is not None:
+        repeats.add(token)
+    return token, logp
 
 
 def token_logps(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -91,6 +91,7 @@ class Config:
     log_completions: int = 0  # hf: held-out (prompt, completion, rewards) rows appended per evaluation
     top_k: int = 0  # 0: off
     min_p: float = 0.0  # sample only tokens at least this share of the likeliest one's probability (0: off)
+    repetition_penalty: float = 1.0  # tokens already in the prompt or completion drawn less often (1: off)
     report_to: ReportTo = "tensorboard"  # tensorboard | wandb | none: where metric rows go besides metrics.jsonl
     engine: EngineKind = "builtin"  # the generators' sampler: builtin | hf (transformers' generate) | vllm
     decode: DecodePath = "auto"  # builtin: auto | dynamic | static | graphs (pipeline.models.DecoderChoice)

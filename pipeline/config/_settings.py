@@ -129,6 +129,10 @@ def check_settings(config: Config) -> None:
                 f"--multi-objective-aggregation normalize_then_sum with --scale-rewards {config.scale_rewards}: "
                 "GDPO normalises each function within its group, then the sum over the batch (--scale-rewards batch)"
             )
+    if not config.repetition_penalty > 0:
+        raise SettingsError(
+            f"--repetition-penalty {config.repetition_penalty}: it divides or multiplies logits, so above 0 (1: off)"
+        )
     if not 0 <= config.min_p < 1:
         raise SettingsError(f"--min-p {config.min_p}: a share of the likeliest token's probability, in [0, 1)")
     for name in ("sapo_temperature_pos", "sapo_temperature_neg"):

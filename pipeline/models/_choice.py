@@ -21,6 +21,7 @@ class VLLMOptions:
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    repetition_penalty: float = 1.0
     seed: int = 0
     dtype: str = "float32"
     max_model_len: int | None = None
@@ -57,6 +58,7 @@ def build_engine(
             top_k=options.top_k,
             top_p=options.top_p,
             min_p=options.min_p,
+            repetition_penalty=options.repetition_penalty,
             seed=options.seed,
             dtype=options.dtype,
             max_model_len=options.max_model_len,

@@ -25,7 +25,7 @@ import torch
 
 from actors import WeightInbox, WeightManifest
 
-from ..algorithm import draw
+from ..algorithm import RepeatPenalty, draw
 from ._decode_choice import DecodePath, DecoderChoice
 from ._decoders import ModelCall
 
@@ -50,6 +50,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    repetition_penalty: float = 1.0  # the seen tokens' logits bent by it before the draw (1: off)
     samples: int = 1  # completions per prompt
 
 
@@ -155,11 +156,14 @@ class BuiltinEngine:
         check_every = self.decoding.check_every
         count = ids.shape[0]
         step_logits = decoder.prefill(ids, prompt_mask)
+        repeats = RepeatPenalty.of(ids, prompt_mask, step_logits.shape[-1], params.repetition_penalty)
         eos = torch.tensor(self.eos, dtype=torch.long, device=device)
         done = torch.zeros(count, dtype=torch.bool, device=device)
         tokens, logps, masks, ended = [], [], [], []
         for step in range(params.max_new_tokens):
-            token, logp = draw(step_logits, params.temperature, generator, params.top_k, params.top_p, params.min_p)
+            token, logp = draw(
+                step_logits, params.temperature, generator, params.top_k, params.top_p, params.min_p, repeats
+            )
             token = token.masked_fill(done, self.pad)
             tokens.append(token)
             logps.append(logp.gather(-1, token.unsqueeze(-1)).squeeze(-1).masked_fill(done, 0.0))
@@ -200,10 +204,12 @@ class GenerateEngine(BuiltinEngine):
         device = next(self.model.parameters()).device
         ids, prompt_mask = left_pad(prompts, self.pad, device)
         greedy = params.temperature == 0
-        sampling: dict[str, Any] = {"do_sample": False}
+        penalty = params.repetition_penalty if params.repetition_penalty != 1.0 else None
+        sampling: dict[str, Any] = {"do_sample": False, "repetition_penalty": penalty}
         if not greedy:
             sampling = {
                 "do_sample": True,
+                "repetition_penalty": penalty,
                 "temperature": params.temperature,
                 "top_k": params.top_k,
                 "top_p": params.top_p,

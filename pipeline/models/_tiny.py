@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..algorithm import draw, token_logps
+from ..algorithm import RepeatPenalty, draw, token_logps
 
 __all__ = ["PRESETS", "Generation", "ModelConfig", "TinyTransformer", "completion_logps", "generate"]
 
@@ -137,11 +137,13 @@ def generate(
     top_p: float = 1.0,
     top_k: int = 0,
     min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
 ) -> Generation:
     """``samples`` completions of each prompt (prompts [B, P], all of one length), batched.
 
     ``temperature`` 0 is greedy. Tokens are drawn from the temperature-scaled
-    distribution cut by top-k, top-p and min-p, but the behaviour log-probability
+    distribution bent by the repetition penalty and cut by top-k, top-p and
+    min-p, but the behaviour log-probability
     recorded for each is under the whole temperature-scaled distribution:
     the one :func:`completion_logps` computes, so the trainer's ratio is 1
     for the policy that sampled, whatever ``top_p`` (the nucleus is part of
@@ -154,11 +156,12 @@ def generate(
     count = tokens.shape[0]
     logits, cache = model(tokens)
     step_logits = logits[:, -1].float()  # a bfloat16 policy samples from float32 log-probs
+    repeats = RepeatPenalty.of(tokens, torch.ones_like(tokens), step_logits.shape[-1], repetition_penalty)
     done = torch.zeros(count, dtype=torch.bool, device=tokens.device)
     out_tokens, out_logps, out_mask = [], [], []
     position = tokens.shape[1]
     for _ in range(max_new_tokens):
-        token, logp = draw(step_logits, temperature, generator, top_k, top_p, min_p)
+        token, logp = draw(step_logits, temperature, generator, top_k, top_p, min_p, repeats)
         token = token.masked_fill(done, pad)
         out_tokens.append(token)
         out_logps.append(logp.gather(-1, token.unsqueeze(-1)).squeeze(-1).masked_fill(done, 0.0))

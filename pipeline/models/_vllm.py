@@ -49,9 +49,9 @@ class VLLMUnavailable(RuntimeError):
     """vLLM is not installed here, or does not load: the message says what to install or remove."""
 
 
-def logprobs_mode(temperature: float, top_k: int, top_p: float, min_p: float = 0.0) -> str:
+def logprobs_mode(temperature: float, top_k: int, top_p: float, min_p: float = 0.0, penalty: float = 1.0) -> str:
     """The vLLM log-prob mode whose values are the trainer's log-probabilities for these sampling settings."""
-    if top_k <= 0 and top_p >= 1.0 and min_p <= 0.0:
+    if top_k <= 0 and top_p >= 1.0 and min_p <= 0.0 and penalty == 1.0:
         return "processed_logprobs"  # after the temperature, nothing filtered: the trainer's distribution
     if temperature == 1.0:
         return "raw_logprobs"  # no temperature to apply: the raw distribution is the trainer's
@@ -158,6 +158,7 @@ class VLLMEngine:
         top_k: int = 0,
         top_p: float = 1.0,
         min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
         seed: int = 0,
         dtype: str = "float32",
         max_model_len: int | None = None,
@@ -170,7 +171,7 @@ class VLLMEngine:
         self.accepted = {name: tuple(t.shape) for name, t in policy.state_dict().items()}
         self.eos = end_tokens(tokenizer, getattr(policy, "generation_config", None))
         self.pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos[0])
-        self.mode = logprobs_mode(temperature, top_k, top_p, min_p)
+        self.mode = logprobs_mode(temperature, top_k, top_p, min_p, repetition_penalty)
         on_gpu = device is not None and device.type == "cuda"
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # vLLM's own deprecation notes at start-up
@@ -202,6 +203,7 @@ class VLLMEngine:
             top_k=params.top_k,  # 0: off, in vLLM as here
             top_p=params.top_p,
             min_p=params.min_p,  # 0: off, in vLLM as here
+            repetition_penalty=params.repetition_penalty,  # 1: off
             max_tokens=params.max_new_tokens,
             logprobs=0,  # the sampled token's own log-probability
             seed=seed,

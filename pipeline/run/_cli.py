@@ -76,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="sample only tokens at least this share of the likeliest one's probability (default 0: off)",
     )
     task.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="tokens already in the prompt or the completion: a positive logit divided by it, a negative one "
+        "multiplied, before sampling (transformers' and vLLM's; default 1: off)",
+    )
+    task.add_argument(
         "--engine",
         choices=ENGINES,
         default="builtin",
@@ -396,6 +403,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
             top_p=args.top_p,
             top_k=args.top_k,
             min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
             dataset=args.dataset,
             dataset_split=args.dataset_split,
             dataset_config=args.dataset_config,
@@ -478,6 +486,7 @@ SAMPLER: tuple[tuple[str, str, float], ...] = (
     ("--top-p", "top_p", 1.0),
     ("--top-k", "top_k", 0),
     ("--min-p", "min_p", 0.0),
+    ("--repetition-penalty", "repetition_penalty", 1.0),
 )
 
 

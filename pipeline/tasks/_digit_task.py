@@ -87,6 +87,7 @@ class DigitsTask(Task):
             top_p=config.top_p,
             top_k=config.top_k,
             min_p=config.min_p,
+            repetition_penalty=config.repetition_penalty,
         )
         return TokenBatch(prompts, out.tokens, out.logps, out.mask, config.group)
 

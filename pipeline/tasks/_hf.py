@@ -135,6 +135,7 @@ class HFTask(Task):
             top_p=config.top_p,
             top_k=config.top_k,
             min_p=config.min_p,
+            repetition_penalty=config.repetition_penalty,
             samples=samples,
         )
 
@@ -146,6 +147,7 @@ class HFTask(Task):
             top_k=config.top_k,
             top_p=config.top_p,
             min_p=config.min_p,
+            repetition_penalty=config.repetition_penalty,
             seed=config.seed,
             dtype=config.vllm_dtype,
             max_model_len=config.vllm_max_model_len or None,

@@ -495,6 +495,7 @@ def test_truncated_means_no_eos_within_the_limit():
         {"top_k": 3, "temperature": 0.7},
         {"min_p": 0.2, "temperature": 0.7},
         {"top_k": 4, "top_p": 0.9, "min_p": 0.1, "temperature": 1.0},
+        {"repetition_penalty": 1.5, "temperature": 0.7},
     ],
 )
 def test_the_ratio_is_one_at_lag_zero_whatever_the_sampling(sampling):

@@ -90,6 +90,32 @@ def test_min_p_and_top_k_reach_each_engines_sampler(model_and_tokenizer, engine_
     assert (rows != rows[:, :1]).any(), "without a cut the samples of a prompt differ"
 
 
+def test_the_repetition_penalty_bends_as_transformers_does_and_both_engines_decode_alike(model_and_tokenizer):
+    """The penalty on random logits equals transformers' processor; greedy with it, the built-in engine and
+    transformers' generate draw the same tokens (prompts of one length: generate also penalises padding)."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    from pipeline.algorithm import RepeatPenalty, draw
+
+    logits = 3 * torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 50, (6, 9), generator=torch.Generator().manual_seed(1))
+    repeats = RepeatPenalty.of(ids, torch.ones_like(ids), 50, 1.7)
+    assert repeats is not None and RepeatPenalty.of(ids, torch.ones_like(ids), 50, 1.0) is None
+    theirs = RepetitionPenaltyLogitsProcessor(1.7)(ids, logits.clone())
+    assert torch.allclose(repeats.apply(logits), theirs)
+    token, logp = draw(logits, 0.0, repeats=repeats)
+    assert torch.equal(token, theirs.argmax(-1)) and torch.allclose(logp, logits.log_softmax(-1))
+    assert repeats.seen[torch.arange(6), token].all(), "a drawn token is seen from then on"
+
+    model, tokenizer = model_and_tokenizer
+    prompts = [tokenizer(text)["input_ids"] for text in ("reverse:1234=", "reverse:9876=")]
+    greedy = SamplingParams(8, temperature=0.0, repetition_penalty=3.0)
+    ours = BuiltinEngine(model, tokenizer).generate(prompts, greedy)
+    assert torch.equal(ours.tokens, GenerateEngine(model, tokenizer).generate(prompts, greedy).tokens)
+    plain = BuiltinEngine(model, tokenizer).generate(prompts, SamplingParams(8, temperature=0.0))
+    assert not torch.equal(ours.tokens, plain.tokens), "a penalty of 3 changes what greedy decoding picks"
+
+
 def test_the_cuts_keep_what_transformers_warpers_keep_in_their_order():
     """top-k, then top-p, then min-p, as transformers' generate applies them (vLLM applies min-p first)."""
     from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper

@@ -34,6 +34,8 @@ from pipeline.grpo import main, parse_args
         (["--resume", "no/such/run"], "--resume no/such/run: no such folder"),
         (["--top-k", "-1"], "--top-k -1: must be at least 0"),
         (["--min-p", "1"], "--min-p 1.0: a share of the likeliest token's probability, in [0, 1)"),
+        (["--repetition-penalty", "0"], "--repetition-penalty 0.0: it divides or multiplies logits, so above 0"),
+        (["--task", "bandit", "--repetition-penalty", "1.2"], "--repetition-penalty with --task bandit: the bandit"),
         (["--min-p", "-0.1"], "--min-p -0.1: a share of the likeliest token's probability, in [0, 1)"),
         (
             ["--task", "pipeline.tasks:BanditTask", "--top-k", "2", "--min-p", "0.1"],

@@ -66,6 +66,8 @@ def test_vllm_reports_the_trainers_log_probs_where_it_can():
     assert logprobs_mode(0.7, 5, 1.0) == "processed_logprobs"  # only the filtered one is on offer
     assert logprobs_mode(1.0, 0, 1.0, 0.1) == "raw_logprobs"  # min-p filters as top-k and top-p do
     assert logprobs_mode(0.7, 0, 1.0, 0.1) == "processed_logprobs"
+    assert logprobs_mode(1.0, 0, 1.0, 0.0, 1.2) == "raw_logprobs"  # a repetition penalty bends as a cut does
+    assert logprobs_mode(0.7, 0, 1.0, 0.0, 1.2) == "processed_logprobs"
 
 
 def test_every_sampling_setting_reaches_vllms_request():
@@ -77,14 +79,16 @@ def test_every_sampling_setting_reaches_vllms_request():
 
     engine = VLLMEngine.__new__(VLLMEngine)  # no engine started: only its request is under test
     engine._vllm, engine.eos = types.SimpleNamespace(SamplingParams=lambda **kw: kw), [7]
-    params = SamplingParams(5, temperature=0.7, top_p=0.9, top_k=4, min_p=0.2, samples=3)
+    params = SamplingParams(5, temperature=0.7, top_p=0.9, top_k=4, min_p=0.2, repetition_penalty=1.3, samples=3)
     request = engine._request_params(params, seed=11)
-    assert {k: request[k] for k in ("n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "seed")} == {
+    keys = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "seed")
+    assert {k: request[k] for k in keys} == {
         "n": 3,
         "temperature": 0.7,
         "top_p": 0.9,
         "top_k": 4,
         "min_p": 0.2,
+        "repetition_penalty": 1.3,
         "max_tokens": 5,
         "seed": 11,
     }
