@@ -82,21 +82,18 @@ def draw(
     bends the logits before the temperature and the cuts, as transformers
     does, for the draw only. The drawn tokens are added to ``repeats``.
     """
-    if temperature == 0:
-        logp = step_logits.log_softmax(-1)
-        token = (logp if repeats is None else repeats.apply(step_logits)).argmax(-1)
+    logp = (step_logits / temperature if temperature not in (0, 1) else step_logits).log_softmax(-1)
+    cut = temperature != 0 and (top_k > 0 or top_p < 1.0 or min_p > 0.0)  # no cut moves the greedy token
+    if repeats is None and not cut:
+        sampler = logp  # nothing bends or cuts the policy's distribution
     else:
-        scaled = step_logits / temperature if temperature != 1 else step_logits
-        logp = scaled.log_softmax(-1)
-        if repeats is not None:
-            bent = repeats.apply(step_logits)
-            scaled = bent / temperature if temperature != 1 else bent
-        cut = top_k > 0 or top_p < 1.0 or min_p > 0.0
-        if cut:
-            nucleus = filter_logits(scaled, top_k, top_p, min_p).log_softmax(-1)
-        else:
-            nucleus = logp if repeats is None else scaled.log_softmax(-1)
-        token = torch.multinomial(nucleus.exp(), 1, generator=generator).squeeze(-1)
+        bent = step_logits if repeats is None else repeats.apply(step_logits)
+        scaled = bent / temperature if temperature not in (0, 1) else bent
+        sampler = (filter_logits(scaled, top_k, top_p, min_p) if cut else scaled).log_softmax(-1)
+    if temperature == 0:
+        token = sampler.argmax(-1)
+    else:
+        token = torch.multinomial(sampler.exp(), 1, generator=generator).squeeze(-1)
     if repeats is not None:
         repeats.add(token)
     return token, logp

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import get_args
 
 from ..algorithm import LOSSES, RATIO_LEVELS, REWARD_SCALES
-from ._config import DECODE_PATHS, ENGINES, REPORT_TO, Config, IsCorrection
+from ._config import DECODE_PATHS, ENGINES, REPORT_TO, Aggregation, Config, IsCorrection
 
 __all__ = ["SettingsError", "check_settings"]
 
@@ -122,7 +122,7 @@ def check_settings(config: Config) -> None:
             f"--loss cispo --epsilon-high {config.epsilon_high}: cispo caps the ratio itself at --epsilon-high (not "
             "at 1 + it), so a cap below 1 would weigh every on-policy token below 1; ScaleRL uses 5 (the default)"
         )
-    _one_of(config, "multi_objective_aggregation", ("sum_then_normalize", "normalize_then_sum"))
+    _one_of(config, "multi_objective_aggregation", get_args(Aggregation))
     if config.multi_objective_aggregation == "normalize_then_sum":
         if config.scale_rewards not in (None, "batch"):
             raise SettingsError(

@@ -204,17 +204,15 @@ class GenerateEngine(BuiltinEngine):
         device = next(self.model.parameters()).device
         ids, prompt_mask = left_pad(prompts, self.pad, device)
         greedy = params.temperature == 0
-        penalty = params.repetition_penalty if params.repetition_penalty != 1.0 else None
-        sampling: dict[str, Any] = {"do_sample": False, "repetition_penalty": penalty}
+        penalty = params.repetition_penalty if params.repetition_penalty != 1.0 else None  # None: no processor
+        sampling: dict[str, Any] = {"do_sample": not greedy, "repetition_penalty": penalty}
         if not greedy:
-            sampling = {
-                "do_sample": True,
-                "repetition_penalty": penalty,
-                "temperature": params.temperature,
-                "top_k": params.top_k,
-                "top_p": params.top_p,
-                "min_p": params.min_p or None,  # None: no processor (0 would add one that keeps everything)
-            }
+            sampling.update(
+                temperature=params.temperature,
+                top_k=params.top_k,
+                top_p=params.top_p,
+                min_p=params.min_p or None,  # None: no processor (0 would add one that keeps everything)
+            )
         seed = None
         if generator is not None:  # drawn where the generator lives (a CUDA generator on a GPU)
             seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))

@@ -29,7 +29,7 @@ from ..config import (
     check_settings,
 )
 from ..models import PRESETS, ModelError, vllm_missing
-from ..tasks import BUILTINS, BanditTask, DataError, HFTask, RewardError, resolve, task_class
+from ..tasks import BUILTINS, BanditTask, DataError, HFTask, RewardError, Task, resolve, task_class
 from ._placement import ROLES
 from ._sinks import missing_tracker
 
@@ -490,13 +490,20 @@ SAMPLER: tuple[tuple[str, str, float], ...] = (
 )
 
 
+def _found_task(config: Config) -> type[Task] | None:
+    """The class of the run's task, or None where it cannot be found (reported where the run builds it)."""
+    try:
+        return task_class(config.task)
+    except (ImportError, AttributeError, ValueError, TypeError):
+        return None
+
+
 def check_task_settings(config: Config) -> None:
     """Refuse settings the run's task cannot honour: a KL-term flag without a KL term (given, or the task's
     default β 0), sampler flags for the bandit (no sampler), GDPO without reward functions (not an HF task)."""
-    try:
-        task = task_class(config.task)
-    except (ImportError, AttributeError, ValueError, TypeError):
-        return  # a task that cannot be found is reported, in one line, where the run builds it
+    task = _found_task(config)
+    if task is None:
+        return
     if issubclass(task, BanditTask):
         given = [flag for flag, attr, default in SAMPLER if getattr(config, attr) != default]
         if given:
@@ -581,7 +588,8 @@ def _resumed(args: argparse.Namespace, given: list[str]) -> Config:
         if flag in given and getattr(args, attr) != "auto":
             setattr(config, attr, getattr(args, attr))
     config.devices.update(_role_devices(args))
-    if config.task == "bandit":  # saved before the bandit refused them: sampler settings it never used
+    task = _found_task(config)
+    if task is not None and issubclass(task, BanditTask):  # saved before the bandit refused them: never used
         for _, attr, default in SAMPLER:
             setattr(config, attr, default)
     return config

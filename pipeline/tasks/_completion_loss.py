@@ -18,6 +18,7 @@ __all__ = ["completion_loss", "loss_spec"]
 
 def loss_spec(config: Config, max_length: int = 0) -> LossSpec:
     """The GRPO variant a resolved ``config`` names; ``max_length`` is the completion limit (``dr_grpo``'s L)."""
+    weights = config.importance_mode()
     return LossSpec(
         kind=config.loss,
         clip_low=config.hyper("clip"),
@@ -25,8 +26,8 @@ def loss_spec(config: Config, max_length: int = 0) -> LossSpec:
         dual_clip=config.dual_clip,
         kl_coeff=config.hyper("kl_coeff"),
         max_length=max_length,
-        is_cap=0.0 if config.importance_mode() is None else config.is_cap,
-        is_mode=config.importance_mode() or "token_truncate",
+        is_cap=0.0 if weights is None else config.is_cap,
+        is_mode=weights or "token_truncate",
         is_min=config.is_min,
         level=config.importance_sampling_level,
         top_entropy=config.top_entropy_quantile,
