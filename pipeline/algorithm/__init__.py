@@ -2,11 +2,13 @@
 
 Group advantages, the clipped token loss and its variants (``grpo``,
 ``dr_grpo``, ``dapo``, ``cispo``, ``sapo``, GSPO's sequence ratio, the dual clip, the
-off-policy mask, the k3 KL, truncated importance weights), one sampling step, and the log-probabilities of chosen tokens
+off-policy mask, the k3 KL, truncated importance weights), the entropy bonus's coefficient, one sampling step, and the
+log-probabilities of chosen tokens
 computed chunk by chunk so memory does not grow with the vocabulary.
 Imports torch alone: no actors, no models, no configuration.
 """
 
+from ._entropy_control import EntropyControl
 from ._logit_head import LOGITS_PER_CHUNK, chunk_positions, chunked_token_logps
 from ._loss import (
     CISPO_CAP,
@@ -34,6 +36,7 @@ __all__ = [
     "LOSSES",
     "RATIO_LEVELS",
     "REWARD_SCALES",
+    "EntropyControl",
     "IsMode",
     "LossKind",
     "LossSpec",

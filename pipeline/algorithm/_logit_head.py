@@ -9,7 +9,9 @@ hidden states through the head a few hundred positions at a time (as TRL's
 selective log-softmax does): each chunk's logits live only while that chunk
 is computed, and with gradients on, the chunk is recomputed in the backward
 pass (:func:`torch.utils.checkpoint.checkpoint`) rather than kept. The
-entropy is computed in the same pass under ``no_grad``: it keeps no graph.
+entropy is computed in the same pass, under ``no_grad`` (a metric, no graph)
+unless the loss has an entropy bonus: then it is differentiable too, and
+recomputed with the log-probabilities in the backward pass.
 
 The numbers equal :func:`pipeline.algorithm.token_logps` on the full logits
 (the same ``log_softmax`` and ``gather``), so the generator's behaviour
@@ -37,7 +39,7 @@ def chunk_positions(vocab: int, budget: int = LOGITS_PER_CHUNK) -> int:
 
 
 def _chunk_logps(
-    hidden: torch.Tensor, targets: torch.Tensor, head: Head, temperature: float
+    hidden: torch.Tensor, targets: torch.Tensor, head: Head, temperature: float, entropy_grad: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probabilities [n] of ``targets`` under ``head(hidden)`` [n, V] and the distribution's entropy [n]."""
     logits = head(hidden).float()
@@ -45,7 +47,7 @@ def _chunk_logps(
         logits = logits / temperature
     logp_all = logits.log_softmax(-1)
     logps = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    with torch.no_grad():
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logps, entropy
 
@@ -57,6 +59,8 @@ def chunked_token_logps(
     temperature: float,
     vocab: int,
     budget: int = LOGITS_PER_CHUNK,
+    *,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probabilities [N, T] of ``targets`` [N, T] under ``head`` applied to ``hidden`` [N, T, H], and entropies.
 
@@ -64,14 +68,14 @@ def chunked_token_logps(
     go through it in chunks of at most ``budget`` logits. While gradients
     are recorded, every chunk but a lone one is checkpointed: the backward
     pass recomputes its logits instead of keeping them. The entropies carry
-    no gradient.
+    a gradient only with ``entropy_grad`` (an entropy bonus in the loss).
     """
     rows, width = targets.shape
     flat_hidden = hidden.reshape(rows * width, hidden.shape[-1])
     flat_targets = targets.reshape(rows * width)
     size = chunk_positions(vocab, budget)
     if flat_targets.numel() <= size:
-        logps, entropy = _chunk_logps(flat_hidden, flat_targets, head, temperature)
+        logps, entropy = _chunk_logps(flat_hidden, flat_targets, head, temperature, entropy_grad)
         return logps.view(rows, width), entropy.view(rows, width)
     recompute = torch.is_grad_enabled() and flat_hidden.requires_grad
     parts: list[torch.Tensor] = []
@@ -79,9 +83,11 @@ def chunked_token_logps(
     for start in range(0, flat_targets.numel(), size):
         piece, chosen = flat_hidden[start : start + size], flat_targets[start : start + size]
         if recompute:
-            logps, entropy = checkpoint(_chunk_logps, piece, chosen, head, temperature, use_reentrant=False)
+            logps, entropy = checkpoint(
+                _chunk_logps, piece, chosen, head, temperature, entropy_grad, use_reentrant=False
+            )
         else:
-            logps, entropy = _chunk_logps(piece, chosen, head, temperature)
+            logps, entropy = _chunk_logps(piece, chosen, head, temperature, entropy_grad)
         parts.append(logps)
-        entropies.append(entropy.detach())
+        entropies.append(entropy if entropy_grad else entropy.detach())
     return torch.cat(parts).view(rows, width), torch.cat(entropies).view(rows, width)

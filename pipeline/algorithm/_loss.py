@@ -36,6 +36,11 @@ completion mask ``m`` [N, T]:
 * **KL** to the reference, k3: ``exp(d) - d - 1`` with ``d = log pi_ref - log pi``,
   times ``rho`` with ``kl_is_weighted`` (TRL's ``use_bias_correction_kl``: the
   estimate under the behaviour's samples, corrected to the policy's);
+* **entropy** ``H``: the mean entropy of the tokens the policy term trains
+  (every unmasked token, or the top-entropy share), reported as a
+  differentiable term, ``entropy_bonus``, which the learner subtracts times
+  its coefficient (TRL's ``entropy_coef``; :class:`EntropyControl`) whatever
+  the variant's weights, so the coefficient means the same for every loss;
 * **loss** ``sum_{i,t} w_{i,t} (policy + beta KL)``, the weights ``w`` set by
   the variant (:func:`token_weights`): ``grpo`` averages each completion's
   tokens, then the completions (so does ``sapo``); ``dapo`` and ``cispo``
@@ -169,6 +174,8 @@ class TokenLoss:
     is_weight: float = 1.0  # importance weights: the mean token weight, π_trainer/π_behaviour bounded
     is_truncated: float = 0.0  # importance weights: tokens whose weight was outside the bounds (truncated or masked)
     off_policy_masked: float = 0.0  # tokens of completions the off-policy mask took out of the policy term
+    trained_entropy: float = 0.0  # the mean entropy of the tokens the policy term trains (the bonus's H)
+    entropy_bonus: torch.Tensor | None = None  # that H as this batch's share, differentiable where the entropy is
 
 
 def _importance_weights(gap: torch.Tensor, real: torch.Tensor, spec: LossSpec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -254,10 +261,16 @@ def token_grpo_loss(
         far = drift.sum(1) / real.sum(1).clamp_min(1) > spec.off_policy_mask
         dropped = ((advantages < 0) & far).unsqueeze(1) & real
         policy = torch.where(dropped, torch.zeros_like(policy), policy)
+    trained = real
     if spec.top_entropy < 1:
         if entropy is None:
             raise ValueError("a top-entropy share below 1 needs the tokens' entropies")
-        policy = policy * high_entropy_tokens(entropy, real, spec.top_entropy).to(policy.dtype)
+        trained = high_entropy_tokens(entropy, real, spec.top_entropy)
+        policy = policy * trained.to(policy.dtype)
+    bonus = None
+    if entropy is not None:  # this pass's share of the trained tokens' mean: its tokens' share of the batch's
+        share = real.sum() / trained.sum().clamp_min(1) / (tokens if tokens is not None else real.sum().clamp_min(1))
+        bonus = torch.where(trained, entropy, torch.zeros_like(entropy)).sum() * share
     per_token = policy
     kl = torch.zeros_like(logps)
     if ref_logps is not None:
@@ -279,4 +292,6 @@ def token_grpo_loss(
             float((is_weight * per_token_mean).sum()),
             float(outside.to(logps.dtype).mul(per_token_mean).sum()),
             float(dropped.to(logps.dtype).mul(per_token_mean).sum()),
+            float(bonus.detach()) if bonus is not None else 0.0,
+            bonus,
         )

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from ..algorithm import IsMode, LossKind, RatioLevel, RewardScale
+from ..algorithm import EntropyControl, IsMode, LossKind, RatioLevel, RewardScale
 
 __all__ = [
     "DECODE_PATHS",
@@ -133,10 +133,17 @@ class Config:
     use_bias_correction_kl: bool = False  # the KL term weighted by the importance ratio
     sapo_temperature_pos: float = 1.0  # --loss sapo: the soft gate's temperature for positive advantages
     sapo_temperature_neg: float = 1.05  # --loss sapo: for the others
+    entropy_coef: float = 0.0  # the loss minus this x the trained tokens' mean entropy (adaptive: its start)
+    use_adaptive_entropy: bool = False  # step entropy_coef toward entropy_target each optimiser step (Skywork-OR1)
+    entropy_coef_min: float = 0.0  # adaptive: the coefficient's bounds and step
+    entropy_coef_max: float = 1.0
+    entropy_coef_delta: float = 0.005
+    entropy_target: float = 0.2  # adaptive: the mean token entropy (nats) at or below which the bonus applies
     micro_batch: int = 0  # samples per forward/backward pass; 0: as many as ``max_tokens_per_pass`` allows
     max_tokens_per_pass: int = 8192  # rows x token width of one trainer or reference pass (0: no limit)
     trainer_ranks: int = 1  # trainer processes, each training its share of every rollout's rows (gradients summed)
     trainer_shard: TrainerShard = "fsdp"  # with several ranks: fsdp shards the policy over them, ddp replicates it
+    disable_dropout: bool = True  # hf: the policy's dropout off, so the trainer's log-probs are the generators'
     gradient_checkpointing: bool = False  # a Hugging Face policy recomputes activations in the backward pass
     max_grad_norm: float = 1.0  # clip the gradient's L2 norm to this (0: no clipping)
     lr_schedule: LrSchedule = "constant"  # constant | cosine (to 0 at ``steps``)
@@ -184,6 +191,17 @@ class Config:
         if self.is_correction == "tis":
             return "token_truncate"
         return self.is_correction
+
+    def entropy_control(self) -> EntropyControl:
+        """The entropy bonus's coefficient as these settings start it (:class:`pipeline.algorithm.EntropyControl`)."""
+        return EntropyControl(
+            self.entropy_coef,
+            self.use_adaptive_entropy,
+            self.entropy_target,
+            self.entropy_coef_delta,
+            self.entropy_coef_min,
+            self.entropy_coef_max,
+        )
 
     def hyper(self, name: str) -> float:
         """A hyper-parameter that :func:`pipeline.tasks.resolve` has filled in."""

@@ -10,6 +10,8 @@ prompts cannot fill a training and a held-out set), when it is built.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import get_args
 
 from ..algorithm import LOSSES, RATIO_LEVELS, REWARD_SCALES
@@ -139,6 +141,7 @@ def check_settings(config: Config) -> None:
         if not getattr(config, name) > 0:
             flag = "--" + name.replace("_", "-")
             raise SettingsError(f"{flag} {getattr(config, name)}: the gate's temperature must be above 0")
+    _check_entropy_bonus(config)
     if config.off_policy_mask_threshold is not None and not config.off_policy_mask_threshold >= 0:
         raise SettingsError(
             f"--off-policy-mask-threshold {config.off_policy_mask_threshold}: a completion's mean drift from the "
@@ -182,6 +185,37 @@ def check_settings(config: Config) -> None:
             f"--engine {config.engine} samples a Hugging Face model (--task hf, --dataset); the built-in tasks' "
             "models sample with the built-in sampler"
         )
+
+
+#: The adaptive entropy control's settings: without --use-adaptive-entropy they would do nothing.
+_ADAPTIVE = ("entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target")
+
+
+def _check_entropy_bonus(config: Config) -> None:
+    """The entropy bonus: a finite coefficient; adaptive bounds in order, a step above 0, a target at least 0."""
+    for name in ("entropy_coef", *_ADAPTIVE):
+        if not math.isfinite(getattr(config, name)):
+            raise SettingsError(f"--{name.replace('_', '-')} {getattr(config, name)}: must be a finite number")
+    if not config.use_adaptive_entropy:
+        defaults = {f.name: f.default for f in dataclasses.fields(Config)}
+        given = [name for name in _ADAPTIVE if getattr(config, name) != defaults[name]]
+        if given:
+            flags = ", ".join("--" + name.replace("_", "-") for name in given)
+            raise SettingsError(f"{flags} set the adaptive entropy control: add --use-adaptive-entropy")
+        return
+    if not config.entropy_coef_min <= config.entropy_coef_max:
+        raise SettingsError(
+            f"--entropy-coef-min {config.entropy_coef_min} above --entropy-coef-max {config.entropy_coef_max}"
+        )
+    if not config.entropy_coef_min <= config.entropy_coef <= config.entropy_coef_max:
+        raise SettingsError(
+            f"--entropy-coef {config.entropy_coef} with --use-adaptive-entropy: the coefficient starts there, so "
+            f"within [--entropy-coef-min, --entropy-coef-max] = [{config.entropy_coef_min}, {config.entropy_coef_max}]"
+        )
+    if not config.entropy_coef_delta > 0:
+        raise SettingsError(f"--entropy-coef-delta {config.entropy_coef_delta}: the coefficient's step must be above 0")
+    if not config.entropy_target >= 0:
+        raise SettingsError(f"--entropy-target {config.entropy_target}: an entropy is at least 0")
 
 
 def _check_trainer_ranks(config: Config) -> None:

@@ -41,6 +41,7 @@ class Update:
     grad_norm: float
     seconds: float
     lr: float = 0.0
+    entropy_coef: float = 0.0  # the entropy bonus's coefficient after the step (adaptive: as it moved)
 
 
 def lr_factor(config: Config) -> Callable[[int], float]:
@@ -98,6 +99,7 @@ class Learner:
             enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.max_grad_norm = config.max_grad_norm if config.max_grad_norm > 0 else math.inf
         self.compute_dtype = getattr(torch, config.dtype)
+        self.entropy = config.entropy_control()
 
     def _optimizer(self) -> tuple[torch.optim.Adam, torch.optim.lr_scheduler.LambdaLR]:
         config = self.task.config
@@ -160,7 +162,21 @@ class Learner:
             figures = [sum(column) / len(reports) for column in zip(*(r.figures() for r in reports), strict=True)]
             report = LossReport.from_figures(torch.stack([r.loss for r in reports]).mean(), figures)
             report.logp_diff = reports[0].logp_diff
-        return Update(report, sum(norms) / len(norms), time.perf_counter() - started, rates[-1])
+        seconds = time.perf_counter() - started
+        return Update(report, sum(norms) / len(norms), seconds, rates[-1], self.entropy.coef)
+
+    def _loss(self, samples: Any, rewards: torch.Tensor, ref_logps: torch.Tensor | None, rows: slice) -> LossReport:
+        """The task's loss of ``rows``, less the entropy bonus where the run has one."""
+        with self._precision():
+            report = self.task.loss(self.policy, samples, rewards, ref_logps, rows)
+        if not self.entropy.active:
+            return report
+        if report.entropy_bonus is None:
+            raise ValueError(
+                f"--entropy-coef: {type(self.task).__name__}.loss reported no entropy_bonus (the trained tokens' mean "
+                "entropy, with its gradient)"
+            )
+        return report.with_entropy_bonus(self.entropy.applied())
 
     def _iterate(
         self, samples: Any, rewards: torch.Tensor, ref_logps: torch.Tensor | None
@@ -175,13 +191,12 @@ class Learner:
             count = self.task.rows(samples)
             passes, idle = self.parallel.passes(passes, count), self.parallel.idle_passes(passes, count)
         for rows in passes:
-            with self._precision():
-                report = self.task.loss(self.policy, samples, rewards, ref_logps, rows)
+            report = self._loss(samples, rewards, ref_logps, rows)
             report.loss.backward()  # type: ignore[no-untyped-call]
+            report = report.backpropagated()
             total = report if total is None else total.add(report)
         for rows in idle:  # in step with busier ranks: the same collectives, nothing learnt
-            with self._precision():
-                report = self.task.loss(self.policy, samples, rewards, ref_logps, rows)
+            report = self._loss(samples, rewards, ref_logps, rows)
             (report.loss * 0.0).backward()  # type: ignore[no-untyped-call]
         if self.parallel is not None:
             self.parallel.sum_gradients(self.policy)
@@ -194,7 +209,7 @@ class Learner:
         lr = self.optim.param_groups[0]["lr"]
         self.optim.step()
         self.schedule.step()
-        total.loss = total.loss.detach()
+        self.entropy.observe(total.trained_entropy)  # every rank the same: the summed report's
         return total, float(grad_norm), float(lr)
 
     def mix_reference(self, alpha: float) -> None:
@@ -247,8 +262,9 @@ class Learner:
         return {"policy": self.policy.state_dict(), "optimizer": self.optim.state_dict(), **self.small_state()}
 
     def small_state(self) -> dict[str, Any]:
-        """The part of a checkpoint that is not the policy or its optimizer: the schedule, the reference weights."""
-        return {"schedule": self.schedule.state_dict(), "ref": self.reference_state}
+        """The part of a checkpoint that is not the policy or its optimizer: the schedule, the reference weights,
+        the entropy bonus's coefficient."""
+        return {"schedule": self.schedule.state_dict(), "ref": self.reference_state, "entropy": self.entropy.state()}
 
     def save_shards(self, folder: str) -> None:
         """Write the policy and optimizer into ``folder`` with ``torch.distributed.checkpoint``: every rank its shards.
@@ -320,4 +336,6 @@ class Learner:
             self.optim.load_state_dict(state["optimizer"])
         if "schedule" in state:  # checkpoints from before schedules had none: constant
             self.schedule.load_state_dict(state["schedule"])
+        if "entropy" in state and self.entropy.adaptive:  # a fixed coefficient is the run's setting, not state
+            self.entropy.load(state["entropy"])
         self.reference_state = {name: value.to(self._home) for name, value in state["ref"].items()}

@@ -20,6 +20,7 @@ from ._causal_lm import (
 from ._choice import VLLMOptions, build_engine
 from ._decode_choice import DECODE_PATHS, DecodePath, DecoderChoice
 from ._decoders import Decoder, DynamicDecoder, ModelCall, StaticDecoder, static_refusal
+from ._dropout import disable_dropout
 from ._engines import (
     BuiltinEngine,
     Completions,
@@ -60,6 +61,7 @@ __all__ = [
     "check_model",
     "completion_logps",
     "decode_completions",
+    "disable_dropout",
     "end_tokens",
     "generate",
     "import_vllm",

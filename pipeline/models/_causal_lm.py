@@ -134,17 +134,18 @@ class CompletionLogps(torch.nn.Module):
     if TYPE_CHECKING:  # Module.__call__ runs forward (and a sharded root's hooks); typed as forward is
 
         def __call__(
-            self, tokens: torch.Tensor, prompt_mask: torch.Tensor, temperature: float = 1.0
+            self, tokens: torch.Tensor, prompt_mask: torch.Tensor, temperature: float = 1.0, entropy_grad: bool = False
         ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def forward(
-        self, tokens: torch.Tensor, prompt_mask: torch.Tensor, temperature: float = 1.0
+        self, tokens: torch.Tensor, prompt_mask: torch.Tensor, temperature: float = 1.0, entropy_grad: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probabilities [N, T] of the completions in ``tokens`` and their entropies (no gradient).
+        """Log-probabilities [N, T] of the completions in ``tokens`` and their entropies.
 
         ``tokens`` [N, P + T] holds left-padded prompts (``prompt_mask`` [N, P])
         followed by completions; one teacher-forced pass, the logits in float32
-        and scaled by ``temperature`` as the sampler scaled them.
+        and scaled by ``temperature`` as the sampler scaled them. The entropies
+        carry a gradient only with ``entropy_grad`` (a loss with an entropy bonus).
         """
         prompt_length = prompt_mask.shape[1]
         completion = tokens.shape[1] - prompt_length
@@ -167,11 +168,15 @@ class CompletionLogps(torch.nn.Module):
         if self.split is not None:
             body, head, vocab = self.split
             hidden = body(**inputs).last_hidden_state[:, -completion:]
-            logps, entropy = chunked_token_logps(hidden, head, targets, temperature, vocab, self.budget)
+            logps, entropy = chunked_token_logps(
+                hidden, head, targets, temperature, vocab, self.budget, entropy_grad=entropy_grad
+            )
             return _own(logps), _own(entropy)
         keep = {self._keep: completion} if self._keep is not None else {}
         logits = self.model(**inputs, **keep).logits[:, -completion:]
-        logps, entropy = chunked_token_logps(logits, _identity, targets, temperature, logits.shape[-1], self.budget)
+        logps, entropy = chunked_token_logps(
+            logits, _identity, targets, temperature, logits.shape[-1], self.budget, entropy_grad=entropy_grad
+        )
         return _own(logps), _own(entropy)
 
     def _check_split(self, inputs: dict[str, Any]) -> None:

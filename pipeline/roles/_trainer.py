@@ -441,6 +441,8 @@ class Trainer(Actor):
             entropy=loss.entropy,
             grad_norm=update.grad_norm,
             lr=update.lr,
+            entropy_coef=update.entropy_coef,
+            trained_entropy=loss.trained_entropy,
             response_length=rollout.response_length,
             tokens=rollout.tokens,
             tokens_received=self.tokens_received,

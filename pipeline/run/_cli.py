@@ -265,6 +265,36 @@ def build_parser() -> argparse.ArgumentParser:
         "needs a KL term",
     )
     train.add_argument(
+        "--entropy-coef",
+        type=float,
+        default=0.0,
+        help="subtract this x the trained tokens' mean entropy from the loss, whatever --loss (default 0: no bonus; "
+        "with --use-adaptive-entropy, the coefficient's start)",
+    )
+    train.add_argument(
+        "--use-adaptive-entropy",
+        action="store_true",
+        help="Skywork-OR1's adaptive control: after each optimiser step the coefficient moves by --entropy-coef-delta, "
+        "up if that step's entropy was at or below --entropy-target, down if not; applied only while it is at or "
+        "below",
+    )
+    train.add_argument(
+        "--entropy-coef-min", type=float, default=0.0, help="adaptive: the coefficient's lower bound (default 0)"
+    )
+    train.add_argument(
+        "--entropy-coef-max", type=float, default=1.0, help="adaptive: the coefficient's upper bound (default 1)"
+    )
+    train.add_argument(
+        "--entropy-coef-delta", type=float, default=0.005, help="adaptive: the coefficient's step (default 0.005)"
+    )
+    train.add_argument(
+        "--entropy-target",
+        type=float,
+        default=0.2,
+        help="adaptive: the mean token entropy in nats at or below which the bonus applies (default 0.2; set it near "
+        "the actor/entropy_trained of the first steps)",
+    )
+    train.add_argument(
         "--num-iterations",
         type=int,
         default=1,
@@ -298,6 +328,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="fsdp",
         help="with several trainer ranks: fsdp shards the weights, gradients and Adam state over them (FSDP2; "
         "each holds 1/N), ddp gives each a whole copy (default fsdp)",
+    )
+    train.add_argument(
+        "--disable-dropout",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a Hugging Face policy's dropout off (default), so the trainer scores tokens as the generators drew "
+        "them and the ratio is 1 at lag 0; --no-disable-dropout trains through the model's own dropout",
     )
     train.add_argument(
         "--gradient-checkpointing",
@@ -441,6 +478,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
             top_entropy_quantile=args.top_entropy_quantile,
             off_policy_mask_threshold=args.off_policy_mask_threshold,
             use_bias_correction_kl=args.use_bias_correction_kl,
+            entropy_coef=args.entropy_coef,
+            use_adaptive_entropy=args.use_adaptive_entropy,
+            entropy_coef_min=args.entropy_coef_min,
+            entropy_coef_max=args.entropy_coef_max,
+            entropy_coef_delta=args.entropy_coef_delta,
+            entropy_target=args.entropy_target,
             sapo_temperature_pos=args.sapo_temperature_pos,
             sapo_temperature_neg=args.sapo_temperature_neg,
             sync_ref_model=args.sync_ref_model,
@@ -451,6 +494,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
             trainer_shard=args.trainer_shard,
             max_tokens_per_pass=args.max_tokens_per_pass,
             gradient_checkpointing=args.gradient_checkpointing,
+            disable_dropout=args.disable_dropout,
             max_grad_norm=args.max_grad_norm,
             lr_schedule=args.lr_schedule,
             warmup_steps=args.warmup_steps,
@@ -511,6 +555,11 @@ def check_task_settings(config: Config) -> None:
                 f"{', '.join(given)} with --task {config.task}: the bandit draws its actions from the policy's own "
                 "softmax, with no sampler to set"
             )
+    if not config.disable_dropout and not issubclass(task, HFTask):
+        raise SettingsError(
+            f"--no-disable-dropout keeps a Hugging Face policy's dropout (--task hf); --task {config.task}'s model is "
+            "its own"
+        )
     if config.multi_objective_aggregation == "normalize_then_sum" and not issubclass(task, HFTask):
         raise SettingsError(
             "--multi-objective-aggregation normalize_then_sum normalises each --reward function's rewards "

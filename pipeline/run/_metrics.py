@@ -81,6 +81,8 @@ def metric_row(report: StepReport, windowed: dict[str, float]) -> dict[str, Any]
         "actor/dual_clip_fraction": report.dual_clip_fraction,
         "actor/off_policy_masked_fraction": report.off_policy_masked,
         "actor/entropy": report.entropy,
+        "actor/entropy_coef": report.entropy_coef,
+        "actor/entropy_trained": report.trained_entropy,
         "mismatch/logp_abs": report.logp_diff,
         "mismatch/is_weight": report.is_weight,
         "mismatch/is_truncated": report.is_truncated,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import shutil
 from collections.abc import Callable
@@ -34,6 +35,7 @@ from ..models import (
     VLLMOptions,
     build_engine,
     check_model,
+    disable_dropout,
     load_model,
     load_tokenizer,
 )
@@ -46,6 +48,8 @@ if TYPE_CHECKING:
     from ..config import Config
 
 __all__ = ["HFBatch", "HFTask"]
+
+_log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -125,7 +129,10 @@ class HFTask(Task):
     # -- the Task interface ----------------------------------------------------------------------------------
 
     def build_policy(self) -> torch.nn.Module:
-        return load_model(self.config.model)
+        model = load_model(self.config.model)
+        if self.config.disable_dropout and disable_dropout(model):  # the trainer's log-probs then are the generators'
+            _log.info("%s: dropout off in training (--disable-dropout)", type(model).__name__)
+        return model
 
     def params(self, samples: int, greedy: bool = False) -> SamplingParams:
         config = self.config
@@ -229,10 +236,10 @@ class HFTask(Task):
         ref_logps: torch.Tensor | None,
         rows: slice | None = None,
     ) -> LossReport:
-        scorer = self.logps_of(policy)
+        scorer, bonus = self.logps_of(policy), self.config.entropy_control().active
 
         def policy_logps(part: slice) -> tuple[torch.Tensor, torch.Tensor]:
-            return scorer(samples.tokens[part], samples.prompt_mask[part], self.config.temperature)
+            return scorer(samples.tokens[part], samples.prompt_mask[part], self.config.temperature, bonus)
 
         return completion_loss(
             self.config,

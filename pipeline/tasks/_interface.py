@@ -70,6 +70,9 @@ class LossReport:
     is_weight: float = 1.0  # --is-correction: the mean token weight
     is_truncated: float = 0.0  # --is-correction: tokens whose weight was outside [--is-min, --is-cap]
     off_policy_masked: float = 0.0  # --off-policy-mask-threshold: tokens taken out of the policy term
+    trained_entropy: float = 0.0  # the mean entropy of the tokens the policy term trains (the entropy bonus's H)
+    #: that H as this part's share, with its gradient (--entropy-coef)
+    entropy_bonus: torch.Tensor | None = dataclasses.field(default=None, kw_only=True)
 
     @classmethod
     def of(cls, out: TokenLoss) -> LossReport:
@@ -85,6 +88,8 @@ class LossReport:
             out.is_weight,
             out.is_truncated,
             out.off_policy_masked,
+            out.trained_entropy,
+            entropy_bonus=out.entropy_bonus,
         )
 
     @classmethod
@@ -110,6 +115,17 @@ class LossReport:
             *(getattr(self, name) + getattr(other, name) for name in _SHARES),
         )
 
+    def backpropagated(self) -> LossReport:
+        """This report once its loss has been backpropagated: the figures, no graph (neither the loss's nor the
+        entropy term's, which a loss without a bonus never traverses)."""
+        return dataclasses.replace(self, loss=self.loss.detach(), entropy_bonus=None)
+
+    def with_entropy_bonus(self, coef: float) -> LossReport:
+        """This report with ``coef`` x its entropy term taken off the loss (the loss to minimise, and log)."""
+        if self.entropy_bonus is None:
+            raise ValueError("the loss reported no entropy_bonus (the trained tokens' mean entropy, differentiable)")
+        return dataclasses.replace(self, loss=self.loss - coef * self.entropy_bonus)
+
 
 #: The report's figures that are shares of the batch's token means: a batch's parts add up to them.
 _SHARES = (
@@ -122,6 +138,7 @@ _SHARES = (
     "is_weight",
     "is_truncated",
     "off_policy_masked",
+    "trained_entropy",
 )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.util
 import json
 import math
@@ -431,18 +432,20 @@ async def test_a_resumed_run_repeats_an_uninterrupted_one_step_for_step(tmp_path
     """On-policy with one generator, a run cut after step 3 and resumed trains steps 4-6 exactly as one that ran on.
 
     Each rollout's prompts and sampling randomness follow its ticket (its step), so nothing depends on
-    which process drew it or when; the checkpoint holds the policy, the optimiser and the schedule.
+    which process drew it or when; the checkpoint holds the policy, the optimiser, the schedule and the adaptive
+    entropy bonus's coefficient (applied from step 2 on, growing each step: a resume that lost it would differ).
     """
     from pipeline.learning.checkpoint import load
 
     settings = dict(mode="sync", generators=1, steps=6, eval_every=3, log_completions=0, kl_coeff=0.02)
+    settings.update(use_adaptive_entropy=True, entropy_coef=0.01, entropy_target=50.0, entropy_coef_delta=0.02)
     await run_pipeline(_config(tiny, tmp_path / "whole", **settings), quiet=True)
     cut = _config(tiny, tmp_path / "cut", **{**settings, "steps": 3})
     await run_pipeline(cut, quiet=True)
     saved = Config.from_dict(json.loads((tmp_path / "cut" / "config.json").read_text()))
     saved.steps = 6
     await run_pipeline(saved, resume=True, quiet=True)
-    keys = ("reward/mean", "actor/loss", "actor/kl", "actor/grad_norm", "eval/reward")
+    keys = ("reward/mean", "actor/loss", "actor/kl", "actor/grad_norm", "eval/reward", "actor/entropy_coef")
     whole = [[row.get(k) for k in keys] for row in read_rows(str(tmp_path / "whole"))]
     resumed = [[row.get(k) for k in keys] for row in read_rows(str(tmp_path / "cut"))]
     assert [row[0] for row in resumed] == [row[0] for row in whole] and resumed == whole
@@ -543,6 +546,81 @@ def test_passes_by_token_budget_and_checkpointing_give_the_same_update(tmp_path,
         torch.testing.assert_close(got[name], gradient, rtol=1e-4, atol=1e-7)
 
 
+def test_the_entropy_bonus_trains_a_hf_model_through_its_chunked_head(tmp_path, tiny):
+    """--entropy-coef c: the HF scorer's entropies carry their gradient (chunk by chunk), and the learner's step
+    descends the loss less c times the trained tokens' mean entropy."""
+    config = resolve(_config(tiny, tmp_path, prompts=4, group=2, kl_coeff=0.0, entropy_coef=0.5, max_grad_norm=0))
+    task = HFTask(config)
+    learner = Learner(task, torch.device("cpu"))
+    learner.policy.eval()
+    batch = task.sample(learner.policy, torch.Generator(device="cpu").manual_seed(0), ticket=0)
+    learner.policy.train()
+    rewards = torch.arange(8, dtype=torch.float32) / 8
+
+    def gradient(term) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        learner.policy.zero_grad()
+        term.backward()
+        return torch.cat([p.grad.flatten() for p in learner.policy.parameters()])
+
+    report = task.loss(learner.policy, batch, rewards, None)
+    assert report.entropy_bonus is not None and report.entropy_bonus.requires_grad
+    bonus = gradient(report.entropy_bonus)
+    plain = gradient(task.loss(learner.policy, batch, rewards, None).loss)
+    learner.policy.zero_grad()
+    learner.update(batch, rewards, None)
+    step = torch.cat([p.grad.flatten() for p in learner.policy.parameters()])
+    torch.testing.assert_close(step, plain - 0.5 * bonus, rtol=1e-4, atol=1e-7)
+    assert bonus.norm() > 0.01 * plain.norm()
+    without = HFTask(dataclasses.replace(config, entropy_coef=0.0)).loss(learner.policy, batch, rewards, None)
+    assert without.entropy_bonus is not None and not without.entropy_bonus.requires_grad
+
+
+def test_dropout_goes_off_in_every_form_a_model_holds_it():
+    """GPT-2 drops out through ``nn.Dropout`` modules; after :func:`disable_dropout` training mode computes what eval
+    mode does, and the model's config keeps its own rates (an export is the user's model)."""
+    import transformers
+
+    from pipeline.models import disable_dropout
+
+    config = transformers.GPT2Config(vocab_size=64, n_embd=16, n_layer=2, n_head=2, n_positions=16, resid_pdrop=0.3)
+    model = transformers.GPT2LMHeadModel(config).train()
+    tokens = torch.randint(0, 64, (2, 8), device="cpu")
+    with torch.no_grad():
+        assert not torch.equal(model(tokens).logits, model.eval()(tokens).logits)
+        assert disable_dropout(model.train()) == 7, "the embedding's, and 3 in each of the 2 blocks"
+        torch.testing.assert_close(model(tokens).logits, model.eval()(tokens).logits)
+    assert model.config.resid_pdrop == 0.3 and disable_dropout(model) == 0
+    router = torch.nn.Module()
+    router.layerdrop, router.jitter_noise, router.dropout_rate, router.hidden_dropout = 0.1, 0.01, 0.2, True
+    assert disable_dropout(router) == 3
+    assert (router.layerdrop, router.jitter_noise, router.dropout_rate, router.hidden_dropout) == (0, 0, 0, True)
+
+
+def test_the_policys_dropout_is_off_so_the_ratio_is_one_at_lag_zero(tmp_path, tiny):
+    """A Qwen2 whose attention drops out (``attention_dropout``, a probability its attention function takes, no
+    module): the trainer in training mode scores the generator's tokens (drawn in eval mode) at their own log-probs;
+    with --no-disable-dropout its random masks move every ratio off 1 (TRL's ``disable_dropout``)."""
+    import shutil
+
+    import transformers
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny / "model", folder)
+    config = transformers.AutoConfig.from_pretrained(str(folder))
+    config.attention_dropout = 0.3
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(str(folder))
+    mismatch = {}
+    for disable in (True, False):
+        task = HFTask(resolve(_config(tiny, tmp_path, model=str(folder), prompts=4, group=2, disable_dropout=disable)))
+        learner = Learner(task, torch.device("cpu"))
+        learner.policy.eval()
+        batch = task.sample(learner.policy, torch.Generator(device="cpu").manual_seed(0), ticket=0)
+        learner.policy.train()
+        with torch.no_grad():
+            mismatch[disable] = task.loss(learner.policy, batch, torch.arange(8.0) / 8, None).logp_diff
+    assert mismatch[True] < 1e-5 < 1e-2 < mismatch[False], mismatch
+
+
 def test_gspo_iterations_and_top_entropy_train_a_hf_model(tmp_path, tiny):
     """Sequence-level ratios with μ = 2 take the two steps two single updates take; a top-entropy share keeps the
     policy term of the tokens the pass's own entropies rank highest (the HF scorer's chunked head gives them)."""
@@ -622,13 +700,14 @@ def _two_sharded_ranks_and_one_learner(config: Config) -> tuple[Learner, Update,
 
 @pytest.mark.parametrize(
     "changes, tolerance, loss_abs",
-    [({"gradient_checkpointing": True}, 1e-4, 1e-6), ({"dtype": "bfloat16"}, 0.05, 1e-3)],
-    ids=["gradient-checkpointing", "bfloat16"],
+    [({"gradient_checkpointing": True, "entropy_coef": 0.1}, 1e-4, 1e-6), ({"dtype": "bfloat16"}, 0.05, 1e-3)],
+    ids=["gradient-checkpointing-and-entropy-bonus", "bfloat16"],
 )
 def test_a_hf_model_sharded_over_two_ranks_takes_the_one_learner_step(tmp_path, tiny, changes, tolerance, loss_abs):
     """FSDP2 on two gloo ranks: the scorer is the root (tied head and embedding in it), each layer a unit.
 
-    Gradient checkpointing recomputes each unit's forward in the backward. In bfloat16 the ranks compute under
+    Gradient checkpointing recomputes each unit's forward in the backward (here with an entropy bonus, whose
+    gradient runs through the chunked head inside the sharded root). In bfloat16 the ranks compute under
     FSDP2's mixed precision where one trainer autocasts: equal to bf16 rounding (under autocast the sharded
     gradient norm was 1.74 against 2.34: the case that caught it).
     """

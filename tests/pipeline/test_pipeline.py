@@ -44,6 +44,8 @@ FIELDS = {
     "actor/dual_clip_fraction",
     "actor/off_policy_masked_fraction",
     "actor/entropy",
+    "actor/entropy_coef",
+    "actor/entropy_trained",
     "actor/grad_norm",
     "actor/lr",
     "response_length/mean",

@@ -201,6 +201,7 @@ def test_new_flags_reach_the_config_and_its_resolved_defaults():
         "float32",
     )
     assert resolve(parse_args([])[0]).scale_rewards == "group"
+    assert parse_args([])[0].disable_dropout, "--no-disable-dropout reaches the config: refused for a digit task"
 
 
 def test_the_command_line_refuses_with_one_line_and_no_traceback(tmp_path):
