@@ -1,7 +1,7 @@
 """GRPO's mathematics on tensors, at the bottom of the pipeline.
 
 Group advantages, the clipped token loss and its variants (``grpo``,
-``dr_grpo``, ``dapo``, ``cispo``, ``sapo``, GSPO's sequence ratio, the dual clip, the
+``dr_grpo``, ``dapo``, ``cispo``, ``sapo``, ``luspo``, ``vespo``, GSPO's sequence ratio, the dual clip, the
 off-policy mask, the k3 KL, truncated importance weights), the entropy bonus's coefficient, one sampling step, and the
 log-probabilities of chosen tokens
 computed chunk by chunk so memory does not grow with the vocabulary.

@@ -19,7 +19,13 @@ completion mask ``m`` [N, T]:
   ``sapo`` (Qwen's SAPO), ``-(4 / tau) sigmoid(tau (rho - 1)) A``, a soft gate
   in place of the clip (``tau`` one temperature for ``A > 0``, another for
   the rest): its gradient is the policy gradient at ``rho = 1`` and fades
-  smoothly away from it;
+  smoothly away from it; or, for ``vespo`` (VESPO), ``-sg(phi(w)) A log pi``
+  with ``w`` the completion's ratio, the exponential of the *sum* of its
+  tokens' log-ratios (times their importance weights, if any), and
+  ``phi(w) = exp(lam + k log w - lam w)``, a Gamma-shaped weight with
+  ``phi(1) = 1`` that fades both for ``w`` far below 1 (power ``k``) and
+  above it (decay ``lam``), ``k``, ``lam`` one pair for ``A >= 0`` and one
+  for the rest;
 * **off-policy mask** (a threshold ``delta``; DeepSeek-V3.2, TRL's
   ``off_policy_mask_threshold``): a completion with ``A < 0`` whose tokens'
   mean ``log mu - log pi`` exceeds ``delta`` drops out of the policy term;
@@ -43,9 +49,10 @@ completion mask ``m`` [N, T]:
   the variant's weights, so the coefficient means the same for every loss;
 * **loss** ``sum_{i,t} w_{i,t} (policy + beta KL)``, the weights ``w`` set by
   the variant (:func:`token_weights`): ``grpo`` averages each completion's
-  tokens, then the completions (so does ``sapo``); ``dapo`` and ``cispo``
-  average every token of the batch; ``dr_grpo`` divides by the constant ``N x L`` (``L`` the
-  completion limit).
+  tokens, then the completions (so does ``sapo``); ``dapo``, ``cispo`` and
+  ``vespo`` average every token of the batch; ``dr_grpo`` divides by the constant ``N x L`` (``L`` the
+  completion limit); ``luspo`` (LUSPO: GSPO's sequence ratio, each completion
+  weighted by its length) divides every token's term by ``N`` alone.
 
 Weights are computed over a whole batch, so a micro-batch's loss is its share
 of the batch's loss and gradients accumulated over micro-batches equal the
@@ -55,6 +62,7 @@ padding holds, they can neither overflow nor turn ``inf x 0`` into NaN.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -80,8 +88,10 @@ __all__ = [
 
 #: ``grpo``: per-completion token mean; ``dr_grpo``: constant normaliser; ``dapo``: token mean over the batch;
 #: ``cispo``: the capped ratio as a weight on the policy gradient (no token's gradient zeroed), dapo's mean;
-#: ``sapo``: a soft, temperature-controlled gate on the ratio in place of the clip, grpo's mean.
-LossKind = Literal["grpo", "dr_grpo", "dapo", "cispo", "sapo"]
+#: ``sapo``: a soft, temperature-controlled gate on the ratio in place of the clip, grpo's mean;
+#: ``luspo``: the clip on GSPO's sequence ratio, each completion's term times its length (a sum over its tokens);
+#: ``vespo``: a Gamma-shaped weight of the completion's ratio on the policy gradient, dapo's mean.
+LossKind = Literal["grpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 #: What divides a group's centred rewards: its own std, the batch's, or nothing.
 RewardScale = Literal["group", "batch", "none"]
 #: One importance ratio per token (GRPO), or per completion, the geometric mean of its tokens' (GSPO).
@@ -115,6 +125,10 @@ class LossSpec:
     kl_is_weighted: bool = False  # the KL term times the ratio (TRL's use_bias_correction_kl)
     sapo_tau_pos: float = 1.0  # sapo: the gate's temperature where A > 0
     sapo_tau_neg: float = 1.05  # sapo: where A <= 0 (steeper: a negative token's update fades sooner)
+    vespo_k_pos: float = 2.0  # vespo: the weight's power of w where A >= 0 (how fast it fades below w = 1)
+    vespo_lambda_pos: float = 3.0  # vespo: its decay where A >= 0 (how fast it fades above w = 1)
+    vespo_k_neg: float = 3.0  # vespo: the same where A < 0
+    vespo_lambda_neg: float = 2.0
 
 
 def group_advantages(
@@ -147,12 +161,21 @@ def high_entropy_tokens(entropy: torch.Tensor, real: torch.Tensor, share: float)
     return real & (entropy >= threshold.to(entropy.dtype))
 
 
-def token_weights(mask: torch.Tensor, kind: LossKind, max_length: int = 0) -> torch.Tensor:
-    """Each token's weight [N, T] in the loss of the batch ``mask`` [N, T] describes (0 where masked)."""
+def token_weights(mask: torch.Tensor, kind: LossKind, max_length: int = 0, within: slice | None = None) -> torch.Tensor:
+    """Each token's weight [N, T] in the loss of the batch ``mask`` [N, T] describes (0 where masked).
+
+    ``within``: the loss is that of those rows alone (a mini-batch, one optimiser step's), the other rows weigh 0.
+    """
+    if within is not None:
+        weights = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+        weights[within] = token_weights(mask[within], kind, max_length)
+        return weights
     mask = mask.to(torch.float32)
     rows = max(1, mask.shape[0])
-    if kind in ("dapo", "cispo"):
+    if kind in ("dapo", "cispo", "vespo"):
         return mask / mask.sum().clamp_min(1.0)
+    if kind == "luspo":
+        return mask / rows
     if kind in ("grpo", "sapo"):
         return mask / (mask.sum(1, keepdim=True).clamp_min(1.0) * rows)
     if kind == "dr_grpo":
@@ -195,6 +218,37 @@ def _importance_weights(gap: torch.Tensor, real: torch.Tensor, spec: LossSpec) -
     return torch.where(real, weight, torch.ones_like(weight)).to(dtype), outside
 
 
+#: VESPO's floor on a completion's log-ratio, log 1e-8 (as the paper's code), and its ceiling.
+_VESPO_LOG_RANGE = (math.log(1e-8), 20.0)
+
+
+def _gamma_weights(
+    log_ratio: torch.Tensor,
+    is_weight: torch.Tensor | None,
+    real: torch.Tensor,
+    adv: torch.Tensor,
+    spec: LossSpec,
+) -> torch.Tensor:
+    """VESPO's weight [N, 1] of each completion, no gradient: ``phi(w) = exp(lam + k log w - lam w)``, ``log w`` the
+    sum of its tokens' log-ratios (0 where masked) and of the logs of their importance weights (a sequence form's
+    weight counted once), within ``_VESPO_LOG_RANGE``; an overflow or NaN weighs 0."""
+    low, high = _VESPO_LOG_RANGE
+    with torch.no_grad():
+        log_w = log_ratio.float().clamp(-20.0, 20.0).sum(1, keepdim=True)
+        if is_weight is not None:
+            logs = torch.where(real, is_weight.float().log().clamp(low, high), torch.zeros_like(log_ratio.float()))
+            total = logs.sum(1, keepdim=True)
+            if spec.is_mode.startswith("sequence"):  # each token holds the completion's one weight
+                total = total / real.sum(1, keepdim=True).clamp_min(1)
+            log_w = log_w + total
+        log_w = log_w.clamp(low, high)
+        positive = adv >= 0
+        k = torch.where(positive, spec.vespo_k_pos, spec.vespo_k_neg)
+        lam = torch.where(positive, spec.vespo_lambda_pos, spec.vespo_lambda_neg).clamp_min(1e-4)
+        phi = (lam + k * log_w - lam * log_w.exp()).exp().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    return phi.to(log_ratio.dtype)
+
+
 def token_grpo_loss(
     logps: torch.Tensor,
     behaviour_logps: torch.Tensor,
@@ -229,6 +283,8 @@ def token_grpo_loss(
     else:
         anchor = behaviour_logps
     log_ratio = torch.where(real, logps - anchor, torch.zeros_like(logps))
+    if spec.kind == "luspo" and spec.level != "sequence":
+        raise ValueError("luspo weighs GSPO's sequence ratio by the completion's length: it needs the sequence level")
     if spec.level == "sequence":  # GSPO: a completion's tokens share exp(their mean log-ratio), clipped as one
         mean = log_ratio.sum(1, keepdim=True) / real.sum(1, keepdim=True).clamp_min(1)
         log_ratio = torch.where(real, mean.expand_as(log_ratio), torch.zeros_like(log_ratio))
@@ -238,7 +294,13 @@ def token_grpo_loss(
     ratio = log_ratio.clamp(-20.0, 20.0).exp()
     adv = advantages.unsqueeze(1).to(logps.dtype)
     dual = torch.zeros_like(real)
-    if spec.kind == "cispo":  # the capped ratio weighs -A log pi: its gradient is -sg(min(rho, cap)) A grad log pi
+    if spec.kind == "vespo":  # the completion's Gamma weight on -A log pi: its gradient is -sg(phi(w)) A grad log pi
+        if spec.level != "token":
+            raise ValueError("vespo takes a completion's ratio from its tokens' log-ratios: leave the level at token")
+        capped = torch.zeros_like(real)
+        phi = _gamma_weights(log_ratio, is_weight if spec.is_cap > 0 else None, real, adv, spec)
+        policy = -phi * adv * torch.where(real, logps, torch.zeros_like(logps))
+    elif spec.kind == "cispo":  # the capped ratio weighs -A log pi: its gradient is -sg(min(rho, cap)) A grad log pi
         capped = ratio > spec.clip_high
         policy = -ratio.detach().clamp(max=spec.clip_high) * adv * torch.where(real, logps, torch.zeros_like(logps))
     elif spec.kind == "sapo":  # the gate 4 sigmoid(tau (rho - 1)) / tau: slope 1 at rho = 1, bounded by 4 / tau
@@ -254,7 +316,8 @@ def token_grpo_loss(
             cap = -spec.dual_clip * adv
             dual = (adv < 0) & (policy > cap)
             policy = torch.where(dual, cap.expand_as(policy), policy)
-    policy = policy * is_weight
+    if spec.kind != "vespo":  # vespo's weight holds the importance weights already
+        policy = policy * is_weight
     dropped = torch.zeros_like(real)
     if spec.off_policy_mask is not None:  # the behaviour's own log-probs: engine mismatch and staleness both count
         drift = torch.where(real, behaviour_logps - logps.detach(), torch.zeros_like(logps))

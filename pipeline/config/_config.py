@@ -117,7 +117,7 @@ class Config:
     clip: float | None = None
     kl_coeff: float | None = None
     max_inflight: int = 2  # rollouts a generator may have ahead of the trainer
-    loss: LossKind = "dapo"  # grpo | dr_grpo | dapo | cispo | sapo: the policy term, its average (pipeline.algorithm)
+    loss: LossKind = "dapo"  # grpo | dr_grpo | dapo | cispo | sapo | luspo | vespo: the policy term and its average
     scale_rewards: RewardScale | None = None  # group | batch | none; None: none for dr_grpo, else group (batch: GDPO)
     multi_objective_aggregation: Aggregation = "sum_then_normalize"  # hf: normalize_then_sum is GDPO
     epsilon_high: float | None = None  # the clip's upper bound (clip-higher); None: ``clip`` (cispo: the cap, 5)
@@ -125,6 +125,7 @@ class Config:
     mask_truncated: bool = False  # completions that hit the length limit do not train
     importance_sampling_level: RatioLevel = "token"  # sequence: one clipped ratio per completion (GSPO)
     num_iterations: int = 1  # optimiser steps on each rollout (TRL's μ; the clip bounds the later ones)
+    mini_batches: int = 1  # optimiser steps per iteration, each on an equal part of the rollout's rows
     sync_ref_model: bool = False  # mix the policy into the reference every ``ref_model_sync_steps`` (TR-DPO style)
     ref_model_mixup_alpha: float = 0.6  # the policy's share of a synced reference: a pi + (1 - a) pi_ref
     ref_model_sync_steps: int = 512  # trainer steps between syncs of the reference
@@ -133,6 +134,10 @@ class Config:
     use_bias_correction_kl: bool = False  # the KL term weighted by the importance ratio
     sapo_temperature_pos: float = 1.0  # --loss sapo: the soft gate's temperature for positive advantages
     sapo_temperature_neg: float = 1.05  # --loss sapo: for the others
+    vespo_k_pos: float = 2.0  # --loss vespo: the weight's power and decay where A >= 0, and where A < 0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
     entropy_coef: float = 0.0  # the loss minus this x the trained tokens' mean entropy (adaptive: its start)
     use_adaptive_entropy: bool = False  # step entropy_coef toward entropy_target each optimiser step (Skywork-OR1)
     entropy_coef_min: float = 0.0  # adaptive: the coefficient's bounds and step

@@ -103,6 +103,7 @@ def check_settings(config: Config) -> None:
     _one_of(config, "is_correction", get_args(IsCorrection))
     _one_of(config, "importance_sampling_level", RATIO_LEVELS)
     _at_least(config, "num_iterations", 1)
+    _at_least(config, "mini_batches", 1)
     if not 0 < config.top_entropy_quantile <= 1:
         raise SettingsError(
             f"--top-entropy-quantile {config.top_entropy_quantile}: the share of tokens trained must be in (0, 1]"
@@ -137,6 +138,24 @@ def check_settings(config: Config) -> None:
         )
     if not 0 <= config.min_p < 1:
         raise SettingsError(f"--min-p {config.min_p}: a share of the likeliest token's probability, in [0, 1)")
+    if config.loss == "luspo" and config.importance_sampling_level != "sequence":
+        raise SettingsError(
+            "--loss luspo weighs GSPO's sequence ratio by each completion's length: add --importance-sampling-level "
+            "sequence"
+        )
+    if config.loss == "vespo" and config.importance_sampling_level != "token":
+        raise SettingsError(
+            "--loss vespo --importance-sampling-level sequence: vespo takes each completion's ratio from its tokens' "
+            "log-ratios itself; leave the level at token"
+        )
+    for name in ("vespo_k_pos", "vespo_k_neg"):
+        if not getattr(config, name) >= 0:
+            flag = "--" + name.replace("_", "-")
+            raise SettingsError(f"{flag} {getattr(config, name)}: the weight's power of the ratio must be at least 0")
+    for name in ("vespo_lambda_pos", "vespo_lambda_neg"):
+        if not getattr(config, name) > 0:
+            flag = "--" + name.replace("_", "-")
+            raise SettingsError(f"{flag} {getattr(config, name)}: the weight's decay must be above 0")
     for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
         if not getattr(config, name) > 0:
             flag = "--" + name.replace("_", "-")
@@ -227,4 +246,9 @@ def _check_trainer_ranks(config: Config) -> None:
         raise SettingsError(
             f"--trainer-ranks {ranks}: a rollout has {config.prompts * config.group} rows (--prompts x --group) "
             "to share out; each rank needs at least one"
+        )
+    if config.prompts * config.group < ranks * config.mini_batches:
+        raise SettingsError(
+            f"--trainer-ranks {ranks} with --mini-batches {config.mini_batches}: a mini-batch of a rollout's "
+            f"{config.prompts * config.group} rows (--prompts x --group) has fewer rows than ranks to share them"
         )

@@ -57,15 +57,18 @@ class RankShare:
         if self.world < 1 or not 0 <= self.rank < self.world:
             raise ValueError(f"rank {self.rank} of {self.world}: need 0 <= rank < world, world >= 1")
 
-    def block(self, rows: int) -> tuple[int, int]:
-        """The [start, stop) rows of ``rows`` that are this rank's."""
-        return self.rank * rows // self.world, (self.rank + 1) * rows // self.world
+    def block(self, rows: int, within: slice | None = None) -> tuple[int, int]:
+        """The [start, stop) rows of ``rows`` (of the mini-batch ``within`` them, if given) that are this rank's."""
+        first, last, _ = (within or slice(None)).indices(rows)
+        size = last - first
+        return first + self.rank * size // self.world, first + (self.rank + 1) * size // self.world
 
-    def passes(self, slices: list[slice], rows: int | None) -> list[slice]:
-        """This rank's part of each pass in ``slices`` (over ``rows`` rows): no pass grows, none is empty."""
+    def passes(self, slices: list[slice], rows: int | None, within: slice | None = None) -> list[slice]:
+        """This rank's part of each pass in ``slices`` (over ``rows`` rows; of a mini-batch ``within`` them): no
+        pass grows, none is empty."""
         if rows is None:
             raise ValueError("the task's samples have no rows to share out: give its rows() to train on several ranks")
-        start, stop = self.block(rows)
+        start, stop = self.block(rows, within)
         mine = []
         for part in slices:
             first, last, step = part.indices(rows)
@@ -200,11 +203,12 @@ class DataParallel:
         dist.all_gather(shown, digest)
         return [rank for rank, other in enumerate(shown) if not torch.equal(other, digest)]
 
-    def passes(self, slices: list[slice], rows: int | None) -> list[slice]:
-        """This rank's passes of a rollout of ``rows`` rows that one rank would train in ``slices``."""
-        return self.share.passes(slices, rows)
+    def passes(self, slices: list[slice], rows: int | None, within: slice | None = None) -> list[slice]:
+        """This rank's passes of a rollout of ``rows`` rows (a mini-batch ``within`` them) one rank would train in
+        ``slices``."""
+        return self.share.passes(slices, rows, within)
 
-    def idle_passes(self, slices: list[slice], rows: int | None) -> list[slice]:
+    def idle_passes(self, slices: list[slice], rows: int | None, within: slice | None = None) -> list[slice]:
         """Passes counted zero that this rank must run to keep in step: none, as a replica syncs only after its passes."""
         return []
 

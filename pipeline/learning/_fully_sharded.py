@@ -79,11 +79,11 @@ class FullySharded(DataParallel):
                 module.set_force_sum_reduction_for_comms(True)
         self._root = root
 
-    def idle_passes(self, slices: list[slice], rows: int | None) -> list[slice]:
+    def idle_passes(self, slices: list[slice], rows: int | None, within: slice | None = None) -> list[slice]:
         """Passes of one of this rank's rows, counted zero, so that it runs as many passes as the busiest rank."""
         share = self.share
-        counts = [len(RankShare(rank, share.world).passes(slices, rows)) for rank in range(share.world)]
-        start, _ = share.block(rows or 0)
+        counts = [len(RankShare(rank, share.world).passes(slices, rows, within)) for rank in range(share.world)]
+        start, _ = share.block(rows or 0, within)
         return [slice(start, start + 1)] * (max(counts) - counts[share.rank])
 
     def sum_gradients(self, module: torch.nn.Module) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import math
 import time
 from collections.abc import Callable
@@ -48,9 +49,9 @@ def lr_factor(config: Config) -> Callable[[int], float]:
     """The learning rate's multiplier at each optimiser step: linear warm-up, then constant or cosine to 0.
 
     Warm-up and length are counted in trainer steps (rollouts); a rollout
-    takes ``num_iterations`` optimiser steps, so the schedule is stretched by it.
+    takes ``num_iterations`` x ``mini_batches`` optimiser steps, so the schedule is stretched by them.
     """
-    iterations = max(1, config.num_iterations)
+    iterations = max(1, config.num_iterations) * max(1, config.mini_batches)
     warmup, total = config.warmup_steps * iterations, config.steps * iterations
     cosine = config.lr_schedule == "cosine"
 
@@ -90,6 +91,12 @@ class Learner:
         self.reference_state = copy.deepcopy(self.policy.state_dict())
         self.micro_batch = config.micro_batch
         self.iterations = config.num_iterations
+        self.mini_batches = max(1, config.mini_batches)
+        if self.mini_batches > 1 and "batch" not in inspect.signature(task.loss).parameters:
+            raise ValueError(
+                f"--mini-batches {self.mini_batches}: {type(task).__name__}.loss takes no batch= (the rows of one "
+                "optimiser step, whose loss it is): add it to train in mini-batches"
+            )
         self.max_tokens = config.max_tokens_per_pass
         if config.gradient_checkpointing:
             enable = getattr(self.policy, "gradient_checkpointing_enable", None)
@@ -146,16 +153,23 @@ class Learner:
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
     def update(self, samples: Any, rewards: torch.Tensor, ref_logps: torch.Tensor | None) -> Update:
-        """One GRPO step on ``samples`` (already on this device): ``num_iterations`` optimiser steps on them.
+        """One GRPO step on ``samples`` (already on this device): ``num_iterations`` x ``mini_batches`` optimiser
+        steps on them.
 
-        Each iteration's ratio is to the behaviour log-probs, so after the
-        first the policy has moved and the clip bounds how far. The report's
-        figures are the iterations' means, but ``logp_diff`` is the first's
-        (the trainer against the behaviour policy before this rollout's update);
-        ``lr`` is the last iteration's rate.
+        Each iteration takes one optimiser step on each mini-batch in turn (the
+        whole rollout, unless ``--mini-batches`` splits it), every ratio to the
+        behaviour log-probs: after the first step the policy has moved and the
+        clip bounds how far. The report's figures are the steps' means, but
+        ``logp_diff`` is the first's (the trainer against the behaviour policy
+        before this rollout's update); ``lr`` is the last step's rate.
         """
         started = time.perf_counter()
-        done = [self._iterate(samples, rewards, ref_logps) for _ in range(max(1, self.iterations))]
+        batches = self._mini_batches(samples)
+        done = [
+            self._iterate(samples, rewards, ref_logps, batch)
+            for _ in range(max(1, self.iterations))
+            for batch in batches
+        ]
         reports, norms, rates = zip(*done, strict=True)
         report = reports[0]
         if len(reports) > 1:
@@ -165,10 +179,40 @@ class Learner:
         seconds = time.perf_counter() - started
         return Update(report, sum(norms) / len(norms), seconds, rates[-1], self.entropy.coef)
 
-    def _loss(self, samples: Any, rewards: torch.Tensor, ref_logps: torch.Tensor | None, rows: slice) -> LossReport:
-        """The task's loss of ``rows``, less the entropy bonus where the run has one."""
+    def _mini_batches(self, samples: Any) -> list[slice | None]:
+        """The rows of each optimiser step of an iteration: the whole rollout, or ``mini_batches`` equal parts."""
+        if self.mini_batches == 1:
+            return [None]
+        name = type(self.task).__name__
+        rows = self.task.rows(samples)
+        if rows is None or rows % self.mini_batches:
+            raise ValueError(
+                f"--mini-batches {self.mini_batches}: {name}'s rollout of {rows} rows does not split evenly"
+            )
+        size = rows // self.mini_batches
+        return [slice(start, start + size) for start in range(0, rows, size)]
+
+    def _passes(self, samples: Any, batch: slice | None) -> list[slice]:
+        """The forward/backward passes of one optimiser step: the task's micro-batches, or (a mini-batch) its rows
+        in passes no larger than the task's."""
+        passes = self.task.micro_batches(samples, self.micro_batch, self.max_tokens)
+        if batch is None:
+            return passes
+        rows = self.task.rows(samples)
+        assert rows is not None  # _mini_batches split them
+        size = max(len(range(*part.indices(rows))) for part in passes)
+        first, last, _ = batch.indices(rows)
+        return [slice(start, min(start + size, last)) for start in range(first, last, size)]
+
+    def _loss(
+        self, samples: Any, rewards: torch.Tensor, ref_logps: torch.Tensor | None, rows: slice, batch: slice | None
+    ) -> LossReport:
+        """The task's loss of ``rows`` (of the mini-batch ``batch``), less the entropy bonus where the run has one."""
         with self._precision():
-            report = self.task.loss(self.policy, samples, rewards, ref_logps, rows)
+            if batch is None:  # a task written before mini-batches takes no batch
+                report = self.task.loss(self.policy, samples, rewards, ref_logps, rows)
+            else:
+                report = self.task.loss(self.policy, samples, rewards, ref_logps, rows, batch=batch)
         if not self.entropy.active:
             return report
         if report.entropy_bonus is None:
@@ -179,24 +223,27 @@ class Learner:
         return report.with_entropy_bonus(self.entropy.applied())
 
     def _iterate(
-        self, samples: Any, rewards: torch.Tensor, ref_logps: torch.Tensor | None
+        self, samples: Any, rewards: torch.Tensor, ref_logps: torch.Tensor | None, batch: slice | None
     ) -> tuple[LossReport, float, float]:
-        """One optimiser step on ``samples``, in micro-batches if the run asks for them: its report, gradient norm
-        (before clipping) and learning rate."""
+        """One optimiser step on ``samples`` (its mini-batch ``batch``, or all), in micro-batches if the run asks
+        for them: its report, gradient norm (before clipping) and learning rate."""
         self.optim.zero_grad()
         total: LossReport | None = None
-        passes = self.task.micro_batches(samples, self.micro_batch, self.max_tokens)
+        passes = self._passes(samples, batch)
         idle: list[slice] = []
         if self.parallel is not None:
             count = self.task.rows(samples)
-            passes, idle = self.parallel.passes(passes, count), self.parallel.idle_passes(passes, count)
+            passes, idle = (
+                self.parallel.passes(passes, count, batch),
+                self.parallel.idle_passes(passes, count, batch),
+            )
         for rows in passes:
-            report = self._loss(samples, rewards, ref_logps, rows)
+            report = self._loss(samples, rewards, ref_logps, rows, batch)
             report.loss.backward()  # type: ignore[no-untyped-call]
             report = report.backpropagated()
             total = report if total is None else total.add(report)
         for rows in idle:  # in step with busier ranks: the same collectives, nothing learnt
-            report = self._loss(samples, rewards, ref_logps, rows)
+            report = self._loss(samples, rewards, ref_logps, rows, batch)
             (report.loss * 0.0).backward()  # type: ignore[no-untyped-call]
         if self.parallel is not None:
             self.parallel.sum_gradients(self.policy)

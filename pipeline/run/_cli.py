@@ -29,7 +29,7 @@ from ..config import (
     check_settings,
 )
 from ..models import PRESETS, ModelError, vllm_missing
-from ..tasks import BUILTINS, BanditTask, DataError, HFTask, RewardError, Task, resolve, task_class
+from ..tasks import BUILTINS, BanditTask, DataError, DigitsTask, HFTask, RewardError, Task, resolve, task_class
 from ._placement import ROLES
 from ._sinks import missing_tracker
 
@@ -174,8 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--dual-clip",
         type=float,
         default=3.0,
-        help="a negative advantage's term is at most C·|A| (default 3; 0: off; not for cispo or sapo, whose terms "
-        "are bounded); TRL's two-sided delta is C for delta >= 1 + ε_high",
+        help="a negative advantage's term is at most C·|A| (default 3; 0: off; not for cispo, sapo or vespo, whose "
+        "terms are bounded); TRL's two-sided delta is C for delta >= 1 + ε_high",
     )
     train.add_argument(
         "--loss",
@@ -184,7 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="how token terms are averaged: grpo (per completion, then over completions), dr_grpo (constant "
         "normaliser, no std scaling), dapo (over every token of the batch; default); cispo: the policy gradient "
         "weighted by the ratio capped at --epsilon-high, dapo's average (MiniMax-M1); sapo: a soft gate on the "
-        "ratio in place of the clip, grpo's average (SAPO)",
+        "ratio in place of the clip, grpo's average (SAPO); luspo: GSPO's clipped sequence ratio, each completion "
+        "weighted by its length (needs --importance-sampling-level sequence); vespo: the policy gradient weighted by "
+        "a Gamma function of the completion's ratio, dapo's average (VESPO)",
     )
     train.add_argument(
         "--scale-rewards",
@@ -251,6 +253,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.05,
         help="sapo: the gate's temperature for the others (default 1.05: their updates fade sooner)",
     )
+    for sign, k, lam in (("pos", 2.0, 3.0), ("neg", 3.0, 2.0)):
+        which = "A >= 0" if sign == "pos" else "A < 0"
+        train.add_argument(
+            f"--vespo-k-{sign}",
+            type=float,
+            default=k,
+            help=f"vespo, {which}: the weight's power of the ratio w (how fast it fades below 1; default {k:g})",
+        )
+        train.add_argument(
+            f"--vespo-lambda-{sign}",
+            type=float,
+            default=lam,
+            help=f"vespo, {which}: the weight's decay (how fast it fades above w = 1; default {lam:g})",
+        )
     train.add_argument(
         "--off-policy-mask-threshold",
         type=float,
@@ -299,6 +315,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="optimiser steps on each rollout (μ; default 1); later steps' ratios move off 1 and the clip bounds them",
+    )
+    train.add_argument(
+        "--mini-batches",
+        type=int,
+        default=1,
+        metavar="K",
+        help="each iteration takes K optimiser steps, one on each of K equal parts of the rollout's completions, "
+        "advantages from the whole rollout, each step's loss averaged over its part (TRL's steps_per_generation "
+        "over gradient_accumulation_steps; default 1)",
     )
     train.add_argument(
         "--micro-batch",
@@ -475,6 +500,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
             mask_truncated=args.mask_truncated,
             importance_sampling_level=args.importance_sampling_level,
             num_iterations=args.num_iterations,
+            mini_batches=args.mini_batches,
             top_entropy_quantile=args.top_entropy_quantile,
             off_policy_mask_threshold=args.off_policy_mask_threshold,
             use_bias_correction_kl=args.use_bias_correction_kl,
@@ -486,6 +512,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
             entropy_target=args.entropy_target,
             sapo_temperature_pos=args.sapo_temperature_pos,
             sapo_temperature_neg=args.sapo_temperature_neg,
+            vespo_k_pos=args.vespo_k_pos,
+            vespo_lambda_pos=args.vespo_lambda_pos,
+            vespo_k_neg=args.vespo_k_neg,
+            vespo_lambda_neg=args.vespo_lambda_neg,
             sync_ref_model=args.sync_ref_model,
             ref_model_mixup_alpha=args.ref_model_mixup_alpha,
             ref_model_sync_steps=args.ref_model_sync_steps,
@@ -559,6 +589,12 @@ def check_task_settings(config: Config) -> None:
         raise SettingsError(
             f"--no-disable-dropout keeps a Hugging Face policy's dropout (--task hf); --task {config.task}'s model is "
             "its own"
+        )
+    rows = config.group if issubclass(task, BanditTask) else config.prompts * config.group
+    if issubclass(task, (BanditTask, HFTask, DigitsTask)) and rows % config.mini_batches:
+        raise SettingsError(
+            f"--mini-batches {config.mini_batches}: a rollout of {rows} completions does not split into "
+            f"{config.mini_batches} equal parts"
         )
     if config.multi_objective_aggregation == "normalize_then_sum" and not issubclass(task, HFTask):
         raise SettingsError(

@@ -107,6 +107,7 @@ class BanditTask(Task):
         rewards: torch.Tensor,
         ref_logps: torch.Tensor | None,
         rows: slice | None = None,
+        batch: slice | None = None,
     ) -> LossReport:
         part = slice(None) if rows is None else rows
         spec = loss_spec(self.config, 1)
@@ -122,8 +123,8 @@ class BanditTask(Task):
             group_advantages(rewards, len(rewards), self.config.scale_rewards or "group")[part],
             spec,
             entropy=entropy,
-            weights=token_weights(ones, spec.kind, 1)[part],
-            tokens=float(len(samples.actions)),
+            weights=token_weights(ones, spec.kind, 1, batch)[part],
+            tokens=float(len(ones[slice(None) if batch is None else batch])),
         )
         return LossReport.of(out)
 

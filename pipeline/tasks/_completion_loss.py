@@ -35,6 +35,10 @@ def loss_spec(config: Config, max_length: int = 0) -> LossSpec:
         kl_is_weighted=config.use_bias_correction_kl,
         sapo_tau_pos=config.sapo_temperature_pos,
         sapo_tau_neg=config.sapo_temperature_neg,
+        vespo_k_pos=config.vespo_k_pos,
+        vespo_lambda_pos=config.vespo_lambda_pos,
+        vespo_k_neg=config.vespo_k_neg,
+        vespo_lambda_neg=config.vespo_lambda_neg,
     )
 
 
@@ -49,20 +53,23 @@ def completion_loss(
     group: int,
     truncated: torch.Tensor,
     rows: slice | None,
+    batch: slice | None = None,
 ) -> LossReport:
     """The GRPO loss of the completions in ``rows`` of one rollout of token completions.
 
     ``policy_logps(part)`` gives the policy's log-probabilities and entropies
     [n, T] of those rows; ``behaviour``, ``ref_logps`` and ``mask`` [N, T],
     ``rewards`` and ``truncated`` [N] are the whole rollout's, so advantages
-    and normalisers are the whole batch's whatever the micro-batch.
+    and normalisers are the whole batch's whatever the micro-batch. ``batch``
+    (a mini-batch holding ``rows``) makes the normalisers its rows' alone;
+    the advantages stay the rollout's.
     """
     spec = loss_spec(config, max_length)
     if config.mask_truncated:  # a completion cut off at the limit has no verdict on its end: it does not train
         mask = mask * (~truncated).to(mask.dtype).unsqueeze(1)
     part = slice(None) if rows is None else rows
     advantages = group_advantages(rewards, group, config.scale_rewards or "group")
-    weights = token_weights(mask, spec.kind, spec.max_length)
+    weights = token_weights(mask, spec.kind, spec.max_length, batch)
     logps, entropy = policy_logps(part)
     out = token_grpo_loss(
         logps,
@@ -73,6 +80,6 @@ def completion_loss(
         spec,
         entropy=entropy,
         weights=weights[part],
-        tokens=float(mask.sum().clamp_min(1.0)),
+        tokens=float(mask[slice(None) if batch is None else batch].sum().clamp_min(1.0)),
     )
     return LossReport.of(out)

@@ -114,6 +114,7 @@ class DigitsTask(Task):
         rewards: torch.Tensor,
         ref_logps: torch.Tensor | None,
         rows: slice | None = None,
+        batch: slice | None = None,
     ) -> LossReport:
         prompt_length = samples.prompts.shape[1]
 
@@ -131,6 +132,7 @@ class DigitsTask(Task):
             samples.group,
             self.truncated(samples),
             rows,
+            batch,
         )
 
     def rows(self, samples: TokenBatch) -> int:

@@ -235,6 +235,7 @@ class HFTask(Task):
         rewards: torch.Tensor,
         ref_logps: torch.Tensor | None,
         rows: slice | None = None,
+        batch: slice | None = None,
     ) -> LossReport:
         scorer, bonus = self.logps_of(policy), self.config.entropy_control().active
 
@@ -252,6 +253,7 @@ class HFTask(Task):
             samples.group,
             samples.truncated,
             rows,
+            batch,
         )
 
     def rows(self, samples: HFBatch) -> int:

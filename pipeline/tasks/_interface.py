@@ -207,12 +207,16 @@ class Task:
         rewards: torch.Tensor,
         ref_logps: torch.Tensor | None,
         rows: slice | None = None,
+        batch: slice | None = None,
     ) -> LossReport:
         """The GRPO loss of one rollout for ``policy`` (``ref_logps`` None: no KL term, β = 0).
 
         ``rows`` (one of :meth:`micro_batches`) asks for those samples' share
         of the whole rollout's loss: normalisers and advantages come from
         every sample, so the shares' gradients add up to the whole's.
+        ``batch`` (``--mini-batches``: the rows of one optimiser step, holding
+        ``rows``) makes the loss that of those rows alone: normalisers over
+        them, advantages still over the whole rollout.
         """
         raise NotImplementedError
 

@@ -117,6 +117,27 @@ def test_sharded_ranks_with_uneven_passes_run_as_many_and_learn_the_same():
         assert result["grad_norm"] == pytest.approx(update.grad_norm, rel=1e-5)
 
 
+def test_sharded_ranks_in_mini_batches_take_the_one_learners_steps():
+    """--mini-batches 2 over two FSDP2 ranks: each mini-batch's rows shared between the ranks, two steps."""
+    settings = {**SETTINGS, "mini_batches": 2}
+    task = DigitsTask(resolve(Config(**settings)))  # type: ignore[arg-type]
+    _, batch, rewards, ref = _rollout()
+    one = Learner(task, torch.device("cpu"))
+    update = one.update(batch, rewards, ref)
+    assert RankShare(1, 2).passes([slice(12, 17), slice(17, 22), slice(22, 24)], 24, slice(12, 24)) == [
+        slice(18, 22),
+        slice(22, 24),
+    ]
+    results = ranks_step(2, settings, batch, rewards, ref, "fsdp")
+    for result in results:
+        assert result["loss"] == pytest.approx(float(update.report.loss), abs=1e-6)
+        assert result["grad_norm"] == pytest.approx(update.grad_norm, rel=1e-5)
+        for name, value in result["weights"].items():  # two Adam steps: within 2 lr each of the one learner's
+            torch.testing.assert_close(value, one.policy.state_dict()[name], atol=4.2 * SETTINGS["lr"], rtol=0)
+    for name, value in results[0]["weights"].items():
+        assert torch.equal(results[1]["weights"][name], value), name
+
+
 def test_a_rank_whose_peers_never_come_fails_within_the_deadline():
     store = Rendezvous("127.0.0.1", 2)
     mesh = this_host().spawn_procs({"procs": 2}, name="lonely-rank")

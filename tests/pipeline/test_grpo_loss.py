@@ -13,7 +13,7 @@ from pipeline import Config, DigitsTask, Learner, resolve, train_one_process
 from pipeline.algorithm import LossSpec, group_advantages, high_entropy_tokens, token_grpo_loss, token_weights
 from pipeline.learning import lr_factor
 from pipeline.models import completion_logps
-from pipeline.tasks import EOS, PAD, TokenBatch
+from pipeline.tasks import EOS, PAD, TokenBatch, loss_spec
 
 # Two completions of one prompt; the second is one token long. Ratios e^0.5, 1 | e^-0.5, (masked).
 MASK = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
@@ -215,6 +215,65 @@ def test_sapo_gates_the_ratio_softly_with_a_temperature_per_advantage_sign():
     assert grad[1] == pytest.approx(-1.0) and abs(grad[0]) < rho[0], "on-policy: the policy gradient; off it, less"
 
 
+def test_luspo_is_gspo_with_each_completion_weighted_by_its_length():
+    # sequence ratios e^0.25 (A = 1: clipped at 1.2, both tokens -1.2) | e^-0.5 (A = -1: clipped at 0.8); a token's
+    # term over N = 2 completions, so a completion counts its length times: (-1.2 - 1.2 + 0.8) / 2
+    logps = LOGPS.clone().requires_grad_(True)
+    out = token_grpo_loss(logps, BEHAVIOUR, None, MASK, ADVANTAGES, LossSpec(kind="luspo", level="sequence"))
+    assert float(out.loss.detach()) == pytest.approx(-0.8, abs=1e-6)
+    gspo = token_grpo_loss(LOGPS, BEHAVIOUR, None, MASK, ADVANTAGES, LossSpec(kind="grpo", level="sequence"))
+    assert float(gspo.loss) == pytest.approx((-1.2 + 0.8) / 2, abs=1e-6), "GSPO: each completion's mean"
+    assert out.clip_fraction == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="needs the sequence level"):
+        token_grpo_loss(LOGPS, BEHAVIOUR, None, MASK, ADVANTAGES, LossSpec(kind="luspo"))
+
+
+def _vespo_weight(log_w: float, positive: bool) -> float:
+    k, lam = (2.0, 3.0) if positive else (3.0, 2.0)
+    return math.exp(lam + k * log_w - lam * math.exp(log_w))
+
+
+def test_vespo_weighs_the_policy_gradient_by_a_gamma_function_of_the_completions_ratio():
+    # log w = the sum of a completion's log-ratios: 0.5 + 0 (A = 1) | -0.5 (A = -1); -phi A log pi, over 3 tokens
+    logps = LOGPS.clone().requires_grad_(True)
+    out = token_grpo_loss(logps, BEHAVIOUR, None, MASK, ADVANTAGES, LossSpec(kind="vespo"))
+    phi = [_vespo_weight(0.5, True), _vespo_weight(-0.5, False)]
+    terms = [phi[0] * 0.5, phi[0] * 1.0, -phi[1] * 1.5]
+    assert float(out.loss.detach()) == pytest.approx(sum(terms) / 3, abs=1e-6)
+    out.loss.backward()
+    expected = torch.tensor([[-phi[0], -phi[0]], [phi[1], 0.0]]) / 3
+    assert torch.allclose(logps.grad, expected, atol=1e-6)
+    assert _vespo_weight(0.0, True) == pytest.approx(1.0) == _vespo_weight(0.0, False), "phi(1) = 1"
+    assert out.clip_fraction == 0 and out.dual_clip_fraction == 0
+    with pytest.raises(ValueError, match="leave the level at token"):
+        token_grpo_loss(LOGPS, BEHAVIOUR, None, MASK, ADVANTAGES, LossSpec(kind="vespo", level="sequence"))
+
+
+@pytest.mark.parametrize(
+    "mode, cap, log_w",
+    [("token_truncate", 2.0, 0.5), ("sequence_truncate", 2.0, 0.5), ("token_truncate", 1.5, math.log(1.5))],
+)
+def test_vespos_weight_takes_in_the_importance_weights_instead_of_being_multiplied_by_them(mode, cap, log_w):
+    """With importance weights the ratio is to the trainer's own log-probs (1 in value) and the weights pi/mu join
+    w in log space (TRL's VESPO): bounded at cap 2 they are the whole ratio, so the loss is the one without them; a
+    cap of 1.5 truncates the first token's e^0.5, and the completion's w with it."""
+    logps = LOGPS.clone().requires_grad_(True)
+    spec = LossSpec(kind="vespo", is_cap=cap, is_mode=mode)  # type: ignore[arg-type]
+    out = token_grpo_loss(logps, BEHAVIOUR, None, MASK, ADVANTAGES, spec)
+    phi = [_vespo_weight(log_w, True), _vespo_weight(-0.5, False)]
+    assert float(out.loss.detach()) == pytest.approx((phi[0] * 1.5 - phi[1] * 1.5) / 3, abs=1e-6)
+    out.loss.backward()
+    assert torch.allclose(logps.grad, torch.tensor([[-phi[0], -phi[0]], [phi[1], 0.0]]) / 3, atol=1e-6)
+
+
+def test_vespos_weight_of_a_wild_ratio_is_zero_not_nan():
+    logps = torch.tensor([[30.0, 30.0], [-40.0, 0.0]], requires_grad=True)  # log w 40 (capped at 20) | -39
+    out = token_grpo_loss(logps, torch.zeros(2, 2), None, MASK, ADVANTAGES, LossSpec(kind="vespo"))
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and torch.isfinite(logps.grad).all()
+    assert float(logps.grad.abs().max()) < 1e-6, "w = e^20 and e^-18.4: both weigh (almost) nothing"
+
+
 @pytest.mark.parametrize("delta", [1.2, 1.5, 2.5])
 def test_trls_two_sided_delta_is_the_dual_clip(delta):
     """TRL's ``delta`` (INTELLECT-2): -min(min(rho, delta) A, clip(rho) A); equal to ``dual_clip=delta`` in value
@@ -376,10 +435,25 @@ def _gradient(net: torch.nn.Module) -> torch.Tensor:
         {"loss": "dapo", "importance_sampling_level": "sequence"},
         {"loss": "cispo", "epsilon_high": 1.05},
         {"loss": "sapo", "sapo_temperature_neg": 2.0},
+        {"loss": "luspo", "importance_sampling_level": "sequence"},
+        {"loss": "vespo", "vespo_lambda_pos": 1.5},
+        {"loss": "vespo", "is_correction": "token_mask", "is_cap": 1.05},
         {"loss": "dapo", "is_correction": "sequence_mask", "is_cap": 1.2, "is_min": 0.8},
         {"loss": "dapo", "off_policy_mask_threshold": 0.02, "use_bias_correction_kl": True},
     ],
-    ids=["grpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo", "sequence-mask", "off-policy-mask-and-bias-corrected-kl"],
+    ids=[
+        "grpo",
+        "dr_grpo",
+        "dapo",
+        "gspo",
+        "cispo",
+        "sapo",
+        "luspo",
+        "vespo",
+        "vespo-token-mask",
+        "sequence-mask",
+        "off-policy-mask-and-bias-corrected-kl",
+    ],
 )
 def test_micro_batches_accumulate_the_whole_batchs_gradient(settings):
     task, net, batch, rewards, ref = _task(**settings, micro_batch=5, mask_truncated=True)
@@ -407,6 +481,77 @@ def test_micro_batches_accumulate_the_whole_batchs_gradient(settings):
         assert 0 < whole.is_truncated < 1, "some completions' weights fall outside the bounds, not all"
     if settings["loss"] == "cispo":
         assert 0 < whole.clip_fraction < 1, "some ratios pass the cap"
+
+
+@pytest.mark.parametrize("loss", ["dapo", "grpo"])
+def test_a_mini_batchs_loss_is_its_own_rows_with_the_whole_rollouts_advantages(loss):
+    """--mini-batches: the loss of rows 0-11 of 24 is token_grpo_loss on those rows alone (their own normaliser)
+    with the advantages of the whole rollout; micro-batches of it add up to it."""
+    task, net, batch, rewards, ref = _task(loss=loss)
+    half = slice(0, 12)
+    advantages = group_advantages(rewards, 4)
+    logps, entropy = completion_logps(net, batch.tokens[half], batch.prompts.shape[1])
+    direct = token_grpo_loss(
+        logps,
+        batch.logps[half],
+        ref[half],
+        batch.mask[half],
+        advantages[half],
+        loss_spec(task.config, 5),
+        entropy=entropy.detach(),
+    )
+    mine = task.loss(net, batch, rewards, ref, half, batch=half)
+    assert float(mine.loss.detach()) == pytest.approx(float(direct.loss.detach()), abs=1e-6)
+    assert mine.kl == pytest.approx(direct.kl, abs=1e-6) and mine.entropy == pytest.approx(direct.entropy, abs=1e-6)
+    mine.loss.backward()  # type: ignore[no-untyped-call]
+    expected = _gradient(net)
+    net.zero_grad()
+    for rows in (slice(0, 5), slice(5, 12)):
+        task.loss(net, batch, rewards, ref, rows, batch=half).loss.backward()  # type: ignore[no-untyped-call]
+    torch.testing.assert_close(_gradient(net), expected, atol=1e-6, rtol=0)
+    whole = task.loss(net, batch, rewards, ref, half)
+    assert float(whole.loss.detach()) == pytest.approx(float(mine.loss.detach()) / 2, rel=0.2), "a share of 24 rows"
+
+
+def test_mini_batches_take_one_optimiser_step_on_each_part():
+    """K = 2: two optimiser steps a rollout, rows 0-11 then 12-23, each its own loss (as above): the same weights
+    as stepping on those losses by hand; the schedule counts both; the report is their mean, the mismatch the
+    first's; micro-batches inside a mini-batch change nothing."""
+    task, _, batch, rewards, ref = _task(mini_batches=2, lr=1e-2, max_grad_norm=0)
+    learner = Learner(task, torch.device("cpu"))
+    update = learner.update(batch, rewards, ref)
+    assert learner.schedule.last_epoch == 2
+    by_hand = Learner(task, torch.device("cpu"))
+    losses = []
+    for part in (slice(0, 12), slice(12, 24)):
+        by_hand.optim.zero_grad()
+        report = task.loss(by_hand.policy, batch, rewards, ref, part, batch=part)
+        report.loss.backward()  # type: ignore[no-untyped-call]
+        by_hand.optim.step()
+        losses.append(report)
+    for mine, theirs in zip(learner.policy.parameters(), by_hand.policy.parameters(), strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=0)
+    assert float(update.report.loss) == pytest.approx(sum(float(r.loss.detach()) for r in losses) / 2, abs=1e-6)
+    assert update.report.logp_diff == pytest.approx(losses[0].logp_diff, abs=1e-7)
+    micro = Learner(_task(mini_batches=2, lr=1e-2, max_grad_norm=0, micro_batch=5)[0], torch.device("cpu"))
+    assert micro._passes(batch, slice(12, 24)) == [slice(12, 17), slice(17, 22), slice(22, 24)]
+    in_passes = micro.update(batch, rewards, ref)  # (Adam's steps would magnify the passes' rounding: the figures)
+    assert in_passes.grad_norm == pytest.approx(update.grad_norm, rel=1e-4)
+    assert float(in_passes.report.loss) == pytest.approx(float(update.report.loss), abs=1e-5)
+    stretched = lr_factor(Config(steps=10, warmup_steps=2, num_iterations=2, mini_batches=2))  # 8 of 40 steps
+    assert [stretched(s) for s in (0, 3, 7, 8)] == [0.125, 0.5, 1.0, 1.0]
+
+
+def test_a_task_whose_loss_takes_no_batch_is_refused_mini_batches_by_name():
+    task = _task(mini_batches=2)[0]
+
+    class Old(DigitsTask):
+        def loss(self, policy, samples, rewards, ref_logps, rows=None):  # type: ignore[no-untyped-def,override]
+            return super().loss(policy, samples, rewards, ref_logps, rows)
+
+    Learner(Old(dataclasses.replace(task.config, mini_batches=1)), torch.device("cpu"))  # one step a rollout: fine
+    with pytest.raises(ValueError, match=r"--mini-batches 2: Old\.loss takes no batch="):
+        Learner(Old(task.config), torch.device("cpu"))
 
 
 def test_the_learner_steps_in_micro_batches_as_in_one():
@@ -581,6 +726,10 @@ def test_every_loss_flag_reaches_the_loss_spec():
         use_bias_correction_kl=True,
         sapo_temperature_pos=2.0,
         sapo_temperature_neg=3.0,
+        vespo_k_pos=1.0,
+        vespo_lambda_pos=2.0,
+        vespo_k_neg=4.0,
+        vespo_lambda_neg=5.0,
         is_correction="sequence_mask",
         is_cap=4.0,
         is_min=0.5,
@@ -604,6 +753,10 @@ def test_every_loss_flag_reaches_the_loss_spec():
         kl_is_weighted=True,
         sapo_tau_pos=2.0,
         sapo_tau_neg=3.0,
+        vespo_k_pos=1.0,
+        vespo_lambda_pos=2.0,
+        vespo_k_neg=4.0,
+        vespo_lambda_neg=5.0,
         is_mode="sequence_mask",
         is_min=0.5,
     )

@@ -642,6 +642,12 @@ def test_gspo_iterations_and_top_entropy_train_a_hf_model(tmp_path, tiny):
         once.update(batch, rewards, ref)
     for mine, theirs in zip(twice.policy.parameters(), once.policy.parameters(), strict=True):
         torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=0)
+    halves_task, halves = learner(mini_batches=2)  # an HF task's loss of one mini-batch: its 4 rows' own
+    halves.update(batch, rewards, ref)
+    assert halves.schedule.last_epoch == 2
+    part = halves_task.loss(halves.policy, batch, rewards, ref, slice(4, 8), batch=slice(4, 8))
+    share = halves_task.loss(halves.policy, batch, rewards, ref, slice(4, 8))
+    assert float(part.kl) == pytest.approx(2 * float(share.kl), rel=0.25), "its own normaliser, not the rollout's"
 
     top_task, top = learner(top_entropy_quantile=0.25, kl_coeff=0.0)
     with torch.no_grad():

@@ -101,6 +101,19 @@ from pipeline.grpo import main, parse_args
             "--num-iterations 2 with --is-correction tis: importance weights take each update's ratio",
         ),
         (["--decode", "static", "--engine", "hf"], "--decode static picks how the built-in sampler decodes"),
+        (["--loss", "luspo"], "--loss luspo weighs GSPO's sequence ratio by each completion's length: add"),
+        (["--mini-batches", "0"], "--mini-batches 0: must be at least 1"),
+        (["--mini-batches", "5"], "--mini-batches 5: a rollout of 256 completions does not split into 5 equal parts"),
+        (
+            ["--trainer-ranks", "2", "--mini-batches", "256"],
+            "--trainer-ranks 2 with --mini-batches 256: a mini-batch of a rollout's 256 rows",
+        ),
+        (
+            ["--loss", "vespo", "--importance-sampling-level", "sequence"],
+            "--loss vespo --importance-sampling-level sequence: vespo takes each completion's ratio",
+        ),
+        (["--vespo-k-neg", "-1"], "--vespo-k-neg -1.0: the weight's power of the ratio must be at least 0"),
+        (["--vespo-lambda-pos", "0"], "--vespo-lambda-pos 0.0: the weight's decay must be above 0"),
         (["--trainer-ranks", "9", "--prompts", "2", "--group", "4"], "--trainer-ranks 9: a rollout has 8 rows"),
     ],
 )
@@ -146,7 +159,7 @@ def test_a_small_prompt_space_splits_into_disjoint_held_out_and_training_sets(di
 def test_every_setting_a_run_refuses_is_refused_by_the_api_too():
     with pytest.raises(SettingsError, match="--group 1"):
         check_settings(Config(group=1))
-    with pytest.raises(SettingsError, match="--loss ppo: choose one of grpo, dr_grpo, dapo, cispo, sapo"):
+    with pytest.raises(SettingsError, match="--loss ppo: choose one of grpo, dr_grpo, dapo, cispo, sapo, luspo, vespo"):
         check_settings(Config(loss="ppo"))  # type: ignore[arg-type]
     with pytest.raises(SettingsError, match="--scale-rewards mean: choose one of group, batch, none"):
         check_settings(Config(scale_rewards="mean"))  # type: ignore[arg-type]
