@@ -172,6 +172,13 @@ def check_settings(config: Config) -> None:
             "rank would rank only its own rows' entropies, so the ranks' step would not be one trainer's; "
             "train with one rank"
         )
+    if config.mini_batches > 1 and config.is_correction != "none":
+        raise SettingsError(
+            f"--mini-batches {config.mini_batches} with --is-correction {config.is_correction}: importance weights "
+            "take each step's ratio to the trainer's own log-probs just before it, so the parts after the first "
+            "would train on a moved policy with no clip to bound them; use --is-correction none (the ratio is then "
+            "to the behaviour log-probs, and the clip bounds every part)"
+        )
     if config.num_iterations > 1 and config.is_correction != "none":
         raise SettingsError(
             f"--num-iterations {config.num_iterations} with --is-correction {config.is_correction}: importance "

@@ -92,7 +92,7 @@ class Learner:
         self.micro_batch = config.micro_batch
         self.iterations = config.num_iterations
         self.mini_batches = max(1, config.mini_batches)
-        if self.mini_batches > 1 and "batch" not in inspect.signature(task.loss).parameters:
+        if self.mini_batches > 1 and not _takes_batch(task):
             raise ValueError(
                 f"--mini-batches {self.mini_batches}: {type(task).__name__}.loss takes no batch= (the rows of one "
                 "optimiser step, whose loss it is): add it to train in mini-batches"
@@ -386,3 +386,9 @@ class Learner:
         if "entropy" in state and self.entropy.adaptive:  # a fixed coefficient is the run's setting, not state
             self.entropy.load(state["entropy"])
         self.reference_state = {name: value.to(self._home) for name, value in state["ref"].items()}
+
+
+def _takes_batch(task: Task) -> bool:
+    """Whether ``task.loss`` accepts ``batch=`` (the rows of one optimiser step), by name or as a keyword catch-all."""
+    parameters = inspect.signature(task.loss).parameters.values()
+    return any(p.name == "batch" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)

@@ -483,11 +483,22 @@ def test_micro_batches_accumulate_the_whole_batchs_gradient(settings):
         assert 0 < whole.clip_fraction < 1, "some ratios pass the cap"
 
 
-@pytest.mark.parametrize("loss", ["dapo", "grpo"])
-def test_a_mini_batchs_loss_is_its_own_rows_with_the_whole_rollouts_advantages(loss):
-    """--mini-batches: the loss of rows 0-11 of 24 is token_grpo_loss on those rows alone (their own normaliser)
-    with the advantages of the whole rollout; micro-batches of it add up to it."""
-    task, net, batch, rewards, ref = _task(loss=loss)
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"loss": "dapo"},
+        {"loss": "grpo"},
+        {"loss": "dr_grpo"},
+        {"loss": "cispo"},
+        {"loss": "vespo"},
+        {"loss": "luspo", "importance_sampling_level": "sequence"},
+    ],
+    ids=["dapo", "grpo", "dr_grpo", "cispo", "vespo", "luspo"],
+)
+def test_a_mini_batchs_loss_is_its_own_rows_with_the_whole_rollouts_advantages(settings):
+    """--mini-batches: the loss of rows 0-11 of 24 is token_grpo_loss on those rows alone (their own normaliser,
+    whatever it counts) with the advantages of the whole rollout; micro-batches of it add up to it."""
+    task, net, batch, rewards, ref = _task(**settings)
     half = slice(0, 12)
     advantages = group_advantages(rewards, 4)
     logps, entropy = completion_logps(net, batch.tokens[half], batch.prompts.shape[1])
@@ -538,6 +549,15 @@ def test_mini_batches_take_one_optimiser_step_on_each_part():
     in_passes = micro.update(batch, rewards, ref)  # (Adam's steps would magnify the passes' rounding: the figures)
     assert in_passes.grad_norm == pytest.approx(update.grad_norm, rel=1e-4)
     assert float(in_passes.report.loss) == pytest.approx(float(update.report.loss), abs=1e-5)
+    both = Learner(_task(mini_batches=2, num_iterations=2, lr=1e-2, max_grad_norm=0)[0], torch.device("cpu"))
+    both.update(batch, rewards, ref)
+    for part in (slice(0, 12), slice(12, 24)):  # the second iteration, by hand: each part again, in turn
+        by_hand.optim.zero_grad()
+        task.loss(by_hand.policy, batch, rewards, ref, part, batch=part).loss.backward()  # type: ignore[no-untyped-call]
+        by_hand.optim.step()
+    assert both.schedule.last_epoch == 4
+    for mine, theirs in zip(both.policy.parameters(), by_hand.policy.parameters(), strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=0)
     stretched = lr_factor(Config(steps=10, warmup_steps=2, num_iterations=2, mini_batches=2))  # 8 of 40 steps
     assert [stretched(s) for s in (0, 3, 7, 8)] == [0.125, 0.5, 1.0, 1.0]
 

@@ -103,6 +103,10 @@ from pipeline.grpo import main, parse_args
         (["--decode", "static", "--engine", "hf"], "--decode static picks how the built-in sampler decodes"),
         (["--loss", "luspo"], "--loss luspo weighs GSPO's sequence ratio by each completion's length: add"),
         (["--mini-batches", "0"], "--mini-batches 0: must be at least 1"),
+        (
+            ["--mini-batches", "2", "--is-correction", "tis"],
+            "--mini-batches 2 with --is-correction tis: importance weights take each step's ratio",
+        ),
         (["--mini-batches", "5"], "--mini-batches 5: a rollout of 256 completions does not split into 5 equal parts"),
         (
             ["--trainer-ranks", "2", "--mini-batches", "256"],
