@@ -68,20 +68,25 @@ def test_the_report_takes_the_bonus_off_its_loss_and_refuses_without_one():
 
 
 @pytest.mark.parametrize("budget", [50 * 7, 50 * 100], ids=["chunks", "one-chunk"])
-def test_the_chunked_heads_entropy_is_differentiable_when_the_bonus_asks(budget):
+@pytest.mark.parametrize("terms", [(1.0, 0.3), (0.0, 0.3), (1.0, 0.0)], ids=["both", "entropy-only", "logps-only"])
+def test_the_chunked_heads_entropy_is_differentiable_when_the_bonus_asks(budget, terms):
+    """The written-out backward of the pair equals autograd's on the full logits, whichever outputs the loss uses."""
     torch.manual_seed(0)
     hidden = torch.randn(6, 9, 16, requires_grad=True)
     head = torch.nn.Linear(16, 50)
     targets = torch.randint(0, 50, (6, 9), device="cpu")
     weights = torch.randn(6, 9)
+    a, b = terms
     full_logps, full_entropy = token_logps(head(hidden), targets, 0.8)
-    (full_logps * weights + 0.3 * full_entropy * weights.flip(0)).sum().backward()
+    (a * full_logps * weights + b * full_entropy * weights.flip(0)).sum().backward()
     expected = hidden.grad.clone(), head.weight.grad.clone()
     hidden.grad, head.weight.grad, head.bias.grad = None, None, None
 
     logps, entropy = chunked_token_logps(hidden, head, targets, 0.8, vocab=50, budget=budget, entropy_grad=True)
     assert entropy.requires_grad
-    (logps * weights + 0.3 * entropy * weights.flip(0)).sum().backward()
+    torch.testing.assert_close(logps, full_logps.detach())
+    torch.testing.assert_close(entropy, full_entropy.detach())
+    (a * logps * weights + b * entropy * weights.flip(0)).sum().backward()
     for got, want in zip((hidden.grad, head.weight.grad), expected, strict=True):
         torch.testing.assert_close(got, want)
     _, metric = chunked_token_logps(hidden, head, targets, 0.8, vocab=50, budget=budget)
