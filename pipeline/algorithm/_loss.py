@@ -198,6 +198,7 @@ class TokenLoss:
     is_truncated: float = 0.0  # importance weights: tokens whose weight was outside the bounds (truncated or masked)
     off_policy_masked: float = 0.0  # tokens of completions the off-policy mask took out of the policy term
     trained_entropy: float = 0.0  # the mean entropy of the tokens the policy term trains (the bonus's H)
+    vespo_weight: float = 0.0  # vespo: the mean of its weight phi(w) over the tokens (1 on-policy; 0 for the others)
     entropy_bonus: torch.Tensor | None = None  # that H as this batch's share, differentiable where the entropy is
 
 
@@ -294,6 +295,7 @@ def token_grpo_loss(
     ratio = log_ratio.clamp(-20.0, 20.0).exp()
     adv = advantages.unsqueeze(1).to(logps.dtype)
     dual = torch.zeros_like(real)
+    phi = torch.zeros_like(logps)
     if spec.kind == "vespo":  # the completion's Gamma weight on -A log pi: its gradient is -sg(phi(w)) A grad log pi
         if spec.level != "token":
             raise ValueError("vespo takes a completion's ratio from its tokens' log-ratios: leave the level at token")
@@ -356,5 +358,6 @@ def token_grpo_loss(
             float(outside.to(logps.dtype).mul(per_token_mean).sum()),
             float(dropped.to(logps.dtype).mul(per_token_mean).sum()),
             float(bonus.detach()) if bonus is not None else 0.0,
-            bonus,
+            float((phi * per_token_mean).sum()),
+            entropy_bonus=bonus,
         )

@@ -126,6 +126,7 @@ class StepReport:
     is_truncated: float = 0.0  # --is-correction tis: the share of tokens whose weight was capped
     off_policy_masked: float = 0.0  # --off-policy-mask-threshold: the share of tokens out of the policy term
     lr: float = 0.0  # the learning rate this step used
+    vespo_weight: float = 0.0  # --loss vespo: the mean weight phi(w) over the rollout's tokens
     trained_entropy: float = 0.0  # the mean entropy of the tokens the policy term trained (what the bonus raises)
     entropy_coef: float = 0.0  # --entropy-coef: the bonus's coefficient after this step (adaptive: as it moved)
     update_bytes: int = 0  # bytes of the newest weight update published (in the generators' dtype)

@@ -443,6 +443,7 @@ class Trainer(Actor):
             lr=update.lr,
             entropy_coef=update.entropy_coef,
             trained_entropy=loss.trained_entropy,
+            vespo_weight=loss.vespo_weight,
             response_length=rollout.response_length,
             tokens=rollout.tokens,
             tokens_received=self.tokens_received,

@@ -80,6 +80,7 @@ def metric_row(report: StepReport, windowed: dict[str, float]) -> dict[str, Any]
         "actor/clip_fraction": report.clip_fraction,
         "actor/dual_clip_fraction": report.dual_clip_fraction,
         "actor/off_policy_masked_fraction": report.off_policy_masked,
+        "actor/vespo_weight": report.vespo_weight,
         "actor/entropy": report.entropy,
         "actor/entropy_coef": report.entropy_coef,
         "actor/entropy_trained": report.trained_entropy,

@@ -71,6 +71,7 @@ class LossReport:
     is_truncated: float = 0.0  # --is-correction: tokens whose weight was outside [--is-min, --is-cap]
     off_policy_masked: float = 0.0  # --off-policy-mask-threshold: tokens taken out of the policy term
     trained_entropy: float = 0.0  # the mean entropy of the tokens the policy term trains (the entropy bonus's H)
+    vespo_weight: float = 0.0  # --loss vespo: the mean weight phi(w) over the tokens (0 for the other losses)
     #: that H as this part's share, with its gradient (--entropy-coef)
     entropy_bonus: torch.Tensor | None = dataclasses.field(default=None, kw_only=True)
 
@@ -89,6 +90,7 @@ class LossReport:
             out.is_truncated,
             out.off_policy_masked,
             out.trained_entropy,
+            out.vespo_weight,
             entropy_bonus=out.entropy_bonus,
         )
 
@@ -139,6 +141,7 @@ _SHARES = (
     "is_truncated",
     "off_policy_masked",
     "trained_entropy",
+    "vespo_weight",
 )
 
 

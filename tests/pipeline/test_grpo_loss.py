@@ -245,6 +245,7 @@ def test_vespo_weighs_the_policy_gradient_by_a_gamma_function_of_the_completions
     assert torch.allclose(logps.grad, expected, atol=1e-6)
     assert _vespo_weight(0.0, True) == pytest.approx(1.0) == _vespo_weight(0.0, False), "phi(1) = 1"
     assert out.clip_fraction == 0 and out.dual_clip_fraction == 0
+    assert out.vespo_weight == pytest.approx((2 * phi[0] + phi[1]) / 3, abs=1e-6), "phi's token mean"
     with pytest.raises(ValueError, match="leave the level at token"):
         token_grpo_loss(LOGPS, BEHAVIOUR, None, MASK, ADVANTAGES, LossSpec(kind="vespo", level="sequence"))
 
@@ -473,7 +474,16 @@ def test_micro_batches_accumulate_the_whole_batchs_gradient(settings):
     assert total is not None
     torch.testing.assert_close(_gradient(net), expected, atol=1e-6, rtol=0)
     assert float(total.loss) == pytest.approx(float(whole.loss.detach()), abs=1e-6)
-    for name in ("policy_loss", "kl", "clip_fraction", "entropy", "off_policy_masked", "is_weight", "is_truncated"):
+    for name in (
+        "policy_loss",
+        "kl",
+        "clip_fraction",
+        "entropy",
+        "off_policy_masked",
+        "is_weight",
+        "is_truncated",
+        "vespo_weight",
+    ):
         assert getattr(total, name) == pytest.approx(getattr(whole, name), abs=1e-6), name
     if "off_policy_mask_threshold" in settings:
         assert 0 < whole.off_policy_masked < 1, "the drift puts some completions past the threshold, not all"

@@ -43,6 +43,7 @@ FIELDS = {
     "actor/clip_fraction",
     "actor/dual_clip_fraction",
     "actor/off_policy_masked_fraction",
+    "actor/vespo_weight",
     "actor/entropy",
     "actor/entropy_coef",
     "actor/entropy_trained",
