@@ -295,7 +295,7 @@ def token_grpo_loss(
     ratio = log_ratio.clamp(-20.0, 20.0).exp()
     adv = advantages.unsqueeze(1).to(logps.dtype)
     dual = torch.zeros_like(real)
-    phi = torch.zeros_like(logps)
+    phi: torch.Tensor | None = None  # vespo's weight [N, 1]
     if spec.kind == "vespo":  # the completion's Gamma weight on -A log pi: its gradient is -sg(phi(w)) A grad log pi
         if spec.level != "token":
             raise ValueError("vespo takes a completion's ratio from its tokens' log-ratios: leave the level at token")
@@ -358,6 +358,6 @@ def token_grpo_loss(
             float(outside.to(logps.dtype).mul(per_token_mean).sum()),
             float(dropped.to(logps.dtype).mul(per_token_mean).sum()),
             float(bonus.detach()) if bonus is not None else 0.0,
-            float((phi * per_token_mean).sum()),
+            float((phi * per_token_mean).sum()) if phi is not None else 0.0,
             entropy_bonus=bonus,
         )
