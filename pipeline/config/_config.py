@@ -84,6 +84,8 @@ class Config:
     dataset_split: str = "train"  # hf: the split of a Hub dataset
     dataset_config: str = ""  # hf: the subset of a Hub dataset (gsm8k's "main")
     prompt_column: str = "prompt"  # hf: text, or a list of chat messages
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # hf: the chat template's variables (TRL's)
+    trust_remote_code: bool = False  # hf: run the model's own code (its config's auto_map), as transformers asks
     eval_dataset: str = ""  # hf: held-out prompts; "" holds out ``eval_fraction`` of ``dataset``
     eval_fraction: float = 0.1
     rewards: list[str] = field(default_factory=list)  # hf: module:function | file.py:function | built-in [=weight]

@@ -206,6 +206,12 @@ def check_settings(config: Config) -> None:
             "tasks' models are small enough to keep their activations"
         )
     _check_trainer_ranks(config)
+    _check_chat_template_kwargs(config)
+    if config.trust_remote_code and config.task != "hf":
+        raise SettingsError(
+            "--trust-remote-code lets a Hugging Face model's own code run (--task hf, --dataset); the built-in "
+            "tasks' models have none"
+        )
     if config.engine != "builtin" and config.task != "hf":
         raise SettingsError(
             f"--engine {config.engine} samples a Hugging Face model (--task hf, --dataset); the built-in tasks' "
@@ -242,6 +248,39 @@ def _check_entropy_bonus(config: Config) -> None:
         raise SettingsError(f"--entropy-coef-delta {config.entropy_coef_delta}: the coefficient's step must be above 0")
     if not config.entropy_target >= 0:
         raise SettingsError(f"--entropy-target {config.entropy_target}: an entropy is at least 0")
+
+
+#: ``apply_chat_template``'s own arguments, which the pipeline sets: a prompt renders as a generation prompt, to ids.
+_TEMPLATE_ARGUMENTS = (
+    "add_generation_prompt",
+    "continue_final_message",
+    "conversation",
+    "return_assistant_tokens_mask",
+    "return_dict",
+    "return_tensors",
+    "tokenize",
+)
+
+
+def _check_chat_template_kwargs(config: Config) -> None:
+    """The chat template's variables: an object with text keys, for a Hugging Face task, none the pipeline sets."""
+    variables = config.chat_template_kwargs
+    if not isinstance(variables, dict) or not all(isinstance(key, str) for key in variables):
+        raise SettingsError(
+            f"--chat-template-kwargs {variables!r}: a JSON object of the template's variables, such as "
+            "'{\"enable_thinking\": false}'"
+        )
+    if variables and config.task != "hf":
+        raise SettingsError(
+            "--chat-template-kwargs sets a Hugging Face tokenizer's chat template variables (--task hf, --dataset); "
+            "the built-in tasks have no chat template"
+        )
+    taken = sorted(key for key in variables if key in _TEMPLATE_ARGUMENTS)
+    if taken:
+        raise SettingsError(
+            f"--chat-template-kwargs {', '.join(taken)}: the pipeline sets these itself (each prompt is rendered "
+            "as a generation prompt, to token ids)"
+        )
 
 
 def _check_trainer_ranks(config: Config) -> None:

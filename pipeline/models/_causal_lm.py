@@ -51,25 +51,59 @@ def require_transformers() -> Any:
     return transformers
 
 
-def _offline(name: str) -> dict[str, Any]:
-    """Keyword arguments that keep a local folder from touching the network."""
-    return {"local_files_only": True} if os.path.isdir(name) else {}
+def _loading(name: str, trust_remote_code: bool) -> dict[str, Any]:
+    """``from_pretrained``'s keyword arguments: a local folder never touches the network; its own code runs if trusted."""
+    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if os.path.isdir(name):
+        kwargs["local_files_only"] = True
+    return kwargs
 
 
-def check_model(name: str) -> Any:
-    """``name``'s config, if it describes a causal language model (nothing else is loaded)."""
+def _asks_for_trust(exc: BaseException) -> bool:
+    """Whether transformers refused ``exc``'s model because its code would have to run (no ``trust_remote_code``)."""
+    return "trust_remote_code" in str(exc)
+
+
+def _untrusted(name: str) -> ModelError:
+    return ModelError(
+        f"--model {name}: the model brings code of its own (its config's auto_map), which runs only with "
+        "--trust-remote-code; read that code first"
+    )
+
+
+def check_model(name: str, trust_remote_code: bool = False) -> Any:
+    """``name``'s config, if it describes a causal language model (nothing else is loaded).
+
+    A model with code of its own counts as causal when its ``auto_map`` names an ``AutoModelForCausalLM`` class.
+    """
     transformers = require_transformers()
     try:
-        config = transformers.AutoConfig.from_pretrained(name, **_offline(name))
+        config = transformers.AutoConfig.from_pretrained(name, **_loading(name, trust_remote_code))
     except (OSError, ValueError) as exc:
+        if _asks_for_trust(exc):
+            raise _untrusted(name) from None
         raise ModelError(f"--model {name}: not a preset, a model folder or a Hub name ({_first_line(exc)})") from None
     mapping = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    if config.model_type not in mapping:
+    own_code = (getattr(config, "auto_map", None) or {}).get("AutoModelForCausalLM")
+    if config.model_type not in mapping and not own_code:
         raise ModelError(f"--model {name}: a {config.model_type!r} model is not a causal language model")
+    if own_code and trust_remote_code:
+        _import_own_code(transformers, name, own_code)
     return config
 
 
-def load_model(name: str, device: torch.device | str = "cpu") -> torch.nn.Module:
+def _import_own_code(transformers: Any, name: str, reference: str) -> None:
+    """Import the model's own class once: its code fails here, and transformers' module cache is filled before
+    every role loads the model at once (it copies the code there with no lock between processes)."""
+    try:
+        transformers.dynamic_module_utils.get_class_from_dynamic_module(
+            reference, name, local_files_only=os.path.isdir(name)
+        )
+    except Exception as exc:  # the model's own code: whatever it raises
+        raise ModelError(f"--model {name}: its own code ({reference}) cannot be imported: {_first_line(exc)}") from None
+
+
+def load_model(name: str, device: torch.device | str = "cpu", trust_remote_code: bool = False) -> torch.nn.Module:
     """The causal LM ``name`` (a local folder or a Hub name) in float32 on ``device``, in training mode.
 
     The trainer keeps these float32 weights as its masters (``--dtype
@@ -77,20 +111,26 @@ def load_model(name: str, device: torch.device | str = "cpu") -> torch.nn.Module
     copy to the run's dtype and receive updates in it.
     """
     transformers = require_transformers()
-    check_model(name)
+    check_model(name, trust_remote_code)
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, **_offline(name))
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            name, dtype=torch.float32, **_loading(name, trust_remote_code)
+        )
     except (OSError, ValueError) as exc:
+        if _asks_for_trust(exc):
+            raise _untrusted(name) from None
         raise ModelError(f"--model {name}: its weights cannot be loaded ({_first_line(exc)})") from None
     return model.to(device).train()  # type: ignore[no-any-return]
 
 
-def load_tokenizer(name: str) -> Any:
+def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
     """``name``'s tokenizer, padding on the left (generation appends on the right), with a pad token."""
     transformers = require_transformers()
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(name, **_offline(name))
+        tokenizer = transformers.AutoTokenizer.from_pretrained(name, **_loading(name, trust_remote_code))
     except (OSError, ValueError, TypeError) as exc:
+        if _asks_for_trust(exc):
+            raise _untrusted(name) from None
         raise ModelError(f"--model {name}: its tokenizer cannot be loaded ({_first_line(exc)})") from None
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:

@@ -26,6 +26,7 @@ class VLLMOptions:
     dtype: str = "float32"
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.3
+    trust_remote_code: bool = False  # the model's own code (its auto_map) may run in the engine
 
 
 def build_engine(
@@ -63,6 +64,7 @@ def build_engine(
             dtype=options.dtype,
             max_model_len=options.max_model_len,
             gpu_memory_utilization=options.gpu_memory_utilization,
+            trust_remote_code=options.trust_remote_code,
             device=next(policy.parameters()).device,
         )
     raise ValueError(f"unknown engine {kind!r}: builtin, hf or vllm")

@@ -163,6 +163,7 @@ class VLLMEngine:
         dtype: str = "float32",
         max_model_len: int | None = None,
         gpu_memory_utilization: float = 0.3,
+        trust_remote_code: bool = False,
         device: torch.device | None = None,
     ) -> None:
         vllm = import_vllm()
@@ -186,6 +187,7 @@ class VLLMEngine:
                 logprobs_mode=self.mode,
                 enable_prefix_caching=True,
                 use_tqdm_on_load=False,
+                trust_remote_code=trust_remote_code,
             )
         self._vllm = vllm
         self.model: Any = self.llm.collective_rpc(_engine_model)[0]  # the engine runs in this process

@@ -15,7 +15,7 @@ import json
 import os
 import sys
 import time
-from typing import get_args
+from typing import Any, get_args
 
 from ..algorithm import CISPO_CAP, LOSSES, RATIO_LEVELS, REWARD_SCALES
 from ..config import (
@@ -47,6 +47,16 @@ def _target(value: str) -> float | str | None:
         return float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{value!r} is not a number, 'none' or 'auto'") from None
+
+
+def _json_object(value: str) -> dict[str, Any]:
+    try:
+        parsed = json.loads(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{value!r} is not JSON ({exc})") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a JSON object ({{...}})")
+    return parsed
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -115,6 +125,18 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--dataset-split", default="train", help="the split of a Hub dataset (default train)")
     data.add_argument("--dataset-config", default="", help="the subset of a Hub dataset (e.g. gsm8k's main)")
     data.add_argument("--prompt-column", default="prompt", help="text, or a list of chat messages (default prompt)")
+    data.add_argument(
+        "--chat-template-kwargs",
+        type=_json_object,
+        default={},
+        metavar="JSON",
+        help="variables of the chat template that renders message prompts, e.g. '{\"enable_thinking\": false}'",
+    )
+    data.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="let a model that brings its own code (its config's auto_map) run it, in every role",
+    )
     data.add_argument("--eval-dataset", default="", help="held-out prompts (default: --eval-fraction of --dataset)")
     data.add_argument(
         "--eval-fraction", type=float, default=0.1, help="share of --dataset held out for evaluation (default 0.1)"
@@ -470,6 +492,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
             dataset_split=args.dataset_split,
             dataset_config=args.dataset_config,
             prompt_column=args.prompt_column,
+            chat_template_kwargs=args.chat_template_kwargs,
+            trust_remote_code=args.trust_remote_code,
             eval_dataset=args.eval_dataset,
             eval_fraction=args.eval_fraction,
             rewards=list(args.reward),

@@ -33,6 +33,7 @@ from actors import ActorsError, Channel, Failure, HostMesh, ProcMesh, this_host
 
 from ..config import Config, SettingsError, check_settings
 from ..learning import checkpoint
+from ..models import check_model
 from ..roles import Generator, RefModel, Scorer, StepReport, Trainer, TrainerRank, uses_reference
 from ..tasks import load_task, resolve
 from ._cli import check_task_settings, parse_args
@@ -170,6 +171,8 @@ async def run_pipeline(
     check_placement(config)  # nor do roles that cannot be placed
     config = resolve(config)
     load_task(config)  # a task that cannot be built fails here, with its own message, before any process starts
+    if config.trust_remote_code:  # the model's own code imported here first: the roles then find it in the cache
+        check_model(config.model, trust_remote_code=True)
     os.makedirs(config.run_dir, exist_ok=True)
     if resume and not checkpoint.exists(config.run_dir):
         raise FileNotFoundError(f"no checkpoint in {config.run_dir!r} to resume from")

@@ -15,6 +15,7 @@ agree on the order, and a resumed run's data position is its step.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -66,7 +67,13 @@ class PromptData:
     """One set of prompts: their token ids for the model, their raw values and columns for the rewards."""
 
     def __init__(
-        self, rows: Any, prompt_column: str, tokenizer: Any, indices: list[int] | None = None, flag: str = "--dataset"
+        self,
+        rows: Any,
+        prompt_column: str,
+        tokenizer: Any,
+        indices: list[int] | None = None,
+        flag: str = "--dataset",
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> None:
         names = list(rows.column_names)
         if prompt_column not in names:
@@ -81,6 +88,12 @@ class PromptData:
         self.chat = isinstance(rows[self.indices[0]][prompt_column], list)
         if self.chat and not getattr(tokenizer, "chat_template", None):
             raise DataError(f"{flag}: the prompts are chat messages, but the model's tokenizer has no chat template")
+        self.template_kwargs = dict(chat_template_kwargs or {})
+        if self.template_kwargs and not self.chat:
+            raise DataError(
+                f"{flag}: --chat-template-kwargs sets the chat template's variables, but column {prompt_column!r} "
+                "holds text, which is tokenized as it is"
+            )
         self._ids: dict[int, list[int]] = {}
         self._order: tuple[tuple[int, int], list[int]] | None = None
 
@@ -97,7 +110,15 @@ class PromptData:
         if ids is None:
             prompt = self.prompt(row)
             if self.chat:
-                ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+                try:
+                    ids = self.tokenizer.apply_chat_template(
+                        prompt, add_generation_prompt=True, tokenize=True, **self.template_kwargs
+                    )
+                except Exception as exc:  # the tokenizer's own template: whatever it raises
+                    raise DataError(
+                        f"row {row}: the chat template failed: {type(exc).__name__}: {exc} (its variables: "
+                        f"--chat-template-kwargs {json.dumps(self.template_kwargs)})"
+                    ) from None
                 if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # newer tokenizers return a BatchEncoding
                     ids = ids["input_ids"]
             else:

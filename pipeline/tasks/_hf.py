@@ -91,20 +91,21 @@ class HFTask(Task):
 
     @cached_property
     def tokenizer(self) -> Any:
-        return load_tokenizer(self.config.model)
+        return load_tokenizer(self.config.model, self.config.trust_remote_code)
 
     @cached_property
     def _splits(self) -> tuple[PromptData, PromptData]:
         config = self.config
+        column, tokenizer, variables = config.prompt_column, self.tokenizer, config.chat_template_kwargs
         rows = load_rows(config.dataset, config.dataset_split, subset=config.dataset_config)
         if config.eval_dataset:
-            train = PromptData(rows, config.prompt_column, self.tokenizer)
+            train = PromptData(rows, column, tokenizer, chat_template_kwargs=variables)
             held = load_rows(config.eval_dataset, config.dataset_split, "--eval-dataset", config.dataset_config)
-            return train, PromptData(held, config.prompt_column, self.tokenizer, flag="--eval-dataset")
+            return train, PromptData(held, column, tokenizer, flag="--eval-dataset", chat_template_kwargs=variables)
         train_rows, held_rows = split_held_out(len(rows), config.eval_fraction, config.seed)
         return (
-            PromptData(rows, config.prompt_column, self.tokenizer, train_rows),
-            PromptData(rows, config.prompt_column, self.tokenizer, held_rows, flag="--eval-fraction"),
+            PromptData(rows, column, tokenizer, train_rows, chat_template_kwargs=variables),
+            PromptData(rows, column, tokenizer, held_rows, "--eval-fraction", variables),
         )
 
     @property
@@ -121,7 +122,7 @@ class HFTask(Task):
 
     def check(self) -> None:
         """Load everything a role will need (model config, tokenizer, both prompt sets, rewards): fail before starting."""
-        check_model(self.config.model)
+        check_model(self.config.model, self.config.trust_remote_code)
         self.train_data.prompt_ids(self.train_data.indices[0])
         self.eval_data.prompt_ids(self.eval_data.indices[0])
         self.rewards  # noqa: B018 - imported and signature-checked here
@@ -129,7 +130,7 @@ class HFTask(Task):
     # -- the Task interface ----------------------------------------------------------------------------------
 
     def build_policy(self) -> torch.nn.Module:
-        model = load_model(self.config.model)
+        model = load_model(self.config.model, trust_remote_code=self.config.trust_remote_code)
         if self.config.disable_dropout and disable_dropout(model):  # the trainer's log-probs then are the generators'
             _log.info("%s: dropout off in training (--disable-dropout)", type(model).__name__)
         return model
@@ -159,6 +160,7 @@ class HFTask(Task):
             dtype=config.vllm_dtype,
             max_model_len=config.vllm_max_model_len or None,
             gpu_memory_utilization=config.vllm_gpu_memory,
+            trust_remote_code=config.trust_remote_code,
         )
         engine = build_engine(config.engine, policy, self.tokenizer, config.model, vllm, config.decode)
         self._engines[id(policy)] = (policy, engine)

@@ -45,6 +45,40 @@ def tiny(tmp_path_factory):  # type: ignore[no-untyped-def]
     return folder
 
 
+#: The own-code model's chat template asks for this variable (TRL's chat_template_kwargs) and fails without it.
+HINTED_TEMPLATE = "{% if hint is not defined %}{{ raise_exception('the template needs hint') }}{% endif %}{{ hint }}"
+
+
+@pytest.fixture(scope="module")
+def own_code(tiny, tmp_path_factory):  # type: ignore[no-untyped-def]
+    """The tiny model as one that brings its own code (a Qwen2 subclass named in ``auto_map``), with a chat
+    template that needs a variable."""
+    import shutil
+
+    folder = tmp_path_factory.mktemp("own-code") / "model"
+    shutil.copytree(tiny / "model", folder)
+    (folder / "configuration_hinted.py").write_text(
+        "from transformers import Qwen2Config\n\n\nclass HintedConfig(Qwen2Config):\n    model_type = 'hinted_qwen2'\n"
+    )
+    (folder / "modeling_hinted.py").write_text(
+        "from transformers import Qwen2ForCausalLM\n\nfrom .configuration_hinted import HintedConfig\n\n\n"
+        "class HintedForCausalLM(Qwen2ForCausalLM):\n    config_class = HintedConfig\n"
+    )
+    config = json.loads((folder / "config.json").read_text())
+    config.update(
+        model_type="hinted_qwen2",
+        architectures=["HintedForCausalLM"],
+        auto_map={
+            "AutoConfig": "configuration_hinted.HintedConfig",
+            "AutoModelForCausalLM": "modeling_hinted.HintedForCausalLM",
+        },
+    )
+    (folder / "config.json").write_text(json.dumps(config))
+    template = folder / "chat_template.jinja"
+    template.write_text(HINTED_TEMPLATE + template.read_text())
+    return folder
+
+
 @pytest.fixture(scope="module")
 def model_and_tokenizer(tiny):  # type: ignore[no-untyped-def]
     return load_model(str(tiny / "model")).eval(), load_tokenizer(str(tiny / "model"))
@@ -316,6 +350,36 @@ def test_chat_prompts_render_with_the_template_and_rows_follow_the_ticket(tiny, 
         PromptData(load_rows(str(tiny / "chat" / "train.jsonl")), "prompt", tokenizer_without)
 
 
+def test_chat_template_kwargs_reach_the_template_and_a_failing_template_is_a_data_error(tiny, own_code):
+    rows = load_rows(str(tiny / "chat" / "train.jsonl"))
+    tokenizer = load_tokenizer(str(own_code))
+    hinted = PromptData(rows, "prompt", tokenizer, chat_template_kwargs={"hint": "xyz"})
+    plain = PromptData(rows, "prompt", load_tokenizer(str(tiny / "model")))
+    assert tokenizer.decode(hinted.prompt_ids(0)) == "xyz" + tokenizer.decode(plain.prompt_ids(0))
+    with pytest.raises(DataError, match=r"row 0: the chat template failed: TemplateError: the template needs hint"):
+        PromptData(rows, "prompt", tokenizer).prompt_ids(0)
+    text = load_rows(str(tiny / "train.jsonl"))
+    with pytest.raises(DataError, match="--chat-template-kwargs sets the chat template's variables, but column"):
+        PromptData(text, "prompt", tokenizer, chat_template_kwargs={"hint": "xyz"})
+
+
+def test_a_model_with_its_own_code_loads_only_when_trusted(own_code):
+    from pipeline.models import ModelError, check_model
+
+    for load in (check_model, load_model):
+        with pytest.raises(ModelError, match="brings code of its own .* runs only with --trust-remote-code"):
+            load(str(own_code))  # type: ignore[operator]
+    model = load_model(str(own_code), trust_remote_code=True)
+    assert type(model).__name__ == "HintedForCausalLM" and model.config.model_type == "hinted_qwen2"
+    broken = own_code.parent / "broken"
+    import shutil
+
+    shutil.copytree(own_code, broken)
+    (broken / "modeling_hinted.py").write_text("raise RuntimeError('half-written')\n")
+    with pytest.raises(ModelError, match=r"its own code \(modeling_hinted.HintedForCausalLM\) cannot be imported"):
+        check_model(str(broken), trust_remote_code=True)
+
+
 # -- the launcher refuses what it cannot use --------------------------------------------------------------------
 
 
@@ -336,9 +400,10 @@ def _encoder_only(folder) -> str:  # type: ignore[no-untyped-def]
         ("no_template", "no chat template"),
         ("preset_with_data", None),
         ("hf_without_data", "--task hf trains on your prompts: add --dataset"),
+        ("own_code", "runs only with --trust-remote-code"),
     ],
 )
-def test_bad_model_data_or_reward_is_one_line_and_exit_2(tmp_path, tiny, capsys, case, message):
+def test_bad_model_data_or_reward_is_one_line_and_exit_2(tmp_path, tiny, own_code, capsys, case, message):
     model, data, reward = str(tiny / "model"), str(tiny / "train.jsonl"), f"{tiny / 'rewards.py'}:reversed_digits"
     extra: list[str] = []
     if case == "not_causal":
@@ -361,6 +426,8 @@ def test_bad_model_data_or_reward_is_one_line_and_exit_2(tmp_path, tiny, capsys,
         message = "the built-in tasks train a preset"
     elif case == "hf_without_data":
         flags = ["--task", "hf", "--model", model, "--reward", reward]
+    elif case == "own_code":
+        flags = ["--model", str(own_code), "--dataset", data, "--reward", reward]
     code = main([*flags, "--run-dir", str(run_dir), "--quiet"])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: ") and message in err, err
@@ -391,13 +458,24 @@ def _config(tiny, run_dir, **changes) -> Config:  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("ranks", [1, 2], ids=["one-trainer", "two-sharded-ranks"])
-async def test_a_hf_model_trains_in_the_pipeline_and_saves_what_transformers_loads(tmp_path, tiny, sockets_dir, ranks):
+async def test_a_hf_model_trains_in_the_pipeline_and_saves_what_transformers_loads(
+    tmp_path, tiny, own_code, sockets_dir, ranks
+):
     """Also on two FSDP2 ranks: the generator gets whole weights, evaluation and the export see the whole policy.
-    The two-rank run combines its rewards as GDPO does; either way reward/mean is the rewards' weighted sum."""
+    The two-rank run combines its rewards as GDPO does; either way reward/mean is the rewards' weighted sum.
+    The one-trainer run's model brings its own code and a chat template that fails without its variable: every
+    role loads the code (--trust-remote-code) and renders chat prompts with --chat-template-kwargs, and the
+    exported folder carries the code."""
     import transformers
 
     aggregation = "normalize_then_sum" if ranks == 2 else "sum_then_normalize"
-    config = _config(tiny, tmp_path, kl_coeff=0.02, trainer_ranks=ranks, multi_objective_aggregation=aggregation)
+    model = own_code if ranks == 1 else tiny / "model"
+    own = dict(model=str(own_code), trust_remote_code=True, chat_template_kwargs={"hint": "q"})
+    if ranks == 1:
+        own.update(dataset=str(tiny / "chat" / "train.jsonl"))
+    else:
+        own = {}
+    config = _config(tiny, tmp_path, kl_coeff=0.02, trainer_ranks=ranks, multi_objective_aggregation=aggregation, **own)
     result = await run_pipeline(config, quiet=True)
     assert result.steps == 6 and set(result.evaluation) == {"reward", "reward/reversed_digits", "reward/exact_match"}
     rows = read_rows(str(tmp_path))
@@ -408,15 +486,17 @@ async def test_a_hf_model_trains_in_the_pipeline_and_saves_what_transformers_loa
     logged = [json.loads(line) for line in open(tmp_path / "completions.jsonl")]
     assert len(logged) == 4 and set(logged[0]["rewards"]) == {"reversed_digits", "exact_match"}, "rank 0 logs them"
     # the exported folder gives the checkpoint's logits (a sharded one's read whole by one learner)
-    saved = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "model")).eval()
-    task = HFTask(resolve(_config(tiny, tmp_path)))
+    saved = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "model"), trust_remote_code=True).eval()
+    assert type(saved).__name__ == ("HintedForCausalLM" if ranks == 1 else "Qwen2ForCausalLM")
+    task = HFTask(resolve(_config(tiny, tmp_path, **own)))
     learner = Learner(task, torch.device("cpu"))
     learner.resume(str(tmp_path))
     policy = learner.policy.eval()
     ids = torch.tensor([task.tokenizer("reverse:1234=")["input_ids"]])
     with torch.no_grad():
         assert torch.equal(saved(ids).logits, policy(ids).logits)
-    assert not torch.equal(saved(ids).logits, load_model(str(tiny / "model")).eval()(ids).logits)  # it trained
+    start = load_model(str(model), trust_remote_code=True).eval()
+    assert not torch.equal(saved(ids).logits, start(ids).logits)  # it trained
 
 
 async def test_a_reward_that_raises_ends_the_run_naming_it(tmp_path, tiny, sockets_dir):

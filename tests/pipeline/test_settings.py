@@ -119,6 +119,15 @@ from pipeline.grpo import main, parse_args
         (["--vespo-k-neg", "-1"], "--vespo-k-neg -1.0: the weight's power of the ratio must be at least 0"),
         (["--vespo-lambda-pos", "0"], "--vespo-lambda-pos 0.0: the weight's decay must be above 0"),
         (["--trainer-ranks", "9", "--prompts", "2", "--group", "4"], "--trainer-ranks 9: a rollout has 8 rows"),
+        (["--trust-remote-code"], "--trust-remote-code lets a Hugging Face model's own code run (--task hf"),
+        (["--chat-template-kwargs", '{"hint": "x"}'], "--chat-template-kwargs sets a Hugging Face tokenizer's chat"),
+        (
+            [
+                *("--chat-template-kwargs", '{"tokenize": false, "add_generation_prompt": false, "hint": 1}'),
+                *("--dataset", "prompts.jsonl", "--reward", "exact_match"),
+            ],
+            "--chat-template-kwargs add_generation_prompt, tokenize: the pipeline sets these itself",
+        ),
     ],
 )
 def test_a_setting_that_cannot_train_is_one_line_and_exit_2(tmp_path, capsys, flags, message):
@@ -127,6 +136,18 @@ def test_a_setting_that_cannot_train_is_one_line_and_exit_2(tmp_path, capsys, fl
     err = capsys.readouterr().err
     assert code == 2 and err.startswith(f"error: {message}"), err
     assert err.count("\n") == 1 and not run_dir.exists()
+
+
+@pytest.mark.parametrize(
+    "value, message", [("{hint: 1}", "'{hint: 1}' is not JSON"), ('["hint"]', """'["hint"]' is not a JSON object""")]
+)
+def test_chat_template_kwargs_are_a_json_object(tmp_path, capsys, value, message):
+    with pytest.raises(SystemExit) as exited:
+        main(["--chat-template-kwargs", value, "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and f"argument --chat-template-kwargs: {message}" in err, err
+    with pytest.raises(SettingsError, match="--chat-template-kwargs 'hint': a JSON object of the template's variables"):
+        check_settings(Config(task="hf", chat_template_kwargs="hint"))  # type: ignore[arg-type]
 
 
 def test_resume_of_a_folder_that_is_no_run(tmp_path, capsys):
