@@ -367,7 +367,7 @@ def test_a_model_with_its_own_code_loads_only_when_trusted(own_code):
     from pipeline.models import ModelError, check_model
 
     for load in (check_model, load_model):
-        with pytest.raises(ModelError, match="brings code of its own .* runs only with --trust-remote-code"):
+        with pytest.raises(ModelError, match=r"brings code of its own .* runs only with --trust-remote-code"):
             load(str(own_code))  # type: ignore[operator]
     model = load_model(str(own_code), trust_remote_code=True)
     assert type(model).__name__ == "HintedForCausalLM" and model.config.model_type == "hinted_qwen2"
