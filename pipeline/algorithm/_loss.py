@@ -146,6 +146,14 @@ def group_advantages(
     return centred.reshape(-1)
 
 
+def group_spread(rewards: torch.Tensor, group: int) -> tuple[float, float]:
+    """Rewards [N] in consecutive groups of ``group``: the mean of the groups' (population) stds, and the share of
+    groups whose rewards are all equal (TRL's ``reward_std`` and ``frac_reward_zero_std``; such a group's
+    advantages are all 0: it teaches nothing)."""
+    std = rewards.view(-1, group).std(1, unbiased=False)
+    return float(std.mean()), float(torch.isclose(std, torch.zeros_like(std)).float().mean())
+
+
 def high_entropy_tokens(entropy: torch.Tensor, real: torch.Tensor, share: float) -> torch.Tensor:
     """The tokens of ``real`` [N, T] whose ``entropy`` is in the top ``share`` of theirs: at or above its
     (1 - share) quantile, so ties at the threshold all stay and the highest one always does."""

@@ -109,6 +109,7 @@ class Config:
     temperature: float = 1.0
     top_p: float = 1.0
     eval_size: int = 256  # held-out prompts (or states) per evaluation
+    num_generations_eval: int = 0  # hf: 0 decodes each held-out prompt greedily; N samples N at training settings
     steps: int = 1000
     generators: int = 2
     mode: Mode = "async"

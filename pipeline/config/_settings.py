@@ -70,8 +70,14 @@ def check_settings(config: Config) -> None:
         "generator_restarts",
         "top_k",
         "log_completions",
+        "num_generations_eval",
     ):
         _at_least(config, name, 0)
+    if config.num_generations_eval and config.task != "hf":
+        raise SettingsError(
+            f"--num-generations-eval {config.num_generations_eval} samples a Hugging Face model's held-out "
+            "completions (--task hf, --dataset); the built-in tasks score greedy answers"
+        )
     _at_least(config, "kl_coeff", 0)
     _at_least(config, "max_grad_norm", 0, " (0 turns clipping off)")
     if config.lr is not None and not config.lr > 0:

@@ -166,6 +166,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="append N held-out (prompt, completion, rewards) rows per evaluation to completions.jsonl",
     )
+    data.add_argument(
+        "--num-generations-eval",
+        type=int,
+        default=0,
+        metavar="N",
+        help="evaluate N completions of each held-out prompt, sampled as in training (default 0: one, greedy)",
+    )
     train = parser.add_argument_group("training")
     train.add_argument("--steps", type=int, default=1000, help="most trainer steps (default 1000)")
     train.add_argument(
@@ -499,6 +506,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
             rewards=list(args.reward),
             reward_timeout=args.reward_timeout,
             log_completions=args.log_completions,
+            num_generations_eval=args.num_generations_eval,
             report_to=args.report_to,
             engine=args.engine,
             decode=args.decode,

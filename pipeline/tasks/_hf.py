@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 
+from ..algorithm import group_spread
 from ..models import (
     BuiltinEngine,
     CompletionLogps,
@@ -55,6 +56,8 @@ T = TypeVar("T")
 
 #: Completion limit when ``--max-new-tokens`` is not given (TRL's default).
 DEFAULT_MAX_NEW_TOKENS = 256
+#: Sampled evaluation's seed (``--seed`` is added): far from every rollout's (the roles' ``sampling_seed``).
+EVAL_SEED = 2**61
 
 
 @dataclass
@@ -269,23 +272,46 @@ class HFTask(Task):
         return tokens, tokens / max(1, samples.mask.shape[0])
 
     async def evaluate_async(self, policy: torch.nn.Module) -> dict[str, float]:
-        """Greedy completions of the held-out prompts: the weighted reward and each function's mean."""
-        data = self.eval_data
+        """The held-out prompts' completions, greedy or ``--num-generations-eval`` samples of each: the weighted
+        reward and each function's mean; sampled, also the spread within each prompt's samples."""
+        data, samples = self.eval_data, self.config.num_generations_eval
         rows = data.indices[: self.config.eval_size]
         was_training = policy.training
         policy.eval()
         try:
-            out = self.engine(policy).generate([data.prompt_ids(row) for row in rows], self.params(1, greedy=True))
+            texts = self._held_out_completions(policy, [data.prompt_ids(row) for row in rows])
         finally:
             policy.train(was_training)
+        rows = [row for row in rows for _ in range(max(1, samples))]  # a prompt's samples are consecutive
         prompts = [data.prompt(row) for row in rows]
-        per_function = await self.rewards.score(prompts, [data.completion(t) for t in out.texts], data.columns_of(rows))
+        per_function = await self.rewards.score(prompts, [data.completion(t) for t in texts], data.columns_of(rows))
         combined = self.rewards.combine(per_function)
-        self._log_completions(prompts, out.texts, per_function)
-        return {
+        self._log_completions(prompts, texts, per_function)
+        metrics = {
             "reward": float(combined.mean()),
             **{f"reward/{name}": value for name, value in self.rewards.means(per_function).items()},
         }
+        if samples > 1:
+            metrics["reward_std"], metrics["frac_reward_zero_std"] = group_spread(combined, samples)
+        return metrics
+
+    def _held_out_completions(self, policy: torch.nn.Module, prompts: list[list[int]]) -> list[str]:
+        """Greedy completions, or ``--num-generations-eval`` sampled ones of each prompt (consecutive).
+
+        Sampling draws from one seeded stream per evaluation, so every evaluation of a run (a resumed one's
+        too, and every rank of a sharded trainer) draws the same noise, and calls hold no more completions
+        than the greedy evaluation or a rollout would.
+        """
+        engine, samples = self.engine(policy), self.config.num_generations_eval
+        if samples == 0:
+            return engine.generate(prompts, self.params(1, greedy=True)).texts
+        device = next(policy.parameters()).device
+        generator = torch.Generator(device=device).manual_seed(EVAL_SEED + self.config.seed)
+        per_call = max(1, max(len(prompts), self.config.prompts * self.config.group) // samples)
+        texts: list[str] = []
+        for start in range(0, len(prompts), per_call):
+            texts += engine.generate(prompts[start : start + per_call], self.params(samples), generator).texts
+        return texts
 
     def evaluate(self, policy: torch.nn.Module) -> dict[str, float]:
         return asyncio.run(self.evaluate_async(policy))

@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from pipeline import Config, DigitsTask, Learner, resolve, train_one_process
-from pipeline.algorithm import LossSpec, group_advantages, high_entropy_tokens, token_grpo_loss, token_weights
+from pipeline.algorithm import (
+    LossSpec,
+    group_advantages,
+    group_spread,
+    high_entropy_tokens,
+    token_grpo_loss,
+    token_weights,
+)
 from pipeline.learning import lr_factor
 from pipeline.models import completion_logps
 from pipeline.tasks import EOS, PAD, TokenBatch, loss_spec
@@ -392,6 +399,13 @@ def test_no_reference_means_no_kl_term():
 def test_reward_scaling(scale, expected):
     advantages = group_advantages(torch.tensor([1.0, 0.0, 5.0, 5.0]), group=2, scale=scale)
     torch.testing.assert_close(advantages, torch.tensor(expected), atol=1e-5, rtol=0)
+
+
+def test_group_spread_is_the_mean_within_group_std_and_the_share_of_groups_that_teach_nothing():
+    rewards = torch.tensor([1.0, 0.0, 5.0, 5.0, 0.3, 0.3, 2.0, 0.0])
+    std, zero = group_spread(rewards, 2)
+    assert std == pytest.approx((0.5 + 0 + 0 + 1.0) / 4) and zero == 0.5
+    assert group_spread(rewards, 4) == (pytest.approx((math.sqrt(5.1875) + math.sqrt(0.6225)) / 2), 0.0)
 
 
 def test_padding_cannot_make_nan_whatever_it_holds():

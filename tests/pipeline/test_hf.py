@@ -17,7 +17,7 @@ pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '
 pytest.importorskip("datasets", reason="needs the hf extra: pip install -e '.[hf]'")
 
 from pipeline import Config, PipelineError, resolve, run_pipeline
-from pipeline.algorithm import group_advantages, high_entropy_tokens
+from pipeline.algorithm import group_advantages, group_spread, high_entropy_tokens
 from pipeline.grpo import main
 from pipeline.learning import Learner, Update
 from pipeline.models import BuiltinEngine, GenerateEngine, SamplingParams, causal_logps, load_model, load_tokenizer
@@ -462,7 +462,9 @@ async def test_a_hf_model_trains_in_the_pipeline_and_saves_what_transformers_loa
     tmp_path, tiny, own_code, sockets_dir, ranks
 ):
     """Also on two FSDP2 ranks: the generator gets whole weights, evaluation and the export see the whole policy.
-    The two-rank run combines its rewards as GDPO does; either way reward/mean is the rewards' weighted sum.
+    The two-rank run combines its rewards as GDPO does (either way reward/mean is the rewards' weighted sum) and
+    evaluates two samples of each held-out prompt: both ranks draw the same ones, or their shards' collectives
+    would part ways.
     The one-trainer run's model brings its own code and a chat template that fails without its variable: every
     role loads the code (--trust-remote-code) and renders chat prompts with --chat-template-kwargs, and the
     exported folder carries the code."""
@@ -474,10 +476,12 @@ async def test_a_hf_model_trains_in_the_pipeline_and_saves_what_transformers_loa
     if ranks == 1:
         own.update(dataset=str(tiny / "chat" / "train.jsonl"))
     else:
-        own = {}
+        own = {"num_generations_eval": 2}
     config = _config(tiny, tmp_path, kl_coeff=0.02, trainer_ranks=ranks, multi_objective_aggregation=aggregation, **own)
     result = await run_pipeline(config, quiet=True)
-    assert result.steps == 6 and set(result.evaluation) == {"reward", "reward/reversed_digits", "reward/exact_match"}
+    spread = {"reward_std", "frac_reward_zero_std"} if ranks == 2 else set()
+    assert result.steps == 6
+    assert set(result.evaluation) == {"reward", "reward/reversed_digits", "reward/exact_match", *spread}
     rows = read_rows(str(tmp_path))
     assert all("reward/reversed_digits" in row and "reward/exact_match" in row for row in rows)
     for row in rows:  # weights 1 and 0.5 (GDPO trains on its normalised sum, but logs the rewards themselves)
@@ -485,6 +489,7 @@ async def test_a_hf_model_trains_in_the_pipeline_and_saves_what_transformers_loa
         assert row["reward/mean"] == pytest.approx(total, abs=1e-5), row
     logged = [json.loads(line) for line in open(tmp_path / "completions.jsonl")]
     assert len(logged) == 4 and set(logged[0]["rewards"]) == {"reversed_digits", "exact_match"}, "rank 0 logs them"
+    assert all(f"eval/{name}" in rows[2] for name in spread), rows[2]
     # the exported folder gives the checkpoint's logits (a sharded one's read whole by one learner)
     saved = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "model"), trust_remote_code=True).eval()
     assert type(saved).__name__ == ("HintedForCausalLM" if ranks == 1 else "Qwen2ForCausalLM")
@@ -580,6 +585,42 @@ async def test_the_engine_installs_the_newest_manifest_and_refuses_one_that_does
     finally:
         inbox.close()
         publisher.close()
+
+
+def test_sampled_evaluation_draws_n_of_each_prompt_the_same_way_each_time_in_bounded_calls(tmp_path, tiny):
+    """--num-generations-eval 3 with 5 held-out prompts and rollouts of 2 x 2: each call holds at most
+    max(5, 4) completions (one prompt's 3 here); every evaluation draws the same samples; the metrics are the
+    means over all 15 and the spread within each prompt's 3 (TRL's reward_std and frac_reward_zero_std)."""
+    settings = dict(prompts=2, group=2, max_new_tokens=4, eval_size=5, num_generations_eval=3, log_completions=15)
+    task = HFTask(resolve(_config(tiny, tmp_path, **settings)))
+    policy = task.build_policy()
+    engine = task.engine(policy)
+    calls: list[tuple[int, int]] = []
+    drawn: list[str] = []
+    generate = engine.generate
+
+    def counted(prompts, params, generator=None):  # type: ignore[no-untyped-def]
+        calls.append((len(prompts), params.samples))
+        assert params.temperature == 1.0 and generator is not None, "sampled as in training, from a seeded stream"
+        out = generate(prompts, params, generator)
+        drawn.extend(out.texts)
+        return out
+
+    engine.generate = counted  # type: ignore[method-assign]
+    first = task.evaluate(policy)
+    assert calls == [(1, 3)] * 5 and policy.training, "the policy is back in training mode"
+    again = task.evaluate(policy)
+    assert again == first and drawn[:15] == drawn[15:], "each evaluation draws the same samples"
+    assert len(set(drawn[:15])) > 5, "sampled, not greedy: a prompt's completions differ"
+    logged = [json.loads(line) for line in open(tmp_path / "completions.jsonl")][:15]
+    assert [row["completion"] for row in logged] == drawn[:15]
+    assert [row["prompt"] for row in logged][:3] == [logged[0]["prompt"]] * 3, "a prompt's samples are consecutive"
+    scores = torch.tensor([row["rewards"]["reversed_digits"] + 0.5 * row["rewards"]["exact_match"] for row in logged])
+    assert first["reward"] == pytest.approx(float(scores.mean()), abs=1e-6)
+    spread = group_spread(scores, 3)
+    assert (first["reward_std"], first["frac_reward_zero_std"]) == (pytest.approx(spread[0], abs=1e-6), spread[1])
+    greedy = HFTask(resolve(_config(tiny, tmp_path, **{**settings, "num_generations_eval": 0, "log_completions": 0})))
+    assert set(greedy.evaluate(policy)) == {"reward", "reward/reversed_digits", "reward/exact_match"}
 
 
 @pytest.mark.parametrize("push, expected", [(50.0, False), (-50.0, True)])

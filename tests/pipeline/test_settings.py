@@ -119,6 +119,8 @@ from pipeline.grpo import main, parse_args
         (["--vespo-k-neg", "-1"], "--vespo-k-neg -1.0: the weight's power of the ratio must be at least 0"),
         (["--vespo-lambda-pos", "0"], "--vespo-lambda-pos 0.0: the weight's decay must be above 0"),
         (["--trainer-ranks", "9", "--prompts", "2", "--group", "4"], "--trainer-ranks 9: a rollout has 8 rows"),
+        (["--num-generations-eval", "4"], "--num-generations-eval 4 samples a Hugging Face model's held-out"),
+        (["--num-generations-eval", "-1"], "--num-generations-eval -1: must be at least 0"),
         (["--trust-remote-code"], "--trust-remote-code lets a Hugging Face model's own code run (--task hf"),
         (["--chat-template-kwargs", '{"hint": "x"}'], "--chat-template-kwargs sets a Hugging Face tokenizer's chat"),
         (
