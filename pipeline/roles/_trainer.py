@@ -34,6 +34,7 @@ from actors import (
     send,
 )
 
+from ..algorithm import group_spread
 from ..config import Config
 from ..learning import DataParallel, GroupAddress, Learner, RankShare, Rendezvous, Update, checkpoint, group_kind
 from ..tasks import load_task, to_device
@@ -417,6 +418,8 @@ class Trainer(Actor):
     ) -> StepReport:
         rollout, loss = item.rollout, update.report
         shown = item.rewards if item.reward_total is None else item.reward_total  # the rewards, not GDPO's signal
+        group = self.config.group
+        spread = group_spread(shown, group) if shown.numel() % group == 0 else (None, None)
         return StepReport(
             step=self.step,
             time=time.perf_counter() - started,
@@ -426,6 +429,8 @@ class Trainer(Actor):
             dropped_stale=self.dropped,
             reward_mean=float(shown.mean()),
             reward_std=float(shown.std(unbiased=False)),
+            reward_group_std=spread[0],
+            reward_zero_std=spread[1],
             accuracy=None if item.accuracy is None else float(item.accuracy.mean()),
             evaluation=evaluation,
             score=self.score,

@@ -72,6 +72,8 @@ def metric_row(report: StepReport, windowed: dict[str, float]) -> dict[str, Any]
         "generator": report.generator,
         "reward/mean": report.reward_mean,
         "reward/std": report.reward_std,
+        "reward/group_std": report.reward_group_std,
+        "reward/frac_zero_std": report.reward_zero_std,
         "accuracy/train": report.accuracy,
         "score": report.score,
         "actor/loss": report.loss,
@@ -191,9 +193,13 @@ class Progress:
             self.stream.flush()
 
 
+#: The rollout's reward summaries: every other ``reward/<name>`` is one reward function's mean.
+_REWARD_SUMMARIES = ("reward/mean", "reward/std", "reward/group_std", "reward/frac_zero_std")
+
+
 def _reward_component(name: str, value: Any) -> bool:
     """Whether a row's ``name`` is one reward function's mean (``reward/<name>``, not the mean or std)."""
-    return name.startswith("reward/") and name not in ("reward/mean", "reward/std") and isinstance(value, float)
+    return name.startswith("reward/") and name not in _REWARD_SUMMARIES and isinstance(value, float)
 
 
 def _smooth(values: list[float], window: int) -> list[float]:

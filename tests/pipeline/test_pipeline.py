@@ -35,6 +35,8 @@ FIELDS = {
     "generator",
     "reward/mean",
     "reward/std",
+    "reward/group_std",
+    "reward/frac_zero_std",
     "accuracy/train",
     "score",
     "actor/loss",
@@ -106,6 +108,7 @@ def test_the_default_run_learns_the_digit_task_and_writes_its_outputs(tmp_path):
     evaluations = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
     assert evaluations[0] < 0.2 and evaluations[-1] >= 0.99, evaluations
     assert rows[0]["reward/mean"] < 0.3 < rows[-1]["reward/mean"]
+    assert all(0 <= r["reward/frac_zero_std"] <= 1 and r["reward/group_std"] <= r["reward/std"] + 1e-6 for r in rows)
     assert all(r["tokens/step"] > 0 and 1 <= r["response_length/mean"] <= 8 for r in rows)
     assert all(0 <= r["perf/trainer_idle_ratio"] <= 1 and 0 <= r["perf/generator_idle_ratio"] <= 1 for r in rows)
     assert all(r["staleness/max"] <= Config().max_staleness and r["actor/kl"] >= 0 for r in rows)
