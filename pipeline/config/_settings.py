@@ -73,11 +73,7 @@ def check_settings(config: Config) -> None:
         "num_generations_eval",
     ):
         _at_least(config, name, 0)
-    if config.num_generations_eval and config.task != "hf":
-        raise SettingsError(
-            f"--num-generations-eval {config.num_generations_eval} samples a Hugging Face model's held-out "
-            "completions (--task hf, --dataset); the built-in tasks score greedy answers"
-        )
+
     _at_least(config, "kl_coeff", 0)
     _at_least(config, "max_grad_norm", 0, " (0 turns clipping off)")
     if config.lr is not None and not config.lr > 0:
@@ -213,11 +209,6 @@ def check_settings(config: Config) -> None:
         )
     _check_trainer_ranks(config)
     _check_chat_template_kwargs(config)
-    if config.trust_remote_code and config.task != "hf":
-        raise SettingsError(
-            "--trust-remote-code lets a Hugging Face model's own code run (--task hf, --dataset); the built-in "
-            "tasks' models have none"
-        )
     if config.engine != "builtin" and config.task != "hf":
         raise SettingsError(
             f"--engine {config.engine} samples a Hugging Face model (--task hf, --dataset); the built-in tasks' "
@@ -269,17 +260,12 @@ _TEMPLATE_ARGUMENTS = (
 
 
 def _check_chat_template_kwargs(config: Config) -> None:
-    """The chat template's variables: an object with text keys, for a Hugging Face task, none the pipeline sets."""
+    """The chat template's variables: an object with text keys, none of them an argument the pipeline sets."""
     variables = config.chat_template_kwargs
     if not isinstance(variables, dict) or not all(isinstance(key, str) for key in variables):
         raise SettingsError(
             f"--chat-template-kwargs {variables!r}: a JSON object of the template's variables, such as "
             "'{\"enable_thinking\": false}'"
-        )
-    if variables and config.task != "hf":
-        raise SettingsError(
-            "--chat-template-kwargs sets a Hugging Face tokenizer's chat template variables (--task hf, --dataset); "
-            "the built-in tasks have no chat template"
         )
     taken = sorted(key for key in variables if key in _TEMPLATE_ARGUMENTS)
     if taken:

@@ -628,6 +628,8 @@ def check_task_settings(config: Config) -> None:
             f"--mini-batches {config.mini_batches}: a rollout of {rows} completions does not split into "
             f"{config.mini_batches} equal parts"
         )
+    if not issubclass(task, HFTask):
+        _refuse_hf_settings(config)
     if config.multi_objective_aggregation == "normalize_then_sum" and not issubclass(task, HFTask):
         raise SettingsError(
             "--multi-objective-aggregation normalize_then_sum normalises each --reward function's rewards "
@@ -645,6 +647,25 @@ def check_task_settings(config: Config) -> None:
             raise SettingsError(
                 f"{flag}: --task {config.task} has no KL term by default (β 0), so {what}; give --kl-coeff"
             )
+
+
+def _refuse_hf_settings(config: Config) -> None:
+    """Settings only a Hugging Face task (``--task hf`` or a subclass of HFTask) has a use for."""
+    if config.num_generations_eval:
+        raise SettingsError(
+            f"--num-generations-eval {config.num_generations_eval} samples a Hugging Face model's held-out "
+            f"completions (--task hf, --dataset); --task {config.task} scores greedy answers"
+        )
+    if config.chat_template_kwargs:
+        raise SettingsError(
+            "--chat-template-kwargs sets a Hugging Face tokenizer's chat template variables (--task hf, --dataset); "
+            f"--task {config.task} has no chat template"
+        )
+    if config.trust_remote_code:
+        raise SettingsError(
+            "--trust-remote-code lets a Hugging Face model's own code run (--task hf, --dataset); "
+            f"--task {config.task}'s model has none"
+        )
 
 
 def _task_name(args: argparse.Namespace) -> str:

@@ -220,6 +220,16 @@ def test_gdpo_is_for_any_task_with_reward_functions_and_resolves_to_the_batchs_s
     check_settings(Config(task="hf", scale_rewards="batch", multi_objective_aggregation="normalize_then_sum"))
 
 
+def test_the_hugging_face_settings_are_for_any_subclass_of_the_hf_task():
+    from pipeline.run._cli import check_task_settings
+
+    hf_only = dict(num_generations_eval=2, chat_template_kwargs={"enable_thinking": False}, trust_remote_code=True)
+    check_task_settings(Config(task="pipeline.tasks:HFTask", **hf_only))  # type: ignore[arg-type]
+    for name, value in hf_only.items():
+        with pytest.raises(SettingsError, match=f"--{name.replace('_', '-')} .*--task pipeline.tasks:DigitsTask"):
+            check_task_settings(Config(task="pipeline.tasks:DigitsTask", **{name: value}))  # type: ignore[arg-type]
+
+
 def test_a_bandit_run_saved_with_sampler_settings_it_never_used_resumes(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"task": "bandit", "temperature": 0.7, "top_p": 0.9}))
     config, _ = parse_args(["--resume", str(tmp_path)])
