@@ -1,4 +1,4 @@
-"""What generates and scores text: the tiny built-in transformer, Hugging Face causal LMs, the engines.
+"""What generates and scores text: the tiny built-in transformer, Hugging Face causal LMs, the engines, reward models.
 
 An engine turns prompts into completions with their behaviour
 log-probabilities: the built-in sampler (``builtin``), transformers'
@@ -31,6 +31,7 @@ from ._engines import (
     end_tokens,
     left_pad,
 )
+from ._reward_model import RewardModel
 from ._tiny import PRESETS, Generation, ModelConfig, TinyTransformer, completion_logps, generate
 from ._vllm import VLLMEngine, VLLMUnavailable, import_vllm, logprobs_mode, vllm_missing
 
@@ -50,6 +51,7 @@ __all__ = [
     "ModelCall",
     "ModelConfig",
     "ModelError",
+    "RewardModel",
     "SamplingParams",
     "StaticDecoder",
     "TinyTransformer",

@@ -51,7 +51,7 @@ def require_transformers() -> Any:
     return transformers
 
 
-def _loading(name: str, trust_remote_code: bool) -> dict[str, Any]:
+def loading_kwargs(name: str, trust_remote_code: bool) -> dict[str, Any]:
     """``from_pretrained``'s keyword arguments: a local folder never touches the network; its own code runs if trusted."""
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     if os.path.isdir(name):
@@ -78,11 +78,11 @@ def check_model(name: str, trust_remote_code: bool = False) -> Any:
     """
     transformers = require_transformers()
     try:
-        config = transformers.AutoConfig.from_pretrained(name, **_loading(name, trust_remote_code))
+        config = transformers.AutoConfig.from_pretrained(name, **loading_kwargs(name, trust_remote_code))
     except (OSError, ValueError) as exc:
         if _asks_for_trust(exc):
             raise _untrusted(name) from None
-        raise ModelError(f"--model {name}: not a preset, a model folder or a Hub name ({_first_line(exc)})") from None
+        raise ModelError(f"--model {name}: not a preset, a model folder or a Hub name ({first_line(exc)})") from None
     mapping = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     own_code = (getattr(config, "auto_map", None) or {}).get("AutoModelForCausalLM")
     if config.model_type not in mapping and not own_code:
@@ -100,7 +100,7 @@ def _import_own_code(transformers: Any, name: str, reference: str) -> None:
             reference, name, local_files_only=os.path.isdir(name)
         )
     except Exception as exc:  # the model's own code: whatever it raises
-        raise ModelError(f"--model {name}: its own code ({reference}) cannot be imported: {_first_line(exc)}") from None
+        raise ModelError(f"--model {name}: its own code ({reference}) cannot be imported: {first_line(exc)}") from None
 
 
 def load_model(name: str, device: torch.device | str = "cpu", trust_remote_code: bool = False) -> torch.nn.Module:
@@ -114,12 +114,12 @@ def load_model(name: str, device: torch.device | str = "cpu", trust_remote_code:
     check_model(name, trust_remote_code)
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            name, dtype=torch.float32, **_loading(name, trust_remote_code)
+            name, dtype=torch.float32, **loading_kwargs(name, trust_remote_code)
         )
     except (OSError, ValueError) as exc:
         if _asks_for_trust(exc):
             raise _untrusted(name) from None
-        raise ModelError(f"--model {name}: its weights cannot be loaded ({_first_line(exc)})") from None
+        raise ModelError(f"--model {name}: its weights cannot be loaded ({first_line(exc)})") from None
     return model.to(device).train()  # type: ignore[no-any-return]
 
 
@@ -127,11 +127,11 @@ def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
     """``name``'s tokenizer, padding on the left (generation appends on the right), with a pad token."""
     transformers = require_transformers()
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(name, **_loading(name, trust_remote_code))
+        tokenizer = transformers.AutoTokenizer.from_pretrained(name, **loading_kwargs(name, trust_remote_code))
     except (OSError, ValueError, TypeError) as exc:
         if _asks_for_trust(exc):
             raise _untrusted(name) from None
-        raise ModelError(f"--model {name}: its tokenizer cannot be loaded ({_first_line(exc)})") from None
+        raise ModelError(f"--model {name}: its tokenizer cannot be loaded ({first_line(exc)})") from None
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:
@@ -311,6 +311,6 @@ def _body_and_head(model: torch.nn.Module) -> Split | None:
     return Split(body, head, linear.out_features)
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__

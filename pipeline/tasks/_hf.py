@@ -43,7 +43,7 @@ from ..models import (
 from ._completion_loss import completion_loss
 from ._data import PromptData, load_rows, split_held_out
 from ._interface import LossReport, Scores, Task
-from ._rewards import RewardSet
+from ._rewards import RewardPlacement, RewardSet
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -89,6 +89,7 @@ class HFTask(Task):
         self.max_new_tokens = config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
         self._engines: dict[int, tuple[torch.nn.Module, Engine]] = {}
         self._scorers: dict[int, tuple[torch.nn.Module, CompletionLogps]] = {}
+        self._reward_sets: dict[str, RewardSet] = {}
 
     # -- what each role loads, once, when it first needs it ------------------------------------------------
 
@@ -121,7 +122,22 @@ class HFTask(Task):
 
     @cached_property
     def rewards(self) -> RewardSet:
-        return RewardSet(self.config.rewards, self.config.reward_timeout)
+        """The reward functions (a reward model among them is checked here, loaded on the CPU when first called)."""
+        return self.rewards_on(torch.device("cpu"))
+
+    def rewards_on(self, device: torch.device) -> RewardSet:
+        """The reward functions with any reward model on ``device`` (bfloat16 there if the run is, on a GPU)."""
+        held = self._reward_sets.get(str(device))
+        if held is None:
+            config = self.config
+            dtype = torch.bfloat16 if config.dtype == "bfloat16" and device.type == "cuda" else torch.float32
+            placement = RewardPlacement(device, dtype, config.trust_remote_code)
+            held = self._reward_sets[str(device)] = RewardSet(config.rewards, config.reward_timeout, placement)
+        return held
+
+    def build_scorer(self, device: torch.device) -> RewardSet:
+        """The scorer's reward functions, any reward model on its device."""
+        return self.rewards_on(device)
 
     def check(self) -> None:
         """Load everything a role will need (model config, tokenizer, both prompt sets, rewards): fail before starting."""
@@ -199,18 +215,20 @@ class HFTask(Task):
         )
 
     async def score_async(self, scorer: Any, samples: HFBatch) -> Scores:
+        """``scorer`` is :meth:`build_scorer`'s reward functions (None: those on the CPU)."""
+        rewards = scorer if isinstance(scorer, RewardSet) else self.rewards
         data = self.train_data
         rows = samples.rows.repeat_interleave(samples.group).tolist()
-        per_function = await self.rewards.score(
+        per_function = await rewards.score(
             [data.prompt(row) for row in rows],
             [data.completion(text) for text in samples.texts],
             data.columns_of(rows),
         )
-        total = self.rewards.combine(per_function)
+        total = rewards.combine(per_function)
         if self.config.multi_objective_aggregation == "normalize_then_sum":  # GDPO: the advantages' signal differs
-            signal = self.rewards.combine_decoupled(per_function, samples.group)
-            return Scores(signal, None, self.rewards.means(per_function), total)
-        return Scores(total, None, self.rewards.means(per_function))
+            signal = rewards.combine_decoupled(per_function, samples.group)
+            return Scores(signal, None, rewards.means(per_function), total)
+        return Scores(total, None, rewards.means(per_function))
 
     def score(self, scorer: Any, samples: HFBatch) -> Scores:
         return asyncio.run(self.score_async(scorer, samples))
@@ -284,12 +302,13 @@ class HFTask(Task):
             policy.train(was_training)
         rows = [row for row in rows for _ in range(max(1, samples))]  # a prompt's samples are consecutive
         prompts = [data.prompt(row) for row in rows]
-        per_function = await self.rewards.score(prompts, [data.completion(t) for t in texts], data.columns_of(rows))
-        combined = self.rewards.combine(per_function)
+        rewards = self.rewards_on(next(policy.parameters()).device)  # a reward model beside the policy
+        per_function = await rewards.score(prompts, [data.completion(t) for t in texts], data.columns_of(rows))
+        combined = rewards.combine(per_function)
         self._log_completions(prompts, texts, per_function)
         metrics = {
             "reward": float(combined.mean()),
-            **{f"reward/{name}": value for name, value in self.rewards.means(per_function).items()},
+            **{f"reward/{name}": value for name, value in rewards.means(per_function).items()},
         }
         if samples > 1:
             metrics["reward_std"], metrics["frac_reward_zero_std"] = group_spread(combined, samples)

@@ -1,7 +1,8 @@
 """Reward functions in TRL's signature: loading them by name, calling them with a deadline, combining them.
 
 A reward function is ``f(prompts, completions, **columns) -> list[float | None]``
-(as TRL's ``GRPOTrainer`` calls it): ``prompts`` as the dataset holds them
+(as TRL's ``GRPOTrainer`` calls it), or a reward model
+(:class:`pipeline.models.RewardModel`, named by its folder or Hub name): ``prompts`` as the dataset holds them
 (text, or chat messages), ``completions`` as text, or as a one-message list
 ``[{"role": "assistant", "content": text}]`` when the prompts are messages,
 and every other dataset column as a keyword argument, one value per
@@ -33,10 +34,13 @@ from typing import Any
 
 import torch
 
+from ..models import ModelError, RewardModel
+
 __all__ = [
     "BUILTINS",
     "RewardError",
     "RewardFunction",
+    "RewardPlacement",
     "RewardSet",
     "exact_match",
     "final_number",
@@ -148,13 +152,32 @@ def parse_spec(spec: str) -> tuple[str, float]:
         raise RewardError(f"--reward {spec}: the weight after '=' must be a number") from None
 
 
-def _import(source: str) -> Callable[..., Any]:
+@dataclass(frozen=True)
+class RewardPlacement:
+    """Where a reward model named among the rewards runs: the scoring process's device, its dtype, and whether its
+    own code may run (``--trust-remote-code``)."""
+
+    device: torch.device | str = "cpu"
+    dtype: torch.dtype = torch.float32
+    trust_remote_code: bool = False
+
+
+def _import(source: str, placement: RewardPlacement) -> Callable[..., Any]:
     if source in BUILTINS:
         return BUILTINS[source]
     location, sep, attribute = source.rpartition(":")
-    if not sep or not location or not attribute:
+    if not sep:  # a folder or a Hub name: a reward model, as TRL's reward_funcs may name one
+        try:
+            return RewardModel(source, placement.device, placement.dtype, placement.trust_remote_code)
+        except ModelError as exc:
+            raise RewardError(
+                f"{exc}; a reward is module:function, path/to/file.py:function, one of {', '.join(BUILTINS)}, or "
+                "a reward model"
+            ) from None
+    if not location or not attribute:
         raise RewardError(
-            f"--reward {source}: use module:function, path/to/file.py:function, or one of {', '.join(BUILTINS)}"
+            f"--reward {source}: use module:function, path/to/file.py:function, one of {', '.join(BUILTINS)}, or a "
+            "reward model's folder or Hub name"
         )
     try:
         if location.endswith(".py"):
@@ -183,10 +206,10 @@ def _import(source: str) -> Callable[..., Any]:
     return function  # type: ignore[no-any-return]
 
 
-def load_reward(spec: str) -> RewardFunction:
-    """The reward function ``spec`` names, its signature checked against TRL's."""
+def load_reward(spec: str, placement: RewardPlacement | None = None) -> RewardFunction:
+    """The reward function ``spec`` names, its signature checked against TRL's (a reward model placed as given)."""
     source, weight = parse_spec(spec)
-    function = _import(source)
+    function = _import(source, placement or RewardPlacement())
     try:
         parameters = inspect.signature(function).parameters
     except (TypeError, ValueError):
@@ -207,10 +230,10 @@ def load_reward(spec: str) -> RewardFunction:
 class RewardSet:
     """The run's reward functions, called together on one batch of completions."""
 
-    def __init__(self, specs: Sequence[str], timeout: float = 60.0) -> None:
+    def __init__(self, specs: Sequence[str], timeout: float = 60.0, placement: RewardPlacement | None = None) -> None:
         if not specs:
             raise RewardError("a dataset run needs at least one --reward")
-        self.functions = [load_reward(spec) for spec in specs]
+        self.functions = [load_reward(spec, placement) for spec in specs]
         names = [f.name for f in self.functions]
         duplicate = next((name for name in names if names.count(name) > 1), None)
         if duplicate is not None:

@@ -304,6 +304,70 @@ def test_a_reward_that_fails_while_scoring_names_itself(tmp_path, body, message)
         asyncio.run(rewards.score(["p", "q"], ["a", "b"], {}))
 
 
+def _sequence_classifier(tiny, folder, labels: int = 1) -> str:  # type: ignore[no-untyped-def]
+    """A random Qwen2 sequence classifier with the tiny model's tokenizer (and chat template): a reward model."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tiny / "model"))
+    config = transformers.Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        num_labels=labels,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    transformers.Qwen2ForSequenceClassification(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def judge(tiny, tmp_path_factory):  # type: ignore[no-untyped-def]
+    return _sequence_classifier(tiny, tmp_path_factory.mktemp("reward-models") / "judge")
+
+
+def test_a_reward_model_scores_prompt_and_completion_together_whatever_its_batch(judge):
+    """40 completions of several lengths (two batches, right-padded): each reward is the model's logit for its
+    text alone; chat prompts are rendered with the reward model's template, the completion as the assistant's."""
+    import transformers
+
+    reward = load_reward(f"{judge}=0.5")
+    assert (reward.name, reward.weight) == ("judge", 0.5)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(judge).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(judge)
+
+    def alone(text: str) -> float:
+        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)
+        with torch.no_grad():
+            return float(model(**ids).logits[0, 0])
+
+    prompts = [f"reverse:{n}=" for n in range(40)]
+    completions = ["9" * (n % 7) + "<eos>" * (n % 2) for n in range(40)]
+    got = reward.function(prompts, completions, answer=["1"] * 40)
+    assert got == pytest.approx([alone(p + c) for p, c in zip(prompts, completions, strict=True)], abs=1e-5)
+    assert len(set(got)) > 5, "the rewards differ with the text"
+    chat = [[{"role": "user", "content": p}] for p in prompts[:3]]
+    turns = [[{"role": "assistant", "content": c}] for c in completions[:3]]
+    rendered = [tokenizer.apply_chat_template(p + t, tokenize=False) for p, t in zip(chat, turns, strict=True)]
+    assert rendered[0] == "u:reverse:0=<eos>a:<eos>"
+    assert reward.function(chat, turns) == pytest.approx([alone(text) for text in rendered], abs=1e-5)
+
+
+def test_what_is_not_a_reward_model_is_refused_naming_it(tiny, tmp_path):
+    with pytest.raises(RewardError, match=r"not a reward model \(a sequence classifier with one label\); its "):
+        load_reward(str(tiny / "model"))  # a causal LM: its classification head would be random
+    two = _sequence_classifier(tiny, tmp_path / "two", labels=2)
+    with pytest.raises(RewardError, match="a reward model has one output, its reward; this one has 2"):
+        load_reward(two)
+    with pytest.raises(RewardError, match=r"not a function, nor a reward model's folder or Hub name .* or a reward"):
+        load_reward(str(tmp_path))  # a folder with no model in it
+
+
 def test_builtin_rewards():
     from pipeline.tasks import exact_match, final_number, think_answer_format
 
@@ -401,6 +465,7 @@ def _encoder_only(folder) -> str:  # type: ignore[no-untyped-def]
         ("preset_with_data", None),
         ("hf_without_data", "--task hf trains on your prompts: add --dataset"),
         ("own_code", "runs only with --trust-remote-code"),
+        ("causal_lm_as_reward", "not a reward model (a sequence classifier with one label); its architectures"),
     ],
 )
 def test_bad_model_data_or_reward_is_one_line_and_exit_2(tmp_path, tiny, own_code, capsys, case, message):
@@ -412,6 +477,8 @@ def test_bad_model_data_or_reward_is_one_line_and_exit_2(tmp_path, tiny, own_cod
         extra = ["--prompt-column", "question"]
     elif case == "bad_reward":
         reward = f"{tiny / 'rewards.py'}:nope"
+    elif case == "causal_lm_as_reward":
+        reward = model
     elif case == "no_template":
         import shutil
 
@@ -459,7 +526,7 @@ def _config(tiny, run_dir, **changes) -> Config:  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize("ranks", [1, 2], ids=["one-trainer", "two-sharded-ranks"])
 async def test_a_hf_model_trains_in_the_pipeline_and_saves_what_transformers_loads(
-    tmp_path, tiny, own_code, sockets_dir, ranks
+    tmp_path, tiny, own_code, judge, sockets_dir, ranks
 ):
     """Also on two FSDP2 ranks: the generator gets whole weights, evaluation and the export see the whole policy.
     The two-rank run combines its rewards as GDPO does (either way reward/mean is the rewards' weighted sum) and
@@ -467,28 +534,31 @@ async def test_a_hf_model_trains_in_the_pipeline_and_saves_what_transformers_loa
     would part ways.
     The one-trainer run's model brings its own code and a chat template that fails without its variable: every
     role loads the code (--trust-remote-code) and renders chat prompts with --chat-template-kwargs, and the
-    exported folder carries the code."""
+    exported folder carries the code; a reward model scores beside the functions, in the scorer and the trainer."""
     import transformers
 
     aggregation = "normalize_then_sum" if ranks == 2 else "sum_then_normalize"
     model = own_code if ranks == 1 else tiny / "model"
     own = dict(model=str(own_code), trust_remote_code=True, chat_template_kwargs={"hint": "q"})
+    functions = _config(tiny, tmp_path).rewards
     if ranks == 1:
-        own.update(dataset=str(tiny / "chat" / "train.jsonl"))
+        own.update(dataset=str(tiny / "chat" / "train.jsonl"), rewards=[*functions, f"{judge}=0.25"])
     else:
         own = {"num_generations_eval": 2}
     config = _config(tiny, tmp_path, kl_coeff=0.02, trainer_ranks=ranks, multi_objective_aggregation=aggregation, **own)
     result = await run_pipeline(config, quiet=True)
-    spread = {"reward_std", "frac_reward_zero_std"} if ranks == 2 else set()
+    spread = {"reward_std", "frac_reward_zero_std"} if ranks == 2 else {"reward/judge"}
     assert result.steps == 6
     assert set(result.evaluation) == {"reward", "reward/reversed_digits", "reward/exact_match", *spread}
     rows = read_rows(str(tmp_path))
     assert all("reward/reversed_digits" in row and "reward/exact_match" in row for row in rows)
-    for row in rows:  # weights 1 and 0.5 (GDPO trains on its normalised sum, but logs the rewards themselves)
-        total = row["reward/reversed_digits"] + 0.5 * row["reward/exact_match"]
+    for row in rows:  # weights 1, 0.5 (and 0.25); GDPO trains on its normalised sum, but logs the rewards themselves
+        total = row["reward/reversed_digits"] + 0.5 * row["reward/exact_match"] + 0.25 * row.get("reward/judge", 0)
         assert row["reward/mean"] == pytest.approx(total, abs=1e-5), row
+    assert ("reward/judge" in rows[0]) == (ranks == 1)
     logged = [json.loads(line) for line in open(tmp_path / "completions.jsonl")]
-    assert len(logged) == 4 and set(logged[0]["rewards"]) == {"reversed_digits", "exact_match"}, "rank 0 logs them"
+    names = {"reversed_digits", "exact_match"} | ({"judge"} if ranks == 1 else set())
+    assert len(logged) == 4 and set(logged[0]["rewards"]) == names, "rank 0 logs them"
     assert all(f"eval/{name}" in rows[2] for name in spread), rows[2]
     # the exported folder gives the checkpoint's logits (a sharded one's read whole by one learner)
     saved = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "model"), trust_remote_code=True).eval()
