@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 from harness import ROOT
+from pipeline_support import tiny_qwen2
 
 pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
 pytest.importorskip("datasets", reason="needs the hf extra: pip install -e '.[hf]'")
@@ -309,18 +310,7 @@ def _sequence_classifier(tiny, folder, labels: int = 1) -> str:  # type: ignore[
     import transformers
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(tiny / "model"))
-    config = transformers.Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        num_labels=labels,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(0)
+    config = tiny_qwen2(len(tokenizer), num_labels=labels, pad_token_id=tokenizer.pad_token_id).config
     transformers.Qwen2ForSequenceClassification(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
