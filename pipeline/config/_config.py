@@ -152,6 +152,9 @@ class Config:
     trainer_ranks: int = 1  # trainer processes, each training its share of every rollout's rows (gradients summed)
     trainer_shard: TrainerShard = "fsdp"  # with several ranks: fsdp shards the policy over them, ddp replicates it
     disable_dropout: bool = True  # hf: the policy's dropout off, so the trainer's log-probs are the generators'
+    lora_r: int = 0  # hf: train LoRA adapters of this rank instead of every weight (0: off); generators get merged ones
+    lora_alpha: float = 0.0  # hf: the adapters' scale is alpha / r (0: twice the rank)
+    lora_target_modules: str = "all-linear"  # hf: the layers adapted: all-linear (PEFT's), or names like q_proj,v_proj
     gradient_checkpointing: bool = False  # a Hugging Face policy recomputes activations in the backward pass
     max_grad_norm: float = 1.0  # clip the gradient's L2 norm to this (0: no clipping)
     lr_schedule: LrSchedule = "constant"  # constant | cosine (to 0 at ``steps``)
@@ -191,6 +194,11 @@ class Config:
     def device_of(self, role: str) -> str:
         """The device ``role`` runs on."""
         return self.devices.get(role, self.device)
+
+    @property
+    def lora_scale_alpha(self) -> float:
+        """The adapters' alpha: ``lora_alpha``, or twice the rank when it is left at 0."""
+        return self.lora_alpha or 2.0 * self.lora_r
 
     def importance_mode(self) -> IsMode | None:
         """The importance weights ``is_correction`` asks for (``tis`` is ``token_truncate``), or None."""

@@ -71,8 +71,10 @@ def check_settings(config: Config) -> None:
         "top_k",
         "log_completions",
         "num_generations_eval",
+        "lora_r",
     ):
         _at_least(config, name, 0)
+    _check_lora(config)
 
     _at_least(config, "kl_coeff", 0)
     _at_least(config, "max_grad_norm", 0, " (0 turns clipping off)")
@@ -272,6 +274,34 @@ def _check_chat_template_kwargs(config: Config) -> None:
         raise SettingsError(
             f"--chat-template-kwargs {', '.join(taken)}: the pipeline sets these itself (each prompt is rendered "
             "as a generation prompt, to token ids)"
+        )
+
+
+def _check_lora(config: Config) -> None:
+    """LoRA: a scale above 0, layers named, one trainer process, no reference sync (the reference is the base)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(Config)}
+    if not config.lora_r:
+        given = [n for n in ("lora_alpha", "lora_target_modules") if getattr(config, n) != defaults[n]]
+        if given:
+            raise SettingsError(
+                f"{', '.join('--' + n.replace('_', '-') for n in given)} set LoRA adapters: add --lora-r"
+            )
+        return
+    if not config.lora_alpha >= 0 or not math.isfinite(config.lora_alpha):
+        raise SettingsError(
+            f"--lora-alpha {config.lora_alpha}: the adapters' scale is alpha / r, so at least 0 (0: 2 r)"
+        )
+    if not config.lora_target_modules.strip(" ,"):
+        raise SettingsError("--lora-target-modules: name the layers to adapt (all-linear, or q_proj,v_proj,...)")
+    if config.trainer_ranks > 1:
+        raise SettingsError(
+            f"--lora-r with --trainer-ranks {config.trainer_ranks}: LoRA trains in one trainer process (adapters are "
+            "small; several ranks would shard or replicate mostly frozen weights)"
+        )
+    if config.sync_ref_model:
+        raise SettingsError(
+            "--lora-r with --sync-ref-model: the reference is the base model under the adapters, which stays as "
+            "it is (as in TRL, which has no reference model to sync with PEFT)"
         )
 
 

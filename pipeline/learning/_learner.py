@@ -22,6 +22,7 @@ import torch
 
 from actors.tensors import is_sharded
 
+from ..models import LoraAdapter
 from ..tasks import LossReport, Task
 from . import checkpoint
 from ._fully_sharded import FullySharded
@@ -87,8 +88,13 @@ class Learner:
         config = task.config
         torch.manual_seed(task.seed)  # every run of a seed starts from the same policy
         self.policy = task.build_policy().to(self._home)
+        self.reference_state = copy.deepcopy(self.policy.state_dict())  # the base: LoRA adapters start at 0
+        self.adapter = (
+            LoraAdapter(self.policy, config.lora_r, config.lora_scale_alpha, config.lora_target_modules)
+            if config.lora_r
+            else None
+        )
         self.optim, self.schedule = self._optimizer()
-        self.reference_state = copy.deepcopy(self.policy.state_dict())
         self.micro_batch = config.micro_batch
         self.iterations = config.num_iterations
         self.mini_batches = max(1, config.mini_batches)
@@ -110,7 +116,8 @@ class Learner:
 
     def _optimizer(self) -> tuple[torch.optim.Adam, torch.optim.lr_scheduler.LambdaLR]:
         config = self.task.config
-        optim = torch.optim.Adam(self.policy.parameters(), lr=config.hyper("lr"))
+        trained = [p for p in self.policy.parameters() if p.requires_grad]  # with LoRA, only the adapters
+        optim = torch.optim.Adam(trained, lr=config.hyper("lr"))
         return optim, torch.optim.lr_scheduler.LambdaLR(optim, lr_factor(config))
 
     def share_with(self, parallel: DataParallel) -> None:
@@ -347,6 +354,14 @@ class Learner:
         from . import _sharded_state
 
         return _sharded_state.whole_policy_state(self.policy)
+
+    def published(self) -> torch.nn.Module | dict[str, torch.Tensor]:
+        """What generators install: the policy, or with LoRA adapters its merged weights under the plain names."""
+        return self.policy if self.adapter is None else self.adapter.merged_state()
+
+    def exported(self) -> torch.nn.Module:
+        """The policy as transformers loads it: itself, or with LoRA a plain copy holding the merged weights."""
+        return self.policy if self.adapter is None else self.whole_policy(self.adapter.merged_state())
 
     def whole_policy(self, policy_state: dict[str, torch.Tensor]) -> torch.nn.Module:
         """A host copy of the policy built from :meth:`whole_policy_state`'s tensors, for a sharded learner's export."""

@@ -31,6 +31,7 @@ from ._engines import (
     end_tokens,
     left_pad,
 )
+from ._lora import LoraAdapter, check_lora_targets, require_peft
 from ._reward_model import RewardModel
 from ._tiny import PRESETS, Generation, ModelConfig, TinyTransformer, completion_logps, generate
 from ._vllm import VLLMEngine, VLLMUnavailable, import_vllm, logprobs_mode, vllm_missing
@@ -48,6 +49,7 @@ __all__ = [
     "Engine",
     "GenerateEngine",
     "Generation",
+    "LoraAdapter",
     "ModelCall",
     "ModelConfig",
     "ModelError",
@@ -60,6 +62,7 @@ __all__ = [
     "VLLMUnavailable",
     "build_engine",
     "causal_logps",
+    "check_lora_targets",
     "check_model",
     "completion_logps",
     "decode_completions",
@@ -72,6 +75,7 @@ __all__ = [
     "load_tokenizer",
     "logprobs_mode",
     "positions",
+    "require_peft",
     "require_transformers",
     "static_refusal",
     "vllm_missing",

@@ -93,7 +93,9 @@ class Trainer(Actor):
         slots = max(config.generators, self.tickets.credits) + 3
         self.routes = WeightRoutes(config.transport, slots, dtype=weights_dtype(config), **on_gpu)
         if self._shards_to_load is None:  # else published once the shards are loaded (join)
-            self.routes.publish(config.transport, self.learner.policy, self.version, self._metadata())  # fail early
+            self.routes.publish(
+                config.transport, self.learner.published(), self.version, self._metadata()
+            )  # fail early
         self.ref_publisher: WeightPublisher | None = None
         self.ref_manifest: WeightManifest | None = None
         if uses_reference(config):
@@ -135,7 +137,7 @@ class Trainer(Actor):
                     "published with every rank at the end of its step"
                 )
             return published
-        return await self.routes.publish_async(transport, self.learner.policy, self.version, self._metadata())
+        return await self.routes.publish_async(transport, self.learner.published(), self.version, self._metadata())
 
     @endpoint
     async def inlet(self) -> Port[ScoredRollout]:
@@ -166,7 +168,7 @@ class Trainer(Actor):
         """Publish the policy (``version``, default the current) on each of ``transports``; off the loop."""
         for transport in transports:
             self.routes.publish(
-                transport, self.learner.policy, self.version if version is None else version, self._metadata(step)
+                transport, self.learner.published(), self.version if version is None else version, self._metadata(step)
             )
 
     async def manifest_for(self, generator: int) -> WeightManifest:
@@ -491,7 +493,9 @@ class Trainer(Actor):
 
     def save(self) -> str:
         """Write the checkpoint, and the policy where other tools load it if the task exports one."""
-        self.task.export(self.learner.policy, self.config.run_dir)
+        self.task.export(self.learner.exported(), self.config.run_dir)
+        if self.learner.adapter is not None and self.config.run_dir:
+            self.learner.adapter.save(os.path.join(self.config.run_dir, "adapter"))
         return checkpoint.save(
             self.config.run_dir, {"step": self.step, "version": self.version, **self.learner.state()}
         )

@@ -104,7 +104,9 @@ class WeightRoutes:
             self._publishers[transport] = publisher
         return publisher
 
-    def publish(self, transport: str, model: torch.nn.Module, version: int, metadata: dict[str, Any]) -> WeightManifest:
+    def publish(
+        self, transport: str, model: torch.nn.Module | dict[str, torch.Tensor], version: int, metadata: dict[str, Any]
+    ) -> WeightManifest:
         """``version`` on ``transport`` (published once; later asks get the same manifest). Outside a loop."""
         latest = self._latest.get(transport)
         if latest is None or latest.version != version:
@@ -113,7 +115,7 @@ class WeightRoutes:
         return latest
 
     async def publish_async(
-        self, transport: str, model: torch.nn.Module, version: int, metadata: dict[str, Any]
+        self, transport: str, model: torch.nn.Module | dict[str, torch.Tensor], version: int, metadata: dict[str, Any]
     ) -> WeightManifest:
         """:meth:`publish` on an event loop: waiting for a slot and large copies leave the loop running."""
         latest = self._latest.get(transport)

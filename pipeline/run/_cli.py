@@ -391,6 +391,23 @@ def build_parser() -> argparse.ArgumentParser:
         "them and the ratio is 1 at lag 0; --no-disable-dropout trains through the model's own dropout",
     )
     train.add_argument(
+        "--lora-r",
+        type=int,
+        default=0,
+        metavar="R",
+        help="train rank-R LoRA adapters of a Hugging Face policy (PEFT) instead of every weight; generators get "
+        "the merged weights (default 0: off)",
+    )
+    train.add_argument(
+        "--lora-alpha", type=float, default=0.0, help="--lora-r: the adapters' scale is alpha / R (default: 2 R)"
+    )
+    train.add_argument(
+        "--lora-target-modules",
+        default="all-linear",
+        metavar="NAMES",
+        help="--lora-r: the layers adapted, all-linear (default: every linear layer but the head) or q_proj,v_proj,...",
+    )
+    train.add_argument(
         "--gradient-checkpointing",
         action="store_true",
         help="a Hugging Face policy recomputes its layers' activations in the backward pass instead of keeping "
@@ -556,6 +573,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
             trainer_shard=args.trainer_shard,
             max_tokens_per_pass=args.max_tokens_per_pass,
             gradient_checkpointing=args.gradient_checkpointing,
+            lora_r=args.lora_r,
+            lora_alpha=args.lora_alpha,
+            lora_target_modules=args.lora_target_modules,
             disable_dropout=args.disable_dropout,
             max_grad_norm=args.max_grad_norm,
             lr_schedule=args.lr_schedule,
@@ -660,6 +680,11 @@ def _refuse_hf_settings(config: Config) -> None:
         raise SettingsError(
             "--chat-template-kwargs sets a Hugging Face tokenizer's chat template variables (--task hf, --dataset); "
             f"--task {config.task} has no chat template"
+        )
+    if config.lora_r:
+        raise SettingsError(
+            f"--lora-r {config.lora_r} adapts a Hugging Face model's linear layers (--task hf, --dataset); "
+            f"--task {config.task}'s model trains whole"
         )
     if config.trust_remote_code:
         raise SettingsError(

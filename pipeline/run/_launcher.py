@@ -402,6 +402,7 @@ OUTPUTS = (
     "learning_curve.png",
     "checkpoint.pt",
     "model",
+    "adapter",
     "completions.jsonl",
     "tensorboard",
     "wandb",

@@ -35,6 +35,7 @@ from ..models import (
     SamplingParams,
     VLLMOptions,
     build_engine,
+    check_lora_targets,
     check_model,
     disable_dropout,
     load_model,
@@ -145,6 +146,8 @@ class HFTask(Task):
         self.train_data.prompt_ids(self.train_data.indices[0])
         self.eval_data.prompt_ids(self.eval_data.indices[0])
         self.rewards  # noqa: B018 - imported and signature-checked here
+        if self.config.lora_r:
+            check_lora_targets(self.config.model, self.config.lora_target_modules, self.config.trust_remote_code)
 
     # -- the Task interface ----------------------------------------------------------------------------------
 

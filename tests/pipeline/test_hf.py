@@ -456,6 +456,7 @@ def _encoder_only(folder) -> str:  # type: ignore[no-untyped-def]
         ("hf_without_data", "--task hf trains on your prompts: add --dataset"),
         ("own_code", "runs only with --trust-remote-code"),
         ("causal_lm_as_reward", "not a reward model (a sequence classifier with one label); its architectures"),
+        ("lora_target", "--lora-target-modules q_proj,nope: nope names no layer of the model"),
     ],
 )
 def test_bad_model_data_or_reward_is_one_line_and_exit_2(tmp_path, tiny, own_code, capsys, case, message):
@@ -469,6 +470,8 @@ def test_bad_model_data_or_reward_is_one_line_and_exit_2(tmp_path, tiny, own_cod
         reward = f"{tiny / 'rewards.py'}:nope"
     elif case == "causal_lm_as_reward":
         reward = model
+    elif case == "lora_target":
+        extra = ["--lora-r", "4", "--lora-target-modules", "q_proj,nope"]
     elif case == "no_template":
         import shutil
 
@@ -840,6 +843,72 @@ def test_gspo_iterations_and_top_entropy_train_a_hf_model(tmp_path, tiny):
     ratio = torch.where(kept, (logps - batch.logps).exp(), torch.zeros_like(logps))  # 1 at lag 0, to rounding
     expected = float((-ratio * advantages).sum() / batch.mask.sum())
     assert report.policy_loss == pytest.approx(expected, abs=1e-5)
+
+
+def test_lora_adapters_train_alone_and_generators_get_the_merged_weights(tmp_path, tiny):
+    """--lora-r 4: only the adapters step; the base stays the reference; what is published is the plain model's
+    state with W + (alpha / r) B A merged, which a plain model installs and then computes the adapted logits."""
+    task = HFTask(resolve(_config(tiny, tmp_path, lora_r=4, lora_target_modules="q_proj,v_proj,up_proj")))
+    learner = Learner(task, torch.device("cpu"))
+    plain = task.build_policy()
+    assert learner.adapter is not None and type(learner.policy) is type(plain), "the policy keeps its class"
+    trained = {id(p) for group in learner.optim.param_groups for p in group["params"]}
+    assert trained == {id(p) for n, p in learner.policy.named_parameters() if ".lora_" in n} and len(trained) == 12
+    published = learner.published()
+    assert isinstance(published, dict) and set(published) == set(plain.state_dict())
+    assert all(torch.equal(published[n], t) for n, t in plain.state_dict().items()), "B starts at 0: the base"
+    base = {n: t.clone() for n, t in learner.policy.state_dict().items() if ".lora_" not in n}
+    learner.policy.eval()
+    batch = task.sample(learner.policy, torch.Generator(device="cpu").manual_seed(0), ticket=0)
+    learner.policy.train()
+    learner.update(batch, torch.arange(32, dtype=torch.float32) / 32, None)
+    assert all(torch.equal(learner.policy.state_dict()[n], t) for n, t in base.items()), "the base is frozen"
+    merged = learner.published()
+    assert isinstance(merged, dict)
+    moved = sorted(n for n in merged if not torch.equal(merged[n], plain.state_dict()[n]))
+    assert moved and all(n.endswith(("q_proj.weight", "v_proj.weight", "up_proj.weight")) for n in moved), moved
+    plain.load_state_dict(merged)
+    ids = torch.tensor([task.tokenizer("reverse:1234=")["input_ids"]])
+    with torch.no_grad():
+        torch.testing.assert_close(plain.eval()(ids).logits, learner.policy.eval()(ids).logits, atol=1e-5, rtol=0)
+    exported = learner.exported()
+    assert type(exported) is type(plain) and not any(".lora_" in n for n in exported.state_dict())
+
+
+async def test_a_lora_run_syncs_merged_weights_and_saves_the_merged_model_and_its_adapter(tmp_path, tiny, sockets_dir):
+    """On-policy (lag 0), the trainer's log-probs before each update equal the generator's: it samples with the
+    merged weights. model/ is the merged policy as transformers loads it; adapter/ is PEFT's, and the base with it
+    gives model/'s logits; the checkpoint resumes into the adapters."""
+    import transformers
+    from peft import PeftModel
+
+    settings = dict(mode="sync", generators=1, steps=4, eval_every=2, lr=1e-2, kl_coeff=0.02, lora_r=4)
+    config = _config(tiny, tmp_path, **settings)
+    result = await run_pipeline(config, quiet=True)
+    rows = read_rows(str(tmp_path))
+    assert result.steps == 4 and all(row["mismatch/logp_abs"] < 1e-4 for row in rows), rows
+    assert rows[-1]["actor/kl"] > 0, "the adapters moved the policy away from the base, the reference"
+    saved = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "model")).eval()
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(tiny / "model"))
+    adapted = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    ids = torch.tensor([HFTask(resolve(config)).tokenizer("reverse:1234=")["input_ids"]])
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(ids).logits, saved(ids).logits, atol=1e-5, rtol=0)
+        plain = load_model(str(tiny / "model")).eval()  # PeftModel adapted ``base`` in place
+        assert not torch.allclose(plain(ids).logits, saved(ids).logits, atol=1e-3), "it trained"
+    learner = Learner(HFTask(resolve(config)), torch.device("cpu"))
+    learner.resume(str(tmp_path))
+    published = learner.published()
+    assert isinstance(published, dict)
+    assert all(torch.equal(published[name], tensor) for name, tensor in saved.state_dict().items())
+
+
+def test_lora_target_modules_that_match_no_layer_are_refused(tiny):
+    from pipeline.models import ModelError, check_lora_targets
+
+    check_lora_targets(str(tiny / "model"), "all-linear")
+    with pytest.raises(ModelError, match=r"--lora-target-modules q_proj,nope: nope names no layer .* q_proj, "):
+        check_lora_targets(str(tiny / "model"), "q_proj,nope")
 
 
 def test_a_tied_reference_is_mixed_once(tmp_path, tiny):

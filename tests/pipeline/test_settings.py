@@ -119,6 +119,17 @@ from pipeline.grpo import main, parse_args
         (["--vespo-k-neg", "-1"], "--vespo-k-neg -1.0: the weight's power of the ratio must be at least 0"),
         (["--vespo-lambda-pos", "0"], "--vespo-lambda-pos 0.0: the weight's decay must be above 0"),
         (["--trainer-ranks", "9", "--prompts", "2", "--group", "4"], "--trainer-ranks 9: a rollout has 8 rows"),
+        (["--lora-alpha", "8"], "--lora-alpha set LoRA adapters: add --lora-r"),
+        (["--lora-r", "-1"], "--lora-r -1: must be at least 0"),
+        (["--lora-r", "4"], "--lora-r 4 adapts a Hugging Face model's linear layers (--task hf"),
+        (
+            ["--lora-r", "4", "--trainer-ranks", "2", *("--dataset", "prompts.jsonl", "--reward", "exact_match")],
+            "--lora-r with --trainer-ranks 2: LoRA trains in one trainer process",
+        ),
+        (
+            ["--lora-r", "4", "--sync-ref-model", *("--dataset", "prompts.jsonl", "--reward", "exact_match")],
+            "--lora-r with --sync-ref-model: the reference is the base model under the adapters",
+        ),
         (["--num-generations-eval", "4"], "--num-generations-eval 4 samples a Hugging Face model's held-out"),
         (["--num-generations-eval", "-1"], "--num-generations-eval -1: must be at least 0"),
         (["--trust-remote-code"], "--trust-remote-code lets a Hugging Face model's own code run (--task hf"),
@@ -223,7 +234,9 @@ def test_gdpo_is_for_any_task_with_reward_functions_and_resolves_to_the_batchs_s
 def test_the_hugging_face_settings_are_for_any_subclass_of_the_hf_task():
     from pipeline.run._cli import check_task_settings
 
-    hf_only = dict(num_generations_eval=2, chat_template_kwargs={"enable_thinking": False}, trust_remote_code=True)
+    hf_only = dict(
+        num_generations_eval=2, chat_template_kwargs={"enable_thinking": False}, trust_remote_code=True, lora_r=4
+    )
     check_task_settings(Config(task="pipeline.tasks:HFTask", **hf_only))  # type: ignore[arg-type]
     for name, value in hf_only.items():
         with pytest.raises(SettingsError, match=f"--{name.replace('_', '-')} .*--task pipeline.tasks:DigitsTask"):
