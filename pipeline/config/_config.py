@@ -86,6 +86,7 @@ class Config:
     prompt_column: str = "prompt"  # hf: text, or a list of chat messages
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # hf: the chat template's variables (TRL's)
     trust_remote_code: bool = False  # hf: run the model's own code (its config's auto_map), as transformers asks
+    shuffle_dataset: bool = True  # hf: each epoch in a seeded random order; off: in the dataset's (a curriculum)
     eval_dataset: str = ""  # hf: held-out prompts; "" holds out ``eval_fraction`` of ``dataset``
     eval_fraction: float = 0.1
     rewards: list[str] = field(default_factory=list)  # hf: module:function | file.py:function | built-in [=weight]

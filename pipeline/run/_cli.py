@@ -126,6 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--dataset-config", default="", help="the subset of a Hub dataset (e.g. gsm8k's main)")
     data.add_argument("--prompt-column", default="prompt", help="text, or a list of chat messages (default prompt)")
     data.add_argument(
+        "--shuffle-dataset",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="take each epoch's prompts in a seeded random order (default); --no-shuffle-dataset keeps the "
+        "dataset's order, as a curriculum",
+    )
+    data.add_argument(
         "--chat-template-kwargs",
         type=_json_object,
         default={},
@@ -517,6 +524,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
             dataset_config=args.dataset_config,
             prompt_column=args.prompt_column,
             chat_template_kwargs=args.chat_template_kwargs,
+            shuffle_dataset=args.shuffle_dataset,
             trust_remote_code=args.trust_remote_code,
             eval_dataset=args.eval_dataset,
             eval_fraction=args.eval_fraction,
@@ -680,6 +688,11 @@ def _refuse_hf_settings(config: Config) -> None:
         raise SettingsError(
             "--chat-template-kwargs sets a Hugging Face tokenizer's chat template variables (--task hf, --dataset); "
             f"--task {config.task} has no chat template"
+        )
+    if not config.shuffle_dataset:
+        raise SettingsError(
+            f"--no-shuffle-dataset keeps a dataset's order (--task hf, --dataset); --task {config.task} draws its "
+            "prompts at random"
         )
     if config.lora_r:
         raise SettingsError(

@@ -138,9 +138,12 @@ class PromptData:
         """A completion as TRL passes it to reward functions: text, or one assistant message for chat prompts."""
         return [{"role": "assistant", "content": text}] if self.chat else text
 
-    def rows_for(self, ticket: int, batch: int, seed: int) -> list[int]:
-        """The ``batch`` dataset rows of rollout ``ticket``: consecutive samples of seeded, reshuffled epochs."""
+    def rows_for(self, ticket: int, batch: int, seed: int, shuffle: bool = True) -> list[int]:
+        """The ``batch`` dataset rows of rollout ``ticket``: consecutive samples of seeded, reshuffled epochs (or,
+        without ``shuffle``, of the rows in the dataset's order, epoch after epoch)."""
         count = len(self.indices)
+        if not shuffle:
+            return [self.indices[sample % count] for sample in range(ticket * batch, (ticket + 1) * batch)]
         return [
             self.indices[self._epoch_order(sample // count, seed)[sample % count]]
             for sample in range(ticket * batch, (ticket + 1) * batch)

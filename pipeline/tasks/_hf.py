@@ -200,7 +200,7 @@ class HFTask(Task):
 
     def sample(self, policy: torch.nn.Module, generator: torch.Generator, ticket: int = 0) -> HFBatch:
         data = self.train_data
-        rows = data.rows_for(max(0, ticket), self.config.prompts, self.config.seed)
+        rows = data.rows_for(max(0, ticket), self.config.prompts, self.config.seed, self.config.shuffle_dataset)
         engine = self.engine(policy)
         out = engine.generate([data.prompt_ids(row) for row in rows], self.params(self.config.group), generator)
         completion = out.tokens[:, out.prompt_mask.shape[1] :]

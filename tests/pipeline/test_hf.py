@@ -404,6 +404,17 @@ def test_chat_prompts_render_with_the_template_and_rows_follow_the_ticket(tiny, 
         PromptData(load_rows(str(tiny / "chat" / "train.jsonl")), "prompt", tokenizer_without)
 
 
+def test_without_shuffling_rollouts_take_the_rows_in_the_datasets_order_epoch_after_epoch(tmp_path, tiny):
+    task = HFTask(resolve(_config(tiny, tmp_path, shuffle_dataset=False, prompts=8)))
+    data = task.train_data
+    taken = [row for ticket in range(30) for row in data.rows_for(ticket, 8, seed=0, shuffle=False)]
+    count = len(data)
+    assert taken == [data.indices[i % count] for i in range(240)] and data.indices == sorted(data.indices)
+    batch = task.sample(task.build_policy().eval(), torch.Generator().manual_seed(0), ticket=2)
+    assert batch.rows.tolist() == data.indices[16:24], "the task's rollouts follow --no-shuffle-dataset"
+    assert data.rows_for(2, 8, seed=0) != data.indices[16:24], "shuffled by default"
+
+
 def test_chat_template_kwargs_reach_the_template_and_a_failing_template_is_a_data_error(tiny, own_code):
     rows = load_rows(str(tiny / "chat" / "train.jsonl"))
     tokenizer = load_tokenizer(str(own_code))

@@ -119,6 +119,7 @@ from pipeline.grpo import main, parse_args
         (["--vespo-k-neg", "-1"], "--vespo-k-neg -1.0: the weight's power of the ratio must be at least 0"),
         (["--vespo-lambda-pos", "0"], "--vespo-lambda-pos 0.0: the weight's decay must be above 0"),
         (["--trainer-ranks", "9", "--prompts", "2", "--group", "4"], "--trainer-ranks 9: a rollout has 8 rows"),
+        (["--no-shuffle-dataset"], "--no-shuffle-dataset keeps a dataset's order (--task hf, --dataset); --task"),
         (["--lora-alpha", "8"], "--lora-alpha set LoRA adapters: add --lora-r"),
         (["--lora-r", "-1"], "--lora-r -1: must be at least 0"),
         (["--lora-r", "4"], "--lora-r 4 adapts a Hugging Face model's linear layers (--task hf"),
