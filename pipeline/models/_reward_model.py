@@ -64,6 +64,8 @@ class RewardModel:
             raise ModelError(f"--reward {name}: its tokenizer cannot be loaded ({first_line(exc)})") from None
         self.tokenizer.padding_side = "right"
         if self.tokenizer.pad_token_id is None:
+            if self.tokenizer.eos_token_id is None:
+                raise ModelError(f"--reward {name}: its tokenizer has neither a pad nor an end-of-sequence token")
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self._model: Any = None
         self._loading = threading.Lock()

@@ -348,7 +348,7 @@ def test_a_reward_model_scores_prompt_and_completion_together_whatever_its_batch
     assert reward.function(chat, turns) == pytest.approx([alone(text) for text in rendered], abs=1e-5)
 
 
-def test_what_is_not_a_reward_model_is_refused_naming_it(tiny, tmp_path):
+def test_what_is_not_a_reward_model_is_refused_naming_it(tiny, tmp_path, monkeypatch):
     with pytest.raises(RewardError, match=r"not a reward model \(a sequence classifier with one label\); its "):
         load_reward(str(tiny / "model"))  # a causal LM: its classification head would be random
     two = _sequence_classifier(tiny, tmp_path / "two", labels=2)
@@ -356,6 +356,14 @@ def test_what_is_not_a_reward_model_is_refused_naming_it(tiny, tmp_path):
         load_reward(two)
     with pytest.raises(RewardError, match=r"not a function, nor a reward model's folder or Hub name .* or a reward"):
         load_reward(str(tmp_path))  # a folder with no model in it
+    import transformers
+    from tokenizers import Tokenizer, models
+
+    core = Tokenizer(models.WordLevel({"a": 0, "b": 1, "?": 2}, unk_token="?"))
+    bare = transformers.PreTrainedTokenizerFast(tokenizer_object=core)  # no pad token, no end token
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: bare)
+    with pytest.raises(RewardError, match="its tokenizer has neither a pad nor an end-of-sequence token"):
+        load_reward(_sequence_classifier(tiny, tmp_path / "one"))
 
 
 def test_builtin_rewards():
