@@ -293,10 +293,10 @@ def _check_lora(config: Config) -> None:
         )
     if not config.lora_target_modules.strip(" ,"):
         raise SettingsError("--lora-target-modules: name the layers to adapt (all-linear, or q_proj,v_proj,...)")
-    if config.trainer_ranks > 1:
+    if config.sharded_trainer:
         raise SettingsError(
-            f"--lora-r with --trainer-ranks {config.trainer_ranks}: LoRA trains in one trainer process (adapters are "
-            "small; several ranks would shard or replicate mostly frozen weights)"
+            f"--lora-r with --trainer-ranks {config.trainer_ranks} --trainer-shard fsdp: the adapters are small and "
+            "the base is frozen, so each rank holds them whole: use --trainer-shard ddp"
         )
     if config.sync_ref_model:
         raise SettingsError(

@@ -922,6 +922,22 @@ async def test_a_lora_run_syncs_merged_weights_and_saves_the_merged_model_and_it
     assert all(torch.equal(published[name], tensor) for name, tensor in saved.state_dict().items())
 
 
+def test_two_ddp_ranks_train_the_lora_adapters_as_one_learner(tmp_path, tiny):
+    """--lora-r 4 --trainer-ranks 2 --trainer-shard ddp: each rank holds the adapters whole, the ranks' adapter
+    gradients are summed, and both take the one learner's step; the frozen base stays as it was on both."""
+    config = resolve(_config(tiny, tmp_path, lora_r=4, trainer_ranks=2, trainer_shard="ddp", prompts=4, lr=1e-2))
+    learner, update, reports = _two_sharded_ranks_and_one_learner(config, "ddp")
+    state = learner.policy.state_dict()
+    for report in reports:
+        assert report["grad_norm"] == pytest.approx(update.grad_norm, rel=1e-4)
+        weights = report["weights"]
+        assert isinstance(weights, dict) and set(weights) == set(state)
+        for name, tensor in state.items():
+            torch.testing.assert_close(weights[name], tensor, atol=1e-6, rtol=1e-5, msg=name)
+        gradients = report["gradients"]
+        assert isinstance(gradients, dict) and gradients and all(".lora_" in name for name in gradients)
+
+
 def test_lora_target_modules_that_match_no_layer_are_refused(tiny):
     from pipeline.models import ModelError, check_lora_targets
 
@@ -954,7 +970,9 @@ def test_bfloat16_roles_hold_their_weights_in_bfloat16_and_derived_buffers_in_fl
     assert model.lm_head.weight is model.model.embed_tokens.weight, "tied weights stay tied"
 
 
-def _two_sharded_ranks_and_one_learner(config: Config) -> tuple[Learner, Update, list[dict[str, object]]]:
+def _two_sharded_ranks_and_one_learner(
+    config: Config, shard: str = "fsdp"
+) -> tuple[Learner, Update, list[dict[str, object]]]:
     """One rollout of ``config``'s task, rewards 0..1 by row: one learner's update of it, and two FSDP2 ranks' reports.
 
     The reference log-probs are the initial policy's when the run has a KL term, else none.
@@ -970,7 +988,7 @@ def _two_sharded_ranks_and_one_learner(config: Config) -> tuple[Learner, Update,
     rewards = torch.arange(rows, dtype=torch.float32) / rows
     ref = task.reference_logps(learner.reference(), batch) if config.hyper("kl_coeff") > 0 else None
     update = learner.update(batch, rewards, ref)
-    return learner, update, ranks_step(2, config.to_dict(), batch, rewards, ref, "fsdp", timeout=180)
+    return learner, update, ranks_step(2, config.to_dict(), batch, rewards, ref, shard, timeout=180)
 
 
 @pytest.mark.parametrize(

@@ -125,7 +125,7 @@ from pipeline.grpo import main, parse_args
         (["--lora-r", "4"], "--lora-r 4 adapts a Hugging Face model's linear layers (--task hf"),
         (
             ["--lora-r", "4", "--trainer-ranks", "2", *("--dataset", "prompts.jsonl", "--reward", "exact_match")],
-            "--lora-r with --trainer-ranks 2: LoRA trains in one trainer process",
+            "--lora-r with --trainer-ranks 2 --trainer-shard fsdp: the adapters are small and the base is frozen",
         ),
         (
             ["--lora-r", "4", "--sync-ref-model", *("--dataset", "prompts.jsonl", "--reward", "exact_match")],
