@@ -94,10 +94,6 @@ class LoraAdapter:
             name: module for name, module in model.named_modules() if isinstance(module, peft.tuners.lora.LoraLayer)
         }
 
-    def trainable(self) -> list[torch.nn.Parameter]:
-        """The adapters' parameters: the only ones the optimizer steps."""
-        return [p for p in self.model.parameters() if p.requires_grad]
-
     def merged_state(self) -> dict[str, torch.Tensor]:
         """The plain model's state (its names, every tensor) with each adapted weight merged: W + (alpha / r) B A."""
         with torch.no_grad():

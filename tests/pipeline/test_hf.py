@@ -356,6 +356,8 @@ def test_what_is_not_a_reward_model_is_refused_naming_it(tiny, tmp_path, monkeyp
         load_reward(two)
     with pytest.raises(RewardError, match=r"not a function, nor a reward model's folder or Hub name .* or a reward"):
         load_reward(str(tmp_path))  # a folder with no model in it
+    with pytest.raises(RewardError, match=r"--reward exact_matc: no built-in of that name \(exact_match, "):
+        load_reward("exact_matc")  # a misspelt built-in is not looked up on the Hub
     import transformers
     from tokenizers import Tokenizer, models
 
