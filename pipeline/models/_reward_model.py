@@ -83,12 +83,16 @@ class RewardModel:
                 rewards += model(**encoded).logits[:, 0].float().cpu().tolist()
         return rewards
 
+    def check_chat(self) -> None:
+        """Refuse chat prompts if this model's tokenizer cannot render them (it has no chat template)."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ModelError(
+                f"--reward {self.source}: the prompts are chat messages, but its tokenizer has no chat template"
+            )
+
     def _text(self, prompt: Any, completion: Any) -> str:
         if isinstance(prompt, list):  # chat messages; the completion is the assistant's turn
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise ModelError(
-                    f"--reward {self.source}: the prompts are chat messages, but its tokenizer has no chat template"
-                )
+            self.check_chat()
             turn = completion if isinstance(completion, list) else [{"role": "assistant", "content": str(completion)}]
             return str(self.tokenizer.apply_chat_template(prompt + turn, tokenize=False))
         return str(prompt) + (completion if isinstance(completion, str) else str(completion[-1]["content"]))

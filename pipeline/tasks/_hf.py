@@ -145,7 +145,7 @@ class HFTask(Task):
         check_model(self.config.model, self.config.trust_remote_code)
         self.train_data.prompt_ids(self.train_data.indices[0])
         self.eval_data.prompt_ids(self.eval_data.indices[0])
-        self.rewards  # noqa: B018 - imported and signature-checked here
+        self.rewards.check_chat(self.train_data.chat or self.eval_data.chat)  # imported and signature-checked too
         if self.config.lora_r:
             check_lora_targets(self.config.model, self.config.lora_target_modules, self.config.trust_remote_code)
 

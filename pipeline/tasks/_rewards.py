@@ -246,6 +246,17 @@ class RewardSet:
         self.weights = torch.tensor([f.weight for f in self.functions], dtype=torch.float32, device="cpu")
         self.timeout = timeout
 
+    def check_chat(self, chat: bool) -> None:
+        """With chat prompts, refuse a reward model that cannot render them (before the run, not at its first batch)."""
+        if not chat:
+            return
+        for reward in self.functions:
+            if isinstance(reward.function, RewardModel):
+                try:
+                    reward.function.check_chat()
+                except ModelError as exc:
+                    raise RewardError(str(exc)) from None
+
     @property
     def names(self) -> list[str]:
         return [f.name for f in self.functions]

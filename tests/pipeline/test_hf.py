@@ -356,6 +356,12 @@ def test_what_is_not_a_reward_model_is_refused_naming_it(tiny, tmp_path, monkeyp
         load_reward(two)
     with pytest.raises(RewardError, match=r"not a function, nor a reward model's folder or Hub name .* or a reward"):
         load_reward(str(tmp_path))  # a folder with no model in it
+    untemplated = _sequence_classifier(tiny, tmp_path / "untemplated")
+    os.remove(os.path.join(untemplated, "chat_template.jinja"))
+    chat = HFTask(resolve(_config(tiny, tmp_path, dataset=str(tiny / "chat" / "train.jsonl"), rewards=[untemplated])))
+    with pytest.raises(RewardError, match="the prompts are chat messages, but its tokenizer has no chat template"):
+        chat.check()  # before the run, not at the scorer's first batch
+    HFTask(resolve(_config(tiny, tmp_path, rewards=[untemplated]))).check()  # text prompts need no template
     with pytest.raises(RewardError, match=r"--reward exact_matc: no built-in of that name \(exact_match, "):
         load_reward("exact_matc")  # a misspelt built-in is not looked up on the Hub
     import transformers
