@@ -75,7 +75,6 @@ def check_settings(config: Config) -> None:
     ):
         _at_least(config, name, 0)
     _check_lora(config)
-
     _at_least(config, "kl_coeff", 0)
     _at_least(config, "max_grad_norm", 0, " (0 turns clipping off)")
     if config.lr is not None and not config.lr > 0:
@@ -228,11 +227,7 @@ def _check_entropy_bonus(config: Config) -> None:
         if not math.isfinite(getattr(config, name)):
             raise SettingsError(f"--{name.replace('_', '-')} {getattr(config, name)}: must be a finite number")
     if not config.use_adaptive_entropy:
-        defaults = {f.name: f.default for f in dataclasses.fields(Config)}
-        given = [name for name in _ADAPTIVE if getattr(config, name) != defaults[name]]
-        if given:
-            flags = ", ".join("--" + name.replace("_", "-") for name in given)
-            raise SettingsError(f"{flags} set the adaptive entropy control: add --use-adaptive-entropy")
+        _refuse_without_switch(config, _ADAPTIVE, "set the adaptive entropy control: add --use-adaptive-entropy")
         return
     if not config.entropy_coef_min <= config.entropy_coef_max:
         raise SettingsError(
@@ -277,15 +272,18 @@ def _check_chat_template_kwargs(config: Config) -> None:
         )
 
 
-def _check_lora(config: Config) -> None:
-    """LoRA: a scale above 0, layers named, one trainer process, no reference sync (the reference is the base)."""
+def _refuse_without_switch(config: Config, names: tuple[str, ...], why: str) -> None:
+    """Refuse settings among ``names`` given (away from their defaults) while the switch that uses them is off."""
     defaults = {f.name: f.default for f in dataclasses.fields(Config)}
+    given = [name for name in names if getattr(config, name) != defaults[name]]
+    if given:
+        raise SettingsError(f"{', '.join('--' + name.replace('_', '-') for name in given)} {why}")
+
+
+def _check_lora(config: Config) -> None:
+    """LoRA: a scale at least 0, layers named, ranks that replicate (not fsdp), no reference sync (the base)."""
     if not config.lora_r:
-        given = [n for n in ("lora_alpha", "lora_target_modules") if getattr(config, n) != defaults[n]]
-        if given:
-            raise SettingsError(
-                f"{', '.join('--' + n.replace('_', '-') for n in given)} set LoRA adapters: add --lora-r"
-            )
+        _refuse_without_switch(config, ("lora_alpha", "lora_target_modules"), "set LoRA adapters: add --lora-r")
         return
     if not config.lora_alpha >= 0 or not math.isfinite(config.lora_alpha):
         raise SettingsError(

@@ -93,9 +93,8 @@ class Trainer(Actor):
         slots = max(config.generators, self.tickets.credits) + 3
         self.routes = WeightRoutes(config.transport, slots, dtype=weights_dtype(config), **on_gpu)
         if self._shards_to_load is None:  # else published once the shards are loaded (join)
-            self.routes.publish(
-                config.transport, self.learner.published(), self.version, self._metadata()
-            )  # fail early
+            # fail early: a transport that cannot publish fails before any process waits on it
+            self.routes.publish(config.transport, self.learner.published(), self.version, self._metadata())
         self.ref_publisher: WeightPublisher | None = None
         self.ref_manifest: WeightManifest | None = None
         if uses_reference(config):

@@ -308,7 +308,7 @@ class HFTask(Task):
         rewards = self.rewards_on(next(policy.parameters()).device)  # a reward model beside the policy
         per_function = await rewards.score(prompts, [data.completion(t) for t in texts], data.columns_of(rows))
         combined = rewards.combine(per_function)
-        self._log_completions(prompts, texts, per_function)
+        self._log_completions(prompts, texts, per_function, rewards.names)
         metrics = {
             "reward": float(combined.mean()),
             **{f"reward/{name}": value for name, value in rewards.means(per_function).items()},
@@ -338,11 +338,12 @@ class HFTask(Task):
     def evaluate(self, policy: torch.nn.Module) -> dict[str, float]:
         return asyncio.run(self.evaluate_async(policy))
 
-    def _log_completions(self, prompts: list[Any], texts: list[str], per_function: torch.Tensor) -> None:
+    def _log_completions(
+        self, prompts: list[Any], texts: list[str], per_function: torch.Tensor, names: list[str]
+    ) -> None:
         count, run_dir = self.config.log_completions, self.config.run_dir
         if count <= 0 or not run_dir:
             return
-        names = self.rewards.names
         with open(os.path.join(run_dir, "completions.jsonl"), "a") as f:
             for i in range(min(count, len(texts))):
                 scores = {n: (None if v != v else v) for n, v in zip(names, per_function[:, i].tolist(), strict=True)}

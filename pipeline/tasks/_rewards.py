@@ -166,12 +166,12 @@ def _import(source: str, placement: RewardPlacement) -> Callable[..., Any]:
     if source in BUILTINS:
         return BUILTINS[source]
     location, sep, attribute = source.rpartition(":")
-    if not sep and not os.path.isdir(source) and "/" not in source:  # no built-in, no folder, no org/name
-        raise RewardError(
-            f"--reward {source}: no built-in of that name ({', '.join(BUILTINS)}); a function is module:function "
-            "or path/to/file.py:function, a reward model its folder or Hub name (org/name)"
-        )
     if not sep:  # a folder or a Hub name: a reward model, as TRL's reward_funcs may name one
+        if not os.path.isdir(source) and "/" not in source:  # no built-in, no folder, no org/name
+            raise RewardError(
+                f"--reward {source}: no built-in of that name ({', '.join(BUILTINS)}); a function is module:function "
+                "or path/to/file.py:function, a reward model its folder or Hub name (org/name)"
+            )
         try:
             return RewardModel(source, placement.device, placement.dtype, placement.trust_remote_code)
         except ModelError as exc:
