@@ -122,6 +122,20 @@ from pipeline.grpo import main, parse_args
         (["--no-shuffle-dataset"], "--no-shuffle-dataset keeps a dataset's order (--task hf, --dataset); --task"),
         (["--lora-alpha", "8"], "--lora-alpha set LoRA adapters: add --lora-r"),
         (["--lora-r", "-1"], "--lora-r -1: must be at least 0"),
+        (
+            ["--lora-r", "4", "--lora-alpha", "-1", *("--dataset", "prompts.jsonl", "--reward", "exact_match")],
+            "--lora-alpha -1.0: the adapters' scale is alpha / r, so at least 0",
+        ),
+        (
+            [
+                "--lora-r",
+                "4",
+                "--lora-target-modules",
+                " ,",
+                *("--dataset", "prompts.jsonl", "--reward", "exact_match"),
+            ],
+            "--lora-target-modules: name the layers to adapt",
+        ),
         (["--lora-r", "4"], "--lora-r 4 adapts a Hugging Face model's linear layers (--task hf"),
         (
             ["--lora-r", "4", "--trainer-ranks", "2", *("--dataset", "prompts.jsonl", "--reward", "exact_match")],
