@@ -127,16 +127,19 @@ class Trainer(Actor):
 
         A sharded policy is gathered with every rank, so it is published only
         at the end of each step, on every transport in use (:meth:`train`).
+        A version already out on ``transport`` is not prepared again: with
+        LoRA adapters preparing it merges every adapted layer, off the loop.
         """
-        if self.learner.sharded:
-            published = self.routes.published(transport, self.version)
-            if published is None:
-                raise RuntimeError(
-                    f"version {self.version} of the sharded policy was not published on {transport}: it is "
-                    "published with every rank at the end of its step"
-                )
+        published = self.routes.published(transport, self.version)
+        if published is not None:
             return published
-        return await self.routes.publish_async(transport, self.learner.published(), self.version, self._metadata())
+        if self.learner.sharded:
+            raise RuntimeError(
+                f"version {self.version} of the sharded policy was not published on {transport}: it is "
+                "published with every rank at the end of its step"
+            )
+        weights = await asyncio.to_thread(self.learner.published)
+        return await self.routes.publish_async(transport, weights, self.version, self._metadata())
 
     @endpoint
     async def inlet(self) -> Port[ScoredRollout]:
