@@ -14,7 +14,10 @@ static on a CPU, dynamic and graphs on a GPU). Per path, as medians over
 tokens/s and its ratio to ``dynamic`` (today's path, the baseline, measured
 in the same run); whether every path drew the dynamic path's tokens for the
 same seed, and the largest log-probability difference; the first batch's
-seconds. One JSON line at the end.
+seconds. With ``--profile``, one more batch of the last path under
+``torch.profiler``: the operators that took the most device time and the
+most host time (a decode launch-bound on the host shows there, not in the
+device's column). One JSON line at the end.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import time
 from typing import Any
 
 import torch
+from _profile import top_operators
 
 from pipeline.models import BuiltinEngine, Completions, SamplingParams
 
@@ -106,6 +110,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--paths", nargs="+", choices=["dynamic", "static", "graphs", "auto"])
     parser.add_argument("--threads", type=int, default=1, help="torch threads on a CPU")
+    parser.add_argument("--profile", action="store_true", help="the busiest operators of one more batch")
+    parser.add_argument("--top", type=int, default=10, help="operators --profile lists per column (default 10)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     cuda = args.device.startswith("cuda")
@@ -151,7 +157,32 @@ def main() -> None:
                 f"{path}_first_batch_s": round(result["first_batch_s"], 3),
             }
         )
+    if args.profile:
+        record["profile"] = profile(model, paths[-1], prompts, params, args.top)
     print(json.dumps(record))
+
+
+def profile(
+    model: torch.nn.Module, path: str, prompts: list[list[int]], params: SamplingParams, top: int
+) -> dict[str, Any]:
+    """One batch of ``path`` (after a warm-up that captures its graph) under the profiler: the busiest operators."""
+    engine = BuiltinEngine(model, Tokenizer(), path)  # type: ignore[arg-type]
+    timed(engine, prompts, params, seed=-1)
+    device = next(model.parameters()).device
+    batch = lambda: engine.generate(prompts, params, torch.Generator(device=device).manual_seed(0))  # noqa: E731
+    wall_s, _ = timed(engine, prompts, params, seed=0)
+    found = {
+        "path": path,
+        "wall_ms": round(wall_s * 1e3, 2),
+        "by_device": top_operators(batch, device, top, by="device"),
+        "by_host": top_operators(batch, device, top, by="cpu"),
+    }
+    engine.decoding.close()
+    for column in ("by_device", "by_host"):
+        print(f"{path}, one batch of {found['wall_ms']} ms: the busiest operators {column.replace('_', ' ')}")
+        for op in found[column]:
+            print(f"    {op['ms']:9.2f} ms  {op['share']:6.1%}  x{op['calls']:<5} {op['op']}")
+    return found
 
 
 if __name__ == "__main__":

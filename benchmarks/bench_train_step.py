@@ -35,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from _profile import top_operators
 
 from pipeline import Config, resolve
 from pipeline.learning import Learner
@@ -114,30 +115,6 @@ def timed(step: Callable[[], Any], device: torch.device, repeat: int) -> list[fl
         sync()
         seconds.append(time.perf_counter() - started)
     return seconds
-
-
-def top_operators(step: Callable[[], Any], device: torch.device, count: int) -> list[dict[str, Any]]:
-    """The ``count`` operators that took the most time in one call of ``step`` (self time: children not counted)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = device.type == "cuda"
-    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
-    with profile(activities=activities) as prof:
-        step()
-        if cuda:
-            torch.cuda.synchronize()
-    key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)
-    total = sum(getattr(e, key) for e in events) or 1.0
-    return [
-        {
-            "op": e.key,
-            "ms": round(getattr(e, key) / 1e3, 2),
-            "share": round(getattr(e, key) / total, 3),
-            "calls": e.count,
-        }
-        for e in events[:count]
-    ]
 
 
 def main() -> None:

@@ -16,11 +16,15 @@ Both give the same logits for the same weights (the static cache's extra
 slots are masked, each row attends to what the dynamic cache holds). The
 static decoder needs an attention implementation that takes a prepared mask
 (``sdpa`` or ``eager``) and only full-attention layers
-(:func:`static_refusal` says why not).
+(:func:`static_refusal` says why not); over ``sdpa`` it attends with
+:func:`grouped_sdpa <pipeline.models._grouped_attention.grouped_sdpa>`,
+which reads a grouped-query model's key/value heads once instead of once
+per query head.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections import OrderedDict
 from collections.abc import Callable
@@ -30,6 +34,7 @@ from typing import Any, Protocol
 import torch
 
 from ._causal_lm import positions, require_transformers
+from ._grouped_attention import grouped_attention
 
 __all__ = [
     "Decoder",
@@ -246,15 +251,16 @@ class StaticDecoder:
         allowed[:, 0, :, :width] = (causal & valid[:, None, :]) | itself
         position = positions(prompt_mask)
         slots = torch.arange(width, device=ids.device)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=self._as_mask(allowed),
-            position_ids=position,
-            use_cache=True,
-            **{self.call.cache_argument: self.cache},
-            **self._slots(slots),
-            **self.call.last_only,
-        )
+        with self._attention():
+            out = self.model(
+                input_ids=ids,
+                attention_mask=self._as_mask(allowed),
+                position_ids=position,
+                use_cache=True,
+                **{self.call.cache_argument: self.cache},
+                **self._slots(slots),
+                **self.call.last_only,
+            )
         self._mask.fill_(self._blocked)
         self._mask[:, 0, 0, :width] = self._as_mask(valid)
         self._position.copy_(position[:, -1:])
@@ -283,16 +289,22 @@ class StaticDecoder:
         self.cache = None
 
     def _forward(self) -> torch.Tensor:
-        out = self.model(
-            input_ids=self._token,
-            attention_mask=self._mask,
-            position_ids=self._position,
-            use_cache=True,
-            **{self.call.cache_argument: self.cache},
-            **self._slots(self._slot),
-            **self.call.last_only,
-        )
+        with self._attention():
+            out = self.model(
+                input_ids=self._token,
+                attention_mask=self._mask,
+                position_ids=self._position,
+                use_cache=True,
+                **{self.call.cache_argument: self.cache},
+                **self._slots(self._slot),
+                **self.call.last_only,
+            )
         return _next_logits(out)
+
+    def _attention(self) -> contextlib.AbstractContextManager[None]:
+        """sdpa's attention without its repeated key/value heads (:mod:`pipeline.models._grouped_attention`);
+        eager's as it is (its additive mask is the model's own arithmetic, kept bit for bit)."""
+        return grouped_attention(self.model) if self._bool_mask else contextlib.nullcontext()
 
     def _slots(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
         """The cache slots a pass writes, as a keyword for a model that takes them (transformers 4.x)."""
@@ -308,8 +320,14 @@ class StaticDecoder:
 
 
 def _storage(model: torch.nn.Module) -> tuple[int, ...]:
-    """Where the model's parameters and buffers live (a captured graph reads those addresses)."""
-    return tuple(tensor.data_ptr() for tensor in (*model.parameters(), *model.buffers()))
+    """Where the model's parameters and buffers live (a captured graph reads those addresses), by name.
+
+    Duplicates are kept: a tied head counts once per name whether it is the
+    embedding's very parameter or another one over the same storage (as an
+    aliasing install of a state_dict leaves it), so equal addresses give equal keys.
+    """
+    named = (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False))
+    return tuple(tensor.data_ptr() for _, tensor in named)
 
 
 def _next_logits(out: Any) -> torch.Tensor:

@@ -130,7 +130,9 @@ class BuiltinEngine:
     choice <pipeline.models._decode_choice>`): ``auto`` replays a captured
     CUDA graph over a static cache on a GPU and runs the model's dynamic
     cache elsewhere; the tokens drawn and their log-probabilities are the
-    same either way, for the same seed.
+    same either way for the same seed, up to rounding (in bfloat16 the
+    static cache's grouped attention rounds differently, and a sampled
+    token can differ).
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, decode: DecodePath = "auto") -> None:

@@ -154,6 +154,7 @@ class LearnerRank(Actor):
         samples, rewards = to_device(samples, on), rewards.to(on)
         ref = None if ref is None else ref.to(on)
         try:
+            backend = str(torch.distributed.get_backend())  # read while the group is up: close() tears it down
             learner = Learner(load_task(resolve(Config(**self.settings))), on, stage_on_host=shard == "fsdp")
             learner.share_with(parallel)
             held = sum(_local(p).numel() * p.element_size() for p in learner.policy.parameters())
@@ -177,7 +178,7 @@ class LearnerRank(Actor):
             "held_bytes": held,  # this rank's parameters: its shards, or the whole policy
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "device": str(on),
-            "backend": str(torch.distributed.get_backend()) if torch.distributed.is_initialized() else "",
+            "backend": backend,
             "on_device": sorted({str(_local(p).device) for p in learner.policy.parameters()}),
         }
 

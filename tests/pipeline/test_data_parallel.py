@@ -64,6 +64,7 @@ def test_two_ranks_take_the_step_one_learner_takes(shard):
     results = ranks_step(2, SETTINGS, batch, rewards, ref, shard)
     assert [r["passes"] for r in results] == [[[0, 5], [5, 10], [10, 12]], [[12, 15], [15, 20], [20, 24]]]
     assert [r["idle"] for r in results] == [0, 0]
+    assert [r["backend"] for r in results] == ["gloo", "gloo"]
     gradients = {name: p.grad for name, p in one.policy.named_parameters() if p.grad is not None}
     for result in results:
         assert set(result["gradients"]) == set(gradients)

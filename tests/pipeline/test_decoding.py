@@ -84,6 +84,64 @@ def test_the_static_cache_draws_the_dynamic_caches_tokens_and_log_probs(attentio
     assert_same_completions(again, static, atol=0)
 
 
+@pytest.mark.parametrize("queries", [1, 6])
+@pytest.mark.parametrize("mask_kind", ["bool", "additive"])
+def test_grouped_attention_equals_sdpa_over_repeated_key_value_heads(queries, mask_kind):
+    """A group's query heads as rows of one query over the unrepeated heads: transformers' sdpa attention."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from pipeline.models._grouped_attention import grouped_sdpa
+
+    rng = torch.Generator().manual_seed(3)
+    batch, heads, kv_heads, length, width = 3, 6, 2, 11, 8
+    query = torch.randn(batch, queries, heads, width, generator=rng).transpose(1, 2)  # as a layer passes it
+    key, value = (torch.randn(batch, kv_heads, length, width, generator=rng) for _ in range(2))
+    allowed = torch.rand(batch, 1, queries, length, generator=rng) > 0.3
+    allowed[..., 0] = True  # no row attends to nothing
+    mask = allowed if mask_kind == "bool" else torch.zeros(allowed.shape).masked_fill(~allowed, -1e9)
+    layer = torch.nn.Module()
+    layer.num_key_value_groups = heads // kv_heads
+    want, _ = sdpa_attention_forward(layer, query, key, value, mask, scaling=0.3)
+    got, _ = grouped_sdpa(layer, query, key, value, mask, scaling=0.3)
+    assert got.shape == (batch, queries, heads, width)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="needs the prepared attention mask"):
+        grouped_sdpa(layer, query, key, value, None)
+    with pytest.raises(ValueError, match="6 query heads do not group over 4 key/value heads"):
+        grouped_sdpa(layer, query, torch.cat([key, key], 1), torch.cat([value, value], 1), mask)
+
+
+def test_the_static_cache_attends_with_grouped_heads_and_gives_the_model_its_own_attention_back():
+    model = qwen2()
+    seen: list[str] = []
+    layer = model.model.layers[0].self_attn
+    layer.register_forward_hook(lambda module, args, out: seen.append(module.config._attn_implementation))
+    engine = BuiltinEngine(model, Tokenizer(), "static")
+    draw_with(engine, prompts(500), SamplingParams(4))
+    # the prefill and each of the 3 steps after it (the model's own sdpa: the check against the dynamic cache)
+    assert seen.count("pipeline_grouped_sdpa") >= 4, seen
+    assert model.config._attn_implementation == "sdpa"
+    seen.clear()
+    draw_with(BuiltinEngine(model, Tokenizer(), "dynamic"), prompts(500), SamplingParams(4))
+    assert set(seen) == {"sdpa"}
+
+
+def test_a_graph_is_keyed_by_the_addresses_a_tied_head_reads_however_it_was_assigned():
+    """An aliasing install of a state_dict leaves a tied head as a second parameter over the embedding's storage:
+    the same addresses, so the same key (a graph kept for them is replayed, not captured again)."""
+    from pipeline.models._decoders import _storage
+
+    model = qwen2()
+    key = _storage(model)
+    with torch.no_grad():
+        model.load_state_dict(dict(model.state_dict()), assign=True)
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    assert _storage(model) == key
+    with torch.no_grad():
+        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    assert _storage(model) != key
+
+
 def test_the_completions_end_where_every_row_ended_however_seldom_the_host_looks():
     """On the graph path the host looks every few steps whether all rows ended; the steps drawn after that are
     dropped, so the completions are the ones a look every step gives."""

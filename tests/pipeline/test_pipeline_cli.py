@@ -63,6 +63,35 @@ def test_the_train_step_benchmark_times_the_update_against_its_body_and_lists_op
     assert len(record["top_ops"]) == 3 and all(op["op"] and op["ms"] >= 0 for op in record["top_ops"])
 
 
+def test_the_decode_benchmark_profiles_the_last_path_by_device_and_by_host_time():
+    pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
+    flags = ["--shape", "tiny", "--prompts", "2", "--group", "2", "--new-tokens", "4", "--repeat", "1"]
+    proc = run_python(
+        os.path.join(ROOT, "benchmarks", "bench_decode.py"), *flags, "--profile", "--top", "3", timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = last_json(proc.stdout)
+    assert record["static_same_tokens"] and record["profile"]["path"] == "static"
+    for column in ("by_device", "by_host"):
+        assert len(record["profile"][column]) == 3 and all(op["ms"] >= 0 for op in record["profile"][column])
+
+
+def test_the_gpu_rounds_pipeline_figures_leave_the_start_out_of_the_steady_pace(tmp_path):
+    """Steps/s over the whole run counts the processes' start; the steady figure is one over the median gap."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_round", os.path.join(ROOT, "benchmarks", "gpu_round.py"))
+    assert spec is not None and spec.loader is not None
+    gpu_round = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_round)
+    times = [18.0, 19.0, 20.0, 21.0, 24.0]  # the first step after an 18 s start; an evaluation in the last
+    rows = [{"step": i + 1, "time": t, "tokens/step": 100} for i, t in enumerate(times)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows) + '{"cut')
+    figures = gpu_round.pipeline_figures(str(tmp_path))
+    assert figures["steps"] == 5 and figures["steps_per_s"] == round(5 / 24, 3)
+    assert figures["steady_steps_per_s"] == 1.0
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU round runs whole on a GPU machine")
 def test_the_gpu_round_ends_at_once_with_one_line_without_cuda():
     out = run_python(os.path.join(ROOT, "benchmarks", "gpu_round.py"), timeout=60, env=ENV)

@@ -1,0 +1,38 @@
+"""Where a benchmark's step spends its time: the operators ``torch.profiler`` saw, busiest first."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def top_operators(
+    step: Callable[[], Any], device: torch.device, count: int, *, by: str = "device"
+) -> list[dict[str, Any]]:
+    """The ``count`` operators that took the most time in one call of ``step`` (self time: children not counted).
+
+    ``by="device"`` ranks by GPU time (CPU time where ``device`` is not CUDA);
+    ``by="cpu"`` by the host's time, which is what a launch-bound step spends.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize(device)
+    key = "self_device_time_total" if cuda and by == "device" else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)
+    total = sum(getattr(e, key) for e in events) or 1.0
+    return [
+        {
+            "op": e.key[:120],
+            "ms": round(getattr(e, key) / 1e3, 2),
+            "share": round(getattr(e, key) / total, 3),
+            "calls": e.count,
+        }
+        for e in events[:count]
+    ]
