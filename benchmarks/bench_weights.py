@@ -13,7 +13,9 @@ per layer qkv, out, mlp up and down, two norms: many tensors, not one blob),
 on ``--device``. Each update is timed from the start of ``publish`` to the
 end of the install in the consumer, including the consumer's stream
 finishing its copy (one clock: CLOCK_MONOTONIC). ``trainer_stall_ms`` is
-how long ``publish`` keeps the trainer's thread. The baseline, measured in
+how long ``publish`` keeps the trainer's thread; ``call_ms`` from its return
+to the consumer's endpoint starting (the manifest's trip between the
+processes); then ``import``, ``install`` (with the wait for the bytes). The baseline, measured in
 the same run and interleaved with the updates, is one copy of the same
 tensors into a second set: ``copy_`` on the CPU (one torch thread), a
 device-to-device multi-tensor copy timed with CUDA events on a GPU. The
@@ -120,7 +122,8 @@ class Installing:
             self.aliased = manifest.update_id
         else:
             self.consumer.release(manifest.update_id)
-        return {"import": t1 - t0, "install": t2 - t1, "release": time.perf_counter() - done, "done_at": done}
+        release = time.perf_counter() - done
+        return {"import": t1 - t0, "install": t2 - t1, "release": release, "arrived_at": t0, "done_at": done}
 
     def close(self) -> None:
         self.consumer.close()
@@ -200,7 +203,8 @@ async def measure(args: argparse.Namespace, mb: int, dtype: str, install: str) -
             timings = await do_install(manifest)
             publisher.release(manifest.update_id)
             if measured:
-                rows.append({"stall": published - start, "total": timings["done_at"] - start, **timings})
+                elapsed, call = timings["done_at"] - start, timings["arrived_at"] - published
+                rows.append({"stall": published - start, "call": call, "total": elapsed, **timings})
     if procs is not None:
         await procs.stop()
     if local is not None:
@@ -219,6 +223,7 @@ async def measure(args: argparse.Namespace, mb: int, dtype: str, install: str) -
         "total_nbytes": total,
         "updates_measured": len(rows),
         "trainer_stall_ms": round(med("stall"), 3),
+        "call_ms": round(med("call"), 3),
         "import_ms": round(med("import"), 3),
         "install_ms": round(med("install"), 3),
         "release_ms": round(med("release"), 3),
@@ -239,7 +244,7 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         if not args.json:
             print(
                 f"{args.transport} {args.device}: {row['mib']:.0f} MiB {dtype} in {row['tensor_count']} tensors, "
-                f"{install} | stall {row['trainer_stall_ms']} ms, import {row['import_ms']} ms, install "
+                f"{install} | stall {row['trainer_stall_ms']} ms, call {row['call_ms']} ms, import {row['import_ms']} ms, install "
                 f"{row['install_ms']} ms | publish->installed {row['publish_to_installed_ms']} ms = "
                 f"{row['ratio']} x copy {row['copy_ms']} ms (stall {row['stall_ratio']} x)",
                 flush=True,

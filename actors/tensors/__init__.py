@@ -33,7 +33,7 @@ import torch
 
 from .._shared._errors import ManifestError
 from .._wire._buffers import DTYPE_NAMES, DTYPES, tensor_buffer, tensor_over
-from ._sharded import gather_each, is_sharded
+from ._sharded import gather_each, is_sharded, sharded_type
 from ._stream import TcpHandle
 
 __all__ = [
@@ -115,8 +115,9 @@ def ties(tensors: list[tuple[str, torch.Tensor]]) -> list[int | None]:
     it shares), else None. Of a sharded tensor, its shard's storage is compared: every rank finds the same ties."""
     first: dict[tuple[Any, ...], int] = {}
     found: list[int | None] = []
+    dtensor = sharded_type()  # looked up once: a publish asks this of every tensor
     for index, (_, tensor) in enumerate(tensors):
-        if is_sharded(tensor):  # its shard's storage itself: an empty shard is no other's, on every rank alike
+        if dtensor is not None and isinstance(tensor, dtensor):  # its shard's storage: no other's, on every rank
             local = tensor.to_local()  # type: ignore[attr-defined]
             key: tuple[Any, ...] = (
                 local.untyped_storage()._cdata,

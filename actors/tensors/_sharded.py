@@ -26,7 +26,7 @@ __all__ = ["BUCKET_BYTES", "gather_each", "is_sharded", "wholes"]
 BUCKET_BYTES = 64 << 20
 
 
-def _dtensor_type() -> type | None:
+def sharded_type() -> type | None:
     """torch's DTensor class if its module is loaded: no DTensor exists otherwise (importing it costs ~0.6 s)."""
     module = sys.modules.get("torch.distributed.tensor")
     return getattr(module, "DTensor", None)
@@ -34,7 +34,7 @@ def _dtensor_type() -> type | None:
 
 def is_sharded(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a torch ``DTensor`` (its bytes spread over a group's ranks)."""
-    dtensor = _dtensor_type()
+    dtensor = sharded_type()
     return dtensor is not None and isinstance(tensor, dtensor)
 
 
@@ -50,7 +50,7 @@ def wholes(tensors: Iterable[torch.Tensor], bucket_bytes: int = BUCKET_BYTES) ->
     """Each of ``tensors`` whole, in order: sharded ones gathered (and detached) a bucket at a time, a collective.
 
     The others are given as they are: writers copy from them under ``no_grad``."""
-    dtensor = _dtensor_type()
+    dtensor = sharded_type()
     if dtensor is None:  # no DTensor exists in this process: the tensors as they are
         yield from tensors
         return

@@ -2,7 +2,7 @@
 
 A :class:`WeightPublisher` turns a model (or state_dict) into a
 :class:`WeightManifest`: a small frozen record naming one complete update
-(id, version, per-tensor specs, transport and handle). The manifest travels
+(id, version, the tensors' specs as a table of columns, transport and handle). The manifest travels
 through any port or endpoint; the tensor bytes never do. A
 :class:`WeightConsumer` imports the update (views over shared memory or a
 device slot where the transport allows), installs it into a module with at
@@ -24,9 +24,11 @@ from ._consumer import WeightConsumer
 from ._inbox import ReceivesWeights, WeightInbox
 from ._manifest import WeightManifest, available_transports
 from ._publisher import WeightPublisher, join_publish
+from ._spec_table import SpecTable
 
 __all__ = [
     "ReceivesWeights",
+    "SpecTable",
     "TensorSpec",
     "WeightConsumer",
     "WeightInbox",

@@ -22,6 +22,7 @@ from .._shared._errors import (
 from .._shared._session import host_id
 from ..tensors import Reader, TensorSpec, checksum, copy_all, dtype_name, is_sharded, read_async
 from ._manifest import WeightManifest, make_reader
+from ._spec_table import SpecMemo
 
 __all__ = ["PublisherWatch", "WeightConsumer", "fit"]
 
@@ -121,26 +122,28 @@ def _alias(
         model.load_state_dict(tensors, strict=strict, assign=True)
 
 
-def fit(manifest: WeightManifest, model: torch.nn.Module, strict: bool = True) -> dict[str, torch.Tensor]:
-    """The model's tensors that ``manifest`` updates, once every name, shape and dtype agrees.
+def fit(
+    manifest: WeightManifest, specs: tuple[TensorSpec, ...], model: torch.nn.Module, strict: bool = True
+) -> dict[str, torch.Tensor]:
+    """The model's tensors that ``manifest`` (its ``specs``) updates, once every name, shape and dtype agrees.
 
     Checked before anything is imported or written: a manifest that does not
     fit raises :class:`ManifestError` and the model stays as it was.
     """
     state = model.state_dict()
-    specs: dict[str, TensorSpec] = {}
-    for spec in manifest.tensors if type(manifest.tensors) is tuple else ():
-        if type(spec) is not TensorSpec or type(spec.name) is not str:
+    named: dict[str, TensorSpec] = {}
+    for spec in specs:
+        if type(spec.name) is not str:
             raise ManifestError(f"update {manifest.update_id} holds a malformed tensor spec")
-        specs[spec.name] = spec
+        named[spec.name] = spec
     if strict:
-        missing, unexpected = sorted(state.keys() - specs.keys()), sorted(specs.keys() - state.keys())
+        missing, unexpected = sorted(state.keys() - named.keys()), sorted(named.keys() - state.keys())
         if missing or unexpected:
             raise ManifestError(
                 f"update {manifest.update_id} does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
             )
     targets = {}
-    for name, spec in specs.items():
+    for name, spec in named.items():
         target = state.get(name)
         if target is None:
             continue
@@ -169,6 +172,7 @@ class WeightConsumer:
         self._state: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._reasons: dict[str, str] = {}
         self._tensors: dict[str, dict[str, torch.Tensor]] = {}
+        self._memo = SpecMemo()
         self._history = history
         self._aliased: str | None = None  # the update a module's parameters currently view
         self.publishers = PublisherWatch()
@@ -181,6 +185,10 @@ class WeightConsumer:
     def state(self, update_id: str) -> str | None:
         """``imported``, ``acknowledged``, ``rejected``, ``released`` or None if unknown."""
         return self._state.get(update_id)
+
+    def specs(self, manifest: WeightManifest) -> tuple[TensorSpec, ...]:
+        """``manifest``'s tensor specs, rebuilt only when its table differs from the last one's (:class:`SpecMemo`)."""
+        return self._memo.specs(manifest.checked_table())
 
     def reader(self, transport: str) -> Reader:
         reader = self._readers.get(transport)
@@ -199,7 +207,7 @@ class WeightConsumer:
             return held
         reader = self.reader(manifest.transport)
         try:
-            tensors = reader.read(manifest.update_id, manifest.version, manifest.handle, manifest.tensors)
+            tensors = reader.read(manifest.update_id, manifest.version, manifest.handle, self.specs(manifest))
         except PublisherDied as exc:
             raise self._publisher_died(manifest, exc) from None
         return self._finish_import(manifest, reader, tensors)
@@ -217,7 +225,7 @@ class WeightConsumer:
         reader = self.reader(manifest.transport)
         try:
             tensors = await read_async(
-                reader, manifest.update_id, manifest.version, manifest.handle, manifest.tensors, timeout
+                reader, manifest.update_id, manifest.version, manifest.handle, self.specs(manifest), timeout
             )
         except PublisherDied as exc:
             raise self._publisher_died(manifest, exc) from None
@@ -254,7 +262,7 @@ class WeightConsumer:
     ) -> dict[str, torch.Tensor]:
         update_id = manifest.update_id
         if self.verify_checksums:
-            for spec in manifest.tensors:
+            for spec in self.specs(manifest):
                 if spec.checksum is not None and checksum(tensors[spec.name]) != spec.checksum:
                     reader.release(update_id)
                     raise ChecksumError(f"tensor {spec.name!r} of update {update_id} does not match its checksum")
@@ -279,7 +287,7 @@ class WeightConsumer:
         """
         _check_type(manifest)
         try:
-            targets = fit(manifest, model, strict)
+            targets = fit(manifest, self.specs(manifest), model, strict)
             tensors = self.import_update(manifest)
             self._load(manifest, model, targets, tensors, strict, alias)
         except BaseException as exc:
@@ -299,7 +307,7 @@ class WeightConsumer:
         """:meth:`install` for code on an event loop: a ``tcp`` fetch is awaited, not blocked on."""
         _check_type(manifest)
         try:
-            targets = fit(manifest, model, strict)
+            targets = fit(manifest, self.specs(manifest), model, strict)
             tensors = await self.import_update_async(manifest, timeout)
             self._load(manifest, model, targets, tensors, strict, alias)
         except BaseException as exc:

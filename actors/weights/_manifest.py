@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._shared._errors import TransportBlocked
+from .._shared._errors import ManifestError, TransportBlocked
 from ..tensors import TRANSPORTS, Reader, TensorSpec, Writer, distinct, probe
+from ._spec_table import SpecTable
 
 __all__ = ["WeightManifest", "available_transports", "make_reader", "make_writer"]
 
@@ -20,17 +21,30 @@ class WeightManifest:
     address and key for ``tcp``, the publishing pid for ``local``): plain
     values or a registered dataclass, so it decodes in any process.
     ``publisher_host`` is the publisher's :func:`~actors.host_id`: its pid
-    means something only to consumers on the same host.
+    means something only to consumers on the same host. ``table`` holds the
+    tensors' specs as columns (:class:`SpecTable`: a few lists on the wire,
+    not a record per tensor); :attr:`tensors` gives them as specs.
     """
 
     update_id: str
     version: int
     transport: str
-    tensors: tuple[TensorSpec, ...]
+    table: SpecTable
     handle: Any
     publisher_pid: int
     metadata: dict[str, Any] = field(default_factory=dict)
     publisher_host: str = ""
+
+    @property
+    def tensors(self) -> tuple[TensorSpec, ...]:
+        """The update's tensor specs, in its order (:class:`ManifestError` if its table is malformed)."""
+        return self.checked_table().specs
+
+    def checked_table(self) -> SpecTable:
+        """The table, or :class:`ManifestError` if a peer sent something else in its place."""
+        if type(self.table) is not SpecTable:
+            raise ManifestError(f"update {self.update_id!r:.60} carries no tensor table")
+        return self.table
 
     @property
     def total_nbytes(self) -> int:

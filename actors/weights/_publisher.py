@@ -16,6 +16,7 @@ from .._shared._loops import loop_running
 from .._shared._session import host_id
 from ..tensors import TensorSpec, distinct, gather_each, layout, origins
 from ._manifest import WeightManifest, make_writer
+from ._spec_table import SpecTable
 
 __all__ = ["WeightPublisher", "join_publish"]
 
@@ -238,7 +239,14 @@ class WeightPublisher:
         while len(self._published) > self.keep:
             self.release(next(iter(self._published)))
         return WeightManifest(
-            update_id, version, self.transport, tuple(specs), handle, os.getpid(), dict(metadata or {}), self._host
+            update_id,
+            version,
+            self.transport,
+            SpecTable.of(specs),
+            handle,
+            os.getpid(),
+            dict(metadata or {}),
+            self._host,
         )
 
     def release(self, update_id: str) -> None:

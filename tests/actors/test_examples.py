@@ -56,3 +56,4 @@ def test_weights_benchmark_prints_its_json_line(transport, mode):
     assert 7 < row["mib"] < 9 and row["install"] == mode
     for key in ("trainer_stall_ms", "import_ms", "install_ms", "publish_to_installed_ms", "copy_ms", "ratio"):
         assert row[key] > 0, key
+    assert 0 <= row["call_ms"] < row["publish_to_installed_ms"]

@@ -21,6 +21,7 @@ from actors import (
     WeightPublisher,
 )
 from actors.tensors.cuda_ipc import IPC_HANDLE_BYTES, parse_handle
+from actors.weights import SpecTable
 
 
 def all_equal(model: torch.nn.Module, value: float) -> bool:
@@ -35,7 +36,7 @@ def published():
 
 def spec_changed(manifest, **changes):
     first = dataclasses.replace(manifest.tensors[0], **changes)
-    return dataclasses.replace(manifest, tensors=(first, *manifest.tensors[1:]))
+    return dataclasses.replace(manifest, table=SpecTable.of((first, *manifest.tensors[1:])))
 
 
 @pytest.mark.parametrize(
@@ -116,7 +117,7 @@ def test_a_malformed_spec_is_refused_before_a_byte_is_read(published, changes, m
 def test_bytes_of_one_dtype_described_as_another_are_refused(published):
     model = filled_model(5.0).double()
     lying = dataclasses.replace(
-        published, tensors=tuple(dataclasses.replace(spec, dtype="float64") for spec in published.tensors)
+        published, table=SpecTable.of([dataclasses.replace(spec, dtype="float64") for spec in published.tensors])
     )
     consumer = WeightConsumer()
     with pytest.raises(ManifestError, match="bytes cannot hold"):

@@ -33,6 +33,7 @@ from actors import (
 from actors._wire._codec import Decoder, Encoder
 from actors.tensors._slots import segment_prefix
 from actors.tensors.shm import HEADER_BYTES, SHM_DIR
+from actors.weights import SpecTable
 
 
 @pytest.fixture
@@ -102,6 +103,40 @@ def test_manifest_is_small_and_travels_through_the_codec(shm_publisher):
     assert not enc.frames and len(data) < 1024, "only the manifest crosses the wire, never the weights"
     again = Decoder().decode(data)
     assert isinstance(again, WeightManifest) and again == manifest
+    assert again.tensors == manifest.tensors and type(again.table) is SpecTable
+
+
+def test_a_manifests_specs_travel_as_columns_and_a_malformed_table_is_refused(shm_publisher):
+    """A record per tensor cost the codec a nested record each: the table is a few plain lists. Whatever a peer
+    sends in its place is refused with ManifestError before anything is read, and the update stays importable."""
+    manifest = shm_publisher.publish(filled_model(1.0), 1)
+    table = manifest.table
+    assert table.names == [spec.name for spec in manifest.tensors] and all(type(s) is list for s in table.shapes)
+    rows = len(table.names)
+    malformed = [
+        (dataclasses.replace(table, offsets=table.offsets[:-1]), "columns of other types or lengths"),
+        (dataclasses.replace(table, shapes=tuple(table.shapes)), "columns of other types or lengths"),
+        (dataclasses.replace(table, shapes=[5] * rows), "shape must be a tuple"),
+        (dataclasses.replace(table, dtypes=["float99"] * rows), "unknown dtype"),
+        ({"names": table.names}, "carries no tensor table"),
+    ]
+    consumer = WeightConsumer()
+    try:
+        for bad, said in malformed:
+            sent = Decoder().decode(Encoder().encode(dataclasses.replace(manifest, table=bad)))
+            with pytest.raises(ManifestError, match=said):
+                consumer.import_update(sent)
+            assert consumer.state(manifest.update_id) is None
+        assert set(consumer.import_update(manifest)) == set(table.names)
+        consumer.release(manifest.update_id)
+        # the next update of the same model carries an equal table: its specs are not rebuilt
+        again = Decoder().decode(Encoder().encode(shm_publisher.publish(filled_model(2.0), 2)))
+        assert again.table == table and again.table is not table
+        assert consumer.specs(again) is consumer.specs(manifest)
+        moved = dataclasses.replace(again, table=dataclasses.replace(table, checksums=[7] * rows))
+        assert consumer.specs(moved) == tuple(dataclasses.replace(spec, checksum=7) for spec in manifest.tensors)
+    finally:
+        consumer.close()
 
 
 def test_versions_must_strictly_increase(shm_publisher):
@@ -229,7 +264,7 @@ def test_local_publisher_keeps_a_bounded_history():
 def test_local_updates_stay_in_their_process():
     with WeightPublisher("local") as publisher:
         manifest = publisher.publish(filled_model(1.0), 1)
-        foreign = WeightManifest(manifest.update_id, 1, "local", manifest.tensors, manifest.handle + 1, 1)
+        foreign = WeightManifest(manifest.update_id, 1, "local", manifest.table, manifest.handle + 1, 1)
         with pytest.raises(WeightSyncError, match="process that published"):
             WeightConsumer().import_update(foreign)
 
@@ -514,7 +549,7 @@ def test_a_slots_views_are_made_once_per_layout_and_a_new_layout_is_checked_firs
             consumer.release(second.update_id)
             third = publisher.publish(source, 3)
             outside = dataclasses.replace(third.tensors[0], offset=1 << 40)
-            tampered = dataclasses.replace(third, tensors=(outside, *third.tensors[1:]))
+            tampered = dataclasses.replace(third, table=SpecTable.of((outside, *third.tensors[1:])))
             with pytest.raises(ManifestError, match="outside its slot"):
                 consumer.import_update(tampered)
         finally:
