@@ -21,6 +21,10 @@ tensors into a second set: ``copy_`` on the CPU (one torch thread), a
 device-to-device multi-tensor copy timed with CUDA events on a GPU. The
 first updates touch fresh memory and are not counted.
 
+With ``--profile``, each row publishes 5 more updates with ``publish``
+under cProfile and ``torch.profiler``: the Python functions and the torch
+operators or CUDA runtime calls that took the trainer's stall, per update.
+
 Targets: shm at 1 GiB <= 2.0x the copy (copy install) and alias; cuda-ipc
 at 1 GiB alias <= 1.5x, copy <= 2.5x, trainer stall <= 1x; cuda-ipc 64 MiB
 <= 3x.
@@ -35,6 +39,7 @@ import json
 import math
 import statistics
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
@@ -187,11 +192,8 @@ async def measure(args: argparse.Namespace, mb: int, dtype: str, install: str) -
         async def do_install(manifest: WeightManifest) -> dict[str, float]:
             return await installer.install.call_one(manifest, alias)
 
-    options: dict[str, Any] = {} if args.transport == "local" else {"slots": args.slots}
-    if args.transport == "cuda-ipc":
-        options["device"] = args.device
     rows = []
-    with WeightPublisher(args.transport, **options) as publisher:
+    with WeightPublisher(args.transport, **publisher_args(args)) as publisher:
         for version in range(1, args.warmup + args.updates + 1):
             measured = version > args.warmup
             if measured:
@@ -205,6 +207,7 @@ async def measure(args: argparse.Namespace, mb: int, dtype: str, install: str) -
             if measured:
                 elapsed, call = timings["done_at"] - start, timings["arrived_at"] - published
                 rows.append({"stall": published - start, "call": call, "total": elapsed, **timings})
+    found = await profile_publishes(args, publisher_args(args), state, do_install) if args.profile else None
     if procs is not None:
         await procs.stop()
     if local is not None:
@@ -215,7 +218,7 @@ async def measure(args: argparse.Namespace, mb: int, dtype: str, install: str) -
         return statistics.median(row[key] for row in rows) * 1000
 
     total_ms = med("total")
-    return {
+    row = {
         "mib": round(total / 2**20, 1),
         "dtype": dtype,
         "install": install,
@@ -233,6 +236,51 @@ async def measure(args: argparse.Namespace, mb: int, dtype: str, install: str) -
         "stall_ratio": round(med("stall") / copy_ms, 3),
         "gb_per_s": round(total / (total_ms / 1000) / 1e9, 2),
     }
+    return {**row, "profile": found} if found is not None else row
+
+
+def publisher_args(args: argparse.Namespace) -> dict[str, Any]:
+    options: dict[str, Any] = {} if args.transport == "local" else {"slots": args.slots}
+    if args.transport == "cuda-ipc":
+        options["device"] = args.device
+    return options
+
+
+async def profile_publishes(
+    args: argparse.Namespace,
+    options: dict[str, Any],
+    state: dict[str, torch.Tensor],
+    do_install: Callable[[WeightManifest], Awaitable[dict[str, float]]],
+    updates: int = 5,
+) -> dict[str, Any]:
+    """``updates`` more updates from a fresh publisher, its ``publish`` (the trainer's stall) under cProfile and
+    ``torch.profiler``: the Python functions and the torch operators / CUDA calls that took its time, per update."""
+    import cProfile
+
+    from _profile import busiest, python_hotspots
+    from torch.profiler import ProfilerActivity, profile
+
+    python = cProfile.Profile()
+    cuda = args.device.startswith("cuda")
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with WeightPublisher(args.transport, **options) as publisher:
+        for version in range(1, args.warmup + 1):  # the slots' first fills are not what is profiled
+            manifest = await publisher.publish_async(state, version)
+            await do_install(manifest)
+            publisher.release(manifest.update_id)
+        with profile(activities=activities) as torch_prof:
+            for version in range(args.warmup + 1, args.warmup + updates + 1):
+                synchronize(args.device)
+                python.enable()
+                manifest = await publisher.publish_async(state, version)
+                python.disable()
+                await do_install(manifest)
+                publisher.release(manifest.update_id)
+    host = busiest(torch_prof, 8, by="cpu")
+    for op in host:
+        op["ms"] = round(op["ms"] / updates, 3)
+        op["calls"] = op["calls"] // updates
+    return {"updates": updates, "python": python_hotspots(python, 10, updates), "torch_host": host}
 
 
 async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -249,6 +297,9 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 f"{row['ratio']} x copy {row['copy_ms']} ms (stall {row['stall_ratio']} x)",
                 flush=True,
             )
+            for column in ("python", "torch_host"):
+                for entry in row.get("profile", {}).get(column, []):
+                    print(f"    {entry['ms']:8.3f} ms  x{entry['calls']:<5} {entry.get('function') or entry['op']}")
     return rows
 
 
@@ -265,6 +316,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="updates not measured (fresh memory)")
     parser.add_argument("--slots", type=int, default=3, help="slot pool size (an aliasing consumer holds one)")
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
+    parser.add_argument(
+        "--profile", action="store_true", help="per row, where 5 more publishes spent the trainer's time"
+    )
     args = parser.parse_args()
     if args.layers is not None and args.layers < 1:
         parser.error(f"--layers {args.layers}: a model needs at least one layer")

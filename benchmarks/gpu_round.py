@@ -16,7 +16,8 @@ out of time is recorded and the round goes on. In order:
    0.5 B shape below in bfloat16, 256 x 64 tokens, over the dynamic KV cache
    against replayed CUDA graphs (issue 40);
 4. ``bench_weights.py`` over ``cuda-ipc``: 64 / 1024 / 4096 MiB, float32 and
-   bfloat16, alias and copy installs;
+   bfloat16, alias and copy installs, each row with ``--profile`` (where the
+   trainer's stall goes: Python functions, torch operators, CUDA calls);
 5. the digit pipeline on the GPU (``--device cuda --transport cuda-ipc``),
    and on a machine with two GPUs again with two sharded trainer ranks
    (``--trainer-ranks 2``: NCCL, one GPU a rank);
@@ -323,7 +324,7 @@ def play(round_: Round, args: argparse.Namespace) -> None:
     if "weights" not in args.skip:
         sizes = ["--mb", "64", "1024", "4096", "--dtype", "float32", "bfloat16", "--install", "alias", "copy"]
         bench = [python, "benchmarks/bench_weights.py", "--transport", "cuda-ipc", "--device", "cuda", *sizes]
-        code, text = round_.run("bench_weights", [*bench, "--json"], 120)
+        code, text = round_.run("bench_weights", [*bench, "--json", "--profile"], 120)
         lines = [line for line in text.splitlines() if line.startswith("{")]
         round_.record("bench_weights", json.loads(lines[-1]) if code == 0 and lines else {"rc": code})
 

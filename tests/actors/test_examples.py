@@ -57,3 +57,13 @@ def test_weights_benchmark_prints_its_json_line(transport, mode):
     for key in ("trainer_stall_ms", "import_ms", "install_ms", "publish_to_installed_ms", "copy_ms", "ratio"):
         assert row[key] > 0, key
     assert 0 <= row["call_ms"] < row["publish_to_installed_ms"]
+
+
+def test_weights_benchmark_profiles_where_the_publishers_time_goes():
+    flags = ["--transport", "shm", "--mb", "8", "--updates", "2", "--install", "alias", "--profile", "--json"]
+    proc = run_python(os.path.join(ROOT, "benchmarks", "bench_weights.py"), *flags, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (row,) = last_json(proc.stdout)["rows"]
+    found = row["profile"]
+    assert found["updates"] == 5 and len(found["python"]) == 10 and isinstance(found["torch_host"], list)
+    assert all(entry["ms"] >= 0 and entry["function"] for entry in found["python"])
