@@ -3,7 +3,7 @@
 With a mask, transformers' ``sdpa`` attention repeats every key and value
 head for each query head that shares it (``repeat_kv``): on a 0.5 B Qwen2
 (14 query heads over 2 key/value heads) each decode step wrote and read the
-whole KV cache 7 times over, a third of the step's GPU time. Here a group's
+whole KV cache 7 times over, 28 % of a graphed step's GPU time (H100). Here a group's
 query heads become rows of one query instead: ``[B, H, Q, D]`` is viewed as
 ``[B, H_kv, G * Q, D]`` against the unrepeated ``[B, H_kv, L, D]`` keys and
 values, and the mask row of each query position is repeated ``G`` times —
