@@ -207,7 +207,7 @@ async def measure(args: argparse.Namespace, mb: int, dtype: str, install: str) -
             if measured:
                 elapsed, call = timings["done_at"] - start, timings["arrived_at"] - published
                 rows.append({"stall": published - start, "call": call, "total": elapsed, **timings})
-    found = await profile_publishes(args, publisher_args(args), state, do_install) if args.profile else None
+    found = await profile_publishes(args, state, do_install) if args.profile else None
     if procs is not None:
         await procs.stop()
     if local is not None:
@@ -248,7 +248,6 @@ def publisher_args(args: argparse.Namespace) -> dict[str, Any]:
 
 async def profile_publishes(
     args: argparse.Namespace,
-    options: dict[str, Any],
     state: dict[str, torch.Tensor],
     do_install: Callable[[WeightManifest], Awaitable[dict[str, float]]],
     updates: int = 5,
@@ -263,7 +262,7 @@ async def profile_publishes(
     python = cProfile.Profile()
     cuda = args.device.startswith("cuda")
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
-    with WeightPublisher(args.transport, **options) as publisher:
+    with WeightPublisher(args.transport, **publisher_args(args)) as publisher:
         for version in range(1, args.warmup + 1):  # the slots' first fills are not what is profiled
             manifest = await publisher.publish_async(state, version)
             await do_install(manifest)

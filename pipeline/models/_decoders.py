@@ -251,16 +251,7 @@ class StaticDecoder:
         allowed[:, 0, :, :width] = (causal & valid[:, None, :]) | itself
         position = positions(prompt_mask)
         slots = torch.arange(width, device=ids.device)
-        with self._attention():
-            out = self.model(
-                input_ids=ids,
-                attention_mask=self._as_mask(allowed),
-                position_ids=position,
-                use_cache=True,
-                **{self.call.cache_argument: self.cache},
-                **self._slots(slots),
-                **self.call.last_only,
-            )
+        out = self._pass(ids, self._as_mask(allowed), position, slots)
         self._mask.fill_(self._blocked)
         self._mask[:, 0, 0, :width] = self._as_mask(valid)
         self._position.copy_(position[:, -1:])
@@ -289,22 +280,26 @@ class StaticDecoder:
         self.cache = None
 
     def _forward(self) -> torch.Tensor:
-        with self._attention():
-            out = self.model(
-                input_ids=self._token,
-                attention_mask=self._mask,
-                position_ids=self._position,
+        return _next_logits(self._pass(self._token, self._mask, self._position, self._slot))
+
+    def _pass(self, ids: torch.Tensor, mask: torch.Tensor, position: torch.Tensor, slots: torch.Tensor) -> Any:
+        """The model over the cache: a prefill's prompts or a step's tokens, writing cache ``slots``.
+
+        Over sdpa it attends without repeated key/value heads
+        (:mod:`pipeline.models._grouped_attention`); over eager as it is (its
+        additive mask is the model's own arithmetic, kept bit for bit).
+        """
+        attention = grouped_attention(self.model) if self._bool_mask else contextlib.nullcontext()
+        with attention:
+            return self.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=position,
                 use_cache=True,
                 **{self.call.cache_argument: self.cache},
-                **self._slots(self._slot),
+                **self._slots(slots),
                 **self.call.last_only,
             )
-        return _next_logits(out)
-
-    def _attention(self) -> contextlib.AbstractContextManager[None]:
-        """sdpa's attention without its repeated key/value heads (:mod:`pipeline.models._grouped_attention`);
-        eager's as it is (its additive mask is the model's own arithmetic, kept bit for bit)."""
-        return grouped_attention(self.model) if self._bool_mask else contextlib.nullcontext()
 
     def _slots(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
         """The cache slots a pass writes, as a keyword for a model that takes them (transformers 4.x)."""
