@@ -113,6 +113,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="the busiest operators of one more batch")
     parser.add_argument("--top", type=int, default=10, help="operators --profile lists per column (default 10)")
     args = parser.parse_args()
+    if args.top < 1:
+        parser.error(f"--top {args.top}: list at least one operator")
     torch.set_num_threads(args.threads)
     cuda = args.device.startswith("cuda")
     paths = args.paths or (["dynamic", "graphs"] if cuda else ["dynamic", "static"])

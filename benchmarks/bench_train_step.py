@@ -134,6 +134,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.repeat < 1 or args.prompts < 1 or args.group < 2 or args.new_tokens < 1:
         parser.error("--repeat, --prompts and --new-tokens must be at least 1, --group at least 2")
+    if args.top < 1:
+        parser.error(f"--top {args.top}: list at least one operator")
     torch.set_num_threads(args.threads)
     with contextlib.ExitStack() as stack:
         folder = args.model or build_example(stack.enter_context(tempfile.TemporaryDirectory()), args.shape)

@@ -76,6 +76,12 @@ def test_the_decode_benchmark_profiles_the_last_path_by_device_and_by_host_time(
         assert len(record["profile"][column]) == 3 and all(op["ms"] >= 0 for op in record["profile"][column])
 
 
+@pytest.mark.parametrize("bench", ["bench_decode.py", "bench_train_step.py"])
+def test_a_profile_of_no_operators_is_refused_in_one_line(bench):
+    proc = run_python(os.path.join(ROOT, "benchmarks", bench), "--profile", "--top", "0", timeout=60)
+    assert proc.returncode == 2 and "--top 0: list at least one operator" in proc.stderr.splitlines()[-1]
+
+
 def test_the_gpu_rounds_pipeline_figures_leave_the_start_out_of_the_steady_pace(tmp_path):
     """Steps/s over the whole run counts the processes' start; the steady figure is one over the median gap."""
     import importlib.util
