@@ -9,8 +9,9 @@ and ``qwen2.5-0.5b``: examples/tiny_hf_model.py's shapes) samples
 ``--prompts`` prompts of 16-48 tokens x ``--group`` completions of
 ``--new-tokens`` tokens, in this process, with each ``--paths`` entry of
 :class:`pipeline.models.BuiltinEngine`'s ``decode`` (default: dynamic and
-static on a CPU, dynamic and graphs on a GPU). Per path, as medians over
-``--repeat`` batches after one warm-up (which captures the graph): completion
+static on a CPU, dynamic and graphs on a GPU; ``compiled`` compiles the step
+with torch.compile first). Per path, as medians over ``--repeat`` batches
+after one warm-up (which compiles and captures the step): completion
 tokens/s and its ratio to ``dynamic`` (today's path, the baseline, measured
 in the same run); whether every path drew the dynamic path's tokens for the
 same seed, and the largest log-probability difference; the first batch's
@@ -108,7 +109,7 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--paths", nargs="+", choices=["dynamic", "static", "graphs", "auto"])
+    parser.add_argument("--paths", nargs="+", choices=["dynamic", "static", "graphs", "compiled", "auto"])
     parser.add_argument("--threads", type=int, default=1, help="torch threads on a CPU")
     parser.add_argument("--profile", action="store_true", help="the busiest operators of one more batch")
     parser.add_argument("--top", type=int, default=10, help="operators --profile lists per column (default 10)")

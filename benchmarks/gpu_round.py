@@ -1,7 +1,7 @@
 """The whole GPU round in one command: the gpu tests, decoding, weight sync, the digit pipeline, a 0.5 B model.
 
     python benchmarks/gpu_round.py [--wheels .whl] [--out DIR] [--budget 540]
-        [--skip tests decode weights digits train hf] [--hf-runs bfloat16:64:12 float32:256:4]
+        [--skip tests decode weights digits train hf] [--hf-runs bfloat16:64:12 float32:256:4 ...]
 
 For a GPU machine lent for a few minutes: the whole round keeps within
 ``--budget`` seconds (540), each step a subprocess whose deadline is the
@@ -14,7 +14,8 @@ out of time is recorded and the round goes on. In order:
 2. ``pytest -m gpu`` (the decode and trainer-rank tests first);
 3. ``bench_decode.py``: the built-in engine's completion tokens/s for the
    0.5 B shape below in bfloat16, 256 x 64 tokens, over the dynamic KV cache
-   against replayed CUDA graphs (issue 40);
+   against replayed CUDA graphs, plain and of the step compiled by
+   torch.compile, with the compiled batch's busiest operators (issue 40);
 4. ``bench_weights.py`` over ``cuda-ipc``: 64 / 1024 / 4096 MiB, float32 and
    bfloat16, alias and copy installs, each row with ``--profile`` (where the
    trainer's stall goes: Python functions, torch operators, CUDA calls);
@@ -65,9 +66,12 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: ``--decode``'s choices (pipeline.config.DECODE_PATHS, tested equal): the round imports no project code, which
+#: needs the wheels it installs first
+DECODE_PATHS = ("auto", "dynamic", "static", "graphs", "compiled")
 
 
 def cuda_device() -> str | None:
@@ -242,12 +246,34 @@ def pipeline_figures(run_dir: str) -> dict[str, Any]:
     }
 
 
-def hf_run(text: str) -> tuple[str, int, int]:
-    """``dtype:tokens:steps`` (``bfloat16:64:20``) as a tuple; argparse's error for anything else."""
+class HfRun(NamedTuple):
+    """One ``--hf-runs`` entry: the run's dtype, completion tokens and steps, and its ``--decode`` path."""
+
+    dtype: str
+    tokens: int
+    steps: int
+    decode: str = "auto"
+
+    @property
+    def name(self) -> str:
+        return f"hf_{self.dtype}_{self.tokens}" + ("" if self.decode == "auto" else f"_{self.decode}")
+
+
+def hf_run(text: str) -> HfRun:
+    """``dtype:tokens:steps[:decode]`` (``bfloat16:64:20``, ``bfloat16:64:12:compiled``); argparse's error else."""
     parts = text.split(":")
-    if len(parts) != 3 or parts[0] not in ("bfloat16", "float32") or not all(p.isdigit() for p in parts[1:]):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected dtype:tokens:steps, dtype bfloat16 or float32")
-    return parts[0], int(parts[1]), int(parts[2])
+    decode = parts[3] if len(parts) == 4 else "auto"
+    if (
+        len(parts) not in (3, 4)
+        or parts[0] not in ("bfloat16", "float32")
+        or not all(p.isdigit() for p in parts[1:3])
+        or decode not in DECODE_PATHS
+    ):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected dtype:tokens:steps[:decode], dtype bfloat16 or float32, decode one of "
+            + ", ".join(DECODE_PATHS)
+        )
+    return HfRun(parts[0], int(parts[1]), int(parts[2]), decode)
 
 
 def main() -> int:
@@ -263,7 +289,8 @@ def main() -> int:
         nargs="+",
         type=hf_run,
         default=[hf_run("bfloat16:64:12"), hf_run("float32:256:4")],
-        help="the 0.5 B-shaped model's runs, each dtype:completion tokens:steps (default bfloat16:64:12 float32:256:4)",
+        help="the 0.5 B-shaped model's runs, each dtype:completion tokens:steps[:decode path] (default "
+        "bfloat16:64:12 float32:256:4; bfloat16:64:12:compiled decodes with --decode compiled)",
     )
     args = parser.parse_args()
     device = cuda_device()
@@ -316,8 +343,13 @@ def play(round_: Round, args: argparse.Namespace) -> None:
             "64",
             "--repeat",
             "3",
+            "--paths",
+            "dynamic",
+            "graphs",
+            "compiled",
+            "--profile",
         ]
-        code, text = round_.run("bench_decode", bench, 120)
+        code, text = round_.run("bench_decode", bench, 200)
         lines = [line for line in text.splitlines() if line.startswith("{")]
         round_.record("bench_decode", json.loads(lines[-1]) if code == 0 and lines else {"rc": code})
 
@@ -359,14 +391,14 @@ def play(round_: Round, args: argparse.Namespace) -> None:
             *("--reward", os.path.join(folder, "rewards.py") + ":reversed_digits", "--target-score", "none"),
             *("--eval-size", "64", "--lr", "1e-6", "--save-every", "0"),
         ]
-        for dtype, tokens, steps in args.hf_runs:
-            name = f"hf_{dtype}_{tokens}"
+        for run in args.hf_runs:
             if code != 0:
-                round_.record(name, {"rc": code, "why": "the model could not be built"})
+                round_.record(run.name, {"rc": code, "why": "the model could not be built"})
                 continue
-            length = ["--max-new-tokens", str(tokens), "--steps", str(steps), "--eval-every", str(steps)]
-            figures = train(name.replace("_", "-"), [*task, *length, "--dtype", dtype], 200)
-            round_.record(name, {"completion_tokens": tokens, **figures})
+            length = ["--max-new-tokens", str(run.tokens), "--steps", str(run.steps), "--eval-every", str(run.steps)]
+            flags = [*task, *length, "--dtype", run.dtype, "--decode", run.decode]
+            figures = train(run.name.replace("_", "-"), flags, 200)
+            round_.record(run.name, {"completion_tokens": run.tokens, "decode": run.decode, **figures})
 
     if "train" not in args.skip:  # issue 40: where a trainer step's time goes, without generators beside it
         shape = ["--dtype", "bfloat16", "--prompts", "32", "--group", "8", "--new-tokens", "64"]

@@ -57,9 +57,10 @@ EngineKind = Literal["builtin", "hf", "vllm"]
 ENGINES: tuple[str, ...] = ("builtin", "hf", "vllm")
 
 #: How ``--engine builtin`` decodes: ``auto`` (CUDA graphs over a static KV cache on a GPU, else the model's
-#: dynamic cache), ``dynamic``, ``static`` (a static cache, eager steps) or ``graphs``.
-DecodePath = Literal["auto", "dynamic", "static", "graphs"]
-DECODE_PATHS: tuple[str, ...] = ("auto", "dynamic", "static", "graphs")
+#: dynamic cache), ``dynamic``, ``static`` (a static cache, eager steps), ``graphs`` or ``compiled`` (the step
+#: compiled by torch.compile, on a GPU replayed as a CUDA graph).
+DecodePath = Literal["auto", "dynamic", "static", "graphs", "compiled"]
+DECODE_PATHS: tuple[str, ...] = ("auto", "dynamic", "static", "graphs", "compiled")
 
 
 #: How the loss corrects for a behaviour policy that is not the trainer's (pipeline.algorithm).

@@ -3,8 +3,10 @@
 ``--decode auto`` (the default) captures the decode step as a CUDA graph
 over a static KV cache where the model is on a GPU and can decode so, and
 otherwise runs today's dynamic cache; ``dynamic``, ``static`` (eager steps
-over the static cache) and ``graphs`` ask for one path, and a model or
-device that cannot take it is refused with the reason. Before the static
+over the static cache), ``graphs`` and ``compiled`` (the step compiled by
+``torch.compile`` over the static cache, and on a GPU replayed as a CUDA
+graph) ask for one path, and a model or device that cannot take it is
+refused with the reason. Before the static
 cache is trusted, one row's prefill and first step are checked against the
 dynamic cache's logits: a model that ignores the prepared mask would
 otherwise sample from the wrong distribution, silently.
@@ -17,14 +19,14 @@ from typing import Literal, get_args
 
 import torch
 
-from ._causal_lm import ModelError
+from ._causal_lm import ModelError, first_line
 from ._decoders import Decoder, DynamicDecoder, ModelCall, StaticDecoder, static_refusal
 
 __all__ = ["DECODE_PATHS", "DecodePath", "DecoderChoice"]
 
 _log = logging.getLogger(__name__)
 
-DecodePath = Literal["auto", "dynamic", "static", "graphs"]
+DecodePath = Literal["auto", "dynamic", "static", "graphs", "compiled"]
 DECODE_PATHS: tuple[str, ...] = get_args(DecodePath)
 
 #: steps between the host's checks that every row has ended on the graph path (a check stalls the queued replays)
@@ -48,7 +50,8 @@ class DecoderChoice:
         self.model = model
         self.call = call
         self.wanted = wanted
-        self.path: str | None = None  # dynamic | static | graphs, once the first batch decided it
+        self.path: str | None = None  # dynamic | static | graphs | compiled, once the first batch decided it
+        self._replays = False  # whether the static decoder's step is a CUDA graph's replay (once decided)
         self._static: StaticDecoder | None = None
 
     @property
@@ -59,12 +62,14 @@ class DecoderChoice:
     @property
     def check_every(self) -> int:
         """Steps between the host's checks that every row has ended (1 where a check stalls nothing)."""
-        return GRAPH_CHECK_EVERY if self.path == "graphs" else 1
+        return GRAPH_CHECK_EVERY if self._replays else 1
 
     def decoder(self, ids: torch.Tensor, prompt_mask: torch.Tensor, new_tokens: int) -> Decoder:
         """A decoder for this batch ([rows, P] left-padded prompts, ``new_tokens`` to draw)."""
         if self.path is None:
             self.path = self._decide(ids, prompt_mask)
+            cuda = next(self.model.parameters()).device.type == "cuda"
+            self._replays = self.path == "graphs" or (self.path == "compiled" and cuda)
         if self.path == "dynamic":
             return DynamicDecoder(self.model, self.call)
         rows, need = ids.shape[0], ids.shape[1] + new_tokens
@@ -85,10 +90,15 @@ class DecoderChoice:
     def _build(self, rows: int, length: int) -> StaticDecoder | None:
         """A static decoder of this shape (its step captured on the graph path); None if ``auto`` could not
         capture it, the path then dynamic from here on."""
-        graphs = self.path == "graphs"
+        graphs, compile = self._replays, self.path == "compiled"
         try:
-            decoder = StaticDecoder(self.model, self.call, rows, length, graphs=graphs)
+            decoder = StaticDecoder(self.model, self.call, rows, length, graphs=graphs, compile=compile)
         except Exception as exc:
+            if compile:
+                raise ModelError(
+                    f"decode compiled: {type(self.model).__name__}: torch.compile of its step failed: "
+                    f"{type(exc).__name__}: {first_line(exc)}"
+                ) from exc
             if not graphs or self.wanted == "graphs":
                 raise
             self.path = "dynamic"
@@ -130,6 +140,8 @@ class DecoderChoice:
                 raise ModelError(f"decode {wanted}: {type(self.model).__name__}: {message}")
             _log.warning("builtin engine: %s; decoding over a dynamic cache", message)
             return self._chosen("dynamic", device, "the static cache did not match")
+        if wanted == "compiled":
+            return self._chosen("compiled", device, "")
         return self._chosen("graphs" if device.type == "cuda" and wanted != "static" else "static", device, "")
 
     def _chosen(self, path: str, device: torch.device, why: str) -> str:
@@ -137,6 +149,8 @@ class DecoderChoice:
             "graphs": "replaying a captured CUDA graph per step over a static KV cache",
             "static": "over a static KV cache, each step run eagerly",
             "dynamic": "over the model's dynamic KV cache",
+            "compiled": "over a static KV cache, each step compiled by torch.compile"
+            + (" and replayed as a captured CUDA graph" if device.type == "cuda" else ""),
         }[path]
         _log.info("builtin engine on %s: decoding %s%s", device, how, f" ({why})" if why else "")
         return path

@@ -11,6 +11,10 @@ turns the tokens it drew into the next step's logits. Two keep the cache:
   is captured once as a graph and replayed. A decode step reads all the
   weights to make one token a row; launching its hundreds of kernels from
   Python costs far more than that read on a GPU, and a replay costs one launch.
+  With ``compile`` the step is first compiled by ``torch.compile`` (inductor,
+  one graph, static shapes), which fuses each layer's norms, rotary
+  embedding and residual adds into a few kernels: a replay then runs fewer,
+  larger kernels.
 
 Both give the same logits for the same weights (the static cache's extra
 slots are masked, each row attends to what the dynamic cache holds). The
@@ -209,8 +213,17 @@ class StaticDecoder:
     """
 
     def __init__(
-        self, model: torch.nn.Module, call: ModelCall, rows: int, length: int, *, graphs: bool = False
+        self,
+        model: torch.nn.Module,
+        call: ModelCall,
+        rows: int,
+        length: int,
+        *,
+        graphs: bool = False,
+        compile: bool = False,
     ) -> None:
+        """``graphs``: capture the step as a CUDA graph (the model on a GPU); ``compile``: compile it with
+        ``torch.compile`` first (compiled here, by a warm-up step: a model it cannot compile fails now)."""
         transformers = require_transformers()
         self.model = model
         self.call = call
@@ -230,7 +243,10 @@ class StaticDecoder:
         self._mask = torch.full((rows, 1, 1, length), self._blocked, dtype=self._mask_dtype, device=device)
         self._slot = torch.zeros(1, dtype=torch.long, device=device)  # the cache slot the next step writes
         self._filled = 0
+        self._step_logits: _Logits = _compiled_logits() if compile else _logits
         self.graphs: StepGraphs | None = None
+        if compile and not graphs:  # compiled now; the prefill empties what the warm-up step wrote
+            self._forward()
         if graphs:
             self.graphs = StepGraphs(model, self._forward)
             self.graphs.select()  # captured now: a model that cannot be captured fails here, not mid-batch
@@ -251,13 +267,13 @@ class StaticDecoder:
         allowed[:, 0, :, :width] = (causal & valid[:, None, :]) | itself
         position = positions(prompt_mask)
         slots = torch.arange(width, device=ids.device)
-        out = self._pass(ids, self._as_mask(allowed), position, slots)
+        logits = self._pass(_logits, ids, self._as_mask(allowed), position, slots)
         self._mask.fill_(self._blocked)
         self._mask[:, 0, 0, :width] = self._as_mask(valid)
         self._position.copy_(position[:, -1:])
         self._slot.fill_(width - 1)
         self._filled = width
-        return _next_logits(out)
+        return logits
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
         """Append ``token`` [rows] to every row; the next token's logits (a buffer the next step overwrites)."""
@@ -280,10 +296,13 @@ class StaticDecoder:
         self.cache = None
 
     def _forward(self) -> torch.Tensor:
-        return _next_logits(self._pass(self._token, self._mask, self._position, self._slot))
+        return self._pass(self._step_logits, self._token, self._mask, self._position, self._slot)
 
-    def _pass(self, ids: torch.Tensor, mask: torch.Tensor, position: torch.Tensor, slots: torch.Tensor) -> Any:
-        """The model over the cache: a prefill's prompts or a step's tokens, writing cache ``slots``.
+    def _pass(
+        self, run: _Logits, ids: torch.Tensor, mask: torch.Tensor, position: torch.Tensor, slots: torch.Tensor
+    ) -> torch.Tensor:
+        """The model over the cache (``run``: :func:`_logits`, or it compiled): a prefill's prompts or a step's
+        tokens, writing cache ``slots``; the next token's logits.
 
         Over sdpa it attends without repeated key/value heads
         (:mod:`pipeline.models._grouped_attention`); over eager as it is (its
@@ -291,19 +310,7 @@ class StaticDecoder:
         """
         attention = grouped_attention(self.model) if self._bool_mask else contextlib.nullcontext()
         with attention:
-            return self.model(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=position,
-                use_cache=True,
-                **{self.call.cache_argument: self.cache},
-                **self._slots(slots),
-                **self.call.last_only,
-            )
-
-    def _slots(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The cache slots a pass writes, as a keyword for a model that takes them (transformers 4.x)."""
-        return {"cache_position": slots} if self.call.takes_cache_position else {}
+            return run(self.model, self.call, self.cache, ids, mask, position, slots)
 
     def _as_mask(self, allowed: torch.Tensor) -> torch.Tensor:
         """``allowed`` (True: attend) in the attention implementation's form: itself for sdpa, additive for eager."""
@@ -323,6 +330,45 @@ def _storage(model: torch.nn.Module) -> tuple[int, ...]:
     """
     named = (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False))
     return tuple(tensor.data_ptr() for _, tensor in named)
+
+
+_Logits = Callable[
+    [torch.nn.Module, ModelCall, Any, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
+]
+
+
+def _logits(
+    model: torch.nn.Module,
+    call: ModelCall,
+    cache: Any,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    position: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """``model``'s next-token logits [rows, V] for ``ids`` over ``cache``, writing its ``slots``.
+
+    A function of its arguments alone (no decoder in it), so that compiled
+    it is traced once per batch shape, whichever decoder calls it.
+    """
+    written = {"cache_position": slots} if call.takes_cache_position else {}  # transformers 4.x takes the slots
+    out = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=position,
+        use_cache=True,
+        **{call.cache_argument: cache},
+        **written,
+        **call.last_only,
+    )
+    return _next_logits(out)
+
+
+def _compiled_logits() -> _Logits:
+    """:func:`_logits` compiled by ``torch.compile``: one graph (a break is an error, not a slow step) for
+    static shapes; torch keeps the compiled code per shape with the function's code, shared by every decoder."""
+    compiled: _Logits = torch.compile(_logits, fullgraph=True, dynamic=False)
+    return compiled
 
 
 def _next_logits(out: Any) -> torch.Tensor:

@@ -104,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=DECODE_PATHS,
         default="auto",
         help="--engine builtin: auto (default: a CUDA graph per step over a static KV cache on a GPU, the model's "
-        "dynamic cache elsewhere), dynamic, static (a static cache, eager steps) or graphs",
+        "dynamic cache elsewhere), dynamic, static (a static cache, eager steps), graphs, or compiled (the step "
+        "compiled by torch.compile first: fewer, fused kernels; its first batch waits for the compiler)",
     )
     task.add_argument(
         "--vllm-dtype",

@@ -4,6 +4,7 @@ the model's dynamic cache draws, never synchronises inside the step, and never s
 from __future__ import annotations
 
 import logging
+import shutil
 from typing import Any
 
 import pytest
@@ -325,6 +326,62 @@ async def test_a_weight_update_reaches_the_cache_the_engine_decodes_with(alias):
         publisher.close()
 
 
+# -- the compiled step ------------------------------------------------------------------------------------------
+
+needs_a_compiler = pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None,
+    reason="torch.compile on a CPU builds C++: no C compiler on this machine",
+)
+
+
+@needs_a_compiler
+def test_the_compiled_step_draws_the_dynamic_caches_tokens_and_is_compiled_once_per_shape(caplog):
+    from torch._dynamo.utils import counters
+
+    model, batch = qwen2(), prompts(500)
+    params = SamplingParams(12, temperature=0.8, top_k=50, samples=2)
+    engine = BuiltinEngine(model, Tokenizer(), "compiled")
+    with caplog.at_level(logging.INFO, logger=CHOICE_LOG):
+        compiled = draw_with(engine, batch, params)
+    assert engine.decoding.path == "compiled" and engine.decoding.check_every == 1  # no graph replays on a CPU
+    assert "decoding over a static KV cache, each step compiled by torch.compile" in caplog.text
+    assert_same_completions(compiled, draw_with(BuiltinEngine(model, Tokenizer(), "dynamic"), batch, params))
+    graphs = counters["stats"]["unique_graphs"]
+    again = BuiltinEngine(model, Tokenizer(), "compiled")  # another engine, another decoder: the same compiled step
+    assert_same_completions(draw_with(again, batch, params), compiled, atol=0)
+    assert counters["stats"]["unique_graphs"] == graphs, "a batch of a shape compiled before compiled again"
+
+
+@needs_a_compiler
+@pytest.mark.parametrize("alias", [False, True])
+async def test_a_weight_update_reaches_the_compiled_step(alias):
+    """The compiled step reads the parameters as inputs: copied into or assigned anew, the update is what it uses."""
+    model, trained = qwen2(seed=0), qwen2(seed=1)
+    engine = BuiltinEngine(model, Tokenizer(), "compiled")
+    batch, params = prompts(500), SamplingParams(10, samples=2)
+    before = draw_with(engine, batch, params)
+    publisher, inbox = WeightPublisher("shm", slots=3), WeightInbox()
+    try:
+        inbox.put(publisher.publish(trained, 1))
+        assert await engine.load_weights(inbox, alias=alias) is not None
+        got = draw_with(engine, batch, params)
+        assert_same_completions(got, draw_with(BuiltinEngine(trained, Tokenizer(), "dynamic"), batch, params))
+        assert not torch.equal(got.tokens, before.tokens)
+    finally:
+        engine.decoding.close()
+        inbox.close()
+        publisher.close()
+
+
+@needs_a_compiler
+def test_a_step_that_does_not_compile_is_refused_with_the_reason():
+    model = qwen2()
+    # a layer torch.compile cannot trace as one graph (outside a compile, graph_break does nothing)
+    model.model.norm.register_forward_hook(lambda module, args, out: torch._dynamo.graph_break())
+    with pytest.raises(ModelError, match=r"decode compiled: Qwen2ForCausalLM: torch.compile of its step failed: "):
+        draw_with(BuiltinEngine(model, Tokenizer(), "compiled"), prompts(500), SamplingParams(4))
+
+
 # -- on a GPU: the captured graph ------------------------------------------------------------------------------
 
 
@@ -377,6 +434,29 @@ def test_on_a_gpu_a_weight_update_reaches_the_captured_graph(alias):
             model.load_state_dict(first, assign=True)
         assert_same_completions(draw_with(engine, batch, params), before, atol=0)
         assert kept.graphs.captures == 2
+    engine.decoding.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("alias", [False, True])
+def test_on_a_gpu_the_compiled_step_is_replayed_as_a_graph_and_follows_an_update(alias):
+    model, trained = _on_gpu(qwen2(5_000, seed=0)), _on_gpu(qwen2(5_000, seed=1))
+    batch, params = prompts(5_000), SamplingParams(16, temperature=0.9, samples=4)
+    engine = BuiltinEngine(model, Tokenizer(), "compiled")
+    compiled = draw_with(engine, batch, params)
+    kept = engine.decoding.kept
+    assert engine.decoding.check_every > 1 and kept is not None and kept.graphs is not None
+    assert_same_completions(compiled, draw_with(BuiltinEngine(model, Tokenizer(), "dynamic"), batch, params), 1e-4)
+    update = {name: tensor.clone() for name, tensor in trained.state_dict().items()}
+    with torch.no_grad():
+        if alias:
+            model.load_state_dict(update, assign=True)
+        else:
+            for name, tensor in model.state_dict().items():
+                tensor.copy_(update[name])
+    got = draw_with(engine, batch, params)
+    assert kept.graphs.captures == (2 if alias else 1)
+    assert_same_completions(got, draw_with(BuiltinEngine(trained, Tokenizer(), "dynamic"), batch, params), 1e-4)
     engine.decoding.close()
 
 

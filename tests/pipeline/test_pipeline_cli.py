@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -82,20 +84,40 @@ def test_a_profile_of_no_operators_is_refused_in_one_line(bench):
     assert proc.returncode == 2 and "--top 0: list at least one operator" in proc.stderr.splitlines()[-1]
 
 
-def test_the_gpu_rounds_pipeline_figures_leave_the_start_out_of_the_steady_pace(tmp_path):
-    """Steps/s over the whole run counts the processes' start; the steady figure is one over the median gap."""
+def gpu_round_module() -> Any:
+    """benchmarks/gpu_round.py as a module (a script, not a package's)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("gpu_round", os.path.join(ROOT, "benchmarks", "gpu_round.py"))
     assert spec is not None and spec.loader is not None
     gpu_round = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_round)
+    return gpu_round
+
+
+def test_the_gpu_rounds_pipeline_figures_leave_the_start_out_of_the_steady_pace(tmp_path):
+    """Steps/s over the whole run counts the processes' start; the steady figure is one over the median gap."""
+    gpu_round = gpu_round_module()
     times = [18.0, 19.0, 20.0, 21.0, 24.0]  # the first step after an 18 s start; an evaluation in the last
     rows = [{"step": i + 1, "time": t, "tokens/step": 100} for i, t in enumerate(times)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows) + '{"cut')
     figures = gpu_round.pipeline_figures(str(tmp_path))
     assert figures["steps"] == 5 and figures["steps_per_s"] == round(5 / 24, 3)
     assert figures["steady_steps_per_s"] == 1.0
+
+
+def test_the_gpu_rounds_model_runs_name_their_decode_path_and_refuse_a_malformed_one():
+    from pipeline.config import DECODE_PATHS
+
+    gpu_round = gpu_round_module()
+    assert gpu_round.DECODE_PATHS == DECODE_PATHS
+    assert gpu_round.hf_run("bfloat16:64:12") == ("bfloat16", 64, 12, "auto")
+    run = gpu_round.hf_run("bfloat16:64:12:compiled")
+    assert run.decode == "compiled" and run.name == "hf_bfloat16_64_compiled"
+    assert gpu_round.hf_run("float32:256:4").name == "hf_float32_256"
+    for wrong in ("bfloat16:64", "float16:64:12", "bfloat16:64:12:fast", "bfloat16:x:12"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected dtype:tokens:steps"):
+            gpu_round.hf_run(wrong)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU round runs whole on a GPU machine")
