@@ -17,8 +17,11 @@ body (its transformer layers, no output head) forward and backward under
 the same autocast, and the same Adam step. Prints medians over ``--repeat``
 steps after one warm-up, the ratio step / baseline, the trained tokens/s,
 and with ``--profile`` the operators that took the most time in one more step
-(``torch.profiler``: device time on a GPU, CPU time otherwise); one JSON
-line at the end.
+(``torch.profiler``: device time on a GPU, CPU time otherwise). With
+``--compile``, a second learner whose blocks ``torch.compile`` compiled
+(``--compile`` in the pipeline) takes the same steps beside the first: its
+median, its first step (the compiler's time) and, with ``--profile``, its
+operators. One JSON line at the end.
 """
 
 from __future__ import annotations
@@ -131,6 +134,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="list the operators that took the most time")
     parser.add_argument("--top", type=int, default=12, help="operators --profile lists (default 12)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads on a CPU")
+    parser.add_argument("--compile", action="store_true", help="also time a learner with compiled blocks")
     args = parser.parse_args()
     if args.repeat < 1 or args.prompts < 1 or args.group < 2 or args.new_tokens < 1:
         parser.error("--repeat, --prompts and --new-tokens must be at least 1, --group at least 2")
@@ -139,7 +143,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     with contextlib.ExitStack() as stack:
         folder = args.model or build_example(stack.enter_context(tempfile.TemporaryDirectory()), args.shape)
-        config = Config(
+        settings = dict(
             task="hf",
             model=os.path.join(folder, "model"),
             dataset=os.path.join(folder, "train.jsonl"),
@@ -152,7 +156,7 @@ def main() -> None:
             device=args.device,
             lr=1e-6,
         )
-        task = load_task(resolve(config))
+        task = load_task(resolve(Config(**settings)))  # type: ignore[arg-type]
         assert isinstance(task, HFTask)
         device = torch.device(args.device)
         learner = Learner(task, device)
@@ -164,6 +168,7 @@ def main() -> None:
         step_s = statistics.median(timed(step, device, args.repeat))
         body_s = statistics.median(timed(lambda: body_step(learner, samples), device, args.repeat))
         operators = top_operators(step, device, args.top) if args.profile else []
+        compiled = measure_compiled(settings, device, samples, rewards, args) if args.compile else {}
     tokens = int(samples.tokens.numel())
     parameters = sum(p.numel() for p in learner.policy.parameters())
     passes = len(task.micro_batches(samples, learner.micro_batch, learner.max_tokens))
@@ -177,6 +182,13 @@ def main() -> None:
     print(f"  6 x parameters x tokens / update: {6 * parameters * tokens / step_s / 1e12:.2f} TFLOP/s")
     for op in operators:
         print(f"    {op['ms']:9.2f} ms  {op['share']:6.1%}  x{op['calls']:<5} {op['op']}")
+    if compiled:
+        print(
+            f"  the update, blocks compiled:     {compiled['step_ms']:9.1f} ms   {step_s * 1e3 / compiled['step_ms']:.2f}x "
+            f"the eager update; its first step {compiled['first_s']:.1f} s"
+        )
+        for op in compiled["top_ops"]:
+            print(f"    {op['ms']:9.2f} ms  {op['share']:6.1%}  x{op['calls']:<5} {op['op']}")
     record = {
         "bench": "train_step",
         "device": where,
@@ -191,7 +203,35 @@ def main() -> None:
         "tokens_per_s": round(tokens / step_s),
         "top_ops": operators,
     }
+    if compiled:
+        record.update(
+            compiled_step_ms=compiled["step_ms"],
+            compiled_speedup=round(step_s * 1e3 / compiled["step_ms"], 3),
+            compiled_first_s=compiled["first_s"],
+            compiled_top_ops=compiled["top_ops"],
+        )
     print(json.dumps(record))
+
+
+def measure_compiled(
+    settings: dict[str, Any], device: torch.device, samples: HFBatch, rewards: torch.Tensor, args: argparse.Namespace
+) -> dict[str, Any]:
+    """A second learner, its blocks compiled (``--compile``), on the same rollout: its median step, its first
+    step's seconds (the compiler's), and with ``--profile`` its busiest operators."""
+    task = load_task(resolve(Config(**{**settings, "compile": True})))  # type: ignore[arg-type]
+    learner = Learner(task, device)
+
+    def step() -> None:
+        learner.update(samples, rewards, None)
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    started = time.perf_counter()
+    step()
+    sync()
+    first_s = time.perf_counter() - started
+    step_s = statistics.median(timed(step, device, args.repeat))
+    operators = top_operators(step, device, args.top) if args.profile else []
+    return {"step_ms": round(step_s * 1e3, 2), "first_s": round(first_s, 2), "top_ops": operators}
 
 
 if __name__ == "__main__":

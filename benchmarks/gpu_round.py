@@ -28,7 +28,8 @@ out of time is recorded and the round goes on. In order:
    trained with the default flags (two generators) for each ``--hf-runs``
    entry ``dtype:completion tokens:steps``: 12 steps of 256 x 64 tokens in
    bfloat16 (the speed figures), and 4 of 256 x 256 in float32 (the
-   largest default: does it fit one GPU?). Per run: steps/s, completion
+   largest default: does it fit one GPU?); an entry ending ``:compiled``
+   runs with ``--compile --decode compiled``. Per run: steps/s, completion
    tokens/s, generate / train / weight-sync milliseconds (medians), the
    update's size, the log-prob mismatch, the trainer's and the generators'
    peak and reserved GPU memory as torch's allocator saw it (``memory/*``
@@ -37,7 +38,8 @@ out of time is recorded and the round goes on. In order:
 7. ``bench_train_step.py`` on the same model, with what the round has left:
    the trainer's update alone (bfloat16, 256 x 64 tokens after the prompts),
    against its body's forward and backward, and the operators that took the
-   most device time (issue 40's pipeline target: where the step's time goes).
+   most device time (issue 40's pipeline target: where the step's time goes);
+   beside it the same update with the blocks compiled (``--compile``).
 
 Every step's output is appended to ``<out>/round.log`` and each run's
 metrics go to ``<out>/<name>.metrics.jsonl`` (few files: a lent machine
@@ -69,9 +71,6 @@ import time
 from typing import Any, NamedTuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-#: ``--decode``'s choices (pipeline.config.DECODE_PATHS, tested equal): the round imports no project code, which
-#: needs the wheels it installs first
-DECODE_PATHS = ("auto", "dynamic", "static", "graphs", "compiled")
 
 
 def cuda_device() -> str | None:
@@ -247,33 +246,34 @@ def pipeline_figures(run_dir: str) -> dict[str, Any]:
 
 
 class HfRun(NamedTuple):
-    """One ``--hf-runs`` entry: the run's dtype, completion tokens and steps, and its ``--decode`` path."""
+    """One ``--hf-runs`` entry: the run's dtype, completion tokens and steps, and whether it compiles (``--compile``
+    for the trainer and the reference, ``--decode compiled`` for the generators)."""
 
     dtype: str
     tokens: int
     steps: int
-    decode: str = "auto"
+    compiled: bool = False
 
     @property
     def name(self) -> str:
-        return f"hf_{self.dtype}_{self.tokens}" + ("" if self.decode == "auto" else f"_{self.decode}")
+        return f"hf_{self.dtype}_{self.tokens}" + ("_compiled" if self.compiled else "")
+
+    @property
+    def flags(self) -> list[str]:
+        return ["--compile", "--decode", "compiled"] if self.compiled else []
 
 
 def hf_run(text: str) -> HfRun:
-    """``dtype:tokens:steps[:decode]`` (``bfloat16:64:20``, ``bfloat16:64:12:compiled``); argparse's error else."""
+    """``dtype:tokens:steps[:compiled]`` (``bfloat16:64:20``, ``bfloat16:64:12:compiled``); argparse's error else."""
     parts = text.split(":")
-    decode = parts[3] if len(parts) == 4 else "auto"
     if (
         len(parts) not in (3, 4)
         or parts[0] not in ("bfloat16", "float32")
         or not all(p.isdigit() for p in parts[1:3])
-        or decode not in DECODE_PATHS
+        or parts[3:] not in ([], ["compiled"])
     ):
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: expected dtype:tokens:steps[:decode], dtype bfloat16 or float32, decode one of "
-            + ", ".join(DECODE_PATHS)
-        )
-    return HfRun(parts[0], int(parts[1]), int(parts[2]), decode)
+        raise argparse.ArgumentTypeError(f"{text!r}: expected dtype:tokens:steps[:compiled], dtype bfloat16 or float32")
+    return HfRun(parts[0], int(parts[1]), int(parts[2]), len(parts) == 4)
 
 
 def main() -> int:
@@ -289,8 +289,8 @@ def main() -> int:
         nargs="+",
         type=hf_run,
         default=[hf_run("bfloat16:64:12"), hf_run("float32:256:4")],
-        help="the 0.5 B-shaped model's runs, each dtype:completion tokens:steps[:decode path] (default "
-        "bfloat16:64:12 float32:256:4; bfloat16:64:12:compiled decodes with --decode compiled)",
+        help="the 0.5 B-shaped model's runs, each dtype:completion tokens:steps[:compiled] (default "
+        "bfloat16:64:12 float32:256:4; bfloat16:64:12:compiled runs with --compile --decode compiled)",
     )
     args = parser.parse_args()
     device = cuda_device()
@@ -396,13 +396,14 @@ def play(round_: Round, args: argparse.Namespace) -> None:
                 round_.record(run.name, {"rc": code, "why": "the model could not be built"})
                 continue
             length = ["--max-new-tokens", str(run.tokens), "--steps", str(run.steps), "--eval-every", str(run.steps)]
-            flags = [*task, *length, "--dtype", run.dtype, "--decode", run.decode]
+            flags = [*task, *length, "--dtype", run.dtype, *run.flags]
             figures = train(run.name.replace("_", "-"), flags, 200)
-            round_.record(run.name, {"completion_tokens": run.tokens, "decode": run.decode, **figures})
+            round_.record(run.name, {"completion_tokens": run.tokens, "compiled": run.compiled, **figures})
 
     if "train" not in args.skip:  # issue 40: where a trainer step's time goes, without generators beside it
         shape = ["--dtype", "bfloat16", "--prompts", "32", "--group", "8", "--new-tokens", "64"]
         bench = [python, "benchmarks/bench_train_step.py", "--model", folder, "--device", "cuda", *shape, "--profile"]
+        bench.append("--compile")  # beside it, a learner with compiled blocks
         train_code, text = round_.run("bench_train_step", bench, 90) if code == 0 else (code, "")
         lines = [line for line in text.splitlines() if line.startswith("{")]
         round_.record("bench_train_step", json.loads(lines[-1]) if train_code == 0 and lines else {"rc": train_code})

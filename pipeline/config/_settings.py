@@ -308,6 +308,11 @@ def _check_trainer_ranks(config: Config) -> None:
     ranks = config.trainer_ranks
     if ranks == 1:
         return
+    if config.compile and config.trainer_shard == "fsdp":
+        raise SettingsError(
+            f"--compile with --trainer-ranks {ranks} --trainer-shard fsdp: compiled blocks under FSDP2's hooks are "
+            "not supported yet; compile replicated ranks (--trainer-shard ddp) or one rank"
+        )
     if config.prompts * config.group < ranks:
         raise SettingsError(
             f"--trainer-ranks {ranks}: a rollout has {config.prompts * config.group} rows (--prompts x --group) "

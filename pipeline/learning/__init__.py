@@ -7,7 +7,7 @@ the yardstick the pipeline is measured against. May import
 
 from . import checkpoint
 from ._data_parallel import COLLECTIVE_TIMEOUT, DataParallel, GroupAddress, RankShare, Rendezvous
-from ._fully_sharded import FullySharded, group_kind, repeated_blocks
+from ._fully_sharded import FullySharded, group_kind
 from ._learner import Learner, Update, lr_factor
 from ._one_process import ReferenceResult, train_one_process
 
@@ -24,6 +24,5 @@ __all__ = [
     "checkpoint",
     "group_kind",
     "lr_factor",
-    "repeated_blocks",
     "train_one_process",
 ]

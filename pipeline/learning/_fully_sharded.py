@@ -22,17 +22,10 @@ from collections.abc import Iterator
 
 import torch
 
+from ..models import repeated_blocks
 from ._data_parallel import DataParallel, RankShare
 
-__all__ = ["FullySharded", "group_kind", "repeated_blocks"]
-
-
-def repeated_blocks(policy: torch.nn.Module) -> list[torch.nn.Module]:
-    """The blocks FSDP shards one by one: those ``_no_split_modules`` names, else every ``ModuleList``'s members."""
-    names = set(getattr(policy, "_no_split_modules", None) or ())
-    if names:
-        return [module for module in policy.modules() if type(module).__name__ in names]
-    return [block for module in policy.modules() if isinstance(module, torch.nn.ModuleList) for block in module]
+__all__ = ["FullySharded", "group_kind"]
 
 
 class FullySharded(DataParallel):

@@ -22,7 +22,7 @@ import torch
 
 from actors.tensors import is_sharded
 
-from ..models import LoraAdapter
+from ..models import LoraAdapter, compile_blocks
 from ..tasks import LossReport, Task
 from . import checkpoint
 from ._fully_sharded import FullySharded
@@ -110,6 +110,8 @@ class Learner:
                 name = type(self.policy).__name__
                 raise ValueError(f"--gradient-checkpointing: a {name} cannot recompute its layers")
             enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if config.compile:  # after the adapters and checkpointing: the blocks compiled are the ones trained
+            compile_blocks(self.policy)
         self.max_grad_norm = config.max_grad_norm if config.max_grad_norm > 0 else math.inf
         self.compute_dtype = getattr(torch, config.dtype)
         self.entropy = config.entropy_control()
@@ -130,6 +132,8 @@ class Learner:
         """
         if self.parallel is not None:
             raise RuntimeError("this learner already trains as a rank of a group")
+        if isinstance(parallel, FullySharded) and self.task.config.compile:
+            raise RuntimeError("a learner with compiled blocks cannot be sharded (FSDP2): --trainer-shard ddp")
         self.parallel = parallel
         if not isinstance(parallel, FullySharded):
             return

@@ -7,6 +7,7 @@ by name. May import :mod:`pipeline.algorithm` and the runtime's weights
 (an engine installs updates).
 """
 
+from ._blocks import compile_blocks, repeated_blocks
 from ._causal_lm import (
     CompletionLogps,
     ModelError,
@@ -64,6 +65,7 @@ __all__ = [
     "causal_logps",
     "check_lora_targets",
     "check_model",
+    "compile_blocks",
     "completion_logps",
     "decode_completions",
     "disable_dropout",
@@ -75,6 +77,7 @@ __all__ = [
     "load_tokenizer",
     "logprobs_mode",
     "positions",
+    "repeated_blocks",
     "require_peft",
     "require_transformers",
     "static_refusal",

@@ -9,6 +9,7 @@ import torch
 from actors import Actor, Channel, Port, ReceivesWeights, WeightManifest, endpoint
 
 from ..config import Config
+from ..models import compile_blocks
 from ..tasks import Scores, load_task, to_device
 from ._devices import compact_gpu_allocator, hold_weights, role_device, weights_dtype
 from ._messages import Rollout, ScoredRollout
@@ -71,6 +72,8 @@ class RefModel(ReceivesWeights):
         compact_gpu_allocator(self.device)
         model = hold_weights(self.task.build_policy(), self.device, weights_dtype(config))
         self.model = model.requires_grad_(False).eval()
+        if config.compile:
+            compile_blocks(self.model)
         self.weight_inbox.put(initial)
         if self.weight_inbox.install_newest(self.model) is None:
             raise RuntimeError(f"the reference's weights (version {initial.version}) were overwritten before install")

@@ -6,8 +6,10 @@ import asyncio
 import dataclasses
 import importlib.util
 import json
+import logging
 import math
 import os
+import shutil
 
 import pytest
 import torch
@@ -20,8 +22,17 @@ pytest.importorskip("datasets", reason="needs the hf extra: pip install -e '.[hf
 from pipeline import Config, PipelineError, resolve, run_pipeline
 from pipeline.algorithm import group_advantages, group_spread, high_entropy_tokens
 from pipeline.grpo import main
-from pipeline.learning import Learner, Update
-from pipeline.models import BuiltinEngine, GenerateEngine, SamplingParams, causal_logps, load_model, load_tokenizer
+from pipeline.learning import FullySharded, Learner, Update
+from pipeline.models import (
+    BuiltinEngine,
+    GenerateEngine,
+    ModelError,
+    SamplingParams,
+    causal_logps,
+    compile_blocks,
+    load_model,
+    load_tokenizer,
+)
 from pipeline.run import read_rows
 from pipeline.tasks import DataError, HFTask, PromptData, RewardError, RewardSet, load_reward, load_rows
 
@@ -870,6 +881,52 @@ def test_gspo_iterations_and_top_entropy_train_a_hf_model(tmp_path, tiny):
     ratio = torch.where(kept, (logps - batch.logps).exp(), torch.zeros_like(logps))  # 1 at lag 0, to rounding
     expected = float((-ratio * advantages).sum() / batch.mask.sum())
     assert report.policy_loss == pytest.approx(expected, abs=1e-5)
+
+
+@pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None,
+    reason="torch.compile on a CPU builds C++: no C compiler on this machine",
+)
+def test_compiled_blocks_take_the_eager_learners_steps_under_the_same_names(tmp_path, tiny, caplog):
+    """--compile: each layer compiled for dynamic shapes. Updates on rollouts of other widths take the eager
+    learner's steps (to rounding), the reference's log-probs and the evaluation are the eager model's, and the
+    parameters keep their names (checkpoints and published weights)."""
+
+    def learner(**overrides):  # type: ignore[no-untyped-def]
+        task = HFTask(resolve(_config(tiny, tmp_path, prompts=4, group=2, kl_coeff=0.05, **overrides)))
+        return task, Learner(task, torch.device("cpu"))
+
+    task, eager = learner()
+    with caplog.at_level(logging.INFO, logger="pipeline.models._blocks"):
+        _, compiled = learner(compile=True)
+    assert "Qwen2ForCausalLM: 2 blocks (Qwen2DecoderLayer) compiled by torch.compile" in caplog.text
+    assert list(compiled.policy.state_dict()) == list(eager.policy.state_dict())
+    rewards = torch.arange(8, dtype=torch.float32) / 8
+    widths = set()
+    for cut in (0, 2):
+        eager.policy.eval()
+        batch = task.sample(eager.policy, torch.Generator(device="cpu").manual_seed(cut), ticket=cut)
+        if cut:  # completions cut short: passes of another width
+            end = batch.mask.shape[1] - cut
+            batch = dataclasses.replace(
+                batch, tokens=batch.tokens[:, :-cut], logps=batch.logps[:, :end], mask=batch.mask[:, :end]
+            )
+        widths.add(batch.tokens.shape[1])
+        ref = task.reference_logps(eager.reference(), batch)
+        scored = task.reference_logps(compiled.policy, batch)  # no gradient: as the RefModel scores
+        torch.testing.assert_close(scored, task.reference_logps(eager.policy, batch), atol=1e-5, rtol=0)
+        eager.policy.train()
+        want, got = eager.update(batch, rewards, ref), compiled.update(batch, rewards, ref)
+        assert float(got.report.loss) == pytest.approx(float(want.report.loss), abs=1e-5)
+        assert got.grad_norm == pytest.approx(want.grad_norm, rel=1e-4)
+    assert len(widths) == 2, "the second rollout is another shape: compiled for dynamic shapes, not again"
+    for mine, theirs in zip(compiled.policy.parameters(), eager.policy.parameters(), strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=0)  # Adam steps ~1e-3 whatever the gradient's size
+    assert compiled.evaluate() == pytest.approx(eager.evaluate(), abs=1e-6)
+    with pytest.raises(RuntimeError, match=r"compiled blocks cannot be sharded \(FSDP2\): --trainer-shard ddp"):
+        compiled.share_with(object.__new__(FullySharded))  # refused before it joins (settings refuse it first)
+    with pytest.raises(ModelError, match="--compile: Linear has no repeated blocks to compile"):
+        compile_blocks(torch.nn.Linear(2, 2))
 
 
 def test_lora_adapters_train_alone_and_generators_get_the_merged_weights(tmp_path, tiny):

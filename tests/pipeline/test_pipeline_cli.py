@@ -106,16 +106,13 @@ def test_the_gpu_rounds_pipeline_figures_leave_the_start_out_of_the_steady_pace(
     assert figures["steady_steps_per_s"] == 1.0
 
 
-def test_the_gpu_rounds_model_runs_name_their_decode_path_and_refuse_a_malformed_one():
-    from pipeline.config import DECODE_PATHS
-
+def test_the_gpu_rounds_model_runs_say_whether_they_compile_and_refuse_a_malformed_one():
     gpu_round = gpu_round_module()
-    assert gpu_round.DECODE_PATHS == DECODE_PATHS
-    assert gpu_round.hf_run("bfloat16:64:12") == ("bfloat16", 64, 12, "auto")
-    run = gpu_round.hf_run("bfloat16:64:12:compiled")
-    assert run.decode == "compiled" and run.name == "hf_bfloat16_64_compiled"
-    assert gpu_round.hf_run("float32:256:4").name == "hf_float32_256"
-    for wrong in ("bfloat16:64", "float16:64:12", "bfloat16:64:12:fast", "bfloat16:x:12"):
+    plain = gpu_round.hf_run("bfloat16:64:12")
+    assert plain == ("bfloat16", 64, 12, False) and plain.name == "hf_bfloat16_64" and plain.flags == []
+    compiled = gpu_round.hf_run("bfloat16:64:12:compiled")
+    assert compiled.name == "hf_bfloat16_64_compiled" and compiled.flags == ["--compile", "--decode", "compiled"]
+    for wrong in ("bfloat16:64", "float16:64:12", "bfloat16:64:12:fast", "bfloat16:x:12", "bfloat16:64:12:compiled:1"):
         with pytest.raises(argparse.ArgumentTypeError, match="expected dtype:tokens:steps"):
             gpu_round.hf_run(wrong)
 

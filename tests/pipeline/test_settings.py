@@ -61,6 +61,10 @@ from pipeline.grpo import main, parse_args
         (["--max-tokens-per-pass", "-1"], "--max-tokens-per-pass -1: must be at least 0"),
         (["--gradient-checkpointing"], "--gradient-checkpointing recomputes a Hugging Face model's layers"),
         (["--trainer-ranks", "0"], "--trainer-ranks 0: must be at least 1"),
+        (
+            ["--compile", "--trainer-ranks", "2"],
+            "--compile with --trainer-ranks 2 --trainer-shard fsdp: compiled blocks under FSDP2's hooks are not",
+        ),
         (["--num-iterations", "0"], "--num-iterations 0: must be at least 1"),
         (["--sync-ref-model", "--kl-coeff", "0"], "--sync-ref-model with --kl-coeff 0: there is no reference model"),
         (["--sync-ref-model", "--ref-model-sync-steps", "0"], "--ref-model-sync-steps 0: must be at least 1"),
