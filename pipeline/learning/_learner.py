@@ -290,14 +290,22 @@ class Learner:
     def evaluate(self) -> dict[str, float]:
         """The task's held-out metrics for the current policy (sharded: a collective every rank runs)."""
         whole = self.parallel.whole_root() if self.parallel is not None else contextlib.nullcontext()
-        with whole:
+        with whole, self._eager():
             return self._with_primary(self.task.evaluate(self.policy))
 
     async def evaluate_async(self) -> dict[str, float]:
         """:meth:`evaluate` on an event loop (the task's reward functions are awaited); a replica's only."""
         if self.sharded:
             raise RuntimeError("a sharded learner evaluates with every rank at once: call evaluate() off the loop")
-        return self._with_primary(await self.task.evaluate_async(self.policy))
+        with self._eager():
+            return self._with_primary(await self.task.evaluate_async(self.policy))
+
+    def _eager(self) -> contextlib.AbstractContextManager[Any]:
+        """With ``--compile``, the evaluation's decoding runs the blocks eagerly: compiling them again for a KV
+        cache's passes (other graphs, every evaluation's shapes) would cost more than it saves."""
+        if not self.task.config.compile:
+            return contextlib.nullcontext()
+        return torch.compiler.set_stance("force_eager")  # type: ignore[no-any-return]
 
     def _with_primary(self, metrics: dict[str, float]) -> dict[str, float]:
         if self.task.primary not in metrics:

@@ -889,8 +889,9 @@ def test_gspo_iterations_and_top_entropy_train_a_hf_model(tmp_path, tiny):
 )
 def test_compiled_blocks_take_the_eager_learners_steps_under_the_same_names(tmp_path, tiny, caplog):
     """--compile: each layer compiled for dynamic shapes. Updates on rollouts of other widths take the eager
-    learner's steps (to rounding), the reference's log-probs and the evaluation are the eager model's, and the
-    parameters keep their names (checkpoints and published weights)."""
+    learner's steps (to rounding), the reference's log-probs and the evaluation (its decoding eager: nothing compiled
+    for a KV cache's passes) are the eager model's, and the parameters keep their names (checkpoints, updates)."""
+    from torch._dynamo.utils import counters
 
     def learner(**overrides):  # type: ignore[no-untyped-def]
         task = HFTask(resolve(_config(tiny, tmp_path, prompts=4, group=2, kl_coeff=0.05, **overrides)))
@@ -922,7 +923,9 @@ def test_compiled_blocks_take_the_eager_learners_steps_under_the_same_names(tmp_
     assert len(widths) == 2, "the second rollout is another shape: compiled for dynamic shapes, not again"
     for mine, theirs in zip(compiled.policy.parameters(), eager.policy.parameters(), strict=True):
         torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=0)  # Adam steps ~1e-3 whatever the gradient's size
+    graphs = counters["stats"]["unique_graphs"]
     assert compiled.evaluate() == pytest.approx(eager.evaluate(), abs=1e-6)
+    assert counters["stats"]["unique_graphs"] == graphs, "the evaluation's decoding ran the blocks eagerly"
     with pytest.raises(RuntimeError, match=r"compiled blocks cannot be sharded \(FSDP2\): --trainer-shard ddp"):
         compiled.share_with(object.__new__(FullySharded))  # refused before it joins (settings refuse it first)
     with pytest.raises(ModelError, match="--compile: Linear has no repeated blocks to compile"):
