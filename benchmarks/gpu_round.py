@@ -404,7 +404,7 @@ def play(round_: Round, args: argparse.Namespace) -> None:
         shape = ["--dtype", "bfloat16", "--prompts", "32", "--group", "8", "--new-tokens", "64"]
         bench = [python, "benchmarks/bench_train_step.py", "--model", folder, "--device", "cuda", *shape, "--profile"]
         bench.append("--compile")  # beside it, a learner with compiled blocks
-        train_code, text = round_.run("bench_train_step", bench, 90) if code == 0 else (code, "")
+        train_code, text = round_.run("bench_train_step", bench, 150) if code == 0 else (code, "")
         lines = [line for line in text.splitlines() if line.startswith("{")]
         round_.record("bench_train_step", json.loads(lines[-1]) if train_code == 0 and lines else {"rc": train_code})
 

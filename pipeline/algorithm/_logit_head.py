@@ -17,6 +17,12 @@ recomputed with the log-probabilities in the backward pass.
 The numbers equal :func:`pipeline.algorithm.token_logps` on the full logits
 (the same ``log_softmax`` and ``gather``), so the generator's behaviour
 log-probabilities and the trainer's agree as before.
+
+With ``compiled`` (``--compile``) a chunk's work is compiled by
+``torch.compile``: the cast to float32, the log-softmax, the gather and the
+entropy then read the chunk's logits in a few fused passes instead of one
+pass (and one temporary) each, forward and backward (measured:
+docs/benchmarks.md, "A trainer step"); equal to rounding.
 """
 
 from __future__ import annotations
@@ -107,6 +113,13 @@ def _chunk_logps(
     return logps, entropy
 
 
+def _compiled_chunk_logps() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`_chunk_logps` compiled for dynamic shapes (a rollout's last chunk is shorter); torch keeps the
+    compiled code with the function's, so every caller shares it."""
+    compiled: Callable[..., tuple[torch.Tensor, torch.Tensor]] = torch.compile(_chunk_logps, dynamic=True)
+    return compiled
+
+
 def chunked_token_logps(
     hidden: torch.Tensor,
     head: Head,
@@ -116,6 +129,7 @@ def chunked_token_logps(
     budget: int = LOGITS_PER_CHUNK,
     *,
     entropy_grad: bool = False,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probabilities [N, T] of ``targets`` [N, T] under ``head`` applied to ``hidden`` [N, T, H], and entropies.
 
@@ -124,13 +138,15 @@ def chunked_token_logps(
     are recorded, every chunk but a lone one is checkpointed: the backward
     pass recomputes its logits instead of keeping them. The entropies carry
     a gradient only with ``entropy_grad`` (an entropy bonus in the loss).
+    ``compiled``: each chunk's work compiled by ``torch.compile``.
     """
     rows, width = targets.shape
     flat_hidden = hidden.reshape(rows * width, hidden.shape[-1])
     flat_targets = targets.reshape(rows * width)
     size = chunk_positions(vocab, budget)
+    chunk = _compiled_chunk_logps() if compiled else _chunk_logps
     if flat_targets.numel() <= size:
-        logps, entropy = _chunk_logps(flat_hidden, flat_targets, head, temperature, entropy_grad)
+        logps, entropy = chunk(flat_hidden, flat_targets, head, temperature, entropy_grad)
         return logps.view(rows, width), entropy.view(rows, width)
     recompute = torch.is_grad_enabled() and flat_hidden.requires_grad
     parts: list[torch.Tensor] = []
@@ -138,11 +154,9 @@ def chunked_token_logps(
     for start in range(0, flat_targets.numel(), size):
         piece, chosen = flat_hidden[start : start + size], flat_targets[start : start + size]
         if recompute:
-            logps, entropy = checkpoint(
-                _chunk_logps, piece, chosen, head, temperature, entropy_grad, use_reentrant=False
-            )
+            logps, entropy = checkpoint(chunk, piece, chosen, head, temperature, entropy_grad, use_reentrant=False)
         else:
-            logps, entropy = _chunk_logps(piece, chosen, head, temperature, entropy_grad)
+            logps, entropy = chunk(piece, chosen, head, temperature, entropy_grad)
         parts.append(logps)
         entropies.append(entropy if entropy_grad else entropy.detach())
     return torch.cat(parts).view(rows, width), torch.cat(entropies).view(rows, width)

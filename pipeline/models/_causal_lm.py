@@ -162,10 +162,12 @@ class CompletionLogps(torch.nn.Module):
     the root of the shards: its forward is the one the loss runs.
     """
 
-    def __init__(self, model: torch.nn.Module, budget: int = LOGITS_PER_CHUNK) -> None:
+    def __init__(self, model: torch.nn.Module, budget: int = LOGITS_PER_CHUNK, *, compiled: bool = False) -> None:
+        """``compiled`` (``--compile``): the head's chunks compiled by ``torch.compile``."""
         super().__init__()
         self.model = model
         self.budget = budget
+        self.compiled = compiled
         self.split = _body_and_head(model)
         self._checked = self.split is None
         forward = inspect.signature(model.forward).parameters
@@ -209,13 +211,27 @@ class CompletionLogps(torch.nn.Module):
             body, head, vocab = self.split
             hidden = body(**inputs).last_hidden_state[:, -completion:]
             logps, entropy = chunked_token_logps(
-                hidden, head, targets, temperature, vocab, self.budget, entropy_grad=entropy_grad
+                hidden,
+                head,
+                targets,
+                temperature,
+                vocab,
+                self.budget,
+                entropy_grad=entropy_grad,
+                compiled=self.compiled,
             )
             return _own(logps), _own(entropy)
         keep = {self._keep: completion} if self._keep is not None else {}
         logits = self.model(**inputs, **keep).logits[:, -completion:]
         logps, entropy = chunked_token_logps(
-            logits, _identity, targets, temperature, logits.shape[-1], self.budget, entropy_grad=entropy_grad
+            logits,
+            _identity,
+            targets,
+            temperature,
+            logits.shape[-1],
+            self.budget,
+            entropy_grad=entropy_grad,
+            compiled=self.compiled,
         )
         return _own(logps), _own(entropy)
 

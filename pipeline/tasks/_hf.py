@@ -238,7 +238,7 @@ class HFTask(Task):
 
     def logps_of(self, model: torch.nn.Module) -> CompletionLogps:
         """What scores completions under ``model`` (one per model: its body/head split is checked once)."""
-        return _held(self._scorers, model, lambda: CompletionLogps(model))
+        return _held(self._scorers, model, lambda: CompletionLogps(model, compiled=self.config.compile))
 
     def forward_module(self, policy: torch.nn.Module) -> torch.nn.Module:
         """The scorer: the loss runs the model's body and chunked head through its forward."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -32,6 +33,30 @@ def test_chunked_logps_and_gradients_equal_the_full_computation(temperature):
     torch.testing.assert_close(entropy, full_entropy.detach())
     for got, want in zip((hidden.grad, head.weight.grad, head.bias.grad), expected, strict=True):
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None,
+    reason="torch.compile on a CPU builds C++: no C compiler on this machine",
+)
+def test_compiled_chunks_with_an_entropy_bonus_equal_the_eager_ones():
+    """--compile: each chunk's work compiled, its written-out backward of the log-probabilities and entropies
+    included (the path without a bonus: tests/pipeline/test_hf.py's compiled learner)."""
+    torch.manual_seed(0)
+    hidden = torch.randn(6, 9, 16, requires_grad=True)
+    head = torch.nn.Linear(16, 50, bias=True)
+    targets = torch.randint(0, 50, (6, 9), device="cpu")
+    weights, entropy_weights = torch.randn(6, 9), torch.randn(6, 9)
+    results = []
+    for compiled in (False, True):
+        hidden.grad, head.weight.grad, head.bias.grad = None, None, None
+        logps, entropy = chunked_token_logps(
+            hidden, head, targets, 0.7, vocab=50, budget=50 * 7, entropy_grad=True, compiled=compiled
+        )
+        ((logps * weights).sum() + (entropy * entropy_weights).sum()).backward()
+        results.append((logps.detach(), entropy.detach(), hidden.grad, head.weight.grad, head.bias.grad))
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
 def test_a_chunk_holds_at_most_the_budget():
