@@ -409,13 +409,18 @@ def test_on_a_gpu_auto_replays_a_captured_graph_that_draws_the_dynamic_caches_to
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("alias", [False, True])
-def test_on_a_gpu_a_weight_update_reaches_the_captured_graph(alias):
+@pytest.mark.parametrize("path", ["graphs", "compiled"])
+def test_on_a_gpu_a_weight_update_reaches_the_captured_graph(path, alias):
     """As the weight consumer installs: a copy into the parameters, or (alias) the update's tensors assigned — a
-    graph is captured for the new storage, and the first one replayed again when the first storage comes back."""
+    graph is captured for the new storage, and the first one replayed again when the first storage comes back.
+    The compiled step (``--decode compiled``) is captured and replayed the same way."""
     model, trained = _on_gpu(qwen2(seed=0)), _on_gpu(qwen2(seed=1))
-    engine = BuiltinEngine(model, Tokenizer(), "graphs")
+    engine = BuiltinEngine(model, Tokenizer(), path)  # type: ignore[arg-type]
     batch, params = prompts(500), SamplingParams(10, samples=2)
     before = draw_with(engine, batch, params)
+    assert engine.decoding.check_every > 1, "the host looks every few replays"
+    if path == "compiled":
+        assert_same_completions(before, draw_with(BuiltinEngine(model, Tokenizer(), "dynamic"), batch, params), 1e-4)
     first = dict(model.state_dict())
     update = {name: tensor.clone() for name, tensor in trained.state_dict().items()}
     with torch.no_grad():
@@ -434,29 +439,6 @@ def test_on_a_gpu_a_weight_update_reaches_the_captured_graph(alias):
             model.load_state_dict(first, assign=True)
         assert_same_completions(draw_with(engine, batch, params), before, atol=0)
         assert kept.graphs.captures == 2
-    engine.decoding.close()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("alias", [False, True])
-def test_on_a_gpu_the_compiled_step_is_replayed_as_a_graph_and_follows_an_update(alias):
-    model, trained = _on_gpu(qwen2(5_000, seed=0)), _on_gpu(qwen2(5_000, seed=1))
-    batch, params = prompts(5_000), SamplingParams(16, temperature=0.9, samples=4)
-    engine = BuiltinEngine(model, Tokenizer(), "compiled")
-    compiled = draw_with(engine, batch, params)
-    kept = engine.decoding.kept
-    assert engine.decoding.check_every > 1 and kept is not None and kept.graphs is not None
-    assert_same_completions(compiled, draw_with(BuiltinEngine(model, Tokenizer(), "dynamic"), batch, params), 1e-4)
-    update = {name: tensor.clone() for name, tensor in trained.state_dict().items()}
-    with torch.no_grad():
-        if alias:
-            model.load_state_dict(update, assign=True)
-        else:
-            for name, tensor in model.state_dict().items():
-                tensor.copy_(update[name])
-    got = draw_with(engine, batch, params)
-    assert kept.graphs.captures == (2 if alias else 1)
-    assert_same_completions(got, draw_with(BuiltinEngine(trained, Tokenizer(), "dynamic"), batch, params), 1e-4)
     engine.decoding.close()
 
 
