@@ -35,7 +35,10 @@ from torch.utils.checkpoint import checkpoint
 
 __all__ = ["LOGITS_PER_CHUNK", "chunk_positions", "chunked_token_logps"]
 
-#: Logits (positions x vocabulary) one chunk may hold: 2**25 float32 values are 128 MiB.
+#: Logits (positions x vocabulary) one chunk may hold: 2**25 float32 values are 128 MiB. Not less in host memory
+#: either: there each eager temporary this large is mapped afresh (its page faults are a good part of a CPU step's
+#: head time), but 16 MiB ones, which glibc's heap serves, fragmented it under autograd's checkpoints (a step's
+#: resident memory grew to 21 GB at 256 x 64 positions of a 151,936-token vocabulary; measured, 2026-11-27).
 LOGITS_PER_CHUNK = 2**25
 
 Head = Callable[[torch.Tensor], torch.Tensor]
