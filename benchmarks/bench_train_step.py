@@ -108,10 +108,12 @@ def body_step(learner: Learner, samples: HFBatch) -> None:
     learner.optim.step()
 
 
-def timed(step: Callable[[], Any], device: torch.device, repeat: int) -> list[float]:
-    """Seconds of each of ``repeat`` calls of ``step`` after one warm-up, the device's queue drained each time."""
+def timed(step: Callable[[], Any], device: torch.device, repeat: int, *, warm: bool = True) -> list[float]:
+    """Seconds of each of ``repeat`` calls of ``step`` after one warm-up (``warm=False``: the caller's), the device's
+    queue drained each time."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    step()
+    if warm:
+        step()
     seconds = []
     for _ in range(repeat):
         sync()
@@ -226,12 +228,8 @@ def measure_compiled(
     def step() -> None:
         learner.update(samples, rewards, None)
 
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    started = time.perf_counter()
-    step()
-    sync()
-    first_s = time.perf_counter() - started
-    step_s = statistics.median(timed(step, device, args.repeat))
+    (first_s,) = timed(step, device, 1, warm=False)  # the compiler's step: the warm-up of those timed next
+    step_s = statistics.median(timed(step, device, args.repeat, warm=False))
     operators = top_operators(step, device, args.top) if args.profile else []
     return {"step_ms": round(step_s * 1e3, 2), "first_s": round(first_s, 2), "top_ops": operators}
 

@@ -39,7 +39,7 @@ out of time is recorded and the round goes on. In order:
    the trainer's update alone (bfloat16, 256 x 64 tokens after the prompts),
    against its body's forward and backward, and the operators that took the
    most device time (issue 40's pipeline target: where the step's time goes);
-   beside it the same update with the blocks compiled (``--compile``).
+   beside it the same update with ``--compile`` (blocks and head compiled).
 
 Every step's output is appended to ``<out>/round.log`` and each run's
 metrics go to ``<out>/<name>.metrics.jsonl`` (few files: a lent machine
@@ -402,8 +402,8 @@ def play(round_: Round, args: argparse.Namespace) -> None:
 
     if "train" not in args.skip:  # issue 40: where a trainer step's time goes, without generators beside it
         shape = ["--dtype", "bfloat16", "--prompts", "32", "--group", "8", "--new-tokens", "64"]
-        bench = [python, "benchmarks/bench_train_step.py", "--model", folder, "--device", "cuda", *shape, "--profile"]
-        bench.append("--compile")  # beside it, a learner with compiled blocks
+        bench = [python, "benchmarks/bench_train_step.py", "--model", folder, "--device", "cuda", *shape]
+        bench += ["--profile", "--compile"]  # beside the eager update, one with --compile
         train_code, text = round_.run("bench_train_step", bench, 150) if code == 0 else (code, "")
         lines = [line for line in text.splitlines() if line.startswith("{")]
         round_.record("bench_train_step", json.loads(lines[-1]) if train_code == 0 and lines else {"rc": train_code})

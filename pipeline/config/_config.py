@@ -158,7 +158,7 @@ class Config:
     lora_alpha: float = 0.0  # hf: the adapters' scale is alpha / r (0: twice the rank)
     lora_target_modules: str = "all-linear"  # hf: the layers adapted: all-linear (PEFT's), or names like q_proj,v_proj
     gradient_checkpointing: bool = False  # a Hugging Face policy recomputes activations in the backward pass
-    compile: bool = False  # the trainer's and the reference's repeated blocks compiled by torch.compile
+    compile: bool = False  # the trainer's and the reference's repeated blocks and head chunks compiled (torch.compile)
     max_grad_norm: float = 1.0  # clip the gradient's L2 norm to this (0: no clipping)
     lr_schedule: LrSchedule = "constant"  # constant | cosine (to 0 at ``steps``)
     warmup_steps: int = 0  # linear warm-up of the learning rate from 0

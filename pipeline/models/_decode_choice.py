@@ -51,7 +51,6 @@ class DecoderChoice:
         self.call = call
         self.wanted = wanted
         self.path: str | None = None  # dynamic | static | graphs | compiled, once the first batch decided it
-        self._replays = False  # whether the static decoder's step is a CUDA graph's replay (once decided)
         self._static: StaticDecoder | None = None
 
     @property
@@ -64,12 +63,16 @@ class DecoderChoice:
         """Steps between the host's checks that every row has ended (1 where a check stalls nothing)."""
         return GRAPH_CHECK_EVERY if self._replays else 1
 
+    @property
+    def _replays(self) -> bool:
+        """Whether the static decoder's step is a CUDA graph's replay: ``graphs``, or ``compiled`` on a GPU."""
+        cuda = next(self.model.parameters()).device.type == "cuda"
+        return self.path == "graphs" or (self.path == "compiled" and cuda)
+
     def decoder(self, ids: torch.Tensor, prompt_mask: torch.Tensor, new_tokens: int) -> Decoder:
         """A decoder for this batch ([rows, P] left-padded prompts, ``new_tokens`` to draw)."""
         if self.path is None:
             self.path = self._decide(ids, prompt_mask)
-            cuda = next(self.model.parameters()).device.type == "cuda"
-            self._replays = self.path == "graphs" or (self.path == "compiled" and cuda)
         if self.path == "dynamic":
             return DynamicDecoder(self.model, self.call)
         rows, need = ids.shape[0], ids.shape[1] + new_tokens

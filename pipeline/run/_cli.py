@@ -424,8 +424,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--compile",
         action="store_true",
-        help="compile the trainer's and the reference model's repeated blocks (each transformer layer) with "
-        "torch.compile: fused kernels, a faster step on a GPU; the first steps wait for the compiler",
+        help="compile the trainer's and the reference model's repeated blocks (each transformer layer) and output "
+        "head's chunks with torch.compile: fused kernels, a faster step; the first steps wait for the compiler",
     )
     train.add_argument(
         "--max-grad-norm", type=float, default=1.0, help="clip the gradient's L2 norm (default 1.0; 0: off)"
