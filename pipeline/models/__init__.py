@@ -19,6 +19,7 @@ from ._causal_lm import (
     require_transformers,
 )
 from ._choice import VLLMOptions, build_engine
+from ._compiler import missing_compiler, require_compiler
 from ._decode_choice import DECODE_PATHS, DecodePath, DecoderChoice
 from ._decoders import Decoder, DynamicDecoder, ModelCall, StaticDecoder, static_refusal
 from ._dropout import disable_dropout
@@ -76,8 +77,10 @@ __all__ = [
     "load_model",
     "load_tokenizer",
     "logprobs_mode",
+    "missing_compiler",
     "positions",
     "repeated_blocks",
+    "require_compiler",
     "require_peft",
     "require_transformers",
     "static_refusal",

@@ -17,6 +17,7 @@ import logging
 import torch
 
 from ._causal_lm import ModelError
+from ._compiler import require_compiler
 
 __all__ = ["compile_blocks", "repeated_blocks"]
 
@@ -36,13 +37,15 @@ def compile_blocks(model: torch.nn.Module) -> int:
     """Compile each of ``model``'s repeated blocks in place (its parameters and their names unchanged); how many.
 
     The first call of a block compiles it (the first step waits for the
-    compiler); the numbers are the eager block's up to rounding.
+    compiler); the numbers are the eager block's up to rounding. A host
+    without the compiler inductor needs is refused now, in one line.
     """
     blocks = repeated_blocks(model)
     if not blocks:
         raise ModelError(
             f"--compile: {type(model).__name__} has no repeated blocks to compile (no _no_split_modules, no ModuleList)"
         )
+    require_compiler(next(model.parameters()).device, "--compile")
     for block in blocks:
         block.compile(dynamic=True)
     kinds = ", ".join(sorted({type(block).__name__ for block in blocks}))

@@ -20,6 +20,7 @@ from typing import Literal, get_args
 import torch
 
 from ._causal_lm import ModelError, first_line
+from ._compiler import require_compiler
 from ._decoders import Decoder, DynamicDecoder, ModelCall, StaticDecoder, static_refusal
 
 __all__ = ["DECODE_PATHS", "DecodePath", "DecoderChoice"]
@@ -47,6 +48,8 @@ class DecoderChoice:
     def __init__(self, model: torch.nn.Module, call: ModelCall, wanted: DecodePath = "auto") -> None:
         if wanted not in DECODE_PATHS:
             raise ValueError(f"decode path {wanted!r}: expected one of {', '.join(DECODE_PATHS)}")
+        if wanted == "compiled":  # refused now rather than at the first rollout's compile
+            require_compiler(next(model.parameters()).device, "--decode compiled")
         self.model = model
         self.call = call
         self.wanted = wanted

@@ -4,7 +4,6 @@ the model's dynamic cache draws, never synchronises inside the step, and never s
 from __future__ import annotations
 
 import logging
-import shutil
 from typing import Any
 
 import pytest
@@ -25,6 +24,7 @@ from pipeline.models import (
     ModelError,
     SamplingParams,
     StaticDecoder,
+    missing_compiler,
     static_refusal,
 )
 
@@ -329,8 +329,7 @@ async def test_a_weight_update_reaches_the_cache_the_engine_decodes_with(alias):
 # -- the compiled step ------------------------------------------------------------------------------------------
 
 needs_a_compiler = pytest.mark.skipif(
-    shutil.which("cc") is None and shutil.which("gcc") is None,
-    reason="torch.compile on a CPU builds C++: no C compiler on this machine",
+    missing_compiler(torch.device("cpu")) is not None, reason="torch.compile on a CPU builds C++: no compiler here"
 )
 
 

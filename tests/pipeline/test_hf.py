@@ -9,7 +9,6 @@ import json
 import logging
 import math
 import os
-import shutil
 
 import pytest
 import torch
@@ -32,6 +31,7 @@ from pipeline.models import (
     compile_blocks,
     load_model,
     load_tokenizer,
+    missing_compiler,
 )
 from pipeline.run import read_rows
 from pipeline.tasks import DataError, HFTask, PromptData, RewardError, RewardSet, load_reward, load_rows
@@ -884,8 +884,7 @@ def test_gspo_iterations_and_top_entropy_train_a_hf_model(tmp_path, tiny):
 
 
 @pytest.mark.skipif(
-    shutil.which("cc") is None and shutil.which("gcc") is None,
-    reason="torch.compile on a CPU builds C++: no C compiler on this machine",
+    missing_compiler(torch.device("cpu")) is not None, reason="torch.compile on a CPU builds C++: no compiler here"
 )
 def test_compiled_blocks_take_the_eager_learners_steps_under_the_same_names(tmp_path, tiny, caplog):
     """--compile: each layer compiled for dynamic shapes. Updates on rollouts of other widths take the eager

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ from harness import ROOT, last_json, run_python
 from pipeline_support import tiny_qwen2
 
 from pipeline.algorithm import chunk_positions, chunked_token_logps, token_logps
+from pipeline.models import missing_compiler
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -36,8 +36,7 @@ def test_chunked_logps_and_gradients_equal_the_full_computation(temperature):
 
 
 @pytest.mark.skipif(
-    shutil.which("cc") is None and shutil.which("gcc") is None,
-    reason="torch.compile on a CPU builds C++: no C compiler on this machine",
+    missing_compiler(torch.device("cpu")) is not None, reason="torch.compile on a CPU builds C++: no compiler here"
 )
 def test_compiled_chunks_with_an_entropy_bonus_equal_the_eager_ones():
     """--compile: each chunk's work compiled, its written-out backward of the log-probabilities and entropies
