@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import select
 import signal
@@ -33,6 +34,8 @@ from .._shared._config import WorkerConfig
 from .._shared._liveness import ProcRef
 from .._shared._session import SESSION_ENV, session_keys
 from ._forkserver_protocol import PR_SET_PDEATHSIG, TERM_GRACE, Spawned, SpawnFailed, SpawnRequest, frame, read_reports
+
+log = logging.getLogger("actors")
 
 #: How long a caller without an event loop waits for the forkserver to take a request.
 SPAWN_WRITE_TIMEOUT = 30.0
@@ -59,8 +62,9 @@ def fork_refusal() -> str | None:
     mode = os.environ.get(FORKSERVER_ENV, "auto")
     if mode == "exec":
         return f"{FORKSERVER_ENV}=exec"
-    if threading.active_count() > 1:
-        return "other Python threads run in this process"
+    others = sorted(t.name for t in threading.enumerate() if t is not threading.current_thread())
+    if others:
+        return f"other Python threads run in this process ({', '.join(others)})"
     try:
         with open("/proc/self/maps") as maps:
             if "libcuda.so" in maps.read():
@@ -286,9 +290,15 @@ def prefork() -> None:
     Called by the first ``spawn_procs`` of a process without a runtime: its
     ZeroMQ context (and I/O thread) does not exist yet, so the process may
     still be single-threaded. The runtime created next adopts the forkserver.
+    Where it cannot fork, an INFO line says why: each worker of a fresh
+    interpreter imports torch and the program's modules itself (seconds).
     """
     preforked = process_state().parts.get(PREFORKED)
-    if preforked.process is not None or fork_refusal() is not None:
+    if preforked.process is not None:
+        return
+    refusal = fork_refusal()
+    if refusal is not None:
+        log.info("the forkserver starts as a fresh interpreter, not a fork of this program: %s", refusal)
         return
     session_dir, owns_dir = prepare_session()
     session_keys()  # a tcp session's CURVE keys exist before the fork, so workers inherit them

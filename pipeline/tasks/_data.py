@@ -15,8 +15,10 @@ agree on the order, and a resumed run's data position is its step.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -43,15 +45,36 @@ def load_rows(source: str, split: str = "train", flag: str = "--dataset", subset
             builder = _BUILDERS.get(extension)
             if builder is None:
                 raise DataError(f"{flag} {source}: use a .jsonl, .json, .parquet or .csv file, or a Hub dataset name")
-            return datasets.load_dataset(builder, data_files=source, split="train")
+            with _no_progress_monitor():
+                return datasets.load_dataset(builder, data_files=source, split="train")
         if extension in _BUILDERS:
             raise DataError(f"{flag} {source}: no such file")
-        return datasets.load_dataset(source, subset or None, split=split)
+        with _no_progress_monitor():
+            return datasets.load_dataset(source, subset or None, split=split)
     except DataError:
         raise
     except Exception as exc:  # the library's own errors: one line, naming the flag
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise DataError(f"{flag} {source}: cannot be loaded ({first})") from None
+
+
+@contextlib.contextmanager
+def _no_progress_monitor() -> Iterator[None]:
+    """No tqdm monitor thread starts within: tqdm starts one for every bar, a disabled one too, and never stops it.
+
+    ``datasets`` makes such bars while it resolves files. A thread left
+    running keeps the actors runtime from forking its forkserver from the
+    launcher (``fork_refusal``), so every role of a run would start as a
+    fresh interpreter importing torch and transformers again: seconds each.
+    """
+    from tqdm import tqdm
+
+    before = tqdm.monitor_interval
+    tqdm.monitor_interval = 0  # tqdm's documented switch: no monitor thread
+    try:
+        yield
+    finally:
+        tqdm.monitor_interval = before
 
 
 def split_held_out(count: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:

@@ -1,0 +1,110 @@
+"""A run's start: how long ``python -m pipeline.grpo --task hf`` takes until its roles are up, and to its end.
+
+    python benchmarks/bench_startup.py [--model DIR] [--repeat 3] [--steps 2]
+
+Each run is a fresh process running the command's own code (argument
+checks, which load the dataset and the tokenizer, then the pipeline), on
+``examples/tiny_hf_model.py``'s task (built in a temporary folder unless
+``--model`` names one), one generator, sync mode. The roles' forkserver is
+forked from that process (``auto``: the workers inherit torch,
+transformers and the program's modules) or, the baseline measured in the
+same run, a fresh interpreter (``ACTORS_FORKSERVER=exec``: what every run
+got while the dataset's progress bars left tqdm's monitor thread running,
+so each role imported everything again). Runs alternate between the two.
+Prints the medians of "roles up" (process start to every role
+constructed) and of the whole run, the ratio exec / fork, and one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+from bench_hf import _example_model
+
+CHILD = """
+import json, sys, time
+start = time.perf_counter()
+import uvloop
+from pipeline.run import parse_args, run_pipeline
+config, _ = parse_args(sys.argv[1:])
+result = uvloop.run(run_pipeline(config, quiet=True))
+ended = time.perf_counter() - start
+up = ended - result.seconds - result.stop_seconds
+print(json.dumps({"up_s": up, "total_s": ended, "steps": result.steps}))
+"""
+
+
+def one_run(model: str, steps: int, mode: str) -> dict[str, float]:
+    """One fresh process's run with the forkserver ``mode`` (auto or exec): its seconds until the roles were up
+    and in all."""
+    run_dir = tempfile.mkdtemp(prefix="bench-startup-")
+    data = os.path.dirname(model)
+    argv = [
+        *("--task", "hf", "--model", model, "--dataset", os.path.join(data, "train.jsonl")),
+        *("--reward", f"{os.path.join(data, 'rewards.py')}:reversed_digits", "--prompts", "8", "--group", "4"),
+        *(
+            "--max-new-tokens",
+            "6",
+            "--steps",
+            str(steps),
+            "--eval-every",
+            str(steps),
+            "--mode",
+            "sync",
+            "--generators",
+            "1",
+        ),
+        *("--run-dir", run_dir, "--log-completions", "0", "--report-to", "none"),
+    ]
+    env = dict(os.environ, ACTORS_FORKSERVER=mode)
+    out = subprocess.run([sys.executable, "-c", CHILD, *argv], capture_output=True, text=True, env=env, timeout=600)
+    if out.returncode != 0:
+        raise RuntimeError(f"the {mode} run failed:\n{out.stderr[-3000:]}")
+    record: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
+    return record
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="a model folder of examples/tiny_hf_model.py (its data beside it)")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=2)
+    args = parser.parse_args()
+    model = args.model or os.path.join(_example_model(tempfile.mkdtemp(prefix="bench-startup-model-")), "model")
+    runs: dict[str, list[dict[str, float]]] = {"auto": [], "exec": []}
+    for _ in range(args.repeat):
+        for mode in ("auto", "exec"):
+            runs[mode].append(one_run(model, args.steps, mode))
+            last = runs[mode][-1]
+            print(f"forkserver {mode:4}: roles up {last['up_s']:5.2f} s, the whole run {last['total_s']:5.2f} s")
+    up = {mode: statistics.median(r["up_s"] for r in rs) for mode, rs in runs.items()}
+    total = {mode: statistics.median(r["total_s"] for r in rs) for mode, rs in runs.items()}
+    print(
+        f"medians of {args.repeat}, --task hf, {args.steps} steps: roles up {up['auto']:.2f} s forked vs "
+        f"{up['exec']:.2f} s fresh interpreters ({up['exec'] / up['auto']:.2f}x); the whole run {total['auto']:.2f} s "
+        f"vs {total['exec']:.2f} s ({total['exec'] / total['auto']:.2f}x)"
+    )
+    record = {
+        "bench": "startup",
+        "task": "hf",
+        "steps": args.steps,
+        "repeat": args.repeat,
+        "up_s": round(up["auto"], 2),
+        "total_s": round(total["auto"], 2),
+        "baseline_exec_up_s": round(up["exec"], 2),
+        "baseline_exec_total_s": round(total["exec"], 2),
+        "ratio": round(up["exec"] / up["auto"], 2),
+        "total_ratio": round(total["exec"] / total["auto"], 2),
+    }
+    print(json.dumps(record))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
