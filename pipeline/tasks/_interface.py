@@ -154,6 +154,9 @@ class Task:
     primary: ClassVar[str] = "accuracy"
     #: ``python -m pipeline.grpo`` stops once :attr:`primary` reaches this (None: run every step).
     target: ClassVar[float | None] = None
+    #: Modules every role of this task imports (its model library): the launcher has the actors forkserver import
+    #: them once, before it forks the roles (``actors.set_forkserver_preload``), so no role imports them itself.
+    role_modules: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: Config) -> None:
         self.config = config

@@ -4,8 +4,14 @@ log line naming why (each of its workers then imports torch and the program's mo
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 import threading
 
+import pytest
+
+from actors import forkserver_preload, set_forkserver_preload
 from actors._processes._forkserver import fork_refusal, prefork
 
 
@@ -23,3 +29,48 @@ def test_a_thread_running_in_the_program_is_named_as_the_reason_not_to_fork(capl
     finally:
         stop.set()
         stray.join(timeout=10)
+
+
+def test_preload_takes_module_names_only():
+    before = forkserver_preload()
+    with pytest.raises(TypeError, match=r"module names, not one string: \['json'\]\?"):
+        set_forkserver_preload("json")
+    with pytest.raises(ValueError, match=r"'json tool' is not a module name"):
+        set_forkserver_preload(["json", "json tool"])
+    with pytest.raises(ValueError, match=r"3 is not a module name"):
+        set_forkserver_preload([3])  # type: ignore[list-item]
+    assert forkserver_preload() == before, "a refused list changes nothing"
+
+
+PRELOADING = """
+import asyncio, sys
+from actors import Actor, endpoint, set_forkserver_preload, this_host
+
+class Modules(Actor):
+    @endpoint
+    async def has(self, name: str) -> bool:
+        return name in sys.modules
+
+async def main():
+    set_forkserver_preload(["xml.dom.minidom", "no_such_module_here"])
+    procs = this_host().spawn_procs(per_host={"procs": 2})
+    answers = await procs.spawn("modules", Modules).has.call("xml.dom.minidom")
+    print("PRELOADED", sorted(answers.values()), "xml.dom.minidom" in sys.modules, flush=True)
+    await procs.stop()
+
+if __name__ == "__main__":
+    asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("mode", ["exec", "auto"])
+def test_workers_start_with_the_preloaded_modules_and_a_failed_one_is_named(tmp_path, mode):
+    """From a fresh interpreter (``exec``) or a fork of the program (``auto``): the program never imported the module,
+    its workers have it; a module that cannot be imported is named on stderr and the workers still start."""
+    script = tmp_path / "program.py"
+    script.write_text(PRELOADING)
+    env = dict(os.environ, ACTORS_FORKSERVER=mode)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "PRELOADED [True, True] False" in out.stdout
+    assert "actors forkserver: preloading no_such_module_here failed (ModuleNotFoundError" in out.stderr

@@ -18,6 +18,7 @@ from pipeline_support import tiny_qwen2
 pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
 pytest.importorskip("datasets", reason="needs the hf extra: pip install -e '.[hf]'")
 
+from actors import forkserver_preload, set_forkserver_preload
 from pipeline import Config, PipelineError, resolve, run_pipeline
 from pipeline.algorithm import group_advantages, group_spread, high_entropy_tokens
 from pipeline.grpo import main
@@ -415,6 +416,23 @@ def test_a_missing_prompt_column_and_a_missing_file_are_refused(tmp_path, tiny, 
         PromptData(load_rows(str(tiny / "train.jsonl")), "question", model_and_tokenizer[1])
     with pytest.raises(DataError, match="no such file"):
         load_rows(str(tmp_path / "absent.jsonl"))
+
+
+async def test_the_launcher_adds_the_tasks_role_modules_to_the_forkservers_preload(tiny, tmp_path):
+    """Every role of an hf run imports transformers: the forkserver imports it once before it forks them (where it is
+    a fresh interpreter; a fork of the launcher has it already), added to what the program asked for."""
+    before = forkserver_preload()
+    set_forkserver_preload(["json"])
+    try:
+        with pytest.raises(FileNotFoundError, match="no checkpoint"):  # the launcher stops before any process starts
+            await run_pipeline(_config(tiny, tmp_path), resume=True)
+        assert (
+            forkserver_preload()
+            == ("json", *HFTask.role_modules)
+            == ("json", "transformers", "transformers.modeling_utils")
+        )
+    finally:
+        set_forkserver_preload(before)
 
 
 def test_loading_a_dataset_leaves_no_thread_behind_so_the_launcher_forks_its_roles(tiny):
