@@ -196,7 +196,7 @@ def _preload(modules: tuple[str, ...]) -> None:
                 flush=True,
             )
     others = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
-    if others:  # a fork copies a lock such a thread holds, held, into the worker
+    if modules and others:  # a fork copies a lock such a thread holds, held, into the worker
         print(
             f"actors forkserver: preloading {', '.join(modules)} started threads ({', '.join(others)}); "
             "a worker forked while one holds a lock inherits it held",

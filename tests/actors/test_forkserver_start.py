@@ -52,7 +52,7 @@ class Modules(Actor):
         return name in sys.modules
 
 async def main():
-    set_forkserver_preload(["xml.dom.minidom", "no_such_module_here"])
+    set_forkserver_preload(["xml.dom.minidom", "no_such_module_here", "starts_a_thread"])
     procs = this_host().spawn_procs(per_host={"procs": 2})
     answers = await procs.spawn("modules", Modules).has.call("xml.dom.minidom")
     print("PRELOADED", sorted(answers.values()), "xml.dom.minidom" in sys.modules, flush=True)
@@ -66,11 +66,16 @@ if __name__ == "__main__":
 @pytest.mark.parametrize("mode", ["exec", "auto"])
 def test_workers_start_with_the_preloaded_modules_and_a_failed_one_is_named(tmp_path, mode):
     """From a fresh interpreter (``exec``) or a fork of the program (``auto``): the program never imported the module,
-    its workers have it; a module that cannot be imported is named on stderr and the workers still start."""
+    its workers have it; a module that cannot be imported, and one that starts a thread in the forkserver (whose
+    forks could inherit a lock it holds), are named on stderr, and the workers still start."""
     script = tmp_path / "program.py"
     script.write_text(PRELOADING)
-    env = dict(os.environ, ACTORS_FORKSERVER=mode)
+    (tmp_path / "starts_a_thread.py").write_text(
+        "import threading\nthreading.Thread(target=threading.Event().wait, name='lingering', daemon=True).start()\n"
+    )
+    env = dict(os.environ, ACTORS_FORKSERVER=mode, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "PRELOADED [True, True] False" in out.stdout
     assert "actors forkserver: preloading no_such_module_here failed (ModuleNotFoundError" in out.stderr
+    assert "starts_a_thread started threads (lingering); a worker forked while one holds a lock" in out.stderr
