@@ -1,6 +1,6 @@
 """Peak memory of one trainer pass at a real vocabulary: log-probs chunk by chunk against full logits.
 
-    python benchmarks/bench_logit_memory.py [--rows 256] [--new 64] [--old-rows 16,32] [--repeat 3]
+    python benchmarks/bench_logit_memory.py [--rows 256] [--new 64] [--old-rows 16,32] [--repeat 3] [--compiled]
 
 Each measurement is a fresh process that builds a 2-layer, 16-wide Qwen2 with
 Qwen2.5's 151,936-token vocabulary, takes one GRPO training step (the
@@ -10,13 +10,15 @@ its peak resident memory. ``new``: :class:`pipeline.models.CompletionLogps`
 (hidden states through the head in chunks, the entropy without a graph).
 ``bonus``: the same with an entropy bonus in the loss (``--entropy-coef``: the
 entropy differentiable, recomputed chunk by chunk with the log-probabilities).
-``old`` (the raw baseline, what the pipeline did before): logits at every
+``compiled`` (``--compiled``; ``--compile``'s head): the chunks' work compiled
+by ``torch.compile``, the compilation inside the measured step (a run's
+first). ``old`` (the raw baseline, what the pipeline did before): logits at every
 position in float32, then ``log_softmax``, the gather and the entropy over
 all of them. The old computation cannot run at the full row count on a 24 GB
 machine, so it is measured at fewer rows and its growth per row extrapolated
 (it is linear in the rows). Prints the medians, the ratio, and one JSON line.
 
-``--step ROWS NEW new|old`` runs one measurement in this process and prints
+``--step ROWS NEW new|bonus|compiled|old`` runs one measurement in this process and prints
 its JSON line (the test suite and the rounds above use it).
 """
 
@@ -73,7 +75,7 @@ def one_step(rows: int, new: int, how: str) -> dict[str, float]:
         logits = model(input_ids=tokens[:, :-1], use_cache=False).logits[:, PROMPT - 1 :].float()
         logps, entropy = token_logps(logits, tokens[:, PROMPT:], 1.0)
     else:
-        logps, entropy = CompletionLogps(model)(tokens, prompt_mask, 1.0, how == "bonus")
+        logps, entropy = CompletionLogps(model, compiled=how == "compiled")(tokens, prompt_mask, 1.0, how == "bonus")
     loss = token_grpo_loss(logps, logps.detach(), None, mask, advantages, LossSpec(), entropy=entropy)
     objective = loss.loss - 0.01 * loss.entropy_bonus if how == "bonus" else loss.loss
     objective.backward()  # type: ignore[no-untyped-call,operator]
@@ -103,6 +105,7 @@ def main() -> int:
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--old-rows", default="16,32", help="row counts the old computation is measured at")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--compiled", action="store_true", help="also the compiled head (needs a C++ compiler)")
     parser.add_argument("--step", nargs=3, metavar=("ROWS", "NEW", "HOW"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.step:
@@ -112,6 +115,7 @@ def main() -> int:
     old_rows = [int(r) for r in args.old_rows.split(",")]
     new_runs = [measure(args.rows, args.new, "new") for _ in range(args.repeat)]
     bonus_runs = [measure(args.rows, args.new, "bonus") for _ in range(args.repeat)]
+    compiled_runs = [measure(args.rows, args.new, "compiled") for _ in range(args.repeat)] if args.compiled else []
     old_runs = {r: [measure(r, args.new, "old") for _ in range(args.repeat)] for r in old_rows}
     new_peak = statistics.median(run["peak_mb"] for run in new_runs)
     new_seconds = statistics.median(run["seconds"] for run in new_runs)
@@ -124,6 +128,12 @@ def main() -> int:
     print(f"one GRPO step, {args.rows} rows x {args.new} new tokens, vocabulary {VOCAB:,}, medians of {args.repeat}:")
     print(f"  chunked (new):    peak {new_peak:8.0f} MB   {new_seconds:.1f} s")
     print(f"  with an entropy bonus: peak {bonus_peak:8.0f} MB   {bonus_seconds:.1f} s")
+    if compiled_runs:
+        compiled_peak = statistics.median(run["peak_mb"] for run in compiled_runs)
+        compiled_seconds = statistics.median(run["seconds"] for run in compiled_runs)
+        print(
+            f"  compiled head (--compile), its compilation included: peak {compiled_peak:8.0f} MB   {compiled_seconds:.1f} s"
+        )
     for r in old_rows:
         print(f"  full logits (old) at {r} rows: peak {old_peaks[r]:8.0f} MB")
     print(f"  full logits (old) at {args.rows} rows, extrapolated at {per_row:.0f} MB a row: {old_at_rows:8.0f} MB")
@@ -137,6 +147,11 @@ def main() -> int:
         "new_seconds": round(new_seconds, 2),
         "bonus_peak_mb": round(bonus_peak, 1),
         "bonus_seconds": round(bonus_seconds, 2),
+        **(
+            {"compiled_peak_mb": round(compiled_peak, 1), "compiled_seconds": round(compiled_seconds, 2)}
+            if compiled_runs
+            else {}
+        ),
         "old_peak_mb": {str(r): round(v, 1) for r, v in old_peaks.items()},
         "old_peak_mb_extrapolated": round(old_at_rows, 1),
         "ratio": round(old_at_rows / new_peak, 2),
