@@ -112,27 +112,46 @@ def _layout(
 
 def ties(tensors: list[tuple[str, torch.Tensor]]) -> list[int | None]:
     """For each tensor, the index of an earlier one that is the same bytes (a tied output head and the embedding
-    it shares), else None. Of a sharded tensor, its shard's storage is compared: every rank finds the same ties."""
-    first: dict[tuple[Any, ...], int] = {}
+    it shares), else None. Of a sharded tensor, its shard's storage is compared: every rank finds the same ties.
+
+    Looked up by address first: only tensors that start at an earlier one's address (rare: ties, views) have
+    their device, shape, stride and dtype compared (a publish asks this of every tensor, every step).
+    """
+    at: dict[Any, list[int]] = {}  # address -> the untied tensors that start there
     found: list[int | None] = []
-    dtensor = sharded_type()  # looked up once: a publish asks this of every tensor
+    dtensor = sharded_type()  # looked up once
     for index, (_, tensor) in enumerate(tensors):
         if dtensor is not None and isinstance(tensor, dtensor):  # its shard's storage: no other's, on every rank
             local = tensor.to_local()  # type: ignore[attr-defined]
-            key: tuple[Any, ...] = (
-                local.untyped_storage()._cdata,
-                local.storage_offset(),
-                tensor.shape,
-                local.stride(),
-            )
+            address: Any = ("shard", local.untyped_storage()._cdata, local.storage_offset())
         elif pointer := tensor.data_ptr():  # none: an empty (or meta) tensor is no other's bytes
-            key = (tensor.device, pointer, tensor.shape, tensor.stride())
+            address = pointer
         else:
             found.append(None)
             continue
-        earlier = first.setdefault((*key, tensor.dtype), index)
-        found.append(None if earlier == index else earlier)
+        earlier = at.get(address)
+        if earlier is None:
+            at[address] = [index]
+            found.append(None)
+            continue
+        match = next((i for i in earlier if _same_view(tensors[i][1], tensor, dtensor)), None)
+        if match is None:
+            earlier.append(index)
+        found.append(match)
     return found
+
+
+def _same_view(first: torch.Tensor, second: torch.Tensor, dtensor: Any) -> bool:
+    """Whether two tensors at one address are the same bytes: one device, shape, stride (a shard's) and dtype."""
+    if dtensor is not None and isinstance(first, dtensor):
+        a, b = first.to_local(), second.to_local()  # type: ignore[attr-defined]
+        return bool(first.shape == second.shape and a.stride() == b.stride() and first.dtype == second.dtype)
+    return bool(
+        first.device == second.device
+        and first.shape == second.shape
+        and first.stride() == second.stride()
+        and first.dtype == second.dtype
+    )
 
 
 def layout(tensors: list[tuple[str, torch.Tensor]], cast: torch.dtype | None = None) -> tuple[list[TensorSpec], int]:

@@ -586,3 +586,23 @@ def test_an_alias_install_keeps_each_parameter_and_gives_it_the_slots_bytes():
         consumer.install(publisher.publish(source, 2), target, alias=True)
         assert torch.equal(target.inner.weight, source.inner.weight)
         consumer.close()
+
+
+def test_ties_are_the_same_bytes_seen_the_same_way_not_just_the_same_address():
+    """A tie is an earlier tensor's bytes with its device, shape, stride and dtype: a view starting at the same
+    address but read another way is bytes of its own (copied, not aliased), and an empty tensor is no one's."""
+    from actors.tensors import ties
+
+    base = torch.arange(12, dtype=torch.float32, device="cpu").reshape(3, 4)
+    flat, as_ints = base.view(12), base.view(torch.int32)
+    tensors = [
+        ("w", base),
+        ("flat", flat),  # the same address, another shape
+        ("head", base),  # the same bytes: tied to w
+        ("ints", as_ints),  # the same address and shape, another dtype
+        ("flat_again", flat),  # tied to flat, not to w
+        ("transposed", base.t()),  # the same address, other strides
+        ("empty", torch.empty(0, device="cpu")),
+        ("other", torch.ones(3, 4, device="cpu")),
+    ]
+    assert ties(tensors) == [None, None, 0, None, 1, None, None, None]
