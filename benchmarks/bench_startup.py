@@ -60,19 +60,10 @@ def one_run(model: str, steps: int, mode: str) -> dict[str, float]:
     argv = [
         *("--task", "hf", "--model", model, "--dataset", os.path.join(data, "train.jsonl")),
         *("--reward", f"{os.path.join(data, 'rewards.py')}:reversed_digits", "--prompts", "8", "--group", "4"),
-        *(
-            "--max-new-tokens",
-            "6",
-            "--steps",
-            str(steps),
-            "--eval-every",
-            str(steps),
-            "--mode",
-            "sync",
-            "--generators",
-            "1",
-        ),
-        *("--run-dir", run_dir, "--log-completions", "0", "--report-to", "none"),
+        *("--max-new-tokens", "6", "--steps", str(steps), "--eval-every", str(steps)),
+        *("--mode", "sync", "--generators", "1", "--run-dir", run_dir, "--log-completions", "0"),
+        "--report-to",
+        "none",
     ]
     env = dict(os.environ, **MODES[mode])
     out = subprocess.run([sys.executable, "-c", CHILD, *argv], capture_output=True, text=True, env=env, timeout=600)

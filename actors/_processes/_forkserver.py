@@ -86,9 +86,9 @@ class _ServerProcess:
         self.returncode: int | None = None
 
     @classmethod
-    def start(
-        cls, session_dir: str, session: str, owns_dir: bool, *, fork: bool, preload: tuple[str, ...] = ()
-    ) -> _ServerProcess:
+    def start(cls, session_dir: str, session: str, owns_dir: bool, *, fork: bool) -> _ServerProcess:
+        """Fork or exec the forkserver; either way it imports :func:`forkserver_preload`'s modules first."""
+        preload = forkserver_preload()
         request_r, request_w = os.pipe()
         status_r, status_w = os.pipe()
         if fork:
@@ -347,9 +347,7 @@ def prefork() -> None:
         return
     session_dir, owns_dir = prepare_session()
     session_keys()  # a tcp session's CURVE keys exist before the fork, so workers inherit them
-    preforked.process = _ServerProcess.start(
-        session_dir, os.path.basename(session_dir), owns_dir, fork=True, preload=forkserver_preload()
-    )
+    preforked.process = _ServerProcess.start(session_dir, os.path.basename(session_dir), owns_dir, fork=True)
 
 
 def forkserver(rt: Runtime, threads: int = 1) -> Forkserver:
@@ -365,12 +363,12 @@ def forkserver(rt: Runtime, threads: int = 1) -> Forkserver:
         preforked = process_state().parts.get(PREFORKED)
         process, preforked.process = preforked.process, None
         if process is None:
-            process = _ServerProcess.start(rt.dir, rt.session, rt.owns_dir, fork=False, preload=forkserver_preload())
+            process = _ServerProcess.start(rt.dir, rt.session, rt.owns_dir, fork=False)
         server = servers.plain = Forkserver(rt, process)
     if threads > 1 and server.inherits_main:
         fresh = servers.threaded
         if fresh is None or fresh.closed:
-            process = _ServerProcess.start(rt.dir, rt.session, rt.owns_dir, fork=False, preload=forkserver_preload())
+            process = _ServerProcess.start(rt.dir, rt.session, rt.owns_dir, fork=False)
             fresh = servers.threaded = Forkserver(rt, process)
         return fresh
     return server

@@ -401,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     reached = f" (target {config.target_score} reached)" if result.target_reached else ""
     print(
         f"done: {result.steps} steps in {result.seconds:.1f}s ({result.steps_per_second:.1f} steps/s) after "
-        f"{result.startup_seconds:.1f}s starting the roles, held-out {held_out}{reached}; {result.dropped} stale rollouts dropped, policy version {result.version}\n"
+        f"{result.startup_seconds:.1f}s starting the roles, held-out {held_out}{reached}; "
+        f"{result.dropped} stale rollouts dropped, policy version {result.version}\n"
         f"outputs in {result.run_dir}: {', '.join(_outputs(result.run_dir))}"
     )
     return 0

@@ -41,15 +41,16 @@ def load_rows(source: str, split: str = "train", flag: str = "--dataset", subset
     datasets.disable_progress_bars()
     extension = os.path.splitext(source)[1].lower()
     try:
-        if os.path.exists(source):
-            builder = _BUILDERS.get(extension)
-            if builder is None:
-                raise DataError(f"{flag} {source}: use a .jsonl, .json, .parquet or .csv file, or a Hub dataset name")
-            with _no_progress_monitor():
-                return datasets.load_dataset(builder, data_files=source, split="train")
-        if extension in _BUILDERS:
-            raise DataError(f"{flag} {source}: no such file")
         with _no_progress_monitor():
+            if os.path.exists(source):
+                builder = _BUILDERS.get(extension)
+                if builder is None:
+                    raise DataError(
+                        f"{flag} {source}: use a .jsonl, .json, .parquet or .csv file, or a Hub dataset name"
+                    )
+                return datasets.load_dataset(builder, data_files=source, split="train")
+            if extension in _BUILDERS:
+                raise DataError(f"{flag} {source}: no such file")
             return datasets.load_dataset(source, subset or None, split=split)
     except DataError:
         raise
