@@ -110,6 +110,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.step:
         rows, new, how = args.step
+        if how not in ("new", "bonus", "compiled", "old"):
+            parser.error(f"--step {rows} {new} {how}: the third is new, bonus, compiled or old")
         print(json.dumps(one_step(int(rows), int(new), how)))
         return 0
     old_rows = [int(r) for r in args.old_rows.split(",")]

@@ -79,6 +79,10 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2)
     args = parser.parse_args()
+    if args.repeat < 1 or args.steps < 1:
+        parser.error("--repeat and --steps must be at least 1")
+    if args.model and not os.path.isfile(os.path.join(args.model, "config.json")):
+        parser.error(f"--model {args.model}: not a model folder (no config.json) of examples/tiny_hf_model.py")
     model = args.model or os.path.join(_example_model(tempfile.mkdtemp(prefix="bench-startup-model-")), "model")
     runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
     for _ in range(args.repeat):
