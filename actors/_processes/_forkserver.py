@@ -34,6 +34,7 @@ from .._runtime._parts import Part
 from .._shared._config import WorkerConfig
 from .._shared._liveness import ProcRef
 from .._shared._session import SESSION_ENV, session_keys
+from ._devices import cuda_driver_loaded
 from ._forkserver_protocol import PR_SET_PDEATHSIG, TERM_GRACE, Spawned, SpawnFailed, SpawnRequest, frame, read_reports
 
 log = logging.getLogger("actors")
@@ -67,9 +68,8 @@ def fork_refusal() -> str | None:
     if others:
         return f"other Python threads run in this process ({', '.join(others)})"
     try:
-        with open("/proc/self/maps") as maps:
-            if "libcuda.so" in maps.read():
-                return "the CUDA driver is loaded in this process"
+        if cuda_driver_loaded():
+            return "the CUDA driver is loaded in this process"
     except OSError as exc:
         return f"cannot inspect this process: {exc}"
     return None

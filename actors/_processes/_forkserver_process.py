@@ -31,6 +31,7 @@ from .._hosting._program_modules import Inherited, ModuleScan
 from .._shared._config import WorkerConfig
 from .._shared._segments import remove_process_segments, remove_session_segments
 from .._shared._session import forget_incarnation, remove_socket_file, write_incarnation
+from ._devices import cuda_driver_loaded
 from ._forkserver_protocol import (
     PR_SET_PDEATHSIG,
     TERM_GRACE,
@@ -195,6 +196,13 @@ def _preload(modules: tuple[str, ...]) -> None:
                 file=sys.stderr,
                 flush=True,
             )
+    if modules and _driver_loaded():  # its workers inherit a driver that cannot work after a fork
+        print(
+            f"actors forkserver: preloading {', '.join(modules)} loaded the CUDA driver; "
+            "workers forked from here cannot use CUDA (preload modules that touch no GPU at import)",
+            file=sys.stderr,
+            flush=True,
+        )
     others = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
     if modules and others:  # a fork copies a lock such a thread holds, held, into the worker
         print(
@@ -203,6 +211,13 @@ def _preload(modules: tuple[str, ...]) -> None:
             file=sys.stderr,
             flush=True,
         )
+
+
+def _driver_loaded() -> bool:
+    try:
+        return cuda_driver_loaded()
+    except OSError:
+        return False  # nothing to say where the process cannot be inspected
 
 
 def main() -> None:

@@ -51,9 +51,24 @@ _NO_REFCOUNT = b"/actors-cuda-ipc-no-refcount"
 
 
 def probe() -> str | None:
-    if not torch.cuda.is_available():
-        return "no CUDA device: torch.cuda.is_available() is False"
+    """Why this machine cannot run the transport (None if it can), asked without loading the CUDA driver.
+
+    torch counts GPUs through NVML where it can, so a controller that probes
+    can still fork its forkserver; the publisher and reader, which use CUDA
+    anyway, also check that the driver works (:func:`_usable`).
+    """
+    if torch.cuda.device_count() == 0:
+        return "no CUDA device: torch counts no GPU on this machine"
     return None
+
+
+def _usable() -> str | None:
+    reason = probe()
+    if reason is None and not torch.cuda.is_available():
+        return (
+            "no usable CUDA device: torch counts a GPU, but the CUDA driver does not start (torch.cuda.is_available())"
+        )
+    return reason
 
 
 def device_uuid(device: torch.device) -> str:
@@ -136,7 +151,7 @@ class CudaIpcWriter(PooledWriter):
     def __init__(
         self, slots: int = 2, lock_timeout: float = LOCK_TIMEOUT, device: int | str | torch.device | None = None
     ) -> None:
-        reason = probe()
+        reason = _usable()
         if reason:
             raise TransportBlocked("cuda-ipc", reason)
         self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
@@ -247,7 +262,7 @@ class CudaIpcReader:
     """Consumer side: slots opened once and cached; reads ordered after the writer's event."""
 
     def __init__(self) -> None:
-        reason = probe()
+        reason = _usable()
         if reason:
             raise TransportBlocked("cuda-ipc", reason)
         self._holds = SlotHolds(map_payload=False, on_forget=self._forget)

@@ -34,9 +34,10 @@ def _check_device(flag: str, spec: str) -> torch.device:
         return device
     if device.type != "cuda":
         raise PlacementError(f"{flag} {spec}: only cpu and cuda devices are supported")
-    if not torch.cuda.is_available():
-        raise PlacementError(f"{flag} {spec} needs CUDA, but this machine has no CUDA device")
+    # counted through NVML where torch can: the driver stays unloaded here, so the roles can be forked from this process
     count = torch.cuda.device_count()
+    if count == 0:
+        raise PlacementError(f"{flag} {spec} needs CUDA, but this machine has no CUDA device")
     if device.index is not None and device.index >= count:
         raise PlacementError(f"{flag} {spec}: this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}")
     return device

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -79,3 +80,56 @@ def test_workers_start_with_the_preloaded_modules_and_a_failed_one_is_named(tmp_
     assert "PRELOADED [True, True] False" in out.stdout
     assert "actors forkserver: preloading no_such_module_here failed (ModuleNotFoundError" in out.stderr
     assert "starts_a_thread started threads (lingering); a worker forked while one holds a lock" in out.stderr
+
+
+@pytest.fixture
+def fake_driver(tmp_path):
+    """An empty shared library named like the CUDA driver, and a module whose import loads it."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("needs a C compiler to build a stand-in for libcuda.so")
+    (tmp_path / "empty.c").write_text("int actors_stand_in;\n")
+    library = tmp_path / "libcuda.so.1"
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(library), str(tmp_path / "empty.c")], check=True)
+    (tmp_path / "loads_a_driver.py").write_text(f"import ctypes\nctypes.CDLL({str(library)!r})\n")
+    return tmp_path
+
+
+DRIVER_PRELOADED = """
+import asyncio, sys
+from actors import Actor, endpoint, set_forkserver_preload, this_host
+from actors._processes._forkserver import fork_refusal
+
+class Alive(Actor):
+    @endpoint
+    async def pid(self) -> int:
+        import os
+        return os.getpid()
+
+async def main():
+    print("REFUSAL", fork_refusal(), flush=True)
+    set_forkserver_preload(["loads_a_driver"])
+    procs = this_host().spawn_procs(per_host={"procs": 1})
+    print("PID", await procs.spawn("alive", Alive).pid.call_one() > 0, flush=True)
+    await procs.stop()
+    import loads_a_driver
+    print("REFUSAL", fork_refusal(), flush=True)
+
+asyncio.run(main())
+"""
+
+
+def test_a_loaded_cuda_driver_stops_the_fork_and_a_preload_that_loads_it_is_named(fake_driver):
+    """Once ``libcuda`` is mapped a fork could not use CUDA: the program is not forked, and a forkserver whose
+    preloaded module loaded it says so on stderr (its workers still start)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(fake_driver), *sys.path]))
+    env.pop("ACTORS_FORKSERVER", None)
+    program = [sys.executable, "-c", DRIVER_PRELOADED]
+    out = subprocess.run(program, capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[:3] == [
+        "REFUSAL None",
+        "PID True",
+        "REFUSAL the CUDA driver is loaded in this process",
+    ]
+    assert "actors forkserver: preloading loads_a_driver loaded the CUDA driver; workers forked from here" in out.stderr

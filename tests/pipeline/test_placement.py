@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from harness import actor_pids
 from test_pipeline import cli
 
+from actors._processes._devices import visible_gpus
 from pipeline import Config, run_pipeline
 from pipeline.grpo import parse_args
 from pipeline.run import PlacementError, check_placement, read_rows
@@ -67,3 +71,54 @@ async def test_generators_can_alias_the_shared_slots(tmp_path, sockets_dir):
     rows = read_rows(str(tmp_path))
     assert result.steps == 60 and len(rows) == 60
     assert max(r["staleness/lag"] for r in rows) <= config.max_staleness
+
+
+def test_a_gpu_placement_is_checked_without_loading_the_cuda_driver(monkeypatch):
+    """GPUs are counted (NVML, in torch) and never asked of the driver: a process that loaded it cannot fork its roles.
+
+    Here torch "has" two GPUs it counts, and every call that would start the driver fails the test.
+    """
+
+    def loads_the_driver(*_args: object) -> None:
+        pytest.fail("the placement check started the CUDA driver")
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "is_available", loads_the_driver)
+    monkeypatch.setattr(torch.cuda, "_lazy_init", loads_the_driver)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    devices = check_placement(Config(device="cuda:1", transport="cuda-ipc"))
+    assert set(devices.values()) == {torch.device("cuda", 1)}
+    with pytest.raises(PlacementError, match=r"--device cuda:2: this machine has 2 CUDA device\(s\), cuda:0..cuda:1"):
+        check_placement(Config(device="cuda:2"))
+    assert visible_gpus() == ["0", "1"], "a mesh's 'gpus' dimension counts them the same way"
+
+
+FORKABLE = """
+import asyncio, torch
+from actors import Actor, endpoint, this_host
+from actors._processes._forkserver import fork_refusal
+from pipeline import Config
+from pipeline.run import check_placement
+
+class OnTheGpu(Actor):
+    @endpoint
+    async def total(self) -> float:
+        return torch.ones(4, device="cuda").sum().item()
+
+async def main():
+    check_placement(Config(device="cuda", transport="cuda-ipc"))
+    print("REFUSAL", fork_refusal(), flush=True)
+    procs = this_host().spawn_procs(per_host={"gpus": 1})
+    print("TOTAL", await procs.spawn("gpu", OnTheGpu).total.call_one(), flush=True)
+    await procs.stop()
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.gpu
+def test_after_a_gpu_placement_the_launcher_still_forks_roles_that_use_cuda():
+    out = subprocess.run([sys.executable, "-c", FORKABLE], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "REFUSAL None" in out.stdout, out.stdout
+    assert "TOTAL 4.0" in out.stdout, out.stdout
