@@ -163,6 +163,23 @@ class Learner:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
+    def _casts_kept(self) -> contextlib.ExitStack:
+        """One optimiser step's scope for autocast's casts: each weight is cast to the compute dtype once a step.
+
+        Autocast keeps a weight's cast until its outermost context closes, so a
+        step whose passes each opened their own cast every weight again each
+        pass (on an H100, 38 ms of the 0.5 B shape's 530 ms update). Inside this
+        scope autocast is open but off: each pass's forward turns it on
+        (:meth:`_precision`, nested, so the casts stay), and its backward runs
+        with it off, as outside any autocast. The weights do not change between
+        the passes of one step, so each pass computes exactly what it did.
+        """
+        stack = contextlib.ExitStack()
+        if self.compute_dtype != torch.float32 and not self.sharded:
+            stack.enter_context(torch.autocast(self.device.type, dtype=self.compute_dtype))
+            stack.enter_context(torch.autocast(self.device.type, enabled=False))
+        return stack
+
     def update(self, samples: Any, rewards: torch.Tensor, ref_logps: torch.Tensor | None) -> Update:
         """One GRPO step on ``samples`` (already on this device): ``num_iterations`` x ``mini_batches`` optimiser
         steps on them.
@@ -248,14 +265,15 @@ class Learner:
                 self.parallel.passes(passes, count, batch),
                 self.parallel.idle_passes(passes, count, batch),
             )
-        for rows in passes:
-            report = self._loss(samples, rewards, ref_logps, rows, batch)
-            report.loss.backward()  # type: ignore[no-untyped-call]
-            report = report.backpropagated()
-            total = report if total is None else total.add(report)
-        for rows in idle:  # in step with busier ranks: the same collectives, nothing learnt
-            report = self._loss(samples, rewards, ref_logps, rows, batch)
-            (report.loss * 0.0).backward()  # type: ignore[no-untyped-call]
+        with self._casts_kept():
+            for rows in passes:
+                report = self._loss(samples, rewards, ref_logps, rows, batch)
+                report.loss.backward()  # type: ignore[no-untyped-call]
+                report = report.backpropagated()
+                total = report if total is None else total.add(report)
+            for rows in idle:  # in step with busier ranks: the same collectives, nothing learnt
+                report = self._loss(samples, rewards, ref_logps, rows, batch)
+                (report.loss * 0.0).backward()  # type: ignore[no-untyped-call]
         if self.parallel is not None:
             self.parallel.sum_gradients(self.policy)
             total = self.parallel.sum_report(total)

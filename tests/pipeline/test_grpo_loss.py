@@ -3,6 +3,7 @@ the behaviour log-probs under top-p, gradient clipping, the learning-rate schedu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -806,3 +807,36 @@ def test_every_loss_flag_reaches_the_loss_spec():
     )
     assert loss_spec(resolve(Config(is_correction="tis")), 9).is_mode == "token_truncate"
     assert loss_spec(resolve(Config(is_correction="none", is_cap=4.0)), 9).is_cap == 0, "no weights without one"
+
+
+def test_bfloat16_casts_each_weight_once_a_step_and_steps_exactly_as_a_cast_each_pass():
+    """The passes of one optimiser step share autocast's casts of the weights (they do not change within a step):
+    each float32 weight is cast to bfloat16 once a step, not once a pass, and the step is bit for bit the one whose
+    passes each cast the weights again."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class WeightCasts(TorchDispatchMode):
+        def __init__(self, weights: set[int]) -> None:
+            super().__init__()
+            self.weights, self.count = weights, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            kwargs = kwargs or {}
+            if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in self.weights:
+                self.count += kwargs.get("dtype") == torch.bfloat16
+            return func(*args, **kwargs)
+
+    task, _, batch, rewards, ref = _task(dtype="bfloat16", lr=1e-2, micro_batch=5)
+    learners = {"kept": Learner(task, torch.device("cpu")), "each pass": Learner(task, torch.device("cpu"))}
+    learners["each pass"]._casts_kept = contextlib.ExitStack  # type: ignore[method-assign]
+    casts, losses = {}, {}
+    for name, learner in learners.items():
+        assert len(learner._passes(batch, None)) == 5
+        weights = {p.data_ptr() for p in learner.policy.parameters() if p.dim() == 2}
+        with WeightCasts(weights) as counted:
+            losses[name] = float(learner.update(batch, rewards, ref).report.loss)
+        casts[name] = counted.count
+    assert casts["kept"] > 0 and casts["each pass"] == 5 * casts["kept"], casts
+    assert losses["kept"] == losses["each pass"]
+    for kept, each in zip(learners["kept"].policy.parameters(), learners["each pass"].policy.parameters(), strict=True):
+        assert torch.equal(kept, each)
