@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._processes._forkserver_protocol import PR_SET_PDEATHSIG
-from .._processes._lifeline import Lifelines
+from .._processes._lifeline import Lifelines, silence_bound
 from .._runtime._call_sender import encode_arguments, pending_future, send_call
 from .._runtime._core import Runtime, at_runtime_exit, current_runtime, runtime
 from .._runtime._future import Future
@@ -185,9 +185,10 @@ def attach_to_workers(
     check_worker_loop_args(private_key, ca)
     if isinstance(workers, str) or not workers:
         raise TypeError(f"workers must be a non-empty list of worker addresses, not {workers!r}")
+    lost_after = silence_bound()  # a bad setting refused before anything starts
     addresses = [attach_address(w.get(timeout=timeout) if isinstance(w, Future) else w) for w in workers]
     rt = _use_tcp()
-    lifelines = Lifelines(tcp_host(rt.address) or "127.0.0.1")
+    lifelines = Lifelines(tcp_host(rt.address) or "127.0.0.1", lost_after)
     agents: list[ProcMesh] = []
     handles: list[HostAgent] = []  # (actor meshes, typed as the class, as spawn returns them)
     try:
@@ -197,7 +198,7 @@ def attach_to_workers(
                 rt.registry.revive(ref, None)
             procs = ProcMesh(f"{name or 'workers'}-{index}", {"procs": 1}, [ref], owned=False)
             agents.append(procs)
-            handles.append(procs.spawn("host_agent", HostAgent, [*lifelines.address, lifelines.key.hex(), index]))
+            handles.append(procs.spawn("host_agent", HostAgent, lifelines.ticket(index)))
         deadline = time.monotonic() + timeout
         infos, pools = [], []
         for address, handle in zip(addresses, handles, strict=True):

@@ -28,6 +28,7 @@ from typing import Any
 from .._hosting._actor import Actor, endpoint
 from .._hosting._output import ProcessOutput
 from .._hosting._server import ActorServer
+from .._processes._lifeline import LifelineTicket
 from .._processes._node_forkserver import NodeForkserver
 from .._runtime._core import Runtime, install_runtime, runtime
 from .._shared._config import WorkerConfig
@@ -59,14 +60,13 @@ EXITS_POLL = 10.0
 class HostAgent(Actor):
     """The controller's agent on an attached worker host: this host's forkserver, driven by calls.
 
-    ``lifeline`` is ``[controller host, port, key hex, host index]``: the
-    agent holds it, and when it ends every worker it started is ended.
+    The agent holds the ``lifeline`` it is handed, and when it ends every
+    worker it started is ended.
     """
 
-    def __init__(self, lifeline: list[Any]) -> None:
+    def __init__(self, lifeline: LifelineTicket) -> None:
         self._node = NodeForkserver(bind_host(), make_runtime_dir())  # the loop's host (loopback for ipc)
-        host, port, key, index = lifeline
-        self._node.hold_lifeline((str(host), int(port)), bytes.fromhex(str(key)), int(index))
+        self._node.hold_lifeline(lifeline)
 
     @endpoint
     async def info(self) -> dict[str, Any]:

@@ -4,7 +4,10 @@ A placer's own health checks (Ray's, a scheduler's) take seconds to tens of
 seconds to notice that a machine is gone. A lifeline is quicker: when either
 process dies, its kernel closes the connection and the other side reads EOF
 at once; when a machine vanishes without closing anything, the heartbeats
-stop and the other side gives up after :data:`SILENCE` s. The node host
+stop and the other side gives up after a silence bound (:data:`SILENCE` s
+unless ``ACTORS_LIFELINE_SILENCE`` in the controller's environment says
+otherwise: the controller hands its bound to each node host with the
+lifeline's address and key, a :class:`LifelineTicket`). The node host
 proves it belongs to this controller with an HMAC of the controller's nonce
 under a key that reached it over an authenticated channel (a Ray
 constructor argument, or a CURVE-encrypted call to an attached worker).
@@ -20,6 +23,7 @@ import contextlib
 import hashlib
 import hmac
 import logging
+import math
 import os
 import selectors
 import socket
@@ -29,7 +33,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-__all__ = ["HEARTBEAT", "LIFELINE_THREAD", "SILENCE", "Lifelines", "hold"]
+__all__ = [
+    "HEARTBEAT",
+    "LIFELINE_THREAD",
+    "SILENCE",
+    "SILENCE_ENV",
+    "LifelineTicket",
+    "Lifelines",
+    "hold",
+    "silence_bound",
+]
 
 log = logging.getLogger("actors")
 
@@ -37,10 +50,48 @@ log = logging.getLogger("actors")
 LIFELINE_THREAD = "actors-lifeline"
 #: Seconds between heartbeats, both ways.
 HEARTBEAT = 0.5
-#: Seconds without a byte after which the other side counts as gone (a machine lost without a word).
+#: Seconds without a byte after which the other side counts as gone (a machine lost without a word), by default.
 SILENCE = 5.0
+#: The controller's environment variable that sets the silence bound, in seconds.
+SILENCE_ENV = "ACTORS_LIFELINE_SILENCE"
 _NONCE = 16
 _ANSWER = struct.Struct("<32sI")  # MAC of the nonce, node index
+
+
+def silence_bound() -> float:
+    """The silence bound this controller gives its lifelines: ``ACTORS_LIFELINE_SILENCE``, else :data:`SILENCE`.
+
+    Shorter finds a vanished machine sooner; it must leave room for a few
+    missed heartbeats of a busy host (at least ``4 x HEARTBEAT``, 2 s).
+    """
+    setting = os.environ.get(SILENCE_ENV)
+    if setting is None:
+        return SILENCE
+    try:
+        seconds = float(setting)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds < 4 * HEARTBEAT:
+        raise ValueError(
+            f"{SILENCE_ENV}={setting!r}: the lifeline's silence bound is a number of seconds, at least "
+            f"{4 * HEARTBEAT:g} (four heartbeats)"
+        )
+    return seconds
+
+
+@dataclass(frozen=True)
+class LifelineTicket:
+    """What a node host needs to hold its lifeline: the controller's address and key, its index, the silence bound."""
+
+    host: str
+    port: int
+    key: bytes
+    index: int
+    silence: float
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return (self.host, self.port)
 
 
 def _mac(key: bytes, nonce: bytes, index: int) -> bytes:
@@ -60,10 +111,12 @@ class Lifelines:
     """The controller's end: accepts each node host's lifeline and reports a node whose line ends.
 
     ``on_lost(index, why)`` runs on this class's thread; losses seen before
-    it is set are kept and reported when it is.
+    it is set are kept and reported when it is. ``silence_s`` is the bound both
+    ends use (default: :func:`silence_bound`).
     """
 
-    def __init__(self, host: str) -> None:
+    def __init__(self, host: str, silence_s: float | None = None) -> None:
+        self.silence = silence_bound() if silence_s is None else silence_s
         self.key = os.urandom(32)
         self._listener = socket.create_server((host, 0))
         self._listener.setblocking(False)
@@ -75,6 +128,10 @@ class Lifelines:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="actors-lifelines", daemon=True)
         self._thread.start()
+
+    def ticket(self, index: int) -> LifelineTicket:
+        """What node host ``index`` is handed to hold its lifeline to this controller."""
+        return LifelineTicket(self.address[0], self.address[1], self.key, index, self.silence)
 
     def watch(self, on_lost: Callable[[int, str], None]) -> None:
         with self._lock:
@@ -109,8 +166,8 @@ class Lifelines:
                             self._drop(selector, lines, line, "its lifeline to the controller closed")
                 now = time.monotonic()
                 for line in list(lines.values()):
-                    if now - line.heard > SILENCE:
-                        self._drop(selector, lines, line, f"its lifeline was silent for {SILENCE:g}s")
+                    if now - line.heard > self.silence:
+                        self._drop(selector, lines, line, f"its lifeline was silent for {self.silence:g}s")
                     elif now >= next_beat and line.index is not None:
                         try:
                             line.sock.send(b".")
@@ -178,20 +235,24 @@ class Lifelines:
             sock.close()
 
 
-def hold(address: tuple[str, int], key: bytes, index: int, on_lost: Callable[[str], None]) -> Callable[[], None]:
+def hold(ticket: LifelineTicket, on_lost: Callable[[str], None]) -> Callable[[], None]:
     """The node host's end: connect, prove the key, then beat until the line ends; returns a closer.
 
     ``on_lost(why)`` runs (on the lifeline's thread) when the controller's
-    end closes or falls silent, never after the closer was called.
+    end closes or falls silent for the ticket's bound, never after the closer
+    was called.
     """
-    sock = socket.create_connection(address, timeout=30.0)
+    if type(ticket) is not LifelineTicket:
+        raise TypeError(f"a lifeline is held by its LifelineTicket, not {ticket!r:.80}")
+    bound = ticket.silence
+    sock = socket.create_connection(ticket.address, timeout=30.0)
     nonce = bytearray()
     while len(nonce) < _NONCE:
         piece = sock.recv(_NONCE - len(nonce))
         if not piece:
             raise ConnectionError("the controller closed the lifeline during its handshake")
         nonce += piece
-    sock.sendall(_ANSWER.pack(_mac(key, bytes(nonce), index), index))
+    sock.sendall(_ANSWER.pack(_mac(ticket.key, bytes(nonce), ticket.index), ticket.index))
     sock.settimeout(HEARTBEAT)
     closing = threading.Event()
 
@@ -210,8 +271,8 @@ def hold(address: tuple[str, int], key: bytes, index: int, on_lost: Callable[[st
             except OSError as exc:
                 why = f"the controller's lifeline broke ({exc})"
                 break
-            if time.monotonic() - heard > SILENCE:
-                why = f"the controller's lifeline was silent for {SILENCE:g}s"
+            if time.monotonic() - heard > bound:
+                why = f"the controller's lifeline was silent for {bound:g}s"
                 break
             with contextlib.suppress(TimeoutError, OSError):
                 sock.send(b".")

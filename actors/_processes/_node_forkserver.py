@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from ._forkserver import _ServerProcess
 from ._forkserver_protocol import Exited, Report, SpawnFailed, SpawnRequest, frame, read_reports
-from ._lifeline import LIFELINE_THREAD, hold
+from ._lifeline import LIFELINE_THREAD, LifelineTicket, hold
 
 __all__ = ["SPAWN_REPORT_TIMEOUT", "NodeForkserver"]
 
@@ -50,9 +50,9 @@ class NodeForkserver:
         threading.Thread(target=self._read_reports, name="actors-node-reports", daemon=True).start()
         self._cut_lifeline: Callable[[], None] | None = None
 
-    def hold_lifeline(self, controller: tuple[str, int], key: bytes, index: int) -> None:
+    def hold_lifeline(self, ticket: LifelineTicket) -> None:
         """Hold a lifeline to the controller: when it ends, every worker here is ended."""
-        self._cut_lifeline = hold(controller, key, index, self._controller_lost)
+        self._cut_lifeline = hold(ticket, self._controller_lost)
 
     def _controller_lost(self, why: str) -> None:
         """The controller is gone (or cut off): end this host's workers rather than leave them orphaned."""

@@ -17,6 +17,7 @@ import os
 from typing import Any
 
 from .._processes._forkserver_protocol import Exited
+from .._processes._lifeline import LifelineTicket
 from .._processes._node_forkserver import NodeForkserver
 from .._shared._session import (
     CURVE_PUBLIC_ENV,
@@ -37,7 +38,7 @@ class NodeHost:
     """A forkserver on this node, driven through Ray: ``spawn`` workers, hear when they exit."""
 
     def __init__(
-        self, public_key: str, secret_key: str, bind_host: str | None = None, lifeline: list[Any] | None = None
+        self, public_key: str, secret_key: str, bind_host: str | None = None, lifeline: LifelineTicket | None = None
     ) -> None:
         import ray
 
@@ -50,9 +51,8 @@ class NodeHost:
         os.environ[SESSION_ENV] = session_dir
         self.gpus = [str(g) for g in ray.get_gpu_ids()]
         self._node = NodeForkserver(ip, session_dir)
-        if lifeline is not None:  # [controller host, port, key hex, this host's index]
-            host, port, key, index = lifeline
-            self._node.hold_lifeline((host, int(port)), bytes.fromhex(key), int(index))
+        if lifeline is not None:
+            self._node.hold_lifeline(lifeline)
 
     def info(self) -> dict[str, Any]:
         """Where this host is: its cluster address, pid, Ray node and the GPUs Ray gave it."""

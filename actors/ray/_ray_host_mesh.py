@@ -17,7 +17,7 @@ import logging
 from typing import Any
 
 from .._meshes._remote_host_mesh import ADDRESS_POOL, RemoteHostMesh, RemoteNode, Requested, use_tcp
-from .._processes._lifeline import Lifelines
+from .._processes._lifeline import Lifelines, silence_bound
 from .._runtime._core import Runtime, at_runtime_exit, runtime
 from .._shared._session import session_keys, tcp_host
 from ._node import NodeHost
@@ -101,6 +101,7 @@ def host_mesh(
     for what, value in (("gpus_per_host", gpus_per_host), ("cpus_per_host", cpus_per_host)):
         if not isinstance(value, (int, float)) or value < 0:
             raise ValueError(f"{what} must be a non-negative number, not {value!r}")
+    lost_after = silence_bound()  # a bad setting refused before anything is reserved
     ray = _ray()
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -123,7 +124,7 @@ def host_mesh(
             f"Ray could not reserve {hosts} separate nodes with {bundle} each within {SETUP_TIMEOUT:g}s "
             f"(the cluster has {len(ray.nodes())} nodes: {ray.cluster_resources()})"
         )
-    lifelines = Lifelines(tcp_host(rt.address) or "127.0.0.1")
+    lifelines = Lifelines(tcp_host(rt.address) or "127.0.0.1", lost_after)
     remote = ray.remote(NodeHost)
     handles = [
         remote.options(
@@ -131,7 +132,7 @@ def host_mesh(
             num_gpus=gpus_per_host,
             max_concurrency=8,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-        ).remote(keys[0].decode(), keys[1].decode(), bind_host, [*lifelines.address, lifelines.key.hex(), i])
+        ).remote(keys[0].decode(), keys[1].decode(), bind_host, lifelines.ticket(i))
         for i in range(hosts)
     ]
     try:

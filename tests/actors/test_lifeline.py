@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import threading
+import time
 
 import pytest
 from harness import wait_for
 
-from actors._processes._lifeline import Lifelines, hold
+from actors._processes._lifeline import (
+    _ANSWER,
+    _NONCE,
+    SILENCE,
+    SILENCE_ENV,
+    Lifelines,
+    LifelineTicket,
+    _mac,
+    hold,
+    silence_bound,
+)
 
 GUARD = 10.0  # a guard against hangs, never a synchronisation
 
@@ -35,8 +47,8 @@ def reporter() -> tuple[list[tuple[int, str]], threading.Event, object]:
 def test_a_node_whose_line_closes_is_reported_lost_with_its_index(lifelines):
     lost, seen, on_lost = reporter()
     lifelines.watch(on_lost)
-    cut_0 = hold(lifelines.address, lifelines.key, 0, lambda why: None)
-    cut_3 = hold(lifelines.address, lifelines.key, 3, lambda why: None)
+    cut_0 = hold(lifelines.ticket(0), lambda why: None)
+    cut_3 = hold(lifelines.ticket(3), lambda why: None)
     cut_3()  # as when the node host's process dies: the kernel closes its end
     assert seen.wait(GUARD)
     assert lost == [(3, "its lifeline to the controller closed")]
@@ -44,7 +56,7 @@ def test_a_node_whose_line_closes_is_reported_lost_with_its_index(lifelines):
 
 
 def test_losses_before_anyone_watches_are_kept_and_reported(lifelines):
-    cut = hold(lifelines.address, lifelines.key, 1, lambda why: None)
+    cut = hold(lifelines.ticket(1), lambda why: None)
     cut()
     lost, _, on_lost = reporter()
     assert wait_for(lambda: lifelines._early, timeout=GUARD)  # type: ignore[attr-defined]
@@ -56,9 +68,9 @@ def test_a_line_without_the_key_counts_for_nothing(lifelines):
     """An impostor cannot pass as a node, and its leaving loses no node."""
     lost, seen, on_lost = reporter()
     lifelines.watch(on_lost)
-    cut = hold(lifelines.address, os.urandom(32), 0, lambda why: None)
+    cut = hold(dataclasses.replace(lifelines.ticket(0), key=os.urandom(32)), lambda why: None)
     cut()
-    real = hold(lifelines.address, lifelines.key, 2, lambda why: None)
+    real = hold(lifelines.ticket(2), lambda why: None)
     real()
     assert seen.wait(GUARD)
     assert lost == [(2, "its lifeline to the controller closed")]
@@ -73,7 +85,7 @@ def test_the_node_side_hears_when_the_controller_goes():
         why.append(reason)
         gone.set()
 
-    cut = hold(lines.address, lines.key, 0, on_lost)
+    cut = hold(lines.ticket(0), on_lost)
     lines.close()  # as when the controller dies
     assert gone.wait(GUARD)
     assert why == ["the controller's lifeline closed"]
@@ -83,7 +95,7 @@ def test_the_node_side_hears_when_the_controller_goes():
 def test_a_closer_called_first_means_no_report():
     lines = Lifelines("127.0.0.1")
     reported: list[str] = []
-    cut = hold(lines.address, lines.key, 0, reported.append)
+    cut = hold(lines.ticket(0), reported.append)
     cut()
     lines.close()
     assert reported == []
@@ -94,4 +106,86 @@ def test_an_unreachable_controller_fails_the_node_host_at_once():
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     with pytest.raises(OSError):
-        hold(("127.0.0.1", port), os.urandom(32), 0, lambda why: None)
+        hold(LifelineTicket("127.0.0.1", port, os.urandom(32), 0, SILENCE), lambda why: None)
+
+
+def test_the_silence_bound_is_the_controllers_setting_or_five_seconds(monkeypatch):
+    monkeypatch.delenv(SILENCE_ENV, raising=False)
+    assert silence_bound() == SILENCE == 5.0
+    monkeypatch.setenv(SILENCE_ENV, "2.5")
+    assert silence_bound() == 2.5
+    lines = Lifelines("127.0.0.1")
+    try:
+        assert lines.ticket(4) == LifelineTicket(*lines.address, lines.key, 4, 2.5), "the node hosts get the bound"
+    finally:
+        lines.close()
+    for bad in ("1", "0", "-3", "soon", "inf", "nan"):
+        monkeypatch.setenv(SILENCE_ENV, bad)
+        with pytest.raises(ValueError, match=rf"ACTORS_LIFELINE_SILENCE='{bad}': .* at least 2 \(four heartbeats\)"):
+            silence_bound()
+
+
+def test_hold_takes_a_ticket():
+    with pytest.raises(TypeError, match="held by its LifelineTicket"):
+        hold(("127.0.0.1", 9), lambda why: None)  # type: ignore[arg-type]
+
+
+BOUND = 2.0  # the shortest bound allowed: the silence is the fault's length, not a synchronisation
+
+
+def test_a_node_that_falls_silent_is_lost_after_the_bound():
+    """A node host that proved the key and then says nothing (its machine gone without closing anything)."""
+    lines = Lifelines("127.0.0.1", BOUND)
+    lost, seen, on_lost = reporter()
+    lines.watch(on_lost)
+    mute = socket.create_connection(lines.address)
+    try:
+        nonce = b""
+        while len(nonce) < _NONCE:
+            nonce += mute.recv(_NONCE - len(nonce))
+        mute.sendall(_ANSWER.pack(_mac(lines.key, nonce, 5), 5))
+        proved = time.monotonic()
+        assert seen.wait(BOUND + GUARD)
+        assert time.monotonic() - proved >= BOUND
+        assert lost == [(5, "its lifeline was silent for 2s")]
+    finally:
+        mute.close()
+        lines.close()
+
+
+def test_the_node_side_gives_up_on_a_silent_controller_after_its_tickets_bound():
+    """A controller that sends its nonce, hears the proof and then says nothing (its machine gone without a word)."""
+    done = threading.Event()
+
+    def mute_controller(server: socket.socket) -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.sendall(os.urandom(_NONCE))
+            done.wait(BOUND + GUARD)  # reads nothing more, sends nothing more
+
+    why: list[str] = []
+    gone = threading.Event()
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        controller = threading.Thread(target=mute_controller, args=(server,), daemon=True)
+        controller.start()
+        ticket = LifelineTicket(*server.getsockname()[:2], os.urandom(32), 0, BOUND)
+        started = time.monotonic()  # before the node's clock starts: it heard nothing since
+        cut = hold(ticket, lambda reason: (why.append(reason), gone.set()))
+        try:
+            assert gone.wait(BOUND + GUARD)
+            assert time.monotonic() - started >= BOUND
+            assert why == ["the controller's lifeline was silent for 2s"]
+        finally:
+            cut()
+            done.set()
+            controller.join(GUARD)
+
+
+def test_ray_hosts_refuse_a_bad_bound_before_anything_is_reserved(monkeypatch):
+    ray = pytest.importorskip("ray", reason="needs the ray extra: pip install -e '.[ray]'")
+    from actors.ray import host_mesh
+
+    monkeypatch.setenv(SILENCE_ENV, "soon")
+    with pytest.raises(ValueError, match=r"ACTORS_LIFELINE_SILENCE='soon': the lifeline's silence bound is a number"):
+        host_mesh(hosts=2)
+    assert not ray.is_initialized(), "nothing was started"

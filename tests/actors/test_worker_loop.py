@@ -247,6 +247,9 @@ def test_bad_arguments_are_refused_with_the_reason(monkeypatch):
         actors.attach_to_workers(workers=["tcp://127.0.0.1:fd3"])
     with pytest.raises(NotImplementedError, match="start_worker_loop_forever"):
         actors.start_worker_loop_forever(address="tcp://127.0.0.1:4444", ca="trust_all_connections")
+    monkeypatch.setenv("ACTORS_LIFELINE_SILENCE", "0.5")  # a lost host would be declared on one missed beat
+    with pytest.raises(ValueError, match=r"ACTORS_LIFELINE_SILENCE='0.5': .* at least 2"):
+        actors.attach_to_workers(workers=["tcp://127.0.0.1:4444"])
 
 
 HOSTS_FROM_CONFIG = textwrap.dedent(

@@ -95,9 +95,10 @@ async def partition_fails_calls_and_moves_the_rank(cluster: Cluster) -> dict[str
     node host hears nothing from the controller); then the link comes back
     and calls still reach the replacement, not the stray.
     """
-    from actors._processes._lifeline import SILENCE
+    from actors._processes._lifeline import silence_bound
     from actors.ray import host_mesh_async
 
+    bound = silence_bound()  # the fixture sets a short one
     detections, lags, moves = [], [], []
     for _ in range(ROUNDS):
         hosts = await host_mesh_async(hosts=2)
@@ -115,7 +116,7 @@ async def partition_fails_calls_and_moves_the_rank(cluster: Cluster) -> dict[str
             cluster.cut(k)
             try:
                 try:
-                    await asyncio.wait_for(pending, SILENCE + 10)
+                    await asyncio.wait_for(pending, bound + 10)
                     raise AssertionError("a call pending on a partitioned node answered")
                 except ActorDied:
                     detections.append(time.monotonic() - started)
@@ -123,7 +124,7 @@ async def partition_fails_calls_and_moves_the_rank(cluster: Cluster) -> dict[str
                 lags.append(lag.stop())
                 assert lags[-1] < STALL, f"the controller's loop stalled {lags[-1]:.3f}s during the partition"
                 assert after[1] != before[1] and after[2] == "again", (before, after)
-                assert await base.pid_exited(int(before[0]), SILENCE + 10), (
+                assert await base.pid_exited(int(before[0]), bound + 10), (
                     f"stranded worker {before[0]} outlived the partition"
                 )
             finally:
@@ -137,7 +138,7 @@ async def partition_fails_calls_and_moves_the_rank(cluster: Cluster) -> dict[str
     return {
         "detection_s": [round(d, 3) for d in detections],
         "detection_median_s": round(statistics.median(detections), 3),
-        "silence_bound_s": SILENCE,
+        "silence_bound_s": bound,
         "worst_loop_lag_ms": round(max(lags) * 1000, 1),
         "moves": moves,
     }
@@ -192,9 +193,10 @@ async def brief_partition_loses_nothing(cluster: Cluster) -> dict[str, Any]:
     once the link is up it is answered by the same process, and no restart
     or failure happened.
     """
-    from actors._processes._lifeline import SILENCE
+    from actors._processes._lifeline import silence_bound
     from actors.ray import host_mesh_async
 
+    bound = silence_bound()
     hosts = await host_mesh_async(hosts=2)
     try:
         procs = hosts.spawn_procs(per_host={"procs": 1}, restart="on-failure")
@@ -206,7 +208,7 @@ async def brief_partition_loses_nothing(cluster: Cluster) -> dict[str, Any]:
         cluster.cut(k)
         try:
             during = asyncio.ensure_future(far.where.call_one())
-            await asyncio.sleep(SILENCE / 2)  # the partition's length (a fault's duration, not synchronisation)
+            await asyncio.sleep(bound / 2)  # the partition's length (a fault's duration, not synchronisation)
             assert not during.done(), during
         finally:
             cluster.heal(k)
@@ -217,14 +219,14 @@ async def brief_partition_loses_nothing(cluster: Cluster) -> dict[str, Any]:
         assert procs.restarts == [0, 0] and not procs.failures, (procs.restarts, procs.failures)
         assert not any(h["lost"] for h in hosts.hosts), hosts.hosts
         await procs.stop()
-        return {"cut_s": SILENCE / 2, "answered_after_heal_s": round(answered, 3)}
+        return {"cut_s": bound / 2, "answered_after_heal_s": round(answered, 3)}
     finally:
         await hosts.shutdown_async()
 
 
 @check("pipeline_survives_a_partition")
 async def pipeline_survives_a_partition(cluster: Cluster) -> dict[str, Any]:
-    """``--ray`` on every node, 2,400 bandit steps; the last node cut off after 200 steps: the run finishes.
+    """``--ray`` on every node, 1,600 bandit steps; the last node cut off after 200 steps: the run finishes.
 
     With a host on every node, the trainer is on the controller's node (the
     head's namespace), so the cut takes only the last node's generator: it
@@ -236,9 +238,9 @@ async def pipeline_survives_a_partition(cluster: Cluster) -> dict[str, Any]:
     from pipeline import Config
 
     nodes = len(cluster.names)
-    # 2,200 steps after the cut: ~10 s at its pace (227 steps/s); the silence bound (5 s) and the restart take ~6
+    # 1,400 steps after the cut: ~6 s at its pace (227 steps/s); the silence bound (2 s here) and the restart take ~3
     config = Config(
-        task="bandit", steps=2400, generators=nodes, ray=cluster.address, ray_hosts=nodes, target_score=None
+        task="bandit", steps=1600, generators=nodes, ray=cluster.address, ray_hosts=nodes, target_score=None
     )
     config.run_dir = tempfile.mkdtemp(prefix="netns-partition-")
     run, steps_logged = await base.pipeline_past(config, 200)
@@ -248,7 +250,7 @@ async def pipeline_survives_a_partition(cluster: Cluster) -> dict[str, Any]:
         result = await asyncio.wait_for(run, 300)
     finally:
         cluster.heal(cut)
-    assert result.steps == 2400, result
+    assert result.steps == 1600, result
     assert list(result.restarts.values()) == [1], result.restarts
     (moved,) = result.restarts
     assert result.rollouts[moved] > 0, f"{moved} never produced after its restart: {result.rollouts}"

@@ -706,14 +706,14 @@ async def pipeline_survives_a_lost_node(cluster):  # type: ignore[no-untyped-def
 
     node = cluster.add_node(num_cpus=1, node_ip_address="127.0.0.4")
     cluster.wait_for_nodes()
-    # 800 steps after the removal, ~11 s at this cluster's pace (~70 steps/s); the restart was in by ~185 steps
-    config = Config(task="bandit", steps=1000, generators=2, ray=cluster.address, ray_hosts=2, target_score=None)
+    # 400 steps after the removal, ~6 s at this cluster's pace (~70 steps/s); the restart was in by 60-185 steps
+    config = Config(task="bandit", steps=600, generators=2, ray=cluster.address, ray_hosts=2, target_score=None)
     config.run_dir = tempfile.mkdtemp(prefix="ray-lost-node-")
     run, steps_logged = await pipeline_past(config, 200)
     removing = asyncio.ensure_future(asyncio.to_thread(cluster.remove_node, node, False))
     result = await asyncio.wait_for(run, 240)
     await removing
-    assert result.steps == 1000, result
+    assert result.steps == 600, result
     assert len(result.restarts) == 1 and list(result.restarts.values()) == [1], result.restarts
     (moved,) = result.restarts
     assert result.rollouts[moved] > 0, f"{moved} never produced after its restart: {result.rollouts}"
