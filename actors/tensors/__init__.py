@@ -211,7 +211,7 @@ def check_specs(specs: Any, capacity: int) -> tuple[TensorSpec, ...]:
         numel = 1
         for dim in shape:
             numel *= dim
-        if spec.nbytes != numel * dtype.itemsize:
+        if type(spec.nbytes) is not int or spec.nbytes != numel * dtype.itemsize:
             raise ManifestError(f"{what}: {spec.nbytes!r} bytes cannot hold {numel} elements of {spec.dtype}")
         offset = spec.offset
         if type(offset) is not int or offset < 0 or offset % ALIGN or offset + spec.nbytes > capacity:

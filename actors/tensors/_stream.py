@@ -129,9 +129,18 @@ def receive_verified(
 
 
 def check_reply(
-    reply: bytes, key: bytes, reader_nonce: bytes, server_nonce: bytes, crcs_of: Callable[[int], bytes]
+    reply: bytes,
+    key: bytes,
+    reader_nonce: bytes,
+    server_nonce: bytes,
+    crcs_of: Callable[[int], bytes],
+    most: int,
 ) -> tuple[int, int, int, bytes]:
-    """Unpack and authenticate a reply: status, total, chunk and the CRCs (read by ``crcs_of(count)``)."""
+    """Unpack and authenticate a reply: status, total, chunk and the CRCs (read by ``crcs_of(count)``).
+
+    A reply offering more than ``most`` bytes (what the manifest allows) is
+    refused before its CRC table is read: its sizes are not yet authenticated.
+    """
     magic, status, total, chunk, count, mac = REPLY.unpack(reply)
     if magic != MAGIC:
         raise WeightSyncError("the weight server answered with something that is not this protocol")
@@ -139,6 +148,10 @@ def check_reply(
         return status, 0, 0, b""
     if total < 0 or chunk <= 0 or chunk > 1 << 30 or count != -(-total // chunk):
         raise WeightSyncError(f"the weight server's reply is malformed ({total} bytes in {count} chunks of {chunk})")
+    if total > most:
+        raise WeightSyncError(
+            f"the weight server offers {total} bytes where the manifest allows at most {most}; nothing was read"
+        )
     crcs = crcs_of(count)
     if not hmac.compare_digest(mac, reply_mac(key, reader_nonce, server_nonce, status, total, chunk, crcs)):
         raise WeightSyncError("the weight server could not prove it holds the update's key; nothing was read")

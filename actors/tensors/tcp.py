@@ -165,8 +165,8 @@ class TcpWriter:
             dst = data[spec.offset : spec.offset + spec.nbytes].view(spec.torch_dtype).view(spec.shape)
             # a gathered copy is freed at once: copied synchronously
             dst.copy_(source, non_blocking=tensor.is_cuda and not is_sharded(tensor))
-        if from_gpu:
-            torch.cuda.synchronize()
+        for device in {tensor.device for _, tensor in tensors if tensor.is_cuda}:
+            torch.cuda.synchronize(device)  # each source's GPU (a worker thread's current device is GPU 0's)
         out = (
             [replace(s, checksum=checksum(data[s.offset : s.offset + s.nbytes])) for s in specs]
             if with_checksums
@@ -334,6 +334,7 @@ class TcpReader:
         self._pin = pin
         self._held: dict[str, torch.Tensor] = {}
         self._spare: torch.Tensor | None = None
+        self._lock = threading.Lock()  # the spare buffer and the checker, taken by fetches on worker threads
         self._checker: ThreadPoolExecutor | None = None
         self._fetches: set[_Fetch] = set()
 
@@ -415,7 +416,9 @@ class TcpReader:
             receive_exactly(sock, memoryview(crcs))
             return bytes(crcs)
 
-        status, total, chunk, crcs = check_reply(bytes(reply), handle.key, reader_nonce, server_nonce, crcs_of)
+        status, total, chunk, crcs = check_reply(
+            bytes(reply), handle.key, reader_nonce, server_nonce, crcs_of, needed + ALIGN
+        )
         if status == REFUSED:
             raise WeightSyncError(f"{what}: the publisher refused the manifest's key")
         if status == UNKNOWN:
@@ -424,13 +427,16 @@ class TcpReader:
             raise ManifestError(f"{what}: the publisher serves {total} bytes, the manifest describes {needed}")
         data = self._buffer(total)
         if total:
-            if self._checker is None:
-                self._checker = ThreadPoolExecutor(1, thread_name_prefix="actors-weights-crc")
-            receive_verified(sock, tensor_buffer(data, total), chunk, crcs, self._checker, what)
+            with self._lock:  # concurrent fetches (worker threads) share one checker
+                if self._checker is None:
+                    self._checker = ThreadPoolExecutor(1, thread_name_prefix="actors-weights-crc")
+                checker = self._checker
+            receive_verified(sock, tensor_buffer(data, total), chunk, crcs, checker, what)
         return data
 
     def _buffer(self, nbytes: int) -> torch.Tensor:
-        spare, self._spare = self._spare, None
+        with self._lock:  # concurrent fetches run on worker threads: one of them takes the spare
+            spare, self._spare = self._spare, None
         pin = self._pin if self._pin is not None else torch.cuda.is_available() and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
         if spare is not None and spare.numel() >= nbytes and spare.is_pinned() == pin:
             return spare[:nbytes] if spare.numel() > nbytes else spare
@@ -438,8 +444,9 @@ class TcpReader:
 
     def release(self, update_id: str) -> None:
         data = self._held.pop(update_id, None)
-        if data is not None and (self._spare is None or self._spare.numel() < data.numel()):
-            self._spare = data  # the next fetch reuses it (pages already touched, pinning already paid)
+        with self._lock:
+            if data is not None and (self._spare is None or self._spare.numel() < data.numel()):
+                self._spare = data  # the next fetch reuses it (pages already touched, pinning already paid)
 
     def close(self) -> None:
         for fetch in list(self._fetches):

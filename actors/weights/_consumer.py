@@ -33,17 +33,22 @@ class PublisherWatch:
     """Whether the processes that published updates are alive, through Linux pidfds.
 
     A pidfd turns readable the moment its process exits, so a death is seen
-    without polling or heartbeats, and an event loop can wait for it.
+    without polling or heartbeats, and an event loop can wait for it. Where
+    ``pidfd_open`` is refused (a sandbox's seccomp profile), a pid is only
+    asked whether it exists, and its death is not awaited.
     """
 
     def __init__(self) -> None:
         self._fds: dict[int, int] = {}
         self.dead: set[int] = set()
+        self._unwatchable: set[int] = set()  # pids pidfd_open was refused for
 
     def alive(self, pid: int) -> bool:
         if pid == os.getpid():
             return True
         fd = self._fd(pid)
+        if pid in self._unwatchable:
+            return _exists(pid)
         if fd is None:
             return False
         if select.select([fd], [], [], 0)[0]:
@@ -56,10 +61,15 @@ class PublisherWatch:
             return None
         fd = self._fds.get(pid)
         if fd is None:
+            if pid in self._unwatchable:
+                return None
             try:
                 fd = self._fds[pid] = os.pidfd_open(pid)
             except ProcessLookupError:
                 self.dead.add(pid)
+                return None
+            except OSError:  # refused here, not a dead process
+                self._unwatchable.add(pid)
                 return None
         return fd
 
@@ -74,6 +84,8 @@ class PublisherWatch:
         if pid == os.getpid():
             await asyncio.get_running_loop().create_future()  # never: this process is alive while it waits
         fd = self._fd(pid)
+        if pid in self._unwatchable:
+            await asyncio.get_running_loop().create_future()  # never: its death cannot be seen (callers time out)
         if fd is None:
             return
         loop = asyncio.get_running_loop()
@@ -96,9 +108,21 @@ class PublisherWatch:
         self._fds.clear()
 
 
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process, alive
+    return True
+
+
 def _check_type(manifest: object) -> None:
+    """A WeightManifest whose own fields are sound (TypeError, or ManifestError naming the bad fields)."""
     if not isinstance(manifest, WeightManifest):
         raise TypeError(f"expected a WeightManifest, got {type(manifest).__name__}")
+    manifest.checked()
 
 
 def _alias(

@@ -35,9 +35,10 @@ class WeightInbox:
         self.publisher_here = True
 
     def put(self, manifest: WeightManifest) -> None:
+        """Queue ``manifest``; one that is not a sound manifest is refused here, before it can reach the queue."""
         if not isinstance(manifest, WeightManifest):
             raise TypeError(f"expected a WeightManifest, got {type(manifest).__name__}")
-        self._queue.append(manifest)
+        self._queue.append(manifest.checked())
         self.publisher = manifest.publisher_pid
         self.publisher_here = self.consumer.on_this_host(manifest)
         if self._arrived is not None:

@@ -35,6 +35,39 @@ class WeightManifest:
     metadata: dict[str, Any] = field(default_factory=dict)
     publisher_host: str = ""
 
+    def checked(self) -> WeightManifest:
+        """This manifest, once its own fields have the types they must (:class:`ManifestError` if a peer's do not).
+
+        The specs and the handle are checked where they are read (by the
+        table and the transport); these are what everything else relies on:
+        an id to release by, a version to order by, a pid to watch.
+        """
+        problems = [
+            f"{name} must be {what}, not {value!r:.60}"
+            for name, value, ok, what in (
+                (
+                    "update_id",
+                    self.update_id,
+                    type(self.update_id) is str and 0 < len(self.update_id) <= 256,
+                    "a string of 1-256 characters",
+                ),
+                ("version", self.version, type(self.version) is int, "an int"),
+                ("transport", self.transport, type(self.transport) is str, "a string"),
+                (
+                    "publisher_pid",
+                    self.publisher_pid,
+                    type(self.publisher_pid) is int and self.publisher_pid > 0,
+                    "a positive int",
+                ),
+                ("metadata", self.metadata, type(self.metadata) is dict, "a dict"),
+                ("publisher_host", self.publisher_host, type(self.publisher_host) is str, "a string"),
+            )
+            if not ok
+        ]
+        if problems:
+            raise ManifestError(f"malformed weight manifest: {'; '.join(problems)}")
+        return self
+
     @property
     def tensors(self) -> tuple[TensorSpec, ...]:
         """The update's tensor specs, in its order (:class:`ManifestError` if its table is malformed)."""

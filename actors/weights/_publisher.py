@@ -55,20 +55,26 @@ async def _to_thread_to_the_end(fn: Any, *args: Any) -> Any:
     The copy writes into a reserved slot: the slot can only be given back
     once nothing writes into it any more.
     """
-    future = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+    return await _awaited_to_the_end(asyncio.get_running_loop().run_in_executor(None, fn, *args))
+
+
+async def _awaited_to_the_end(future: asyncio.Future[Any]) -> Any:
+    """``future``'s result, awaited until it is done even if the caller is cancelled meanwhile (then that is raised).
+
+    A cancellation may land after the future finished but before this task
+    resumed: it is still the caller's cancellation, and the result is dropped.
+    """
     cancelled = False
-    while True:
+    while not future.done():
         try:
-            result = await asyncio.shield(future)
-            break
+            await asyncio.shield(future)
         except asyncio.CancelledError:
-            if future.done():
-                break
             cancelled = True
     if cancelled:
-        future.exception()  # retrieved: the cancellation is what the caller sees
+        if not future.cancelled():
+            future.exception()  # retrieved: the cancellation is what the caller sees
         raise asyncio.CancelledError
-    return result
+    return future.result()
 
 
 class WeightPublisher:

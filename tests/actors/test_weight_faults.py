@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import subprocess
 import time
 
 import pytest
@@ -96,6 +97,53 @@ def test_installing_something_that_is_not_a_manifest_is_a_type_error():
 
 
 @pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"update_id": ["x"]}, r"update_id must be a string of 1-256 characters, not \['x'\]"),
+        ({"update_id": 5}, "update_id must be a string"),
+        ({"update_id": ""}, "update_id must be a string"),
+        ({"version": "7"}, "version must be an int, not '7'"),
+        ({"publisher_pid": 0}, "publisher_pid must be a positive int, not 0"),
+        (
+            {"publisher_pid": -1, "metadata": []},
+            "publisher_pid must be a positive int, not -1; metadata must be a dict",
+        ),
+        ({"transport": None, "publisher_host": 3}, "transport must be a string.*publisher_host must be a string"),
+    ],
+)
+def test_a_manifest_whose_own_fields_are_wrong_is_refused_and_poisons_nothing(published, fields, match):
+    """A peer's manifest with a field of the wrong type: refused where it arrives, with the field named; an inbox
+    keeps working (it never queued it) and a consumer still installs the good update afterwards."""
+    bad = dataclasses.replace(published, **fields)
+    model = filled_model(5.0)
+    consumer = WeightConsumer()
+    inbox = WeightInbox(consumer)
+    with pytest.raises(ManifestError, match=match):
+        inbox.put(bad)
+    with pytest.raises(ManifestError, match=match):
+        consumer.install(bad, model)
+    assert len(inbox) == 0 and all_equal(model, 5.0)
+    inbox.put(published)
+    assert inbox.install_newest(model) is published and all_equal(model, 1.0)
+    consumer.close()
+
+
+def test_where_pidfd_open_is_refused_a_publisher_is_asked_whether_it_exists(monkeypatch):
+    """A sandbox that refuses pidfd_open (seccomp) is not a dead publisher: its pid is looked up instead."""
+    from actors.weights._consumer import PublisherWatch
+
+    def refused(pid: int) -> int:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "pidfd_open", refused)
+    watch = PublisherWatch()
+    assert watch.alive(os.getppid())
+    child = subprocess.Popen(["true"])
+    child.wait()  # reaped: the pid names nothing now
+    assert not watch.alive(child.pid)
+
+
+@pytest.mark.parametrize(
     ("changes", "match"),
     [
         ({"nbytes": 4}, "bytes cannot hold"),
@@ -110,6 +158,15 @@ def test_a_malformed_spec_is_refused_before_a_byte_is_read(published, changes, m
     consumer = WeightConsumer()
     with pytest.raises(ManifestError, match=match):
         consumer.install(spec_changed(published, **changes), model)
+    assert all_equal(model, 5.0)
+    consumer.close()
+
+
+def test_a_size_that_is_not_an_int_is_refused_even_when_it_equals_the_right_one(published):
+    model = filled_model(5.0)
+    consumer = WeightConsumer()
+    with pytest.raises(ManifestError, match="bytes cannot hold"):
+        consumer.install(spec_changed(published, nbytes=float(published.tensors[0].nbytes)), model)
     assert all_equal(model, 5.0)
     consumer.close()
 

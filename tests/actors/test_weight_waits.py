@@ -90,6 +90,22 @@ async def test_a_cancelled_publish_gives_its_slot_back():
     assert not glob.glob(f"{SHM_DIR}/{manifest.handle}")
 
 
+async def test_a_cancellation_landing_after_the_copy_finished_is_still_the_callers():
+    """The copy's future done, its waiter not yet resumed, then the cancel: the caller sees CancelledError."""
+    from actors.weights._publisher import _awaited_to_the_end
+
+    copy: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    waiter = asyncio.ensure_future(_awaited_to_the_end(copy))
+    await asyncio.sleep(0)  # the waiter is suspended on the copy
+    copy.set_result(7)  # done; the waiter is woken only on the loop's next turn
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    finished: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    finished.set_result(8)
+    assert await _awaited_to_the_end(finished) == 8
+
+
 async def test_concurrent_publishes_of_one_publisher_are_refused():
     state = {"w": torch.ones(4 * 1024 * 1024)}
     with WeightPublisher("shm", slots=2) as publisher:

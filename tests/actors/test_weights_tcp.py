@@ -129,8 +129,23 @@ def test_a_reader_without_the_key_is_refused_and_reads_nothing(publisher):
     consumer.close()
 
 
-def test_a_server_that_cannot_prove_the_key_is_not_read_from():
-    """An impostor at the manifest's address: its reply's MAC is wrong, so no byte of it is used."""
+@pytest.mark.parametrize(
+    ("reply", "match"),
+    [
+        (
+            REPLY.pack(MAGIC, OK, 4, 4096, 1, bytes(32)) + bytes(4) + b"evil",
+            "could not prove it holds the update's key",
+        ),
+        # 4 GiB in one-byte chunks: a 16 GiB table of CRCs, offered before anything is authenticated
+        (
+            REPLY.pack(MAGIC, OK, (1 << 32) - 1, 1, (1 << 32) - 1, bytes(32)),
+            "offers 4294967295 bytes where the manifest",
+        ),
+    ],
+)
+def test_a_server_that_cannot_prove_the_key_is_not_read_from(reply, match):
+    """An impostor at the manifest's address: its reply's MAC is wrong, or its sizes are more than the manifest
+    allows (refused before its CRC table is read), so no byte of it is used."""
     listener = socket.create_server(("127.0.0.1", 0))
 
     def impostor() -> None:
@@ -138,7 +153,7 @@ def test_a_server_that_cannot_prove_the_key_is_not_read_from():
         with sock:
             sock.sendall(HELLO.pack(MAGIC, os.urandom(16)))
             sock.recv(4096)
-            sock.sendall(REPLY.pack(MAGIC, OK, 4, 4096, 1, bytes(32)) + bytes(4) + b"evil")
+            sock.sendall(reply)
 
     thread = threading.Thread(target=impostor)
     thread.start()
@@ -149,7 +164,7 @@ def test_a_server_that_cannot_prove_the_key_is_not_read_from():
         handle = TcpHandle("127.0.0.1", listener.getsockname()[1], os.urandom(32))
         fake = dataclasses.replace(manifest, transport="tcp", handle=handle, publisher_host="elsewhere")
         consumer = WeightConsumer()
-        with pytest.raises(WeightSyncError, match="could not prove it holds the update's key"):
+        with pytest.raises(WeightSyncError, match=match):
             consumer.import_update(fake)
         consumer.close()
     finally:
