@@ -51,6 +51,7 @@ __all__ = [
     "origins",
     "probe",
     "read_async",
+    "release_async",
     "ties",
 ]
 
@@ -313,6 +314,15 @@ async def read_async(
     if fetch is not None:
         return await fetch(update_id, version, handle, specs, timeout)  # type: ignore[no-any-return]
     return reader.read(update_id, version, handle, specs)
+
+
+async def release_async(reader: Reader, update_id: str) -> None:
+    """``reader.release`` for code on an event loop: awaited where the reader must wait for a device (``cuda-ipc``)."""
+    release = getattr(reader, "release_async", None)
+    if release is not None:
+        await release(update_id)
+    else:
+        reader.release(update_id)
 
 
 def probe(transport: str) -> str | None:

@@ -31,11 +31,11 @@ from typing import Any
 
 import torch
 
-from .._shared._errors import ManifestError, StaleUpdateError, TransportBlocked
+from .._shared._errors import ManifestError, StaleUpdateError, TransportBlocked, WeightSyncError
 from . import TensorSpec, check_specs, checksum, copy_all
 from ._sharded import is_sharded, wholes
 from ._slot_views import SlotViews
-from ._slots import LOCK_TIMEOUT, PooledWriter, Slot, SlotHolds, SlotPool, check_segment_name
+from ._slots import LOCK_TIMEOUT, PooledWriter, Slot, SlotHolds, SlotPool, check_segment_name, poll_async
 
 __all__ = ["CudaIpcReader", "CudaIpcWriter", "SlotHandle", "parse_handle", "probe"]
 
@@ -46,6 +46,8 @@ IPC_HANDLE_BYTES = 64
 #: torch frames a memory handle (a version and a type byte, then the handle: 66 bytes for
 #: cudaMalloc memory, more for expandable segments): any length up to this is accepted.
 MAX_MEM_HANDLE_BYTES = 1 << 20
+#: Seconds an awaited release waits for this process's GPU reads of a slot before it gives up (the slot stays held).
+RELEASE_TIMEOUT = 120.0
 #: A reference-count file that cannot exist: see ``CudaIpcReader._opened``.
 _NO_REFCOUNT = b"/actors-cuda-ipc-no-refcount"
 
@@ -363,6 +365,32 @@ class CudaIpcReader:
             # of it (installs, or generation over aliased weights) finish first.
             torch.cuda.current_stream(opened.device).synchronize()
         self._holds.unhold(name)
+
+    async def release_async(self, update_id: str) -> None:
+        """:meth:`release` for an event loop: the wait for this process's reads of the slot is awaited, not blocked on.
+
+        The reads queued on the current stream so far are marked with an event,
+        polled between turns of the loop; the lock drops once they are done. A
+        GPU that does not get there within :data:`RELEASE_TIMEOUT` s leaves the
+        slot held (its bytes may still be read) and raises.
+        """
+        name = self._held.pop(update_id, None)
+        if name is None:
+            return
+        opened = self._open.get(name)
+        if opened is not None:
+            read = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            read.record(torch.cuda.current_stream(opened.device))
+            try:
+                await poll_async(lambda: True if read.query() else None, RELEASE_TIMEOUT, self._reads_stuck)  # type: ignore[no-untyped-call]
+            except BaseException:
+                self._held[update_id] = name  # still held: a later release (or close) tries again
+                raise
+        self._holds.unhold(name)
+
+    @staticmethod
+    def _reads_stuck(timeout: float) -> WeightSyncError:
+        return WeightSyncError(f"this process's GPU reads of a weight slot did not finish within {timeout:g}s")
 
     def close(self) -> None:
         for update_id in list(self._held):

@@ -20,7 +20,7 @@ from .._shared._errors import (
     WeightSyncError,
 )
 from .._shared._session import host_id
-from ..tensors import Reader, TensorSpec, checksum, copy_all, dtype_name, is_sharded, read_async
+from ..tensors import Reader, TensorSpec, checksum, copy_all, dtype_name, is_sharded, read_async, release_async
 from ._manifest import WeightManifest, make_reader
 from ._spec_table import SpecMemo
 
@@ -317,7 +317,9 @@ class WeightConsumer:
         except BaseException as exc:
             self._failed(manifest, exc)
             raise
-        self._installed(manifest, alias)
+        replaced = self._installed(manifest, alias)
+        if replaced is not None:
+            self.release(replaced)
 
     async def install_async(
         self,
@@ -337,7 +339,9 @@ class WeightConsumer:
         except BaseException as exc:
             self._failed(manifest, exc)
             raise
-        self._installed(manifest, alias)
+        replaced = self._installed(manifest, alias)
+        if replaced is not None:
+            await self.release_async(replaced)
 
     async def load_async(
         self,
@@ -361,7 +365,9 @@ class WeightConsumer:
         except BaseException as exc:
             self._failed(manifest, exc)
             raise
-        self._installed(manifest, alias=False)
+        replaced = self._installed(manifest, alias=False)
+        if replaced is not None:  # a module viewed an earlier update until now
+            await self.release_async(replaced)
 
     def _load(
         self,
@@ -405,14 +411,14 @@ class WeightConsumer:
         if state not in (_RELEASED, _REJECTED):
             self.reject(manifest.update_id, f"{type(exc).__name__}: {exc}")
 
-    def _installed(self, manifest: WeightManifest, alias: bool) -> None:
+    def _installed(self, manifest: WeightManifest, alias: bool) -> str | None:
+        """Record the install; the update a module viewed until now, which the caller releases (None if none)."""
         previous = self._aliased
         self.acknowledge(manifest.update_id)
         self.installed_version = manifest.version
         self.installed_from = manifest.publisher_pid
         self._aliased = manifest.update_id if alias else None
-        if previous is not None and previous != manifest.update_id:
-            self.release(previous)
+        return previous if previous is not None and previous != manifest.update_id else None
 
     def holds_alias(self, update_id: str) -> bool:
         """True while a module's parameters are views of ``update_id``'s storage."""
@@ -440,15 +446,30 @@ class WeightConsumer:
 
     def release(self, update_id: str, transport: str | None = None) -> None:
         """Drop the update's storage; its tensors must not be used afterwards."""
-        if self._state.get(update_id) == _RELEASED:
+        readers = self._releasing(update_id, transport)
+        if readers is None:
             return
+        for reader in readers:
+            reader.release(update_id)
+        self._set(update_id, _RELEASED)
+
+    async def release_async(self, update_id: str, transport: str | None = None) -> None:
+        """:meth:`release` for code on an event loop: a ``cuda-ipc`` reader's wait for the GPU's reads is awaited."""
+        readers = self._releasing(update_id, transport)
+        if readers is None:
+            return
+        for reader in readers:
+            await release_async(reader, update_id)
+        self._set(update_id, _RELEASED)
+
+    def _releasing(self, update_id: str, transport: str | None) -> list[Reader] | None:
+        """Forget the update's tensors; the readers to release it from (None if it was released already)."""
+        if self._state.get(update_id) == _RELEASED:
+            return None
         if self._aliased == update_id:
             self._aliased = None
         self._tensors.pop(update_id, None)
-        for name, reader in self._readers.items():
-            if transport is None or name == transport:
-                reader.release(update_id)
-        self._set(update_id, _RELEASED)
+        return [reader for name, reader in self._readers.items() if transport is None or name == transport]
 
     def _set(self, update_id: str, state: str) -> None:
         self._state[update_id] = state

@@ -141,7 +141,7 @@ class WeightInbox:
         except StaleUpdateError:
             return None
         finally:
-            self._done_with(manifest)
+            await self._done_with_async(manifest)
         return manifest
 
     async def load_newest_async(
@@ -160,14 +160,22 @@ class WeightInbox:
         except StaleUpdateError:
             return None
         finally:
-            self._done_with(manifest)
+            await self._done_with_async(manifest)
         return manifest
 
     def _done_with(self, manifest: WeightManifest) -> None:
         """Release the update after an install, unless a module views it or only its manifest was refused."""
+        if self._to_release(manifest):
+            self.consumer.release(manifest.update_id, manifest.transport)
+
+    async def _done_with_async(self, manifest: WeightManifest) -> None:
+        """:meth:`_done_with` on an event loop: a wait for the GPU's reads of the update is awaited."""
+        if self._to_release(manifest):
+            await self.consumer.release_async(manifest.update_id, manifest.transport)
+
+    def _to_release(self, manifest: WeightManifest) -> bool:
         update_id = manifest.update_id
-        if self.consumer.state(update_id) is not None and not self.consumer.holds_alias(update_id):
-            self.consumer.release(update_id, manifest.transport)
+        return self.consumer.state(update_id) is not None and not self.consumer.holds_alias(update_id)
 
     def close(self) -> None:
         for manifest in self._queue:

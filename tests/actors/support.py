@@ -479,6 +479,22 @@ class CudaSink(ReceivesWeights):
         return self.report(None if installed is None else installed.version)
 
     @endpoint
+    async def install_async_never_blocking(self, manifest: WeightManifest, alias: bool = False) -> dict:
+        """``install_newest_async`` with every host wait for the GPU refused: its releases are awaited instead."""
+
+        def refuse(*args: object, **kwargs: object) -> None:
+            raise AssertionError("an install on the event loop waited for the GPU on the loop's thread")
+
+        self.weight_inbox.put(manifest)
+        saved = torch.cuda.Stream.synchronize, torch.cuda.synchronize, torch.cuda.Event.synchronize
+        torch.cuda.Stream.synchronize = torch.cuda.synchronize = torch.cuda.Event.synchronize = refuse  # type: ignore[method-assign,assignment]
+        try:
+            installed = await self.weight_inbox.install_newest_async(self.model, alias=alias)
+        finally:
+            torch.cuda.Stream.synchronize, torch.cuda.synchronize, torch.cuda.Event.synchronize = saved  # type: ignore[method-assign]
+        return self.report(None if installed is None else installed.version)
+
+    @endpoint
     async def touch(self, manifest: WeightManifest) -> int:
         """Import and release; returns how many device slots this process has open."""
         consumer = self.weight_inbox.consumer

@@ -48,6 +48,21 @@ async def test_updates_go_gpu_to_gpu_into_another_process(procs, alias):
     assert await sink.close_inbox.call_one() == 0, "no IPC handle stays open"
 
 
+@pytest.mark.parametrize("alias", [False, True], ids=["copy", "alias"])
+async def test_an_install_on_the_event_loop_awaits_its_gpu_reads_and_never_blocks_on_them(procs, alias):
+    """``install_newest_async`` releases the update it copied (or the one its module viewed until now) by polling an
+    event between turns of the loop: no stream, device or event synchronize on the loop's thread; the slots are
+    given back (a publisher of two slots keeps publishing)."""
+    sink = procs.spawn("sink", CudaSink).slice(procs=0)
+    model = filled_model(0.0).cuda()
+    with WeightPublisher("cuda-ipc", slots=2, lock_timeout=10.0) as publisher:
+        for version in range(1, 6):
+            fill(model, float(version))
+            report = await sink.install_async_never_blocking.call_one(publisher.publish(model, version), alias)
+            assert report["version"] == version and report["values"] == [float(version)], report
+    assert await sink.close_inbox.call_one() == 0
+
+
 async def test_publish_never_synchronizes_the_device(procs, monkeypatch):
     sink = procs.spawn("sink", CudaSink).slice(procs=0)
     model = filled_model(1.0).cuda()

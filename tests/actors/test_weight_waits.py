@@ -10,7 +10,7 @@ import pytest
 import torch
 from support import Heartbeat, filled_model
 
-from actors import WeightConsumer, WeightPublisher, WeightSyncError
+from actors import WeightConsumer, WeightInbox, WeightPublisher, WeightSyncError
 from actors.tensors.shm import SHM_DIR
 
 #: The contract: a 1 ms heartbeat on the publisher's loop never misses by this much.
@@ -114,3 +114,47 @@ async def test_concurrent_publishes_of_one_publisher_are_refused():
         with pytest.raises(WeightSyncError, match="in progress"):
             await publisher.publish_async(state, 2)
         assert (await first).version == 1
+
+
+class AwaitedRelease:
+    """A reader whose blocking release must not be called: an event loop's installs await ``release_async``."""
+
+    def __init__(self, reader: object) -> None:
+        self.reader = reader
+        self.awaited: list[str] = []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.reader, name)
+
+    def release(self, update_id: str) -> None:
+        raise AssertionError(f"update {update_id} was released by blocking on the event loop")
+
+    async def release_async(self, update_id: str) -> None:
+        self.awaited.append(update_id)
+        self.reader.release(update_id)  # type: ignore[attr-defined]
+
+
+async def test_installs_on_an_event_loop_release_through_the_readers_awaited_release():
+    """``install_newest_async`` (copying, or aliasing: the update its module viewed until now is released) and
+    ``load_newest_async`` release with the reader's ``release_async`` where it has one: a ``cuda-ipc`` reader waits
+    there for the GPU's reads of the slot without blocking the loop."""
+    consumer = WeightConsumer()
+    shm = consumer.reader("shm")
+    awaited = AwaitedRelease(shm)
+    consumer._readers["shm"] = awaited  # type: ignore[assignment]
+    inbox = WeightInbox(consumer)
+    model = filled_model(0.0)
+    with WeightPublisher("shm", slots=3) as publisher:
+        manifests = []
+        for version, install in [(1, "copy"), (2, "alias"), (3, "alias"), (4, "load")]:
+            manifests.append(publisher.publish(filled_model(float(version)), version))
+            inbox.put(manifests[-1])
+            if install == "load":
+                got = await inbox.load_newest_async(lambda tensors: None)
+            else:  # an aliasing install holds its update; the next one releases it
+                got = await inbox.install_newest_async(model, alias=install == "alias")
+            assert got is manifests[-1]
+        # 1 after its copy; 2 when 3 replaced it in the module; 3 when the load replaced it; 4 after its load
+        assert awaited.awaited == [m.update_id for m in manifests]
+        consumer._readers["shm"] = shm  # type: ignore[assignment]
+        consumer.close()
