@@ -39,8 +39,10 @@ __all__ = [
     "Generator",
 ]
 
-#: How long a generator waits for the policy version a grant requires.
-WEIGHTS_TIMEOUT = 60.0
+#: How long a generator waits for the policy version a grant requires: a guard against a hung trainer, so it must
+#: outlast the trainer's longest pause between publishes (a held-out evaluation and a checkpoint of a large model
+#: between two steps). A trainer that dies is noticed at once (its pidfd on this host, the launcher's supervision).
+WEIGHTS_TIMEOUT = 600.0
 
 
 class Generator(ReceivesWeights):

@@ -394,7 +394,8 @@ class Trainer(Actor):
         if reached and self.tickets.staleness == 0:
             return
         route = self.routes.next_route()
-        manifest = await self._publish(route.transport)
+        async with self._weights:  # a restarted generator's rejoin may be publishing (manifest_for) meanwhile
+            manifest = await self._publish(route.transport)
         chosen = self.generators.slice(procs=slice(route.first, route.last + 1))
         with contextlib.suppress(ActorDied):  # every generator there is down; a restarted one gets a grant
             send(chosen.update_weights, (manifest,), selection="choose")

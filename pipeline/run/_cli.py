@@ -507,7 +507,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.resume:
-        config = _resumed(args, argv if argv is not None else sys.argv)
+        config = _resumed(args, _given(argv if argv is not None else sys.argv[1:]))
     else:
         task_name = _task_name(args)
         try:
@@ -748,7 +748,15 @@ def check_hf(config: Config) -> None:
             raise SettingsError(missing)
 
 
-def _resumed(args: argparse.Namespace, given: list[str]) -> Config:
+def _given(argv: list[str]) -> set[str]:
+    """The settings the command line gave itself, however spelt (``--steps 7``, ``--steps=7``, ``--step 7``)."""
+    parser = build_parser()
+    for action in parser._actions:  # parsed again with no defaults: only what was given is set
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv)))
+
+
+def _resumed(args: argparse.Namespace, given: set[str]) -> Config:
     """The config of the run ``--resume`` names, with the flags a resumed run may change."""
     saved = os.path.join(args.resume, "config.json")
     if not os.path.isdir(args.resume):
@@ -768,8 +776,8 @@ def _resumed(args: argparse.Namespace, given: list[str]) -> Config:
         ("--trainer-ranks", "trainer_ranks"),  # a checkpoint holds the policy whole: any N continues
         ("--trainer-shard", "trainer_shard"),
     )
-    for flag, attr in resumable:
-        if flag in given and getattr(args, attr) != "auto":
+    for _, attr in resumable:
+        if attr in given and getattr(args, attr) != "auto":
             setattr(config, attr, getattr(args, attr))
     config.devices.update(_role_devices(args))
     task = _found_task(config)

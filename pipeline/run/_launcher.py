@@ -246,7 +246,10 @@ async def run_pipeline(
 
         trainer = trainer_procs.spawn("trainer", roles.trainer, config, reports_port, resume)
         if rank_procs is not None and rank_hosts is not None:  # rank 0 serves the rendezvous; every rank joins
-            ranks = rank_procs.spawn("trainer-ranks", roles.trainer_rank, config, resume, rank_hosts.first_gpu)
+            spawned_ranks: Any = rank_procs.spawn(
+                "trainer-ranks", roles.trainer_rank, config, resume, rank_hosts.first_gpu
+            )
+            ranks: TrainerRank = spawned_ranks.flatten("procs")  # one dimension however many hosts: sliced by procs
             address = await trainer.rendezvous.call_one(config.trainer_ranks)
             first, joined = await asyncio.gather(
                 trainer.join.call_one(ranks, config.trainer_ranks), ranks.join.call(address, config.trainer_ranks)
@@ -318,9 +321,12 @@ async def run_pipeline(
         progress.done()
         await gens.drain.call()
         produced = [await tasks[name] for name in generator_names]
-        await asyncio.wait_for(
-            asyncio.gather(*(tasks[role] for role in ("scorer", "reference model") if role in tasks)), 10
-        )
+        # they finish the rollouts still on their way, which the run no longer needs: a large model's leftovers
+        # may take longer than the guard, and then they are stopped like every role (the run's result stands)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(
+                asyncio.gather(*(tasks[role] for role in ("scorer", "reference model") if role in tasks)), 10
+            )
         stop_started = time.perf_counter()
         for mesh in meshes:
             await mesh.stop(timeout=2)

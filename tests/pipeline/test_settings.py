@@ -291,3 +291,13 @@ def test_the_command_line_refuses_with_one_line_and_no_traceback(tmp_path):
     proc = run_python("-m", "pipeline.grpo", "--group", "1", "--run-dir", str(tmp_path / "run"), timeout=60, env=env)
     assert proc.returncode == 2 and proc.stderr.startswith("error: --group 1:") and proc.stderr.count("\n") == 1
     assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
+
+
+def test_resume_takes_a_flag_however_it_is_spelt(tmp_path):
+    """``--steps=7`` and an abbreviation argparse accepts (``--step 8``) are the flag as much as ``--steps 7``."""
+    (tmp_path / "config.json").write_text(json.dumps(Config(steps=10, device="cpu").to_dict()))
+    assert parse_args(["--resume", str(tmp_path)])[0].steps == 10
+    assert parse_args(["--resume", str(tmp_path), "--steps", "6"])[0].steps == 6
+    assert parse_args(["--resume", str(tmp_path), "--steps=7"])[0].steps == 7
+    assert parse_args(["--resume", str(tmp_path), "--step", "8"])[0].steps == 8
+    assert parse_args([f"--resume={tmp_path}", "--target-score=0.5"])[0].target_score == 0.5
