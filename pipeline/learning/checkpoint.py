@@ -16,6 +16,7 @@ ranks, sharded or not, loads either kind (:meth:`Learner.load_shards`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import uuid
@@ -49,6 +50,38 @@ def remove_shards(run_dir: str, keep: str | None = None) -> None:
     for name in os.listdir(run_dir):
         if name.startswith("checkpoint-") and name.endswith(".dcp") and name != keep:
             shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
+
+
+def remove_stale_staging(run_dir: str) -> list[str]:
+    """Remove what a killed save left in ``run_dir``: ``<name>.tmp-<pid>`` files and folders of processes now gone.
+
+    Saves write there first and rename when complete; one killed mid-write
+    (a stop's kill, a crash) leaves its staging behind, under its pid.
+    Returns the names removed.
+    """
+    removed = []
+    for name in sorted(os.listdir(run_dir)):
+        stem, _, pid = name.rpartition(".tmp-")
+        if not stem or not pid.isdigit() or _alive(int(pid)):
+            continue
+        where = os.path.join(run_dir, name)
+        if os.path.isdir(where):
+            shutil.rmtree(where, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(where)
+        removed.append(name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def shards_folder(run_dir: str, step: int) -> str:

@@ -186,6 +186,7 @@ async def run_pipeline(
     if config.trust_remote_code:  # the model's own code imported here first: the roles then find it in the cache
         check_model(config.model, trust_remote_code=True)
     os.makedirs(config.run_dir, exist_ok=True)
+    checkpoint.remove_stale_staging(config.run_dir)  # an earlier run killed while it saved
     if resume and not checkpoint.exists(config.run_dir):
         raise FileNotFoundError(f"no checkpoint in {config.run_dir!r} to resume from")
     if not resume:

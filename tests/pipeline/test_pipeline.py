@@ -245,10 +245,20 @@ def test_roles_with_several_torch_threads_start_after_the_program_ran_its_own_po
 
 
 def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
+    """... and what a killed save left there (a staging file and folder under a pid now gone) is removed first; a
+    live process's staging is left alone."""
     (tmp_path / "config.json").write_text(json.dumps({"steps": 10}))
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    (tmp_path / f"checkpoint.pt.tmp-{gone.pid}").write_bytes(b"half a checkpoint")
+    (tmp_path / f"model.tmp-{gone.pid}").mkdir()
+    (tmp_path / f"model.tmp-{gone.pid}" / "model.safetensors").write_bytes(b"half a model")
+    live = tmp_path / f"checkpoint.pt.tmp-{os.getpid()}"
+    live.write_bytes(b"being written")
     proc = cli("--resume", str(tmp_path))
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1 and "no checkpoint" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["config.json", live.name])
 
 
 @pytest.mark.parametrize(
