@@ -132,14 +132,40 @@ class MetricsLog:
 
     def write(self, report: StepReport) -> dict[str, Any]:
         row = metric_row(report, self._window.add(report))
+        if self.rows == 0:
+            self._drop_rows_from(report.step)
         self._file.write(json.dumps(row) + "\n")
         self._sink.write(row)
         self.rows += 1
         return row
 
+    def _drop_rows_from(self, step: int) -> None:
+        """A resumed run repeats the steps after its checkpoint: the rows an interrupted run wrote for them go."""
+        self._file.flush()
+        with open(self.path) as f:
+            lines = [line for line in f if line.strip()]
+        kept = [line for line in lines if _step_of(line) < step]
+        if len(kept) == len(lines):
+            return
+        staging = f"{self.path}.tmp-{os.getpid()}"
+        with open(staging, "w") as f:
+            f.writelines(kept)
+        self._file.close()
+        os.replace(staging, self.path)
+        self._file = open(self.path, "a", buffering=1)
+
     def close(self) -> None:
         self._file.close()
         self._sink.close()
+
+
+def _step_of(line: str) -> int:
+    """A row's step (a line that is not a row counts as before every step: it is kept)."""
+    try:
+        step = json.loads(line).get("step")
+    except (ValueError, AttributeError):
+        return -1
+    return step if type(step) is int else -1
 
 
 def read_rows(run_dir: str) -> list[dict[str, Any]]:

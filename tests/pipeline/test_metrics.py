@@ -105,6 +105,21 @@ def test_the_log_writes_rows_and_the_plot(tmp_path):
     assert plot(str(tmp_path / "empty")) is None
 
 
+def test_a_resumed_run_replaces_the_rows_of_the_steps_it_repeats(tmp_path):
+    """Interrupted at step 35 with its checkpoint at 20: the resumed run trains 21.. again, and its rows replace the
+    interrupted run's for those steps (kept: 1-20), instead of following them."""
+    first = MetricsLog(str(tmp_path), report_to="none")
+    for step in range(1, 36):
+        first.write(report(step))
+    first.close()
+    resumed = MetricsLog(str(tmp_path), report_to="none")
+    for step in range(21, 41):
+        resumed.write(report(step))
+    resumed.close()
+    assert [r["step"] for r in read_rows(str(tmp_path))] == list(range(1, 41))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"], "no staging file left"
+
+
 def test_tensorboard_gets_every_scalar_when_installed(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
