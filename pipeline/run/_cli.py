@@ -770,13 +770,13 @@ def _resumed(args: argparse.Namespace, given: set[str]) -> Config:
         raise SettingsError(f"--resume {args.resume}: its config.json cannot be read ({exc})") from None
     config.run_dir = args.resume
     resumable = (
-        ("--steps", "steps"),
-        ("--target-score", "target_score"),
-        ("--device", "device"),
-        ("--trainer-ranks", "trainer_ranks"),  # a checkpoint holds the policy whole: any N continues
-        ("--trainer-shard", "trainer_shard"),
+        "steps",
+        "target_score",
+        "device",
+        "trainer_ranks",  # a checkpoint holds the policy whole: any N continues
+        "trainer_shard",
     )
-    for _, attr in resumable:
+    for attr in resumable:  # the settings a resumed run may change, where the command line gives them
         if attr in given and getattr(args, attr) != "auto":
             setattr(config, attr, getattr(args, attr))
     config.devices.update(_role_devices(args))
