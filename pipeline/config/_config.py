@@ -165,6 +165,7 @@ class Config:
     dtype: TrainDtype = "float32"  # bfloat16: trainer autocast (float32 masters), bf16 generators, reference, updates
     eval_every: int = 10
     checkpoint_every: int = 200
+    stop_grace: float = 20.0  # seconds Ctrl-C or SIGTERM waits for the trainer's final checkpoint
     generator_restarts: int = 3  # a dead generator is restarted at most this often per minute
     target_score: float | None = None  # stop once the task's primary held-out metric reaches this
     threads: int = 1  # torch threads per role (every role is its own process)

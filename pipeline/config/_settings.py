@@ -87,6 +87,10 @@ def check_settings(config: Config) -> None:
         raise SettingsError(f"--dual-clip {config.dual_clip}: the dual clip C must be above 1 (or 0: off)")
     if not config.reward_timeout > 0:
         raise SettingsError(f"--reward-timeout {config.reward_timeout}: a reward function needs some time (above 0)")
+    if not 0 <= config.stop_grace < math.inf:
+        raise SettingsError(
+            f"--stop-grace {config.stop_grace}: a number of seconds, at least 0 (0: no final checkpoint)"
+        )
     if not 0 < config.eval_fraction < 1:
         raise SettingsError(f"--eval-fraction {config.eval_fraction}: the held-out share must be in (0, 1)")
     _one_of(config, "loss", LOSSES)

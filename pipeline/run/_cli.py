@@ -491,6 +491,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="write checkpoint.pt (and a Hugging Face model's model/ folder) every N steps, and at the end "
         f"(default {Config().checkpoint_every}; 0: only at the end)",
     )
+    run.add_argument(
+        "--stop-grace",
+        type=float,
+        default=Config().stop_grace,
+        metavar="S",
+        help="on Ctrl-C or SIGTERM, wait up to S seconds for the trainer's final checkpoint; a second interrupt "
+        f"skips it (default {Config().stop_grace:g}: inside Slurm's and Kubernetes' usual 30 s before SIGKILL)",
+    )
     run.add_argument("--quiet", action="store_true", help="no live progress line")
     run.add_argument(
         "--report-to",
@@ -549,6 +557,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
             is_cap=args.is_cap,
             is_min=args.is_min,
             checkpoint_every=args.save_every,
+            stop_grace=args.stop_grace,
             eval_size=args.eval_size,
             eval_every=args.eval_every,
             steps=args.steps,
@@ -775,6 +784,7 @@ def _resumed(args: argparse.Namespace, given: set[str]) -> Config:
         "device",
         "trainer_ranks",  # a checkpoint holds the policy whole: any N continues
         "trainer_shard",
+        "stop_grace",
     )
     for attr in resumable:  # the settings a resumed run may change, where the command line gives them
         if attr in given and getattr(args, attr) != "auto":

@@ -10,7 +10,8 @@ package is installed, a TensorBoard log.
 A generator that dies is restarted (``--generator-restarts`` per minute)
 and installs the newest policy before it produces again. Exit status: 0 on
 success, 1 when a role fails (the error names it), 130 on Ctrl-C and 143 on
-SIGTERM (both after a final checkpoint).
+SIGTERM (both after a final checkpoint, given up to ``Config.stop_grace`` s;
+a second interrupt skips it).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -168,6 +170,31 @@ async def _stop_quickly(mesh: ProcMesh) -> None:
     """Stop ``mesh`` on a failure or interrupt: 0.5 s of grace, at most 2 s in all; its errors were reported."""
     with contextlib.suppress(ActorsError, asyncio.TimeoutError, asyncio.CancelledError):
         await asyncio.wait_for(asyncio.shield(mesh.stop(timeout=0.5)), 2)
+
+
+async def _final_checkpoint(trainer: Trainer, grace: float) -> None:
+    """Ask the trainer for a checkpoint of where it is, waiting up to ``grace`` s; says on stderr how it went.
+
+    A large policy's checkpoint takes seconds (the trainer finishes the step
+    it is in first). A second interrupt cancels the wait, and so does the
+    grace running out: the run folder then keeps its last checkpoint.
+    """
+    say = functools.partial(print, file=sys.stderr, flush=True)
+    if grace == 0:
+        say("stopping: no final checkpoint (--stop-grace 0): the run folder keeps the last one")
+        return
+    say(f"stopping: writing a final checkpoint (up to {grace:g} s; interrupt again to skip it)")
+    try:
+        await asyncio.wait_for(trainer.checkpoint.call_one(), grace)
+    except asyncio.TimeoutError:
+        say(f"final checkpoint not written within {grace:g} s (--stop-grace): the run folder keeps the last one")
+    except asyncio.CancelledError:
+        say("final checkpoint skipped: the run folder keeps the last one")
+        raise
+    except ActorsError as exc:
+        say(f"final checkpoint failed: {exc}")
+    else:
+        say("final checkpoint written")
 
 
 async def run_pipeline(
@@ -351,10 +378,10 @@ async def run_pipeline(
         )
         finished = True
         return result
-    except asyncio.CancelledError:  # Ctrl-C: leave a checkpoint, then stop fast
+    except asyncio.CancelledError:  # Ctrl-C or SIGTERM: leave a checkpoint, then stop fast
         if trainer is not None and not tasks.get("trainer", asyncio.Future()).done():
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(trainer.checkpoint.call_one(), 0.5)
+            progress.done()
+            await _final_checkpoint(trainer, config.stop_grace)
         raise
     except ActorsError as exc:  # a role failed outside the watched tasks (e.g. at startup)
         raise PipelineError(f"a role failed: {exc}") from exc

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import resource
+import time
 from typing import Any
 
 import torch
@@ -20,6 +21,18 @@ class WideBandit(BanditTask):
     """A custom task by subclassing: six actions."""
 
     action_dim = 6
+
+
+class SlowExportBandit(BanditTask):
+    """The bandit on a slow disk: each checkpoint's export marks that it began (``export-started`` in the run
+    folder), then takes ``SLOW_EXPORT_S`` seconds (from the environment, which the workers inherit)."""
+
+    def export(self, policy: torch.nn.Module, run_dir: str) -> str | None:
+        if run_dir:
+            with open(os.path.join(run_dir, "export-started"), "w"):
+                pass
+        time.sleep(float(os.environ.get("SLOW_EXPORT_S", "0")))  # the stand-in's slowness, not a synchronisation
+        return None
 
 
 class FailingScorer(Scorer):

@@ -82,8 +82,9 @@ FIELDS = {
 BANDIT = "bandit"
 
 
-def cli(*args: str, **kwargs) -> subprocess.Popen[str]:  # type: ignore[no-untyped-def]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), ROOT]))
+def cli(*args: str, slow_export_s: float = 0, **kwargs) -> subprocess.Popen[str]:  # type: ignore[no-untyped-def]
+    path = os.pathsep.join([os.path.dirname(__file__), ROOT])
+    env = dict(os.environ, PYTHONPATH=path, SLOW_EXPORT_S=str(slow_export_s))  # SlowExportBandit's export
     return subprocess.Popen(
         [sys.executable, "-m", "pipeline.grpo", *args],
         stdout=subprocess.PIPE,
@@ -331,6 +332,62 @@ def test_ctrl_c_or_sigterm_stops_within_2s_and_leaves_a_checkpoint(tmp_path, sig
         assert wait_for(lambda: not (workers & actor_pids()), timeout=3)
         state = load_checkpoint(str(run_dir))
         assert state["step"] > 0 and state["version"] == state["step"]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _slow_export_run(run_dir, export_s: float, *flags: str) -> subprocess.Popen[str]:
+    """The bandit with its final checkpoint's export taking ``export_s`` s, once it has trained a while."""
+    task = ["--task", "pipeline_support:SlowExportBandit", "--steps", "200000", "--save-every", "0"]
+    proc = cli(*task, "--run-dir", str(run_dir), "--quiet", *flags, slow_export_s=export_s)
+    metrics = run_dir / "metrics.jsonl"
+    if not wait_for(lambda: metrics.exists() and metrics.stat().st_size > 5000, timeout=60):
+        proc.kill()
+        raise AssertionError(f"the run never got going: {proc.communicate()}")
+    return proc
+
+
+def test_an_interrupted_run_waits_for_its_final_checkpoint_however_slow_the_disk(tmp_path):
+    """Ctrl-C mid-run: the trainer's checkpoint of where it is gets its time (here 1.5 s), not half a second."""
+    run_dir = tmp_path / "run"
+    proc = _slow_export_run(run_dir, 1.5)
+    try:
+        workers = actor_pids()
+        trained = len(read_rows(str(run_dir)))
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130, out + err
+        assert "writing a final checkpoint" in err and "final checkpoint written" in err, err
+        state = load_checkpoint(str(run_dir))  # --save-every 0: the interrupt's is the only one
+        assert state["step"] >= trained > 0 and state["version"] == state["step"]
+        assert wait_for(lambda: not (workers & actor_pids()), timeout=3)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("skip", ["second Ctrl-C", "grace over"])
+def test_a_second_interrupt_or_the_grace_running_out_stops_without_the_final_checkpoint(tmp_path, skip):
+    """A final checkpoint that would take a minute: a second Ctrl-C, or ``--stop-grace 1`` running out, stops the
+    run at once, saying the checkpoint was not written (the run folder keeps the last one)."""
+    run_dir = tmp_path / "run"
+    proc = _slow_export_run(run_dir, 60, *(["--stop-grace", "1"] if skip == "grace over" else []))
+    try:
+        workers = actor_pids()
+        proc.send_signal(signal.SIGINT)
+        assert wait_for((run_dir / "export-started").exists, timeout=30), "the trainer never began its checkpoint"
+        start = time.monotonic()
+        if skip == "second Ctrl-C":
+            proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+        elapsed = time.monotonic() - start
+        assert proc.returncode == 130, out + err
+        assert elapsed < 4.0, f"stopping took {elapsed:.2f}s after the {skip}"
+        said = "skipped" if skip == "second Ctrl-C" else "not written within 1 s"
+        assert f"final checkpoint {said}" in err, err
+        assert not (run_dir / "checkpoint.pt").exists()
+        assert wait_for(lambda: not (workers & actor_pids()), timeout=3)
     finally:
         proc.kill()
         proc.wait()

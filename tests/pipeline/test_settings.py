@@ -58,6 +58,8 @@ from pipeline.grpo import main, parse_args
         ),
         (["--reward-timeout", "0"], "--reward-timeout 0.0: a reward function needs some time (above 0)"),
         (["--eval-fraction", "1"], "--eval-fraction 1.0: the held-out share must be in (0, 1)"),
+        (["--stop-grace", "-1"], "--stop-grace -1.0: a number of seconds, at least 0"),
+        (["--stop-grace", "nan"], "--stop-grace nan: a number of seconds, at least 0"),
         (["--max-tokens-per-pass", "-1"], "--max-tokens-per-pass -1: must be at least 0"),
         (["--gradient-checkpointing"], "--gradient-checkpointing recomputes a Hugging Face model's layers"),
         (["--trainer-ranks", "0"], "--trainer-ranks 0: must be at least 1"),
@@ -301,3 +303,4 @@ def test_resume_takes_a_flag_however_it_is_spelt(tmp_path):
     assert parse_args(["--resume", str(tmp_path), "--steps=7"])[0].steps == 7
     assert parse_args(["--resume", str(tmp_path), "--step", "8"])[0].steps == 8
     assert parse_args([f"--resume={tmp_path}", "--target-score=0.5"])[0].target_score == 0.5
+    assert parse_args(["--resume", str(tmp_path), "--stop-grace", "90"])[0].stop_grace == 90, "a run-time setting"
