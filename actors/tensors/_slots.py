@@ -40,6 +40,7 @@ from .._shared._segments import remove_process_segments as remove_segments
 from ._slot_views import SlotViews
 
 __all__ = [
+    "CLOSED",
     "HEADER_BYTES",
     "LOCK_TIMEOUT",
     "SHM_DIR",
@@ -60,6 +61,8 @@ _MAGIC = b"ACTWGT01"
 _EMPTY, _READY = 0, 2
 #: How long a writer waits for a free slot by default.
 LOCK_TIMEOUT = 30.0
+#: What a closed writer's reservations raise.
+CLOSED = "this weight publisher is closed"
 #: Segment numbers are unique per process, across all its publishers.
 _segment_numbers = itertools.count()
 
@@ -156,6 +159,7 @@ class SlotPool:
         self._slots: list[Slot] = []
         self._newest: str | None = None
         self._reclaimed: list[str] = []
+        self.closed = False
 
     @property
     def names(self) -> list[str]:
@@ -166,8 +170,12 @@ class SlotPool:
 
         Preference keeps in-flight manifests importable as long as possible:
         released slots, then a new slot while the pool has room, then
-        superseded updates (oldest first), and the newest update last.
+        superseded updates (oldest first), and the newest update last. A
+        closed pool makes no slot (one would outlive it): it raises
+        :class:`WeightSyncError`, which also ends a publish polling for one.
         """
+        if self.closed:
+            raise WeightSyncError(CLOSED)
         released = [s for s in self._slots if s.released]
         superseded = sorted(
             (s for s in self._slots if not s.released and s.update_id != self._newest), key=lambda s: s.version
@@ -267,6 +275,7 @@ class SlotPool:
         return out
 
     def close(self) -> None:
+        self.closed = True
         for slot in self._slots:
             self._destroy(slot)
         self._slots.clear()

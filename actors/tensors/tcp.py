@@ -40,7 +40,7 @@ from .._shared._session import bind_host
 from .._wire._buffers import tensor_buffer
 from . import ALIGN, TensorSpec, check_specs, checksum
 from ._sharded import is_sharded, wholes
-from ._slots import LOCK_TIMEOUT, poll_async, poll_blocking
+from ._slots import CLOSED, LOCK_TIMEOUT, poll_async, poll_blocking
 from ._stream import (
     CHUNK,
     HELLO,
@@ -112,6 +112,7 @@ class TcpWriter:
         self._slots: list[_Staged] = []
         self._newest: str | None = None
         self._reclaimed: list[str] = []
+        self._closed = False
         self._server = _Server(host or bind_host(), self)
 
     @property
@@ -119,8 +120,10 @@ class TcpWriter:
         return self._server.host, self._server.port
 
     def reserve(self, nbytes: int) -> _Staged | None:
-        """A free staging buffer (released first, then a new one, then the oldest superseded)."""
+        """A free staging buffer (released first, then a new one, then the oldest superseded); none once closed."""
         with self._lock:
+            if self._closed:
+                raise WeightSyncError(CLOSED)
             idle = [s for s in self._slots if not s.filling and s.sending == 0]
             released = [s for s in idle if s.released]
             superseded = sorted((s for s in idle if not s.released and s.update_id != self._newest), key=_version)
@@ -199,6 +202,7 @@ class TcpWriter:
     def close(self) -> None:
         self._server.close()
         with self._lock:
+            self._closed = True
             self._slots.clear()
 
     # ------------------------------------------------------------------ the server's view

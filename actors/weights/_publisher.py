@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import uuid
 import weakref
 from dataclasses import replace
@@ -125,6 +126,8 @@ class WeightPublisher:
         self._version: int | None = None
         self._published: dict[str, int] = {}  # update_id -> version, until released
         self._publishing = False
+        self._lock = threading.Lock()  # closed and _filling, between close() and a copy on a worker thread
+        self._filling = False  # a publish_async's copy is writing into a slot on a worker thread
         self._host = host_id()
         self.closed = False
         # Storage is freed when the publisher is collected or the interpreter exits (Ctrl-C too).
@@ -205,15 +208,33 @@ class WeightPublisher:
                 reservation = await writer.reserve_async(total, self.timeout if timeout is None else timeout)
             try:
                 if writer.host_copy and total >= OFFLOAD_BYTES:
-                    specs = await _to_thread_to_the_end(self._fill_no_grad, reservation, tensors, specs)
+                    with self._lock:
+                        self._filling = True
+                    specs = await _to_thread_to_the_end(self._fill_off_loop, reservation, tensors, specs)
                 else:
                     specs = self._fill_no_grad(reservation, tensors, specs)
             except BaseException:
-                writer.abort(reservation)
+                if not self.closed:  # a closed publisher's storage is gone with its reservations
+                    writer.abort(reservation)
                 raise
         finally:
             self._publishing = False
+        if self.closed:
+            raise WeightSyncError(f"this weight publisher was closed while it published version {version}")
         return self._commit(reservation, version, specs, total, metadata)
+
+    def _fill_off_loop(
+        self, reservation: Any, tensors: list[tuple[str, torch.Tensor]], specs: list[TensorSpec]
+    ) -> list[TensorSpec]:
+        """:meth:`_fill_no_grad` on a worker thread; a :meth:`close` meanwhile frees the storage once it is done."""
+        try:
+            return self._fill_no_grad(reservation, tensors, specs)
+        finally:
+            with self._lock:
+                self._filling = False
+                closed = self.closed
+            if closed:
+                self._finalizer()  # the close deferred while this copy wrote into a slot
 
     def _fill_no_grad(
         self, reservation: Any, tensors: list[tuple[str, torch.Tensor]], specs: list[TensorSpec]
@@ -267,10 +288,20 @@ class WeightPublisher:
         return list(self._published)
 
     def close(self) -> None:
-        """Release every update and free the transport's storage."""
-        if not self.closed:
+        """Release every update and free the transport's storage.
+
+        A copy that ``publish_async`` runs on a worker thread still writes
+        into its slot: the storage is freed when that copy ends, and that
+        publish raises :class:`WeightSyncError`; one waiting for a slot ends
+        with it too.
+        """
+        with self._lock:
+            if self.closed:
+                return
             self.closed = True
-            self._published.clear()
+            filling = self._filling
+        self._published.clear()
+        if not filling:
             self._finalizer()
 
     def __enter__(self) -> WeightPublisher:

@@ -12,6 +12,7 @@ only when a route that needs it is chosen.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,7 @@ class WeightRoutes:
         self._options = options  # the local transport's (e.g. a cuda-ipc device)
         self._publishers: dict[str, WeightPublisher] = {}
         self._latest: dict[str, WeightManifest] = {}
+        self._publishing = asyncio.Lock()  # two asks for one version (a step's and a rejoin's): one publish
         self.routes: list[Route] = []
         self._by_rank: list[str] = []
         self._turn = itertools.count()
@@ -117,13 +119,18 @@ class WeightRoutes:
     async def publish_async(
         self, transport: str, model: torch.nn.Module | dict[str, torch.Tensor], version: int, metadata: dict[str, Any]
     ) -> WeightManifest:
-        """:meth:`publish` on an event loop: waiting for a slot and large copies leave the loop running."""
-        latest = self._latest.get(transport)
-        if latest is None or latest.version != version:
-            publisher = self.publisher(transport)
-            latest = self._latest[transport] = await publisher.publish_async(model, version, metadata)
-            self.update_bytes = latest.total_nbytes
-        return latest
+        """:meth:`publish` on an event loop: waiting for a slot and large copies leave the loop running.
+
+        Asks that overlap are taken in turn, so a second ask for the version
+        being published gets the first's manifest.
+        """
+        async with self._publishing:
+            latest = self._latest.get(transport)
+            if latest is None or latest.version != version:
+                publisher = self.publisher(transport)
+                latest = self._latest[transport] = await publisher.publish_async(model, version, metadata)
+                self.update_bytes = latest.total_nbytes
+            return latest
 
     def close(self) -> None:
         for publisher in self._publishers.values():

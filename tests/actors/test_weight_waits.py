@@ -116,6 +116,48 @@ async def test_concurrent_publishes_of_one_publisher_are_refused():
         assert (await first).version == 1
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+async def test_closing_the_publisher_during_a_copy_ends_that_publish_and_frees_the_slot_after_the_copy(transport):
+    """close() while a publish's copy writes into a slot on a worker thread: the slot outlives the copy (it was
+    unmapped under it: a segfault), then is freed; the publish raises, saying the publisher was closed."""
+    state = {"w": torch.ones(32 * 1024 * 1024)}  # 128 MiB: copied on a worker thread
+    before = set(glob.glob(f"{SHM_DIR}/actors-*"))
+    publisher = WeightPublisher(transport, slots=1)
+    task = asyncio.ensure_future(publisher.publish_async(state, 1))
+    await asyncio.sleep(0)  # the copy has started on its thread
+    publisher.close()
+    with pytest.raises(WeightSyncError, match="closed"):
+        await asyncio.wait_for(task, 30)
+    assert publisher.version is None and not publisher.unreleased
+    assert set(glob.glob(f"{SHM_DIR}/actors-*")) <= before, "the slot was not freed once the copy ended"
+    with pytest.raises(WeightSyncError, match="closed"):
+        await publisher.publish_async(state, 2)
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+async def test_closing_the_publisher_ends_a_publish_waiting_for_a_slot_and_makes_none(transport):
+    """A publish waiting for a consumer to free a slot: close() ends the wait at once, with no new slot made
+    (the closed pool used to make one: a segment nothing would remove)."""
+    before = set(glob.glob(f"{SHM_DIR}/actors-*"))
+    publisher = WeightPublisher(transport, slots=1, lock_timeout=30)
+    consumer = WeightConsumer()
+    held = publisher.publish(filled_model(1.0), 1)
+    if transport == "shm":
+        consumer.import_update(held)  # the only slot is held by a reader
+    else:
+        publisher._writer._slots[0].sending += 1  # type: ignore[attr-defined]  # a reader is being sent it
+    waiting = asyncio.ensure_future(publisher.publish_async(filled_model(2.0), 2))
+    await asyncio.sleep(0)  # the publish found no free slot and polls for one
+    assert not waiting.done()
+    started = time.monotonic()
+    publisher.close()
+    with pytest.raises(WeightSyncError, match="closed"):
+        await asyncio.wait_for(waiting, 10)
+    assert time.monotonic() - started < 1.0, "the closed publisher's waiting publish ran on"
+    consumer.close()
+    assert set(glob.glob(f"{SHM_DIR}/actors-*")) <= before
+
+
 class AwaitedRelease:
     """A reader whose blocking release must not be called: an event loop's installs await ``release_async``."""
 

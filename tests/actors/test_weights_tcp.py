@@ -97,6 +97,30 @@ async def test_an_async_install_fetches_off_the_loop_and_the_loop_keeps_running(
     consumer.close()
 
 
+async def test_concurrent_fetches_by_one_reader_each_get_a_buffer_of_their_own():
+    """Two updates fetched at once on worker threads, after a released one left a spare buffer: one fetch may
+    reuse the spare, never both (each would be overwritten by the other's bytes)."""
+    with WeightPublisher("tcp", slots=3, chunk=4096) as publisher:
+        reader = TcpReader()
+        first = await publisher.publish_async({"w": torch.zeros(1 << 18)}, 1)
+        spare = (await reader.read_async(first.update_id, 1, first.handle, first.tensors))["w"]
+        spare_at = spare.untyped_storage().data_ptr()
+        del spare
+        reader.release(first.update_id)
+        publisher.release(first.update_id)
+        sources = [{"w": torch.full((1 << 18,), float(v))} for v in (2, 3)]
+        manifests = [await publisher.publish_async(source, v) for v, source in zip((2, 3), sources, strict=True)]
+        fetched = await asyncio.gather(
+            *(reader.read_async(m.update_id, m.version, m.handle, m.tensors) for m in manifests)
+        )
+        for source, tensors in zip(sources, fetched, strict=True):
+            assert torch.equal(tensors["w"], source["w"])
+        pointers = {tensors["w"].untyped_storage().data_ptr() for tensors in fetched}
+        assert len(pointers) == 2, "two fetches shared one buffer"
+        assert spare_at in pointers, "the released buffer was not reused"
+        reader.close()
+
+
 async def test_a_blocking_read_on_an_event_loop_is_refused_with_the_way_out(publisher):
     consumer = WeightConsumer()
     manifest = publisher.publish(filled_model(1.0), 1)
