@@ -28,6 +28,7 @@ import itertools
 import mmap
 import os
 import struct
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -275,10 +276,28 @@ class SlotPool:
         return out
 
     def close(self) -> None:
+        """Remove every slot (no name outlives this).
+
+        A slot whose payload lives outside its segment (a GPU buffer) and that
+        a reader still holds keeps that payload until the last reader lets go:
+        freed now, it would go back to this process's allocator while the
+        reader still reads it (an aliasing install would silently view
+        whatever comes next there). A thread waits for the slot's lock.
+        """
         self.closed = True
         for slot in self._slots:
-            self._destroy(slot)
+            if self._free is not None and not _try_lock(slot.fd, fcntl.LOCK_EX):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(SHM_DIR, slot.name))
+                name = f"actors-weights-held-{slot.name}"
+                threading.Thread(target=self._destroy_once_unheld, args=(slot,), name=name, daemon=True).start()
+            else:
+                self._destroy(slot)
         self._slots.clear()
+
+    def _destroy_once_unheld(self, slot: Slot) -> None:
+        fcntl.flock(slot.fd, fcntl.LOCK_EX)  # until the last reader releases (or its process ends)
+        self._destroy(slot)
 
 
 class PooledWriter:

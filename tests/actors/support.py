@@ -495,6 +495,11 @@ class CudaSink(ReceivesWeights):
         return self.report(None if installed is None else installed.version)
 
     @endpoint
+    async def holding(self) -> dict:
+        """What the model holds now (an aliased install: the slot it views)."""
+        return self.report(None)
+
+    @endpoint
     async def touch(self, manifest: WeightManifest) -> int:
         """Import and release; returns how many device slots this process has open."""
         consumer = self.weight_inbox.consumer

@@ -6,6 +6,7 @@ marked ``gpu``; on a machine without CUDA each is skipped with the reason.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import signal
@@ -111,8 +112,37 @@ async def test_a_thousand_updates_keep_gpu_memory_flat_on_both_sides(procs):
         assert torch.cuda.memory_allocated() == publisher_after_warmup, "the publisher allocates nothing per update"
         assert reports[-1]["allocated"] == reports[19]["allocated"], "the consumer allocates nothing per update"
         assert max(r["open_slots"] for r in reports) <= 3
-    assert torch.cuda.memory_allocated() == before, "closing the publisher frees its slots"
-    assert await sink.close_inbox.call_one() == 0
+    assert await sink.close_inbox.call_one() == 0  # the last install (version 1000) viewed its slot until now
+    await _until_allocated(before)
+
+
+async def test_a_closed_publisher_keeps_the_slot_an_aliasing_consumer_views_until_it_lets_go(procs):
+    """The trainer closes its publisher (a restart, the end of a run) while a generator's parameters view a slot:
+    the slot stays allocated until the generator lets go, so what the trainer allocates next lands elsewhere (freed
+    at once, the consumer would silently read the trainer's new tensors); then it is freed."""
+    sink = procs.spawn("sink", CudaSink).slice(procs=0)
+    model = filled_model(0.0).cuda()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    publisher = WeightPublisher("cuda-ipc", slots=2)
+    fill(model, 7.0)
+    assert (await sink.install.call_one(publisher.publish(model, 1), True))["values"] == [7.0]
+    publisher.close()
+    assert torch.cuda.memory_allocated() > before, "the slot the consumer views was freed under it"
+    junk = [torch.full((1 << 20,), -3.0, device="cuda") for _ in range(16)]  # what the allocator hands out next
+    torch.cuda.synchronize()
+    assert (await sink.holding.call_one())["values"] == [7.0]
+    assert await sink.close_inbox.call_one() == 0  # lets go of the slot
+    await _until_allocated(before + sum(t.numel() * t.element_size() for t in junk))
+
+
+async def _until_allocated(expected: int) -> None:
+    """This process's GPU memory back to ``expected``: a closed publisher frees a slot a consumer held from a thread
+    waiting for the slot's lock, soon after the consumer lets go."""
+    deadline = time.monotonic() + 10
+    while torch.cuda.memory_allocated() != expected and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert torch.cuda.memory_allocated() == expected, "a slot outlived its last reader, or the publisher leaked one"
 
 
 async def test_a_dead_publisher_leaves_the_last_good_weights_installed(procs):

@@ -281,3 +281,34 @@ async def test_waiting_for_an_update_still_times_out_while_the_publisher_lives(p
     with pytest.raises(CallTimeout):
         await inbox.wait(0.2)
     inbox.close()
+
+
+def test_a_closed_pool_keeps_a_held_slots_outside_storage_until_its_last_reader_lets_go():
+    """cuda-ipc's case on the CPU: a slot's payload lives outside its segment (a GPU buffer). Closing the pool
+    while a consumer still holds (aliases) one must not free that payload under it: the unheld slot is freed at
+    once, the held one when its reader releases it; no slot's name outlives the close."""
+    import threading
+
+    from harness import wait_for
+
+    from actors.tensors._slots import SHM_DIR, SlotHolds, SlotPool
+
+    freed: list[str] = []
+    pool = SlotPool(
+        2, kind="t", payload_in_segment=False, allocate=lambda slot: None, free=lambda s: freed.append(s.name)
+    )
+    slots = []
+    for version in (1, 2):
+        slot = pool.try_acquire(64)
+        assert slot is not None
+        pool.commit(slot, f"u{version}", version, 64)
+        slots.append(slot)
+    holds = SlotHolds(map_payload=False)
+    holds.hold(slots[0].name, "u1", 1)  # a consumer views update 1
+    pool.close()
+    assert freed == [slots[1].name], "only the slot nobody holds is freed at once"
+    assert not any(os.path.exists(os.path.join(SHM_DIR, slot.name)) for slot in slots)
+    holds.unhold(slots[0].name)
+    assert wait_for(lambda: freed == [slots[1].name, slots[0].name], timeout=10)
+    assert wait_for(lambda: not [t for t in threading.enumerate() if t.name.startswith("actors-weights-held")], 10)
+    holds.close()
