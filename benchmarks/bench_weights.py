@@ -15,7 +15,7 @@ end of the install in the consumer, including the consumer's stream
 finishing its copy (one clock: CLOCK_MONOTONIC). ``trainer_stall_ms`` is
 how long ``publish`` keeps the trainer's thread; ``call_ms`` from its return
 to the consumer's endpoint starting (the manifest's trip between the
-processes); then ``import``, ``install`` (with the wait for the bytes). The baseline, measured in
+processes); then ``import``, ``install`` (with the wait for the bytes), ``ack``. The baseline, measured in
 the same run and interleaved with the updates, is one copy of the same
 tensors into a second set: ``copy_`` on the CPU (one torch thread), a
 device-to-device multi-tensor copy timed with CUDA events on a GPU. The
@@ -23,7 +23,9 @@ first updates touch fresh memory and are not counted.
 
 With ``--profile``, each row publishes 5 more updates with ``publish``
 under cProfile and ``torch.profiler``: the Python functions and the torch
-operators or CUDA runtime calls that took the trainer's stall, per update.
+operators or CUDA runtime calls that took the trainer's stall, per update;
+and the consumer's installs under cProfile in its process (its waits for
+the GPU show as the synchronize or event calls that hold them).
 
 Targets: shm at 1 GiB <= 2.0x the copy (copy install) and alias; cuda-ipc
 at 1 GiB alias <= 1.5x, copy <= 2.5x, trainer stall <= 1x; cuda-ipc 64 MiB
@@ -105,8 +107,28 @@ class Installing:
         self.model = Holder(shapes, DTYPES[dtype], device)
         self.consumer = WeightConsumer(verify_checksums=False)
         self.aliased: str | None = None
+        self.profiler: Any = None  # a cProfile.Profile over the profiled installs (``--profile``)
 
-    def install(self, manifest: WeightManifest, alias: bool) -> dict[str, float]:
+    def install(self, manifest: WeightManifest, alias: bool, profiled: bool = False) -> dict[str, float]:
+        if not profiled:
+            return self._install(manifest, alias)
+        if self.profiler is None:
+            import cProfile
+
+            self.profiler = cProfile.Profile()
+        self.profiler.enable()
+        try:
+            return self._install(manifest, alias)
+        finally:
+            self.profiler.disable()
+
+    def hotspots(self, count: int, updates: int) -> list[dict[str, Any]]:
+        """Where the profiled installs spent this process's time, per update."""
+        from _profile import python_hotspots
+
+        return python_hotspots(self.profiler, count, updates) if self.profiler is not None else []
+
+    def _install(self, manifest: WeightManifest, alias: bool) -> dict[str, float]:
         t0 = time.perf_counter()
         tensors = flat(self.consumer.import_update(manifest))
         t1 = time.perf_counter()
@@ -128,7 +150,14 @@ class Installing:
         else:
             self.consumer.release(manifest.update_id)
         release = time.perf_counter() - done
-        return {"import": t1 - t0, "install": t2 - t1, "release": release, "arrived_at": t0, "done_at": done}
+        return {
+            "import": t1 - t0,
+            "install": t2 - t1,
+            "ack": done - t2,
+            "release": release,
+            "arrived_at": t0,
+            "done_at": done,
+        }
 
     def close(self) -> None:
         self.consumer.close()
@@ -139,8 +168,12 @@ class Installer(Actor):
         self.installing = Installing(shapes, dtype, device)
 
     @endpoint
-    async def install(self, manifest: WeightManifest, alias: bool) -> dict[str, float]:
-        return self.installing.install(manifest, alias)
+    async def install(self, manifest: WeightManifest, alias: bool, profiled: bool = False) -> dict[str, float]:
+        return self.installing.install(manifest, alias, profiled)
+
+    @endpoint
+    async def hotspots(self, count: int, updates: int) -> list[dict[str, Any]]:
+        return self.installing.hotspots(count, updates)
 
     async def __cleanup__(self, exc: BaseException | None) -> None:
         self.installing.close()
@@ -182,15 +215,22 @@ async def measure(args: argparse.Namespace, mb: int, dtype: str, install: str) -
     local = Installing(shapes, dtype, args.consumer_device) if args.transport == "local" else None
     if local is not None:
 
-        async def do_install(manifest: WeightManifest) -> dict[str, float]:
+        async def do_install(manifest: WeightManifest, profiled: bool = False) -> dict[str, float]:
             assert local is not None
-            return local.install(manifest, alias)
+            return local.install(manifest, alias, profiled)
+
+        async def hotspots(count: int, updates: int) -> list[dict[str, Any]]:
+            assert local is not None
+            return local.hotspots(count, updates)
     else:
         procs = this_host().spawn_procs(per_host={"procs": 1})
         installer = procs.spawn("installer", Installer, shapes, dtype, args.consumer_device)
 
-        async def do_install(manifest: WeightManifest) -> dict[str, float]:
-            return await installer.install.call_one(manifest, alias)
+        async def do_install(manifest: WeightManifest, profiled: bool = False) -> dict[str, float]:
+            return await installer.install.call_one(manifest, alias, profiled)
+
+        async def hotspots(count: int, updates: int) -> list[dict[str, Any]]:
+            return await installer.hotspots.call_one(count, updates)
 
     rows = []
     with WeightPublisher(args.transport, **publisher_args(args)) as publisher:
@@ -207,7 +247,7 @@ async def measure(args: argparse.Namespace, mb: int, dtype: str, install: str) -
             if measured:
                 elapsed, call = timings["done_at"] - start, timings["arrived_at"] - published
                 rows.append({"stall": published - start, "call": call, "total": elapsed, **timings})
-    found = await profile_publishes(args, state, do_install) if args.profile else None
+    found = await profile_publishes(args, state, do_install, hotspots) if args.profile else None
     if procs is not None:
         await procs.stop()
     if local is not None:
@@ -229,6 +269,7 @@ async def measure(args: argparse.Namespace, mb: int, dtype: str, install: str) -
         "call_ms": round(med("call"), 3),
         "import_ms": round(med("import"), 3),
         "install_ms": round(med("install"), 3),
+        "ack_ms": round(med("ack"), 3),
         "release_ms": round(med("release"), 3),
         "publish_to_installed_ms": round(total_ms, 3),
         "copy_ms": round(copy_ms, 3),
@@ -249,11 +290,13 @@ def publisher_args(args: argparse.Namespace) -> dict[str, Any]:
 async def profile_publishes(
     args: argparse.Namespace,
     state: dict[str, torch.Tensor],
-    do_install: Callable[[WeightManifest], Awaitable[dict[str, float]]],
+    do_install: Callable[..., Awaitable[dict[str, float]]],
+    consumer_hotspots: Callable[[int, int], Awaitable[list[dict[str, Any]]]],
     updates: int = 5,
 ) -> dict[str, Any]:
     """``updates`` more updates from a fresh publisher, its ``publish`` (the trainer's stall) under cProfile and
-    ``torch.profiler``: the Python functions and the torch operators / CUDA calls that took its time, per update."""
+    ``torch.profiler``: the Python functions and the torch operators / CUDA calls that took its time, per update;
+    and the consumer's installs under cProfile in its own process (``consumer``)."""
     import cProfile
 
     from _profile import busiest, python_hotspots
@@ -273,13 +316,18 @@ async def profile_publishes(
                 python.enable()
                 manifest = await publisher.publish_async(state, version)
                 python.disable()
-                await do_install(manifest)
+                await do_install(manifest, True)
                 publisher.release(manifest.update_id)
     host = busiest(torch_prof, 8, by="cpu")
     for op in host:
         op["ms"] = round(op["ms"] / updates, 3)
         op["calls"] = op["calls"] // updates
-    return {"updates": updates, "python": python_hotspots(python, 10, updates), "torch_host": host}
+    return {
+        "updates": updates,
+        "python": python_hotspots(python, 10, updates),
+        "torch_host": host,
+        "consumer": await consumer_hotspots(10, updates),
+    }
 
 
 async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -292,11 +340,17 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             print(
                 f"{args.transport} {args.device}: {row['mib']:.0f} MiB {dtype} in {row['tensor_count']} tensors, "
                 f"{install} | stall {row['trainer_stall_ms']} ms, call {row['call_ms']} ms, import {row['import_ms']} ms, install "
-                f"{row['install_ms']} ms | publish->installed {row['publish_to_installed_ms']} ms = "
+                f"{row['install_ms']} ms, ack {row['ack_ms']} ms | publish->installed {row['publish_to_installed_ms']} ms = "
                 f"{row['ratio']} x copy {row['copy_ms']} ms (stall {row['stall_ratio']} x)",
                 flush=True,
             )
-            for column in ("python", "torch_host"):
+            for column, title in (
+                ("python", "trainer's publish, Python"),
+                ("torch_host", "trainer's publish, torch"),
+                ("consumer", "consumer's install, Python"),
+            ):
+                if row.get("profile", {}).get(column):
+                    print(f"  {title} (per update):")
                 for entry in row.get("profile", {}).get(column, []):
                     print(f"    {entry['ms']:8.3f} ms  x{entry['calls']:<5} {entry.get('function') or entry['op']}")
     return rows

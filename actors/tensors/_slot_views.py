@@ -27,6 +27,9 @@ class SlotViews:
     def __init__(self, keep: int = 2) -> None:
         self.keep = keep
         self._made: dict[tuple[TensorSpec, ...], list[torch.Tensor]] = {}
+        # the last specs asked for, held (so its id stays its own), and their views: a consumer passes the same
+        # tuple while the layout holds, and hashing 145 specs each update was most of this lookup's time
+        self._last: tuple[Sequence[TensorSpec], list[torch.Tensor]] | None = None
 
     def of(
         self,
@@ -34,12 +37,16 @@ class SlotViews:
         make: Callable[[TensorSpec], torch.Tensor],
         check: Callable[[], object] | None = None,
     ) -> list[torch.Tensor]:
+        last = self._last
+        if last is not None and last[0] is specs and isinstance(specs, tuple):
+            return last[1]
         key = tuple(specs)
         try:
             made = self._made.get(key)
         except TypeError:  # a malformed spec (an unhashable field): the check refuses it
             made, key = None, ()
         if made is not None:
+            self._last = (specs, made)
             return made
         if check is not None:
             check()
@@ -48,7 +55,9 @@ class SlotViews:
             if len(self._made) >= self.keep:
                 del self._made[next(iter(self._made))]
             self._made[key] = views
+            self._last = (specs, views)
         return views
 
     def clear(self) -> None:
         self._made.clear()
+        self._last = None

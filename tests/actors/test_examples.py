@@ -59,7 +59,7 @@ def test_weights_benchmark_prints_its_json_line(transport, mode):
     assert 0 <= row["call_ms"] < row["publish_to_installed_ms"]
 
 
-def test_weights_benchmark_profiles_where_the_publishers_time_goes():
+def test_weights_benchmark_profiles_where_the_publishers_and_the_consumers_time_goes():
     flags = ["--transport", "shm", "--mb", "8", "--updates", "2", "--install", "alias", "--profile", "--json"]
     proc = run_python(os.path.join(ROOT, "benchmarks", "bench_weights.py"), *flags, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -67,3 +67,6 @@ def test_weights_benchmark_profiles_where_the_publishers_time_goes():
     found = row["profile"]
     assert found["updates"] == 5 and len(found["python"]) == 10 and isinstance(found["torch_host"], list)
     assert all(entry["ms"] >= 0 and entry["function"] for entry in found["python"])
+    consumer = [entry["function"] for entry in found["consumer"]]  # the installs, profiled in the consumer's process
+    assert len(consumer) == 10 and any("_install" in function for function in consumer), consumer
+    assert row["ack_ms"] >= 0

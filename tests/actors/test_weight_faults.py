@@ -312,3 +312,29 @@ def test_a_closed_pool_keeps_a_held_slots_outside_storage_until_its_last_reader_
     assert wait_for(lambda: freed == [slots[1].name, slots[0].name], timeout=10)
     assert wait_for(lambda: not [t for t in threading.enumerate() if t.name.startswith("actors-weights-held")], 10)
     holds.close()
+
+
+def test_a_slots_views_are_made_once_per_layout_and_found_by_the_same_specs_without_hashing_them():
+    from actors.tensors import TensorSpec
+    from actors.tensors._slot_views import SlotViews
+
+    made: list[str] = []
+
+    def make(spec: TensorSpec) -> torch.Tensor:
+        made.append(spec.name)
+        return torch.zeros(spec.shape)
+
+    def layout(*names: str) -> tuple[TensorSpec, ...]:
+        return tuple(TensorSpec(name, "float32", (2,), (1,), 8, 8 * i) for i, name in enumerate(names))
+
+    views, specs = SlotViews(), layout("a", "b")
+    first = views.of(specs, make)
+    assert views.of(specs, make) is first and views.of(layout("a", "b"), make) is first, "an equal layout is found"
+    assert made == ["a", "b"]
+    other = views.of(layout("c"), make)
+    assert made == ["a", "b", "c"] and views.of(specs, make) is first and views.of(layout("c"), make) is other
+    checked: list[int] = []
+    views.of(layout("d"), make, lambda: checked.append(1))
+    assert checked == [1], "a layout the slot has not seen is checked"
+    views.clear()
+    assert views.of(specs, make) is not first, "cleared views are made again"
