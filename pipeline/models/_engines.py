@@ -190,13 +190,67 @@ class BuiltinEngine:
         return decode_completions(self.tokenizer, completion, mask, self.eos)
 
 
+class _StepLogps:
+    """The log-probability of each token ``generate`` samples, under the temperature-scaled raw logits, with
+    one step's [N, V] distribution in memory at a time.
+
+    ``generate(output_logits=True)`` would keep a float32 copy of every
+    step's logits until it returns: [T, N, V], 40 GB for 256 rows x 256
+    tokens at a 151,936-token vocabulary. Instead a forward hook on the
+    model takes each step's raw logits (the model's output: any soft-capping
+    included, before any sampler's processing) as log-probabilities, and a
+    logits processor, last in ``generate``'s list, gathers the previous
+    step's at the token that step drew (the last of the ids it is shown).
+    """
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+        self.latest: torch.Tensor | None = None  # the step just run, its token not drawn yet
+        self.pending: torch.Tensor | None = None  # the step before, whose token the processor now sees
+        self.steps: list[torch.Tensor] = []
+
+    def on_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        logits = output.logits if hasattr(output, "logits") else output[0]
+        self.latest = torch.log_softmax(logits[:, -1, :].float() / self.scale, dim=-1)
+
+    def processors(self) -> Any:
+        """The logits processors ``generate`` is given: one that gathers the drawn tokens' log-probabilities."""
+        from transformers import LogitsProcessor, LogitsProcessorList
+
+        steps = self
+
+        class GatherDrawn(LogitsProcessor):  # type: ignore[misc]
+            def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+                steps.gather(input_ids[:, -1:])
+                steps.pending, steps.latest = steps.latest, None
+                return scores
+
+        return LogitsProcessorList([GatherDrawn()])
+
+    def gather(self, drawn: torch.Tensor) -> None:
+        if self.pending is not None:
+            self.steps.append(self.pending.gather(-1, drawn).squeeze(-1))
+            self.pending = None
+
+    def finish(self, completion: torch.Tensor) -> torch.Tensor:
+        """[N, T]: the last step's gathered at the completion's last token."""
+        self.gather(completion[:, -1:])
+        if len(self.steps) != completion.shape[1]:
+            raise RuntimeError(
+                f"generate ran {len(self.steps)} model steps for {completion.shape[1]} tokens: the behaviour "
+                "log-probabilities cannot be matched to the tokens (a decoding strategy this engine does not support)"
+            )
+        return torch.stack(self.steps, dim=1)
+
+
 class GenerateEngine(BuiltinEngine):
     """Sampling with the model's own ``generate`` (``--engine hf``): transformers' samplers and stopping rules.
 
-    The behaviour log-probabilities are taken from the raw logits ``generate``
-    returns, under the temperature-scaled distribution, as the other engines
-    record them; the randomness is drawn from ``generator`` (``generate``
-    uses torch's global generator, so it is forked and seeded for the call).
+    The behaviour log-probabilities are those of the raw logits, under the
+    temperature-scaled distribution, as the other engines record them,
+    taken one step at a time (:class:`_StepLogps`); the randomness is drawn
+    from ``generator`` (``generate`` uses torch's global generator, so it is
+    forked and seeded for the call).
     """
 
     @torch.no_grad()
@@ -219,32 +273,28 @@ class GenerateEngine(BuiltinEngine):
         if generator is not None:  # drawn where the generator lives (a CUDA generator on a GPU)
             seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
         devices = [device] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices, enabled=seed is not None):
-            if seed is not None:
-                torch.manual_seed(seed)
-            out = self.model.generate(  # type: ignore[operator]
-                input_ids=ids,
-                attention_mask=prompt_mask,
-                max_new_tokens=params.max_new_tokens,
-                num_return_sequences=params.samples,
-                eos_token_id=self.eos,
-                pad_token_id=self.pad,
-                output_logits=True,
-                return_dict_in_generate=True,
-                **sampling,
-            )
-        completion = out.sequences[:, ids.shape[1] :]
-        scale = 1.0 if greedy else params.temperature
-        # the raw logits of each step [N, V], before any sampler's processing; one step at a time in float32
-        logps = torch.stack(
-            [
-                torch.log_softmax(step.float() / scale, dim=-1).gather(-1, completion[:, i : i + 1]).squeeze(-1)
-                for i, step in enumerate(out.logits)
-            ],
-            dim=1,
-        )
+        steps = _StepLogps(1.0 if greedy else params.temperature)
+        hook = self.model.register_forward_hook(steps.on_forward)
+        try:
+            with torch.random.fork_rng(devices=devices, enabled=seed is not None):
+                if seed is not None:
+                    torch.manual_seed(seed)
+                sequences = self.model.generate(  # type: ignore[operator]
+                    input_ids=ids,
+                    attention_mask=prompt_mask,
+                    max_new_tokens=params.max_new_tokens,
+                    num_return_sequences=params.samples,
+                    eos_token_id=self.eos,
+                    pad_token_id=self.pad,
+                    logits_processor=steps.processors(),
+                    **sampling,
+                )
+        finally:
+            hook.remove()
+        completion = sequences[:, ids.shape[1] :]
+        logps = steps.finish(completion)
         ended = torch.isin(completion, torch.tensor(self.eos, device=device)).long()
         mask = (ended.cumsum(1) - ended) == 0  # up to and including the first end token
         prompt_mask = prompt_mask.repeat_interleave(params.samples, dim=0)
         texts = self.decode(completion, mask)
-        return Completions(out.sequences, prompt_mask, logps.masked_fill(~mask, 0.0), mask.float(), texts)
+        return Completions(sequences, prompt_mask, logps.masked_fill(~mask, 0.0), mask.float(), texts)

@@ -123,6 +123,33 @@ def test_behaviour_logps_equal_the_trainers_at_lag_0_across_mixed_prompt_lengths
     assert gap < 1e-4, gap
 
 
+def test_the_generate_engine_keeps_one_steps_distribution_not_every_steps_logits(model_and_tokenizer, monkeypatch):
+    """``generate(output_logits=True)`` keeps a float32 [N, V] copy of every step until it returns ([T, N, V]: 40 GB
+    for 256 x 256 tokens at a 151,936-token vocabulary): the engine asks for none, and at most two steps'
+    log-probabilities are alive at once."""
+    model, tokenizer = model_and_tokenizer
+    engine = GenerateEngine(model, tokenizer)
+    asked: list[dict] = []
+    generate = model.generate
+    monkeypatch.setattr(model, "generate", lambda **kwargs: asked.append(kwargs) or generate(**kwargs))
+    from pipeline.models import _engines
+
+    alive, most = [0], [0]
+    on_forward = _engines._StepLogps.on_forward
+
+    def counting(self, module, args, output):  # type: ignore[no-untyped-def]
+        on_forward(self, module, args, output)
+        alive[0] = sum(t is not None for t in (self.latest, self.pending))
+        most[0] = max(most[0], alive[0])
+
+    monkeypatch.setattr(_engines._StepLogps, "on_forward", counting)
+    prompts = [tokenizer(text)["input_ids"] for text in ("reverse:1234=", "ab=")]
+    out = engine.generate(prompts, SamplingParams(8, samples=3), torch.Generator().manual_seed(0))
+    (kwargs,) = asked
+    assert not kwargs.get("output_logits") and not kwargs.get("output_scores")
+    assert most[0] <= 2 and out.logps.shape == out.mask.shape == (6, out.tokens.shape[1] - 13)
+
+
 @pytest.mark.parametrize("engine_class", ENGINES)
 def test_min_p_and_top_k_reach_each_engines_sampler(model_and_tokenizer, engine_class):
     """A cut to the likeliest token makes sampling greedy: every sample of a prompt is then the same."""
