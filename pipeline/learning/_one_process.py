@@ -53,7 +53,7 @@ def train_one_process(config: Config) -> ReferenceResult:
             samples = task.sample(learner.policy, rng, ticket=step)
             scores = task.score(scorer, samples)
             ref_logps = None if reference is None else task.reference_logps(reference, samples)
-        learner.update(samples, scores.rewards, ref_logps)
+        learner.update(samples, scores.rewards.to(device), ref_logps)  # a task may score on the CPU
         step += 1
         if reference is not None and config.syncs_reference_after(step):
             learner.mix_reference(config.ref_model_mixup_alpha)

@@ -307,9 +307,15 @@ def _body_and_head(model: torch.nn.Module) -> Split | None:
     get_head = getattr(model, "get_output_embeddings", None)
     body = getattr(model, "base_model", None)
     linear = get_head() if callable(get_head) else None
-    if not isinstance(linear, torch.nn.Linear) or not isinstance(body, torch.nn.Module) or body is model:
+    if not isinstance(linear, torch.nn.Module) or not isinstance(body, torch.nn.Module) or body is model:
         return None
     config = getattr(model, "config", None)
+    # a plain Linear, or a layer wrapping one (PEFT's LoRA on the head: --lora-target-modules ...,lm_head), whose
+    # output is still the logits; whether it really is, the first use checks against the model's own
+    vocab = getattr(linear, "out_features", None)
+    vocab = vocab if type(vocab) is int else getattr(config, "vocab_size", None)
+    if type(vocab) is not int or vocab < 1:
+        return None
     scale = getattr(config, "logit_scale", None)  # Cohere multiplies the logits
     divide = getattr(config, "logits_scaling", None)  # Granite divides them
     cap = getattr(config, "final_logit_softcapping", None)  # Gemma 2 soft-caps them
@@ -324,7 +330,7 @@ def _body_and_head(model: torch.nn.Module) -> Split | None:
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    return Split(body, head, linear.out_features)
+    return Split(body, head, vocab)
 
 
 def first_line(exc: BaseException) -> str:

@@ -79,12 +79,15 @@ class DecoderChoice:
         if self.path == "dynamic":
             return DynamicDecoder(self.model, self.call)
         rows, need = ids.shape[0], ids.shape[1] + new_tokens
+        fitted = -(-need // LENGTH_BUCKET) * LENGTH_BUCKET
         kept = self._static
-        if kept is not None and (kept.rows != rows or not need <= kept.length <= 2 * need):
+        # kept while it fits and is at most twice the need, or the size this need would build anyway (a short
+        # batch's bucket is more than twice it: rebuilt each batch, it recaptured its graph every rollout)
+        if kept is not None and (kept.rows != rows or not need <= kept.length <= max(2 * need, fitted)):
             kept.close()
             self._static = kept = None
         if kept is None:
-            kept = self._static = self._build(rows, -(-need // LENGTH_BUCKET) * LENGTH_BUCKET)
+            kept = self._static = self._build(rows, fitted)
         return DynamicDecoder(self.model, self.call) if kept is None else kept
 
     def close(self) -> None:

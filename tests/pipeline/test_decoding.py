@@ -302,6 +302,9 @@ def test_the_kept_cache_serves_batches_of_its_shape_and_is_rebuilt_for_another()
     assert shorter is not longer and shorter is not None and shorter.length == 64, "more than twice the need"
     draw_with(engine, prompts(500, (5, 6, 7)), params)
     assert engine.decoding.kept is not None and engine.decoding.kept.rows == 6
+    short = engine.decoding.kept
+    draw_with(engine, prompts(500, (5, 6, 7)), params)  # 7 + 8 tokens: its bucket (64) is over twice the need
+    assert engine.decoding.kept is short, "a short batch's own bucket is reused, not rebuilt (recaptured) each time"
 
 
 @pytest.mark.parametrize("alias", [False, True])

@@ -96,6 +96,30 @@ def test_the_split_model_gives_the_models_own_log_probs_and_falls_back_when_it_c
     assert "could not be taken apart" in caplog.text
 
 
+def test_a_head_adapted_by_lora_is_still_taken_apart_and_scored_in_chunks():
+    """``--lora-target-modules ...,lm_head``: PEFT wraps the head in its own layer, which is no ``nn.Linear``; the
+    split still takes it (its logits checked against the model's), not the whole [N, T, V] logits of the fallback."""
+    pytest.importorskip("peft", reason="needs the hf extra")
+    from pipeline.models import CompletionLogps, LoraAdapter
+
+    model = tiny_qwen2(300)
+    LoraAdapter(model, 4, 8.0, "q_proj,lm_head")
+    with torch.no_grad():  # the adapters start at B = 0: move them, so the head's LoRA term counts
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.5)
+    assert not isinstance(model.get_output_embeddings(), torch.nn.Linear)
+    prompt_mask = torch.ones(2, 4, dtype=torch.long, device="cpu")
+    tokens = torch.randint(3, 300, (2, 10), device="cpu")
+    with torch.no_grad():
+        logits = model(input_ids=tokens[:, :-1], attention_mask=torch.ones(2, 9, dtype=torch.long)).logits
+    want, _ = token_logps(logits[:, 3:].float(), tokens[:, 4:], 1.0)
+    split = CompletionLogps(model, budget=300 * 2)
+    got, _ = split(tokens, prompt_mask, 1.0)
+    assert split.path == "head in chunks"
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_micro_batches_follow_the_token_budget():
     from pipeline import Config
     from pipeline.tasks import DigitsTask, resolve

@@ -172,3 +172,24 @@ def test_a_short_run_in_one_process_learns_to_reverse_three_digits():
     first = result.curve[0][1]
     assert first < 0.1, result.curve
     assert result.seconds_to_target is not None and result.score >= 0.9, result.curve
+
+
+@pytest.mark.gpu
+def test_the_one_process_reference_trains_on_a_gpu():
+    """The digit task scores on the CPU: its rewards go to the trainer's GPU (the device mismatch a review found in
+    ``bench_grpo.py --device cuda``'s baseline)."""
+    result = train_one_process(Config(digits=3, steps=4, eval_every=2, device="cuda"))
+    assert result.steps == 4 and len(result.curve) == 2
+
+
+def test_a_state_moved_to_another_device_keeps_the_tensors_its_names_share():
+    """A tied embedding and head is one tensor under two names: moved name by name (a resumed reference going to
+    the GPU) it became two copies."""
+    from pipeline.learning._learner import moved_state
+
+    tied, other = torch.randn(4, 3), torch.randn(3)
+    moved = moved_state({"embed.weight": tied, "head.weight": tied, "norm.weight": other}, torch.device("meta"))
+    assert all(t.device.type == "meta" for t in moved.values())
+    assert moved["embed.weight"] is moved["head.weight"] and moved["norm.weight"] is not moved["embed.weight"]
+    halves = moved_state({"a": tied[:2], "b": tied[2:]}, torch.device("meta"))
+    assert halves["a"] is not halves["b"], "views of one storage at different offsets stay two tensors"
