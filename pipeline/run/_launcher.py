@@ -191,7 +191,7 @@ async def _final_checkpoint(trainer: Trainer, grace: float) -> None:
     except asyncio.CancelledError:
         say("final checkpoint skipped: the run folder keeps the last one")
         raise
-    except ActorsError as exc:
+    except Exception as exc:  # whatever it was, the interrupt stands: the run still stops as asked
         say(f"final checkpoint failed: {exc}")
     else:
         say("final checkpoint written")
