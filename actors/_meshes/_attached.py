@@ -204,7 +204,7 @@ def attach_to_workers(
         for address, handle in zip(addresses, handles, strict=True):
             left = max(0.0, deadline - time.monotonic())
             try:
-                infos.append(handle.info.call_one().get(timeout=left))
+                infos.append(handle.start.call_one().get(timeout=left))
                 pools.append(handle.addresses.call_one(ADDRESS_POOL).get(timeout=max(1.0, deadline - time.monotonic())))
             except CallTimeout:
                 raise CallTimeout(

@@ -4,7 +4,9 @@ The first process to ask for a name claims it (an exclusive create in the
 session directory), spawns the actor in a process of its own and publishes
 the actor's handle there; every other process, and every later request,
 gets that same actor. The controller lives as long as the process that
-claimed it (in Monarch, as long as the client).
+claimed it (in Monarch, as long as the client). The claim names the
+claimer's pid: a claim whose process exited before publishing fails its
+waiters at once, and a claimer whose spawn fails withdraws its claim.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from .._hosting._actor import Actor
 from .._runtime._core import Runtime, runtime
 from .._runtime._future import Future
 from .._runtime._parts import Part
-from .._shared._errors import CallTimeout
+from .._shared._errors import ActorDied, CallTimeout
+from .._shared._liveness import pid_exists
+from .._shared._loops import loop_running
 from ._host_mesh import this_host
 from ._proc_mesh import ProcMesh
 
@@ -37,13 +41,15 @@ POLL = 0.005
 class Controllers:
     """The controllers this process knows: those it looked up, and those it spawned (which end with it)."""
 
-    __slots__ = ("found", "spawned")
+    __slots__ = ("found", "spawned", "unwinding")
 
     def __init__(self) -> None:
         #: Every controller this process has looked up or spawned, by name.
         self.found: dict[str, Any] = {}
         #: The proc meshes of the controllers this process spawned, by name.
         self.spawned: dict[str, ProcMesh] = {}
+        #: The stops of proc meshes whose controller failed to spawn (kept until each ends).
+        self.unwinding: set[asyncio.Task[None]] = set()
 
     async def stop(self) -> None:
         """Stop the controllers this process spawned and withdraw their names (a worker's actors stopped)."""
@@ -87,15 +93,52 @@ def _claim(rt: Runtime, name: str, cls: type[Actor], args: tuple[Any, ...], kwar
         fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     except FileExistsError:
         return _read(rt, published)
-    os.close(fd)
-    procs = this_host().spawn_procs({"procs": 1}, name=f"controller-{name}")
+    try:
+        os.write(fd, str(os.getpid()).encode())
+    finally:
+        os.close(fd)
     controllers = rt.parts.get(CONTROLLERS)
-    if not controllers.spawned and rt.server is not None:
-        rt.server.stop_last(controllers)  # a worker's controllers end with its actors
-    controllers.spawned[name] = procs
-    mesh = procs.spawn(name, cls, *args, **kwargs)
-    _publish(rt, published, mesh)
+    procs = None
+    try:
+        procs = this_host().spawn_procs({"procs": 1}, name=f"controller-{name}")
+        if not controllers.spawned and rt.server is not None:
+            rt.server.stop_last(controllers)  # a worker's controllers end with its actors
+        controllers.spawned[name] = procs
+        mesh = procs.spawn(name, cls, *args, **kwargs)
+        _publish(rt, published, mesh)
+    except BaseException:  # (arguments that cannot be sent, no room for processes): the name is free again
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(claim)
+        if procs is not None:
+            controllers.spawned.pop(name, None)
+            _unwind(controllers, procs)
+        raise
     return mesh
+
+
+def _unwind(controllers: Controllers, procs: ProcMesh) -> None:
+    """Stop the proc mesh of a controller that failed to spawn: now, or on the running loop."""
+    stopping = procs.stop()  # the stop request leaves at once
+    if not loop_running():
+        stopping.get()
+        return
+
+    async def finish() -> None:
+        await stopping
+
+    task = asyncio.get_running_loop().create_task(finish())
+    controllers.unwinding.add(task)
+    task.add_done_callback(controllers.unwinding.discard)
+
+
+def _claimer(path: str) -> int | None:
+    """The pid recorded in a claim (None while it is being written, or for a claim without one)."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read(32)
+    except FileNotFoundError:
+        return None
+    return int(text) if text.isdigit() else None
 
 
 async def stop_controllers() -> None:
@@ -133,7 +176,7 @@ def get_or_spawn_controller(name: str, cls: type[A], *args: Any, **kwargs: Any) 
             known[name] = found
     if found is not None:
         return Future.ready(found)
-    published = _paths(rt, name)[1]
+    claim, published = _paths(rt, name)
 
     def lookup() -> Any:
         mesh = _read(rt, published)
@@ -144,9 +187,20 @@ def get_or_spawn_controller(name: str, cls: type[A], *args: Any, **kwargs: Any) 
     def too_late() -> CallTimeout:
         return CallTimeout(f"controller {name!r} was claimed by another process that has not published it")
 
+    def check_claimer() -> None:
+        pid = _claimer(claim)
+        if pid is not None and not pid_exists(pid) and lookup() is None:
+            raise ActorDied(
+                f"controller {name!r} was claimed by pid {pid}, which exited before publishing it; the claim "
+                "stays until this session ends (use another name)",
+                pid=pid,
+                actor=name,
+            )
+
     async def wait() -> A:
         deadline = time.monotonic() + PUBLISH_WAIT
         while (mesh := lookup()) is None:
+            check_claimer()
             if time.monotonic() > deadline:
                 raise too_late()
             await asyncio.sleep(POLL)
@@ -156,6 +210,7 @@ def get_or_spawn_controller(name: str, cls: type[A], *args: Any, **kwargs: Any) 
         limit = PUBLISH_WAIT if timeout is None else min(timeout, PUBLISH_WAIT)
         deadline = time.monotonic() + limit
         while (mesh := lookup()) is None:
+            check_claimer()
             if time.monotonic() > deadline:
                 raise too_late()
             with contextlib.suppress(CallTimeout):

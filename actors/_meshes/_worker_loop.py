@@ -60,17 +60,37 @@ EXITS_POLL = 10.0
 class HostAgent(Actor):
     """The controller's agent on an attached worker host: this host's forkserver, driven by calls.
 
-    The agent holds the ``lifeline`` it is handed, and when it ends every
-    worker it started is ended.
+    ``start`` (the controller's first call) starts the forkserver and holds
+    the ``lifeline`` the agent was handed, off the worker loop's event loop;
+    when the lifeline ends every worker the agent started is ended.
     """
 
     def __init__(self, lifeline: LifelineTicket) -> None:
-        self._node = NodeForkserver(bind_host(), make_runtime_dir())  # the loop's host (loopback for ipc)
-        self._node.hold_lifeline(lifeline)
+        self._lifeline = lifeline
+        self._started: NodeForkserver | None = None
+
+    @endpoint
+    async def start(self) -> dict[str, Any]:
+        """Start this host's forkserver, tied to the controller's lifeline (once); then :meth:`info`."""
+        if self._started is None:
+            # (blocking: a process started, a tcp handshake with the controller; a failure stops the forkserver)
+            self._started = await asyncio.to_thread(
+                NodeForkserver.tied_to, bind_host(), make_runtime_dir(), self._lifeline
+            )
+        return await self._where()
+
+    @property
+    def _node(self) -> NodeForkserver:
+        if self._started is None:
+            raise RuntimeError("this host agent was not started: call start() first")
+        return self._started
 
     @endpoint
     async def info(self) -> dict[str, Any]:
         """Where this host is: its address, its pid, and the GPUs it may hand out."""
+        return await self._where()
+
+    async def _where(self) -> dict[str, Any]:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         gpus = [g for g in visible.split(",") if g] if visible is not None else await asyncio.to_thread(_gpu_ids)
         return {"ip": self._node.ip, "pid": os.getpid(), "gpus": gpus}
@@ -99,15 +119,16 @@ class HostAgent(Actor):
 
         The loop ends after this answer has left (its host mesh was shut down, Monarch's ``shutdown()``).
         """
-        await asyncio.to_thread(self._node.stop)
+        if self._started is not None:
+            await asyncio.to_thread(self._started.stop)
         if end_loop:
             server = runtime().server
             assert server is not None  # an agent lives in a worker loop's process, which serves actors
             asyncio.get_running_loop().call_soon(server.shutdown, "its host mesh was shut down")
 
     async def __cleanup__(self, exc: BaseException | None) -> None:
-        if not self._node.stopped:
-            await asyncio.to_thread(self._node.stop)
+        if self._started is not None and not self._started.stopped:
+            await asyncio.to_thread(self._started.stop)
 
 
 def _gpu_ids() -> list[str]:

@@ -245,14 +245,18 @@ def hold(ticket: LifelineTicket, on_lost: Callable[[str], None]) -> Callable[[],
     if type(ticket) is not LifelineTicket:
         raise TypeError(f"a lifeline is held by its LifelineTicket, not {ticket!r:.80}")
     bound = ticket.silence
-    sock = socket.create_connection(ticket.address, timeout=30.0)
-    nonce = bytearray()
-    while len(nonce) < _NONCE:
-        piece = sock.recv(_NONCE - len(nonce))
-        if not piece:
-            raise ConnectionError("the controller closed the lifeline during its handshake")
-        nonce += piece
-    sock.sendall(_ANSWER.pack(_mac(ticket.key, bytes(nonce), ticket.index), ticket.index))
+    sock = socket.create_connection(ticket.address, timeout=bound)  # the handshake, too, gives up after the bound
+    try:
+        nonce = bytearray()
+        while len(nonce) < _NONCE:
+            piece = sock.recv(_NONCE - len(nonce))
+            if not piece:
+                raise ConnectionError("the controller closed the lifeline during its handshake")
+            nonce += piece
+        sock.sendall(_ANSWER.pack(_mac(ticket.key, bytes(nonce), ticket.index), ticket.index))
+    except BaseException:
+        sock.close()
+        raise
     sock.settimeout(HEARTBEAT)
     closing = threading.Event()
 

@@ -42,6 +42,9 @@ class NodeForkserver:
         self._process = _ServerProcess.start(session_dir, os.path.basename(session_dir), True, fork=False)
         os.set_blocking(self._process.requests, True)
         self._lock = threading.Condition()
+        #: Held while a request is written or the request pipe closed: whole frames, never a closed fd.
+        self._writing = threading.Lock()
+        self._requests_closed = False
         self._reports: dict[int, Report] = {}  # worker -> Spawned or SpawnFailed
         self._exits: list[Exited] = []  # not yet collected
         self._pids: dict[int, int] = {}  # worker -> pid of each worker not yet reaped
@@ -49,6 +52,18 @@ class NodeForkserver:
         self.stopped = False
         threading.Thread(target=self._read_reports, name="actors-node-reports", daemon=True).start()
         self._cut_lifeline: Callable[[], None] | None = None
+
+    @classmethod
+    def tied_to(cls, ip: str, session_dir: str, ticket: LifelineTicket | None) -> NodeForkserver:
+        """A forkserver holding the controller's lifeline (``ticket``); stopped again if the line cannot be held."""
+        node = cls(ip, session_dir)
+        if ticket is not None:
+            try:
+                node.hold_lifeline(ticket)
+            except BaseException:
+                node.stop()
+                raise
+        return node
 
     def hold_lifeline(self, ticket: LifelineTicket) -> None:
         """Hold a lifeline to the controller: when it ends, every worker here is ended."""
@@ -73,7 +88,10 @@ class NodeForkserver:
         with self._lock:
             if self._lost:
                 raise RuntimeError("this host's forkserver has exited")
-        os.write(self._process.requests, frame(SpawnRequest(index, dict(config))))
+        with self._writing:
+            if self.stopped:
+                raise RuntimeError("this host's forkserver was stopped")
+            os.write(self._process.requests, frame(SpawnRequest(index, dict(config))))
         with self._lock:
             if not self._lock.wait_for(lambda: index in self._reports or self._lost, SPAWN_REPORT_TIMEOUT):
                 raise TimeoutError(f"the forkserver did not start worker {index} within {SPAWN_REPORT_TIMEOUT:g}s")
@@ -118,10 +136,11 @@ class NodeForkserver:
         cut, self._cut_lifeline = self._cut_lifeline, None
         if cut is not None and threading.current_thread().name != LIFELINE_THREAD:
             cut()
-        try:
+        with self._writing:
+            if self._requests_closed:
+                return  # (closing the fd again could close whatever reused its number)
+            self._requests_closed = True
             os.close(self._process.requests)
-        except OSError:
-            return
         if not self._process.wait(5.0):
             self._process.kill()
             self._process.wait(5.0)

@@ -56,19 +56,24 @@ def send_call(
     pending = rt.calls.open(actor, method, targets, timeout, class_ref) if want_reply else None
     call_id = pending.call_id if pending is not None else 0
     enc = rt.encoder
-    for rank, ref in targets:
-        if ref.dead and not rt.registry.alive(ref):
-            error = ActorDied.of(actor, rank, ref.pid, ref.exit_reason, method, class_ref)
-            if pending is None:
-                raise error
-            pending.fail(error)
-            return pending
-        enc.reset()
-        data = enc.encode(Call(call_id, actor, method, rt.address, rt.pid, rank, blob, port).to_wire())
-        link = rt.link(ref)
-        if handles or enc.handles:
-            rt.note_handles([*handles, *enc.handles], ref)
-        rt.outbox.post(link, data, frames, urgent=True)
+    try:
+        for rank, ref in targets:
+            if ref.dead and not rt.registry.alive(ref):
+                error = ActorDied.of(actor, rank, ref.pid, ref.exit_reason, method, class_ref)
+                if pending is None:
+                    raise error
+                pending.fail(error)
+                return pending
+            enc.reset()
+            data = enc.encode(Call(call_id, actor, method, rt.address, rt.pid, rank, blob, port).to_wire())
+            link = rt.link(ref)
+            if handles or enc.handles:
+                rt.note_handles([*handles, *enc.handles], ref)
+            rt.outbox.post(link, data, frames, urgent=True)
+    except BaseException as exc:  # (BufferFull from a link whose peer is not reading): the caller hears it
+        if pending is not None:
+            pending.fail(exc)  # and the call table forgets the call; a rank already sent to answers no one
+        raise
     return pending
 
 

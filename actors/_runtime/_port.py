@@ -15,7 +15,11 @@ loop blocks in ``send`` instead, serving its inbox, up to a deadline.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
+import threading
+import types
 import typing
 from collections.abc import Generator
 from typing import Any, Generic, TypeVar, overload
@@ -129,6 +133,15 @@ class Port(Generic[T]):
             if self._used:
                 raise PortClosed("a once-port can be sent to only once")
             self._used = True
+            try:
+                self._deliver(value)
+            except BaseException:
+                self._used = False  # nothing was sent: the one message is still to come
+                raise
+        else:
+            self._deliver(value)
+
+    def _deliver(self, value: T | None) -> None:
         route = self._route
         if route is not None:
             window = route.window
@@ -297,21 +310,32 @@ class PortReceiver(Generic[T]):
         return _Recv(self)
 
     def _wait(self) -> Generator[Any, None, T | None]:
-        state = self._state
-        queue = state.queue
-        if not queue:
-            loop = self._rt.driver.ensure_loop()
-            while not queue:
-                self._check_open()
-                waiter = loop.create_future()
-                state.waiter = waiter
-                try:
-                    yield from waiter.__await__()
-                finally:
-                    state.waiter = None
+        if not self._state.queue:
+            yield from self._until_queued()
         return self._take()  # type: ignore[no-any-return]
 
+    @types.coroutine
+    def _until_queued(self) -> Generator[Any, None, None]:
+        """Wait (on the runtime's loop) until a message is queued; PortClosed if none can come."""
+        state = self._state
+        queue = state.queue
+        if queue:
+            return
+        loop = self._rt.driver.ensure_loop()
+        while not queue:
+            self._check_open()
+            waiter = loop.create_future()
+            state.waiters.append(waiter)  # other tasks may wait on this receiver too
+            try:
+                yield from waiter.__await__()
+            finally:
+                state.waiters.remove(waiter)
+
     def _recv_sync(self, timeout: float | None) -> T | None:
+        driver = self._rt.driver
+        loop = driver.loop
+        if loop is not None and loop.is_running() and threading.get_ident() != driver.thread:
+            return self._recv_from_thread(loop, timeout)
         state = self._state
 
         def ready() -> bool:
@@ -320,8 +344,40 @@ class PortReceiver(Generic[T]):
                 return False
             return True
 
-        self._rt.driver.wait(ready, timeout=timeout, what=f"a message on port {state.port_id}")
+        driver.wait(ready, timeout=timeout, what=f"a message on port {state.port_id}")
         return self._take()  # type: ignore[no-any-return]
+
+    def _recv_from_thread(self, loop: asyncio.AbstractEventLoop, timeout: float | None) -> T | None:
+        """``recv().get(timeout)`` while another thread's loop drives the runtime: taken only for a waiting caller.
+
+        The message is taken on the loop's thread. A caller that gives up
+        first marks the hand-over abandoned, so a message arriving just then
+        stays queued for the next ``recv``; one taken just before the caller
+        gave up is returned rather than dropped.
+        """
+        handover = _Handover()
+        waiting = asyncio.run_coroutine_threadsafe(self._take_for(handover), loop)
+        try:
+            waiting.result(timeout)
+        except BaseException as exc:
+            with handover.lock:
+                handover.abandoned = True
+                taken = handover.taken
+            if taken:
+                return handover.value  # type: ignore[no-any-return]
+            if not isinstance(exc, concurrent.futures.TimeoutError):
+                raise  # the receive's own outcome (PortClosed), or the caller was interrupted
+            waiting.cancel()
+            raise CallTimeout(
+                f"gave up after {timeout:.1f}s waiting for a message on port {self._state.port_id}"
+            ) from None
+        return handover.value  # type: ignore[no-any-return]
+
+    async def _take_for(self, handover: _Handover) -> None:
+        await self._until_queued()
+        with handover.lock:
+            if not handover.abandoned:
+                handover.value, handover.taken = self._take(), True
 
     def _check_open(self) -> None:
         state = self._state
@@ -365,6 +421,18 @@ class PortReceiver(Generic[T]):
         self._rt.receivers.close(self._state, "the receiver was closed")
 
 
+class _Handover:
+    """A synchronous receive's message, taken on the runtime's thread for a caller waiting on its own."""
+
+    __slots__ = ("abandoned", "lock", "taken", "value")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.taken = False
+        self.abandoned = False
+        self.value: Any = None
+
+
 class _Recv(Future["T | None"]):
     """``PortReceiver.recv()``: returns at once, without a coroutine, when a message is queued."""
 
@@ -373,7 +441,7 @@ class _Recv(Future["T | None"]):
     def __init__(self, receiver: PortReceiver[T]) -> None:
         self._receiver = receiver
         self._done = False  # _value and _error are set once it is
-        self._any_thread = False  # a receive from another thread runs on the runtime's loop
+        self._any_thread = True  # get() from any thread waits there; the message is taken where the runtime runs
 
     @property
     def _make(self) -> Any:  # type: ignore[override]

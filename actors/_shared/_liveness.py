@@ -123,3 +123,14 @@ class ProcRef:
 def new_incarnation(ref: ProcRef) -> int:
     """A stamp for the process an owner starts at ``ref`` now: its clock in ns, always later than the last one."""
     return max(time.time_ns(), ref.incarnation + 1)
+
+
+def pid_exists(pid: int) -> bool:
+    """Whether a process ``pid`` exists now (another user's counts; a reused pid is not told apart)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -210,7 +210,11 @@ class Driver:
                     waiter.set_result(None)
 
     async def wait_until(self, condition: Callable[[], bool], timeout: float) -> bool:
-        """Await until ``condition()`` holds after some message or death; False at the deadline."""
+        """Await until ``condition()`` holds after some message or death; False at the deadline.
+
+        The deadline wakes the waiter as progress would (it does not cancel
+        it), so a cancellation of the awaiting task always passes through.
+        """
         loop = self.ensure_loop()
         deadline = loop.time() + timeout
         while not condition():
@@ -219,14 +223,13 @@ class Driver:
                 return False
             waiter = loop.create_future()
             self._progress.append(waiter)
-            handle = loop.call_later(remaining, waiter.cancel)
+            handle = loop.call_later(remaining, _wake, waiter)
             try:
                 await waiter
-            except asyncio.CancelledError:
-                if not waiter.cancelled():
-                    raise
             finally:
                 handle.cancel()
+                with contextlib.suppress(ValueError):  # woken by its deadline or cancelled: not progress's to wake
+                    self._progress.remove(waiter)
         return True
 
     def _wait_on_loop(
@@ -295,3 +298,9 @@ class Driver:
             self._outbox.retry_stuck()
             if self._registry.unresolved:
                 self._registry.retry_unresolved()
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    """A deadline's wake-up: the waiter looks at its condition (and the clock) again."""
+    if not waiter.done():
+        waiter.set_result(None)

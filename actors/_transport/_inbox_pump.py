@@ -155,7 +155,13 @@ class Inbox:
         j = 0
         while j < end:
             fields = records[j]
-            if port_run is not None and type(fields) is list and len(fields) == 3 and fields[0] == Kind.PORT:
+            if (
+                port_run is not None
+                and type(fields) is list
+                and len(fields) == 3
+                and type(fields[0]) is int  # (a decoded tensor compares elementwise)
+                and fields[0] == Kind.PORT
+            ):
                 after = port_run(batch, j, sender)
                 if after > j:
                     j = after

@@ -1,7 +1,7 @@
 """The receiving side of ports: each open port's queue, who holds its senders, and the credit it owes.
 
 A :class:`ReceiverState` lives in the process that opened the port. It
-queues delivered values, wakes the one task waiting in ``recv``, knows
+queues delivered values, wakes the tasks waiting in ``recv``, knows
 which other processes hold a sender (so "every sender is gone" is
 observable), and counts consumption per sender for flow-control credit.
 :class:`Receivers` is the process's table of them, and handles the
@@ -26,12 +26,13 @@ __all__ = ["ReceiverState", "Receivers"]
 class ReceiverState:
     """What the owning process keeps for one open port."""
 
-    __slots__ = ("attached", "closed", "holders", "once", "port_id", "queue", "unacked", "waiter")
+    __slots__ = ("attached", "closed", "holders", "once", "port_id", "queue", "unacked", "waiters")
 
     def __init__(self, port_id: int, once: bool) -> None:
         self.port_id = port_id
         self.queue: deque[tuple[Any, str | None, int]] = deque()
-        self.waiter: asyncio.Future[None] | None = None
+        #: The ``recv()``s waiting for the queue to fill, oldest first (each removes its own).
+        self.waiters: list[asyncio.Future[None]] = []
         self.holders: set[int] = set()
         self.attached = False
         self.closed: str | None = None
@@ -63,10 +64,11 @@ class ReceiverState:
         return self.attached and not self.holders
 
     def wake(self) -> None:
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            with contextlib.suppress(RuntimeError):
-                waiter.set_result(None)
+        """Wake every waiting ``recv()``: each looks at the queue again, in the order they came."""
+        for waiter in self.waiters:
+            if not waiter.done():
+                with contextlib.suppress(RuntimeError):  # its loop may be closed
+                    waiter.set_result(None)
 
 
 class Receivers:
@@ -121,8 +123,7 @@ class Receivers:
         if state.closed is not None and state.once:
             return
         state.queue.append((fields[2], sender.address, size))
-        waiter = state.waiter
-        if waiter is not None:
+        if state.waiters:
             state.wake()
 
     def deliver_run(self, batch: WholeBatch, j: int, sender: Header) -> int:
@@ -143,7 +144,9 @@ class Receivers:
             if (
                 type(fields) is not list
                 or len(fields) != 3
+                or type(fields[0]) is not int  # (a decoded tensor compares elementwise)
                 or fields[0] != Kind.PORT
+                or type(fields[1]) is not int
                 or fields[1] != port_id
                 or frame_counts[j] != 0
                 or type(size) is not int
@@ -151,7 +154,7 @@ class Receivers:
                 break
             queue.append((fields[2], address, size))
             j += 1
-        if state.waiter is not None:
+        if state.waiters:
             state.wake()
         return j
 

@@ -93,7 +93,7 @@ class Decoder:
                 raise DecodeError(f"truncated payload: {size - unpacker.tell()} bytes left undecoded")
         except DecodeError:
             raise
-        except (ValueError, TypeError, KeyError, IndexError, OverflowError, MemoryError, LookupError) as exc:
+        except Exception as exc:  # whatever building a value raised (a dataclass's own check, torch): bad input
             raise DecodeError(f"malformed payload: {type(exc).__name__}: {exc}") from None
         finally:
             self._frames = []
@@ -133,19 +133,13 @@ class Decoder:
                     message = msgpack.unpackb(
                         view[position:end], ext_hook=self._ext_hook, raw=False, strict_map_key=False
                     )
-                except DecodeError as exc:
-                    message = _failed_answer(view[position:end], exc) or exc
-                except (
-                    msgpack.UnpackException,
-                    ValueError,
-                    TypeError,
-                    KeyError,
-                    IndexError,
-                    OverflowError,
-                    MemoryError,
-                    LookupError,
-                ) as exc:
-                    message = DecodeError(f"malformed message: {type(exc).__name__}: {exc}")
+                except Exception as exc:  # one bad record, however it failed, is that record's loss alone
+                    error = (
+                        exc
+                        if isinstance(exc, DecodeError)
+                        else DecodeError(f"malformed message: {type(exc).__name__}: {exc}")
+                    )
+                    message = _failed_answer(view[position:end], error) or error
                 position = end
                 yield message, run, nbytes
             if offset != len(frames):
@@ -272,7 +266,10 @@ class Decoder:
         if size != nbytes:
             raise DecodeError(f"tensor of shape {shape} needs {nbytes} bytes, frame holds {size}")
         if numel == 0:
-            return torch.empty(shape, dtype=dtype)
+            try:
+                return torch.empty(shape, dtype=dtype)
+            except RuntimeError as exc:  # other dims whose strides overflow int64
+                raise DecodeError(f"malformed tensor shape {shape!r:.80}: {exc}") from None
         flat = tensor_over(buffer, dtype, numel)
         return flat if len(shape) == 1 else flat.view(shape)
 
@@ -291,7 +288,7 @@ class Decoder:
             cls = self._classes[ref] = found
         try:
             return cls(*values)
-        except TypeError as exc:
+        except Exception as exc:  # wrong arity, or the class's own __post_init__ refused the values
             raise DecodeError(f"cannot build {ref}: {exc}") from None
 
 

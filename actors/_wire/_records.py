@@ -78,7 +78,7 @@ _new_tuple = tuple.__new__
 
 
 def _check(fields: Any, kind: Kind, arity: int) -> list[Any]:
-    if type(fields) is not list or len(fields) != arity or fields[0] != kind:
+    if type(fields) is not list or len(fields) != arity or not isinstance(fields[0], int) or fields[0] != kind:
         raise DecodeError(f"malformed {kind.name} record: {fields!r:.80}")
     return fields
 
@@ -226,7 +226,13 @@ class PortMessage(NamedTuple):
         The hot path: one call per port message, so its receiver reads the
         two fields in place.
         """
-        if type(fields) is not list or len(fields) != 3 or fields[0] != Kind.PORT or type(fields[1]) is not int:
+        if (
+            type(fields) is not list
+            or len(fields) != 3
+            or not isinstance(fields[0], int)  # (a decoded tensor compares elementwise)
+            or fields[0] != Kind.PORT
+            or type(fields[1]) is not int
+        ):
             raise DecodeError(f"malformed PORT record: {fields!r:.80}")
         return fields
 

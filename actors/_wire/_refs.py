@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import importlib
 import sys
+import types
 from typing import Any
 
 _MAIN_ALIASES = ("__main__", "__mp_main__")
+_MISSING = object()
 
 
 def qualified_name(obj: Any) -> str:
@@ -42,8 +44,9 @@ def resolve(ref: str, *, allow_import: bool = False) -> Any:
         module = importlib.import_module(module_name)
     obj: Any = module
     for part in qualname.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise LookupError(f"{ref!r} not found: {module_name!r} has no {part!r}") from None
+        # A module's own namespace only: a module-level __getattr__ (PEP 562) may import, as torch's does.
+        found = vars(obj).get(part, _MISSING) if isinstance(obj, types.ModuleType) else getattr(obj, part, _MISSING)
+        if found is _MISSING:
+            raise LookupError(f"{ref!r} not found: {module_name!r} has no {part!r}")
+        obj = found
     return obj

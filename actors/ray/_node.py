@@ -50,9 +50,7 @@ class NodeHost:
         session_dir = make_runtime_dir()
         os.environ[SESSION_ENV] = session_dir
         self.gpus = [str(g) for g in ray.get_gpu_ids()]
-        self._node = NodeForkserver(ip, session_dir)
-        if lifeline is not None:
-            self._node.hold_lifeline(lifeline)
+        self._node = NodeForkserver.tied_to(ip, session_dir, lifeline)
 
     def info(self) -> dict[str, Any]:
         """Where this host is: its cluster address, pid, Ray node and the GPUs Ray gave it."""

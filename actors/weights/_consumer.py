@@ -19,6 +19,7 @@ from .._shared._errors import (
     TransportBlocked,
     WeightSyncError,
 )
+from .._shared._liveness import pid_exists
 from .._shared._session import host_id
 from ..tensors import Reader, TensorSpec, checksum, copy_all, dtype_name, is_sharded, read_async, release_async
 from ._manifest import WeightManifest, make_reader
@@ -48,7 +49,7 @@ class PublisherWatch:
             return True
         fd = self._fd(pid)
         if pid in self._unwatchable:
-            return _exists(pid)
+            return pid_exists(pid)
         if fd is None:
             return False
         if select.select([fd], [], [], 0)[0]:
@@ -106,16 +107,6 @@ class PublisherWatch:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
-
-
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process, alive
-    return True
 
 
 def _check_type(manifest: object) -> None:

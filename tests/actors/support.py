@@ -34,6 +34,17 @@ class Item:
     payload: torch.Tensor
 
 
+@dataclass
+class Fragile:
+    """A dataclass whose own check raises something other than TypeError/ValueError for a negative count."""
+
+    count: int
+
+    def __post_init__(self) -> None:
+        if self.count < 0:
+            raise RuntimeError(f"count {self.count} is negative")
+
+
 @dataclass(frozen=True)
 class Triple:
     a: torch.Tensor

@@ -238,3 +238,90 @@ def test_a_reply_whose_value_cannot_be_built_becomes_a_failed_reply_and_other_re
     assert "could not be decoded in the calling process" in answer.value.message
     assert "no_such_module" in answer.value.message
     assert isinstance(port, DecodeError)
+
+
+def test_a_record_that_fails_in_any_way_is_isolated_and_the_rest_of_the_batch_arrives():
+    """A dataclass check raising RuntimeError, or a tensor shape whose strides overflow, is one bad record."""
+    from support import Fragile
+
+    from actors._wire._records import Kind, record_prefix
+
+    fragile = msgpack.ExtType(EXT_DATACLASS, msgpack.packb(["support:Fragile", [-1]]))
+    overflow = msgpack.ExtType(EXT_TENSOR, msgpack.packb(["float32", [0, 2**63 - 1, 2**63 - 1], b""]))
+    records = [
+        msgpack.packb([int(Kind.PORT), 3, fragile]),
+        msgpack.packb([int(Kind.PORT), 3, overflow]),
+        msgpack.packb([int(Kind.PORT), 3, msgpack.ExtType(EXT_DATACLASS, msgpack.packb(["support:Fragile", [2]]))]),
+    ]
+    batch = b"".join(record_prefix(0, len(r)) + r for r in records)
+    got = [message for message, _, _ in Decoder().decode_batch(batch, [])]
+    assert isinstance(got[0], DecodeError) and "negative" in str(got[0])
+    assert isinstance(got[1], DecodeError)
+    assert got[2] == [int(Kind.PORT), 3, Fragile(2)]
+    for bad in (fragile, overflow):
+        with pytest.raises(DecodeError):
+            Decoder().decode(msgpack.packb(bad))
+
+
+def test_an_inbox_batch_whose_record_kind_is_a_tensor_is_dropped_and_the_rest_delivered(tmp_path):
+    """``fields[0] == Kind.PORT`` on a decoded tensor would raise (or be a tensor): records are checked by type."""
+    import zmq
+
+    from actors._transport._inbox_pump import DropLog, Inbox
+    from actors._transport._receivers import Receivers
+    from actors._wire._records import PROTOCOL_VERSION, Kind, PortMessage, record_prefix
+
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    address = f"ipc://{tmp_path}/inbox.sock"
+    try:
+        pull.bind(address)
+        push.connect(address)
+        drops = DropLog()
+        inbox = Inbox(pull, str(tmp_path), "ipc://own", lambda header: None, drops)
+        receivers = Receivers(1, lambda pid: True, lambda *credit: None, drops)
+        state = receivers.open(False)
+        inbox.on(PortMessage, receivers.on_port_message, raw=True, run=receivers.deliver_run)
+        tensor = msgpack.ExtType(EXT_TENSOR, msgpack.packb(["int64", [2], b"\x00" * 16]))
+        records = [
+            msgpack.packb([int(Kind.PORT), state.port_id, "first"]),
+            msgpack.packb([tensor, state.port_id, "bad"]),
+            msgpack.packb([int(Kind.PORT), tensor, "bad"]),
+            msgpack.packb([int(Kind.PORT), state.port_id, "last"]),
+        ]
+        header = msgpack.packb([PROTOCOL_VERSION, f"ipc://{tmp_path}/peer.sock", 42])
+        push.send_multipart([header, b"".join(record_prefix(0, len(r)) + r for r in records)])
+        assert pull.poll(10_000)
+        inbox.pump()
+        assert [value for value, _, _ in state.queue] == ["first", "last"]
+        assert drops.count == 2
+    finally:
+        push.close(linger=0)
+        pull.close(linger=0)
+        ctx.term()
+
+
+def test_resolving_a_name_never_runs_a_modules_getattr():
+    """A lazy module's ``__getattr__`` may import (torch's does): decoding must not trigger it."""
+    import sys
+    import types
+
+    from actors._wire._refs import resolve
+
+    calls: list[str] = []
+    lazy = types.ModuleType("actors_test_lazy_module")
+
+    def module_getattr(name: str) -> object:
+        calls.append(name)
+        return dataclasses.make_dataclass(name, [("x", int)])
+
+    lazy.__getattr__ = module_getattr  # type: ignore[method-assign]
+    lazy.Present = Item  # type: ignore[attr-defined]
+    sys.modules[lazy.__name__] = lazy
+    try:
+        with pytest.raises(LookupError, match="has no 'Hidden'"):
+            resolve("actors_test_lazy_module:Hidden")
+        assert resolve("actors_test_lazy_module:Present") is Item
+        assert calls == []
+    finally:
+        del sys.modules[lazy.__name__]

@@ -65,3 +65,24 @@ def test_timeouts_must_be_positive():
         from actors import MeshEndpoint
 
         MeshEndpoint(None, "ping").with_timeout(-1)  # type: ignore[arg-type]
+
+
+async def test_waiting_for_progress_gives_way_to_a_real_cancellation():
+    """``wait_until``'s own timer is not a cancellation: cancelling the waiting task ends it at once."""
+    import asyncio
+
+    from actors._runtime._core import runtime
+
+    waiting = asyncio.ensure_future(runtime().driver.wait_until(lambda: False, 20))
+    await asyncio.sleep(0)  # (a yield: it now waits)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(waiting, 5)
+
+
+async def test_waiting_for_progress_ends_at_its_deadline_with_false():
+    from actors._runtime._core import runtime
+
+    started = time.monotonic()
+    assert await runtime().driver.wait_until(lambda: False, 0.05) is False
+    assert time.monotonic() - started < 5

@@ -189,3 +189,60 @@ def test_ray_hosts_refuse_a_bad_bound_before_anything_is_reserved(monkeypatch):
     with pytest.raises(ValueError, match=r"ACTORS_LIFELINE_SILENCE='soon': the lifeline's silence bound is a number"):
         host_mesh(hosts=2)
     assert not ray.is_initialized(), "nothing was started"
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_handshake_the_controller_never_answers_gives_up_after_the_bound_and_closes_its_socket():
+    """A listener that never sends its nonce (or closes at once) fails ``hold`` quickly, leaving no socket."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        host, port = silent.getsockname()
+        before = _open_fds()
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            hold(LifelineTicket(host, port, os.urandom(32), 0, 0.3), lambda why: None)
+        assert time.monotonic() - started < GUARD
+        assert _open_fds() == before
+    with socket.socket() as curt:
+        curt.bind(("127.0.0.1", 0))
+        curt.listen()
+        host, port = curt.getsockname()
+        before = _open_fds()
+        closing = threading.Thread(target=lambda: curt.accept()[0].close(), daemon=True)
+        closing.start()
+        with pytest.raises(ConnectionError, match="during its handshake"):
+            hold(LifelineTicket(host, port, os.urandom(32), 1, GUARD), lambda why: None)
+        closing.join(GUARD)
+        assert _open_fds() == before
+
+
+def test_a_node_whose_lifeline_cannot_be_held_stops_its_forkserver(tmp_path):
+    """A worker loop's agent or a Ray node host that cannot reach its controller leaves no forkserver behind."""
+    from actors._processes._node_forkserver import NodeForkserver
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    before = _children()
+    with pytest.raises(OSError):
+        NodeForkserver.tied_to("127.0.0.1", str(tmp_path), LifelineTicket("127.0.0.1", port, os.urandom(32), 0, 1.0))
+    assert _children() <= before  # the forkserver was started, then stopped and reaped
+
+
+def _children() -> set[int]:
+    """This process's live (not zombie) child processes."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == os.getpid() and fields[0] != b"Z":
+                found.add(int(entry))
+    return found

@@ -695,6 +695,44 @@ async def test_a_controller_claimed_but_never_published_times_out(sockets_dir, m
         os.rmdir(os.path.dirname(claim))
 
 
+async def test_a_controller_that_fails_to_spawn_frees_its_name(sockets_dir):
+    """Arguments that cannot be sent fail the first caller; its process is stopped and the name is free again."""
+    import threading
+
+    import actors._meshes._controllers as controllers
+
+    try:
+        with pytest.raises(actors.EncodeError):
+            get_or_spawn_controller("unsendable", Who, threading.Lock())
+        claim, published = controllers._paths(runtime(), "unsendable")
+        assert not os.path.exists(claim) and not os.path.exists(published)
+        ctl = await get_or_spawn_controller("unsendable", Who, 3)
+        assert await ctl.value_of.call_one() == 3
+    finally:
+        await stop_controllers()
+
+
+async def test_a_controller_whose_claimer_exited_unpublished_fails_at_once(sockets_dir):
+    import subprocess
+    import time
+
+    import actors._meshes._controllers as controllers
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    claim, _published = controllers._paths(runtime(), "orphaned")
+    with open(claim, "w") as f:
+        f.write(str(gone.pid))
+    started = time.monotonic()
+    try:
+        with pytest.raises(actors.ActorDied, match=rf"claimed by pid {gone.pid}, which exited before publishing"):
+            await get_or_spawn_controller("orphaned", Who)
+        assert time.monotonic() - started < controllers.PUBLISH_WAIT / 2
+    finally:
+        os.remove(claim)
+        os.rmdir(os.path.dirname(claim))
+
+
 def test_malformed_points_and_proc_meshes_are_refused():
     from actors._meshes._proc_mesh import _proc_mesh_from_state
     from actors._runtime._value_mesh import _point_from_state

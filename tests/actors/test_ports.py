@@ -189,3 +189,58 @@ async def test_messages_to_a_closed_receiver_do_not_exhaust_the_window(procs: Pr
     # The actor sends 3 windows' worth to a port whose receiver is closed; it must finish.
     await asyncio.wait_for(echo.emit.call_one(port, 3 * PORT_WINDOW, 1), 60)
     assert inlet is not None and out is not None and out_recv.qsize() == 0
+
+
+async def test_two_tasks_receiving_on_one_port_each_get_a_message():
+    """Concurrent ``recv()``s queue up: every waiting task is woken, none is forgotten."""
+    port, recv = Channel.open(int)
+    first = asyncio.ensure_future(recv.recv())
+    second = asyncio.ensure_future(recv.recv())
+    await asyncio.sleep(0)  # (a yield, not a wait: both tasks now wait on the empty queue)
+    assert len(recv._state.waiters) == 2
+    port.send(1)
+    port.send(2)
+    assert sorted(await asyncio.wait_for(asyncio.gather(first, second), 10)) == [1, 2]
+    assert not recv._state.waiters
+
+
+async def test_a_cancelled_receiver_task_does_not_strand_the_other_one():
+    port, recv = Channel.open(int)
+    first = asyncio.ensure_future(recv.recv())
+    second = asyncio.ensure_future(recv.recv())
+    await asyncio.sleep(0)
+    second.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await second
+    port.send(7)
+    assert await asyncio.wait_for(first, 10) == 7
+    assert not recv._state.waiters
+
+
+def test_a_once_port_whose_send_failed_was_not_used_up():
+    """A send that raised delivered nothing, so the once-port's one message is still to come."""
+    port, recv = Channel.open(int, once=True)
+    recv.close()
+    for _ in range(2):
+        with pytest.raises(PortClosed, match="no receiver"):
+            port.send(1)
+
+
+async def test_a_call_that_cannot_be_queued_leaves_no_pending_call(procs: ProcMesh, monkeypatch):
+    """``post`` raising BufferFull fails the call at its caller; the call table forgets it."""
+    from actors import BufferFull
+
+    echo = procs.spawn("echo", Echo)
+    await echo.add.call(1)  # every link is open
+    rt = runtime()
+    before = len(rt.calls)
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise BufferFull("the link's queue is full")
+
+    monkeypatch.setattr(rt.outbox, "post", full)
+    with pytest.raises(BufferFull, match="full"):
+        echo.add.call(1)
+    monkeypatch.undo()
+    assert len(rt.calls) == before
+    assert await echo.slice(procs=1).add.call_one(2) == 2  # the runtime goes on

@@ -211,3 +211,39 @@ def test_a_hand_over_blocked_by_a_running_hook_fails_clearly_and_recovers(tmp_pa
         """,
     )
     assert lines == ["refused", "5"]
+
+
+def test_a_receive_that_times_out_leaves_the_message_for_the_next(tmp_path):
+    """A message that arrives as ``recv().get(timeout)`` gives up stays queued; it is not taken and dropped."""
+    lines = run_program(
+        tmp_path,
+        """
+        if __name__ == "__main__":
+            from actors._runtime._core import runtime
+
+            procs = this_host().spawn_procs({"procs": 1})  # the runtime's background loop serves from here on
+            port, receiver = Channel.open(int)
+            loop, state = runtime().driver.loop, receiver._state
+            release = threading.Event()
+
+            def deliver_then_stall():
+                port.send(41)  # wakes the waiting receive, which runs only after this callback returns
+                release.wait(30)  # the loop is busy until the caller has given up
+
+            def once_waiting():
+                while not state.waiters:  # the receive below has registered on the loop
+                    time.sleep(0.001)
+                loop.call_soon_threadsafe(deliver_then_stall)
+
+            threading.Thread(target=once_waiting, daemon=True).start()
+            try:
+                receiver.recv().get(timeout=1.0)
+                print("no-timeout")
+            except CallTimeout:
+                print("timeout")
+            release.set()
+            print(receiver.recv().get(timeout=10))
+            procs.stop().get()
+        """,
+    )
+    assert lines == ["timeout", "41"]
