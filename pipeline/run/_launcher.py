@@ -166,10 +166,21 @@ async def _hosts(config: Config) -> _Hosts:
     return _Hosts(cluster.slice(head), cluster, cluster, f"host {head} (this node, {hosts[head]['ip']})", head)
 
 
+#: The longest a stop on a failure or interrupt may take: a process that does not answer it (a loop stuck in a
+#: collective with a dead rank, or in synchronous code) is killed 2.5 s in (0.5 s of grace and the runtime's 2 s
+#: for an answer), and seen dead well inside this.
+STOP_LIMIT = 4.0
+
+
 async def _stop_quickly(mesh: ProcMesh) -> None:
-    """Stop ``mesh`` on a failure or interrupt: 0.5 s of grace, at most 2 s in all; its errors were reported."""
+    """Stop ``mesh`` on a failure or interrupt: 0.5 s of grace, then a kill; its errors were reported.
+
+    The stop runs to its end here, kill included (a stop left to finish in the background would be
+    cancelled with the loop's other tasks as the launcher exits, and the runtime's exit hook would take
+    over: SIGTERM, then SIGKILL a second later).
+    """
     with contextlib.suppress(ActorsError, asyncio.TimeoutError, asyncio.CancelledError):
-        await asyncio.wait_for(asyncio.shield(mesh.stop(timeout=0.5)), 2)
+        await asyncio.wait_for(mesh.stop(timeout=0.5), STOP_LIMIT)
 
 
 async def _final_checkpoint(trainer: Trainer, grace: float) -> None:

@@ -383,7 +383,9 @@ def test_a_second_interrupt_or_the_grace_running_out_stops_without_the_final_che
         out, err = proc.communicate(timeout=30)
         elapsed = time.monotonic() - start
         assert proc.returncode == 130, out + err
-        assert elapsed < 4.0, f"stopping took {elapsed:.2f}s after the {skip}"
+        # measured 2.6 s after a second Ctrl-C and 3.6 s from the checkpoint's start with a 1 s grace (a process in
+        # its export never answers the stop: it is killed 2.5 s in); the export itself would take 60 s
+        assert elapsed < 8.0, f"stopping took {elapsed:.2f}s after the {skip}"
         said = "skipped" if skip == "second Ctrl-C" else "not written within 1 s"
         assert f"final checkpoint {said}" in err, err
         assert not (run_dir / "checkpoint.pt").exists()
