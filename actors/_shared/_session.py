@@ -19,6 +19,8 @@ import tempfile
 
 import zmq
 
+from ._stale_sessions import SESSION_PREFIX, sweep_stale_sessions
+
 __all__ = [
     "SESSION_ENV",
     "bind_host",
@@ -82,11 +84,16 @@ def host_id() -> str:
 
 
 def make_runtime_dir() -> str:
-    """A private (0700) directory for this session's socket files."""
+    """A private (0700) directory for this session's socket files, named after its owner's pid.
+
+    Directories that owners killed before cleaning up left in the same
+    place are removed first (:mod:`._stale_sessions`).
+    """
     base = os.environ.get("XDG_RUNTIME_DIR")
     if not base or not os.access(base, os.W_OK):
         base = tempfile.gettempdir()
-    path = tempfile.mkdtemp(prefix="actors-", dir=base)
+    sweep_stale_sessions(base)
+    path = tempfile.mkdtemp(prefix=f"{SESSION_PREFIX}{os.getpid()}-", dir=base)
     os.chmod(path, 0o700)
     return path
 
