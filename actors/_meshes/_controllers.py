@@ -6,7 +6,8 @@ the actor's handle there; every other process, and every later request,
 gets that same actor. The controller lives as long as the process that
 claimed it (in Monarch, as long as the client). The claim names the
 claimer's pid: a claim whose process exited before publishing fails its
-waiters at once, and a claimer whose spawn fails withdraws its claim.
+waiters at once, and a claimer whose spawn fails withdraws its claim (a
+process waiting for it then claims the name itself).
 """
 
 from __future__ import annotations
@@ -180,6 +181,8 @@ def get_or_spawn_controller(name: str, cls: type[A], *args: Any, **kwargs: Any) 
 
     def lookup() -> Any:
         mesh = _read(rt, published)
+        if mesh is None and not os.path.exists(claim):  # its claimer failed to spawn it and withdrew: ours now
+            mesh = _claim(rt, name, cls, args, kwargs)
         if mesh is not None:
             known[name] = mesh
         return mesh

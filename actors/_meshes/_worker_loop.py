@@ -74,8 +74,9 @@ class HostAgent(Actor):
         """Start this host's forkserver, tied to the controller's lifeline (once); then :meth:`info`."""
         if self._started is None:
             # (blocking: a process started, a tcp handshake with the controller; a failure stops the forkserver)
+            lifeline = self._lifeline
             self._started = await asyncio.to_thread(
-                NodeForkserver.tied_to, bind_host(), make_runtime_dir(), self._lifeline
+                lambda: NodeForkserver.tied_to(bind_host(), make_runtime_dir(), lifeline)
             )
         return await self._where()
 

@@ -31,6 +31,7 @@ from .._hosting._program_modules import Inherited, ModuleScan
 from .._shared._config import WorkerConfig
 from .._shared._segments import remove_process_segments, remove_session_segments
 from .._shared._session import forget_incarnation, remove_socket_file, write_incarnation
+from .._shared._stale_sessions import hold_session
 from ._devices import cuda_driver_loaded
 from ._forkserver_protocol import (
     PR_SET_PDEATHSIG,
@@ -50,6 +51,8 @@ def serve(status_fd: int, session_dir: str, session: str, owns_session: bool, pr
     # No automatic collection while importing: the one below is the only full pass (an automatic one triggered
     # mid-import cost a second ~80 ms pass over the controller's inherited heap before the first worker forked).
     gc.disable()
+    if owns_session:
+        hold_session(session_dir)  # for this process's life: the session lives while its forkserver does
     # Import everything a worker needs once, before any fork.
     import torch  # noqa: F401
     import uvloop  # noqa: F401

@@ -136,11 +136,16 @@ class NodeForkserver:
         cut, self._cut_lifeline = self._cut_lifeline, None
         if cut is not None and threading.current_thread().name != LIFELINE_THREAD:
             cut()
-        with self._writing:
+        if not self._writing.acquire(timeout=5.0):  # a spawn stuck writing to a forkserver that reads no more
+            self._process.kill()  # its write then fails (broken pipe) and lets go
+            self._writing.acquire()
+        try:
             if self._requests_closed:
                 return  # (closing the fd again could close whatever reused its number)
             self._requests_closed = True
             os.close(self._process.requests)
+        finally:
+            self._writing.release()
         if not self._process.wait(5.0):
             self._process.kill()
             self._process.wait(5.0)

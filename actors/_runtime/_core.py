@@ -36,6 +36,7 @@ from .._shared._errors import ActorDied, MainLoadingError
 from .._shared._liveness import ProcRef
 from .._shared._main_loader import loading_main
 from .._shared._session import SESSION_ENV, inbox_address, make_runtime_dir, remove_socket_file, session_keys
+from .._shared._stale_sessions import hold_session
 from .._transport._driver import Driver
 from .._transport._flow import SenderWindows
 from .._transport._inbox_pump import DropLog, Inbox
@@ -82,6 +83,8 @@ class Runtime:
         listening socket ``fd`` bound there (a worker loop's fd bootstrap)."""
         self.pid = os.getpid()
         self.dir, self.owns_dir = prepare_session()
+        #: While open, the session's directory is live (the next session made beside it leaves it alone).
+        self._session_lock = hold_session(self.dir) if self.owns_dir else None
         _process.session = None
         self.session = os.path.basename(self.dir)
         self.address = address or inbox_address(self.dir, f"c{self.pid}")
@@ -241,6 +244,8 @@ class Runtime:
             self.auth.stop()
         self.ctx.term()
         remove_socket_file(self.address)
+        if self._session_lock is not None:
+            os.close(self._session_lock)
         if self.owns_dir:
             shutil.rmtree(self.dir, ignore_errors=True)
 

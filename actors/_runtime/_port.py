@@ -24,7 +24,7 @@ import typing
 from collections.abc import Generator
 from typing import Any, Generic, TypeVar, overload
 
-from .._shared._errors import ActorDied, BufferFull, CallTimeout, DecodeError, PortClosed
+from .._shared._errors import ActorDied, BufferFull, CallTimeout, DecodeError, EncodeError, PortClosed
 from .._shared._liveness import ProcRef
 from .._transport._flow import CREDIT_BYTES, CREDIT_MESSAGES, WINDOW, WINDOW_BYTES, Window
 from .._transport._outbox import SEND_TIMEOUT
@@ -135,8 +135,8 @@ class Port(Generic[T]):
             self._used = True
             try:
                 self._deliver(value)
-            except BaseException:
-                self._used = False  # nothing was sent: the one message is still to come
+            except (PortClosed, BufferFull, EncodeError, TypeError):
+                self._used = False  # refused before it left: the one message is still to come
                 raise
         else:
             self._deliver(value)
@@ -365,9 +365,9 @@ class PortReceiver(Generic[T]):
                 taken = handover.taken
             if taken:
                 return handover.value  # type: ignore[no-any-return]
+            waiting.cancel()  # (done already when the receive failed on its own)
             if not isinstance(exc, concurrent.futures.TimeoutError):
                 raise  # the receive's own outcome (PortClosed), or the caller was interrupted
-            waiting.cancel()
             raise CallTimeout(
                 f"gave up after {timeout:.1f}s waiting for a message on port {self._state.port_id}"
             ) from None

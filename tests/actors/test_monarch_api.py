@@ -712,6 +712,22 @@ async def test_a_controller_that_fails_to_spawn_frees_its_name(sockets_dir):
         await stop_controllers()
 
 
+async def test_a_waiter_claims_the_name_its_claimer_withdrew(sockets_dir):
+    """The first caller's spawn failed and it withdrew its claim: a process waiting for it spawns the controller."""
+    import actors._meshes._controllers as controllers
+
+    claim, _published = controllers._paths(runtime(), "withdrawn")
+    with open(claim, "w") as f:
+        f.write(str(os.getpid()))  # a live claimer (this process stands in for it)
+    waiting = get_or_spawn_controller("withdrawn", Who, 4)  # finds the claim: waits for its publication
+    os.remove(claim)  # the claimer's spawn failed
+    try:
+        ctl = await asyncio.wait_for(waiting, 30)
+        assert await ctl.value_of.call_one() == 4
+    finally:
+        await stop_controllers()
+
+
 async def test_a_controller_whose_claimer_exited_unpublished_fails_at_once(sockets_dir):
     import subprocess
     import time
