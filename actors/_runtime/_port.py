@@ -216,9 +216,9 @@ class Port(Generic[T]):
             and window.inflight < WINDOW
             and (window.inflight_bytes < WINDOW_BYTES or not window.inflight)
         ):
+            rt.outbox.post(window.link, data, frames, False)  # (BufferFull: nothing left, nothing counted)
             window.inflight += 1
             window.inflight_bytes += size
-            rt.outbox.post(window.link, data, frames, False)
         else:
             rt.windows.hold(window, data, frames, size)
 

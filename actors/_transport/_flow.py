@@ -107,9 +107,9 @@ class SenderWindows:
     def send(self, window: Window, data: bytes, frames: list[Any], size: int) -> None:
         """Put one PORT record on the wire if the window has room, else in the backlog."""
         if not window.backlog and window.has_room():
+            self._outbox.post(window.link, data, frames, False)  # (BufferFull: nothing left, nothing counted)
             window.inflight += 1
             window.inflight_bytes += size
-            self._outbox.post(window.link, data, frames, False)
             return
         self.hold(window, data, frames, size)
 
@@ -137,12 +137,16 @@ class SenderWindows:
         post = self._outbox.post
         released = 0
         while backlog and window.has_room():
-            data, frames, size = backlog.popleft()
+            data, frames, size = backlog[0]
+            try:
+                post(window.link, data, frames or [], False)
+            except BufferFull:  # the link's own queue is full (its peer reads nothing): the rest waits in order
+                break
+            backlog.popleft()
             window.backlog_bytes -= size
             window.inflight += 1
             window.inflight_bytes += size
             released += 1
-            post(window.link, data, frames or [], False)
         self.backlogged -= released
         if not backlog:
             _wake(window.waiters)

@@ -244,3 +244,24 @@ async def test_a_call_that_cannot_be_queued_leaves_no_pending_call(procs: ProcMe
     monkeypatch.undo()
     assert len(rt.calls) == before
     assert await echo.slice(procs=1).add.call_one(2) == 2  # the runtime goes on
+
+
+async def test_a_port_send_refused_by_a_full_link_takes_no_window_credit(procs: ProcMesh, monkeypatch):
+    """``BufferFull`` from the link means nothing left: the port's flow window must not count it as in flight."""
+    from actors import BufferFull
+
+    relay = procs.spawn("relay", Relay).slice(procs=0)
+    inlet: Port = await relay.inlet.call_one()
+    inlet.send(Item(0, torch.ones(2)))  # the port's route and window exist from here
+    window = inlet._route.window  # type: ignore[union-attr]
+    before = (window.inflight, window.inflight_bytes)
+    rt = runtime()
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise BufferFull("the link's queue is full")
+
+    monkeypatch.setattr(rt.outbox, "post", full)
+    with pytest.raises(BufferFull, match="full"):
+        inlet.send(Item(1, torch.ones(2)))
+    monkeypatch.undo()
+    assert (window.inflight, window.inflight_bytes) == before
