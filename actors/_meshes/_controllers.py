@@ -123,11 +123,7 @@ def _unwind(controllers: Controllers, procs: ProcMesh) -> None:
     if not loop_running():
         stopping.get()
         return
-
-    async def finish() -> None:
-        await stopping
-
-    task = asyncio.get_running_loop().create_task(finish())
+    task = asyncio.ensure_future(stopping)  # (on this thread's running loop)
     controllers.unwinding.add(task)
     task.add_done_callback(controllers.unwinding.discard)
 

@@ -9,7 +9,6 @@ its deadline passes (:class:`~actors.CallTimeout`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import threading
 import time
@@ -18,6 +17,7 @@ from typing import Any
 
 from .._shared._errors import ActorDied, CallTimeout
 from .._shared._liveness import ProcRef
+from .._shared._loops import wake_all
 from .._shared._names import shown
 from .._wire._records import ErrorRecord, Reply
 
@@ -87,11 +87,7 @@ class PendingCall:
 
     def finish(self) -> None:
         self.done = True
-        for waiter in self.waiters:
-            if not waiter.done():
-                with contextlib.suppress(RuntimeError):  # its loop may be closed
-                    waiter.set_result(None)
-        self.waiters.clear()
+        wake_all(self.waiters)
         callbacks, self.callbacks = self.callbacks, []
         for callback in callbacks:
             callback(self)

@@ -329,7 +329,8 @@ class PortReceiver(Generic[T]):
             try:
                 yield from waiter.__await__()
             finally:
-                state.waiters.remove(waiter)
+                with contextlib.suppress(ValueError):  # (a woken waiter has left the list already)
+                    state.waiters.remove(waiter)
 
     def _recv_sync(self, timeout: float | None) -> T | None:
         driver = self._rt.driver

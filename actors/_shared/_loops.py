@@ -1,10 +1,12 @@
-"""Whether this thread runs an event loop: the one check behind "never wait on the loop's thread"."""
+"""Whether this thread runs an event loop (the one check behind "never wait on the loop's thread"), and waking
+the loop futures that waiters park on."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
-__all__ = ["loop_running", "running_loop"]
+__all__ = ["loop_running", "running_loop", "wake_all"]
 
 
 def running_loop() -> asyncio.AbstractEventLoop | None:
@@ -18,3 +20,19 @@ def running_loop() -> asyncio.AbstractEventLoop | None:
 def loop_running() -> bool:
     """True when this thread runs an event loop: code here must not block (wait, sleep, long I/O)."""
     return running_loop() is not None
+
+
+def wake_all(waiters: list[asyncio.Future[None]], error: BaseException | None = None) -> None:
+    """Finish every pending future in ``waiters`` (with ``error``, if given) and empty the list.
+
+    Each waiter looks again at what it waits for; one whose loop has
+    closed is skipped.
+    """
+    for waiter in waiters:
+        if not waiter.done():
+            with contextlib.suppress(RuntimeError):  # its loop may be closed
+                if error is None:
+                    waiter.set_result(None)
+                else:
+                    waiter.set_exception(error)
+    waiters.clear()

@@ -23,7 +23,7 @@ from typing import Any
 import zmq
 
 from .._shared._errors import CallTimeout
-from .._shared._loops import running_loop
+from .._shared._loops import running_loop, wake_all
 from ._background import HANDOVER_TIMEOUT, BackgroundLoop
 from ._inbox_pump import Inbox
 from ._outbox import Outbox
@@ -201,13 +201,8 @@ class Driver:
 
     def notify_progress(self) -> None:
         """Something arrived or died: wake whoever waits in :meth:`wait_until`."""
-        if not self._progress:
-            return
-        waiters, self._progress = self._progress, []
-        for waiter in waiters:
-            if not waiter.done():
-                with contextlib.suppress(RuntimeError):
-                    waiter.set_result(None)
+        if self._progress:
+            wake_all(self._progress)
 
     async def wait_until(self, condition: Callable[[], bool], timeout: float) -> bool:
         """Await until ``condition()`` holds after some message or death; False at the deadline.

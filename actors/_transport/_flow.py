@@ -20,11 +20,11 @@ wait on itself.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections import deque
 from typing import Any
 
 from .._shared._errors import BufferFull, PortClosed
+from .._shared._loops import wake_all
 from ._outbox import Outbox
 from ._sockets import Link
 
@@ -69,17 +69,6 @@ class Window:
 
     def has_room(self) -> bool:
         return self.inflight < WINDOW and (self.inflight_bytes < WINDOW_BYTES or self.inflight == 0)
-
-
-def _wake(waiters: list[asyncio.Future[None]], error: BaseException | None = None) -> None:
-    for waiter in waiters:
-        if not waiter.done():
-            with contextlib.suppress(RuntimeError):  # its loop may be closed
-                if error is None:
-                    waiter.set_result(None)
-                else:
-                    waiter.set_exception(error)
-    waiters.clear()
 
 
 class SenderWindows:
@@ -149,7 +138,7 @@ class SenderWindows:
             released += 1
         self.backlogged -= released
         if not backlog:
-            _wake(window.waiters)
+            wake_all(window.waiters)
 
     async def drain(self, address: str, port_id: int) -> None:
         """Return once nothing is held back for this port (at once if nothing is)."""
@@ -167,5 +156,5 @@ class SenderWindows:
             window.dead = True
             dropped = len(window.backlog)
             window.backlog.clear()
-            _wake(window.waiters, PortClosed(f"the receiver of port {key[1]} at {address} has exited"))
+            wake_all(window.waiters, PortClosed(f"the receiver of port {key[1]} at {address} has exited"))
             self.backlogged -= dropped

@@ -11,12 +11,12 @@ observable), and counts consumption per sender for flow-control credit.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from .._shared._loops import wake_all
 from .._wire._codec import WholeBatch
 from .._wire._records import Attach, Header, Kind, PortMessage
 
@@ -31,7 +31,7 @@ class ReceiverState:
     def __init__(self, port_id: int, once: bool) -> None:
         self.port_id = port_id
         self.queue: deque[tuple[Any, str | None, int]] = deque()
-        #: The ``recv()``s waiting for the queue to fill, oldest first (each removes its own).
+        #: The ``recv()``s waiting for the queue to fill, oldest first (woken ones leave it; a cancelled one removes itself).
         self.waiters: list[asyncio.Future[None]] = []
         self.holders: set[int] = set()
         self.attached = False
@@ -65,10 +65,7 @@ class ReceiverState:
 
     def wake(self) -> None:
         """Wake every waiting ``recv()``: each looks at the queue again, in the order they came."""
-        for waiter in self.waiters:
-            if not waiter.done():
-                with contextlib.suppress(RuntimeError):  # its loop may be closed
-                    waiter.set_result(None)
+        wake_all(self.waiters)
 
 
 class Receivers:
