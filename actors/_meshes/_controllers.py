@@ -139,7 +139,10 @@ def _claimer(path: str) -> int | None:
 
 
 async def stop_controllers() -> None:
-    """Stop the controllers this process spawned and withdraw their names (for tests and orderly exits)."""
+    """Stop the controllers this process spawned and withdraw their names (for tests and orderly exits).
+
+    Also waits for the background stops of controllers whose spawn failed, so no process of theirs outlives it.
+    """
     rt = runtime()
     controllers = rt.parts.get(CONTROLLERS)
     while controllers.spawned:
@@ -149,6 +152,10 @@ async def stop_controllers() -> None:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
         await procs.stop()
+    loop = asyncio.get_running_loop()  # the stops of controllers that failed to spawn end before this returns
+    unwinding = [task for task in controllers.unwinding if task.get_loop() is loop]
+    if unwinding:
+        await asyncio.gather(*unwinding, return_exceptions=True)
     controllers.found.clear()
     with contextlib.suppress(OSError):
         os.rmdir(os.path.join(rt.dir, "controllers"))

@@ -706,6 +706,9 @@ async def test_a_controller_that_fails_to_spawn_frees_its_name(sockets_dir):
             get_or_spawn_controller("unsendable", Who, threading.Lock())
         claim, published = controllers._paths(runtime(), "unsendable")
         assert not os.path.exists(claim) and not os.path.exists(published)
+        await stop_controllers()  # waits for the failed spawn's background stop: its process and socket are gone
+        own = os.path.basename(runtime().address.removeprefix("ipc://"))
+        assert set(os.listdir(sockets_dir)) - {own} == set()
         ctl = await get_or_spawn_controller("unsendable", Who, 3)
         assert await ctl.value_of.call_one() == 3
     finally:
