@@ -3,12 +3,14 @@
 Each worker runs ``run_worker_loop_forever(address=...)``. Attaching spawns
 a :class:`~actors._meshes._worker_loop.HostAgent` on each (an ordinary spawn
 call, over tcp with the session's CURVE key: a controller without the key
-is never heard), waits for each to answer, and returns an
-:class:`AttachedHostMesh`. Its requests to the hosts are actor calls to the
-agents; everything else (spawning, exits, lost hosts, restarts elsewhere) is
-:class:`~actors._meshes._remote_host_mesh.RemoteHostMesh`, shared with
-``actors.ray``. The agents hold lifelines to this controller: when it goes,
-each host ends the workers it started and waits for the next controller.
+is never heard) and returns an :class:`AttachedHostMesh` at once, as
+Monarch's does: its ``initialized`` (and spawning) waits for every agent to
+answer (:mod:`._attaching`). Its requests to the hosts are actor calls to
+the agents; everything else (spawning, exits, lost hosts, restarts
+elsewhere) is :class:`~actors._meshes._remote_host_mesh.RemoteHostMesh`,
+shared with ``actors.ray``. The agents hold lifelines to this controller:
+when it goes, each host ends the workers it started and waits for the next
+controller.
 """
 
 from __future__ import annotations
@@ -21,17 +23,17 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 from .._processes._forkserver_protocol import PR_SET_PDEATHSIG
 from .._processes._lifeline import Lifelines, silence_bound
-from .._runtime._call_sender import encode_arguments, pending_future, send_call
+from .._runtime._call_sender import pending_future
 from .._runtime._core import Runtime, at_runtime_exit, current_runtime, runtime
 from .._runtime._future import Future
 from .._runtime._pending_calls import PendingCall
-from .._shared._errors import CallTimeout
+from .._shared._loops import loop_running
+from .._shared._restart import RestartPolicy
 from .._shared._session import (
     CURVE_PUBLIC_ENV,
     CURVE_SECRET_ENV,
@@ -43,8 +45,9 @@ from .._shared._session import (
     tcp_host,
 )
 from ._actor_mesh import ActorMesh
+from ._attaching import Attaching, ask_agent
 from ._proc_mesh import ProcMesh
-from ._remote_host_mesh import ADDRESS_POOL, RemoteHostMesh, RemoteNode, Requested, use_tcp
+from ._remote_host_mesh import RemoteHostMesh, RemoteNode, Requested, use_tcp
 from ._worker_addresses import attach_address
 from ._worker_loop import HostAgent, check_worker_loop_args
 
@@ -63,19 +66,85 @@ STOP_TIMEOUT = 15.0
 
 
 class AttachedHostMesh(RemoteHostMesh):
-    """Hosts running worker loops, attached by this controller: ``spawn_procs(per_host)`` starts processes on each."""
+    """Hosts running worker loops, attached by this controller: ``spawn_procs(per_host)`` starts processes on each.
 
-    def __init__(self, rt: Runtime, nodes: list[RemoteNode], lifelines: Lifelines, agents: list[ProcMesh]) -> None:
-        super().__init__(rt, nodes, lifelines)
+    Returned while its agents are still being asked to start: ``initialized``
+    waits for them, and so does anything that needs the hosts (``spawn_procs``,
+    ``hosts``, ``slice``), except on an event loop, which it never blocks.
+    """
+
+    def __init__(
+        self,
+        rt: Runtime,
+        addresses: list[str],
+        handles: list[ActorMesh[HostAgent]],
+        lifelines: Lifelines,
+        agents: list[ProcMesh],
+        timeout: float,
+    ) -> None:
+        super().__init__(rt, [], lifelines)
         self._agents = agents  # the worker loops' processes, as handles (ended by shutdown(), not at our exit)
+        self._handles = handles
+        self._attaching = Attaching(rt, addresses, list(handles), timeout, self._install)
         at_runtime_exit(lambda: self._release(end_hosts=False))
 
+    def _install(self, nodes: list[RemoteNode]) -> None:
+        """Every agent answered (runtime's thread): the hosts are these, watched from now on."""
+        self._nodes = nodes
+        for node in nodes:
+            self._watch(node)
+
     def __repr__(self) -> str:
-        return f"<AttachedHostMesh {[node.node for node in self._nodes]}>"
+        return f"<AttachedHostMesh {[node.node for node in self._nodes] or self._attaching.addresses}>"
+
+    @property
+    def initialized(self) -> Future[Literal[True]]:
+        """Monarch's readiness future: ``True`` once every worker answered; raises why attaching failed."""
+        attaching = self._attaching
+
+        async def make() -> Literal[True]:
+            await attaching.wait_async()
+            return True
+
+        def wait_sync(timeout: float | None) -> Literal[True]:
+            attaching.wait(timeout)
+            return True
+
+        return Future(make, wait_sync, any_thread=True)
+
+    def _attached(self) -> None:
+        """Wait until attached (raising why not); on an event loop, refuse instead of blocking it."""
+        ready = self._attaching.ready
+        if not ready.done() and loop_running():
+            raise RuntimeError(
+                f"{self!r} is still attaching its workers: await its `initialized` first (waiting for them here "
+                "would block the event loop)"
+            )
+        self._attaching.wait(None)
+
+    @property
+    def extent(self) -> dict[str, int]:
+        return {"hosts": len(self._nodes) if self._nodes else len(self._attaching.addresses)}
+
+    @property
+    def hosts(self) -> list[dict[str, Any]]:
+        self._attached()
+        return super().hosts
+
+    def slice(self, hosts: int | slice) -> RemoteHostMesh:
+        self._attached()
+        return super().slice(hosts)
+
+    def _spawn(
+        self, per: dict[str, int], boot: str | None, name: str | None, threads: int, policy: RestartPolicy
+    ) -> ProcMesh:
+        if not self.closed:
+            self._attached()
+        return super()._spawn(per, boot, name, threads, policy)
 
     def _request(self, node: RemoteNode, op: str, args: tuple[Any, ...], done: Requested) -> None:
         agent: ActorMesh[HostAgent] = node.handle
-        pending = _ask(self._rt, agent, op, args)
+        pending = ask_agent(self._rt, agent, op, args)
 
         def answered(call: PendingCall) -> None:
             if call.error is not None:
@@ -90,7 +159,7 @@ class AttachedHostMesh(RemoteHostMesh):
             self._rt.driver.on_thread(lambda: _expire_later(self._rt, pending))
 
     def _fetch_addresses(self, nodes: list[RemoteNode], count: int) -> list[list[str]]:
-        calls = [_ask(self._rt, node.handle, "addresses", (count,)) for node in nodes]
+        calls = [ask_agent(self._rt, node.handle, "addresses", (count,)) for node in nodes]
         return [_wait(self._rt, call, REQUEST_TIMEOUT, "free addresses") for call in calls]
 
     def _lose(self, node: RemoteNode, why: str) -> None:
@@ -102,38 +171,33 @@ class AttachedHostMesh(RemoteHostMesh):
 
     def _release(self, end_hosts: bool) -> None:
         """End every process this mesh started on every host, then the worker loops (``shutdown()``, as in
-        Monarch) or, at this program's exit, only the agents (the loops serve the next controller)."""
+        Monarch) or, at this program's exit, only the agents (the loops serve the next controller).
+
+        A mesh still attaching stops attaching, and asks only the agents that started their forkserver.
+        """
         if self.closed:
             return
         self.closed = True
-        reached = [n for n in self._nodes if not n.lost]
-        calls = [_ask(self._rt, n.handle, "stop", (end_hosts,)) for n in reached]
+        self._attaching.cancel("its host mesh was shut down before it attached")
+        if self._nodes:
+            reached = [node.index for node in self._nodes if not node.lost]
+        else:
+            reached = sorted(self._attaching.started)
+        calls = [ask_agent(self._rt, self._handles[index], "stop", (end_hosts,)) for index in reached]
         if end_hosts:
-            for node in reached:
-                self._agents[node.index]._expect_exit()  # the loop's process ends after answering
+            for index in reached:
+                self._agents[index]._expect_exit()  # the loop's process ends after answering
         for call in calls:
             with contextlib.suppress(Exception):
                 _wait(self._rt, call, STOP_TIMEOUT, "the hosts to stop their workers")
         if not end_hosts:  # the agent actors only: their process is the worker loop
-            stops = [n.handle.stop() for n in reached]
+            stops = [self._handles[index].stop() for index in reached]
             for stop in stops:
                 with contextlib.suppress(Exception):
                     stop.get(timeout=STOP_TIMEOUT)
         self._relay.close()
         self._lifelines.close()
         self._forget_workers("its host mesh was shut down")
-
-
-def _ask(rt: Runtime, agent: ActorMesh[Any], op: str, args: tuple[Any, ...]) -> PendingCall:
-    """Send request ``op`` to the agent, from any thread; its pending call."""
-    targets = agent._targets()
-
-    def send() -> PendingCall | None:
-        return send_call(rt, targets, agent._name, op, encode_arguments(rt, args, {}), want_reply=True)
-
-    pending = rt.driver.on_thread(send)
-    assert pending is not None
-    return pending  # type: ignore[no-any-return]
 
 
 def _expire_later(rt: Runtime, pending: PendingCall) -> None:
@@ -177,20 +241,24 @@ def attach_to_workers(
     scheduler, a script or a person, with the same session CURVE key as this
     process (``ACTORS_CURVE_PUBLIC`` / ``ACTORS_CURVE_SECRET``); each address is
     ``tcp://host:port`` or ``ipc:///absolute/path`` (a worker on this machine),
-    optionally as ``<proc-id>@<url>``. Blocks until every worker answered
-    (``timeout`` s; a worker that does not hold the key never does), so call it
-    from synchronous code or a thread. ``shutdown()`` ends the worker loops
-    too; at this program's exit they keep serving the next controller.
+    optionally as ``<proc-id>@<url>``. Returns at once, on an event loop too:
+    ``initialized`` (and ``spawn_procs``) waits until every worker answered,
+    and fails with ``attach failed`` naming a worker that did not within
+    ``timeout`` s (a worker that does not hold the key never does).
+    ``shutdown()`` ends the worker loops too; at this program's exit they keep
+    serving the next controller.
     """
     check_worker_loop_args(private_key, ca)
     if isinstance(workers, str) or not workers:
         raise TypeError(f"workers must be a non-empty list of worker addresses, not {workers!r}")
+    if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
     lost_after = silence_bound()  # a bad setting refused before anything starts
     addresses = [attach_address(w.get(timeout=timeout) if isinstance(w, Future) else w) for w in workers]
     rt = _use_tcp()
     lifelines = Lifelines(tcp_host(rt.address) or "127.0.0.1", lost_after)
     agents: list[ProcMesh] = []
-    handles: list[HostAgent] = []  # (actor meshes, typed as the class, as spawn returns them)
+    handles: list[ActorMesh[HostAgent]] = []  # (actor meshes, typed as the class, as spawn returns them)
     try:
         for index, address in enumerate(addresses):
             ref = rt.registry.placed(address)
@@ -198,27 +266,11 @@ def attach_to_workers(
                 rt.registry.revive(ref, None)
             procs = ProcMesh(f"{name or 'workers'}-{index}", {"procs": 1}, [ref], owned=False)
             agents.append(procs)
-            handles.append(procs.spawn("host_agent", HostAgent, lifelines.ticket(index)))
-        deadline = time.monotonic() + timeout
-        infos, pools = [], []
-        for address, handle in zip(addresses, handles, strict=True):
-            left = max(0.0, deadline - time.monotonic())
-            try:
-                infos.append(handle.start.call_one().get(timeout=left))
-                pools.append(handle.addresses.call_one(ADDRESS_POOL).get(timeout=max(1.0, deadline - time.monotonic())))
-            except CallTimeout:
-                raise CallTimeout(
-                    f"the worker loop at {address} did not answer within {timeout:g}s: is it running, reachable "
-                    f"from here, and does it hold this session's CURVE key ({CURVE_PUBLIC_ENV})?"
-                ) from None
+            handles.append(procs.spawn("host_agent", HostAgent, lifelines.ticket(index)))  # type: ignore[arg-type]
+        return AttachedHostMesh(rt, addresses, handles, lifelines, agents, timeout)
     except BaseException:
         lifelines.close()
         raise
-    nodes = [
-        RemoteNode(i, handle, info["ip"], info["pid"], address, f"worker {address}", list(info["gpus"]), pool)
-        for i, (handle, address, info, pool) in enumerate(zip(handles, addresses, infos, pools, strict=True))
-    ]
-    return AttachedHostMesh(rt, nodes, lifelines, agents)
 
 
 def hosts_from_config(name: str, hosts: int = 2) -> AttachedHostMesh:

@@ -67,17 +67,20 @@ class HostAgent(Actor):
 
     def __init__(self, lifeline: LifelineTicket) -> None:
         self._lifeline = lifeline
+        #: The forkserver's start, shared by every ``start`` call and awaited by a stop that comes meanwhile.
+        self._starting: asyncio.Future[NodeForkserver] | None = None
         self._started: NodeForkserver | None = None
 
     @endpoint
     async def start(self) -> dict[str, Any]:
         """Start this host's forkserver, tied to the controller's lifeline (once); then :meth:`info`."""
-        if self._started is None:
+        if self._starting is None:
             # (blocking: a process started, a tcp handshake with the controller; a failure stops the forkserver)
             lifeline = self._lifeline
-            self._started = await asyncio.to_thread(
-                lambda: NodeForkserver.tied_to(bind_host(), make_runtime_dir(), lifeline)
+            self._starting = asyncio.ensure_future(
+                asyncio.to_thread(lambda: NodeForkserver.tied_to(bind_host(), make_runtime_dir(), lifeline))
             )
+        self._started = await asyncio.shield(self._starting)  # (a cancelled call leaves the start running)
         return await self._where()
 
     @property
@@ -120,16 +123,25 @@ class HostAgent(Actor):
 
         The loop ends after this answer has left (its host mesh was shut down, Monarch's ``shutdown()``).
         """
-        if self._started is not None:
-            await asyncio.to_thread(self._started.stop)
+        await self._stop_forkserver()
         if end_loop:
             server = runtime().server
             assert server is not None  # an agent lives in a worker loop's process, which serves actors
             asyncio.get_running_loop().call_soon(server.shutdown, "its host mesh was shut down")
 
     async def __cleanup__(self, exc: BaseException | None) -> None:
-        if self._started is not None and not self._started.stopped:
-            await asyncio.to_thread(self._started.stop)
+        await self._stop_forkserver()
+
+    async def _stop_forkserver(self) -> None:
+        """Stop the forkserver, once one still starting has started (its lifeline would end it only later)."""
+        if self._starting is None:
+            return
+        try:
+            node = await asyncio.shield(self._starting)
+        except Exception:  # (it could not start: nothing runs)
+            return
+        if not node.stopped:
+            await asyncio.to_thread(node.stop)
 
 
 def _gpu_ids() -> list[str]:

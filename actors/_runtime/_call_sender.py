@@ -49,7 +49,8 @@ def send_call(
     """Put one call per ``(rank, process)`` on the wire; the pending call if a reply is wanted.
 
     A dead target fails the call at once with :class:`ActorDied` (raised
-    for a fire-and-forget call).
+    for a fire-and-forget call), and a target whose link is full with
+    :class:`BufferFull`, both before any rank was sent the call.
     """
     blob, frames, handles = encoded
     actor = str(actor)  # a mesh's name is a str subclass (awaitable): a plain str keeps the encoder's fast path
@@ -57,16 +58,19 @@ def send_call(
     call_id = pending.call_id if pending is not None else 0
     enc = rt.encoder
     try:
-        for rank, ref in targets:
+        links = []
+        for rank, ref in targets:  # all or nothing: no rank runs a call its caller was told failed
             if ref.dead and not rt.registry.alive(ref):
                 error = ActorDied.of(actor, rank, ref.pid, ref.exit_reason, method, class_ref)
                 if pending is None:
                     raise error
                 pending.fail(error)
                 return pending
+            links.append(rt.link(ref))
+            rt.outbox.check_room(links[-1])
+        for (rank, ref), link in zip(targets, links, strict=True):
             enc.reset()
             data = enc.encode(Call(call_id, actor, method, rt.address, rt.pid, rank, blob, port).to_wire())
-            link = rt.link(ref)
             if handles or enc.handles:
                 rt.note_handles([*handles, *enc.handles], ref)
             rt.outbox.post(link, data, frames, urgent=True)

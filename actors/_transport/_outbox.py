@@ -63,13 +63,17 @@ class Outbox:
             link = self.links[address] = Link(self._ctx, address, self._keys)
         return link
 
-    def post(self, link: Link, data: bytes, frames: list[Any], urgent: bool) -> None:
-        """Queue one encoded record on ``link``; it leaves now or at the end of this loop turn."""
+    def check_room(self, link: Link) -> None:
+        """Raise :class:`BufferFull` if ``link`` takes no more records (its peer is not reading)."""
         if link.records >= LINK_RECORDS or link.nbytes >= LINK_BYTES:
             raise BufferFull(
                 f"{link.records} records ({link.nbytes >> 20} MiB) wait for {link.address}, whose queue stays "
                 "full: it is not reading"
             )
+
+    def post(self, link: Link, data: bytes, frames: list[Any], urgent: bool) -> None:
+        """Queue one encoded record on ``link``; it leaves now or at the end of this loop turn."""
+        self.check_room(link)
         if frames:
             link.append(data, frames)
         else:  # Link.append, inlined for the common record without buffer frames

@@ -166,10 +166,11 @@ async def _hosts(config: Config) -> _Hosts:
     return _Hosts(cluster.slice(head), cluster, cluster, f"host {head} (this node, {hosts[head]['ip']})", head)
 
 
-#: The longest a stop on a failure or interrupt may take: a process that does not answer it (a loop stuck in a
-#: collective with a dead rank, or in synchronous code) is killed 2.5 s in (0.5 s of grace and the runtime's 2 s
-#: for an answer), and seen dead well inside this.
-STOP_LIMIT = 4.0
+#: A guard on a stop on a failure or interrupt, never reached by a stop that runs its course: a process that does
+#: not answer it (a loop stuck in a collective with a dead rank, or in synchronous code) is killed 2.5 s in (0.5 s
+#: of grace and the runtime's 2 s for an answer); one that answered gets 3 s more to exit, then is killed and seen
+#: dead within 2 s (7.5 s in all). Cutting the stop shorter would skip its kill and the removal of its files.
+STOP_LIMIT = 10.0
 
 
 async def _stop_quickly(mesh: ProcMesh) -> None:

@@ -79,6 +79,7 @@ async def test_send_with_response_port(procs: ProcMesh):
 async def test_sync_endpoint_runs_off_the_loop(procs: ProcMesh):
     echo = procs.spawn("echo", Echo, 3).slice(gpus=0)
     sync = procs.spawn("sync_echo", SyncEcho, 3).slice(gpus=0)
+    assert await echo.add.call_one(0) == 3 and await sync.sync_add.call_one(0) == 3  # both built: only calls timed
     slow = sync.blocking.call_one(1.0)
     start = time.monotonic()
     assert await echo.add.call_one(1) == 4, "the pump answers while a sync endpoint blocks"

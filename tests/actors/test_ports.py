@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from typing import Any
 
 import pytest
 import torch
@@ -244,6 +245,35 @@ async def test_a_call_that_cannot_be_queued_leaves_no_pending_call(procs: ProcMe
     monkeypatch.undo()
     assert len(rt.calls) == before
     assert await echo.slice(procs=1).add.call_one(2) == 2  # the runtime goes on
+
+
+async def test_a_call_one_of_whose_links_is_full_reaches_no_rank(procs: ProcMesh, monkeypatch):
+    """A call to every rank is all or nothing: a full link (or a dead rank) found after rank 0 was sent to would
+    leave rank 0 running a call whose caller was told it failed."""
+    from actors import BufferFull
+    from actors._transport._outbox import LINK_RECORDS
+
+    echo = procs.spawn("echo", Echo)
+    await echo.add.call(1)  # every link is open
+    rt = runtime()
+    last = rt.link(procs._procs[1])
+    posted: list[str] = []
+    post = rt.outbox.post
+
+    def recording(link: Any, *args: Any, **kwargs: Any) -> None:
+        post(link, *args, **kwargs)
+        posted.append(link.address)
+
+    monkeypatch.setattr(rt.outbox, "post", recording)
+    held, last.records = last.records, LINK_RECORDS  # rank 1's peer "is not reading"
+    try:
+        with pytest.raises(BufferFull, match="not reading"):
+            echo.add.call(1)
+    finally:
+        last.records = held
+    assert posted == [], "nothing was sent to rank 0"
+    monkeypatch.undo()
+    assert [v for _, v in await echo.add.call(2)] == [2, 2]  # the runtime goes on
 
 
 async def test_a_port_send_refused_by_a_full_link_takes_no_window_credit(procs: ProcMesh, monkeypatch):

@@ -205,6 +205,7 @@ def test_a_hand_over_blocked_by_a_running_hook_fails_clearly_and_recovers(tmp_pa
                 print("handed-over")
             except RuntimeError as exc:
                 print("refused" if "did not hand over" in str(exc) else repr(exc))
+            _background.HANDOVER_TIMEOUT = 10.0  # (the short bound was for the refused hand-over only)
             release.set()
             print(asyncio.run(main()))  # once the hook returned, the hand-over goes through
             procs.stop().get()

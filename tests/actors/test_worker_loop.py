@@ -7,6 +7,7 @@ their runtime starts on tcp.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -38,7 +39,7 @@ CONTROLLER = textwrap.dedent(
     def main(workers, action, timeout):
         t = time.monotonic()
         hosts = attach_to_workers(name="test", ca="trust_all_connections", workers=workers, timeout=timeout)
-        assert hosts.initialized.get() is True  # (Monarch's readiness future: attached when returned)
+        assert hosts.initialized.get() is True  # (Monarch's readiness future: every worker answered)
         out = {"hosts": hosts.extent, "infos": hosts.hosts, "attach_s": time.monotonic() - t}
         procs = hosts.spawn_procs(per_host={"procs": 2})
         mesh = procs.spawn("where", Where)
@@ -161,6 +162,100 @@ def test_a_controller_without_the_session_key_is_never_heard(tmp_path, worker_lo
     proc = run_controller(tmp_path, workers, new_session_keys(), "kill", timeout=3)  # a key pair of its own
     assert proc.returncode != 0
     assert "did not answer within 3s" in proc.stderr and "CURVE key" in proc.stderr, proc.stderr[-2000:]
+
+
+ATTACH_LATER = textwrap.dedent(
+    """
+    import asyncio, json, sys, time
+    from actors import Actor, CallTimeout, attach_to_workers, endpoint
+
+    class Echo(Actor):
+        @endpoint
+        async def echo(self, x: int) -> int:
+            return x
+
+    def failure(exc):
+        return f"{type(exc).__name__}: {exc}"
+
+    async def on_a_loop(workers):
+        hosts = attach_to_workers(ca="trust_all_connections", workers=workers)  # on the loop: returns at once
+        try:
+            hosts.spawn_procs(per_host={"procs": 1})  # (the answers need this loop: it has not run yet)
+            early = "spawned"
+        except RuntimeError as exc:
+            early = str(exc)
+        assert await hosts.initialized is True
+        procs = hosts.spawn_procs(per_host={"procs": 1})
+        answers = await procs.spawn("echo", Echo).echo.call(7)
+        await procs.stop()
+        await hosts.shutdown_async()
+        return early, [value for _, value in answers]
+
+    async def observe(hosts):
+        try:
+            await hosts.initialized
+            return "ready"
+        except Exception as exc:
+            return failure(exc)
+
+    def main(workers, unreachable):
+        out = {}
+        out["early"], out["answers"] = asyncio.run(on_a_loop(workers))
+        # a worker that never answers: attaching returns; readiness fails at the deadline, naming it, for everyone
+        hosts = attach_to_workers(ca="trust_all_connections", workers=[unreachable], timeout=1)
+        out["extent"] = hosts.extent
+        errors = []
+        for _ in range(2):
+            try:
+                hosts.initialized.get()
+            except Exception as exc:
+                errors.append(failure(exc))
+        try:
+            hosts.spawn_procs()
+        except Exception as exc:
+            errors.append(failure(exc))
+        errors.append(asyncio.run(observe(hosts)))
+        out["errors"] = errors
+        hosts.shutdown()
+        # shut down while still attaching: no wait for the deadline; readiness then fails saying so
+        hosts = attach_to_workers(ca="trust_all_connections", workers=[unreachable], timeout=120)
+        try:
+            hosts.initialized.get(timeout=0.05)
+            out["pending"] = "ready"
+        except CallTimeout as exc:
+            out["pending"] = failure(exc)
+        t = time.monotonic()
+        hosts.shutdown()
+        out["shutdown_s"] = time.monotonic() - t
+        out["after_shutdown"] = asyncio.run(observe(hosts))
+        print(json.dumps(out), flush=True)
+
+    if __name__ == "__main__":
+        main(json.loads(sys.argv[1]), sys.argv[2])
+    """
+)
+
+
+@pytest.mark.parametrize("worker_loops", ["ipc"], indirect=True)
+def test_attaching_returns_at_once_and_readiness_says_which_worker_never_answered(tmp_path, worker_loops):
+    """As Monarch's: ``attach_to_workers`` returns at once (on an event loop too, which it never blocks);
+    ``initialized`` waits for the workers, and one that never answers fails it (and every later observer, and
+    spawning) with Monarch's ``attach failed`` text naming its address, at the attach deadline."""
+    workers, keys, _ = worker_loops
+    unreachable = f"ipc://{tmp_path}/never_bound"
+    script = tmp_path / "attach_later.py"
+    script.write_text(ATTACH_LATER)
+    out = result_of(run_python(str(script), json.dumps(workers), unreachable, timeout=120, env=clean_env(keys)))
+    assert "await" in out["early"] and "initialized" in out["early"], out["early"]
+    assert out["answers"] == [7, 7]
+    assert out["extent"] == {"hosts": 1}
+    assert len(out["errors"]) == 4
+    for error in out["errors"]:
+        assert error.startswith("CallTimeout: attach failed: config push failed during attach"), error
+        assert f"{tmp_path}/never_bound" in error and "did not answer within 1s" in error, error
+    assert out["pending"].startswith("CallTimeout: gave up"), out["pending"]
+    assert out["shutdown_s"] < 30, "shutting down a mesh still attaching waits for no deadline"
+    assert "shut down before" in out["after_shutdown"], out["after_shutdown"]
 
 
 def test_a_controller_with_no_key_at_all_is_refused_before_it_sends(tmp_path, worker_loops):
@@ -317,3 +412,40 @@ def test_an_ipc_path_another_process_serves_or_a_plain_file_is_refused(tmp_path)
     with pytest.raises(ValueError, match="is not a socket"):
         serving_address(f"ipc://{tmp_path}/notes.txt")
     assert (tmp_path / "notes.txt").read_text() == "keep me"
+
+
+async def test_a_host_agent_starts_one_forkserver_however_often_asked_and_stops_one_still_starting(monkeypatch):
+    """Two ``start`` calls share one forkserver; a stop (``__cleanup__``) that comes while it is still starting
+    waits for it and stops it, instead of leaving it to the lifeline."""
+    import threading
+
+    from actors._meshes import _worker_loop
+
+    entered, release = threading.Event(), threading.Event()
+    made: list[Any] = []
+
+    class Node:
+        ip, stopped = "127.0.0.1", False
+
+        def stop(self) -> None:
+            self.stopped = True
+
+    def tied_to(ip: str, folder: str, ticket: Any) -> Node:
+        entered.set()
+        release.wait(30)
+        made.append(Node())
+        return made[-1]
+
+    monkeypatch.setattr(_worker_loop.NodeForkserver, "tied_to", tied_to)
+    monkeypatch.setattr(_worker_loop, "make_runtime_dir", lambda: "/nonexistent")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    agent = _worker_loop.HostAgent(None)  # type: ignore[arg-type]
+    starts = [asyncio.ensure_future(agent.start()), asyncio.ensure_future(agent.start())]
+    assert await asyncio.to_thread(entered.wait, 30)
+    cleanup = asyncio.ensure_future(agent.__cleanup__(None))  # (queued before the forkserver can be ready)
+    release.set()
+    infos = await asyncio.wait_for(asyncio.gather(*starts), 30)
+    await asyncio.wait_for(cleanup, 30)
+    assert [info["ip"] for info in infos] == ["127.0.0.1"] * 2
+    assert len(made) == 1, "one forkserver however many start calls"
+    assert made[0].stopped, "a stop during start stops the forkserver it started"
