@@ -280,10 +280,11 @@ class ActorMesh(Generic[A]):
     def stop(self) -> Future[None]:
         """Run ``__cleanup__`` on these actors and remove them (their processes stay)."""
         rt = runtime()
-        alive = [t for t in self._targets_list if not t[1].dead]
         self._life.stopped = True
 
         def stop() -> PendingCall | None:
+            # (those alive are picked on the runtime's thread, as the call is sent: a call is sent to all or none)
+            alive = [t for t in self._targets_list if not t[1].dead]
             encoded = encode_arguments(rt, (self._name,), {})
             return send_call(rt, alive, PROCESS_ACTOR, "stop_actor", encoded, want_reply=True)
 

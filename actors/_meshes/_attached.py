@@ -23,6 +23,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -97,6 +98,19 @@ class AttachedHostMesh(RemoteHostMesh):
     def __repr__(self) -> str:
         return f"<AttachedHostMesh {[node.node for node in self._nodes] or self._attaching.addresses}>"
 
+    def _lifeline_lost(self, index: int, why: str) -> None:
+        """A host's lifeline ended (lifeline thread): that host is lost, or, before every host answered,
+        attaching failed (decided on the runtime's thread, where the hosts are installed)."""
+
+        def lose() -> None:
+            if self._nodes:
+                if 0 <= index < len(self._nodes):
+                    self._lose(self._nodes[index], why)
+            elif 0 <= index < len(self._attaching.addresses):
+                self._attaching.lost(index, why)
+
+        self._relay.call_soon(lose)
+
     @property
     def initialized(self) -> Future[Literal[True]]:
         """Monarch's readiness future: ``True`` once every worker answered; raises why attaching failed."""
@@ -144,7 +158,6 @@ class AttachedHostMesh(RemoteHostMesh):
 
     def _request(self, node: RemoteNode, op: str, args: tuple[Any, ...], done: Requested) -> None:
         agent: ActorMesh[HostAgent] = node.handle
-        pending = ask_agent(self._rt, agent, op, args)
 
         def answered(call: PendingCall) -> None:
             if call.error is not None:
@@ -152,10 +165,8 @@ class AttachedHostMesh(RemoteHostMesh):
             else:
                 done(call.results[0], None)
 
-        if pending.done:
-            answered(pending)
-        else:
-            pending.callbacks.append(answered)
+        pending = ask_agent(self._rt, agent, op, args, answered)  # (answered is attached as the request leaves)
+        if not pending.done:
             self._rt.driver.on_thread(lambda: _expire_later(self._rt, pending))
 
     def _fetch_addresses(self, nodes: list[RemoteNode], count: int) -> list[list[str]]:
@@ -254,7 +265,11 @@ def attach_to_workers(
     if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
     lost_after = silence_bound()  # a bad setting refused before anything starts
-    addresses = [attach_address(w.get(timeout=timeout) if isinstance(w, Future) else w) for w in workers]
+    given_by = time.monotonic() + timeout  # (addresses given as futures: resolved first, in synchronous code)
+    addresses = [
+        attach_address(w.get(timeout=max(0.0, given_by - time.monotonic())) if isinstance(w, Future) else w)
+        for w in workers
+    ]
     rt = _use_tcp()
     lifelines = Lifelines(tcp_host(rt.address) or "127.0.0.1", lost_after)
     agents: list[ProcMesh] = []

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,16 +32,31 @@ __all__ = ["Attaching", "ask_agent"]
 DEADLINE_GRACE = 1.0
 
 
-def ask_agent(rt: Runtime, agent: ActorMesh[Any], op: str, args: tuple[Any, ...]) -> PendingCall:
-    """Send request ``op`` to a host agent, from any thread; its pending call."""
+def ask_agent(
+    rt: Runtime,
+    agent: ActorMesh[Any],
+    op: str,
+    args: tuple[Any, ...],
+    then: Callable[[PendingCall], None] | None = None,
+) -> PendingCall:
+    """Send request ``op`` to a host agent, from any thread; its pending call.
+
+    ``then`` gets the call once it is done, on the runtime's thread; it is
+    attached there as the call is sent, so no answer can come before it.
+    """
     targets = agent._targets()
 
     def send() -> PendingCall | None:
-        return send_call(rt, targets, agent._name, op, encode_arguments(rt, args, {}), want_reply=True)
+        pending = send_call(rt, targets, agent._name, op, encode_arguments(rt, args, {}), want_reply=True)
+        assert pending is not None
+        if then is not None:
+            if pending.done:
+                then(pending)
+            else:
+                pending.callbacks.append(then)
+        return pending
 
-    pending = rt.driver.on_thread(send)
-    assert pending is not None
-    return pending  # type: ignore[no-any-return]
+    return rt.driver.on_thread(send)  # type: ignore[no-any-return]
 
 
 class Attaching:
@@ -47,6 +64,8 @@ class Attaching:
 
     ``install`` gets the nodes on the runtime's thread before anyone waiting
     sees them ready; :attr:`ready` then holds None, or why attaching failed.
+    A failure leaves the questions open: an agent that starts late is still
+    counted in :attr:`started`, so that shutting the mesh down stops it.
     """
 
     __slots__ = (
@@ -84,24 +103,29 @@ class Attaching:
         self._infos: dict[int, dict[str, Any]] = {}
         self._pools: dict[int, list[str]] = {}
         self._open: dict[int, PendingCall] = {}
+        # The deadline on a thread of its own: the loop serving the runtime may change before it comes.
+        timer = threading.Timer(timeout, self._expire_from_timer)
+        timer.daemon = True
+        self.ready.add_done_callback(lambda _ready: timer.cancel())
         rt.driver.on_thread(self._begin)
+        timer.start()
 
     def _begin(self) -> None:
-        loop = self._rt.driver.loop
-        if loop is not None and loop.is_running():  # (a loop that ends first leaves the deadline to the waiters)
-            loop.call_later(self.timeout, self.expire)
         for index in range(len(self._agents)):
             self._ask(index, "start", ())
 
     def _ask(self, index: int, op: str, args: tuple[Any, ...]) -> None:
-        if self.ready.done():
-            return
-        pending = ask_agent(self._rt, self._agents[index], op, args)
-        self._open[index] = pending
-        if pending.done:
-            self._answered(index, op, pending)
-        else:
-            pending.callbacks.append(lambda call: self._answered(index, op, call))
+        try:
+            self._open[index] = ask_agent(
+                self._rt, self._agents[index], op, args, lambda call: self._answered(index, op, call)
+            )
+        except Exception as exc:  # (the agent's mesh is stopping, its link is full)
+            self._fail(self._failure(index, op, exc))
+
+    def _failure(self, index: int, op: str, error: BaseException) -> RuntimeError:
+        failed = RuntimeError(f"attach failed: {op} on the worker loop at {self.addresses[index]}: {error}")
+        failed.__cause__ = error
+        return failed
 
     def _answered(self, index: int, op: str, call: PendingCall) -> None:
         self._open.pop(index, None)
@@ -110,9 +134,7 @@ class Attaching:
         if self.ready.done():
             return
         if call.error is not None:
-            failed = RuntimeError(f"attach failed: {op} on the worker loop at {self.addresses[index]}: {call.error}")
-            failed.__cause__ = call.error
-            self._fail(failed)
+            self._fail(self._failure(index, op, call.error))
         elif op == "start":
             self._infos[index] = call.results[0]
             self._ask(index, "addresses", (ADDRESS_POOL,))
@@ -123,27 +145,33 @@ class Attaching:
 
     def _finish(self) -> None:
         nodes = []
-        for index, (handle, address) in enumerate(zip(self._agents, self.addresses, strict=True)):
-            info = self._infos[index]
-            label = f"worker {address}"
-            nodes.append(RemoteNode(index, handle, info["ip"], info["pid"], address, label, list(info["gpus"])))
-            nodes[-1].addresses = self._pools[index]
-        self._install(nodes)
-        self.ready.set_result(None)
+        try:
+            for index, (handle, address) in enumerate(zip(self._agents, self.addresses, strict=True)):
+                info = self._infos[index]
+                label = f"worker {address}"
+                nodes.append(RemoteNode(index, handle, info["ip"], info["pid"], address, label, list(info["gpus"])))
+                nodes[-1].addresses = self._pools[index]
+            self._install(nodes)
+        except Exception as exc:  # (a malformed answer; the mesh stopping as it was installed)
+            self._fail(RuntimeError(f"attach failed: {type(exc).__name__}: {exc}"))
+            return
+        with contextlib.suppress(concurrent.futures.InvalidStateError):  # (cancelled from another thread)
+            self.ready.set_result(None)
 
     def _fail(self, error: BaseException) -> None:
-        """Fail :attr:`ready` (once) and give up the questions still open (on the runtime's thread)."""
-        if self.ready.done():
-            return
-        self.ready.set_exception(error)
-        for pending in list(self._open.values()):  # (a late answer is dropped)
-            pending.fail(CallTimeout(f"{pending.actor}.{pending.method}(): attaching gave up ({error})"))
+        """Fail :attr:`ready`, once (the questions still open stay open: see the class)."""
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
+            self.ready.set_exception(error)
+
+    def _expire_from_timer(self) -> None:
+        with contextlib.suppress(Exception):  # (a runtime already closed: nobody waits)
+            self._rt.driver.on_thread(self.expire)
 
     def expire(self) -> None:
         """The deadline passed (runtime's thread): fail with the first worker that did not answer."""
         if self.ready.done():
             return
-        index = min(i for i in range(len(self._agents)) if i not in self._pools)
+        index = min((i for i in range(len(self._agents)) if i not in self._pools), default=0)
         self._fail(
             CallTimeout(
                 f"attach failed: config push failed during attach: the worker loop at {self.addresses[index]} did "
@@ -152,9 +180,25 @@ class Attaching:
             )
         )
 
+    def lost(self, index: int, why: str) -> None:
+        """The lifeline of worker ``index`` ended before attaching finished (runtime's thread): it failed."""
+        self._fail(RuntimeError(f"attach failed: lost the worker loop at {self.addresses[index]}: {why}"))
+
     def cancel(self, why: str) -> None:
-        """Stop attaching (its host mesh was shut down): readiness fails saying ``why`` (any thread)."""
-        self._rt.driver.on_thread(lambda: self._fail(RuntimeError(f"attach failed: {why}")))
+        """Stop attaching (its host mesh was shut down; any thread): readiness fails saying ``why``, and the
+        questions still open are given up (a late answer is dropped)."""
+
+        def give_up() -> None:
+            self._fail(RuntimeError(f"attach failed: {why}"))
+            for pending in list(self._open.values()):
+                pending.fail(CallTimeout(f"{pending.actor}.{pending.method}(): attaching was given up ({why})"))
+
+        self._rt.driver.on_thread(give_up)
+
+    def _outcome(self) -> None:
+        error = self.ready.exception(0)
+        if error is not None:
+            raise error.with_traceback(None)  # (raised afresh to each observer, its traceback not piling up)
 
     def wait(self, timeout: float | None) -> None:
         """Block this thread (never an event loop's) until attached; raises why not, or CallTimeout at ``timeout``."""
@@ -167,7 +211,9 @@ class Attaching:
             if timeout is not None and timeout < left:
                 raise CallTimeout(f"gave up after {timeout:.1f}s waiting for the workers to attach") from None
             self._rt.driver.on_thread(self.expire)
-            self.ready.result(0)
+        except Exception:
+            pass  # (the outcome, raised afresh below)
+        self._outcome()
 
     async def wait_async(self) -> None:
         """Wait on the running loop until attached; raises why not."""
@@ -178,4 +224,4 @@ class Attaching:
             await asyncio.wait([waiting], timeout=max(0.0, left))  # (never cancels what it waits for)
             if not self.ready.done():
                 self._rt.driver.on_thread(self.expire)
-        self.ready.result(0)
+        self._outcome()

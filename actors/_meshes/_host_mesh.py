@@ -89,8 +89,8 @@ class HostMesh:
 
     @property
     def initialized(self) -> Future[Literal[True]]:
-        """Monarch's readiness future: ``True``. A host mesh here is ready when it is returned (this host is;
-        ``attach_to_workers`` and Ray's ``host_mesh`` wait for their hosts before they return)."""
+        """Monarch's readiness future: ``True``. This host and Ray's ``host_mesh`` are ready when returned;
+        ``attach_to_workers``' mesh overrides this to wait for its workers."""
         return Future.ready(True)
 
     def spawn_procs(

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 
 from .._runtime._call_sender import encode_arguments, send_call
 from .._runtime._core import Runtime
+from .._runtime._pending_calls import PendingCall
 from .._shared._errors import ActorDied
 from .._shared._liveness import ProcRef
 from .._shared._session import incarnation_path, remove_socket_file
@@ -38,15 +39,18 @@ def stop_steps(
     def all_dead() -> bool:
         return all(ref.dead for ref in procs)
 
-    alive = [(rank, ref) for rank, ref in enumerate(procs) if not ref.dead]
+    alive: list[tuple[int, ProcRef]] = []
+
+    def ask_to_stop() -> PendingCall | None:
+        # (those alive are picked on the runtime's thread, as the call is sent: a call is sent to all or none)
+        alive[:] = [(rank, ref) for rank, ref in enumerate(procs) if not ref.dead]
+        if not alive:
+            return None
+        return send_call(rt, alive, PROCESS_ACTOR, "stop", encode_arguments(rt, (timeout,), {}), want_reply=True)
+
     pending = None
-    if alive:
-        with contextlib.suppress(ActorDied):
-            pending = rt.driver.on_thread(
-                lambda: send_call(
-                    rt, alive, PROCESS_ACTOR, "stop", encode_arguments(rt, (timeout,), {}), want_reply=True
-                )
-            )
+    with contextlib.suppress(ActorDied):
+        pending = rt.driver.on_thread(ask_to_stop)
     if pending is not None:
         yield (lambda: pending.done or all_dead()), timeout + ANSWER_GRACE
         # A process that never answered will not exit by itself (its loop is stuck): only those that

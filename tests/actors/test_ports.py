@@ -248,7 +248,7 @@ async def test_a_call_that_cannot_be_queued_leaves_no_pending_call(procs: ProcMe
 
 
 async def test_a_call_one_of_whose_links_is_full_reaches_no_rank(procs: ProcMesh, monkeypatch):
-    """A call to every rank is all or nothing: a full link (or a dead rank) found after rank 0 was sent to would
+    """A call to every rank is all or nothing: a full link or a dead rank found after rank 0 was sent to would
     leave rank 0 running a call whose caller was told it failed."""
     from actors import BufferFull
     from actors._transport._outbox import LINK_RECORDS
@@ -272,8 +272,17 @@ async def test_a_call_one_of_whose_links_is_full_reaches_no_rank(procs: ProcMesh
     finally:
         last.records = held
     assert posted == [], "nothing was sent to rank 0"
-    monkeypatch.undo()
     assert [v for _, v in await echo.add.call(2)] == [2, 2]  # the runtime goes on
+    procs.add_failure_handler(lambda failure: failure.exception_type == "ActorDied")  # (handled: contained)
+    os.kill(await echo.slice(procs=1).pid.call_one(), signal.SIGKILL)
+    with pytest.raises(ActorDied):
+        await asyncio.wait_for(echo.slice(procs=1).sleep.call_one(60), 30)  # rank 1 is known dead
+    posted.clear()
+    with pytest.raises(ActorDied):
+        await echo.add.call(1)
+    assert posted == [], "nothing was sent to rank 0: its rank 1 is dead"
+    monkeypatch.undo()
+    assert await echo.slice(procs=0).add.call_one(3) == 3
 
 
 async def test_a_port_send_refused_by_a_full_link_takes_no_window_credit(procs: ProcMesh, monkeypatch):
