@@ -200,10 +200,11 @@ ATTACH_LATER = textwrap.dedent(
 
     def main(workers, unreachable):
         out = {}
-        out["early"], out["answers"] = asyncio.run(on_a_loop(workers[:1]))
         # one worker answers, one never does: attaching returns; readiness fails at the deadline, naming the
-        # silent one, for everyone; shutting down then stops the one that answered (and ends its loop)
-        hosts = attach_to_workers(ca="trust_all_connections", workers=[workers[1], unreachable], timeout=5)
+        # silent one, for everyone; shutting down then stops the one that answered (and ends its loop). Meanwhile
+        # the runtime moves to another event loop and back (the answers and the deadline follow it).
+        hosts = attach_to_workers(name="mixed", ca="trust_all_connections", workers=[workers[1], unreachable], timeout=5)
+        out["early"], out["answers"] = asyncio.run(on_a_loop(workers[:1]))
         out["extent"] = hosts.extent
         errors = []
         for _ in range(2):
