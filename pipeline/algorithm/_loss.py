@@ -131,26 +131,42 @@ class LossSpec:
     vespo_lambda_neg: float = 2.0
 
 
+def _nan_moments(values: torch.Tensor, dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean and population std of ``values`` leaving NaNs out (0 where none is left), along ``dim`` (all)."""
+    present = ~values.isnan()
+    count = (present.sum() if dim is None else present.sum(dim, keepdim=True)).clamp_min(1)
+    filled = torch.where(present, values, torch.zeros_like(values))
+    total = filled.sum() if dim is None else filled.sum(dim, keepdim=True)
+    mean = total / count
+    deviation = torch.where(present, values - mean, torch.zeros_like(values)).square()
+    return mean, ((deviation.sum() if dim is None else deviation.sum(dim, keepdim=True)) / count).sqrt()
+
+
 def group_advantages(
     rewards: torch.Tensor, group: int, scale: RewardScale = "group", eps: float = 1e-6
 ) -> torch.Tensor:
-    """Rewards [N] centred within consecutive groups of ``group`` samples, scaled as ``scale`` says."""
-    grouped = rewards.view(-1, group)
-    centred = grouped - grouped.mean(1, keepdim=True)
-    if scale == "group":
-        centred = centred / (grouped.std(1, keepdim=True, unbiased=False) + eps)
-    elif scale == "batch":
-        centred = centred / (rewards.std(unbiased=False) + eps)
-    elif scale != "none":
+    """Rewards [N] centred within consecutive groups of ``group`` samples, scaled as ``scale`` says.
+
+    A NaN reward (a completion no reward function scored) is left out of its
+    group's mean and std, and its advantage is 0, as in TRL.
+    """
+    if scale not in REWARD_SCALES:
         raise ValueError(f"unknown reward scaling {scale!r}; choose one of {', '.join(REWARD_SCALES)}")
-    return centred.reshape(-1)
+    grouped = rewards.view(-1, group)
+    mean, std = _nan_moments(grouped, 1)
+    centred = grouped - mean
+    if scale == "group":
+        centred = centred / (std + eps)
+    elif scale == "batch":
+        centred = centred / (_nan_moments(rewards)[1] + eps)
+    return centred.reshape(-1).nan_to_num(0.0)
 
 
 def group_spread(rewards: torch.Tensor, group: int) -> tuple[float, float]:
     """Rewards [N] in consecutive groups of ``group``: the mean of the groups' (population) stds, and the share of
     groups whose rewards are all equal (TRL's ``reward_std`` and ``frac_reward_zero_std``; such a group's
-    advantages are all 0: it teaches nothing)."""
-    std = rewards.view(-1, group).std(1, unbiased=False)
+    advantages are all 0: it teaches nothing). NaN rewards (unscored) are left out."""
+    std = _nan_moments(rewards.view(-1, group), 1)[1].squeeze(1)
     return float(std.mean()), float(torch.isclose(std, torch.zeros_like(std)).float().mean())
 
 

@@ -432,8 +432,8 @@ class Trainer(Actor):
             generator=rollout.generator,
             staleness=lag,
             dropped_stale=self.dropped,
-            reward_mean=float(shown.mean()),
-            reward_std=float(shown.std(unbiased=False)),
+            reward_mean=float(shown.nanmean()),  # (a completion no reward function scored is left out)
+            reward_std=float(shown[~shown.isnan()].std(unbiased=False)),
             reward_group_std=spread[0],
             reward_zero_std=spread[1],
             accuracy=None if item.accuracy is None else float(item.accuracy.mean()),

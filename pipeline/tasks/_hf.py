@@ -312,7 +312,7 @@ class HFTask(Task):
         combined = rewards.combine(per_function)
         self._log_completions(prompts, texts, per_function, rewards.names)
         metrics = {
-            "reward": float(combined.mean()),
+            "reward": float(combined.nanmean()),  # (a completion no function scored is left out)
             **{f"reward/{name}": value for name, value in rewards.means(per_function).items()},
         }
         if samples > 1:

@@ -289,8 +289,10 @@ class RewardSet:
         return _checked(reward, result, len(completions))
 
     def combine(self, per_function: torch.Tensor) -> torch.Tensor:
-        """[N] weighted sums over functions, a None (NaN) counting as nothing."""
-        return (per_function * self.weights.unsqueeze(1)).nansum(0)
+        """[N] weighted sums over functions, a None (NaN) counting as nothing; NaN where every function returned
+        None (that completion is left out of its group and gets no advantage, as in TRL)."""
+        total = (per_function * self.weights.unsqueeze(1)).nansum(0)
+        return total.masked_fill(per_function.isnan().all(0), math.nan)
 
     def combine_decoupled(self, per_function: torch.Tensor, group: int, eps: float = 1e-6) -> torch.Tensor:
         """[N] weighted sums of each function's rewards normalised within its group first (GDPO): a function whose

@@ -402,6 +402,23 @@ def test_reward_scaling(scale, expected):
     torch.testing.assert_close(advantages, torch.tensor(expected), atol=1e-5, rtol=0)
 
 
+def test_a_completion_no_reward_function_scored_is_left_out_of_its_group_and_gets_no_advantage():
+    """TRL's rule: a NaN reward (every function returned None) is out of its group's mean and std and its
+    advantage is 0; counted as 0 it would push that completion down and lift its siblings for nothing."""
+    nan = math.nan
+    rewards = torch.tensor([1.0, 1.0, 1.0, nan, 0.0, 2.0, nan, nan])
+    for scale in ("group", "batch", "none"):
+        advantages = group_advantages(rewards, group=4, scale=scale)
+        assert not advantages.isnan().any()
+        assert advantages[:4].tolist() == [0.0] * 4, scale  # the scored three are equal: nothing to teach
+        assert advantages[6:].tolist() == [0.0, 0.0]
+        assert advantages[4] == -advantages[5] != 0
+    torch.testing.assert_close(group_advantages(rewards, 4)[4:6], torch.tensor([-1.0, 1.0]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(group_advantages(torch.full((4,), nan), 4), torch.zeros(4))  # a group all unscored
+    std, zero = group_spread(rewards, 4)
+    assert std == pytest.approx(0.5) and zero == 0.5
+
+
 def test_group_spread_is_the_mean_within_group_std_and_the_share_of_groups_that_teach_nothing():
     rewards = torch.tensor([1.0, 0.0, 5.0, 5.0, 0.3, 0.3, 2.0, 0.0])
     std, zero = group_spread(rewards, 2)

@@ -278,6 +278,7 @@ def test_rewards_combine_with_weights_and_skip_none(tmp_path):
     rewards = RewardSet([f"{path}:slow_half=2", f"{path}:sometimes"])
     per = asyncio.run(rewards.score(["p", "q"], ["a", "b"], {"answer": ["x", None]}))
     assert torch.isnan(per[1, 1]) and rewards.combine(per).tolist() == [2.0, 1.0]
+    assert rewards.combine(torch.tensor([[math.nan, 1.0], [math.nan, math.nan]])).isnan().tolist() == [True, False]
     assert rewards.means(per) == {"slow_half": 0.5, "sometimes": 1.0}
 
 
