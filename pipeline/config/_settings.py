@@ -212,12 +212,35 @@ def check_settings(config: Config) -> None:
             "--gradient-checkpointing recomputes a Hugging Face model's layers (--task hf, --dataset); the built-in "
             "tasks' models are small enough to keep their activations"
         )
+    _check_vllm_log_probs(config)
     _check_trainer_ranks(config)
     _check_chat_template_kwargs(config)
     if config.engine != "builtin" and config.task != "hf":
         raise SettingsError(
             f"--engine {config.engine} samples a Hugging Face model (--task hf, --dataset); the built-in tasks' "
             "models sample with the built-in sampler"
+        )
+
+
+def _check_vllm_log_probs(config: Config) -> None:
+    """vLLM with both a temperature and a filter gives only the filtered distribution's log-probs: not the
+    trainer's, so they must not anchor the clip (their ratio at lag 0 is the kept mass, at most 1)."""
+    filtered = config.top_k > 0 or config.top_p < 1 or config.min_p > 0 or config.repetition_penalty != 1
+    if config.engine != "vllm" or config.temperature == 1 or not filtered:
+        return
+    settings = f"--engine vllm with --temperature {config.temperature:g} and a sampler filter or penalty"
+    if config.loss == "vespo" or config.off_policy_mask_threshold is not None:
+        used = "--loss vespo" if config.loss == "vespo" else "--off-policy-mask-threshold"
+        raise SettingsError(
+            f"{settings}: vLLM gives the filtered distribution's log-probs only, and {used} measures the policy's "
+            "distance from them, which the filter alone makes large; use --temperature 1 or no filter"
+        )
+    if config.is_correction == "none":
+        raise SettingsError(
+            f"{settings}: vLLM gives the filtered distribution's log-probs only (not the trainer's), so they cannot "
+            "anchor the clip (the kept mass, below 1, would clip away negative advantages); add --is-correction "
+            "tis (the ratio is then to the trainer's own log-probs, and the weight corrects for the sampler), or use "
+            "--temperature 1 or no filter"
         )
 
 

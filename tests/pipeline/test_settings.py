@@ -13,6 +13,9 @@ from pipeline import Config, DigitsTask, resolve
 from pipeline.config import SettingsError, check_settings
 from pipeline.grpo import main, parse_args
 
+#: Flags that make a run a Hugging Face one (the settings are checked before the dataset is read).
+HF = ("--dataset", "prompts.jsonl", "--reward", "exact_match")
+
 
 @pytest.mark.parametrize(
     "flags, message",
@@ -107,6 +110,20 @@ from pipeline.grpo import main, parse_args
             "--num-iterations 2 with --is-correction tis: importance weights take each update's ratio",
         ),
         (["--decode", "static", "--engine", "hf"], "--decode static picks how the built-in sampler decodes"),
+        (
+            [*("--engine", "vllm", "--temperature", "0.7", "--top-p", "0.9"), *HF],
+            "--engine vllm with --temperature 0.7 and a sampler filter or penalty: vLLM gives the filtered",
+        ),
+        (
+            [
+                *("--engine", "vllm", "--temperature", "0.7", "--top-k", "5", "--is-correction", "tis"),
+                "--loss",
+                "vespo",
+                *HF,
+            ],
+            "--engine vllm with --temperature 0.7 and a sampler filter or penalty: vLLM gives the filtered "
+            "distribution's log-probs only, and --loss vespo",
+        ),
         (["--loss", "luspo"], "--loss luspo weighs GSPO's sequence ratio by each completion's length: add"),
         (["--mini-batches", "0"], "--mini-batches 0: must be at least 1"),
         (
@@ -262,6 +279,19 @@ def test_the_hugging_face_settings_are_for_any_subclass_of_the_hf_task():
     for name, value in hf_only.items():
         with pytest.raises(SettingsError, match=f"--{name.replace('_', '-')} .*--task pipeline.tasks:DigitsTask"):
             check_task_settings(Config(task="pipeline.tasks:DigitsTask", **{name: value}))  # type: ignore[arg-type]
+
+
+def test_vllm_log_probs_of_a_filtered_distribution_anchor_no_clip():
+    """With a temperature and a filter vLLM reports the filtered distribution's log-probs: accepted with an
+    importance-sampling correction (the clip's anchor is then the trainer's own), or with either alone."""
+    hf = dict(task="hf", dataset="prompts.jsonl", rewards=("exact_match",), engine="vllm")
+    check_settings(Config(temperature=0.7, min_p=0.1, is_correction="tis", **hf))  # type: ignore[arg-type]
+    check_settings(Config(temperature=1.0, top_p=0.9, **hf))  # type: ignore[arg-type]
+    check_settings(Config(temperature=0.7, **hf))  # type: ignore[arg-type]
+    with pytest.raises(SettingsError, match="add --is-correction tis"):
+        check_settings(Config(temperature=0.7, repetition_penalty=1.2, **hf))  # type: ignore[arg-type]
+    with pytest.raises(SettingsError, match="--off-policy-mask-threshold measures"):
+        check_settings(Config(temperature=0.7, top_k=5, is_correction="tis", off_policy_mask_threshold=0.5, **hf))  # type: ignore[arg-type]
 
 
 def test_a_bandit_run_saved_with_sampler_settings_it_never_used_resumes(tmp_path):
