@@ -19,7 +19,7 @@ from ._config import (
     TrainDtype,
     TrainerShard,
 )
-from ._settings import SettingsError, check_settings
+from ._settings import SettingsError, check_settings, forget_unused_settings, unused_settings
 
 __all__ = [
     "DECODE_PATHS",
@@ -38,4 +38,6 @@ __all__ = [
     "TrainDtype",
     "TrainerShard",
     "check_settings",
+    "forget_unused_settings",
+    "unused_settings",
 ]

@@ -17,7 +17,7 @@ from typing import get_args
 from ..algorithm import LOSSES, RATIO_LEVELS, REWARD_SCALES
 from ._config import DECODE_PATHS, ENGINES, REPORT_TO, Aggregation, Config, IsCorrection
 
-__all__ = ["SettingsError", "check_settings"]
+__all__ = ["SettingsError", "check_settings", "forget_unused_settings", "unused_settings"]
 
 
 class SettingsError(ValueError):
@@ -168,6 +168,8 @@ def check_settings(config: Config) -> None:
             flag = "--" + name.replace("_", "-")
             raise SettingsError(f"{flag} {getattr(config, name)}: the gate's temperature must be above 0")
     _check_entropy_bonus(config)
+    for names, why in unused_settings(config):
+        _refuse_without_switch(config, names, why)
     if config.off_policy_mask_threshold is not None and not config.off_policy_mask_threshold >= 0:
         raise SettingsError(
             f"--off-policy-mask-threshold {config.off_policy_mask_threshold}: a completion's mean drift from the "
@@ -297,6 +299,31 @@ def _check_chat_template_kwargs(config: Config) -> None:
             f"--chat-template-kwargs {', '.join(taken)}: the pipeline sets these itself (each prompt is rendered "
             "as a generation prompt, to token ids)"
         )
+
+
+def unused_settings(config: Config) -> list[tuple[tuple[str, ...], str]]:
+    """The settings that only a switch ``config`` leaves off would use, by group, with the switch to add."""
+    groups: list[tuple[tuple[str, ...], str]] = []
+    if config.is_correction == "none":
+        groups.append((("is_cap", "is_min"), "set the importance weights' bounds: add --is-correction"))
+    if config.loss != "sapo":
+        groups.append((("sapo_temperature_pos", "sapo_temperature_neg"), "set --loss sapo's gate: add --loss sapo"))
+    if config.loss != "vespo":
+        vespo = ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
+        groups.append((vespo, "set --loss vespo's weight: add --loss vespo"))
+    if not config.sync_ref_model:
+        groups.append(
+            (("ref_model_mixup_alpha", "ref_model_sync_steps"), "set the reference's sync: add --sync-ref-model")
+        )
+    return groups
+
+
+def forget_unused_settings(config: Config) -> None:
+    """Put back the defaults of settings no switch uses (a run saved before they were refused never used them)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(Config)}
+    for names, _why in unused_settings(config):
+        for name in names:
+            setattr(config, name, defaults[name])
 
 
 def _refuse_without_switch(config: Config, names: tuple[str, ...], why: str) -> None:

@@ -27,6 +27,7 @@ from ..config import (
     IsCorrection,
     SettingsError,
     check_settings,
+    forget_unused_settings,
 )
 from ..models import PRESETS, ModelError, vllm_missing
 from ..tasks import BUILTINS, BanditTask, DataError, DigitsTask, HFTask, RewardError, Task, resolve, task_class
@@ -790,6 +791,7 @@ def _resumed(args: argparse.Namespace, given: set[str]) -> Config:
         if attr in given and getattr(args, attr) != "auto":
             setattr(config, attr, getattr(args, attr))
     config.devices.update(_role_devices(args))
+    forget_unused_settings(config)  # saved before they were refused without their switch: never used
     task = _found_task(config)
     if task is not None and issubclass(task, BanditTask):  # saved before the bandit refused them: never used
         for _, attr, default in SAMPLER:

@@ -110,6 +110,10 @@ HF = ("--dataset", "prompts.jsonl", "--reward", "exact_match")
             "--num-iterations 2 with --is-correction tis: importance weights take each update's ratio",
         ),
         (["--decode", "static", "--engine", "hf"], "--decode static picks how the built-in sampler decodes"),
+        (["--is-cap", "3"], "--is-cap set the importance weights' bounds: add --is-correction"),
+        (["--loss", "dapo", "--sapo-temperature-neg", "2"], "--sapo-temperature-neg set --loss sapo's gate: add"),
+        (["--vespo-k-pos", "1", "--vespo-lambda-neg", "3"], "--vespo-k-pos, --vespo-lambda-neg set --loss vespo's"),
+        (["--ref-model-sync-steps", "8"], "--ref-model-sync-steps set the reference's sync: add --sync-ref-model"),
         (
             [*("--engine", "vllm", "--temperature", "0.7", "--top-p", "0.9"), *HF],
             "--engine vllm with --temperature 0.7 and a sampler filter or penalty: vLLM gives the filtered",
@@ -292,6 +296,13 @@ def test_vllm_log_probs_of_a_filtered_distribution_anchor_no_clip():
         check_settings(Config(temperature=0.7, repetition_penalty=1.2, **hf))  # type: ignore[arg-type]
     with pytest.raises(SettingsError, match="--off-policy-mask-threshold measures"):
         check_settings(Config(temperature=0.7, top_k=5, is_correction="tis", off_policy_mask_threshold=0.5, **hf))  # type: ignore[arg-type]
+
+
+def test_a_run_saved_with_settings_its_switches_never_used_resumes_without_them(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"task": "digits", "is_cap": 3.0, "sapo_temperature_pos": 2.0}))
+    config, _ = parse_args(["--resume", str(tmp_path)])
+    assert (config.is_correction, config.is_cap, config.sapo_temperature_pos) == ("none", 2.0, 1.0)
+    check_settings(config)
 
 
 def test_a_bandit_run_saved_with_sampler_settings_it_never_used_resumes(tmp_path):
