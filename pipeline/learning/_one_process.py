@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import Config
+from ..config import Config, SettingsError, check_settings
 from ..tasks import load_task, resolve
 from ._learner import Learner
 
@@ -34,12 +34,24 @@ class ReferenceResult:
 
 
 def train_one_process(config: Config) -> ReferenceResult:
-    """Train ``config``'s task for ``config.steps`` (or until ``config.target_score``) in this process."""
+    """Train ``config``'s task for ``config.steps`` (or until ``config.target_score``) in this process.
+
+    Its settings are checked as the pipeline's are. It samples with the
+    trainer's own module (on-policy, every step), so an engine holding weights
+    of its own (vLLM, which the pipeline updates by message) is refused.
+    """
+    check_settings(config)
+    if config.engine not in ("builtin", "hf"):
+        raise SettingsError(
+            f"--engine {config.engine}: the one-process run samples the trainer's own model, which that engine would "
+            "hold a copy of and never see updated; use the pipeline (python -m pipeline.grpo)"
+        )
     config = resolve(config)
     torch.set_num_threads(config.threads)
     task = load_task(config)
     device = torch.device(config.device_of("trainer"))
     learner = Learner(task, device)
+    task.build_engine(learner.policy)  # --engine hf and --decode pick how the trainer's own module samples
     reference = learner.reference() if config.hyper("kl_coeff") > 0 else None  # β = 0: no reference at all
     scorer = task.build_scorer(device)
     rng = torch.Generator(device=device).manual_seed(1_000_003 * (config.seed + 1) + 7_919)

@@ -768,6 +768,17 @@ def test_bfloat16_trains_under_autocast_and_keeps_float32_weights():
     assert any(not torch.equal(state[name], before[name]) for name in state)
 
 
+def test_one_process_training_refuses_what_the_pipeline_refuses_and_engines_it_cannot_update():
+    """The yardstick checks its settings as the pipeline does; it samples the trainer's own module, so an engine
+    holding weights of its own (vLLM, which the pipeline updates by message) is refused, not silently ignored."""
+    from pipeline.config import SettingsError
+
+    with pytest.raises(SettingsError, match="--group 1"):
+        train_one_process(Config(task="bandit", steps=1, group=1))
+    with pytest.raises(SettingsError, match="--engine vllm: the one-process run samples the trainer's own model"):
+        train_one_process(Config(task="hf", dataset="p.jsonl", rewards=("exact_match",), engine="vllm"))  # type: ignore[arg-type]
+
+
 def test_one_process_training_without_a_kl_term_builds_no_reference(monkeypatch):
     def no_reference(self):  # type: ignore[no-untyped-def]
         raise AssertionError("β = 0 must not build a reference model")
