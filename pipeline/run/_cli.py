@@ -663,6 +663,10 @@ def check_task_settings(config: Config) -> None:
                 f"{', '.join(given)} with --task {config.task}: the bandit draws its actions from the policy's own "
                 "softmax, with no sampler to set"
             )
+        if config.mask_truncated:
+            raise SettingsError(
+                f"--mask-truncated with --task {config.task}: a bandit's completion is one action, never cut short"
+            )
     if not config.disable_dropout and not issubclass(task, HFTask):
         raise SettingsError(
             f"--no-disable-dropout keeps a Hugging Face policy's dropout (--task hf); --task {config.task}'s model is "
@@ -796,6 +800,7 @@ def _resumed(args: argparse.Namespace, given: set[str]) -> Config:
     if task is not None and issubclass(task, BanditTask):  # saved before the bandit refused them: never used
         for _, attr, default in SAMPLER:
             setattr(config, attr, default)
+        config.mask_truncated = False
     return config
 
 

@@ -111,6 +111,7 @@ HF = ("--dataset", "prompts.jsonl", "--reward", "exact_match")
         ),
         (["--decode", "static", "--engine", "hf"], "--decode static picks how the built-in sampler decodes"),
         (["--is-cap", "3"], "--is-cap set the importance weights' bounds: add --is-correction"),
+        (["--task", "bandit", "--mask-truncated"], "--mask-truncated with --task bandit: a bandit's completion is one"),
         (["--loss", "dapo", "--sapo-temperature-neg", "2"], "--sapo-temperature-neg set --loss sapo's gate: add"),
         (["--vespo-k-pos", "1", "--vespo-lambda-neg", "3"], "--vespo-k-pos, --vespo-lambda-neg set --loss vespo's"),
         (["--ref-model-sync-steps", "8"], "--ref-model-sync-steps set the reference's sync: add --sync-ref-model"),
