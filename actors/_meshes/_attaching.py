@@ -147,10 +147,11 @@ class Attaching:
         nodes = []
         try:
             for index, (handle, address) in enumerate(zip(self._agents, self.addresses, strict=True)):
-                info = self._infos[index]
-                label = f"worker {address}"
-                nodes.append(RemoteNode(index, handle, info["ip"], info["pid"], address, label, list(info["gpus"])))
-                nodes[-1].addresses = self._pools[index]
+                info, label = self._infos[index], f"worker {address}"
+                gpus = list(info["gpus"])
+                nodes.append(
+                    RemoteNode(index, handle, info["ip"], info["pid"], address, label, gpus, self._pools[index])
+                )
             self._install(nodes)
         except Exception as exc:  # (a malformed answer; the mesh stopping as it was installed)
             self._fail(RuntimeError(f"attach failed: {type(exc).__name__}: {exc}"))
@@ -206,13 +207,11 @@ class Attaching:
         left = self.deadline - time.monotonic() + DEADLINE_GRACE
         limit = left if timeout is None else min(timeout, left)
         try:
-            self.ready.result(max(0.0, limit))
+            self.ready.exception(max(0.0, limit))  # (waits; the outcome is raised afresh below)
         except concurrent.futures.TimeoutError:
             if timeout is not None and timeout < left:
                 raise CallTimeout(f"gave up after {timeout:.1f}s waiting for the workers to attach") from None
             self._rt.driver.on_thread(self.expire)
-        except Exception:
-            pass  # (the outcome, raised afresh below)
         self._outcome()
 
     async def wait_async(self) -> None:

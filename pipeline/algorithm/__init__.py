@@ -25,6 +25,7 @@ from ._loss import (
     group_advantages,
     group_spread,
     high_entropy_tokens,
+    nan_moments,
     token_grpo_loss,
     token_weights,
 )
@@ -52,6 +53,7 @@ __all__ = [
     "group_advantages",
     "group_spread",
     "high_entropy_tokens",
+    "nan_moments",
     "token_grpo_loss",
     "token_logps",
     "token_weights",

@@ -82,6 +82,7 @@ __all__ = [
     "TokenLoss",
     "group_advantages",
     "high_entropy_tokens",
+    "nan_moments",
     "token_grpo_loss",
     "token_weights",
 ]
@@ -131,15 +132,14 @@ class LossSpec:
     vespo_lambda_neg: float = 2.0
 
 
-def _nan_moments(values: torch.Tensor, dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The mean and population std of ``values`` leaving NaNs out (0 where none is left), along ``dim`` (all)."""
+def nan_moments(values: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean and population std of ``values`` along ``dim`` (kept), leaving NaNs (unscored rewards) out; 0
+    where none is left."""
     present = ~values.isnan()
-    count = (present.sum() if dim is None else present.sum(dim, keepdim=True)).clamp_min(1)
-    filled = torch.where(present, values, torch.zeros_like(values))
-    total = filled.sum() if dim is None else filled.sum(dim, keepdim=True)
-    mean = total / count
-    deviation = torch.where(present, values - mean, torch.zeros_like(values)).square()
-    return mean, ((deviation.sum() if dim is None else deviation.sum(dim, keepdim=True)) / count).sqrt()
+    count = present.sum(dim, keepdim=True).clamp_min(1)
+    mean = torch.where(present, values, torch.zeros_like(values)).sum(dim, keepdim=True) / count
+    centred = torch.where(present, values - mean, torch.zeros_like(values))
+    return mean, (centred.square().sum(dim, keepdim=True) / count).sqrt()
 
 
 def group_advantages(
@@ -153,12 +153,12 @@ def group_advantages(
     if scale not in REWARD_SCALES:
         raise ValueError(f"unknown reward scaling {scale!r}; choose one of {', '.join(REWARD_SCALES)}")
     grouped = rewards.view(-1, group)
-    mean, std = _nan_moments(grouped, 1)
+    mean, std = nan_moments(grouped, 1)
     centred = grouped - mean
     if scale == "group":
         centred = centred / (std + eps)
     elif scale == "batch":
-        centred = centred / (_nan_moments(rewards)[1] + eps)
+        centred = centred / (nan_moments(rewards.view(1, -1), 1)[1] + eps)
     return centred.reshape(-1).nan_to_num(0.0)
 
 
@@ -166,7 +166,7 @@ def group_spread(rewards: torch.Tensor, group: int) -> tuple[float, float]:
     """Rewards [N] in consecutive groups of ``group``: the mean of the groups' (population) stds, and the share of
     groups whose rewards are all equal (TRL's ``reward_std`` and ``frac_reward_zero_std``; such a group's
     advantages are all 0: it teaches nothing). NaN rewards (unscored) are left out."""
-    std = _nan_moments(rewards.view(-1, group), 1)[1].squeeze(1)
+    std = nan_moments(rewards.view(-1, group), 1)[1].squeeze(1)
     return float(std.mean()), float(torch.isclose(std, torch.zeros_like(std)).float().mean())
 
 

@@ -318,9 +318,14 @@ def unused_settings(config: Config) -> list[tuple[tuple[str, ...], str]]:
     return groups
 
 
+def _defaults() -> dict[str, object]:
+    """Each setting's default, by field name."""
+    return {f.name: f.default for f in dataclasses.fields(Config)}
+
+
 def forget_unused_settings(config: Config) -> None:
     """Put back the defaults of settings no switch uses (a run saved before they were refused never used them)."""
-    defaults = {f.name: f.default for f in dataclasses.fields(Config)}
+    defaults = _defaults()
     for names, _why in unused_settings(config):
         for name in names:
             setattr(config, name, defaults[name])
@@ -328,7 +333,7 @@ def forget_unused_settings(config: Config) -> None:
 
 def _refuse_without_switch(config: Config, names: tuple[str, ...], why: str) -> None:
     """Refuse settings among ``names`` given (away from their defaults) while the switch that uses them is off."""
-    defaults = {f.name: f.default for f in dataclasses.fields(Config)}
+    defaults = _defaults()
     given = [name for name in names if getattr(config, name) != defaults[name]]
     if given:
         raise SettingsError(f"{', '.join('--' + name.replace('_', '-') for name in given)} {why}")

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ..algorithm import nan_moments
 from ..models import ModelError, RewardModel
 
 __all__ = [
@@ -299,13 +300,8 @@ class RewardSet:
         rewards vary little is not drowned by one that varies much. A None (NaN) is left out of its group's mean and
         std and counts as nothing in the sum."""
         grouped = per_function.view(per_function.shape[0], -1, group)
-        present = ~grouped.isnan()
-        count = present.sum(2, keepdim=True).clamp_min(1)
-        mean = grouped.nansum(2, keepdim=True) / count
-        centred = torch.where(present, grouped - mean, torch.zeros_like(grouped))
-        std = (centred.square().sum(2, keepdim=True) / count).sqrt()  # the population std, as group_advantages
-        normalised = torch.where(present, centred / (std + eps), torch.full_like(grouped, math.nan))
-        return self.combine(normalised.view_as(per_function))
+        mean, std = nan_moments(grouped, 2)  # the population std, as group_advantages
+        return self.combine(((grouped - mean) / (std + eps)).view_as(per_function))  # (a None stays NaN)
 
     def means(self, per_function: torch.Tensor) -> dict[str, float]:
         """Each function's mean over the completions it applied to (NaN if none)."""
