@@ -346,6 +346,9 @@ def test_bad_arguments_are_refused_with_the_reason(monkeypatch):
         actors.attach_to_workers(workers=["localhost:4444"])
     with pytest.raises(ValueError, match="not its descriptor"):
         actors.attach_to_workers(workers=["tcp://127.0.0.1:fd3"])
+    for timeout in (0, -1.0, "30", True):
+        with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
+            actors.attach_to_workers(workers=["tcp://127.0.0.1:4444"], timeout=timeout)  # type: ignore[arg-type]
     with pytest.raises(NotImplementedError, match="start_worker_loop_forever"):
         actors.start_worker_loop_forever(address="tcp://127.0.0.1:4444", ca="trust_all_connections")
     monkeypatch.setenv("ACTORS_LIFELINE_SILENCE", "0.5")  # a lost host would be declared on one missed beat
