@@ -103,11 +103,15 @@ class AttachedHostMesh(RemoteHostMesh):
         attaching failed (decided on the runtime's thread, where the hosts are installed)."""
 
         def lose() -> None:
+            if self.closed:  # (a host ends its lifeline as it stops: no loss)
+                return
             if self._nodes:
                 if 0 <= index < len(self._nodes):
                     self._lose(self._nodes[index], why)
             elif 0 <= index < len(self._attaching.addresses):
                 self._attaching.lost(index, why)
+                agent_ref = self._agents[index]._procs[0]
+                self._rt.registry.mark_dead(agent_ref, f"its host was lost ({why})")  # its open questions fail
 
         self._relay.call_soon(lose)
 

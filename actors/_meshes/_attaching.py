@@ -72,6 +72,7 @@ class Attaching:
         "_agents",
         "_infos",
         "_install",
+        "_lost",
         "_open",
         "_pools",
         "_rt",
@@ -103,6 +104,7 @@ class Attaching:
         self._infos: dict[int, dict[str, Any]] = {}
         self._pools: dict[int, list[str]] = {}
         self._open: dict[int, PendingCall] = {}
+        self._lost: set[int] = set()  # (workers whose lifeline ended: never asked to stop)
         # The deadline on a thread of its own: the loop serving the runtime may change before it comes.
         timer = threading.Timer(timeout, self._expire_from_timer)
         timer.daemon = True
@@ -129,7 +131,7 @@ class Attaching:
 
     def _answered(self, index: int, op: str, call: PendingCall) -> None:
         self._open.pop(index, None)
-        if op == "start" and call.error is None:
+        if op == "start" and call.error is None and index not in self._lost:
             self.started.add(index)  # (even after a failure: its forkserver runs until it is stopped)
         if self.ready.done():
             return
@@ -182,7 +184,10 @@ class Attaching:
         )
 
     def lost(self, index: int, why: str) -> None:
-        """The lifeline of worker ``index`` ended before attaching finished (runtime's thread): it failed."""
+        """The lifeline of worker ``index`` ended before attaching finished (runtime's thread): it failed, and
+        that worker is not asked to stop (nothing would answer)."""
+        self._lost.add(index)
+        self.started.discard(index)
         self._fail(RuntimeError(f"attach failed: lost the worker loop at {self.addresses[index]}: {why}"))
 
     def cancel(self, why: str) -> None:

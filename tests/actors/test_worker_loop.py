@@ -458,3 +458,79 @@ async def test_a_host_agent_starts_one_forkserver_however_often_asked_and_stops_
     assert [info["ip"] for info in infos] == ["127.0.0.1"] * 2
     assert len(made) == 1, "one forkserver however many start calls"
     assert made[0].stopped, "a stop during start stops the forkserver it started"
+
+
+LOST_OR_LATE = textwrap.dedent(
+    """
+    import json, os, signal, sys, time
+    from actors import attach_to_workers
+
+    def failure(exc):
+        return f"{type(exc).__name__}: {exc}"
+
+    def until(condition, what):
+        deadline = time.monotonic() + 60
+        while not condition():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.02)
+
+    def main(workers, pids, unreachable):
+        out = {}
+        # A worker's loop dies after its agent started, while another worker has not answered yet: attaching
+        # fails at once, naming the lost one, not at the deadline two minutes away.
+        hosts = attach_to_workers(name="lost", ca="trust_all_connections", workers=[workers[0], unreachable],
+                                  timeout=120)
+        until(lambda: hosts._attaching.started == {0}, "the first agent started")  # (internal: nothing public says)
+        os.kill(pids[0], signal.SIGKILL)
+        t = time.monotonic()
+        try:
+            hosts.initialized.get()
+            out["lost"] = "ready"
+        except Exception as exc:
+            out["lost"] = failure(exc)
+        out["lost_s"] = time.monotonic() - t
+        t = time.monotonic()
+        hosts.shutdown()
+        out["shutdown_lost_s"] = time.monotonic() - t
+        # A worker too slow for the deadline answers `start` after attaching failed: shutting down still stops
+        # it (its forkserver would otherwise run until the lifeline ends) and ends its loop.
+        os.kill(pids[1], signal.SIGSTOP)
+        hosts = attach_to_workers(name="late", ca="trust_all_connections", workers=[workers[1]], timeout=1)
+        try:
+            hosts.initialized.get()
+            out["late"] = "ready"
+        except Exception as exc:
+            out["late"] = failure(exc)
+        os.kill(pids[1], signal.SIGCONT)
+        t = time.monotonic()
+        until(lambda: hosts._attaching.started == {0}, "the late agent started")
+        out["late_start_s"] = time.monotonic() - t
+        t = time.monotonic()
+        hosts.shutdown()
+        out["shutdown_late_s"] = time.monotonic() - t
+        print(json.dumps(out), flush=True)
+
+    if __name__ == "__main__":
+        main(json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3])
+    """
+)
+
+
+@pytest.mark.parametrize("worker_loops", ["ipc"], indirect=True)
+def test_a_worker_lost_while_attaching_fails_it_at_once_and_a_late_starter_is_stopped_at_shutdown(
+    tmp_path, worker_loops
+):
+    workers, keys, loops = worker_loops
+    assert wait_for(lambda: all(os.path.exists(w.removeprefix("ipc://")) for w in workers), timeout=30)
+    script = tmp_path / "lost_or_late.py"
+    script.write_text(LOST_OR_LATE)
+    pids = json.dumps([loop.pid for loop in loops])
+    proc = run_python(
+        str(script), json.dumps(workers), pids, f"ipc://{tmp_path}/never_bound", timeout=120, env=clean_env(keys)
+    )
+    out = result_of(proc)
+    assert out["lost"].startswith(f"RuntimeError: attach failed: lost the worker loop at {workers[0]}"), out["lost"]
+    assert out["lost_s"] < 30, "a lost worker fails attaching without waiting for the deadline"
+    assert out["shutdown_lost_s"] < 10, "shutting down asks no lost worker to stop (it waited 15 s for an answer)"
+    assert "did not answer within 1s" in out["late"], out["late"]
+    assert loops[1].wait(15) == 0, "the late starter's loop was ended by its mesh's shutdown"
