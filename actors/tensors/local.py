@@ -25,6 +25,9 @@ class LocalWriter:
     host_copy = True
     lock_timeout = 0.0
 
+    def __init__(self) -> None:
+        self._committed: set[str] = set()  # this writer's updates in the store, freed at close
+
     def reserve(self, nbytes: int) -> dict[str, torch.Tensor]:
         return {}
 
@@ -49,6 +52,7 @@ class LocalWriter:
 
     def commit(self, copies: dict[str, torch.Tensor], update_id: str, version: int, nbytes: int) -> int:
         _store[update_id] = copies
+        self._committed.add(update_id)
         return os.getpid()
 
     def abort(self, copies: dict[str, torch.Tensor]) -> None:
@@ -56,12 +60,15 @@ class LocalWriter:
 
     def release(self, update_id: str) -> None:
         _store.pop(update_id, None)
+        self._committed.discard(update_id)
 
     def reclaimed(self) -> list[str]:
         return []
 
     def close(self) -> None:
-        pass
+        for update_id in self._committed:
+            _store.pop(update_id, None)
+        self._committed.clear()
 
 
 class LocalReader:

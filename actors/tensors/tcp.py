@@ -318,6 +318,12 @@ class _Fetch:
     def __init__(self) -> None:
         self.sock: socket.socket | None = None
         self.aborted = False
+        self.expired = False
+
+    def expire(self) -> None:
+        """The fetch's deadline passed (a timer's thread): end it."""
+        self.expired = True
+        self.abort()
 
     def abort(self) -> None:
         self.aborted = True
@@ -348,7 +354,19 @@ class TcpReader:
                 "a 'tcp' update is fetched over the network, and read() will not block a running event loop: "
                 "use `await consumer.install_async(...)` (or `import_update_async`), which fetches off the loop"
             )
-        data = self._fetch(update_id, version, _check_handle(handle), specs, _Fetch())
+        handle = _check_handle(handle)
+        fetch = _Fetch()
+        deadline = threading.Timer(self.timeout, fetch.expire)  # (a socket timeout bounds one receive, not all)
+        deadline.daemon = True
+        deadline.start()
+        try:
+            data = self._fetch(update_id, version, handle, specs, fetch)
+        except WeightSyncError:
+            if fetch.expired:
+                raise WeightSyncError(f"update {update_id}: fetching it took longer than {self.timeout:g}s") from None
+            raise
+        finally:
+            deadline.cancel()
         return self._hold(update_id, data, specs)
 
     async def read_async(

@@ -43,6 +43,7 @@ class PublisherWatch:
         self._fds: dict[int, int] = {}
         self.dead: set[int] = set()
         self._unwatchable: set[int] = set()  # pids pidfd_open was refused for
+        self._waits: dict[int, _DeathWait] = {}  # pids whose death an event loop awaits (their fd stays open)
 
     def alive(self, pid: int) -> bool:
         if pid == os.getpid():
@@ -52,7 +53,9 @@ class PublisherWatch:
             return pid_exists(pid)
         if fd is None:
             return False
-        if select.select([fd], [], [], 0)[0]:
+        readable = select.poll()  # (not select.select: it refuses a descriptor numbered 1024 or more)
+        readable.register(fd, select.POLLIN)
+        if readable.poll(0):
             self._died(pid)
             return False
         return True
@@ -75,38 +78,58 @@ class PublisherWatch:
         return fd
 
     def _died(self, pid: int) -> None:
+        """``pid`` exited: its fd is closed, unless a wait still has it registered (the last waiter closes it)."""
         self.dead.add(pid)
+        if pid in self._waits:
+            return
         fd = self._fds.pop(pid, None)
         if fd is not None:
             os.close(fd)
 
     async def death(self, pid: int) -> None:
-        """Return once ``pid`` has exited (at once if it already has)."""
+        """Return once ``pid`` has exited (at once if it already has); any number of tasks may wait for one pid."""
         if pid == os.getpid():
             await asyncio.get_running_loop().create_future()  # never: this process is alive while it waits
-        fd = self._fd(pid)
-        if pid in self._unwatchable:
-            await asyncio.get_running_loop().create_future()  # never: its death cannot be seen (callers time out)
-        if fd is None:
-            return
-        loop = asyncio.get_running_loop()
-        exited: asyncio.Future[None] = loop.create_future()
-
-        def readable() -> None:
-            if not exited.done():
-                exited.set_result(None)
-
-        loop.add_reader(fd, readable)
+        wait = self._waits.get(pid)
+        if wait is None:
+            fd = self._fd(pid)
+            if pid in self._unwatchable:
+                await asyncio.get_running_loop().create_future()  # never: its death cannot be seen (callers time out)
+            if fd is None:
+                return
+            wait = self._waits[pid] = _DeathWait(fd, asyncio.get_running_loop())
+        wait.waiters += 1
         try:
-            await exited
+            await asyncio.shield(wait.exited)
         finally:
-            loop.remove_reader(fd)
-        self._died(pid)
+            wait.waiters -= 1
+            if wait.waiters == 0:
+                wait.loop.remove_reader(wait.fd)
+                del self._waits[pid]
+                if wait.exited.done():
+                    self._died(pid)
 
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+
+class _DeathWait:
+    """One pid's exit, awaited on an event loop by ``waiters`` tasks through its pidfd."""
+
+    __slots__ = ("exited", "fd", "loop", "waiters")
+
+    def __init__(self, fd: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.fd = fd
+        self.loop = loop
+        self.exited: asyncio.Future[None] = loop.create_future()
+        self.waiters = 0
+        loop.add_reader(fd, self._readable)
+
+    def _readable(self) -> None:
+        if not self.exited.done():
+            self.exited.set_result(None)
 
 
 def _check_type(manifest: object) -> None:
@@ -190,6 +213,9 @@ class WeightConsumer:
         self._memo = SpecMemo()
         self._history = history
         self._aliased: str | None = None  # the update a module's parameters currently view
+        #: Releases begun and cut short (cancelled, a GPU that did not finish its reads in time), by update, with
+        #: the transport asked for: made first by the next release, so no slot stays held for good.
+        self._owed: dict[str, str | None] = {}
         self.publishers = PublisherWatch()
         #: This process's :func:`~actors.host_id`: only publishers on it are watched by pid.
         self.host = host_id()
@@ -379,6 +405,7 @@ class WeightConsumer:
                         )
                 _alias(model, targets, tensors, strict)
             else:
+                targets = self._own_storage_again(model, targets, tensors)
                 seen: set[tuple[int, int, tuple[int, ...]]] = set()
                 names = []
                 for name, target in targets.items():  # a tied head is its embedding's bytes on both sides: copied once
@@ -387,6 +414,34 @@ class WeightConsumer:
                         seen.add(pair)
                         names.append(name)
                 copy_all([targets[n] for n in names], [tensors[n] for n in names])
+
+    def _own_storage_again(
+        self, model: torch.nn.Module, targets: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """The copy targets, after giving the module's tensors that view an aliased update their own storage.
+
+        A copy into them would write into that update's slot: read-only shared
+        memory for ``shm`` (a crash), the publisher's device slot for
+        ``cuda-ipc``. Each such tensor takes a copy of the new update's instead
+        (tied tensors one copy between them); the rest are copied into as usual.
+        """
+        viewed = self._tensors.get(self._aliased) if self._aliased is not None else None
+        if not viewed:
+            return targets
+        slot_storage = {tensor.untyped_storage().data_ptr() for tensor in viewed.values()}
+        fresh: dict[str, torch.Tensor] = {}
+        copies: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+        for name, target in targets.items():
+            if target.untyped_storage().data_ptr() in slot_storage:
+                source = tensors[name]
+                key = (source.data_ptr(), tuple(source.shape))
+                if key not in copies:
+                    copies[key] = source.to(device=target.device, copy=True)
+                fresh[name] = copies[key]
+        if not fresh:
+            return targets
+        _alias(model, fresh, fresh, strict=False)
+        return {name: target for name, target in targets.items() if name not in fresh}
 
     def _failed(self, manifest: WeightManifest, exc: BaseException) -> None:
         """Reject the update after a failed install, unless only this manifest was refused.
@@ -436,22 +491,33 @@ class WeightConsumer:
         return self._reasons.get(update_id)
 
     def release(self, update_id: str, transport: str | None = None) -> None:
-        """Drop the update's storage; its tensors must not be used afterwards."""
-        readers = self._releasing(update_id, transport)
-        if readers is None:
-            return
-        for reader in readers:
-            reader.release(update_id)
-        self._set(update_id, _RELEASED)
+        """Drop the update's storage; its tensors must not be used afterwards.
+
+        A release cut short earlier (see :meth:`release_async`) is made first.
+        """
+        self._owed.setdefault(update_id, transport)
+        for owed, owed_transport in list(self._owed.items()):
+            readers = self._releasing(owed, owed_transport)
+            for reader in readers or ():
+                reader.release(owed)
+            if readers is not None:
+                self._set(owed, _RELEASED)
+            del self._owed[owed]
 
     async def release_async(self, update_id: str, transport: str | None = None) -> None:
-        """:meth:`release` for code on an event loop: a ``cuda-ipc`` reader's wait for the GPU's reads is awaited."""
-        readers = self._releasing(update_id, transport)
-        if readers is None:
-            return
-        for reader in readers:
-            await release_async(reader, update_id)
-        self._set(update_id, _RELEASED)
+        """:meth:`release` for code on an event loop: a ``cuda-ipc`` reader's wait for the GPU's reads is awaited.
+
+        Cancelled, or given up on a GPU whose reads did not finish, the update
+        stays held and is owed: the next release of this consumer makes it.
+        """
+        self._owed.setdefault(update_id, transport)
+        for owed, owed_transport in list(self._owed.items()):
+            readers = self._releasing(owed, owed_transport)
+            for reader in readers or ():
+                await release_async(reader, owed)
+            if readers is not None:
+                self._set(owed, _RELEASED)
+            del self._owed[owed]
 
     def _releasing(self, update_id: str, transport: str | None) -> list[Reader] | None:
         """Forget the update's tensors; the readers to release it from (None if it was released already)."""

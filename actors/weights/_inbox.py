@@ -103,10 +103,14 @@ class WeightInbox:
         return newest
 
     def _drop(self, manifest: WeightManifest, reason: str) -> None:
+        """Reject and release an update not to be installed, unless it is the one a module views (a repeat of it):
+        that one stays held until the next install replaces it."""
         self.superseded += 1
-        if self.consumer.state(manifest.update_id) is None:
-            self.consumer.reject(manifest.update_id, reason)
-        self.consumer.release(manifest.update_id, manifest.transport)
+        update_id = manifest.update_id
+        if self.consumer.state(update_id) is None:
+            self.consumer.reject(update_id, reason)
+        if not self.consumer.holds_alias(update_id):
+            self.consumer.release(update_id, manifest.transport)
 
     def install_newest(self, model: torch.nn.Module, *, alias: bool = False) -> WeightManifest | None:
         """Install the newest waiting update into ``model``; None if there was none usable.

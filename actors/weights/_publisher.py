@@ -23,6 +23,8 @@ __all__ = ["WeightPublisher", "join_publish"]
 
 #: Host copies at least this large run on a worker thread under ``publish_async``.
 OFFLOAD_BYTES = 1 << 20
+#: The largest version a slot's header holds (a signed 64-bit field).
+MAX_VERSION = 2**63 - 1
 
 
 def _named_tensors(source: torch.nn.Module | dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
@@ -146,7 +148,9 @@ class WeightPublisher:
         if self._publishing:
             raise WeightSyncError("another publish() of this publisher is still in progress")
         if type(version) is not int:
-            raise TypeError("version must be an int")
+            raise TypeError(f"version must be an int, not {type(version).__name__}")
+        if not 0 <= version <= MAX_VERSION:
+            raise ValueError(f"version must be an int from 0 to 2**63 - 1, not {version}")
         if self._version is not None and version <= self._version:
             raise VersionError(f"version {version} does not increase on the last published version {self._version}")
         tensors = _named_tensors(model)
@@ -167,6 +171,7 @@ class WeightPublisher:
         ``lock_timeout``) for a free slot. On a running loop's thread it never
         waits: with every slot held it raises (use :meth:`publish_async`).
         """
+        extra = _checked_metadata(metadata)
         tensors, specs, total = self._prepare(model, version)
         writer = self._writer
         reservation = writer.reserve(total)
@@ -182,7 +187,7 @@ class WeightPublisher:
         except BaseException:
             writer.abort(reservation)
             raise
-        return self._commit(reservation, version, specs, total, metadata)
+        return self._commit(reservation, version, specs, total, extra)
 
     async def publish_async(
         self,
@@ -199,6 +204,7 @@ class WeightPublisher:
         thread. ``cuda-ipc`` only enqueues device copies, so it never waits
         on the GPU either. The model must not change until this returns.
         """
+        extra = _checked_metadata(metadata)
         tensors, specs, total = self._prepare(model, version)
         writer = self._writer
         self._publishing = True
@@ -221,7 +227,7 @@ class WeightPublisher:
             self._publishing = False
         if self.closed:
             raise WeightSyncError(f"this weight publisher was closed while it published version {version}")
-        return self._commit(reservation, version, specs, total, metadata)
+        return self._commit(reservation, version, specs, total, extra)
 
     def _fill_off_loop(
         self, reservation: Any, tensors: list[tuple[str, torch.Tensor]], specs: list[TensorSpec]
@@ -255,7 +261,7 @@ class WeightPublisher:
         ]
 
     def _commit(
-        self, reservation: Any, version: int, specs: list[TensorSpec], total: int, metadata: dict[str, Any] | None
+        self, reservation: Any, version: int, specs: list[TensorSpec], total: int, metadata: dict[str, Any]
     ) -> WeightManifest:
         update_id = f"{os.getpid()}-{version}-{uuid.uuid4().hex[:12]}"
         handle = self._writer.commit(reservation, update_id, version, total)
@@ -272,7 +278,7 @@ class WeightPublisher:
             SpecTable.of(specs),
             handle,
             os.getpid(),
-            dict(metadata or {}),
+            metadata,
             self._host,
         )
 
@@ -309,3 +315,12 @@ class WeightPublisher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _checked_metadata(metadata: object) -> dict[str, Any]:
+    """A publish's ``metadata`` as the manifest's dict, refused before anything is copied if it is not one."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict) or not all(type(key) is str for key in metadata):
+        raise TypeError(f"metadata must be a dict with str keys, not {metadata!r:.60}")
+    return dict(metadata)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -23,6 +25,7 @@ from actors import (
 )
 from actors.tensors.cuda_ipc import IPC_HANDLE_BYTES, parse_handle
 from actors.weights import SpecTable
+from actors.weights._consumer import PublisherWatch
 
 
 def all_equal(model: torch.nn.Module, value: float) -> bool:
@@ -338,3 +341,53 @@ def test_a_slots_views_are_made_once_per_layout_and_found_by_the_same_specs_with
     assert checked == [1], "a layout the slot has not seen is checked"
     views.clear()
     assert views.of(specs, make) is not first, "cleared views are made again"
+
+
+def _sleeper() -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+
+
+def test_a_publisher_watch_works_with_descriptors_numbered_past_1024():
+    """``select.select`` refuses a descriptor numbered 1024 or more, common beside torch, vLLM and many sockets:
+    every install would then fail with ``filedescriptor out of range``."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"this machine allows {hard} open files; the test needs 1200")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    opened = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    child = _sleeper()
+    watch = PublisherWatch()
+    try:
+        assert watch.alive(child.pid)
+        assert watch._fds[child.pid] >= 1024
+        child.kill()
+        child.wait()
+        assert not watch.alive(child.pid)
+    finally:
+        watch.close()
+        for fd in opened:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+async def test_a_death_awaited_by_two_tasks_wakes_both_even_when_asked_about_meanwhile():
+    """A wait registers the pid's fd with the loop; a check of the same pid meanwhile (another install) saw it
+    readable and closed it under the wait, which then slept to its timeout; a second waiter replaced the first's."""
+    child = _sleeper()
+    watch = PublisherWatch()
+    try:
+        assert watch.alive(child.pid)
+        waits = [asyncio.ensure_future(watch.death(child.pid)) for _ in range(2)]
+        await asyncio.sleep(0)  # (one turn: both waits register)
+        child.kill()
+        child.wait()
+        assert not watch.alive(child.pid)
+        await asyncio.wait_for(asyncio.gather(*waits), 5)
+        assert child.pid not in watch._fds, "the last waiter closed the fd"
+        await asyncio.wait_for(watch.death(child.pid), 5)  # a dead pid: at once
+    finally:
+        child.kill()
+        child.wait()
+        watch.close()

@@ -200,3 +200,49 @@ async def test_installs_on_an_event_loop_release_through_the_readers_awaited_rel
         assert awaited.awaited == [m.update_id for m in manifests]
         consumer._readers["shm"] = shm  # type: ignore[assignment]
         consumer.close()
+
+
+class GatedRelease(AwaitedRelease):
+    """A reader whose awaited release waits for ``gate`` (a GPU whose reads have not finished yet)."""
+
+    def __init__(self, reader: object) -> None:
+        super().__init__(reader)
+        self.gate = asyncio.Event()
+        self.entered = asyncio.Event()
+
+    async def release_async(self, update_id: str) -> None:
+        self.entered.set()
+        await self.gate.wait()
+        await super().release_async(update_id)
+
+
+async def test_a_release_cut_short_is_owed_and_made_by_the_next_one():
+    """An install cancelled while it released the update its model viewed until then (an actor stopping, a
+    ``wait_for``) leaves that update held; the consumer's next release makes it, so no slot stays held for good."""
+    consumer = WeightConsumer()
+    shm = consumer.reader("shm")
+    gated = GatedRelease(shm)
+    consumer._readers["shm"] = gated  # type: ignore[assignment]
+    inbox = WeightInbox(consumer)
+    model = filled_model(0.0)
+    with WeightPublisher("shm", slots=4) as publisher:
+        manifests = [publisher.publish(filled_model(float(v)), v) for v in (1, 2, 3)]
+        inbox.put(manifests[0])
+        gated.gate.set()
+        assert await inbox.install_newest_async(model, alias=True) is manifests[0]
+        gated.gate.clear()
+        inbox.put(manifests[1])
+        installing = asyncio.ensure_future(inbox.install_newest_async(model, alias=True))
+        await asyncio.wait_for(gated.entered.wait(), 10)
+        installing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await installing
+        assert consumer.state(manifests[0].update_id) == "acknowledged", "the cut-short release left it held"
+        gated.gate.set()
+        inbox.put(manifests[2])
+        assert await inbox.install_newest_async(model, alias=True) is manifests[2]
+        assert consumer.state(manifests[0].update_id) == "released", "the owed release was made"
+        assert consumer.state(manifests[1].update_id) == "released"
+        assert all(bool((p == 3.0).all()) for p in model.parameters())
+        consumer._readers["shm"] = shm  # type: ignore[assignment]
+        consumer.close()

@@ -149,6 +149,19 @@ def test_versions_must_strictly_increase(shm_publisher):
     assert shm_publisher.publish(filled_model(1.0), 6).version == 6
 
 
+def test_a_bad_version_or_metadata_is_refused_before_the_update_exists(shm_publisher):
+    """Refused before anything is copied or committed: no version used up, nothing left held."""
+    for version, error in [(-1, ValueError), (2**63, ValueError), (True, TypeError)]:
+        with pytest.raises(error, match="version"):
+            shm_publisher.publish(filled_model(1.0), version)
+    for metadata in ["x", [1, 2], {1: "a"}]:
+        with pytest.raises(TypeError, match="metadata"):
+            shm_publisher.publish(filled_model(1.0), 1, metadata)  # type: ignore[arg-type]
+    assert shm_publisher.version is None and shm_publisher.unreleased == []
+    manifest = shm_publisher.publish(filled_model(1.0), 1, {"step": 1})
+    assert manifest.version == 1 and manifest.metadata == {"step": 1}
+
+
 def test_lifecycle_errors_are_distinct(shm_publisher):
     consumer = WeightConsumer()
     manifest = shm_publisher.publish(filled_model(1.0), 1)
@@ -259,6 +272,23 @@ def test_local_publisher_keeps_a_bounded_history():
         for version in range(1, 6):
             publisher.publish(filled_model(float(version)), version)
         assert len(publisher.unreleased) == 2
+
+
+def test_a_closed_local_publisher_frees_its_updates():
+    """Its copies live in this process's memory: closing the publisher frees them, and an update of it can no
+    longer be imported (it stayed importable, and held, until the process ended)."""
+    publisher = WeightPublisher("local", keep=3)
+    manifests = [publisher.publish(filled_model(float(v)), v) for v in (1, 2)]
+    other = WeightPublisher("local")
+    kept = other.publish(filled_model(5.0), 1)
+    publisher.close()
+    consumer = WeightConsumer()
+    for manifest in manifests:
+        with pytest.raises(StaleUpdateError):
+            consumer.import_update(manifest)
+    assert consumer.import_update(kept)["0.weight"].eq(5.0).all(), "another publisher's updates are its own"
+    consumer.close()
+    other.close()
 
 
 def test_local_updates_stay_in_their_process():
@@ -403,6 +433,74 @@ def test_two_publishers_in_one_process_do_not_collide():
         consumer = WeightConsumer()
         assert all(bool((t == 2.0).all()) for t in consumer.import_update(b).values())
         consumer.close()
+
+
+def test_a_repeat_of_the_update_a_model_aliases_leaves_it_held():
+    """The same manifest delivered again (a trainer's grant and its fire-and-forget send) is dropped without
+    releasing the update the model's parameters still view: the publisher must not write a newer one under them."""
+    with WeightPublisher("shm", slots=2, lock_timeout=0.2) as publisher:
+        inbox = WeightInbox()
+        model = filled_model(0.0)
+        first = publisher.publish(filled_model(1.0), 1)
+        inbox.put(first)
+        assert inbox.install_newest(model, alias=True) is first
+        inbox.put(first)
+        assert inbox.install_newest(model, alias=True) is None
+        second = publisher.publish(filled_model(2.0), 2)
+        inbox.put(first)  # an older repeat beside a newer update: superseded, still not released
+        inbox.put(second)
+        assert inbox.install_newest(model, alias=True) is second
+        assert inbox.consumer.state(first.update_id) == "released", "released once the model views the next"
+        assert inbox.consumer.holds_alias(second.update_id)
+        inbox.put(second)
+        assert inbox.install_newest(model, alias=True) is None
+        assert inbox.consumer.holds_alias(second.update_id)
+        for version in (3, 4):  # slot A is free again; slot B must stay under the model
+            publisher.publish(filled_model(float(version)), version)
+        assert all(bool((p == 2.0).all()) for p in model.parameters()), "the model's weights were overwritten"
+        inbox.close()
+
+
+COPY_AFTER_ALIAS = """
+import torch
+from actors import WeightInbox, WeightPublisher
+
+class Tied(torch.nn.Module):
+    def __init__(self, value):
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.body = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+        with torch.no_grad():
+            for p in self.parameters():
+                p.fill_(value)
+
+with WeightPublisher("shm", slots=3) as publisher:
+    inbox = WeightInbox()
+    model = Tied(0.0)
+    first = publisher.publish(Tied(1.0), 1)
+    inbox.put(first)
+    assert inbox.install_newest(model, alias=True) is first
+    second = publisher.publish(Tied(2.0), 2)
+    inbox.put(second)
+    assert inbox.install_newest(model) is second  # a copying install: the slot's mapping is read-only
+    assert inbox.consumer.state(first.update_id) == "released"
+    assert inbox.consumer.state(second.update_id) == "released"
+    assert model.head.weight is model.embed.weight, "the tie is kept"
+    for version in (3, 4, 5):
+        publisher.publish(Tied(float(version)), version)
+    assert all(bool((p == 2.0).all()) for p in model.parameters()), "the model owns its weights again"
+    inbox.close()
+print("ok")
+"""
+
+
+def test_a_copying_install_after_an_aliasing_one_gives_the_model_its_own_storage_again():
+    """The parameters viewed the first update's read-only slot; copying into them would write into shared memory
+    (a crash for ``shm``, the publisher's slot for ``cuda-ipc``). Run in a process of its own: a crash is a fail."""
+    proc = run_python("-c", COPY_AFTER_ALIAS, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", (proc.returncode, proc.stderr[-2000:])
 
 
 def test_inbox_treats_a_repeated_manifest_as_one_update(shm_publisher):

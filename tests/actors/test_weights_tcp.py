@@ -7,6 +7,7 @@ import dataclasses
 import os
 import socket
 import threading
+import time
 
 import pytest
 import torch
@@ -239,6 +240,40 @@ async def test_a_fetch_that_outlives_its_deadline_fails_and_ends():
             await reader.read_async(manifest.update_id, 1, handle, manifest.tensors, timeout=0.3)
         reader.close()
     finally:
+        listener.close()
+
+
+def test_a_blocking_fetch_from_a_server_that_trickles_ends_at_its_deadline():
+    """A socket timeout bounds each receive, not the fetch: a server sending a byte every 0.2 s kept a blocking
+    ``read`` going as long as it liked. The reader's ``timeout`` bounds the whole fetch, as documented."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def trickle() -> None:
+        sock, _ = listener.accept()
+        with sock:
+            while not stop.wait(0.2):
+                try:
+                    sock.sendall(b"x")
+                except OSError:
+                    return
+
+    thread = threading.Thread(target=trickle)
+    thread.start()
+    try:
+        spec_source = WeightPublisher("local")
+        manifest = spec_source.publish({"w": torch.zeros(1)}, 1)
+        spec_source.close()
+        handle = TcpHandle("127.0.0.1", listener.getsockname()[1], os.urandom(32))
+        reader = TcpReader(timeout=1.0)
+        started = time.monotonic()
+        with pytest.raises(WeightSyncError, match=r"took longer than 1s"):
+            reader.read(manifest.update_id, 1, handle, manifest.tensors)
+        assert time.monotonic() - started < 10, "(a guard: the fetch ends at about 1 s)"
+        reader.close()
+    finally:
+        stop.set()
+        thread.join(10)
         listener.close()
 
 
