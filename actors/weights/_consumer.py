@@ -539,10 +539,22 @@ class WeightConsumer:
             self._reasons.pop(old, None)
 
     def close(self) -> None:
+        """Release every update still held and close the readers (on an event loop: :meth:`close_async`)."""
         for update_id, state in list(self._state.items()):
             if state != _RELEASED:
                 with contextlib.suppress(Exception):
                     self.release(update_id)
+        self._close_readers()
+
+    async def close_async(self) -> None:
+        """:meth:`close` for code on an event loop: each ``cuda-ipc`` wait for the GPU's reads is awaited."""
+        for update_id, state in list(self._state.items()):
+            if state != _RELEASED:
+                with contextlib.suppress(Exception):
+                    await self.release_async(update_id)
+        self._close_readers()
+
+    def _close_readers(self) -> None:
         for reader in self._readers.values():
             reader.close()
         self._readers.clear()

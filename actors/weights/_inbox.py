@@ -182,10 +182,20 @@ class WeightInbox:
         return self.consumer.state(update_id) is not None and not self.consumer.holds_alias(update_id)
 
     def close(self) -> None:
+        """Release what is queued and held, and close the consumer (on an event loop: :meth:`close_async`)."""
         for manifest in self._queue:
             self._drop(manifest, "inbox closed")
         self._queue.clear()
         self.consumer.close()
+
+    async def close_async(self) -> None:
+        """:meth:`close` for an event loop: the wait for the GPU's reads of a held ``cuda-ipc`` slot is awaited."""
+        for manifest in self._queue:  # rejected here, released (awaited) with everything else the consumer holds
+            self.superseded += 1
+            if self.consumer.state(manifest.update_id) is None:
+                self.consumer.reject(manifest.update_id, "inbox closed")
+        self._queue.clear()
+        await self.consumer.close_async()
 
 
 class ReceivesWeights(Actor):
@@ -209,4 +219,4 @@ class ReceivesWeights(Actor):
         self.weight_inbox.put(manifest)
 
     async def __cleanup__(self, exc: BaseException | None) -> None:
-        self.weight_inbox.close()
+        await self.weight_inbox.close_async()

@@ -21,7 +21,8 @@ from ._spec_table import SpecTable
 
 __all__ = ["WeightPublisher", "join_publish"]
 
-#: Host copies at least this large run on a worker thread under ``publish_async``.
+#: Host copies at least this large (or any out of a GPU, which waits for it) run on a worker thread under
+#: ``publish_async``.
 OFFLOAD_BYTES = 1 << 20
 #: The largest version a slot's header holds (a signed 64-bit field).
 MAX_VERSION = 2**63 - 1
@@ -213,7 +214,7 @@ class WeightPublisher:
             if reservation is None:
                 reservation = await writer.reserve_async(total, self.timeout if timeout is None else timeout)
             try:
-                if writer.host_copy and total >= OFFLOAD_BYTES:
+                if writer.host_copy and (total >= OFFLOAD_BYTES or _on_a_gpu(tensors)):
                     with self._lock:
                         self._filling = True
                     specs = await _to_thread_to_the_end(self._fill_off_loop, reservation, tensors, specs)
@@ -324,3 +325,8 @@ def _checked_metadata(metadata: object) -> dict[str, Any]:
     if not isinstance(metadata, dict) or not all(type(key) is str for key in metadata):
         raise TypeError(f"metadata must be a dict with str keys, not {metadata!r:.60}")
     return dict(metadata)
+
+
+def _on_a_gpu(tensors: list[tuple[str, torch.Tensor]]) -> bool:
+    """Whether a host copy of ``tensors`` waits for a GPU (its copy out of device memory synchronizes)."""
+    return any(tensor.device.type == "cuda" for _, tensor in tensors)

@@ -523,6 +523,21 @@ class CudaSink(ReceivesWeights):
         self.weight_inbox.close()
         return self.weight_inbox.consumer.reader("cuda-ipc").open_slots
 
+    @endpoint
+    async def close_inbox_never_blocking(self) -> int:
+        """``close_async`` (what ``__cleanup__`` runs) with every host wait for the GPU refused."""
+
+        def refuse(*args: object, **kwargs: object) -> None:
+            raise AssertionError("closing the inbox on the event loop waited for the GPU on the loop's thread")
+
+        saved = torch.cuda.Stream.synchronize, torch.cuda.synchronize, torch.cuda.Event.synchronize
+        torch.cuda.Stream.synchronize = torch.cuda.synchronize = torch.cuda.Event.synchronize = refuse  # type: ignore[method-assign,assignment]
+        try:
+            await self.weight_inbox.close_async()
+        finally:
+            torch.cuda.Stream.synchronize, torch.cuda.synchronize, torch.cuda.Event.synchronize = saved  # type: ignore[method-assign]
+        return self.weight_inbox.consumer.reader("cuda-ipc").open_slots
+
 
 class CudaSource(Actor):
     """Publishes over cuda-ipc from its own process (for publisher-death tests)."""

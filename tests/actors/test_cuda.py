@@ -64,6 +64,48 @@ async def test_an_install_on_the_event_loop_awaits_its_gpu_reads_and_never_block
     assert await sink.close_inbox.call_one() == 0
 
 
+async def test_closing_an_inbox_on_its_loop_awaits_the_gpu_reads_of_the_slot_its_model_views(procs):
+    """``ReceivesWeights.__cleanup__`` closes its inbox on the actor's loop: the aliased slot is released by polling
+    an event, not by a stream synchronize on the loop's thread."""
+    sink = procs.spawn("sink", CudaSink).slice(procs=0)
+    model = filled_model(3.0).cuda()
+    with WeightPublisher("cuda-ipc", slots=2) as publisher:
+        report = await sink.install.call_one(publisher.publish(model, 1), True)
+        assert report["values"] == [3.0]
+        assert await sink.close_inbox_never_blocking.call_one() == 0
+
+
+async def test_a_tcp_publish_of_gpu_tensors_on_an_event_loop_waits_for_the_gpu_off_its_thread(monkeypatch):
+    """A host copy out of a GPU waits for the device: ``publish_async`` runs it on a worker thread at any size
+    (a small one ran on the loop's thread, below the 1 MiB offload bound)."""
+    import threading
+
+    from actors import WeightConsumer
+
+    loop_thread = threading.get_ident()
+    real = torch.cuda.synchronize, torch.cuda.Stream.synchronize, torch.cuda.Event.synchronize
+
+    def guard(wait):  # type: ignore[no-untyped-def]
+        def guarded(*args, **kwargs):  # type: ignore[no-untyped-def]
+            assert threading.get_ident() != loop_thread, "publish_async waited for the GPU on the loop's thread"
+            return wait(*args, **kwargs)
+
+        return guarded
+
+    model = filled_model(4.0).cuda()  # 17 KiB
+    with WeightPublisher("tcp") as publisher:
+        monkeypatch.setattr(torch.cuda, "synchronize", guard(real[0]))
+        monkeypatch.setattr(torch.cuda.Stream, "synchronize", guard(real[1]))
+        monkeypatch.setattr(torch.cuda.Event, "synchronize", guard(real[2]))
+        manifest = await publisher.publish_async(model, 1)
+        monkeypatch.undo()
+        consumer = WeightConsumer()
+        target = filled_model(0.0)
+        await consumer.install_async(manifest, target)
+        assert all(bool((p == 4.0).all()) for p in target.parameters())
+        await consumer.close_async()
+
+
 async def test_publish_never_synchronizes_the_device(procs, monkeypatch):
     sink = procs.spawn("sink", CudaSink).slice(procs=0)
     model = filled_model(1.0).cuda()

@@ -246,3 +246,21 @@ async def test_a_release_cut_short_is_owed_and_made_by_the_next_one():
         assert all(bool((p == 3.0).all()) for p in model.parameters())
         consumer._readers["shm"] = shm  # type: ignore[assignment]
         consumer.close()
+
+
+async def test_closing_an_inbox_on_an_event_loop_awaits_the_release_of_what_its_model_views():
+    """An actor's ``__cleanup__`` closes its inbox on its loop: the aliased update (a ``cuda-ipc`` slot, whose
+    release waits for the GPU's reads) is released through the awaited release, never the blocking one."""
+    consumer = WeightConsumer()
+    shm = consumer.reader("shm")
+    awaited = AwaitedRelease(shm)
+    consumer._readers["shm"] = awaited  # type: ignore[assignment]
+    inbox = WeightInbox(consumer)
+    with WeightPublisher("shm", slots=3) as publisher:
+        first = publisher.publish(filled_model(1.0), 1)
+        inbox.put(first)
+        assert await inbox.install_newest_async(filled_model(0.0), alias=True) is first
+        inbox.put(publisher.publish(filled_model(2.0), 2))  # queued, never installed
+        await inbox.close_async()
+        assert awaited.awaited[0] == first.update_id
+        assert consumer.state(first.update_id) == "released"
