@@ -30,6 +30,7 @@ import os
 import struct
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -64,8 +65,6 @@ _EMPTY, _READY = 0, 2
 LOCK_TIMEOUT = 30.0
 #: What a closed writer's reservations raise.
 CLOSED = "this weight publisher is closed"
-#: Segment numbers are unique per process, across all its publishers.
-_segment_numbers = itertools.count()
 
 
 def segment_prefix(pid: int | None = None) -> str:
@@ -153,7 +152,9 @@ class SlotPool:
         if type(max_slots) is not int or max_slots < 1:
             raise ValueError(f"a publisher needs at least one slot, not {max_slots!r}")
         self.max_slots = max_slots
-        self._prefix = segment_prefix() + kind
+        # A token per pool keeps two publishers of one process apart; a count per pool numbers its segments.
+        self._prefix = f"{segment_prefix()}{kind}{uuid.uuid4().hex[:8]}-"
+        self._numbers = itertools.count()
         self._inline = payload_in_segment
         self._allocate = allocate
         self._free = free
@@ -237,7 +238,7 @@ class SlotPool:
         return self._create(nbytes)
 
     def _create(self, nbytes: int) -> Slot:
-        name = f"{self._prefix}{next(_segment_numbers)}"
+        name = f"{self._prefix}{next(self._numbers)}"
         path = os.path.join(SHM_DIR, name)
         size = HEADER_BYTES + (nbytes if self._inline else 0)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
