@@ -106,6 +106,8 @@ class Trainer(Actor):
         self.evaluation: dict[str, float] | None = None
         self.score: float | None = None
         self._reports: list[StepReport] = []
+        #: Held from a step's update to its report: a checkpoint between steps has every report sent before it.
+        self._in_step = asyncio.Lock()
         self.grants: list[Port[Grant]] = []
         self.generators: Generator | None = None
         # --trainer-ranks N > 1: this is rank 0; the others train their shares of each step beside it
@@ -113,6 +115,9 @@ class Trainer(Actor):
         self._rendezvous: Rendezvous | None = None
         self._parallel: DataParallel | None = None
         self._weights = asyncio.Lock()  # held while a step runs off the loop: nothing publishes or saves midway
+        #: Held while grants go out (taken before ``_weights``): each generator gets its tickets in order, a
+        #: restarted one's open tickets before any new one.
+        self._granting = asyncio.Lock()
         self._stepping: asyncio.Future[Any] | None = None  # a step left blocked in a collective by a dead rank
 
     @property
@@ -235,11 +240,9 @@ class Trainer(Actor):
         failure then names the rank.
         """
         assert self.ranks is not None and self._parallel is not None, "join() sets the group with the ranks"
-        others = [
-            asyncio.ensure_future(_outcome(theirs(self.ranks.slice(procs=r))))
-            for r in range(self._parallel.share.world - 1)
-        ]
-        async with self._weights:
+        ranks, world = self.ranks, self._parallel.share.world
+        async with self._weights:  # (the other ranks are asked only now: a save never runs beside a step)
+            others = [asyncio.ensure_future(_outcome(theirs(ranks.slice(procs=r)))) for r in range(world - 1)]
             work = asyncio.ensure_future(asyncio.to_thread(mine))
             self._stepping = work
             await asyncio.wait([work, *others], return_when=asyncio.FIRST_EXCEPTION)
@@ -312,8 +315,7 @@ class Trainer(Actor):
         self.grants = list(grants)
         if not self.routes.routes:
             self.routes.plan_local(len(self.grants))
-        for ticket in self.tickets.grant(limit=config.steps):  # the policy comes with the first tickets
-            await self.send_grant(ticket)
+        await self.grant_open_tickets()  # the policy comes with the first tickets
         started = time.perf_counter()
         waited = 0.0
         while self.step < config.steps:
@@ -325,23 +327,25 @@ class Trainer(Actor):
             if lag > self.tickets.staleness:  # only a generator that ignored its ticket's version gets here
                 self.dropped += 1
                 self.tickets.retry(rollout.ticket)
-                await self.send_grant(rollout.ticket)
+                async with self._granting:
+                    await self.send_grant(rollout.ticket)
                 continue
-            update, published = await self.train(item)
-            self.step += 1
-            self.version += 1
-            self.tickets.trained()
-            publishing = time.perf_counter()
-            if config.syncs_reference_after(self.step):
-                await self.sync_reference(reference)  # before the grants: every rollout granted now is scored with it
-            await self.deliver()
-            published += time.perf_counter() - publishing
-            final = self.step >= config.steps
-            evaluation = None
-            if self.step % config.eval_every == 0 or final:
-                await self.evaluate()
-                evaluation = self.evaluation
-            self._reports.append(self._report(item, update, lag, waited, published, evaluation, started))
+            async with self._in_step:  # (a checkpoint asked for meanwhile waits for this step's report)
+                update, published = await self.train(item)
+                self.step += 1
+                self.version += 1
+                self.tickets.trained()
+                publishing = time.perf_counter()
+                if config.syncs_reference_after(self.step):
+                    await self.sync_reference(reference)  # before the grants: every rollout granted now uses it
+                await self.deliver()
+                published += time.perf_counter() - publishing
+                final = self.step >= config.steps
+                evaluation = None
+                if self.step % config.eval_every == 0 or final:
+                    await self.evaluate()
+                    evaluation = self.evaluation
+                self._reports.append(self._report(item, update, lag, waited, published, evaluation, started))
             waited = 0.0
             if len(self._reports) >= REPORT_BATCH or final:
                 self.flush_reports()
@@ -381,9 +385,7 @@ class Trainer(Actor):
         with a recent policy, not just one K versions old. On-policy
         (K = 0) the tickets' own deliveries are all there is.
         """
-        reached = False
-        for ticket in self.tickets.grant(limit=self.config.steps):
-            reached = await self.send_grant(ticket) or reached
+        reached = await self.grant_open_tickets()
         assert self.generators is not None, "run() sets the generators before any delivery"
         for rank in self.tickets.lacking(self.version):
             manifest = await self.manifest_for(rank)
@@ -399,6 +401,14 @@ class Trainer(Actor):
         chosen = self.generators.slice(procs=slice(route.first, route.last + 1))
         with contextlib.suppress(ActorDied):  # every generator there is down; a restarted one gets a grant
             send(chosen.update_weights, (manifest,), selection="choose")
+
+    async def grant_open_tickets(self) -> bool:
+        """Grant every ticket the credits open now, in order; whether any grant brought the weights."""
+        reached = False
+        async with self._granting:
+            for ticket in self.tickets.grant(limit=self.config.steps):
+                reached = await self.send_grant(ticket) or reached
+        return reached
 
     async def send_grant(self, ticket: int) -> bool:
         """Grant ``ticket`` to its generator, with the current weights if it lacks what the ticket needs."""
@@ -483,9 +493,10 @@ class Trainer(Actor):
 
         Returns the policy version it starts from.
         """
-        self.grants[generator] = grants
-        for ticket in self.tickets.restarted(generator):
-            await self.send_grant(ticket)
+        async with self._granting:  # (a new ticket of its waits: a generator takes its grants in ticket order)
+            self.grants[generator] = grants
+            for ticket in self.tickets.restarted(generator):
+                await self.send_grant(ticket)
         return self.version
 
     def flush_reports(self) -> None:
@@ -516,6 +527,8 @@ class Trainer(Actor):
         return checkpoint.save(run_dir, {**small, checkpoint.SHARDS: os.path.basename(folder)})
 
     async def _save(self) -> str:
+        """Checkpoint where the run is, after sending every step's report (a resumed run's curve has no gap)."""
+        self.flush_reports()
         if not self.learner.sharded:
             async with self._weights:
                 return self.save()
@@ -526,7 +539,9 @@ class Trainer(Actor):
 
     @endpoint
     async def checkpoint(self) -> str:
-        return await self._save()
+        """A checkpoint now (a stopping run's last): between steps, so the reports sent cover its step."""
+        async with self._in_step:
+            return await self._save()
 
     async def __cleanup__(self, exc: BaseException | None) -> None:
         if self._parallel is not None and self._stepping is None:  # leaving the group waits for a step in flight

@@ -36,6 +36,7 @@ from actors import (
     Channel,
     Failure,
     HostMesh,
+    PortReceiver,
     ProcMesh,
     forkserver_preload,
     set_forkserver_preload,
@@ -182,6 +183,13 @@ async def _stop_quickly(mesh: ProcMesh) -> None:
     """
     with contextlib.suppress(ActorsError, asyncio.TimeoutError, asyncio.CancelledError):
         await asyncio.wait_for(mesh.stop(timeout=0.5), STOP_LIMIT)
+
+
+async def _written(consumer: asyncio.Future[None], reports: PortReceiver[StepReport]) -> None:
+    """Let ``consumer`` write every report already received (those sent before the final checkpoint)."""
+    while not consumer.done() and reports.qsize():
+        await asyncio.sleep(0)  # (one turn of the loop: the consumer takes what is queued)
+    await asyncio.sleep(0)  # (and writes the last one it took)
 
 
 async def _final_checkpoint(trainer: Trainer, grace: float) -> None:
@@ -394,6 +402,8 @@ async def run_pipeline(
         if trainer is not None and not tasks.get("trainer", asyncio.Future()).done():
             progress.done()
             await _final_checkpoint(trainer, config.stop_grace)
+            if consumer is not None:
+                await _written(consumer, reports)
         raise
     except ActorsError as exc:  # a role failed outside the watched tasks (e.g. at startup)
         raise PipelineError(f"a role failed: {exc}") from exc

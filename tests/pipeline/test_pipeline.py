@@ -337,6 +337,28 @@ def test_ctrl_c_or_sigterm_stops_within_2s_and_leaves_a_checkpoint(tmp_path, sig
         proc.wait()
 
 
+def test_ctrl_c_with_trainer_ranks_saves_the_shards_after_the_step_and_keeps_every_row(tmp_path):
+    """The final checkpoint's save runs on every rank after the step in flight, never beside it (the other
+    ranks were asked to save at once, and ran the save's collectives beside the step's); the metrics hold every
+    step up to the checkpoint's, so a resumed run draws the whole curve."""
+    run_dir = tmp_path / "run"
+    proc = cli("--task", "bandit", "--steps", "200000", "--trainer-ranks", "2", "--run-dir", str(run_dir), "--quiet")
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        assert wait_for(lambda: metrics.exists() and metrics.stat().st_size > 5000, timeout=90)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130, out + err
+        assert "interrupted" in out and "--resume" in out, out + err
+        state = load_checkpoint(str(run_dir))
+        assert "shards" in state and state["step"] > 0
+        steps = [row["step"] for row in read_rows(str(run_dir))]
+        assert steps == list(range(1, state["step"] + 1)), (steps[-12:], state["step"])
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def _slow_export_run(run_dir, export_s: float, *flags: str) -> subprocess.Popen[str]:
     """The bandit with its final checkpoint's export taking ``export_s`` s, once it has trained a while."""
     task = ["--task", "pipeline_support:SlowExportBandit", "--steps", "200000", "--save-every", "0"]

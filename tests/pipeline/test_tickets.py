@@ -97,3 +97,53 @@ def test_grants_stop_at_the_last_step_and_resume_from_a_checkpointed_one():
 def test_impossible_ledgers_are_refused():
     with pytest.raises(ValueError, match="staleness >= 0"):
         Tickets(generators=2, credits=2, staleness=-1)
+
+
+async def test_a_restarted_generator_gets_its_open_tickets_before_any_new_one():
+    """Its re-grants wait for the weights (a publish holds them); a ticket the next step opens for it needs none
+    yet, and went out first: the generator, taking grants in order, then waited for a version only the older
+    ticket could bring about (ten minutes, then a failure). The trainer's grants go out one batch at a time."""
+    import asyncio
+    import types
+
+    from pipeline.roles import Trainer
+
+    class GrantPort:
+        def __init__(self) -> None:
+            self.tickets: list[int] = []
+
+        def send(self, grant: object) -> None:
+            self.tickets.append(grant.ticket)  # type: ignore[attr-defined]
+
+    trainer = Trainer.__new__(Trainer)
+    trainer.config = types.SimpleNamespace(steps=100)  # type: ignore[assignment]
+    trainer.tickets = Tickets(generators=2, credits=6, staleness=2)
+    trainer.routes = types.SimpleNamespace(transport_of=lambda generator: "shm")  # type: ignore[assignment]
+    trainer.version = 0
+    trainer._weights, trainer._granting = asyncio.Lock(), asyncio.Lock()
+
+    async def publish(transport: str) -> None:
+        return None  # (a manifest: its contents do not matter here)
+
+    trainer._publish = publish  # type: ignore[method-assign]
+    trainer.grants = [GrantPort(), GrantPort()]  # type: ignore[list-item]
+    await trainer.grant_open_tickets()
+    assert [port.tickets for port in trainer.grants] == [[0, 2, 4], [1, 3, 5]]  # type: ignore[attr-defined]
+    tickets = trainer.tickets
+    for ticket in (0, 1):  # both arrive; generator 1 dies after sending ticket 1
+        assert tickets.arrived(ticket, f"r{ticket}")
+    tickets.next_ready()
+    tickets.trained()
+    trainer.version = 1
+    await trainer.grant_open_tickets()  # ticket 6, generator 0's
+    restarted = GrantPort()
+    async with trainer._weights:  # a publish in progress
+        rejoining = asyncio.ensure_future(trainer.generator_restarted(1, restarted))  # type: ignore[arg-type]
+        await asyncio.sleep(0)  # (one turn: it waits for the weights to re-grant ticket 3)
+        tickets.next_ready()
+        tickets.trained()
+        trainer.version = 2
+        opening = asyncio.ensure_future(trainer.grant_open_tickets())  # ticket 7, generator 1's: needs no weights
+        await asyncio.sleep(0)
+    await asyncio.wait_for(asyncio.gather(rejoining, opening), 10)
+    assert restarted.tickets == [3, 5, 7], "a generator's grants go out in ticket order"
