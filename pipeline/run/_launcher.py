@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 import uvloop
 
 from actors import (
+    ActorDied,
     ActorsError,
     Channel,
     Failure,
@@ -183,6 +184,47 @@ async def _stop_quickly(mesh: ProcMesh) -> None:
     """
     with contextlib.suppress(ActorsError, asyncio.TimeoutError, asyncio.CancelledError):
         await asyncio.wait_for(mesh.stop(timeout=0.5), STOP_LIMIT)
+
+
+#: How long a drained generator may take to finish the rollout it is drawing once training ended (s).
+DRAIN_GUARD = 120.0
+#: How long the scorer and the reference model may then take over the rollouts still on their way (s).
+LEFTOVER_GUARD = 10.0
+
+
+async def _leftovers(gens: Generator, tasks: dict[str, asyncio.Task[Any]], names: list[str]) -> list[int | None]:
+    """Drain the generators and let every role finish what is on its way; each generator's rollouts sent.
+
+    Training is over, so the run's result stands whatever happens here: a
+    role that fails (a reward function raising on a leftover rollout, a
+    generator dying) is said on stderr, a generator's count then unknown
+    (None), and the roles still busy at their guard (:data:`DRAIN_GUARD`,
+    then :data:`LEFTOVER_GUARD`) are stopped with the rest (a large model's
+    leftovers may take longer).
+    """
+    say = functools.partial(print, file=sys.stderr, flush=True)
+    try:
+        await asyncio.wait_for(gens.drain.call(), LEFTOVER_GUARD)
+    except ActorDied:
+        pass  # (its run task says so below)
+    except (ActorsError, asyncio.TimeoutError) as exc:
+        say(f"warning: draining the generators failed after training ended (the run's result stands): {exc!r}")
+    roles = [*names, *(role for role in ("scorer", "reference model") if role in tasks)]
+    pending = [tasks[role] for role in roles]
+    await asyncio.wait(pending[: len(names)], timeout=DRAIN_GUARD)
+    await asyncio.wait(pending, timeout=LEFTOVER_GUARD)
+    outcomes: dict[str, int | None] = {}
+    for role, task in zip(roles, pending, strict=True):
+        outcomes[role] = None
+        if not task.done():
+            task.cancel()
+        elif task.cancelled():
+            pass
+        elif task.exception() is not None:
+            say(f"warning: {role} failed after training ended (the run's result stands): {task.exception()}")
+        else:
+            outcomes[role] = task.result()
+    return [outcomes[name] for name in names]
 
 
 async def _written(consumer: asyncio.Future[None], reports: PortReceiver[StepReport]) -> None:
@@ -347,12 +389,18 @@ async def run_pipeline(
             )
             return await gen.run.call_one()  # type: ignore[no-any-return]
 
+        training_over = asyncio.Event()
+
         def on_generator_failure(failure: Failure) -> bool:
+            name = generator_names[failure.rank]
+            if training_over.is_set():  # its leftovers are not needed: the new process is only stopped
+                progress.note(f"generator {failure.rank} died after training ended (pid {failure.pid})")
+                return True
             if not failure.restarted:
                 return False  # out of restarts: the run stops, naming the generator
             progress.note(f"generator {failure.rank} died (pid {failure.pid}): {failure.message}")
-            tasks[generator_names[failure.rank]] = asyncio.ensure_future(rejoin(failure.rank))
-            restarts[generator_names[failure.rank]] = restarts.get(generator_names[failure.rank], 0) + 1
+            tasks[name] = asyncio.ensure_future(rejoin(failure.rank))
+            restarts[name] = restarts.get(name, 0) + 1
             return True
 
         gen_procs.add_failure_handler(on_generator_failure)
@@ -367,14 +415,8 @@ async def run_pipeline(
         summary = await tasks["trainer"]
         seconds = time.perf_counter() - training_started
         progress.done()
-        await gens.drain.call()
-        produced = [await tasks[name] for name in generator_names]
-        # they finish the rollouts still on their way, which the run no longer needs: a large model's leftovers
-        # may take longer than the guard, and then they are stopped like every role (the run's result stands)
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(
-                asyncio.gather(*(tasks[role] for role in ("scorer", "reference model") if role in tasks)), 10
-            )
+        training_over.set()
+        produced = await _leftovers(gens, tasks, generator_names)
         stop_started = time.perf_counter()
         for mesh in meshes:
             await mesh.stop(timeout=2)
@@ -391,7 +433,7 @@ async def run_pipeline(
             and summary["score"] >= config.target_score,
             startup_seconds=startup,
             stop_seconds=time.perf_counter() - stop_started,
-            rollouts=dict(zip(generator_names, produced, strict=True)),
+            rollouts={name: count for name, count in zip(generator_names, produced, strict=True) if count is not None},
             restarts=restarts,
             weight_routes=weight_routes,
             trainer_hosts=trainer_hosts,

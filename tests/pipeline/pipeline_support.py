@@ -247,3 +247,16 @@ def tiny_qwen2(vocab: int = 300, width: int = 32, heads: int = 4, seed: int = 0,
         **extra,
     )
     return transformers.Qwen2ForCausalLM(config).eval()
+
+
+class DrainFailingGenerator(Generator):
+    """Generator 0's ``drain`` (training over) raises after draining, or, with ``extra["drain_exit"]``, its process
+    dies there (and is restarted: the run's result must stand either way)."""
+
+    @endpoint
+    async def drain(self) -> None:
+        await super().drain()
+        if self.id == 0:
+            if self.config.extra.get("drain_exit"):
+                os._exit(9)
+            raise RuntimeError("drain exploded on purpose")

@@ -14,6 +14,7 @@ import pytest
 import torch
 from harness import ROOT, actor_pids, run_python, wait_for
 from pipeline_support import (
+    DrainFailingGenerator,
     DtypeGenerator,
     DtypeRefModel,
     FailingScorer,
@@ -302,6 +303,25 @@ async def test_a_failing_role_stops_the_run_with_its_name(tmp_path, sockets_dir)
     with pytest.raises(PipelineError, match="scorer exploded on purpose"):
         await run_pipeline(config, quiet=True, roles=Roles(scorer=FailingScorer))
     assert time.monotonic() - started < 30
+
+
+@pytest.mark.parametrize("exits", [False, True], ids=["raises", "dies"])
+async def test_a_generator_failing_after_training_ended_leaves_the_result_standing(tmp_path, sockets_dir, capfd, exits):
+    """Training is over: a generator whose drain raises, or whose process dies there (and is restarted), is said on
+    stderr and the run returns its result (it raised PipelineError; a restarted generator was rejoined, waited for
+    grants that never came, and the run hung)."""
+    config = Config(steps=6, task=BANDIT, generators=2, run_dir=str(tmp_path), extra={"drain_exit": exits})
+    run = run_pipeline(config, quiet=True, roles=Roles(generator=DrainFailingGenerator))
+    result = await asyncio.wait_for(run, 90)
+    assert result.steps == 6 and load_checkpoint(str(tmp_path))["step"] == 6
+    err = capfd.readouterr().err
+    assert result.rollouts["generator 1"] > 0
+    if exits:
+        assert "generator 0" not in result.rollouts, "its count died with it"
+        assert "generator 0 failed after training ended (the run's result stands)" in err, err[-2000:]
+    else:
+        assert result.rollouts["generator 0"] > 0
+        assert "draining the generators failed after training ended" in err and "on purpose" in err, err[-2000:]
 
 
 async def test_generator_hooks_run_in_the_worker_and_their_errors_propagate(tmp_path, sockets_dir):
