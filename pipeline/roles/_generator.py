@@ -99,7 +99,7 @@ class Generator(ReceivesWeights):
 
     async def install_weights(self) -> None:
         """Install the newest update waiting in the inbox, if any, and time it (a ``tcp`` fetch is awaited)."""
-        started = time.perf_counter()
+        started, began = time.perf_counter(), time.time()
         alias = self.config.install == "alias"
         if self.engine is not None:  # the engine decides how an update reaches the parameters it samples with
             manifest = await self.engine.load_weights(self.weight_inbox, alias=alias)
@@ -110,7 +110,7 @@ class Generator(ReceivesWeights):
             self.times.install += time.perf_counter() - started
             published = manifest.metadata.get("published_at")
             if isinstance(published, float):
-                self.times.delivery = max(0.0, time.time() - published)
+                self.times.delivery = max(0.0, began - published)  # (to the start of the install)
 
     def collect(self, ticket: int = -1) -> Rollout:
         """One rollout drawn with the current policy for ``ticket`` (its samples sent as CPU tensors)."""
@@ -137,11 +137,12 @@ class Generator(ReceivesWeights):
     async def run(self) -> int:
         """Produce a rollout per ticket until drained; returns how many were sent."""
         while not self.stopping:
-            waiting = time.perf_counter()
+            waiting, installing = time.perf_counter(), self.times.install
             grant = await self.next_grant()
             if grant is not None:
                 await self.reach_version(grant.min_version)
-            self.times.wait += time.perf_counter() - waiting
+            # (the installs reach_version made are install time, not waiting)
+            self.times.wait += time.perf_counter() - waiting - (self.times.install - installing)
             if grant is None or self.stopping:
                 break
             await self.install_weights()

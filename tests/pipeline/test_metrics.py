@@ -210,3 +210,66 @@ def test_the_progress_line_shows_each_reward_function_when_there_are_several():
 
     assert "reward 0.300 (exact 0.25, format 1.00)  acc" in line({"exact": 0.25, "format": 1.0})
     assert "reward 0.300  acc" in line({"exact": 0.25})  # one function: the reward itself
+
+
+async def test_a_generators_install_time_is_not_counted_as_waiting_nor_as_delivery():
+    """An install its ticket needs happens while the generator waits for that version: it is ``install_ms``, not
+    also ``wait_policy_ms``; ``delivery_ms`` ends where the install starts."""
+    import asyncio
+    import time
+    import types
+
+    from pipeline.roles import Generator
+    from pipeline.roles._messages import GeneratorTimes, Grant
+
+    INSTALL_S = 0.3
+    manifest = types.SimpleNamespace(version=1, metadata={})
+    generator = Generator.__new__(Generator)
+
+    class Inbox:
+        queued: list[object] = []
+
+        def put(self, update: object) -> None:
+            self.queued.append(update)
+
+        async def install_newest_async(self, model: object, *, alias: bool) -> object:
+            if not self.queued:
+                return None
+            self.queued.clear()
+            manifest.metadata["published_at"] = time.time()  # published just now
+            await asyncio.sleep(INSTALL_S)  # (the install itself: a copy that takes its time)
+            return manifest
+
+    class Grants:
+        def __init__(self) -> None:
+            self.left = [Grant(0, 1, manifest)]  # type: ignore[arg-type]
+
+        async def recv(self) -> Grant | None:
+            if self.left:
+                return self.left.pop()
+            generator.stopping = True
+            return None
+
+    sent: list[object] = []
+    generator.__dict__.update(
+        config=types.SimpleNamespace(install="copy"),
+        _weight_inbox=Inbox(),
+        engine=None,
+        policy=None,
+        grants=Grants(),
+        rollouts=types.SimpleNamespace(send=sent.append),
+        version=-1,
+        produced=0,
+        stopping=False,
+        _stopped=asyncio.Event(),
+        times=GeneratorTimes(),
+        _cycle_started=time.perf_counter(),
+        pre_collect_hooks=[],
+        post_collect_hooks=[],
+    )
+    generator.collect = lambda ticket: types.SimpleNamespace(times=generator.times)  # type: ignore[method-assign]
+    assert await asyncio.wait_for(Generator.run.fn(generator), 10) == 1  # type: ignore[attr-defined]
+    times = sent[0].times  # type: ignore[attr-defined]
+    assert times.install >= INSTALL_S
+    assert times.wait < INSTALL_S / 2, times
+    assert times.delivery is not None and times.delivery < INSTALL_S / 2, times
