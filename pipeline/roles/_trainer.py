@@ -98,7 +98,8 @@ class Trainer(Actor):
         self.ref_publisher: WeightPublisher | None = None
         self.ref_manifest: WeightManifest | None = None
         if uses_reference(config):
-            # one slot: the RefModel lets go of it after each install, and a sync waits for that install
+            # one slot: a sync waits only while the RefModel reads it; an update it had not installed yet is then
+            # stale, and it installs the newer one queued behind it (each sync's is queued before its grants)
             self.ref_publisher = WeightPublisher(config.transport, slots=1, dtype=weights_dtype(config), **on_gpu)
             self.ref_manifest = self.ref_publisher.publish(self.learner.reference_state, 1)
         self.dropped = 0
