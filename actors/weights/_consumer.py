@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import logging
 import os
 import select
 from collections.abc import Callable
@@ -20,12 +21,15 @@ from .._shared._errors import (
     WeightSyncError,
 )
 from .._shared._liveness import pid_exists
+from .._shared._loops import loop_running
 from .._shared._session import host_id
 from ..tensors import Reader, TensorSpec, checksum, copy_all, dtype_name, is_sharded, read_async, release_async
 from ._manifest import WeightManifest, make_reader
 from ._spec_table import SpecMemo
 
 __all__ = ["PublisherWatch", "WeightConsumer", "fit"]
+
+log = logging.getLogger("actors.weights")
 
 _IMPORTED, _ACKNOWLEDGED, _REJECTED, _RELEASED = "imported", "acknowledged", "rejected", "released"
 
@@ -103,13 +107,19 @@ class PublisherWatch:
             await asyncio.shield(wait.exited)
         finally:
             wait.waiters -= 1
-            if wait.waiters == 0:
+            if wait.waiters == 0 and self._waits.get(pid) is wait:  # (else close() ended it)
                 wait.loop.remove_reader(wait.fd)
                 del self._waits[pid]
-                if wait.exited.done():
+                if wait.exited.done() or pid in self.dead:  # (a check meanwhile saw it exit: its fd is closed now)
                     self._died(pid)
 
     def close(self) -> None:
+        """Close every pidfd; a wait still registered is ended (its waiters' ``death`` raises CancelledError)."""
+        for wait in self._waits.values():
+            with contextlib.suppress(Exception):  # (its loop closed already)
+                wait.loop.remove_reader(wait.fd)
+            wait.exited.cancel()
+        self._waits.clear()
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
@@ -405,29 +415,32 @@ class WeightConsumer:
                         )
                 _alias(model, targets, tensors, strict)
             else:
-                targets = self._own_storage_again(model, targets, tensors)
+                fresh = self._storage_of_their_own(targets, tensors)
                 seen: set[tuple[int, int, tuple[int, ...]]] = set()
                 names = []
                 for name, target in targets.items():  # a tied head is its embedding's bytes on both sides: copied once
                     pair = (target.data_ptr(), tensors[name].data_ptr(), tuple(target.shape))
-                    if pair not in seen:
+                    if name not in fresh and pair not in seen:
                         seen.add(pair)
                         names.append(name)
                 copy_all([targets[n] for n in names], [tensors[n] for n in names])
+                if fresh:
+                    _alias(model, fresh, fresh, strict=False)
 
-    def _own_storage_again(
-        self, model: torch.nn.Module, targets: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]
+    def _storage_of_their_own(
+        self, targets: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
-        """The copy targets, after giving the module's tensors that view an aliased update their own storage.
+        """For each target that views an aliased update's slot, a copy of the new update's tensor to take instead.
 
-        A copy into them would write into that update's slot: read-only shared
-        memory for ``shm`` (a crash), the publisher's device slot for
-        ``cuda-ipc``. Each such tensor takes a copy of the new update's instead
-        (tied tensors one copy between them); the rest are copied into as usual.
+        Copying into such a target would write into that update's slot:
+        read-only shared memory for ``shm`` (a crash), the publisher's device
+        slot for ``cuda-ipc``. Tied targets share one copy. Made before
+        anything is written, and taken after the rest is copied, so a failed
+        install leaves the module as it was.
         """
         viewed = self._tensors.get(self._aliased) if self._aliased is not None else None
         if not viewed:
-            return targets
+            return {}
         slot_storage = {tensor.untyped_storage().data_ptr() for tensor in viewed.values()}
         fresh: dict[str, torch.Tensor] = {}
         copies: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
@@ -438,10 +451,7 @@ class WeightConsumer:
                 if key not in copies:
                     copies[key] = source.to(device=target.device, copy=True)
                 fresh[name] = copies[key]
-        if not fresh:
-            return targets
-        _alias(model, fresh, fresh, strict=False)
-        return {name: target for name, target in targets.items() if name not in fresh}
+        return fresh
 
     def _failed(self, manifest: WeightManifest, exc: BaseException) -> None:
         """Reject the update after a failed install, unless only this manifest was refused.
@@ -493,16 +503,17 @@ class WeightConsumer:
     def release(self, update_id: str, transport: str | None = None) -> None:
         """Drop the update's storage; its tensors must not be used afterwards.
 
-        A release cut short earlier (see :meth:`release_async`) is made first.
+        Releases cut short earlier (see :meth:`release_async`) are made next,
+        unless an event loop runs on this thread: there a ``cuda-ipc`` release
+        would wait for the GPU on it, so :meth:`release_async` makes them.
         """
-        self._owed.setdefault(update_id, transport)
-        for owed, owed_transport in list(self._owed.items()):
-            readers = self._releasing(owed, owed_transport)
-            for reader in readers or ():
-                reader.release(owed)
-            if readers is not None:
-                self._set(owed, _RELEASED)
-            del self._owed[owed]
+        self._release_one(update_id, transport)
+        if self._owed and not loop_running():
+            for owed, owed_transport in list(self._owed.items()):
+                try:
+                    self._release_one(owed, owed_transport)
+                except Exception as exc:  # (still owed: the next release tries again)
+                    log.warning("weights: releasing update %s, cut short before, failed again: %s", owed, exc)
 
     async def release_async(self, update_id: str, transport: str | None = None) -> None:
         """:meth:`release` for code on an event loop: a ``cuda-ipc`` reader's wait for the GPU's reads is awaited.
@@ -510,14 +521,37 @@ class WeightConsumer:
         Cancelled, or given up on a GPU whose reads did not finish, the update
         stays held and is owed: the next release of this consumer makes it.
         """
-        self._owed.setdefault(update_id, transport)
+        await self._release_one_async(update_id, transport)
         for owed, owed_transport in list(self._owed.items()):
-            readers = self._releasing(owed, owed_transport)
+            try:
+                await self._release_one_async(owed, owed_transport)
+            except Exception as exc:  # (still owed: the next release tries again)
+                log.warning("weights: releasing update %s, cut short before, failed again: %s", owed, exc)
+
+    def _release_one(self, update_id: str, transport: str | None) -> None:
+        readers = self._releasing(update_id, transport)
+        try:
             for reader in readers or ():
-                await release_async(reader, owed)
-            if readers is not None:
-                self._set(owed, _RELEASED)
-            del self._owed[owed]
+                reader.release(update_id)
+        except BaseException:
+            self._owed[update_id] = transport
+            raise
+        self._released(update_id, readers)
+
+    async def _release_one_async(self, update_id: str, transport: str | None) -> None:
+        readers = self._releasing(update_id, transport)
+        try:
+            for reader in readers or ():
+                await release_async(reader, update_id)
+        except BaseException:
+            self._owed[update_id] = transport
+            raise
+        self._released(update_id, readers)
+
+    def _released(self, update_id: str, readers: list[Reader] | None) -> None:
+        self._owed.pop(update_id, None)
+        if readers is not None:
+            self._set(update_id, _RELEASED)
 
     def _releasing(self, update_id: str, transport: str | None) -> list[Reader] | None:
         """Forget the update's tensors; the readers to release it from (None if it was released already)."""
@@ -548,11 +582,13 @@ class WeightConsumer:
 
     async def close_async(self) -> None:
         """:meth:`close` for code on an event loop: each ``cuda-ipc`` wait for the GPU's reads is awaited."""
-        for update_id, state in list(self._state.items()):
-            if state != _RELEASED:
-                with contextlib.suppress(Exception):
-                    await self.release_async(update_id)
-        self._close_readers()
+        try:
+            for update_id, state in list(self._state.items()):
+                if state != _RELEASED:
+                    with contextlib.suppress(Exception):
+                        await self.release_async(update_id)
+        finally:  # (cancelled meanwhile: the readers close all the same)
+            self._close_readers()
 
     def _close_readers(self) -> None:
         for reader in self._readers.values():

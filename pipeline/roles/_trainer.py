@@ -327,8 +327,8 @@ class Trainer(Actor):
             lag = self.version - rollout.version
             if lag > self.tickets.staleness:  # only a generator that ignored its ticket's version gets here
                 self.dropped += 1
-                self.tickets.retry(rollout.ticket)
-                async with self._granting:
+                async with self._granting:  # (a restart re-granting its owner's tickets meanwhile grants it once)
+                    self.tickets.retry(rollout.ticket)
                     await self.send_grant(rollout.ticket)
                 continue
             async with self._in_step:  # (a checkpoint asked for meanwhile waits for this step's report)

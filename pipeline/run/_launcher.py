@@ -203,16 +203,19 @@ async def _leftovers(gens: Generator, tasks: dict[str, asyncio.Task[Any]], names
     leftovers may take longer).
     """
     say = functools.partial(print, file=sys.stderr, flush=True)
-    try:
-        await asyncio.wait_for(gens.drain.call(), LEFTOVER_GUARD)
-    except ActorDied:
-        pass  # (its run task says so below)
-    except (ActorsError, asyncio.TimeoutError) as exc:
-        say(f"warning: draining the generators failed after training ended (the run's result stands): {exc!r}")
     roles = [*names, *(role for role in ("scorer", "reference model") if role in tasks)]
     pending = [tasks[role] for role in roles]
-    await asyncio.wait(pending[: len(names)], timeout=DRAIN_GUARD)
-    await asyncio.wait(pending, timeout=LEFTOVER_GUARD)
+    # (a drain lands between rollouts: it answers once each generator's rollout in flight is done)
+    draining = asyncio.ensure_future(_outcome(gens.drain.call()))
+    await asyncio.wait([draining, *pending[: len(names)]], timeout=DRAIN_GUARD, return_when=asyncio.ALL_COMPLETED)
+    if not draining.done():
+        draining.cancel()
+    elif not draining.cancelled() and isinstance(draining.exception(), ActorsError):
+        error = draining.exception()
+        if not isinstance(error, ActorDied):  # (a dead generator: its run task says so below)
+            say(f"warning: draining the generators failed after training ended (the run's result stands): {error}")
+    if all(task.done() and not task.cancelled() and task.exception() is None for task in pending[: len(names)]):
+        await asyncio.wait(pending, timeout=LEFTOVER_GUARD)  # (else a stream never ends: nothing to wait for)
     outcomes: dict[str, int | None] = {}
     for role, task in zip(roles, pending, strict=True):
         outcomes[role] = None
@@ -225,6 +228,11 @@ async def _leftovers(gens: Generator, tasks: dict[str, asyncio.Task[Any]], names
         else:
             outcomes[role] = task.result()
     return [outcomes[name] for name in names]
+
+
+async def _outcome(future: Any) -> Any:
+    """An actor call's result, as a coroutine (for ``asyncio.ensure_future``)."""
+    return await future
 
 
 async def _written(consumer: asyncio.Future[None], reports: PortReceiver[StepReport]) -> None:

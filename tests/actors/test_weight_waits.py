@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import glob
 import time
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -12,6 +14,8 @@ from support import Heartbeat, filled_model
 
 from actors import WeightConsumer, WeightInbox, WeightPublisher, WeightSyncError
 from actors.tensors.shm import SHM_DIR
+
+R = TypeVar("R")
 
 #: The contract: a 1 ms heartbeat on the publisher's loop never misses by this much.
 MAX_GAP = 0.1
@@ -176,14 +180,20 @@ class AwaitedRelease:
         self.reader.release(update_id)  # type: ignore[attr-defined]
 
 
+def consumer_with(wrap: Callable[[Any], R]) -> tuple[WeightConsumer, Any, R]:
+    """A consumer whose ``shm`` reader is ``wrap(reader)``; the reader itself too (to put back before closing)."""
+    consumer = WeightConsumer()
+    shm = consumer.reader("shm")
+    wrapped = wrap(shm)
+    consumer._readers["shm"] = wrapped  # type: ignore[assignment]
+    return consumer, shm, wrapped
+
+
 async def test_installs_on_an_event_loop_release_through_the_readers_awaited_release():
     """``install_newest_async`` (copying, or aliasing: the update its module viewed until now is released) and
     ``load_newest_async`` release with the reader's ``release_async`` where it has one: a ``cuda-ipc`` reader waits
     there for the GPU's reads of the slot without blocking the loop."""
-    consumer = WeightConsumer()
-    shm = consumer.reader("shm")
-    awaited = AwaitedRelease(shm)
-    consumer._readers["shm"] = awaited  # type: ignore[assignment]
+    consumer, shm, awaited = consumer_with(AwaitedRelease)
     inbox = WeightInbox(consumer)
     model = filled_model(0.0)
     with WeightPublisher("shm", slots=3) as publisher:
@@ -219,10 +229,7 @@ class GatedRelease(AwaitedRelease):
 async def test_a_release_cut_short_is_owed_and_made_by_the_next_one():
     """An install cancelled while it released the update its model viewed until then (an actor stopping, a
     ``wait_for``) leaves that update held; the consumer's next release makes it, so no slot stays held for good."""
-    consumer = WeightConsumer()
-    shm = consumer.reader("shm")
-    gated = GatedRelease(shm)
-    consumer._readers["shm"] = gated  # type: ignore[assignment]
+    consumer, shm, gated = consumer_with(GatedRelease)
     inbox = WeightInbox(consumer)
     model = filled_model(0.0)
     with WeightPublisher("shm", slots=4) as publisher:
@@ -251,10 +258,7 @@ async def test_a_release_cut_short_is_owed_and_made_by_the_next_one():
 async def test_closing_an_inbox_on_an_event_loop_awaits_the_release_of_what_its_model_views():
     """An actor's ``__cleanup__`` closes its inbox on its loop: the aliased update (a ``cuda-ipc`` slot, whose
     release waits for the GPU's reads) is released through the awaited release, never the blocking one."""
-    consumer = WeightConsumer()
-    shm = consumer.reader("shm")
-    awaited = AwaitedRelease(shm)
-    consumer._readers["shm"] = awaited  # type: ignore[assignment]
+    consumer, _shm, awaited = consumer_with(AwaitedRelease)
     inbox = WeightInbox(consumer)
     with WeightPublisher("shm", slots=3) as publisher:
         first = publisher.publish(filled_model(1.0), 1)

@@ -20,6 +20,7 @@ from actors import (
     StaleUpdateError,
     WeightConsumer,
     WeightInbox,
+    WeightManifest,
     WeightPublisher,
     WeightSyncError,
     available_transports,
@@ -48,6 +49,14 @@ def publisher():
 def remote(manifest):  # type: ignore[no-untyped-def]
     """The manifest as a consumer on another host sees it: the publisher's pid means nothing there."""
     return dataclasses.replace(manifest, publisher_host="another-host")
+
+
+def one_tensor_served_at(listener: socket.socket) -> tuple[WeightManifest, TcpHandle]:
+    """A one-tensor update's manifest (its specs, from a ``local`` publish) and a ``tcp`` handle at ``listener``."""
+    spec_source = WeightPublisher("local")
+    manifest = spec_source.publish({"w": torch.zeros(1)}, 1)
+    spec_source.close()
+    return manifest, TcpHandle("127.0.0.1", listener.getsockname()[1], os.urandom(32))
 
 
 def test_tcp_is_always_available_and_its_handle_hides_the_key(publisher):
@@ -183,10 +192,7 @@ def test_a_server_that_cannot_prove_the_key_is_not_read_from(reply, match):
     thread = threading.Thread(target=impostor)
     thread.start()
     try:
-        spec_source = WeightPublisher("local")
-        manifest = spec_source.publish({"w": torch.zeros(1)}, 1)
-        spec_source.close()
-        handle = TcpHandle("127.0.0.1", listener.getsockname()[1], os.urandom(32))
+        manifest, handle = one_tensor_served_at(listener)
         fake = dataclasses.replace(manifest, transport="tcp", handle=handle, publisher_host="elsewhere")
         consumer = WeightConsumer()
         with pytest.raises(WeightSyncError, match=match):
@@ -231,10 +237,7 @@ async def test_a_fetch_that_outlives_its_deadline_fails_and_ends():
     """A server that accepts the connection but never speaks: the awaited fetch gives up on time."""
     listener = socket.create_server(("127.0.0.1", 0))  # never accepts: the kernel completes the connect
     try:
-        spec_source = WeightPublisher("local")
-        manifest = spec_source.publish({"w": torch.zeros(1)}, 1)
-        spec_source.close()
-        handle = TcpHandle("127.0.0.1", listener.getsockname()[1], os.urandom(32))
+        manifest, handle = one_tensor_served_at(listener)
         reader = TcpReader()
         with pytest.raises(WeightSyncError, match=r"took longer than 0\.3s"):
             await reader.read_async(manifest.update_id, 1, handle, manifest.tensors, timeout=0.3)
@@ -261,10 +264,7 @@ def test_a_blocking_fetch_from_a_server_that_trickles_ends_at_its_deadline():
     thread = threading.Thread(target=trickle)
     thread.start()
     try:
-        spec_source = WeightPublisher("local")
-        manifest = spec_source.publish({"w": torch.zeros(1)}, 1)
-        spec_source.close()
-        handle = TcpHandle("127.0.0.1", listener.getsockname()[1], os.urandom(32))
+        manifest, handle = one_tensor_served_at(listener)
         reader = TcpReader(timeout=1.0)
         started = time.monotonic()
         with pytest.raises(WeightSyncError, match=r"took longer than 1s"):
