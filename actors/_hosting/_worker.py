@@ -37,6 +37,8 @@ __all__ = ["run"]
 
 #: Allocations between young-generation collections in worker processes.
 GC_THRESHOLD = 20_000
+#: How long a stopping worker waits for its port messages held back for credit to leave (s).
+BACKLOG_FLUSH = 2.0
 
 
 def _load_main(main: list[str] | None) -> None:
@@ -149,6 +151,13 @@ async def _serve(config: WorkerConfig, output: ProcessOutput) -> int:
     server = ActorServer(rt, config, retitle, output)
     loop.add_signal_handler(signal.SIGTERM, server.shutdown, "terminated")
     await server.finished.wait()
+    lost = await rt.windows.drain_all(BACKLOG_FLUSH)  # port messages held back for their receivers' credit
+    if lost:
+        logging.getLogger("actors").warning(
+            "%d port messages held back for receivers that consumed nothing for %gs are lost with this process",
+            lost,
+            BACKLOG_FLUSH,
+        )
     output.finish()  # queued lines leave before the links close; what is printed later is written here
     rt.close()
     return 0

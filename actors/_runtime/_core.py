@@ -96,7 +96,13 @@ class Runtime:
         self.encoder = Encoder()
         self.drops = DropLog()
         self.registry = Registry(self.dir, self.pid)
-        self.outbox = Outbox(self.ctx, self.header, self.keys, lambda *args: self.driver.block(*args))
+        self.outbox = Outbox(
+            self.ctx,
+            self.header,
+            self.keys,
+            lambda *args: self.driver.block(*args),
+            lambda: self.inbox.dispatching,  # (the inbox is made below: asked only once records arrive)
+        )
         self.windows = SenderWindows(self.outbox)
         self.calls = CallTable()
         self.receivers = Receivers(self.pid, self.registry.watcher.watch, self._credit, self.drops)

@@ -32,7 +32,7 @@ from .._transport._receivers import ReceiverState
 from .._transport._sockets import frame_size
 from .._wire import _refs
 from .._wire._codec import register_handle
-from .._wire._records import Attach, port_prefix
+from .._wire._records import Attach, Undecodable, port_prefix
 from . import _core as _runtime
 from ._core import Runtime, current_runtime, runtime
 from ._future import Future
@@ -402,11 +402,25 @@ class PortReceiver(Generic[T]):
                 self._rt.receivers.credit(state, address, counts)
         if state.once:
             self._rt.receivers.close(state, "a once-port delivers a single message")
+        if type(value) is Undecodable:
+            raise DecodeError(f"port {state.port_id}: {value.reason}")
         return value
 
     def recv_ready(self) -> list[T | None]:
-        """The messages already queued, taken without waiting (an empty list when none is)."""
-        return [self._take() for _ in range(len(self._state.queue))]
+        """The messages already queued, taken without waiting (an empty list when none is).
+
+        A message that could not be decoded here ends the list before it (the
+        next receive raises ``DecodeError`` for it), or raises if it is first.
+        From any thread: the queue and its credit are the runtime thread's.
+        """
+        return self._rt.driver.on_thread(self._take_ready)  # type: ignore[no-any-return]
+
+    def _take_ready(self) -> list[T | None]:
+        queue = self._state.queue
+        taken: list[T | None] = []
+        while queue and (not taken or type(queue[0][0]) is not Undecodable):
+            taken.append(self._take())
+        return taken
 
     def qsize(self) -> int:
         """Messages waiting to be received."""
@@ -418,8 +432,9 @@ class PortReceiver(Generic[T]):
         return not self._state.senders_gone()
 
     def close(self) -> None:
-        """Stop receiving: later messages to this port are refused with a log."""
-        self._rt.receivers.close(self._state, "the receiver was closed")
+        """Stop receiving, from any thread: what is queued is dropped (and credited back to its senders), and
+        later messages to this port are refused with a log."""
+        self._rt.driver.on_thread(lambda: self._rt.receivers.close(self._state, "the receiver was closed"))
 
 
 class _Handover:

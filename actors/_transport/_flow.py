@@ -48,12 +48,24 @@ CREDIT_BYTES = WINDOW_BYTES // 4
 #: Records and bytes a sender may hold back for one port once its window is full.
 BACKLOG = 262_144
 BACKLOG_BYTES = 256 * 1024 * 1024
+#: How soon a backlog a full link refused is offered to it again (s).
+RELEASE_RETRY = 0.02
 
 
 class Window:
     """One (peer, port) pair's flow state; ports cache it, so it lives until the peer dies (``dead``)."""
 
-    __slots__ = ("backlog", "backlog_bytes", "dead", "inflight", "inflight_bytes", "link", "port_id", "waiters")
+    __slots__ = (
+        "backlog",
+        "backlog_bytes",
+        "dead",
+        "inflight",
+        "inflight_bytes",
+        "link",
+        "port_id",
+        "release",
+        "waiters",
+    )
 
     def __init__(self, link: Link, port_id: int) -> None:
         self.link = link
@@ -66,6 +78,8 @@ class Window:
         self.backlog: deque[tuple[bytes, list[Any] | None, int]] = deque()
         self.backlog_bytes = 0
         self.waiters: list[asyncio.Future[None]] = []
+        #: The timer releasing the backlog again after a full link refused it (None when none is due).
+        self.release: asyncio.TimerHandle | None = None
 
     def has_room(self) -> bool:
         return self.inflight < WINDOW and (self.inflight_bytes < WINDOW_BYTES or self.inflight == 0)
@@ -122,6 +136,16 @@ class SenderWindows:
             return
         window.inflight = max(0, window.inflight - messages)
         window.inflight_bytes = max(0, window.inflight_bytes - nbytes)
+        self._release(window)
+
+    def _release(self, window: Window) -> None:
+        """Send the backlog's head while the window has room; a full link is tried again shortly (with nothing
+        in flight, no credit would come to do it)."""
+        if window.release is not None:
+            window.release.cancel()  # (this release makes the one due)
+            window.release = None
+        if window.dead:
+            return
         backlog = window.backlog
         post = self._outbox.post
         released = 0
@@ -129,7 +153,10 @@ class SenderWindows:
             data, frames, size = backlog[0]
             try:
                 post(window.link, data, frames or [], False)
-            except BufferFull:  # the link's own queue is full (its peer reads nothing): the rest waits in order
+            except BufferFull:  # the link's own queue is full (its peer reads slowly): the rest waits in order
+                loop = self._outbox.loop
+                if loop is not None:
+                    window.release = loop.call_later(RELEASE_RETRY, self._release, window)
                 break
             backlog.popleft()
             window.backlog_bytes -= size
@@ -149,11 +176,28 @@ class SenderWindows:
         window.waiters.append(waiter)
         await waiter
 
+    async def drain_all(self, timeout: float) -> int:
+        """Wait up to ``timeout`` s for every backlog to leave (a stopping process's last messages); the records
+        still held back then (a receiver that consumes nothing, or too slowly), which are lost with it."""
+        held = [(key, window) for key, window in self._windows.items() if window.backlog and not window.dead]
+        if held:
+            waits = [asyncio.ensure_future(self.drain(*key)) for key, _ in held]
+            _, late = await asyncio.wait(waits, timeout=timeout)
+            for wait in late:
+                wait.cancel()
+            for wait in waits:  # (a receiver that exited: its backlog is gone, and said so to its senders)
+                if wait.done() and not wait.cancelled():
+                    wait.exception()
+        return self.backlogged
+
     def drop(self, address: str) -> None:
         """The peer at ``address`` is gone: its windows and backlogs go, their waiters hear why."""
         for key in [key for key in self._windows if key[0] == address]:
             window = self._windows.pop(key)
             window.dead = True
+            if window.release is not None:
+                window.release.cancel()
+                window.release = None
             dropped = len(window.backlog)
             window.backlog.clear()
             wake_all(window.waiters, PortClosed(f"the receiver of port {key[1]} at {address} has exited"))

@@ -46,14 +46,23 @@ Blocker = Callable[[Callable[[], bool], "zmq.Socket[Any]", float, str], None]
 class Outbox:
     """This process's links to its peers and the policy for flushing them."""
 
-    def __init__(self, ctx: zmq.Context[Any], header: bytes, keys: tuple[bytes, bytes] | None, block: Blocker) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context[Any],
+        header: bytes,
+        keys: tuple[bytes, bytes] | None,
+        block: Blocker,
+        dispatching: Callable[[], bool],
+    ) -> None:
         self._ctx = ctx
         self._header = header
         self._keys = keys
         self._block = block
+        #: Whether this process is handling received records now (never block then: the records a full queue
+        #: refused stay in their batch, retried by the next wait's pump).
+        self._dispatching = dispatching
         self.links: dict[str, Link] = {}
         self.loop: asyncio.AbstractEventLoop | None = None  # set while an event loop drives this process
-        self.dispatching = False  # handling received records: never block then
         self._dirty: list[Link] = []
         self._flush_scheduled = False
 
@@ -105,7 +114,7 @@ class Outbox:
         loop = self.loop
         if loop is not None:
             link.retry = loop.call_later(RETRY_FIRST, self._retry, link, RETRY_FIRST)
-        elif not self.dispatching:
+        elif not self._dispatching():
             self._block(
                 lambda: link.dead or link.try_send(self._header),
                 link.sock,
@@ -144,8 +153,9 @@ class Outbox:
             if link.retry is not None:
                 link.retry.cancel()
                 link.retry = None
-                if loop is not None:
-                    link.retry = loop.call_later(RETRY_FIRST, self._retry, link, RETRY_FIRST)
+            # (a batch refused while no loop ran, or whose retry the last unbinding cancelled, is retried too)
+            if loop is not None and link.parts and not link.dead:
+                link.retry = loop.call_later(RETRY_FIRST, self._retry, link, RETRY_FIRST)
         dirty, self._dirty = self._dirty, []
         self._flush_scheduled = False
         for link in dirty:

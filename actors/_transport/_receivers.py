@@ -94,8 +94,24 @@ class Receivers:
         return self._states.get(port_id)
 
     def close(self, state: ReceiverState, reason: str) -> None:
+        """Stop receiving: the messages still queued are dropped, and every sender gets back the credit its
+        queued and consumed messages took (else a sender whose window they fill waits for it forever)."""
         state.closed = reason
         self._states.pop(state.port_id, None)
+        owed = state.unacked
+        state.unacked = {}
+        for _value, address, size in state.queue:
+            if address is not None:
+                counts = owed.setdefault(address, [0, 0])
+                counts[0] += 1
+                counts[1] += size
+        state.queue.clear()
+        if state.once:
+            state.wake()
+            return  # (its one message was its sender's last: no window waits on it)
+        for address, (messages, nbytes) in owed.items():
+            if messages:
+                self._credit(address, state.port_id, messages, nbytes)
         state.wake()
 
     def credit(self, state: ReceiverState, address: str, counts: list[int]) -> None:

@@ -31,7 +31,7 @@ from ._ext import (
     MAX_PAYLOAD_BYTES,
     handle_of_kind,
 )
-from ._records import ErrorRecord, Kind
+from ._records import ErrorRecord, Kind, Undecodable
 
 __all__ = ["Decoder", "WholeBatch"]
 
@@ -313,19 +313,21 @@ def _read_uint(view: memoryview, position: int) -> tuple[int, int]:
 
 
 def _failed_answer(record: memoryview, error: DecodeError) -> list[Any] | None:
-    """A reply whose value cannot be built here, as a failed reply, so its caller hears why instead of waiting.
+    """A reply or port message whose value cannot be built here, as one that says so, so that its caller or
+    receiver hears why instead of waiting (and the port's sender gets its window credit back when it is taken).
 
     The record is read again with every extension value left out (nothing
-    is loaded, nothing unpickled); only a reply is turned into an answer
-    (other records are dropped with a log, as before).
+    is loaded, nothing unpickled); other records are dropped with a log.
     """
     try:
         fields = msgpack.unpackb(record, ext_hook=lambda code, data: None, raw=False, strict_map_key=False)
     except Exception:
         return None
-    if type(fields) is not list or len(fields) != 5 or fields[0] != Kind.REPLY:
+    if type(fields) is not list or not fields or type(fields[0]) is not int:
         return None
-    if type(fields[1]) is not int or type(fields[2]) is not int:
+    if len(fields) == 3 and fields[0] == Kind.PORT and type(fields[1]) is int:
+        return [int(Kind.PORT), fields[1], Undecodable(f"a message could not be decoded in this process: {error}")]
+    if len(fields) != 5 or fields[0] != Kind.REPLY or type(fields[1]) is not int or type(fields[2]) is not int:
         return None
     why = ErrorRecord("DecodeError", f"the answer could not be decoded in the calling process: {error}")
     return [int(Kind.REPLY), fields[1], fields[2], False, why.to_wire()]

@@ -237,6 +237,14 @@ class PortMessage(NamedTuple):
         return fields
 
 
+class Undecodable(NamedTuple):
+    """In a port's queue, in place of a value that arrived but could not be built here (its type unknown, its
+    constructor raising): receiving it raises ``DecodeError`` with ``reason``, and its window credit flows as for
+    any message."""
+
+    reason: str
+
+
 def port_prefix(port_id: int) -> bytes:
     """The packed start of a PORT record for ``port_id``; the value is packed right after it."""
     return b"\x93" + msgpack.packb(int(Kind.PORT)) + msgpack.packb(port_id)  # type: ignore[no-any-return]

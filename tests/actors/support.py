@@ -104,6 +104,14 @@ class Echo(Actor):
         port.send(None)
 
     @endpoint
+    async def emit_paced(self, port: Port, count: int) -> int:
+        """Send ``count`` ints, then wait until the receiver took back every one's credit from the backlog."""
+        for seq in range(count):
+            port.send(seq)
+        await port.drain()
+        return count
+
+    @endpoint
     async def call_other(self, other: ActorMesh, x: int) -> int:
         return await other.add.call_one(x)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 from collections import OrderedDict
 
 import msgpack
@@ -221,23 +222,26 @@ def test_a_call_whose_response_port_is_not_a_port_is_refused():
         Call.from_wire([Kind.CALL, 1, "a", "m", "ipc:///x.sock", 1, 0, b"", 7])
 
 
-def test_a_reply_whose_value_cannot_be_built_becomes_a_failed_reply_and_other_records_stay_errors():
-    """The caller hears why (instead of waiting for an answer that was dropped); nothing in the value is loaded."""
-    from actors._wire._records import ErrorRecord, Kind, Reply, record_prefix
+def test_a_reply_or_port_message_whose_value_cannot_be_built_says_so_and_other_records_stay_errors():
+    """The caller hears why (instead of waiting for an answer that was dropped), and so does a port's receiver
+    (its queue gets an ``Undecodable`` in the value's place); nothing in the value is loaded."""
+    from actors._wire._records import ErrorRecord, Kind, Reply, Undecodable, record_prefix
 
     missing = msgpack.ExtType(EXT_DATACLASS, msgpack.packb(["no_such_module:Thing", [1]]))
     records = [
         msgpack.packb([int(Kind.REPLY), 7, 1, True, {"x": missing}]),
         msgpack.packb([int(Kind.PORT), 3, missing]),
+        msgpack.packb([int(Kind.CALL), 3, missing]),
     ]
     batch = b"".join(record_prefix(0, len(r)) + r for r in records)
-    (reply, _, _), (port, _, _) = list(Decoder().decode_batch(batch, []))
+    (reply, _, _), (port, _, _), (other, _, _) = list(Decoder().decode_batch(batch, []))
     answer = Reply.from_wire(reply)
     assert (answer.call_id, answer.rank, answer.ok) == (7, 1, False)
     assert isinstance(answer.value, ErrorRecord) and answer.value.type_name == "DecodeError"
     assert "could not be decoded in the calling process" in answer.value.message
     assert "no_such_module" in answer.value.message
-    assert isinstance(port, DecodeError)
+    assert port[:2] == [int(Kind.PORT), 3] and type(port[2]) is Undecodable and "no_such_module" in port[2].reason
+    assert isinstance(other, DecodeError)
 
 
 def test_a_record_that_fails_in_any_way_is_isolated_and_the_rest_of_the_batch_arrives():
@@ -255,8 +259,7 @@ def test_a_record_that_fails_in_any_way_is_isolated_and_the_rest_of_the_batch_ar
     ]
     batch = b"".join(record_prefix(0, len(r)) + r for r in records)
     got = [message for message, _, _ in Decoder().decode_batch(batch, [])]
-    assert isinstance(got[0], DecodeError) and "negative" in str(got[0])
-    assert isinstance(got[1], DecodeError)
+    assert "negative" in got[0][2].reason and "overflow" in got[1][2].reason.lower(), got[:2]
     assert got[2] == [int(Kind.PORT), 3, Fragile(2)]
     for bad in (fragile, overflow):
         with pytest.raises(DecodeError):
@@ -325,3 +328,55 @@ def test_resolving_a_name_never_runs_a_modules_getattr():
         assert calls == []
     finally:
         del sys.modules[lazy.__name__]
+
+
+def test_a_port_message_that_cannot_be_built_here_is_credited_and_its_receiver_told(tmp_path):
+    """Dropped with a log, it gave no credit back (4,096 of them, or one of 64 MiB, closed its sender's window for
+    good) and its receiver waited on; now receiving it raises ``DecodeError`` and its credit flows as any other's."""
+    import zmq
+    from support import Fragile
+
+    from actors._transport._flow import CREDIT_MESSAGES
+    from actors._transport._inbox_pump import DropLog, Inbox
+    from actors._transport._receivers import Receivers
+    from actors._wire._records import PROTOCOL_VERSION, Kind, PortMessage, Undecodable, record_prefix
+
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    address = f"ipc://{tmp_path}/inbox.sock"
+    credits: list[tuple[str, int, int, int]] = []
+    try:
+        pull.bind(address)
+        push.connect(address)
+        drops = DropLog()
+        inbox = Inbox(pull, str(tmp_path), "ipc://own", lambda header: None, drops)
+        receivers = Receivers(1, lambda pid: True, lambda *credit: credits.append(credit), drops)
+        state = receivers.open(False)
+        inbox.on(PortMessage, receivers.on_port_message, raw=True, run=receivers.deliver_run)
+        fragile = msgpack.ExtType(EXT_DATACLASS, msgpack.packb(["support:Fragile", [-1]]))
+        records = [msgpack.packb([int(Kind.PORT), state.port_id, fragile])] * CREDIT_MESSAGES
+        records.append(
+            msgpack.packb(
+                [int(Kind.PORT), state.port_id, msgpack.ExtType(EXT_DATACLASS, msgpack.packb(["support:Fragile", [2]]))]
+            )
+        )
+        peer = f"ipc://{tmp_path}/peer.sock"
+        header = msgpack.packb([PROTOCOL_VERSION, peer, 42])
+        push.send_multipart([header, b"".join(record_prefix(0, len(r)) + r for r in records)])
+        assert pull.poll(10_000)
+        inbox.pump()
+        assert drops.count == 0 and len(state.queue) == CREDIT_MESSAGES + 1
+        assert all(type(value) is Undecodable for value, _, _ in list(state.queue)[:-1])
+        # what a receiver does with them: each raises, and their credit goes back once a batch is consumed
+        from actors._runtime._port import PortReceiver
+
+        receiver = PortReceiver.__new__(PortReceiver)
+        receiver._rt, receiver._state = types.SimpleNamespace(receivers=receivers), state  # type: ignore[assignment]
+        for _ in range(CREDIT_MESSAGES):
+            with pytest.raises(DecodeError, match="negative"):
+                receiver._take()
+        assert credits and credits[0][:3] == (peer, state.port_id, CREDIT_MESSAGES)
+        assert receiver._take_ready() == [Fragile(2)]
+    finally:
+        push.close(linger=0)
+        pull.close(linger=0)

@@ -38,3 +38,95 @@ async def test_a_million_messages_through_two_stages_to_a_slow_receiver(procs):
     )
     assert await relay.peak.call_one() <= 2 * PORT_WINDOW
     assert time.monotonic() - started < 100
+
+
+async def test_a_backlog_a_full_link_refused_with_nothing_in_flight_is_offered_again():
+    """The credit that emptied the window found the link full: nothing was in flight, so no credit would come to
+    release the backlog, and ``drain()`` waited forever. It is offered to the link again until it leaves."""
+    import types
+
+    from actors import BufferFull
+    from actors._transport._flow import SenderWindows
+
+    class FullOnce:
+        loop = asyncio.get_running_loop()
+        posted: list[bytes] = []
+        refusals = 1
+
+        def post(self, link: object, data: bytes, frames: list[object], urgent: bool) -> None:
+            if self.refusals:
+                self.refusals -= 1
+                raise BufferFull("the link's queue is full")
+            self.posted.append(data)
+
+    outbox = FullOnce()
+    windows = SenderWindows(outbox)  # type: ignore[arg-type]
+    window = windows.window(types.SimpleNamespace(address="ipc://peer"), 7)  # type: ignore[arg-type]
+    window.inflight = PORT_WINDOW  # full: the next record waits in the backlog
+    windows.send(window, b"record", [], 6)
+    assert len(window.backlog) == 1
+    windows.on_credit("ipc://peer", 7, PORT_WINDOW, 0)  # room again, but the link refuses
+    assert window.inflight == 0 and len(window.backlog) == 1
+    await asyncio.wait_for(windows.drain("ipc://peer", 7), 5)
+    assert outbox.posted == [b"record"] and window.inflight == 1
+
+
+async def test_a_batch_whose_retry_a_loop_hand_over_cancelled_is_retried_on_the_next_loop(tmp_path, monkeypatch):
+    """Unbinding the outbox (the runtime's loop ending or handing over) cancels the retries of batches a full
+    queue refused; binding it to the next loop arranged them only for links that still had one: none."""
+    import zmq
+
+    from actors._transport._outbox import Outbox
+    from actors._transport._sockets import Link
+
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    address = f"ipc://{tmp_path}/peer.sock"
+    pull.bind(address)
+    refusing = [True]
+    real = Link.try_send
+    monkeypatch.setattr(Link, "try_send", lambda link, header: False if refusing[0] else real(link, header))
+    outbox = Outbox(ctx, b"header", None, lambda *args: None, lambda: False)
+    try:
+        loop = asyncio.get_running_loop()
+        outbox.bind(loop)
+        link = outbox.link(address)
+        outbox.post(link, b"record", [], True)  # the peer's queue is full: a retry is arranged
+        assert link.retry is not None
+        outbox.bind(None)
+        outbox.bind(loop)
+        refusing[0] = False
+        assert await asyncio.to_thread(pull.poll, 5000), "the batch was retried on the new loop"
+        header, payload = pull.recv_multipart()
+        assert header == b"header" and payload.endswith(b"record")
+    finally:
+        for link in outbox.links.values():
+            if link.retry is not None:
+                link.retry.cancel()
+            link.sock.close(linger=0)
+        pull.close(linger=0)
+
+
+def test_without_a_loop_a_full_queue_blocks_a_send_but_never_the_handling_of_received_records(tmp_path, monkeypatch):
+    """Handling received records (a credit for a closed port, news of a death) must not wait up to a minute for a
+    full peer: the batch stays for the next wait's pump to retry. The flag saying so was never set."""
+    import zmq
+
+    from actors._transport._outbox import Outbox
+    from actors._transport._sockets import Link
+
+    monkeypatch.setattr(Link, "try_send", lambda link, header: False)  # the peer's queue stays full
+    dispatching = [True]
+    blocked: list[str] = []
+    ctx = zmq.Context()
+    outbox = Outbox(ctx, b"header", None, lambda *args: blocked.append(args[3]), lambda: dispatching[0])
+    try:
+        link = outbox.link(f"ipc://{tmp_path}/peer.sock")
+        outbox.post(link, b"credit", [], True)
+        assert blocked == [] and link.records == 1, "kept for later, not waited for"
+        dispatching[0] = False
+        outbox.post(link, b"call", [], True)
+        assert len(blocked) == 1 and "room in the queue" in blocked[0], "a sender's own post waits (its deadline)"
+    finally:
+        for each in outbox.links.values():
+            each.sock.close(linger=0)

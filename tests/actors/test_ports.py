@@ -158,6 +158,47 @@ async def test_closed_receiver_refuses_local_sends():
         await recv.recv()
 
 
+def test_taking_what_is_queued_and_closing_run_on_the_runtimes_thread(sockets_dir, monkeypatch):
+    """A synchronous program's runtime is served by a background loop: ``recv_ready()`` and ``close()`` from the
+    program's thread took messages, sent credit and woke waiters there, beside that loop (the encoder, the ZeroMQ
+    sockets and the waiters' futures are its thread's alone)."""
+    import threading
+
+    from actors._runtime._port import PortReceiver
+
+    procs = this_host().spawn_procs(per_host={"procs": 1})
+    try:
+        port, recv = Channel.open(int)
+        echo = procs.spawn("echo", Echo)
+        echo.send_to.call_one(port, [1, 2, 3]).get(timeout=30)
+        assert recv.recv().get(timeout=10) == 1  # (the rest are queued behind it)
+        threads: list[int] = []
+        real_take = PortReceiver._take
+
+        def take(self: PortReceiver) -> object:
+            threads.append(threading.get_ident())
+            return real_take(self)
+
+        monkeypatch.setattr(PortReceiver, "_take", take)
+        assert recv.recv_ready() == [2, 3]
+        driver = runtime().driver
+        assert driver.thread is not None and driver.thread != threading.get_ident()
+        assert threads == [driver.thread, driver.thread]
+        closed_on: list[int] = []
+        receivers = runtime().receivers
+        real_close = type(receivers).close
+
+        def close(self: object, state: object, reason: str) -> None:
+            closed_on.append(threading.get_ident())
+            real_close(self, state, reason)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(type(receivers), "close", close)
+        recv.close()
+        assert closed_on == [driver.thread]
+    finally:
+        procs.stop().get()
+
+
 def test_channel_open_once_must_be_keyword():
     with pytest.raises(TypeError, match="keyword"):
         Channel.open(True)
@@ -190,6 +231,36 @@ async def test_messages_to_a_closed_receiver_do_not_exhaust_the_window(procs: Pr
     # The actor sends 3 windows' worth to a port whose receiver is closed; it must finish.
     await asyncio.wait_for(echo.emit.call_one(port, 3 * PORT_WINDOW, 1), 60)
     assert inlet is not None and out is not None and out_recv.qsize() == 0
+
+
+async def test_closing_a_receiver_with_messages_queued_gives_their_credit_back(procs: ProcMesh):
+    """The queued messages (a full window) and the consumed ones not yet credited are credited at close: the
+    sender's backlog then drains to the closed port instead of waiting for credit that never comes."""
+    echo = procs.spawn("echo", Echo).slice(procs=0)
+    port, recv = Channel.open(int)
+    call = asyncio.ensure_future(echo.emit_paced.call_one(port, 2 * PORT_WINDOW + 10))
+    for _ in range(10):  # consumed, not yet credited (below the credit batch)
+        await recv.recv()
+    await _until(lambda: recv.qsize() == PORT_WINDOW - 10)  # (the window is full: the rest waits in the backlog)
+    recv.close()
+    assert await asyncio.wait_for(call, 30) == 2 * PORT_WINDOW + 10
+    with pytest.raises(PortClosed, match="closed"):
+        await recv.recv()
+
+
+async def test_a_stopping_process_first_sends_what_it_held_back_for_credit(sockets_dir):
+    """``emit`` returns with a window's worth held back (the receiver had not consumed yet); stopping the process
+    then dropped it silently, and the stream ended without its last window or its ``None``."""
+    procs = this_host().spawn_procs(per_host={"procs": 1})
+    echo = procs.spawn("echo", Echo).slice(procs=0)
+    port, recv = Channel.open(Item)
+    await echo.emit.call_one(port, 2 * PORT_WINDOW, 1)
+    stopping = asyncio.ensure_future(procs.stop())
+    seqs = []
+    while (item := await asyncio.wait_for(recv.recv(), 30)) is not None:
+        seqs.append(item.seq)
+    await asyncio.wait_for(stopping, 30)
+    assert seqs == list(range(2 * PORT_WINDOW))
 
 
 async def test_two_tasks_receiving_on_one_port_each_get_a_message():
@@ -304,3 +375,11 @@ async def test_a_port_send_refused_by_a_full_link_takes_no_window_credit(procs: 
         inlet.send(Item(1, torch.ones(2)))
     monkeypatch.undo()
     assert (window.inflight, window.inflight_bytes) == before
+
+
+async def _until(condition: Any, timeout: float = 30.0) -> None:
+    """Poll ``condition`` (state another process changes) until it holds; ``timeout`` guards against a hang."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition never held"
+        await asyncio.sleep(0.01)
