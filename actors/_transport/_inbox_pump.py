@@ -83,6 +83,7 @@ class Inbox:
         self._drops = drops
         self._routes: dict[Any, tuple[Callable[[Any], Any] | None, Handler]] = {}  # kind -> (decode, handler)
         self.dispatching = False
+        self._pumping = False  # (a pump called from within one returns at once)
         #: After each message is handled (wakes code waiting for "some progress").
         self.handled: Hook[[]] = Hook("handled messages")
         self._senders: dict[bytes, Header] = {}  # raw header -> checked header
@@ -108,7 +109,21 @@ class Inbox:
             self._port_run = run
 
     def pump(self, limit: int | None = None) -> bool:
-        """Handle waiting messages (at most ``limit``); True when the socket is empty."""
+        """Handle waiting messages (at most ``limit``); True when the socket is empty.
+
+        Called again while it handles a message (a handler's side effect, such
+        as news of a sender's exit), it returns at once: the outer call reads
+        the rest, in order.
+        """
+        if self._pumping:
+            return False
+        self._pumping = True
+        try:
+            return self._pump(limit)
+        finally:
+            self._pumping = False
+
+    def _pump(self, limit: int | None) -> bool:
         count = 0
         sock = self.sock
         handled = self.handled

@@ -380,3 +380,39 @@ def test_a_port_message_that_cannot_be_built_here_is_credited_and_its_receiver_t
     finally:
         push.close(linger=0)
         pull.close(linger=0)
+
+
+def test_a_pump_called_again_while_it_handles_a_message_leaves_the_rest_in_order(tmp_path):
+    """Learning a new sender can end in a nested pump (its pid already gone: its exit pumps the inbox to take in
+    what it sent). The nested pump handled the sender's later batch first: its ``None`` arrived before the data."""
+    import zmq
+
+    from actors._transport._inbox_pump import DropLog, Inbox
+    from actors._transport._receivers import Receivers
+    from actors._wire._records import PROTOCOL_VERSION, Kind, PortMessage, record_prefix
+
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    address = f"ipc://{tmp_path}/inbox.sock"
+    try:
+        pull.bind(address)
+        push.connect(address)
+        drops = DropLog()
+        inboxes: list[Inbox] = []
+        inbox = Inbox(pull, str(tmp_path), "ipc://own", lambda header: inboxes[0].pump(), drops)
+        inboxes.append(inbox)
+        receivers = Receivers(1, lambda pid: True, lambda *credit: None, drops)
+        state = receivers.open(False)
+        inbox.on(PortMessage, receivers.on_port_message, raw=True, run=receivers.deliver_run)
+        header = msgpack.packb([PROTOCOL_VERSION, f"ipc://{tmp_path}/peer.sock", 42])
+        for values in ([1, 2], [3, None]):
+            records = [msgpack.packb([int(Kind.PORT), state.port_id, value]) for value in values]
+            push.send_multipart([header, b"".join(record_prefix(0, len(r)) + r for r in records)])
+        assert pull.poll(10_000)
+        while len(state.queue) < 4:
+            assert pull.poll(10_000)
+            inbox.pump()
+        assert [value for value, _, _ in state.queue] == [1, 2, 3, None]
+    finally:
+        push.close(linger=0)
+        pull.close(linger=0)

@@ -17,7 +17,7 @@ import zmq
 from harness import actor_pids, wait_for
 from support import Echo
 
-from actors import ActorDied, ProcMesh, this_host
+from actors import ActorDied, DecodeError, ProcMesh, this_host
 from actors._wire._records import PROTOCOL_VERSION, Kind
 
 
@@ -93,6 +93,8 @@ async def test_a_bad_message_does_not_cost_the_rest_of_its_batch():
     )
     _inject(runtime().address, [header, payload])
     assert await asyncio.wait_for(recv.recv(), 5) == "first"
+    with pytest.raises(DecodeError, match="not_loaded_module"):  # (told, in its place; the malformed one dropped)
+        await asyncio.wait_for(recv.recv(), 5)
     assert await asyncio.wait_for(recv.recv(), 5) == "last"
 
 
