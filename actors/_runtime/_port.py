@@ -138,6 +138,9 @@ class Port(Generic[T]):
             except (PortClosed, BufferFull, EncodeError, TypeError):
                 self._used = False  # refused before it left: the one message is still to come
                 raise
+            route = self._route
+            if route is not None and route.window is not None:  # its one message left: no credit will come back
+                route.rt.driver.on_thread(lambda: route.rt.windows.forget(route.window))
         else:
             self._deliver(value)
 

@@ -190,6 +190,16 @@ class SenderWindows:
                     wait.exception()
         return self.backlogged
 
+    def forget(self, window: Window | None) -> None:
+        """A once-port's window after its one message left: nothing more goes there, and it is never credited
+        (kept, one per once-port a process ever sent to, until that peer exited)."""
+        if (
+            window is not None
+            and not window.backlog
+            and self._windows.get((window.link.address, window.port_id)) is window
+        ):
+            del self._windows[(window.link.address, window.port_id)]
+
     def drop(self, address: str) -> None:
         """The peer at ``address`` is gone: its windows and backlogs go, their waiters hear why."""
         for key in [key for key in self._windows if key[0] == address]:

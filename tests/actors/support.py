@@ -18,6 +18,7 @@ from actors import (
     Channel,
     Failure,
     Port,
+    PortReceiver,
     ProcMesh,
     current_rank,
     current_size,
@@ -168,6 +169,23 @@ class Relay(Actor):
             n += 1
         out.send(None)
         return n
+
+
+class OnceInlets(Actor):
+    """Opens once-ports on request and counts what arrives on them."""
+
+    def __init__(self) -> None:
+        self.receivers: list[PortReceiver] = []
+
+    @endpoint
+    async def open(self) -> Port:
+        port, receiver = Channel.open(int, once=True)
+        self.receivers.append(receiver)
+        return port
+
+    @endpoint
+    async def total(self) -> int:
+        return sum([await receiver.recv() for receiver in self.receivers])  # type: ignore[misc]
 
 
 class Cleanup(Actor):

@@ -263,6 +263,21 @@ async def test_a_stopping_process_first_sends_what_it_held_back_for_credit(socke
     assert seqs == list(range(2 * PORT_WINDOW))
 
 
+async def test_a_once_port_sent_to_leaves_no_flow_window_behind(procs: ProcMesh):
+    """Its one message is never credited: its window stayed in the sender's table until the receiving process
+    exited, one per once-port (a service answering each request on a once-port grew without bound)."""
+    from support import OnceInlets
+
+    inlets = procs.spawn("inlets", OnceInlets).slice(procs=0)
+    windows = runtime().windows
+    before = len(windows._windows)
+    for value in range(50):
+        port = await inlets.open.call_one()
+        port.send(value)
+    assert await inlets.total.call_one() == sum(range(50))
+    assert len(windows._windows) <= before + 1, "(at most a window of another port of that process)"
+
+
 async def test_two_tasks_receiving_on_one_port_each_get_a_message():
     """Concurrent ``recv()``s queue up: every waiting task is woken, none is forgotten."""
     port, recv = Channel.open(int)
