@@ -19,6 +19,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import threading
+import time
 import types
 import typing
 from collections.abc import Generator
@@ -360,6 +361,7 @@ class PortReceiver(Generic[T]):
         gave up is returned rather than dropped.
         """
         handover = _Handover()
+        started = time.monotonic()
         waiting = asyncio.run_coroutine_threadsafe(self._take_for(handover), loop)
         try:
             waiting.result(timeout)
@@ -370,6 +372,10 @@ class PortReceiver(Generic[T]):
             if taken:
                 return handover.value  # type: ignore[no-any-return]
             waiting.cancel()  # (done already when the receive failed on its own)
+            if isinstance(exc, concurrent.futures.CancelledError):  # the loop ended or handed the runtime over
+                self._rt.driver.next_loop(loop)
+                left = None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
+                return self._recv_sync(left)  # (on whatever drives the runtime now)
             if not isinstance(exc, concurrent.futures.TimeoutError):
                 raise  # the receive's own outcome (PortClosed), or the caller was interrupted
             raise CallTimeout(

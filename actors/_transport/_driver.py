@@ -242,6 +242,24 @@ class Driver:
             if deadline is not None and time.monotonic() >= deadline:
                 raise CallTimeout(f"gave up after {timeout:.1f}s waiting for {what}")
 
+    def next_loop(self, old: asyncio.AbstractEventLoop) -> asyncio.AbstractEventLoop | None:
+        """For a thread whose wait through ``old`` was cancelled as that loop ended: the running loop that drives
+        the runtime now (the program's, which took it over, or a new background one), once there is one.
+
+        A hand-over takes milliseconds; None if no loop ran within
+        :data:`HANDOVER_TIMEOUT` (the caller then waits as a program without
+        one does). This thread never starts a loop itself: one starting here
+        mid-hand-over would contest the runtime with the program's.
+        """
+        give_up = time.monotonic() + HANDOVER_TIMEOUT
+        while True:
+            loop = self.loop
+            if loop is not None and loop is not old and loop.is_running():
+                return loop
+            if time.monotonic() >= give_up:
+                return None
+            time.sleep(0.001)  # (this thread's own wait, during a hand-over: never an event loop's)
+
     def block(self, condition: Callable[[], bool], writable: zmq.Socket[Any], timeout: float, what: str) -> None:
         self.wait(condition, timeout=timeout, writable=writable, what=what)
 

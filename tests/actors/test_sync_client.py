@@ -248,3 +248,41 @@ def test_a_receive_that_times_out_leaves_the_message_for_the_next(tmp_path):
         """,
     )
     assert lines == ["timeout", "41"]
+
+
+def test_a_receive_waiting_through_the_background_loop_follows_the_runtime_when_the_loop_hands_over(tmp_path):
+    """A helper thread receives through the background loop; the program's main thread then starts its own loop,
+    which takes the runtime over and ends the background one. The receive was cancelled with it (a bare
+    ``CancelledError``); now it goes on on the loop that drives the runtime."""
+    lines = run_program(
+        tmp_path,
+        """
+        if __name__ == "__main__":
+            procs = this_host().spawn_procs({"procs": 1})
+            talker = procs.spawn("talker", Talker)
+            talker.echo.call_one(0).get(timeout=30)  # the background loop serves from here on
+            port, receiver = Channel.open(int)
+            got = []
+
+            def receive():
+                try:
+                    got.append(receiver.recv().get(timeout=30))
+                except BaseException as exc:
+                    got.append(type(exc).__name__)
+
+            thread = threading.Thread(target=receive)
+            thread.start()
+            while not receiver._state.waiters:  # the receive waits on the background loop
+                time.sleep(0.001)
+
+            async def main():
+                assert await talker.echo.call_one(1) == 1  # the runtime moved to this loop
+                port.send(7)
+                await asyncio.to_thread(thread.join, 30)
+
+            asyncio.run(main())
+            print(got)
+            procs.stop().get()
+        """,
+    )
+    assert lines == ["[7]"]
