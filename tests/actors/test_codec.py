@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import types
 from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Any
 
 import msgpack
 import pytest
@@ -266,42 +269,57 @@ def test_a_record_that_fails_in_any_way_is_isolated_and_the_rest_of_the_batch_ar
             Decoder().decode(msgpack.packb(bad))
 
 
-def test_an_inbox_batch_whose_record_kind_is_a_tensor_is_dropped_and_the_rest_delivered(tmp_path):
-    """``fields[0] == Kind.PORT`` on a decoded tensor would raise (or be a tensor): records are checked by type."""
+@contextlib.contextmanager
+def wired_inbox(tmp_path: Any, learn_sender: Any = None, credit: Any = None) -> Iterator[types.SimpleNamespace]:
+    """An inbox on a PULL socket, a PUSH into it, and its PORT records routed to one open receiver's ``state``;
+    ``send(values)`` pushes one batch of PORT records to it from the peer ``peer``."""
     import zmq
 
     from actors._transport._inbox_pump import DropLog, Inbox
     from actors._transport._receivers import Receivers
-    from actors._wire._records import PROTOCOL_VERSION, Kind, PortMessage, record_prefix
+    from actors._wire._records import PROTOCOL_VERSION, PortMessage, record_prefix
 
     ctx = zmq.Context()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    address = f"ipc://{tmp_path}/inbox.sock"
     try:
-        pull.bind(address)
-        push.connect(address)
-        drops = DropLog()
-        inbox = Inbox(pull, str(tmp_path), "ipc://own", lambda header: None, drops)
-        receivers = Receivers(1, lambda pid: True, lambda *credit: None, drops)
-        state = receivers.open(False)
-        inbox.on(PortMessage, receivers.on_port_message, raw=True, run=receivers.deliver_run)
-        tensor = msgpack.ExtType(EXT_TENSOR, msgpack.packb(["int64", [2], b"\x00" * 16]))
-        records = [
-            msgpack.packb([int(Kind.PORT), state.port_id, "first"]),
-            msgpack.packb([tensor, state.port_id, "bad"]),
-            msgpack.packb([int(Kind.PORT), tensor, "bad"]),
-            msgpack.packb([int(Kind.PORT), state.port_id, "last"]),
-        ]
-        header = msgpack.packb([PROTOCOL_VERSION, f"ipc://{tmp_path}/peer.sock", 42])
-        push.send_multipart([header, b"".join(record_prefix(0, len(r)) + r for r in records)])
-        assert pull.poll(10_000)
-        inbox.pump()
-        assert [value for value, _, _ in state.queue] == ["first", "last"]
-        assert drops.count == 2
+        pull.bind(f"ipc://{tmp_path}/inbox.sock")
+        push.connect(f"ipc://{tmp_path}/inbox.sock")
+        wired = types.SimpleNamespace(pull=pull, peer=f"ipc://{tmp_path}/peer.sock", drops=DropLog())
+        wired.inbox = Inbox(pull, str(tmp_path), "ipc://own", learn_sender or (lambda header: None), wired.drops)
+        wired.receivers = Receivers(1, lambda pid: True, credit or (lambda *credit: None), wired.drops)
+        wired.state = wired.receivers.open(False)
+        wired.inbox.on(PortMessage, wired.receivers.on_port_message, raw=True, run=wired.receivers.deliver_run)
+        header = msgpack.packb([PROTOCOL_VERSION, wired.peer, 42])
+
+        def send(records: list[bytes]) -> None:
+            push.send_multipart([header, b"".join(record_prefix(0, len(r)) + r for r in records)])
+
+        wired.send = send
+        yield wired
     finally:
         push.close(linger=0)
         pull.close(linger=0)
-        ctx.term()
+
+
+def test_an_inbox_batch_whose_record_kind_is_a_tensor_is_dropped_and_the_rest_delivered(tmp_path):
+    """``fields[0] == Kind.PORT`` on a decoded tensor would raise (or be a tensor): records are checked by type."""
+    from actors._wire._records import Kind
+
+    with wired_inbox(tmp_path) as wired:
+        port_id = wired.state.port_id
+        tensor = msgpack.ExtType(EXT_TENSOR, msgpack.packb(["int64", [2], b"\x00" * 16]))
+        wired.send(
+            [
+                msgpack.packb([int(Kind.PORT), port_id, "first"]),
+                msgpack.packb([tensor, port_id, "bad"]),
+                msgpack.packb([int(Kind.PORT), tensor, "bad"]),
+                msgpack.packb([int(Kind.PORT), port_id, "last"]),
+            ]
+        )
+        assert wired.pull.poll(10_000)
+        wired.inbox.pump()
+        assert [value for value, _, _ in wired.state.queue] == ["first", "last"]
+        assert wired.drops.count == 2
 
 
 def test_resolving_a_name_never_runs_a_modules_getattr():
@@ -333,86 +351,44 @@ def test_resolving_a_name_never_runs_a_modules_getattr():
 def test_a_port_message_that_cannot_be_built_here_is_credited_and_its_receiver_told(tmp_path):
     """Dropped with a log, it gave no credit back (4,096 of them, or one of 64 MiB, closed its sender's window for
     good) and its receiver waited on; now receiving it raises ``DecodeError`` and its credit flows as any other's."""
-    import zmq
     from support import Fragile
 
+    from actors._runtime._port import PortReceiver
     from actors._transport._flow import CREDIT_MESSAGES
-    from actors._transport._inbox_pump import DropLog, Inbox
-    from actors._transport._receivers import Receivers
-    from actors._wire._records import PROTOCOL_VERSION, Kind, PortMessage, Undecodable, record_prefix
+    from actors._wire._records import Kind, Undecodable
 
-    ctx = zmq.Context()
-    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    address = f"ipc://{tmp_path}/inbox.sock"
     credits: list[tuple[str, int, int, int]] = []
-    try:
-        pull.bind(address)
-        push.connect(address)
-        drops = DropLog()
-        inbox = Inbox(pull, str(tmp_path), "ipc://own", lambda header: None, drops)
-        receivers = Receivers(1, lambda pid: True, lambda *credit: credits.append(credit), drops)
-        state = receivers.open(False)
-        inbox.on(PortMessage, receivers.on_port_message, raw=True, run=receivers.deliver_run)
+    with wired_inbox(tmp_path, credit=lambda *credit: credits.append(credit)) as wired:
+        state = wired.state
         fragile = msgpack.ExtType(EXT_DATACLASS, msgpack.packb(["support:Fragile", [-1]]))
+        sound = msgpack.ExtType(EXT_DATACLASS, msgpack.packb(["support:Fragile", [2]]))
         records = [msgpack.packb([int(Kind.PORT), state.port_id, fragile])] * CREDIT_MESSAGES
-        records.append(
-            msgpack.packb(
-                [int(Kind.PORT), state.port_id, msgpack.ExtType(EXT_DATACLASS, msgpack.packb(["support:Fragile", [2]]))]
-            )
-        )
-        peer = f"ipc://{tmp_path}/peer.sock"
-        header = msgpack.packb([PROTOCOL_VERSION, peer, 42])
-        push.send_multipart([header, b"".join(record_prefix(0, len(r)) + r for r in records)])
-        assert pull.poll(10_000)
-        inbox.pump()
-        assert drops.count == 0 and len(state.queue) == CREDIT_MESSAGES + 1
+        wired.send([*records, msgpack.packb([int(Kind.PORT), state.port_id, sound])])
+        assert wired.pull.poll(10_000)
+        wired.inbox.pump()
+        assert wired.drops.count == 0 and len(state.queue) == CREDIT_MESSAGES + 1
         assert all(type(value) is Undecodable for value, _, _ in list(state.queue)[:-1])
         # what a receiver does with them: each raises, and their credit goes back once a batch is consumed
-        from actors._runtime._port import PortReceiver
-
         receiver = PortReceiver.__new__(PortReceiver)
-        receiver._rt, receiver._state = types.SimpleNamespace(receivers=receivers), state  # type: ignore[assignment]
+        receiver._rt, receiver._state = types.SimpleNamespace(receivers=wired.receivers), state  # type: ignore[assignment]
         for _ in range(CREDIT_MESSAGES):
             with pytest.raises(DecodeError, match="negative"):
                 receiver._take()
-        assert credits and credits[0][:3] == (peer, state.port_id, CREDIT_MESSAGES)
+        assert credits and credits[0][:3] == (wired.peer, state.port_id, CREDIT_MESSAGES)
         assert receiver._take_ready() == [Fragile(2)]
-    finally:
-        push.close(linger=0)
-        pull.close(linger=0)
 
 
 def test_a_pump_called_again_while_it_handles_a_message_leaves_the_rest_in_order(tmp_path):
     """Learning a new sender can end in a nested pump (its pid already gone: its exit pumps the inbox to take in
     what it sent). The nested pump handled the sender's later batch first: its ``None`` arrived before the data."""
-    import zmq
+    from actors._wire._records import Kind
 
-    from actors._transport._inbox_pump import DropLog, Inbox
-    from actors._transport._receivers import Receivers
-    from actors._wire._records import PROTOCOL_VERSION, Kind, PortMessage, record_prefix
-
-    ctx = zmq.Context()
-    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    address = f"ipc://{tmp_path}/inbox.sock"
-    try:
-        pull.bind(address)
-        push.connect(address)
-        drops = DropLog()
-        inboxes: list[Inbox] = []
-        inbox = Inbox(pull, str(tmp_path), "ipc://own", lambda header: inboxes[0].pump(), drops)
-        inboxes.append(inbox)
-        receivers = Receivers(1, lambda pid: True, lambda *credit: None, drops)
-        state = receivers.open(False)
-        inbox.on(PortMessage, receivers.on_port_message, raw=True, run=receivers.deliver_run)
-        header = msgpack.packb([PROTOCOL_VERSION, f"ipc://{tmp_path}/peer.sock", 42])
+    nested: list[Any] = []
+    with wired_inbox(tmp_path, learn_sender=lambda header: nested[0].pump()) as wired:
+        nested.append(wired.inbox)
         for values in ([1, 2], [3, None]):
-            records = [msgpack.packb([int(Kind.PORT), state.port_id, value]) for value in values]
-            push.send_multipart([header, b"".join(record_prefix(0, len(r)) + r for r in records)])
-        assert pull.poll(10_000)
-        while len(state.queue) < 4:
-            assert pull.poll(10_000)
-            inbox.pump()
-        assert [value for value, _, _ in state.queue] == [1, 2, 3, None]
-    finally:
-        push.close(linger=0)
-        pull.close(linger=0)
+            wired.send([msgpack.packb([int(Kind.PORT), wired.state.port_id, value]) for value in values])
+        while len(wired.state.queue) < 4:
+            assert wired.pull.poll(10_000)
+            wired.inbox.pump()
+        assert [value for value, _, _ in wired.state.queue] == [1, 2, 3, None]
