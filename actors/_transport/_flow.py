@@ -179,9 +179,9 @@ class SenderWindows:
     async def drain_all(self, timeout: float) -> int:
         """Wait up to ``timeout`` s for every backlog to leave (a stopping process's last messages); the records
         still held back then (a receiver that consumes nothing, or too slowly), which are lost with it."""
-        held = [(key, window) for key, window in self._windows.items() if window.backlog and not window.dead]
+        held = [key for key, window in self._windows.items() if window.backlog and not window.dead]
         if held:
-            waits = [asyncio.ensure_future(self.drain(*key)) for key, _ in held]
+            waits = [asyncio.ensure_future(self.drain(*key)) for key in held]
             _, late = await asyncio.wait(waits, timeout=timeout)
             for wait in late:
                 wait.cancel()

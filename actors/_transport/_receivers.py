@@ -106,12 +106,10 @@ class Receivers:
                 counts[0] += 1
                 counts[1] += size
         state.queue.clear()
-        if state.once:
-            state.wake()
-            return  # (its one message was its sender's last: no window waits on it)
-        for address, (messages, nbytes) in owed.items():
-            if messages:
-                self._credit(address, state.port_id, messages, nbytes)
+        if not state.once:  # (a once-port's one message was its sender's last: no window waits on it)
+            for address, (messages, nbytes) in owed.items():
+                if messages:
+                    self._credit(address, state.port_id, messages, nbytes)
         state.wake()
 
     def credit(self, state: ReceiverState, address: str, counts: list[int]) -> None:

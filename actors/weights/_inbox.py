@@ -105,12 +105,15 @@ class WeightInbox:
     def _drop(self, manifest: WeightManifest, reason: str) -> None:
         """Reject and release an update not to be installed, unless it is the one a module views (a repeat of it):
         that one stays held until the next install replaces it."""
+        self._reject(manifest, reason)
+        if not self.consumer.holds_alias(manifest.update_id):
+            self.consumer.release(manifest.update_id, manifest.transport)
+
+    def _reject(self, manifest: WeightManifest, reason: str) -> None:
+        """Count an update not to be installed, and reject it unless it was installed or decided already."""
         self.superseded += 1
-        update_id = manifest.update_id
-        if self.consumer.state(update_id) is None:
-            self.consumer.reject(update_id, reason)
-        if not self.consumer.holds_alias(update_id):
-            self.consumer.release(update_id, manifest.transport)
+        if self.consumer.state(manifest.update_id) is None:
+            self.consumer.reject(manifest.update_id, reason)
 
     def install_newest(self, model: torch.nn.Module, *, alias: bool = False) -> WeightManifest | None:
         """Install the newest waiting update into ``model``; None if there was none usable.
@@ -191,9 +194,7 @@ class WeightInbox:
     async def close_async(self) -> None:
         """:meth:`close` for an event loop: the wait for the GPU's reads of a held ``cuda-ipc`` slot is awaited."""
         for manifest in self._queue:  # rejected here, released (awaited) with everything else the consumer holds
-            self.superseded += 1
-            if self.consumer.state(manifest.update_id) is None:
-                self.consumer.reject(manifest.update_id, "inbox closed")
+            self._reject(manifest, "inbox closed")
         self._queue.clear()
         await self.consumer.close_async()
 

@@ -59,11 +59,6 @@ REPORT_BATCH = 10
 RANK_FAILURE_GRACE = 2.0
 
 
-async def _outcome(future: Any) -> Any:
-    """An actor call's result, as a coroutine (for ``asyncio.ensure_future``)."""
-    return await future
-
-
 class Trainer(Actor):
     """GRPO on rollouts in ticket order; publishes every new version as a manifest."""
 
@@ -243,7 +238,7 @@ class Trainer(Actor):
         assert self.ranks is not None and self._parallel is not None, "join() sets the group with the ranks"
         ranks, world = self.ranks, self._parallel.share.world
         async with self._weights:  # (the other ranks are asked only now: a save never runs beside a step)
-            others = [asyncio.ensure_future(_outcome(theirs(ranks.slice(procs=r)))) for r in range(world - 1)]
+            others = [asyncio.ensure_future(theirs(ranks.slice(procs=r))) for r in range(world - 1)]
             work = asyncio.ensure_future(asyncio.to_thread(mine))
             self._stepping = work
             await asyncio.wait([work, *others], return_when=asyncio.FIRST_EXCEPTION)

@@ -206,7 +206,7 @@ async def _leftovers(gens: Generator, tasks: dict[str, asyncio.Task[Any]], names
     roles = [*names, *(role for role in ("scorer", "reference model") if role in tasks)]
     pending = [tasks[role] for role in roles]
     # (a drain lands between rollouts: it answers once each generator's rollout in flight is done)
-    draining = asyncio.ensure_future(_outcome(gens.drain.call()))
+    draining = asyncio.ensure_future(gens.drain.call())
     await asyncio.wait([draining, *pending[: len(names)]], timeout=DRAIN_GUARD, return_when=asyncio.ALL_COMPLETED)
     if not draining.done():
         draining.cancel()
@@ -228,11 +228,6 @@ async def _leftovers(gens: Generator, tasks: dict[str, asyncio.Task[Any]], names
         else:
             outcomes[role] = task.result()
     return [outcomes[name] for name in names]
-
-
-async def _outcome(future: Any) -> Any:
-    """An actor call's result, as a coroutine (for ``asyncio.ensure_future``)."""
-    return await future
 
 
 async def _written(consumer: asyncio.Future[None], reports: PortReceiver[StepReport]) -> None:

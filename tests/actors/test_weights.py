@@ -369,13 +369,19 @@ async def test_dead_publisher_segments_are_removed(procs):
     assert not os.path.exists(path)
 
 
+def aliasing_version_1(publisher: WeightPublisher) -> tuple[WeightInbox, torch.nn.Module, WeightManifest]:
+    """An inbox whose model (all 0.0 before) views version 1 (all 1.0) of ``publisher``, and that update."""
+    inbox = WeightInbox()
+    model = filled_model(0.0)
+    first = publisher.publish(filled_model(1.0), 1)
+    inbox.put(first)
+    assert inbox.install_newest(model, alias=True) is first
+    return inbox, model, first
+
+
 def test_alias_install_is_zero_copy_and_holds_the_slot_until_replaced():
     with WeightPublisher("shm", slots=2, lock_timeout=0.2) as publisher:
-        inbox = WeightInbox()
-        model = filled_model(0.0)
-        first = publisher.publish(filled_model(1.0), 1)
-        inbox.put(first)
-        assert inbox.install_newest(model, alias=True) is first
+        inbox, model, first = aliasing_version_1(publisher)
         assert inbox.consumer.holds_alias(first.update_id) and inbox.consumer.state(first.update_id) == "acknowledged"
         weight = next(model.parameters())
         with open(os.path.join(SHM_DIR, first.handle), "r+b") as segment:
@@ -439,11 +445,7 @@ def test_a_repeat_of_the_update_a_model_aliases_leaves_it_held():
     """The same manifest delivered again (a trainer's grant and its fire-and-forget send) is dropped without
     releasing the update the model's parameters still view: the publisher must not write a newer one under them."""
     with WeightPublisher("shm", slots=2, lock_timeout=0.2) as publisher:
-        inbox = WeightInbox()
-        model = filled_model(0.0)
-        first = publisher.publish(filled_model(1.0), 1)
-        inbox.put(first)
-        assert inbox.install_newest(model, alias=True) is first
+        inbox, model, first = aliasing_version_1(publisher)
         inbox.put(first)
         assert inbox.install_newest(model, alias=True) is None
         second = publisher.publish(filled_model(2.0), 2)
