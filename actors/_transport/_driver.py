@@ -33,6 +33,8 @@ __all__ = ["Driver"]
 
 #: How long one hand-off of a wait without a deadline to another thread's loop lasts before it is renewed (s).
 LOOP_WAIT_SLICE = 60.0
+#: How often a thread waiting for :meth:`Driver.on_thread` looks whether the loop it handed work to ended (s).
+ON_THREAD_SLICE = 0.05
 
 
 class Driver:
@@ -55,16 +57,37 @@ class Driver:
         #: to its own loop at once); off after :meth:`release`, when the exiting thread pumps in :meth:`wait`.
         self.serve_in_background = serve_in_background
         self._background: BackgroundLoop | None = None
+        #: Held through every change of the loop that drives the runtime (a bind, a hand-over, the start of a
+        #: background loop), so another thread never sees the runtime unbound mid-hand-over and starts a loop
+        #: that contests it. Never taken on the fast path (the caller's loop is the bound one).
+        self._binding = threading.RLock()
+        self._retiring: asyncio.AbstractEventLoop | None = None  # a background loop being handed over
 
     def ensure_loop(self) -> asyncio.AbstractEventLoop:
         """Bind to the running event loop (rebinding if an earlier loop ended)."""
         loop = asyncio.get_running_loop()
         if loop is self.loop:
             return loop
+        if loop is self._retiring:  # (its last tasks, cancelled by the hand-over; the runtime left this loop)
+            raise RuntimeError("the actors runtime is handed over from this (background) loop to another")
+        with self._binding:
+            if loop is self.loop:
+                return loop
+            return self._bind(loop)
+
+    def _bind_background(self) -> None:
+        """The background loop's first step, on its thread (the thread starting it holds :attr:`_binding`)."""
+        self._bind(asyncio.get_running_loop())
+
+    def _bind(self, loop: asyncio.AbstractEventLoop) -> asyncio.AbstractEventLoop:
         old = self.loop
         background = self._background
         if background is not None and old is background.loop:
-            background.stop()  # it unbinds on its own thread; milliseconds (raises if it cannot)
+            self._retiring = old
+            try:
+                background.stop()  # it unbinds on its own thread; milliseconds (raises if it cannot)
+            finally:
+                self._retiring = None
             self._background = None
             old = self.loop
         if old is not None and not old.is_closed():
@@ -106,18 +129,23 @@ class Driver:
         loop = self.loop
         if running is loop and loop is not None:
             return
-        if loop is not None and loop.is_closed():
-            self.unbind()
-            loop = None
         if running is not None:
             self.ensure_loop()
-        elif self.serve_in_background and not self.closed and (loop is None or not loop.is_running()):
-            self._serve_in_background()
+            return
+        if loop is not None and loop.is_running():
+            return  # another thread's loop drives the runtime
+        with self._binding:  # (waits out a hand-over in progress: the loop it binds serves this caller too)
+            loop = self.loop
+            if loop is not None and loop.is_closed():
+                self.unbind()
+                loop = None
+            if self.serve_in_background and not self.closed and (loop is None or not loop.is_running()):
+                self._serve_in_background()
 
     def _serve_in_background(self) -> None:
         if self.loop is not None:
             self.unbind()  # a loop of the program's that is not running now: rebound when it runs again
-        self._background = BackgroundLoop(self.ensure_loop, self.unbind)
+        self._background = BackgroundLoop(self._bind_background, self.unbind)
         try:
             self._background.start()
         except BaseException:
@@ -131,10 +159,17 @@ class Driver:
         stop of what the program still holds) itself, in :meth:`wait`.
         """
         self.serve_in_background = False
-        background, self._background = self._background, None
-        if background is not None and background.alive and threading.get_ident() != background.thread_id:
-            background.stop()
-        self.unbind()
+        background = self._background
+        if background is not None and threading.get_ident() == background.thread_id:
+            # (a handler on the background loop itself: a hand-over holding the lock may be waiting for it)
+            self._background = None
+            self.unbind()
+            return
+        with self._binding:
+            background, self._background = self._background, None
+            if background is not None and background.alive:
+                background.stop()
+            self.unbind()
 
     def loop_active(self) -> bool:
         """True when called on the thread of the running loop this runtime is bound to."""
@@ -150,22 +185,52 @@ class Driver:
 
         Another thread (a synchronous endpoint's worker, a synchronous
         program's main thread) hands ``fn`` to the loop's thread and waits for
-        it on its own thread, never on the loop's.
+        it on its own thread, never on the loop's. A loop that ends before
+        running ``fn`` (it handed the runtime over) passes it on to the next.
         """
-        if self.on_runtime_thread():
-            return fn()
-        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        give_up = time.monotonic() + timeout
+        while True:
+            loop = self.loop
+            if loop is None or not loop.is_running() or threading.get_ident() == self.thread:
+                if threading.get_ident() == self.thread or not self._settle():
+                    return fn()
+                continue  # a hand-over just ended: the loop it bound runs ``fn``
+            done: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
-        def run() -> None:
+            def run(done: concurrent.futures.Future[Any] = done) -> None:
+                try:
+                    done.set_result(fn())
+                except BaseException as exc:
+                    done.set_exception(exc)
+
             try:
-                done.set_result(fn())
-            except BaseException as exc:
-                done.set_exception(exc)
+                # In the caller's context: an actor's identity (``context()``) goes with its work.
+                loop.call_soon_threadsafe(run, context=contextvars.copy_context())
+            except RuntimeError:  # closed since this thread looked
+                self.next_loop(loop)
+                continue
+            while True:
+                try:
+                    return done.result(min(ON_THREAD_SLICE, max(0.0, give_up - time.monotonic())))
+                except concurrent.futures.TimeoutError:
+                    if loop.is_closed() and not done.done():
+                        break  # it ended without running ``fn``: nothing ran, hand it to the next loop
+                    if time.monotonic() >= give_up:
+                        raise
+            self.next_loop(loop)
 
-        assert self.loop is not None
-        # In the caller's context: an actor's identity (``context()``) goes with its work.
-        self.loop.call_soon_threadsafe(run, context=contextvars.copy_context())
-        return done.result(timeout)
+    def _settle(self) -> bool:
+        """Wait out a change of loop another thread is making; True if a running loop drives the runtime now.
+
+        Never waits on the loop being handed over (its last tasks run while
+        the thread handing it over waits for that loop to end).
+        """
+        retiring = self._retiring
+        if retiring is None or running_loop() is not retiring:
+            with self._binding:
+                pass
+        loop = self.loop
+        return loop is not None and loop.is_running() and threading.get_ident() != self.thread
 
     def add_reader(self, fd: int, callback: Callable[[], None]) -> None:
         """Watch an extra file descriptor, with a loop or without one."""
@@ -228,37 +293,52 @@ class Driver:
         return True
 
     def _wait_on_loop(
-        self, loop: asyncio.AbstractEventLoop, condition: Callable[[], bool], timeout: float | None, what: str
-    ) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
+        self,
+        loop: asyncio.AbstractEventLoop,
+        condition: Callable[[], bool],
+        deadline: float | None,
+        timeout: float | None,
+        what: str,
+    ) -> bool:
+        """Wait on this thread while ``loop`` checks ``condition``: True once it holds, False if ``loop`` ended
+        (or handed the runtime over) meanwhile; CallTimeout at ``deadline``."""
         while True:
             limit = LOOP_WAIT_SLICE if deadline is None else max(0.0, deadline - time.monotonic())
-            waiting = asyncio.run_coroutine_threadsafe(self.wait_until(condition, limit), loop)
+            try:
+                waiting = asyncio.run_coroutine_threadsafe(self.wait_until(condition, limit), loop)
+            except RuntimeError:  # closed since this thread looked
+                return False
             try:
                 if waiting.result(limit + HANDOVER_TIMEOUT):
-                    return
+                    return True
+            except concurrent.futures.CancelledError:  # the loop ended with the wait on it
+                return False
             except concurrent.futures.TimeoutError:
                 waiting.cancel()
             if deadline is not None and time.monotonic() >= deadline:
                 raise CallTimeout(f"gave up after {timeout:.1f}s waiting for {what}")
 
     def next_loop(self, old: asyncio.AbstractEventLoop) -> asyncio.AbstractEventLoop | None:
-        """For a thread whose wait through ``old`` was cancelled as that loop ended: the running loop that drives
-        the runtime now (the program's, which took it over, or a new background one), once there is one.
+        """For a thread whose wait through ``old`` ended with that loop: the running loop that drives the
+        runtime now, once there is one — the program's, which took it over, or a background loop.
 
-        A hand-over takes milliseconds; None if no loop ran within
-        :data:`HANDOVER_TIMEOUT` (the caller then waits as a program without
-        one does). This thread never starts a loop itself: one starting here
-        mid-hand-over would contest the runtime with the program's.
+        A hand-over takes milliseconds; this thread starts the background
+        loop itself when none runs (under the binding lock, so it never
+        contests a hand-over). None if no loop ran within
+        :data:`HANDOVER_TIMEOUT`, or none will (the runtime closed or is
+        released to the exiting thread): the caller then waits as a program
+        without a loop does.
         """
         give_up = time.monotonic() + HANDOVER_TIMEOUT
         while True:
+            if running_loop() is None:
+                self.follow_running_loop()
             loop = self.loop
             if loop is not None and loop is not old and loop.is_running():
                 return loop
-            if time.monotonic() >= give_up:
+            if self.closed or not self.serve_in_background or time.monotonic() >= give_up:
                 return None
-            time.sleep(0.001)  # (this thread's own wait, during a hand-over: never an event loop's)
+            time.sleep(0.001)  # (this thread's own wait, while ``old`` finishes ending: never an event loop's)
 
     def block(self, condition: Callable[[], bool], writable: zmq.Socket[Any], timeout: float, what: str) -> None:
         self.wait(condition, timeout=timeout, writable=writable, what=what)
@@ -279,11 +359,22 @@ class Driver:
         a loop on another thread drives the runtime (the background loop, a
         worker's loop), ``condition`` is checked there and this thread waits.
         """
-        loop = self.loop
-        if loop is not None and loop.is_running() and threading.get_ident() != self.thread:
-            self._wait_on_loop(loop, condition, timeout, what)
-            return
         deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            loop = self.loop
+            if loop is None or not loop.is_running() or threading.get_ident() == self.thread:
+                break
+            if self._wait_on_loop(loop, condition, deadline, timeout, what):
+                return
+            self.next_loop(loop)  # the loop that took the runtime over checks the condition from now on
+        if threading.get_ident() != self.thread and self._settle():
+            self.wait(
+                condition,
+                timeout=None if deadline is None else max(0.0, deadline - time.monotonic()),
+                writable=writable,
+                what=what,
+            )
+            return
         inbox, watcher = self._inbox, self._watcher
         while not condition():
             remaining = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())

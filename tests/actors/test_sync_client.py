@@ -43,6 +43,12 @@ class Talker(Actor):
         await asyncio.sleep(0.2)
         return x
 
+    @endpoint
+    async def when_exists(self, path: str) -> str:
+        while not os.path.exists(path):  # (the test's signal: no port travels back to a test program's thread)
+            await asyncio.sleep(0.005)
+        return "answered"
+
 
 def runtime_threads():
     return sorted(t.name for t in threading.enumerate() if t.name == "actors-runtime")
@@ -286,3 +292,91 @@ def test_a_receive_waiting_through_the_background_loop_follows_the_runtime_when_
         """,
     )
     assert lines == ["[7]"]
+
+
+def test_a_wait_through_the_background_loop_follows_the_runtime_when_the_loop_hands_over(tmp_path):
+    """A helper thread waits (as a port's full window or a stop from a thread does) through the background loop
+    when the program's own loop takes the runtime over: the wait was cancelled with the background loop (a bare
+    ``CancelledError``); now the new loop checks its condition, and it returns when the condition holds."""
+    lines = run_program(
+        tmp_path,
+        """
+        if __name__ == "__main__":
+            from actors._runtime._core import current_runtime
+            procs = this_host().spawn_procs({"procs": 1})
+            talker = procs.spawn("talker", Talker)
+            talker.echo.call_one(0).get(timeout=30)  # the background loop serves from here on
+            driver = current_runtime().driver
+            flag, got = [], []
+
+            def wait():
+                try:
+                    driver.wait(lambda: bool(flag), timeout=60, what="the flag")
+                    got.append("held")
+                except BaseException as exc:
+                    got.append(type(exc).__name__)
+
+            thread = threading.Thread(target=wait)
+            thread.start()
+            while not driver._progress:  # the wait is on the background loop
+                time.sleep(0.001)
+
+            async def main():
+                assert await talker.echo.call_one(1) == 1  # the runtime moved to this loop
+                flag.append(1)
+                await talker.echo.call_one(2)  # (progress: the loop looks at the condition again)
+                await asyncio.to_thread(thread.join, 30)
+
+            asyncio.run(main())
+            print(got)
+            procs.stop().get()
+        """,
+    )
+    assert lines == ["['held']"]
+
+
+def test_a_thread_using_the_runtime_mid_hand_over_waits_for_the_loop_that_takes_it(tmp_path):
+    """While the program's loop takes the runtime over from the background loop, a helper thread uses the runtime
+    at the moment it is unbound: it used to start a second background loop, which then contested the runtime with
+    the program's loop (whose bind failed: 'already driven by an event loop in another thread'). It now waits
+    for the hand-over and is served by the program's loop."""
+    lines = run_program(
+        tmp_path,
+        """
+        if __name__ == "__main__":
+            from actors._runtime._core import current_runtime
+            procs = this_host().spawn_procs({"procs": 1})
+            talker = procs.spawn("talker", Talker)
+            talker.echo.call_one(0).get(timeout=30)  # the background loop serves from here on
+            background = current_runtime().driver._background
+            unbind = background._unbind
+            got, helpers = [], []
+
+            def helper():
+                try:
+                    got.append(talker.echo.call_one(2).get(timeout=30))
+                except BaseException as exc:
+                    got.append(repr(exc))
+
+            def unbind_then_start_the_helper():
+                unbind()  # the hand-over's midpoint: the runtime is bound to no loop
+                thread = threading.Thread(target=helper)
+                helpers.append(thread)
+                thread.start()
+                thread.join(0.5)  # (it used to be served by a loop of its own at once; now it waits for the lock)
+
+            background._unbind = unbind_then_start_the_helper
+
+            async def main():
+                try:
+                    assert await talker.echo.call_one(1) == 1
+                except BaseException as exc:
+                    return repr(exc)
+                await asyncio.to_thread(helpers[0].join, 30)
+                return "bound"
+
+            print(asyncio.run(main()), got, runtime_threads())
+            procs.stop().get()
+        """,
+    )
+    assert lines == ["bound", "[2]", "[]"]
