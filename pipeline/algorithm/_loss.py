@@ -3,9 +3,9 @@
 For ``N`` completions (``G`` per prompt) with rewards ``r`` [N] and a
 completion mask ``m`` [N, T]:
 
-* **advantage** ``A_i = (r_i - mean_g(r)) / (s + 1e-6)``, the same for every
+* **advantage** ``A_i = (r_i - mean_g(r)) / (s + 1e-4)``, the same for every
   token of completion ``i``; ``s`` is the std of its group (``scale="group"``),
-  of the whole batch (``"batch"``), or 1 with no ``+ 1e-6`` (``"none"``);
+  of the whole batch (``"batch"``), or 1 with no ``+ 1e-4`` (``"none"``);
 * **ratio** ``rho = exp(log pi(y_t) - log mu(y_t))`` against the behaviour
   log-probabilities the generator recorded — per token, or (``level=
   "sequence"``, GSPO) one ratio per completion, the exponential of its tokens'
@@ -143,7 +143,7 @@ def nan_moments(values: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def group_advantages(
-    rewards: torch.Tensor, group: int, scale: RewardScale = "group", eps: float = 1e-6
+    rewards: torch.Tensor, group: int, scale: RewardScale = "group", eps: float = 1e-4
 ) -> torch.Tensor:
     """Rewards [N] centred within consecutive groups of ``group`` samples, scaled as ``scale`` says.
 
@@ -162,12 +162,19 @@ def group_advantages(
     return centred.reshape(-1).nan_to_num(0.0)
 
 
-def group_spread(rewards: torch.Tensor, group: int) -> tuple[float, float]:
+def group_spread(rewards: torch.Tensor, group: int, signal: torch.Tensor | None = None) -> tuple[float, float]:
     """Rewards [N] in consecutive groups of ``group``: the mean of the groups' (population) stds, and the share of
-    groups whose rewards are all equal (TRL's ``reward_std`` and ``frac_reward_zero_std``; such a group's
-    advantages are all 0: it teaches nothing). NaN rewards (unscored) are left out."""
+    groups whose advantages are all 0 (TRL's ``reward_std`` and ``frac_reward_zero_std``): it teaches nothing.
+
+    That share is of the groups whose rewards are all equal, or, given the
+    ``signal`` the advantages come from where it is not the rewards (GDPO's
+    sum of normalised rewards), whose signal is: anti-correlated functions
+    can sum to a flat total whose signal is not. NaN rewards (unscored) are
+    left out.
+    """
     std = nan_moments(rewards.view(-1, group), 1)[1].squeeze(1)
-    return float(std.mean()), float(torch.isclose(std, torch.zeros_like(std)).float().mean())
+    flat = std if signal is None else nan_moments(signal.view(-1, group), 1)[1].squeeze(1)
+    return float(std.mean()), float(torch.isclose(flat, torch.zeros_like(flat)).float().mean())
 
 
 def high_entropy_tokens(entropy: torch.Tensor, real: torch.Tensor, share: float) -> torch.Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import get_args
 
 from ..algorithm import LOSSES, RATIO_LEVELS, REWARD_SCALES
@@ -38,6 +39,10 @@ def _one_of(config: Config, name: str, choices: tuple[str, ...]) -> None:
 
 def check_settings(config: Config) -> None:
     """Raise :class:`SettingsError` for the first setting of ``config`` that a run cannot train with."""
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if isinstance(value, float) and not math.isfinite(value):  # (NaN passes every ``value < low``)
+            raise SettingsError(f"--{field.name.replace('_', '-')} {value}: must be a finite number")
     if config.group < 2:
         raise SettingsError(
             f"--group {config.group}: GRPO needs at least 2 samples per prompt (each sample's advantage is its "
@@ -149,6 +154,14 @@ def check_settings(config: Config) -> None:
         raise SettingsError(
             "--loss luspo weighs GSPO's sequence ratio by each completion's length: add --importance-sampling-level "
             "sequence"
+        )
+    if config.importance_sampling_level == "sequence" and config.loss in ("dapo", "dr_grpo", "cispo"):
+        warnings.warn(  # (TRL warns too: a legitimate objective, but not GSPO's)
+            f"--importance-sampling-level sequence with --loss {config.loss}: this loss sums its tokens' terms, so "
+            "each completion's shared ratio weighs it by its length; GSPO averages within each completion first "
+            "(--loss grpo)",
+            UserWarning,
+            stacklevel=2,
         )
     if config.loss == "vespo" and config.importance_sampling_level != "token":
         raise SettingsError(

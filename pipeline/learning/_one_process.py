@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import Config, SettingsError, check_settings
-from ..tasks import load_task, resolve
+from ..tasks import check_task_settings, load_task, resolve
 from ._learner import Learner
 
 __all__ = ["ReferenceResult", "train_one_process"]
@@ -41,6 +41,7 @@ def train_one_process(config: Config) -> ReferenceResult:
     of its own (vLLM, which the pipeline updates by message) is refused.
     """
     check_settings(config)
+    check_task_settings(config)
     if config.engine not in ("builtin", "hf"):
         raise SettingsError(
             f"--engine {config.engine}: the one-process run samples the trainer's own model, which that engine would "

@@ -136,4 +136,4 @@ class StepReport:
     generator_reserved_gpu_gb: float | None = None  # that of the generator that drew this rollout
     reward_components: dict[str, float] = field(default_factory=dict)  # each reward function's mean
     reward_group_std: float | None = None  # the mean std within the rollout's groups (None: rows not in groups)
-    reward_zero_std: float | None = None  # the share of its groups whose rewards are all equal: they teach nothing
+    reward_zero_std: float | None = None  # the share of its groups whose advantages are all 0: they teach nothing

@@ -430,7 +430,8 @@ class Trainer(Actor):
         rollout, loss = item.rollout, update.report
         shown = item.rewards if item.reward_total is None else item.reward_total  # the rewards, not GDPO's signal
         group = self.config.group
-        spread = group_spread(shown, group) if shown.numel() % group == 0 else (None, None)
+        signal = None if item.reward_total is None else item.rewards  # GDPO's: the advantages come from it
+        spread = group_spread(shown, group, signal) if shown.numel() % group == 0 else (None, None)
         return StepReport(
             step=self.step,
             time=time.perf_counter() - started,

@@ -30,7 +30,18 @@ from ..config import (
     forget_unused_settings,
 )
 from ..models import PRESETS, ModelError, vllm_missing
-from ..tasks import BUILTINS, BanditTask, DataError, DigitsTask, HFTask, RewardError, Task, resolve, task_class
+from ..tasks import (
+    BUILTINS,
+    SAMPLER,
+    BanditTask,
+    DataError,
+    HFTask,
+    RewardError,
+    check_task_settings,
+    found_task,
+    resolve,
+    task_class,
+)
 from ._placement import ROLES
 from ._sinks import missing_tracker
 
@@ -632,102 +643,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     return config, args
 
 
-#: The sampler's settings: (flag, Config attribute, the value that sets nothing).
-SAMPLER: tuple[tuple[str, str, float], ...] = (
-    ("--temperature", "temperature", 1.0),
-    ("--top-p", "top_p", 1.0),
-    ("--top-k", "top_k", 0),
-    ("--min-p", "min_p", 0.0),
-    ("--repetition-penalty", "repetition_penalty", 1.0),
-)
-
-
-def _found_task(config: Config) -> type[Task] | None:
-    """The class of the run's task, or None where it cannot be found (reported where the run builds it)."""
-    try:
-        return task_class(config.task)
-    except (ImportError, AttributeError, ValueError, TypeError):
-        return None
-
-
-def check_task_settings(config: Config) -> None:
-    """Refuse settings the run's task cannot honour: a KL-term flag without a KL term (given, or the task's
-    default β 0), sampler flags for the bandit (no sampler), GDPO without reward functions (not an HF task)."""
-    task = _found_task(config)
-    if task is None:
-        return
-    if issubclass(task, BanditTask):
-        given = [flag for flag, attr, default in SAMPLER if getattr(config, attr) != default]
-        if given:
-            raise SettingsError(
-                f"{', '.join(given)} with --task {config.task}: the bandit draws its actions from the policy's own "
-                "softmax, with no sampler to set"
-            )
-        if config.mask_truncated:
-            raise SettingsError(
-                f"--mask-truncated with --task {config.task}: a bandit's completion is one action, never cut short"
-            )
-    if not config.disable_dropout and not issubclass(task, HFTask):
-        raise SettingsError(
-            f"--no-disable-dropout keeps a Hugging Face policy's dropout (--task hf); --task {config.task}'s model is "
-            "its own"
-        )
-    rows = config.group if issubclass(task, BanditTask) else config.prompts * config.group
-    if issubclass(task, (BanditTask, HFTask, DigitsTask)) and rows % config.mini_batches:
-        raise SettingsError(
-            f"--mini-batches {config.mini_batches}: a rollout of {rows} completions does not split into "
-            f"{config.mini_batches} equal parts"
-        )
-    if not issubclass(task, HFTask):
-        _refuse_hf_settings(config)
-    if config.multi_objective_aggregation == "normalize_then_sum" and not issubclass(task, HFTask):
-        raise SettingsError(
-            "--multi-objective-aggregation normalize_then_sum normalises each --reward function's rewards "
-            f"(--task hf); --task {config.task} has one reward of its own"
-        )
-    for flag, on, what in (
-        ("--sync-ref-model", config.sync_ref_model, "no reference model to sync"),
-        ("--use-bias-correction-kl", config.use_bias_correction_kl, "no KL term to correct"),
-    ):
-        if not on:
-            continue
-        if config.kl_coeff == 0:
-            raise SettingsError(f"{flag} with --kl-coeff 0: there is {what}")
-        if config.kl_coeff is None and resolve(config).hyper("kl_coeff") == 0:
-            raise SettingsError(
-                f"{flag}: --task {config.task} has no KL term by default (β 0), so {what}; give --kl-coeff"
-            )
-
-
-def _refuse_hf_settings(config: Config) -> None:
-    """Settings only a Hugging Face task (``--task hf`` or a subclass of HFTask) has a use for."""
-    if config.num_generations_eval:
-        raise SettingsError(
-            f"--num-generations-eval {config.num_generations_eval} samples a Hugging Face model's held-out "
-            f"completions (--task hf, --dataset); --task {config.task} scores greedy answers"
-        )
-    if config.chat_template_kwargs:
-        raise SettingsError(
-            "--chat-template-kwargs sets a Hugging Face tokenizer's chat template variables (--task hf, --dataset); "
-            f"--task {config.task} has no chat template"
-        )
-    if not config.shuffle_dataset:
-        raise SettingsError(
-            f"--no-shuffle-dataset keeps a dataset's order (--task hf, --dataset); --task {config.task} draws its "
-            "prompts at random"
-        )
-    if config.lora_r:
-        raise SettingsError(
-            f"--lora-r {config.lora_r} adapts a Hugging Face model's linear layers (--task hf, --dataset); "
-            f"--task {config.task}'s model trains whole"
-        )
-    if config.trust_remote_code:
-        raise SettingsError(
-            "--trust-remote-code lets a Hugging Face model's own code run (--task hf, --dataset); "
-            f"--task {config.task}'s model has none"
-        )
-
-
 def _task_name(args: argparse.Namespace) -> str:
     """The task the flags ask for: ``hf`` with a dataset, else the digit reversal, unless ``--task`` names one."""
     if args.task is None:
@@ -796,7 +711,7 @@ def _resumed(args: argparse.Namespace, given: set[str]) -> Config:
             setattr(config, attr, getattr(args, attr))
     config.devices.update(_role_devices(args))
     forget_unused_settings(config)  # saved before they were refused without their switch: never used
-    task = _found_task(config)
+    task = found_task(config)
     if task is not None and issubclass(task, BanditTask):  # saved before the bandit refused them: never used
         for _, attr, default in SAMPLER:
             setattr(config, attr, default)

@@ -48,8 +48,8 @@ from ..config import Config, SettingsError, check_settings
 from ..learning import checkpoint
 from ..models import check_model
 from ..roles import Generator, RefModel, Scorer, StepReport, Trainer, TrainerRank, uses_reference
-from ..tasks import load_task, resolve
-from ._cli import check_task_settings, parse_args
+from ..tasks import check_task_settings, load_task, resolve
+from ._cli import parse_args
 from ._failures import PipelineError, first_failure
 from ._metrics import MetricsLog, Progress, plot
 from ._placement import check_placement

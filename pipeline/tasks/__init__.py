@@ -27,6 +27,7 @@ from ._rewards import (
     parse_spec,
     think_answer_format,
 )
+from ._task_settings import SAMPLER, check_task_settings, found_task
 
 __all__ = [
     "BOS",
@@ -35,6 +36,7 @@ __all__ = [
     "EOS",
     "PAD",
     "PLUS",
+    "SAMPLER",
     "SEP",
     "VOCAB",
     "BanditSamples",
@@ -54,9 +56,11 @@ __all__ = [
     "Task",
     "TokenBatch",
     "Verdict",
+    "check_task_settings",
     "completion_loss",
     "exact_match",
     "final_number",
+    "found_task",
     "load_reward",
     "load_rows",
     "load_task",

@@ -399,7 +399,7 @@ def test_no_reference_means_no_kl_term():
 )
 def test_reward_scaling(scale, expected):
     advantages = group_advantages(torch.tensor([1.0, 0.0, 5.0, 5.0]), group=2, scale=scale)
-    torch.testing.assert_close(advantages, torch.tensor(expected), atol=1e-5, rtol=0)
+    torch.testing.assert_close(advantages, torch.tensor(expected), atol=5e-4, rtol=0)  # (the std's 1e-4 guard)
 
 
 def test_a_completion_no_reward_function_scored_is_left_out_of_its_group_and_gets_no_advantage():
@@ -413,7 +413,7 @@ def test_a_completion_no_reward_function_scored_is_left_out_of_its_group_and_get
         assert advantages[:4].tolist() == [0.0] * 4, scale  # the scored three are equal: nothing to teach
         assert advantages[6:].tolist() == [0.0, 0.0]
         assert advantages[4] == -advantages[5] != 0
-    torch.testing.assert_close(group_advantages(rewards, 4)[4:6], torch.tensor([-1.0, 1.0]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(group_advantages(rewards, 4)[4:6], torch.tensor([-1.0, 1.0]), atol=5e-4, rtol=0)
     torch.testing.assert_close(group_advantages(torch.full((4,), nan), 4), torch.zeros(4))  # a group all unscored
     std, zero = group_spread(rewards, 4)
     assert std == pytest.approx(0.5) and zero == 0.5
@@ -424,6 +424,13 @@ def test_group_spread_is_the_mean_within_group_std_and_the_share_of_groups_that_
     std, zero = group_spread(rewards, 2)
     assert std == pytest.approx((0.5 + 0 + 0 + 1.0) / 4) and zero == 0.5
     assert group_spread(rewards, 4) == (pytest.approx((math.sqrt(5.1875) + math.sqrt(0.6225)) / 2), 0.0)
+
+
+def test_a_group_whose_rewards_nearly_tie_gets_advantages_near_0():
+    """The guard under the std is TRL's 1e-4: with 1e-6, rewards 1e-5 apart (a reward model's float noise) got
+    advantages near ±0.83, as if one completion were clearly better."""
+    advantages = group_advantages(torch.tensor([0.0, 1e-5, 0.0, 1e-5]), group=4)
+    assert advantages.abs().max() < 0.1
 
 
 def test_padding_cannot_make_nan_whatever_it_holds():

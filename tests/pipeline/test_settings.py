@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import pytest
 import torch
@@ -62,7 +63,7 @@ HF = ("--dataset", "prompts.jsonl", "--reward", "exact_match")
         (["--reward-timeout", "0"], "--reward-timeout 0.0: a reward function needs some time (above 0)"),
         (["--eval-fraction", "1"], "--eval-fraction 1.0: the held-out share must be in (0, 1)"),
         (["--stop-grace", "-1"], "--stop-grace -1.0: a number of seconds, at least 0"),
-        (["--stop-grace", "nan"], "--stop-grace nan: a number of seconds, at least 0"),
+        (["--stop-grace", "nan"], "--stop-grace nan: must be a finite number"),
         (["--max-tokens-per-pass", "-1"], "--max-tokens-per-pass -1: must be at least 0"),
         (["--gradient-checkpointing"], "--gradient-checkpointing recomputes a Hugging Face model's layers"),
         (["--trainer-ranks", "0"], "--trainer-ranks 0: must be at least 1"),
@@ -264,7 +265,7 @@ def test_cispo_caps_the_ratio_at_5_unless_given_and_the_trl_flags_reach_the_conf
 
 
 def test_gdpo_is_for_any_task_with_reward_functions_and_resolves_to_the_batchs_std():
-    from pipeline.run._cli import check_task_settings
+    from pipeline.tasks import check_task_settings
 
     check_task_settings(Config(task="pipeline.tasks:HFTask", multi_objective_aggregation="normalize_then_sum"))
     for loss in ("dapo", "dr_grpo"):
@@ -275,7 +276,7 @@ def test_gdpo_is_for_any_task_with_reward_functions_and_resolves_to_the_batchs_s
 
 
 def test_the_hugging_face_settings_are_for_any_subclass_of_the_hf_task():
-    from pipeline.run._cli import check_task_settings
+    from pipeline.tasks import check_task_settings
 
     hf_only = dict(
         num_generations_eval=2, chat_template_kwargs={"enable_thinking": False}, trust_remote_code=True, lora_r=4
@@ -346,3 +347,44 @@ def test_resume_takes_a_flag_however_it_is_spelt(tmp_path):
     assert parse_args(["--resume", str(tmp_path), "--step", "8"])[0].steps == 8
     assert parse_args([f"--resume={tmp_path}", "--target-score=0.5"])[0].target_score == 0.5
     assert parse_args(["--resume", str(tmp_path), "--stop-grace", "90"])[0].stop_grace == 90, "a run-time setting"
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("kl_coeff", float("nan")),
+        ("kl_coeff", float("inf")),
+        ("max_grad_norm", float("nan")),
+        ("lr", float("inf")),
+        ("temperature", float("inf")),
+        ("clip", float("nan")),
+    ],
+)
+def test_a_setting_that_is_not_a_finite_number_is_refused(name, value):
+    """NaN passed every ``value < low`` check: --kl-coeff nan turned the KL term off, --max-grad-norm nan turned
+    clipping off, --kl-coeff inf made the first step's loss NaN; all quietly."""
+    flag = "--" + name.replace("_", "-")
+    with pytest.raises(SettingsError, match=f"{flag} {value}: must be a finite number"):
+        check_settings(Config(**{name: value}))  # type: ignore[arg-type]
+
+
+def test_the_one_process_run_refuses_what_the_task_cannot_honour_as_the_pipeline_does():
+    """The one-process run checked only the settings any run needs: a bandit's ignored sampler settings or a
+    reference sync with no KL term trained quietly there, while the pipeline refused them."""
+    from pipeline.learning import train_one_process
+
+    with pytest.raises(SettingsError, match="--temperature with --task bandit"):
+        train_one_process(Config(task="bandit", temperature=0.5, steps=1))
+    with pytest.raises(SettingsError, match="--sync-ref-model with --kl-coeff 0"):
+        train_one_process(Config(task="bandit", sync_ref_model=True, kl_coeff=0.0, steps=1))
+
+
+@pytest.mark.parametrize("loss", ["dapo", "dr_grpo", "cispo"])
+def test_a_sequence_ratio_with_a_loss_that_sums_tokens_is_trained_with_a_warning(loss):
+    """GSPO's sequence ratio with a loss that sums token terms weighs each completion by its length: not GSPO
+    (TRL warns the same); the default loss is dapo, so ``--importance-sampling-level sequence`` alone did this."""
+    with pytest.warns(UserWarning, match=f"--importance-sampling-level sequence with --loss {loss}: .*(--loss grpo)"):
+        check_settings(Config(importance_sampling_level="sequence", loss=loss))  # type: ignore[arg-type]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_settings(Config(importance_sampling_level="sequence", loss="grpo"))
