@@ -104,23 +104,16 @@ class CallDispatcher:
                 result = await ep.fn(slot.instance, *args, **kwargs)
             else:
                 result = await slot.run_sync(self._loop, functools.partial(ep.fn, slot.instance, *args, **kwargs))
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as exc:
+            if not (slot.stopping or self._lifecycle.stopping):  # its own (it awaited a cancelled task): a failure
+                self._failed(slot, inv, port, exc)
+                return
             if self._lifecycle.ending and slot.error is None:
                 return  # the process is ending (SIGTERM, owner gone): its callers hear ActorDied when it exits
             record = slot.error or ErrorRecord("CancelledError", f"actor {shown(slot.name)!r} stopped first")
             self._reports.fail(slot, inv, record, report=False)
         except BaseException as exc:
-            record = ErrorRecord.of(exc, traceback.format_exc())
-            kill = self._lifecycle.kill
-            if port is not None:
-                if port.take_over():
-                    why = f"{inv.call.method} raised instead of answering its response port: "
-                    kill(slot, inv.call.method, why + f"{record.type_name}: {record.message}", record, exc, inv)
-            elif isinstance(exc, Exception):
-                self._reports.fail(slot, inv, record)
-            else:
-                why = f"{inv.call.method} raised {record.type_name}: {record.message}"
-                kill(slot, inv.call.method, why, record, exc, inv)
+            self._failed(slot, inv, port, exc)
         else:
             if port is not None:
                 return  # it answers through its port, now or later (unanswered, the port answers when dropped)
@@ -128,3 +121,17 @@ class CallDispatcher:
                 inv.reply(self._rt, True, result)
             else:
                 inv.deliver_result(result)
+
+    def _failed(self, slot: ActorSlot, inv: Invocation, port: ResponsePort[Any] | None, exc: BaseException) -> None:
+        """The endpoint raised ``exc``: an Exception fails the call; any other BaseException fails the actor."""
+        record = ErrorRecord.of(exc, traceback.format_exc())  # (called in the except clause)
+        kill = self._lifecycle.kill
+        if port is not None:
+            if port.take_over():
+                why = f"{inv.call.method} raised instead of answering its response port: "
+                kill(slot, inv.call.method, why + f"{record.type_name}: {record.message}", record, exc, inv)
+        elif isinstance(exc, Exception):
+            self._reports.fail(slot, inv, record)
+        else:
+            why = f"{inv.call.method} raised {record.type_name}: {record.message}"
+            kill(slot, inv.call.method, why, record, exc, inv)

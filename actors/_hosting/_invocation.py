@@ -57,11 +57,13 @@ class Invocation:
         if ref.dead:
             return
         with contextlib.suppress(ActorDied):
+            # (owed: queued past the link's limits, which the caller's own calls bound, never refused as BufferFull)
             try:
-                rt.send(ref, Reply(call.call_id, call.rank, ok, value), urgent=True)
+                rt.send(ref, Reply(call.call_id, call.rank, ok, value), urgent=True, owed=True)
             except Exception as exc:  # refused by the codec, or raised by the value's own pickling code
-                record = ErrorRecord.of(exc)._replace(message=f"the endpoint's return value could not be sent: {exc}")
-                rt.send(ref, Reply(call.call_id, call.rank, False, record), urgent=True)
+                message = f"the endpoint's return value could not be sent: {exc}"
+                record = ErrorRecord.of(exc)._replace(message=message)
+                rt.send(ref, Reply(call.call_id, call.rank, False, record), urgent=True, owed=True)
 
     def deliver_result(self, value: Any) -> None:
         """A fire-and-forget call with a port: the result goes to that port."""

@@ -59,6 +59,8 @@ class Lifecycle:
         self.ending = False
         self._last: list[Stoppable] = []  # stopped after every actor (controllers this worker spawned)
         self._tasks: set[asyncio.Task[Any]] = set()
+        #: The stops under way (an actor stopped alone, or failed): the worker's stop waits for them too.
+        self._stops: set[asyncio.Task[None]] = set()
 
     def background(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Run ``coro`` as a task of the worker (kept referenced until it ends)."""
@@ -155,7 +157,8 @@ class Lifecycle:
         self.stopping = True
         slots = list(self._slots.actors.values())
         self._slots.actors.clear()
-        await asyncio.gather(*(self.stop_slot(slot, exc, timeout) for slot in slots))
+        under_way = [asyncio.shield(stop) for stop in self._stops]  # (their cleanup must end before the worker)
+        await asyncio.gather(*(self.stop_slot(slot, exc, timeout) for slot in slots), *under_way)
         while self._last:
             await self._stop_child(self._last.pop(), timeout, "this worker")
 
@@ -164,6 +167,8 @@ class Lifecycle:
         if slot.stop_task is None:
             slot.stopping = True
             slot.stop_task = self.loop.create_task(self._run_stop(slot, exc, timeout))
+            self._stops.add(slot.stop_task)
+            slot.stop_task.add_done_callback(self._stops.discard)
         await asyncio.shield(slot.stop_task)
 
     async def _run_stop(self, slot: ActorSlot, exc: BaseException | None, timeout: float) -> None:
@@ -172,23 +177,37 @@ class Lifecycle:
             task.cancel()
         if slot.tasks:
             await asyncio.wait(list(slot.tasks), timeout=1.0)
-        cleanup = getattr(slot.instance, "__cleanup__", None)
-        if cleanup is not None:
-            token = actor_context.set(slot.context)
+        try:
+            await self._cleanup(slot, exc, timeout)
+        finally:
             try:
-                if slot.thread is not None and not inspect.iscoroutinefunction(cleanup):
-                    result = slot.run_sync(self.loop, functools.partial(cleanup, exc))  # on the actor's thread
-                else:
-                    result = cleanup(exc)
-                if inspect.isawaitable(result):
-                    await asyncio.wait_for(result, timeout)
-            except Exception:
-                log.exception("__cleanup__ of %s[%d] failed", shown(slot.name), slot.rank)
+                while slot.children:  # newest first (as Monarch does when an owner stops)
+                    await self._stop_child(slot.children.pop(), timeout, f"{shown(slot.name)}[{slot.rank}]")
             finally:
-                actor_context.reset(token)
-        while slot.children:  # newest first (as Monarch does when an owner stops)
-            await self._stop_child(slot.children.pop(), timeout, f"{shown(slot.name)}[{slot.rank}]")
-        slot.close()
+                slot.close()
+
+    async def _cleanup(self, slot: ActorSlot, exc: BaseException | None, timeout: float) -> None:
+        """Run ``__cleanup__(exc)``; what it raises is logged (its own CancelledError too: ``task.cancel();
+        await task`` is a common cleanup), and the stop goes on."""
+        cleanup = getattr(slot.instance, "__cleanup__", None)
+        if cleanup is None:
+            return
+        token = actor_context.set(slot.context)
+        try:
+            if slot.thread is not None and not inspect.iscoroutinefunction(cleanup):
+                result = slot.run_sync(self.loop, functools.partial(cleanup, exc))  # on the actor's thread
+            else:
+                result = cleanup(exc)
+            if inspect.isawaitable(result):
+                await asyncio.wait_for(result, timeout)
+        except asyncio.CancelledError:
+            if _cancelled(asyncio.current_task()):
+                raise  # the stop itself is cancelled (the loop is closing), not a failure of the cleanup
+            log.exception("__cleanup__ of %s[%d] raised CancelledError", shown(slot.name), slot.rank)
+        except Exception:
+            log.exception("__cleanup__ of %s[%d] failed", shown(slot.name), slot.rank)
+        finally:
+            actor_context.reset(token)
 
     async def _stop_child(self, child: Stoppable, timeout: float, spawner: str) -> None:
         try:
@@ -220,3 +239,9 @@ class Lifecycle:
                 self.finished.set()
 
         self.background(stop())
+
+
+def _cancelled(task: asyncio.Task[Any] | None) -> bool:
+    """Whether ``task`` itself was asked to cancel (a CancelledError that is not some awaited task's)."""
+    cancelling = getattr(task, "cancelling", None)  # (Python 3.11+; before, every CancelledError counts as ours)
+    return cancelling is None or bool(cancelling())

@@ -99,6 +99,9 @@ class ActorServer:
                 raise AttributeError(f"unknown process operation {method!r}")
         except BaseException as exc:
             self.reports.fail(None, inv, ErrorRecord.of(exc, traceback.format_exc(), spawn_failed=method == "spawn"))
+            if method == "stop":  # a stop that failed part-way still ends the worker (it ignores SIGTERM by now)
+                self.rt.outbox.flush_all()
+                lifecycle.finished.set()
             return
         inv.reply(self.rt, True, None)
         if method == "stop":

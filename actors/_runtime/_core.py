@@ -201,8 +201,12 @@ class Runtime:
             with contextlib.suppress(ActorDied):
                 self.send(ref, Credit(port_id, messages, nbytes), urgent=True)
 
-    def send(self, ref: ProcRef, record: Any, *, urgent: bool) -> None:
-        """Encode ``record`` and queue it for ``ref``; raises ActorDied if ``ref`` is gone."""
+    def send(self, ref: ProcRef, record: Any, *, urgent: bool, owed: bool = False) -> None:
+        """Encode ``record`` and queue it for ``ref``; raises ActorDied if ``ref`` is gone.
+
+        ``owed``: an answer ``ref`` asked for (a call's reply), queued even past the link's limits (see
+        :meth:`~actors._transport._outbox.Outbox.post`).
+        """
         enc = self.encoder
         enc.reset()
         data = enc.encode(record.to_wire())
@@ -210,7 +214,7 @@ class Runtime:
         link = self.link(ref)
         if handles:
             self.note_handles(handles, ref)
-        self.outbox.post(link, data, frames, urgent)
+        self.outbox.post(link, data, frames, urgent, owed=owed)
 
     def link(self, ref: ProcRef) -> Link:
         if ref.dead and not self.registry.alive(ref):

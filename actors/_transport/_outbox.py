@@ -80,9 +80,14 @@ class Outbox:
                 "full: it is not reading"
             )
 
-    def post(self, link: Link, data: bytes, frames: list[Any], urgent: bool) -> None:
-        """Queue one encoded record on ``link``; it leaves now or at the end of this loop turn."""
-        self.check_room(link)
+    def post(self, link: Link, data: bytes, frames: list[Any], urgent: bool, *, owed: bool = False) -> None:
+        """Queue one encoded record on ``link``; it leaves now or at the end of this loop turn.
+
+        ``owed``: an answer the peer asked for (a call's reply) is queued past the limits: the peer's own
+        calls bound how many it is owed, and refusing it would leave that call unanswered for good.
+        """
+        if not owed:
+            self.check_room(link)
         if frames:
             link.append(data, frames)
         else:  # Link.append, inlined for the common record without buffer frames

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 from support import Counter, Forwarder
 
 from actors import Channel
@@ -69,6 +70,46 @@ async def test_a_backlog_a_full_link_refused_with_nothing_in_flight_is_offered_a
     assert window.inflight == 0 and len(window.backlog) == 1
     await asyncio.wait_for(windows.drain("ipc://peer", 7), 5)
     assert outbox.posted == [b"record"] and window.inflight == 1
+
+
+async def test_a_calls_answer_is_queued_past_the_links_limits_and_anything_else_is_refused(tmp_path):
+    """A link to a caller that reads nothing refuses more records (BufferFull); a call's reply was refused too, and
+    its error reply, on the same full link, raised out of the endpoint's task: the call was never answered. The
+    answer is owed (the caller's own calls bound how many): it is queued."""
+    import zmq
+
+    from actors import BufferFull
+    from actors._transport._outbox import LINK_RECORDS, Outbox
+
+    ctx = zmq.Context()
+    outbox = Outbox(ctx, b"header", None, lambda *args: None, lambda: False)
+    outbox.bind(asyncio.get_running_loop())
+    try:
+        link = outbox.link(f"ipc://{tmp_path}/nobody-reads")
+        link.records = LINK_RECORDS  # (as if a million records waited for it)
+        with pytest.raises(BufferFull, match="it is not reading"):
+            outbox.post(link, b"a port message", [], False)
+        outbox.post(link, b"a reply", [], False, owed=True)
+        assert not link.parts, "queued, and handed to the socket with the batch"
+    finally:
+        outbox.close(0)
+        ctx.term()
+
+
+def test_an_invocation_answers_as_an_owed_record():
+    import types
+
+    from actors._hosting._invocation import Invocation
+    from actors._wire._records import Call
+
+    sent: list[tuple[bool, bool]] = []
+    peer = types.SimpleNamespace(dead=False)
+    rt = types.SimpleNamespace(
+        registry=types.SimpleNamespace(proc=lambda address, pid: peer),
+        send=lambda ref, record, urgent, owed=False: sent.append((record.ok, owed)),
+    )
+    Invocation(Call(7, "a", "m", "ipc://caller", 1, 0, b"", None), []).reply(rt, True, 1)  # type: ignore[arg-type]
+    assert sent == [(True, True)]
 
 
 async def test_a_batch_whose_retry_a_loop_hand_over_cancelled_is_retried_on_the_next_loop(tmp_path, monkeypatch):

@@ -386,6 +386,34 @@ async def test_a_base_exception_fails_a_synchronous_actor_too(procs: ProcMesh):
         await doomed.ping.call_one()
 
 
+class CancelsItself(Actor):
+    @endpoint
+    async def awaits_a_cancelled_task(self) -> None:
+        task = asyncio.ensure_future(asyncio.sleep(3600))
+        await asyncio.sleep(0)
+        task.cancel()
+        await task  # its CancelledError is the endpoint's own: nothing stopped this actor
+
+    @endpoint
+    async def ping(self) -> str:
+        return "pong"
+
+
+async def test_an_endpoints_own_cancelled_error_fails_the_actor_as_any_base_exception(procs: ProcMesh):
+    """It was taken for a stop ("stopped first"): a fire-and-forget call's failure was dropped unreported and the
+    actor answered on as if nothing had happened; it is a BaseException raised by the endpoint, as SystemExit is."""
+    seen: list[Failure] = []
+    procs.add_failure_handler(lambda failure: seen.append(failure) or True)
+    target = procs.spawn("cancels_itself", CancelsItself).slice(procs=0)
+    with pytest.raises(SupervisionError, match=r"awaits_a_cancelled_task raised asyncio\.exceptions\.CancelledError"):
+        await asyncio.wait_for(target.awaits_a_cancelled_task.call_one(), 20)
+    assert [(f.endpoint, f.exception_type) for f in seen] == [
+        ("awaits_a_cancelled_task", "asyncio.exceptions.CancelledError")
+    ]
+    with pytest.raises(SupervisionError, match="and all its descendants have failed"):
+        await target.ping.call_one()
+
+
 class Aborting(Actor):
     @endpoint
     def abort(self, reason: str | None) -> None:

@@ -1,0 +1,86 @@
+"""An actor's stop inside its worker, unit by unit: cleanup, what it spawned, and the worker's own stop.
+
+The :class:`~actors._hosting._lifecycle.Lifecycle` runs here on the test's
+loop with stand-in actors and children (no process, no socket): the order
+of events is the loop's, so each case is deterministic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from actors._hosting._lifecycle import Lifecycle
+from actors._hosting._slots import ActorSlot, SlotTable
+
+
+class Child:
+    """Something an actor spawned (a proc mesh): records that it was stopped."""
+
+    def __init__(self, log: list[str], name: str) -> None:
+        self._log, self._name = log, name
+
+    async def stop(self) -> None:
+        self._log.append(f"stopped {self._name}")
+
+
+def hosting(instance: Any, *children: Child) -> tuple[Lifecycle, ActorSlot]:
+    slots = SlotTable()
+    slot = slots.actors["a"] = ActorSlot("a", 0, {}, "tests:Stand-in")
+    slot.instance = instance
+    slot.children.extend(children)
+    return Lifecycle(None, slots, None, lambda hosted: None), slot  # type: ignore[arg-type]
+
+
+async def test_the_workers_stop_waits_for_a_cleanup_already_under_way():
+    """An actor stopped alone (``ActorMesh.stop``), then its worker stopped before that cleanup ended: the worker's
+    stop found no actor left and answered at once, so the process exited in the middle of ``__cleanup__``."""
+    log: list[str] = []
+    started, gate = asyncio.Event(), asyncio.Event()
+
+    class Gated:
+        async def __cleanup__(self, exc: BaseException | None) -> None:
+            started.set()
+            await gate.wait()
+            log.append("cleaned up")
+
+    life, _ = hosting(Gated(), Child(log, "child"))
+    alone = asyncio.ensure_future(life.stop_actor("a"))
+    await asyncio.wait_for(started.wait(), 10)
+    everything = asyncio.ensure_future(life.stop_all())
+    everything.add_done_callback(lambda _: log.append("worker stopped"))
+    for _ in range(5):  # (the old stop answered within a turn or two)
+        await asyncio.sleep(0)
+    gate.set()
+    await asyncio.wait_for(asyncio.gather(alone, everything), 10)
+    assert log == ["cleaned up", "stopped child", "worker stopped"]
+
+
+async def test_a_cleanup_that_raises_cancelled_error_still_stops_what_the_actor_spawned():
+    """``self.task.cancel(); await self.task`` in ``__cleanup__`` raises CancelledError: it skipped stopping the
+    actor's children (their processes lived on) and escaped the stop, whose worker then ignored SIGTERM."""
+    log: list[str] = []
+
+    class CancelsItsTask:
+        async def __cleanup__(self, exc: BaseException | None) -> None:
+            task = asyncio.ensure_future(asyncio.Event().wait())
+            await asyncio.sleep(0)
+            task.cancel()
+            await task
+
+    life, slot = hosting(CancelsItsTask(), Child(log, "older"), Child(log, "newer"))
+    await asyncio.wait_for(life.stop_actor("a"), 10)  # (raised CancelledError)
+    assert log == ["stopped newer", "stopped older"] and not slot.children
+    await asyncio.wait_for(life.stop_all(), 10)
+
+
+async def test_a_cleanup_that_fails_still_stops_what_the_actor_spawned():
+    log: list[str] = []
+
+    class Fails:
+        async def __cleanup__(self, exc: BaseException | None) -> None:
+            raise RuntimeError("cleanup broke")
+
+    life, _ = hosting(Fails(), Child(log, "child"))
+    await asyncio.wait_for(life.stop_actor("a"), 10)
+    assert log == ["stopped child"]
