@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -245,8 +246,12 @@ class StaticDecoder:
         self._filled = 0
         self._step_logits: _Logits = _compiled_logits() if compile else _logits
         self.graphs: StepGraphs | None = None
-        if compile and not graphs:  # compiled now; the prefill empties what the warm-up step wrote
-            self._forward()
+        if compile:
+            # the cache allocates its tensors at its first write: done by an eager step, so the compiled step never
+            # traces that allocation (a guard on it cost a second graph per shape, and the recompile limit sooner)
+            self._pass(_logits, self._token, self._mask, self._position, self._slot)
+            if not graphs:  # compiled now; the prefill empties what the warm-up step wrote
+                self._forward()
         if graphs:
             self.graphs = StepGraphs(model, self._forward)
             self.graphs.select()  # captured now: a model that cannot be captured fails here, not mid-batch
@@ -366,9 +371,43 @@ def _logits(
 
 def _compiled_logits() -> _Logits:
     """:func:`_logits` compiled by ``torch.compile``: one graph (a break is an error, not a slow step) for
-    static shapes; torch keeps the compiled code per shape with the function's code, shared by every decoder."""
+    static shapes; torch keeps the compiled code per shape with the function's code, shared by every decoder.
+
+    Dynamo counts a function's compiled graphs against its recompile limit
+    (8 by default), and with ``fullgraph`` the next shape past it fails. A
+    decode step's graphs are one per batch shape (rows x cache length, in
+    :data:`LENGTH_BUCKET <pipeline.models._decode_choice.LENGTH_BUCKET>`-token
+    steps), a number the run's batches bound, not 8: its calls run with the
+    limits lifted (:func:`_unlimited_recompiles`), for this step alone.
+    """
     compiled: _Logits = torch.compile(_logits, fullgraph=True, dynamic=False)
-    return compiled
+
+    def step(
+        model: torch.nn.Module,
+        call: ModelCall,
+        cache: Any,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        position: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        with _unlimited_recompiles():
+            return compiled(model, call, cache, ids, mask, position, slots)
+
+    return step
+
+
+def _unlimited_recompiles() -> contextlib.AbstractContextManager[None]:
+    """Dynamo's recompile limits (per function, and accumulated) lifted while in it: ``config.patch`` restores them
+    on leaving (and from torch 2.13 a patch holds for the calling thread alone). ``cache_size_limit`` and
+    ``accumulated_cache_size_limit`` are the names torch before 2.6 gives them."""
+    config = torch._dynamo.config
+    names = ("recompile_limit", "accumulated_recompile_limit")
+    if not hasattr(config, names[0]):
+        names = ("cache_size_limit", "accumulated_cache_size_limit")
+    lifted = {name: sys.maxsize for name in names if hasattr(config, name)}
+    patch: contextlib.AbstractContextManager[None] = config.patch(lifted)
+    return patch
 
 
 def _next_logits(out: Any) -> torch.Tensor:

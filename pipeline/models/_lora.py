@@ -65,18 +65,52 @@ def _refuse_unmatched(model: torch.nn.Module, targets: str) -> None:
         )
 
 
+def _refuse_tied_head(model: torch.nn.Module, targets: str) -> None:
+    """No target may be an output head tied to the input embeddings: the generators' model holds one matrix for
+    both, so the head's merged W + BA and the embeddings' W could not both reach it (one would overwrite the other).
+    PEFT's ``all-linear`` leaves the head out."""
+    wanted = _targets(targets)
+    if wanted == ALL_LINEAR:
+        return
+    head = _tied_head(model)
+    if head is None:
+        return
+    named = [key for key in wanted if head == key or head.endswith(f".{key}")]
+    if named:
+        raise ModelError(
+            f"--lora-target-modules {targets}: {head} is the model's output head, tied to its input embeddings "
+            "(tie_word_embeddings): an adapter on it would give the head weights the embeddings no longer share, "
+            f"which the generators' tied model cannot hold; drop {', '.join(named)} from the targets, or untie the "
+            "embeddings (tie_word_embeddings false in the model's config.json)"
+        )
+
+
+def _tied_head(model: torch.nn.Module) -> str | None:
+    """The dotted name of ``model``'s output head if its weight is the input embeddings' very parameter, else None."""
+    output = getattr(model, "get_output_embeddings", None)
+    inputs = getattr(model, "get_input_embeddings", None)
+    if output is None or inputs is None:
+        return None
+    head, embeddings = output(), inputs()
+    if head is None or embeddings is None or getattr(head, "weight", None) is not embeddings.weight:
+        return None
+    return next((name for name, module in model.named_modules() if module is head), None)
+
+
 def _linear_names(model: torch.nn.Module) -> set[str]:
     return {name.rpartition(".")[2] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
 
 
 def check_lora_targets(name: str, targets: str, trust_remote_code: bool = False) -> None:
-    """Refuse ``--lora-target-modules`` that name no layer of ``name`` (built on the meta device: no weights load)."""
+    """Refuse ``--lora-target-modules`` that name no layer of ``name``, or its tied output head (built on the meta
+    device: no weights load)."""
     transformers = require_transformers()
     require_peft()
     config = transformers.AutoConfig.from_pretrained(name, **loading_kwargs(name, trust_remote_code))
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     _refuse_unmatched(model, targets)
+    _refuse_tied_head(model, targets)
 
 
 class LoraAdapter:
@@ -85,6 +119,7 @@ class LoraAdapter:
     def __init__(self, model: torch.nn.Module, rank: int, alpha: float, targets: str) -> None:
         peft = require_peft()
         _refuse_unmatched(model, targets)
+        _refuse_tied_head(model, targets)
         try:
             self._peft = peft.get_peft_model(model, _lora_config(peft, rank, alpha, targets))
         except ValueError as exc:

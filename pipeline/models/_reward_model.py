@@ -7,8 +7,10 @@ reward model's own chat template, the completion as the assistant's turn;
 text prompts are joined to their completion. Rows are padded on the right in
 batches, so a completion's reward never depends on the batch it came in.
 The checkpoint is checked when it is named (a classifier with one label,
-its tokenizer); its weights load on the first call, on the device of the
-process that scores: the scorer's, or the trainer's for held-out rewards.
+its tokenizer); its weights load on the device of the process that scores
+(the scorer's, or the trainer's for held-out rewards), by :meth:`RewardModel.load`,
+which the reward set runs untimed before its first timed call (a first call
+loads them too, if nothing did).
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ class RewardModel:
     def __call__(self, prompts: list[Any], completions: list[Any], **columns: Any) -> list[float]:
         """Each completion's reward: the model's logit for its prompt and it, together."""
         texts = [self._text(prompt, completion) for prompt, completion in zip(prompts, completions, strict=True)]
-        model = self._loaded()
+        model = self.load()
         rewards: list[float] = []
         with torch.no_grad():
             for start in range(0, len(texts), BATCH):
@@ -97,13 +99,20 @@ class RewardModel:
             return str(self.tokenizer.apply_chat_template(prompt + turn, tokenize=False))
         return str(prompt) + (completion if isinstance(completion, str) else str(completion[-1]["content"]))
 
-    def _loaded(self) -> Any:
+    def load(self) -> Any:
+        """The model, its weights loaded onto its device the first time (once, whichever threads ask)."""
         with self._loading:
             if self._model is None:
                 transformers = require_transformers()
-                model = transformers.AutoModelForSequenceClassification.from_pretrained(
-                    self.source, dtype=self.dtype, **loading_kwargs(self.source, self._trust)
-                )
+                try:
+                    model = transformers.AutoModelForSequenceClassification.from_pretrained(
+                        self.source, dtype=self.dtype, **loading_kwargs(self.source, self._trust)
+                    )
+                except Exception as exc:
+                    raise ModelError(
+                        f"--reward {self.source}: its weights cannot be loaded ({type(exc).__name__}: "
+                        f"{first_line(exc)})"
+                    ) from exc
                 model.config.pad_token_id = self.tokenizer.pad_token_id  # where each row's last real token is
                 self._model = model.to(self.device).eval()
             return self._model

@@ -246,6 +246,7 @@ class RewardSet:
             raise RewardError(f"two reward functions are named {duplicate!r}: each is logged as reward/<name>")
         self.weights = torch.tensor([f.weight for f in self.functions], dtype=torch.float32, device="cpu")
         self.timeout = timeout
+        self._loaded = False
 
     def check_chat(self, chat: bool) -> None:
         """With chat prompts, refuse a reward model that cannot render them (before the run, not at its first batch)."""
@@ -258,12 +259,26 @@ class RewardSet:
                 except ModelError as exc:
                     raise RewardError(str(exc)) from None
 
+    def load(self) -> None:
+        """Load every reward model's weights (a no-op once done): untimed, as :meth:`score` runs it before its first
+        timed call, so a slow load is not a reward that missed ``--reward-timeout``."""
+        for reward in self.functions:
+            if isinstance(reward.function, RewardModel):
+                try:
+                    reward.function.load()
+                except ModelError as exc:
+                    raise RewardError(str(exc)) from exc
+        self._loaded = True
+
     @property
     def names(self) -> list[str]:
         return [f.name for f in self.functions]
 
     async def score(self, prompts: list[Any], completions: list[Any], columns: dict[str, list[Any]]) -> torch.Tensor:
-        """[F, N] rewards, one row per function, NaN where a function returned None."""
+        """[F, N] rewards, one row per function, NaN where a function returned None (reward models loaded first,
+        untimed)."""
+        if not self._loaded:
+            await asyncio.to_thread(self.load)
         rows = await asyncio.gather(*(self._call(f, prompts, completions, columns) for f in self.functions))
         return torch.tensor(rows, dtype=torch.float32, device="cpu").reshape(len(self.functions), len(completions))
 
@@ -295,7 +310,7 @@ class RewardSet:
         total = (per_function * self.weights.unsqueeze(1)).nansum(0)
         return total.masked_fill(per_function.isnan().all(0), math.nan)
 
-    def combine_decoupled(self, per_function: torch.Tensor, group: int, eps: float = 1e-6) -> torch.Tensor:
+    def combine_decoupled(self, per_function: torch.Tensor, group: int, eps: float = 1e-4) -> torch.Tensor:
         """[N] weighted sums of each function's rewards normalised within its group first (GDPO): a function whose
         rewards vary little is not drowned by one that varies much. A None (NaN) is left out of its group's mean and
         std and counts as nothing in the sum."""

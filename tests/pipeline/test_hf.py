@@ -300,14 +300,32 @@ def test_a_gdpo_task_trains_on_the_decoupled_sum_and_reports_the_plain_one(tiny,
     assert decoupled.rewards.view(4, 4).mean(1).abs().max() < 1e-5, "each group's normalised sum has mean 0"
 
 
+def test_under_gdpo_the_groups_that_teach_nothing_are_those_whose_signal_is_flat(tmp_path):
+    """Anti-correlated reward functions (weights 1 and 2) sum to a flat total while GDPO's normalised signal, which
+    the advantages come from, is not: the share of groups that teach nothing is the signal's (it was the total's,
+    100 %, while every advantage was ±1)."""
+    from pipeline.algorithm import group_advantages, group_spread
+
+    zero = "(prompts, completions, **kw):\n    return [0.0] * len(completions)\n"
+    path = _reward_file(tmp_path, f"def r{zero}def s{zero}")
+    rewards = RewardSet([f"{path}:r", f"{path}:s=2"])
+    first = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    per = torch.stack([first, (2 - first) / 2])
+    total, signal = rewards.combine(per), rewards.combine_decoupled(per, 4)
+    assert total.tolist() == [2.0] * 4 and group_advantages(signal, 4, "batch").abs().min() > 0.9
+    assert group_spread(total, 4) == (0.0, 1.0)  # the total alone says: nothing to learn
+    assert group_spread(total, 4, signal) == (0.0, 0.0)
+
+
 def test_gdpo_normalises_each_reward_within_its_group_before_the_weighted_sum(tmp_path):
     zero = "(prompts, completions, **kw):\n    return [0.0] * len(completions)\n"
     path = _reward_file(tmp_path, f"def r{zero}def s{zero}")
     rewards = RewardSet([f"{path}:r=2", f"{path}:s"])
     # two functions x two groups of 3; function 0 varies a lot, function 1 a little; a None in group 2 of function 1
     per = torch.tensor([[0.0, 10.0, 20.0, 5.0, 5.0, 5.0], [0.0, 0.1, 0.2, 1.0, float("nan"), 0.0]])
-    z = 1 / math.sqrt(2 / 3)  # (x - mean) / population std of 0, 1, 2
-    expected = [2 * -z - z, 0.0, 2 * z + z, 2 * 0 + 1, 0.0, 2 * 0 - 1]  # group 2: function 0 constant, function 1 +-1
+    z, one = 10 / (10 * math.sqrt(2 / 3) + 1e-4), 1 / (1 + 1e-4)  # (x - mean) / (population std + 1e-4)
+    z_small = 0.1 / (0.1 * math.sqrt(2 / 3) + 1e-4)
+    expected = [2 * -z - z_small, 0.0, 2 * z + z_small, 2 * 0 + one, 0.0, 2 * 0 - one]  # group 2: +-1 from function 1
     assert rewards.combine_decoupled(per, 3).tolist() == pytest.approx(expected, abs=1e-4)
     plain = rewards.combine(per)
     assert plain.tolist() == pytest.approx([0.0, 20.1, 40.2, 11.0, 10.0, 10.0]), "summed first, function 0 decides"
