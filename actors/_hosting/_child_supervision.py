@@ -1,19 +1,22 @@
 """An actor as the supervisor of what it spawned: its ``__supervise__`` is offered their failures.
 
-An ``async def __supervise__`` runs as a task on this loop; until it
-answers the failure counts as handled, and a false answer escalates it
-then. A ``__supervise__`` that raises, or a failure left unhandled, fails
+An ``async def __supervise__`` runs as a task on this loop, and a
+synchronous actor's ``def __supervise__`` on that actor's own thread, in
+turn with its endpoints; until it answers the failure counts as handled,
+and a false answer escalates it then. A ``__supervise__`` that raises, or a failure left unhandled, fails
 the supervising actor itself (as in Monarch).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import TYPE_CHECKING
 
 from .._runtime._context import actor_context
 from .._shared._errors import SupervisionError, actor_failed
 from .._wire._records import SUPERVISION, ErrorRecord
+from ._actor import is_sync_actor
 from ._failure_reports import FailureReports
 from ._lifecycle import Lifecycle
 from ._slots import SlotTable
@@ -39,7 +42,12 @@ class ChildSupervision:
             return False
         token = actor_context.set(slot.context)
         try:
-            verdict = slot.instance.__supervise__(failure)
+            hook = slot.instance.__supervise__
+            if is_sync_actor(type(slot.instance)) and not inspect.iscoroutinefunction(hook):
+                # a synchronous actor's: on its own thread, after the calls queued there (never beside one)
+                verdict = slot.run_sync(self._lifecycle.loop, functools.partial(hook, failure))
+            else:
+                verdict = hook(failure)
         except Exception as exc:
             self.escalate(actor, failure, exc)
             return True

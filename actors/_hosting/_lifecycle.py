@@ -102,10 +102,19 @@ class Lifecycle:
             self._reports.report(name, slot.rank, "__init__", slot.error)  # a supervision event, as in Monarch
         else:
             inv.reply(self._rt, True, None)
+            if slot.stopping:  # stopped while its constructor ran (a sync actor's, on its thread): no cleanup ran
+                self._track_stop(self.loop.create_task(self._cleanup_late(slot)))
         finally:
             actor_context.reset(token)
         self._retitle()
         return slot
+
+    async def _cleanup_late(self, slot: ActorSlot) -> None:
+        """The stop of an actor stopped mid-construction ran without an instance: its ``__cleanup__`` runs now."""
+        try:
+            await self._cleanup(slot, None, CLEANUP_TIMEOUT)
+        finally:
+            slot.close()
 
     def _retitle(self) -> None:
         self._retitle_to(self._slots.hosted())
@@ -167,9 +176,12 @@ class Lifecycle:
         if slot.stop_task is None:
             slot.stopping = True
             slot.stop_task = self.loop.create_task(self._run_stop(slot, exc, timeout))
-            self._stops.add(slot.stop_task)
-            slot.stop_task.add_done_callback(self._stops.discard)
+            self._track_stop(slot.stop_task)
         await asyncio.shield(slot.stop_task)
+
+    def _track_stop(self, stop: asyncio.Task[None]) -> None:
+        self._stops.add(stop)
+        stop.add_done_callback(self._stops.discard)
 
     async def _run_stop(self, slot: ActorSlot, exc: BaseException | None, timeout: float) -> None:
         """Cancel its running calls, then ``__cleanup__(exc)``, then stop what it spawned (Monarch's order)."""
@@ -194,7 +206,7 @@ class Lifecycle:
             return
         token = actor_context.set(slot.context)
         try:
-            if slot.thread is not None and not inspect.iscoroutinefunction(cleanup):
+            if is_sync_actor(type(slot.instance)) and not inspect.iscoroutinefunction(cleanup):
                 result = slot.run_sync(self.loop, functools.partial(cleanup, exc))  # on the actor's thread
             else:
                 result = cleanup(exc)
@@ -216,10 +228,17 @@ class Lifecycle:
             log.exception("could not stop %r, spawned by %s", child, spawner)
 
     def adopt(self, actor: str, child: Stoppable) -> None:
-        """Record that ``actor`` spawned ``child``: it stops with the actor."""
+        """Record that ``actor`` spawned ``child``: it stops with the actor (at once if the actor stopped already,
+        as one stopped while its constructor ran, which spawns on)."""
         slot = self._slots.get(actor)
         if slot is not None:
             slot.children.append(child)
+        elif actor in self._slots.stopped:  # (called on the spawning code's thread: a sync actor's, say)
+            self.loop.call_soon_threadsafe(self._stop_orphan, actor, child)
+
+    def _stop_orphan(self, actor: str, child: Stoppable) -> None:
+        log.info("stopping %r at once: %s, which spawned it, has stopped", child, shown(actor))
+        self._track_stop(self.loop.create_task(self._stop_child(child, CLEANUP_TIMEOUT, shown(actor))))
 
     def stop_last(self, child: Stoppable) -> None:
         """Stop ``child`` when this worker stops, after every actor has stopped."""

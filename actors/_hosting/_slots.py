@@ -62,8 +62,10 @@ class ActorSlot:
         task.add_done_callback(self.tasks.discard)
 
     def close(self) -> None:
-        if self.thread is not None:
-            self.thread.shutdown(wait=False, cancel_futures=True)
+        """Shut its thread down (a later :meth:`run_sync`, a late cleanup's, starts another)."""
+        thread, self.thread = self.thread, None
+        if thread is not None:
+            thread.shutdown(wait=False, cancel_futures=True)
 
 
 class SlotTable:

@@ -9,7 +9,6 @@ handle: spawn, ask, stop.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import threading
@@ -27,7 +26,7 @@ from .._runtime._parts import Part
 from .._runtime._pending_calls import PendingCall
 from .._runtime._supervision import Failure, FailureHandler
 from .._runtime._value_mesh import extent_from_wire
-from .._shared._errors import CallTimeout, DecodeError, SupervisionError
+from .._shared._errors import DecodeError, SupervisionError
 from .._shared._liveness import ProcRef, new_incarnation
 from .._shared._names import wire_name
 from .._shared._restart import RestartPolicy
@@ -37,7 +36,7 @@ from .._wire._records import PROCESS_ACTOR
 from ._actor_mesh import ActorMesh
 from ._log_collector import LogCollector
 from ._mesh_supervisor import MeshSupervisor
-from ._proc_stop import StopStep, stop_steps
+from ._proc_stop import StopRun, StopStep, stop_steps
 
 __all__ = ["SPAWNED_MESHES", "ProcMesh"]
 
@@ -77,6 +76,7 @@ class ProcMesh:
         self._procs = procs
         self._actors: dict[str, ActorMesh[Any]] = {}
         self._stopped = False
+        self._stop_run: StopRun | None = None
         context = actor_context.get()
         self.supervisor = MeshSupervisor(
             procs,
@@ -271,23 +271,20 @@ class ProcMesh:
         self.supervisor.stopping = True
 
     def stop(self, timeout: float = CLEANUP_TIMEOUT) -> Future[None]:
-        """Run every actor's ``__cleanup__`` and end the processes (a no-op if already stopped)."""
-        rt = runtime()
-        plan = self._stop_plan(rt, timeout)
-        first = next(plan, None)  # eager: the stop request leaves now
-        if first is not None:
-            plan = itertools.chain([first], plan)
+        """Run every actor's ``__cleanup__`` and end the processes (a no-op if already stopped).
 
-        async def run() -> None:
-            for condition, limit in plan:
-                await rt.driver.wait_until(condition, limit)
-
-        def run_sync(_timeout: float | None) -> None:
-            for condition, limit in plan:
-                with contextlib.suppress(CallTimeout):
-                    rt.driver.wait(condition, timeout=limit, what="processes to stop")
-
-        return Future(run, run_sync)
+        The stop runs to its end whoever waits for it: an awaiter that gives
+        up leaves it going, and a later ``stop()`` (or ``shutdown_context``)
+        waits for the same run (its ``timeout`` is the first stop's).
+        """
+        run = self._stop_run
+        if run is None:
+            rt = runtime()
+            plan = self._stop_plan(rt, timeout)
+            first = next(plan, None)  # eager: the stop request leaves now
+            steps = itertools.chain([first], plan) if first is not None else plan
+            run = self._stop_run = StopRun(rt, steps)
+        return Future(run.wait, lambda _timeout: run.wait_sync())
 
     def _stop_plan(self, rt: Runtime, timeout: float) -> Iterator[StopStep]:
         """The stop sequence as (condition, time limit) steps, for async and sync waiting alike."""

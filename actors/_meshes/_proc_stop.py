@@ -2,11 +2,14 @@
 
 The sequence is a generator of ``(condition, time limit)`` steps so that
 an async caller awaits each step and a synchronous caller blocks on it,
-with the same logic; its first step (the stop request) runs eagerly.
+with the same logic; its first step (the stop request) runs eagerly. A
+:class:`StopRun` runs it to its end whoever waits: an awaiter that gives up
+(``wait_for``) leaves it running, and a later ``stop()`` waits for it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -15,12 +18,12 @@ from collections.abc import Callable, Iterator
 from .._runtime._call_sender import encode_arguments, send_call
 from .._runtime._core import Runtime
 from .._runtime._pending_calls import PendingCall
-from .._shared._errors import ActorDied
+from .._shared._errors import ActorDied, CallTimeout
 from .._shared._liveness import ProcRef
 from .._shared._session import incarnation_path, remove_socket_file
 from .._wire._records import PROCESS_ACTOR
 
-__all__ = ["StopStep", "stop_steps"]
+__all__ = ["StopRun", "StopStep", "stop_steps"]
 
 #: Wait until the condition holds or the limit (seconds) passes.
 StopStep = tuple[Callable[[], bool], float]
@@ -77,3 +80,43 @@ def stop_steps(
         remove_socket_file(ref.address)
         with contextlib.suppress(FileNotFoundError):
             os.remove(incarnation_path(rt.dir, ref.address))
+
+
+class StopRun:
+    """One run of a mesh's stop steps, to their end whoever waits for them, and however many wait.
+
+    On an event loop the steps run as a task of the runtime's loop, which
+    each awaiter waits for shielded: one that is cancelled (``wait_for``
+    ran out) leaves the run going, to the SIGKILL of what ignored the stop.
+    A run whose loop ended mid-way goes on, from the step after, with the
+    next waiter. A synchronous waiter (no loop runs the runtime: interpreter
+    exit) runs the steps on its own thread.
+    """
+
+    def __init__(self, rt: Runtime, steps: Iterator[StopStep]) -> None:
+        self._rt = rt
+        self._steps = steps
+        self._task: asyncio.Task[None] | None = None
+        self.done = False
+
+    async def wait(self) -> None:
+        task = self._task
+        if task is None or (task.done() and not self.done):
+            task = self._task = asyncio.get_running_loop().create_task(self._run())
+        await asyncio.shield(task)
+
+    async def _run(self) -> None:
+        for condition, limit in self._steps:
+            await self._rt.driver.wait_until(condition, limit)
+        self.done = True
+
+    def wait_sync(self) -> None:
+        driver, task = self._rt.driver, self._task
+        if task is not None and not task.done():  # under way on the loop of another thread
+            driver.wait(task.done, timeout=None, what="the stop under way")
+        if self.done:
+            return
+        for condition, limit in self._steps:
+            with contextlib.suppress(CallTimeout):
+                driver.wait(condition, timeout=limit, what="processes to stop")
+        self.done = True

@@ -117,6 +117,7 @@ class RemoteHostMesh(HostMesh):
         self._lifelines = lifelines
         self._root: RemoteHostMesh | None = None
         self.closed = False
+        self._shutting_down: asyncio.Future[None] | None = None  # a shutdown started on an event loop
         for node in nodes:
             self._watch(node)
         lifelines.watch(self._lifeline_lost)
@@ -132,15 +133,26 @@ class RemoteHostMesh(HostMesh):
         raise NotImplementedError
 
     def shutdown(self) -> Future[None]:
-        """End every process this mesh started on every host, and release the hosts; blocks until done.
+        """End every process this mesh started on every host, and release the hosts.
 
-        Returns a completed :class:`Future`, so Monarch's ``hosts.shutdown().get()``
-        reads as there (code on an event loop awaits :meth:`shutdown_async`).
+        From synchronous code it blocks until done and returns a completed
+        :class:`Future`, so Monarch's ``hosts.shutdown().get()`` reads as
+        there. On an event loop (Monarch's ``await hosts.shutdown()``) the
+        shutdown starts at once on a worker thread, whose waits never touch
+        the loop's, and the returned Future is awaited for its end.
         """
         if self._root is not None:
             raise RuntimeError("shut down the host mesh this one was sliced from: they share their hosts")
-        self._release(end_hosts=True)
-        return Future.ready(None)
+        if not loop_running():
+            self._release(end_hosts=True)
+            return Future.ready(None)
+        # (kept referenced here: a task only the caller's Future held could be collected mid-way)
+        task = self._shutting_down = asyncio.ensure_future(asyncio.to_thread(self._release, True))
+
+        async def ended() -> None:
+            await asyncio.shield(task)
+
+        return Future(ended)
 
     def _release(self, end_hosts: bool) -> None:
         """What :meth:`shutdown` does (once); ``end_hosts=False`` at the program's exit keeps what serves a host
@@ -148,8 +160,8 @@ class RemoteHostMesh(HostMesh):
         raise NotImplementedError
 
     async def shutdown_async(self) -> None:
-        """:meth:`shutdown` for code on an event loop: its waits happen on a worker thread."""
-        await asyncio.to_thread(self.shutdown)
+        """:meth:`shutdown` for code on an event loop (``await hosts.shutdown()`` does the same)."""
+        await self.shutdown()
 
     def __enter__(self) -> Self:
         return self

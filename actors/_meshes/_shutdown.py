@@ -25,12 +25,14 @@ def shutdown_context(host_timeout: float | None = None) -> Future[None]:
     if rt is None:
         return Future.ready(None)
     spawned = rt.parts.get(SPAWNED_MESHES)
-    meshes = [mesh for mesh in list(spawned) if not mesh.stopping]
-    stops = [mesh.stop() for mesh in meshes]  # each stop request leaves now
+    # each stop request leaves now; a mesh whose stop is under way (or was given up on) is waited for
+    stops = [mesh.stop() for mesh in list(spawned)]
 
     async def run() -> None:
-        await asyncio.wait_for(asyncio.gather(*(_awaited(stop) for stop in stops)), host_timeout)
-        await stop_controllers()
+        try:
+            await asyncio.wait_for(asyncio.gather(*(_awaited(stop) for stop in stops)), host_timeout)
+        finally:  # (past host_timeout the meshes' stops go on; the controllers stop all the same)
+            await stop_controllers()
 
     def run_sync(timeout: float | None) -> None:
         limit = host_timeout if timeout is None else timeout

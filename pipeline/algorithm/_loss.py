@@ -30,9 +30,9 @@ completion mask ``m`` [N, T]:
   ``off_policy_mask_threshold``): a completion with ``A < 0`` whose tokens'
   mean ``log mu - log pi`` exceeds ``delta`` drops out of the policy term;
 * **top entropy** (``top_entropy`` below 1): the policy term only for
-  the tokens whose entropy is in that top share of the batch's unmasked tokens (the
-  high-entropy "forking" tokens; TRL's ``top_entropy_quantile``), the KL
-  for every token;
+  the tokens whose entropy is in that top share of the pass's unmasked tokens (the
+  high-entropy "forking" tokens; TRL's ``top_entropy_quantile``, whose quantile
+  is each micro-batch's too), the KL for every token;
 * **importance weights** (``is_cap`` above 0; TRL's vLLM importance
   sampling): the ratio is then to the trainer's own log-probs before the
   update, and each token's policy term is weighted by ``w = pi_old / mu`` —
@@ -56,7 +56,7 @@ completion mask ``m`` [N, T]:
 
 Weights are computed over a whole batch, so a micro-batch's loss is its share
 of the batch's loss and gradients accumulated over micro-batches equal the
-batch's. Masked positions are excluded before any ``exp``: whatever numbers
+batch's (but for a top-entropy share below 1: its threshold is each pass's). Masked positions are excluded before any ``exp``: whatever numbers
 padding holds, they can neither overflow nor turn ``inf x 0`` into NaN.
 """
 

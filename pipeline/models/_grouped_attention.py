@@ -6,8 +6,10 @@ head for each query head that shares it (``repeat_kv``): on a 0.5 B Qwen2
 whole KV cache 7 times over, 28 % of a graphed step's GPU time (H100). Here a group's
 query heads become rows of one query instead: ``[B, H, Q, D]`` is viewed as
 ``[B, H_kv, G * Q, D]`` against the unrepeated ``[B, H_kv, L, D]`` keys and
-values, and the mask row of each query position is repeated ``G`` times —
-the same attention, with nothing repeated but the (small) mask.
+values — the same attention, with nothing repeated (a step's query is one
+position, so its mask row serves every head of the group). The prompt pass,
+whose queries are the cache's first ``P`` slots, attends over those ``P``
+keys only (``enable_gqa``), not the whole cache with a mask per head.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ def grouped_sdpa(
 
     In transformers' attention-function form: the output is [B, Q, H, D]. The
     mask must be given (the static decoder always prepares one): without it,
-    causality would have to be rebuilt for the grouped rows.
+    causality would have to be rebuilt. A query of several positions (Q > 1)
+    must be the prompt pass, at the cache's first Q slots (the static
+    decoder's only one).
     """
     if attention_mask is None:
         raise ValueError("grouped_sdpa needs the prepared attention mask the static decoder passes")
@@ -45,12 +49,22 @@ def grouped_sdpa(
     groups = heads // kv_heads
     if groups * kv_heads != heads:
         raise ValueError(f"{heads} query heads do not group over {kv_heads} key/value heads")
+    if length > 1:
+        # The prompt pass: its queries are the cache's first ``length`` slots, so only those keys can be allowed;
+        # grouping would repeat a [length x cache length] mask for each head of a group (GBs at a real batch)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query,
+            key[:, :, :length],
+            value[:, :, :length],
+            attn_mask=attention_mask[..., :length],
+            dropout_p=dropout,
+            scale=scaling,
+            enable_gqa=groups > 1,
+        )
+        return out.transpose(1, 2).contiguous(), None
     grouped = query.reshape(batch, kv_heads, groups * length, width)
-    mask = attention_mask
-    if groups > 1 and length > 1:  # one row per query position and head of the group, in the query's order
-        mask = mask.unsqueeze(2).expand(-1, -1, groups, -1, -1).reshape(batch, mask.shape[1], groups * length, -1)
     out = torch.nn.functional.scaled_dot_product_attention(
-        grouped, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling
+        grouped, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling
     )
     return out.reshape(batch, heads, length, width).transpose(1, 2).contiguous(), None
 

@@ -52,6 +52,26 @@ async def test_stop_of_a_dead_mesh_returns(sockets_dir):
     await asyncio.wait_for(procs.stop(), 10)  # twice is fine
 
 
+async def test_a_stop_given_up_on_goes_on_and_shutdown_context_waits_for_it(sockets_dir):
+    """``wait_for(procs.stop(), t)`` ran out while a worker's loop was blocked: its stop was abandoned before the
+    SIGKILL step, and ``shutdown_context()`` skipped the mesh as stopping already, so the process lived on. The stop
+    runs to its end whoever waits; ``shutdown_context`` (and a second ``stop()``) waits for it."""
+    from support import Blocker
+
+    import actors
+
+    procs = this_host().spawn_procs(per_host={"procs": 1})
+    blocker = procs.spawn("blocker", Blocker)
+    await blocker.ping.call_one()
+    pid = procs.pids[0]
+    blocker.freeze.broadcast(3600.0)  # its loop never answers the stop: only SIGKILL ends it
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(procs.stop(timeout=0.1), 0.3)
+    await asyncio.wait_for(actors.shutdown_context(), 30)
+    assert pid not in actor_pids()
+    await asyncio.wait_for(procs.stop(), 5)  # the same run, done
+
+
 async def test_stop_runs_cleanup_and_ends_processes(sockets_dir):
     from support import Cleanup
 

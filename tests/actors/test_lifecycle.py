@@ -8,8 +8,11 @@ of events is the loop's, so each case is deterministic.
 from __future__ import annotations
 
 import asyncio
+import threading
+import types
 from typing import Any
 
+from actors import Actor, endpoint
 from actors._hosting._lifecycle import Lifecycle
 from actors._hosting._slots import ActorSlot, SlotTable
 
@@ -84,3 +87,51 @@ async def test_a_cleanup_that_fails_still_stops_what_the_actor_spawned():
     life, _ = hosting(Fails(), Child(log, "child"))
     await asyncio.wait_for(life.stop_actor("a"), 10)
     assert log == ["stopped child"]
+
+
+class SlowStart(Actor):
+    """A synchronous actor whose constructor waits for the test's gate (it runs on the actor's own thread)."""
+
+    def __init__(self, started: threading.Event, gate: threading.Event, log: list[str]) -> None:
+        started.set()
+        gate.wait(30)
+        self.log = log
+        log.append("constructed")
+
+    @endpoint
+    def ping(self) -> str:
+        return "pong"
+
+    def __cleanup__(self, exc: BaseException | None) -> None:
+        self.log.append(f"cleaned up on {threading.current_thread().name.partition('_')[0]}")
+
+
+async def test_an_actor_stopped_while_its_constructor_runs_is_cleaned_up_once_constructed():
+    """A synchronous actor's constructor runs on its thread; a stop meanwhile found no instance, so no
+    ``__cleanup__`` ever ran for the actor the constructor then finished building, and what it spawned after the
+    stop was adopted by no one (its processes lived until the worker exited). Both now stop."""
+    started, gate, log = threading.Event(), threading.Event(), []
+    replies: list[bool] = []
+    rt = types.SimpleNamespace(
+        registry=types.SimpleNamespace(proc=lambda address, pid: None),
+        inbox=types.SimpleNamespace(
+            decoder=types.SimpleNamespace(decode=lambda ctor, frames: ([started, gate, log], {}))
+        ),
+    )
+    inv = types.SimpleNamespace(
+        call=types.SimpleNamespace(rank=0, reply_to="ipc://caller", reply_pid=1),
+        frames=[],
+        reply=lambda rt, ok, value: replies.append(ok),
+    )
+    slots = SlotTable()
+    life = Lifecycle(rt, slots, None, lambda hosted: None)  # type: ignore[arg-type]
+    spawning = asyncio.ensure_future(life.spawn(inv, "a", f"{__name__}:SlowStart", {}, b""))  # type: ignore[arg-type]
+    await asyncio.wait_for(asyncio.to_thread(started.wait, 10), 20)
+    await asyncio.wait_for(life.stop_actor("a"), 10)  # (no instance yet: nothing to clean up)
+    orphan = Child(log, "spawned after the stop")
+    life.adopt("a", orphan)  # the constructor spawns on, with its actor stopped
+    gate.set()
+    await asyncio.wait_for(spawning, 20)
+    await asyncio.wait_for(life.stop_all(), 20)  # (waits for every stop under way)
+    assert replies == [True]
+    assert sorted(log) == ["cleaned up on actor-a", "constructed", "stopped spawned after the stop"]

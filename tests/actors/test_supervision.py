@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 
 import pytest
 from support import Echo, Fire, Supervisor
 
 import actors
-from actors import Channel, Failure, ProcMesh, SupervisionError, send
+from actors import Actor, Channel, Failure, Port, ProcMesh, SupervisionError, endpoint, send, this_host
 
 
 async def test_an_unhandled_failure_faults_the_mesh(procs: ProcMesh):
@@ -83,6 +84,44 @@ async def test_an_actor_that_does_not_handle_escalates_to_its_owner(procs: ProcM
     assert "raise KeyError" in failure.traceback, "the child's traceback travels up"
     with pytest.raises(SupervisionError, match=r"The actor <\S+\.\w+ sup\[0\]> and all its descendants have failed"):
         await sup.ping.call_one()  # as in Monarch, the actor that did not handle it failed with it
+
+
+class SyncSupervisor(Actor):
+    """A synchronous actor (``def`` endpoints only) that spawns a child and supervises it."""
+
+    def __init__(self, port: Port[str]) -> None:
+        self.port = port
+        self.procs: ProcMesh | None = None
+
+    @endpoint
+    def start_child(self) -> str:
+        self.procs = this_host().spawn_procs(per_host={"procs": 1}, name="children")
+        self.child = self.procs.spawn("child", Fire)
+        self.child.ok.call_one().get(timeout=30)
+        return threading.current_thread().name
+
+    @endpoint
+    def fail_child(self) -> None:
+        send(self.child.explode, ("from the child",))
+
+    def __supervise__(self, failure: Failure) -> bool:
+        self.port.send(threading.current_thread().name)
+        return True
+
+    def __cleanup__(self, exc: BaseException | None) -> None:
+        if self.procs is not None:
+            self.procs.stop().get(timeout=30)
+
+
+async def test_a_synchronous_actors_supervise_runs_on_its_own_thread_in_turn_with_its_endpoints(procs: ProcMesh):
+    """It ran on the worker's loop thread, beside whatever ``def`` endpoint ran on the actor's thread then (a race
+    on the actor's state, and a blocking ``__supervise__`` stalled the message pump)."""
+    port, threads = Channel[str].open()
+    sup = procs.spawn("sync_sup", SyncSupervisor, port).slice(procs=0)
+    endpoint_thread = await sup.start_child.call_one()
+    await sup.fail_child.call_one()
+    assert await asyncio.wait_for(threads.recv(), 30) == endpoint_thread
+    assert endpoint_thread.startswith("actor-")
 
 
 class RaisingSupervisor(Supervisor):

@@ -188,7 +188,7 @@ ATTACH_LATER = textwrap.dedent(
         procs = hosts.spawn_procs(per_host={"procs": 1})
         answers = await procs.spawn("echo", Echo).echo.call(7)
         await procs.stop()
-        await hosts.shutdown_async()
+        await hosts.shutdown()  # Monarch's idiom on a loop
         return early, [value for _, value in answers]
 
     async def observe(hosts):
@@ -534,3 +534,33 @@ def test_a_worker_lost_while_attaching_fails_it_at_once_and_a_late_starter_is_st
     assert out["shutdown_lost_s"] < 10, "shutting down asks no lost worker to stop (it waited 15 s for an answer)"
     assert "did not answer within 1s" in out["late"], out["late"]
     assert loops[1].wait(15) == 0, "the late starter's loop was ended by its mesh's shutdown"
+
+
+async def test_a_shutdown_awaited_on_an_event_loop_runs_off_the_loop_and_is_awaited_to_its_end():
+    """Monarch's ``await hosts.shutdown()``: it ran on the loop's thread, where each of its waits raised "would
+    block the running event loop" (swallowed), the lifelines' threads were joined on the loop, and it returned a
+    finished Future before the hosts had stopped. Now it starts on a worker thread and is awaited to its end."""
+    import threading
+    import types
+
+    from actors._meshes._remote_host_mesh import RemoteHostMesh
+
+    loop_thread, release = threading.get_ident(), threading.Event()
+    calls: list[tuple[bool, bool]] = []
+
+    def _release(end_hosts: bool) -> None:
+        release.wait(30)  # (a shutdown's waits, on its own thread)
+        calls.append((end_hosts, threading.get_ident() != loop_thread))
+
+    mesh = types.SimpleNamespace(_root=None, _release=_release, _shutting_down=None)
+    ended = RemoteHostMesh.shutdown(mesh)  # type: ignore[arg-type]
+    waiting = asyncio.ensure_future(_awaited(ended))
+    await asyncio.sleep(0)
+    assert not waiting.done() and not calls, "under way, off the loop, which runs on"
+    release.set()
+    await asyncio.wait_for(waiting, 30)
+    assert calls == [(True, True)]
+
+
+async def _awaited(future: Any) -> None:
+    await future

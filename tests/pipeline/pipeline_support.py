@@ -232,10 +232,12 @@ def ranks_step(
 
 
 def tiny_qwen2(vocab: int = 300, width: int = 32, heads: int = 4, seed: int = 0, **extra: Any) -> Any:
-    """A random two-layer Qwen2 with a tied head, built from a config (nothing downloaded), in eval mode."""
+    """A random two-layer Qwen2 with a tied head (unless ``tie_word_embeddings=False``), built from a config (nothing
+    downloaded), in eval mode."""
     import transformers
 
     torch.manual_seed(seed)
+    extra.setdefault("tie_word_embeddings", True)
     config = transformers.Qwen2Config(
         vocab_size=vocab,
         hidden_size=width,
@@ -243,7 +245,6 @@ def tiny_qwen2(vocab: int = 300, width: int = 32, heads: int = 4, seed: int = 0,
         num_hidden_layers=2,
         num_attention_heads=heads,
         num_key_value_heads=max(1, heads // 2),
-        tie_word_embeddings=True,
         **extra,
     )
     return transformers.Qwen2ForCausalLM(config).eval()

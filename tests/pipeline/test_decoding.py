@@ -99,6 +99,8 @@ def test_grouped_attention_equals_sdpa_over_repeated_key_value_heads(queries, ma
     key, value = (torch.randn(batch, kv_heads, length, width, generator=rng) for _ in range(2))
     allowed = torch.rand(batch, 1, queries, length, generator=rng) > 0.3
     allowed[..., 0] = True  # no row attends to nothing
+    if queries > 1:  # the prompt pass, the only one of several queries: at the cache's first slots, none after
+        allowed[..., queries:] = False
     mask = allowed if mask_kind == "bool" else torch.zeros(allowed.shape).masked_fill(~allowed, -1e9)
     layer = torch.nn.Module()
     layer.num_key_value_groups = heads // kv_heads
@@ -110,6 +112,25 @@ def test_grouped_attention_equals_sdpa_over_repeated_key_value_heads(queries, ma
         grouped_sdpa(layer, query, key, value, None)
     with pytest.raises(ValueError, match="6 query heads do not group over 4 key/value heads"):
         grouped_sdpa(layer, query, torch.cat([key, key], 1), torch.cat([value, value], 1), mask)
+
+
+def test_the_prompt_pass_attends_over_the_prompts_keys_only_with_no_mask_per_head(monkeypatch):
+    """The prompt pass grouped its query heads as a step does, repeating a [P x cache length] mask for each head of
+    a group: with 7 heads a group, 256 prompts of 1024 tokens and a 2048-token cache, GBs of mask per layer. It
+    attends over the P keys written (enable_gqa), with the one [P x P] mask every head shares."""
+    sizes: list[tuple[int, ...]] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(query, key, value, attn_mask=None, **kwargs):
+        sizes.append(tuple(attn_mask.shape))
+        return sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    model = qwen2()
+    engine = BuiltinEngine(model, Tokenizer(), "static")
+    draw_with(engine, prompts(500), SamplingParams(4))
+    prompt_passes = [size for size in sizes if size[2] > 1]
+    assert prompt_passes and all(size[1] == 1 and size[2] == size[3] for size in prompt_passes), prompt_passes
 
 
 def test_the_static_cache_attends_with_grouped_heads_and_gives_the_model_its_own_attention_back():

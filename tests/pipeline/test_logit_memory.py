@@ -102,7 +102,7 @@ def test_a_head_adapted_by_lora_is_still_taken_apart_and_scored_in_chunks():
     pytest.importorskip("peft", reason="needs the hf extra")
     from pipeline.models import CompletionLogps, LoraAdapter
 
-    model = tiny_qwen2(300)
+    model = tiny_qwen2(300, tie_word_embeddings=False)  # (a tied head takes no adapter: refused)
     LoraAdapter(model, 4, 8.0, "q_proj,lm_head")
     with torch.no_grad():  # the adapters start at B = 0: move them, so the head's LoRA term counts
         for name, parameter in model.named_parameters():
