@@ -7,7 +7,9 @@ process). A peer whose socket queue is full keeps the batch:
 
 * on an event loop, the send is retried on a timer while the loop runs on;
 * a caller without a loop (synchronous code) blocks, serving its inbox,
-  until the batch leaves or :data:`SEND_TIMEOUT` passes.
+  until the batch leaves or :data:`SEND_TIMEOUT` passes; then its record is
+  taken back out of the batch and it gets :class:`~actors.BufferFull`
+  (nothing sent, so nothing arrives late).
 
 A link holding more than :data:`LINK_RECORDS` records or
 :data:`LINK_BYTES` bytes refuses more with :class:`~actors.BufferFull`:
@@ -23,9 +25,9 @@ from typing import Any
 
 import zmq
 
-from .._shared._errors import BufferFull
+from .._shared._errors import BufferFull, CallTimeout
 from .._wire._records import record_prefix
-from ._sockets import FLUSH_BYTES, FLUSH_RECORDS, Link
+from ._sockets import FLUSH_BYTES, FLUSH_RECORDS, Link, frame_size
 
 __all__ = ["LINK_BYTES", "LINK_RECORDS", "SEND_TIMEOUT", "Outbox"]
 
@@ -88,6 +90,7 @@ class Outbox:
         """
         if not owed:
             self.check_room(link)
+        part, frame = len(link.parts), len(link.frames)  # where this record goes in the batch
         if frames:
             link.append(data, frames)
         else:  # Link.append, inlined for the common record without buffer frames
@@ -96,7 +99,14 @@ class Outbox:
             link.records += 1
         loop = self.loop
         if loop is None or urgent or link.nbytes >= FLUSH_BYTES or link.records >= FLUSH_RECORDS:
-            self.flush(link)
+            try:
+                self.flush(link)
+            except CallTimeout:  # (no loop: the peer's queue stayed full past SEND_TIMEOUT) nothing was sent
+                link.take_back(part, frame, len(frames), len(data) + sum(frame_size(f) for f in frames))
+                raise BufferFull(
+                    f"{link.address} took nothing for {SEND_TIMEOUT:g}s (its queue stayed full): the record was not "
+                    "sent"
+                ) from None
         elif not link.scheduled and link.retry is None:
             link.scheduled = True
             self._dirty.append(link)

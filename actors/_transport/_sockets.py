@@ -105,6 +105,14 @@ class Link:
             for frame in frames:
                 self.nbytes += frame_size(frame)
 
+    def take_back(self, part: int, frame: int, frames: int, nbytes: int) -> None:
+        """Drop one record whose send gave up: its part at index ``part``, its ``frames`` buffer frames from index
+        ``frame``, ``nbytes`` bytes in all (records appended after it stay, in order)."""
+        del self.parts[part]
+        del self.frames[frame : frame + frames]
+        self.nbytes -= nbytes
+        self.records -= 1
+
     def try_send(self, header: bytes) -> bool:
         """Hand the batch to the socket without waiting; False if the peer's queue is full."""
         if not self.parts:

@@ -383,7 +383,9 @@ class WeightConsumer:
         inference engine whose layers fuse or rename them): ``loader`` copies
         what it needs out of the tensors, which are views valid only during
         the call. The caller releases the update afterwards. A loader that
-        raises leaves the update rejected with its message.
+        raises leaves the update rejected with its message. A module that
+        views an earlier update (an aliasing install) still does: that
+        update stays held.
         """
         _check_type(manifest)
         try:
@@ -392,9 +394,7 @@ class WeightConsumer:
         except BaseException as exc:
             self._failed(manifest, exc)
             raise
-        replaced = self._installed(manifest, alias=False)
-        if replaced is not None:  # a module viewed an earlier update until now
-            await self.release_async(replaced)
+        self._acknowledged(manifest)  # (a module that views an aliased update still does: it stays held)
 
     def _load(
         self,
@@ -406,6 +406,7 @@ class WeightConsumer:
         alias: bool,
     ) -> None:
         with torch.no_grad():
+            left = self._views_left(manifest, model, targets)
             if alias:
                 for name, target in targets.items():
                     if tensors[name].device != target.device:
@@ -426,6 +427,8 @@ class WeightConsumer:
                 copy_all([targets[n] for n in names], [tensors[n] for n in names])
                 if fresh:
                     _alias(model, fresh, fresh, strict=False)
+            if left:
+                _alias(model, left, left, strict=False)
 
     def _storage_of_their_own(
         self, targets: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]
@@ -438,10 +441,9 @@ class WeightConsumer:
         anything is written, and taken after the rest is copied, so a failed
         install leaves the module as it was.
         """
-        viewed = self._tensors.get(self._aliased) if self._aliased is not None else None
-        if not viewed:
+        slot_storage = self._aliased_storage()
+        if not slot_storage:
             return {}
-        slot_storage = {tensor.untyped_storage().data_ptr() for tensor in viewed.values()}
         fresh: dict[str, torch.Tensor] = {}
         copies: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
         for name, target in targets.items():
@@ -452,6 +454,34 @@ class WeightConsumer:
                     copies[key] = source.to(device=target.device, copy=True)
                 fresh[name] = copies[key]
         return fresh
+
+    def _views_left(
+        self, manifest: WeightManifest, model: torch.nn.Module, targets: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """Copies of the module's tensors that view the aliased update this install replaces but that it does not
+        update (``strict=False``): taken after the install, so releasing that update frees nothing they read.
+
+        Tied tensors share one copy. Made before anything is written (the
+        replaced update's slot is never written by an install).
+        """
+        if self._aliased is None or self._aliased == manifest.update_id:
+            return {}
+        slot_storage = self._aliased_storage()
+        left: dict[str, torch.Tensor] = {}
+        copies: dict[tuple[int, tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
+        for name, tensor in model.state_dict().items():
+            if name in targets or tensor.untyped_storage().data_ptr() not in slot_storage:
+                continue
+            key = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
+            if key not in copies:
+                copies[key] = tensor.clone()
+            left[name] = copies[key]
+        return left
+
+    def _aliased_storage(self) -> set[int]:
+        """The storages of the update a module views (empty if none)."""
+        viewed = self._tensors.get(self._aliased) if self._aliased is not None else None
+        return {tensor.untyped_storage().data_ptr() for tensor in viewed.values()} if viewed else set()
 
     def _failed(self, manifest: WeightManifest, exc: BaseException) -> None:
         """Reject the update after a failed install, unless only this manifest was refused.
@@ -467,12 +497,15 @@ class WeightConsumer:
         if state not in (_RELEASED, _REJECTED):
             self.reject(manifest.update_id, f"{type(exc).__name__}: {exc}")
 
-    def _installed(self, manifest: WeightManifest, alias: bool) -> str | None:
-        """Record the install; the update a module viewed until now, which the caller releases (None if none)."""
-        previous = self._aliased
+    def _acknowledged(self, manifest: WeightManifest) -> None:
         self.acknowledge(manifest.update_id)
         self.installed_version = manifest.version
         self.installed_from = manifest.publisher_pid
+
+    def _installed(self, manifest: WeightManifest, alias: bool) -> str | None:
+        """Record the install; the update a module viewed until now, which the caller releases (None if none)."""
+        previous = self._aliased
+        self._acknowledged(manifest)
         self._aliased = manifest.update_id if alias else None
         return previous if previous is not None and previous != manifest.update_id else None
 

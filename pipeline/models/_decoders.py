@@ -382,17 +382,9 @@ def _compiled_logits() -> _Logits:
     """
     compiled: _Logits = torch.compile(_logits, fullgraph=True, dynamic=False)
 
-    def step(
-        model: torch.nn.Module,
-        call: ModelCall,
-        cache: Any,
-        ids: torch.Tensor,
-        mask: torch.Tensor,
-        position: torch.Tensor,
-        slots: torch.Tensor,
-    ) -> torch.Tensor:
+    def step(*args: Any) -> torch.Tensor:  # (the arguments of :func:`_logits`)
         with _unlimited_recompiles():
-            return compiled(model, call, cache, ids, mask, position, slots)
+            return compiled(*args)
 
     return step
 

@@ -252,23 +252,24 @@ class RewardSet:
         """With chat prompts, refuse a reward model that cannot render them (before the run, not at its first batch)."""
         if not chat:
             return
-        for reward in self.functions:
-            if isinstance(reward.function, RewardModel):
-                try:
-                    reward.function.check_chat()
-                except ModelError as exc:
-                    raise RewardError(str(exc)) from None
+        for model in self._models():
+            try:
+                model.check_chat()
+            except ModelError as exc:
+                raise RewardError(str(exc)) from None
 
     def load(self) -> None:
         """Load every reward model's weights (a no-op once done): untimed, as :meth:`score` runs it before its first
         timed call, so a slow load is not a reward that missed ``--reward-timeout``."""
-        for reward in self.functions:
-            if isinstance(reward.function, RewardModel):
-                try:
-                    reward.function.load()
-                except ModelError as exc:
-                    raise RewardError(str(exc)) from exc
+        for model in self._models():
+            try:
+                model.load()
+            except ModelError as exc:
+                raise RewardError(str(exc)) from exc
         self._loaded = True
+
+    def _models(self) -> list[RewardModel]:
+        return [reward.function for reward in self.functions if isinstance(reward.function, RewardModel)]
 
     @property
     def names(self) -> list[str]:

@@ -171,3 +171,40 @@ def test_without_a_loop_a_full_queue_blocks_a_send_but_never_the_handling_of_rec
     finally:
         for each in outbox.links.values():
             each.sock.close(linger=0)
+
+
+def test_without_a_loop_a_send_that_gives_up_is_taken_back_and_refused(tmp_path, monkeypatch):
+    """A caller without a loop waits up to SEND_TIMEOUT for a full peer; then it got CallTimeout while its record
+    stayed in the batch, to arrive later (a caller that retried sent it twice). The record is taken back out (what
+    was queued before and after it stays) and the caller gets BufferFull: nothing was sent."""
+    import zmq
+
+    from actors import BufferFull, CallTimeout
+    from actors._transport._outbox import Outbox
+    from actors._transport._sockets import Link
+
+    monkeypatch.setattr(Link, "try_send", lambda link, header: False)  # the peer's queue stays full
+    dispatching = [True]
+    ctx = zmq.Context()
+
+    def block(condition, sock, timeout, what):
+        dispatching[0] = True  # (records handled meanwhile queue after it, without waiting)
+        outbox.post(link, b"a credit queued meanwhile", [], True)
+        dispatching[0] = False
+        raise CallTimeout(f"gave up after {timeout:.1f}s waiting for {what}")
+
+    outbox = Outbox(ctx, b"header", None, block, lambda: dispatching[0])
+    try:
+        link = outbox.link(f"ipc://{tmp_path}/peer.sock")
+        outbox.post(link, b"queued before", [memoryview(b"frame-0")], True)
+        dispatching[0] = False
+        with pytest.raises(BufferFull, match="the record was not sent"):
+            outbox.post(link, b"given up", [memoryview(b"frame-1"), memoryview(b"frame-22")], True)
+        assert [part[-len(b"queued before") :] for part in link.parts[:1]] == [b"queued before"]
+        assert link.parts[1].endswith(b"a credit queued meanwhile") and len(link.parts) == 2
+        assert [bytes(frame) for frame in link.frames] == [b"frame-0"]
+        assert link.records == 2 and link.nbytes == len(b"queued before") + 7 + len(b"a credit queued meanwhile")
+    finally:
+        for each in outbox.links.values():
+            each.sock.close(linger=0)
+        ctx.term()

@@ -52,6 +52,28 @@ class Talker(Actor):
 
 def runtime_threads():
     return sorted(t.name for t in threading.enumerate() if t.name == "actors-runtime")
+
+
+def served_talker():
+    # one process with a Talker, called once: the runtime's background loop serves from then on
+    procs = this_host().spawn_procs({"procs": 1})
+    talker = procs.spawn("talker", Talker)
+    talker.echo.call_one(0).get(timeout=30)
+    return procs, talker
+
+
+def in_a_thread(fn, got):
+    # fn runs on a helper thread (started); its result, or its exception's name, goes to got
+
+    def run():
+        try:
+            got.append(fn())
+        except BaseException as exc:
+            got.append(type(exc).__name__)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
 """
 
 
@@ -264,20 +286,10 @@ def test_a_receive_waiting_through_the_background_loop_follows_the_runtime_when_
         tmp_path,
         """
         if __name__ == "__main__":
-            procs = this_host().spawn_procs({"procs": 1})
-            talker = procs.spawn("talker", Talker)
-            talker.echo.call_one(0).get(timeout=30)  # the background loop serves from here on
+            procs, talker = served_talker()
             port, receiver = Channel.open(int)
             got = []
-
-            def receive():
-                try:
-                    got.append(receiver.recv().get(timeout=30))
-                except BaseException as exc:
-                    got.append(type(exc).__name__)
-
-            thread = threading.Thread(target=receive)
-            thread.start()
+            thread = in_a_thread(lambda: receiver.recv().get(timeout=30), got)
             while not receiver._state.waiters:  # the receive waits on the background loop
                 time.sleep(0.001)
 
@@ -303,21 +315,10 @@ def test_a_wait_through_the_background_loop_follows_the_runtime_when_the_loop_ha
         """
         if __name__ == "__main__":
             from actors._runtime._core import current_runtime
-            procs = this_host().spawn_procs({"procs": 1})
-            talker = procs.spawn("talker", Talker)
-            talker.echo.call_one(0).get(timeout=30)  # the background loop serves from here on
+            procs, talker = served_talker()
             driver = current_runtime().driver
             flag, got = [], []
-
-            def wait():
-                try:
-                    driver.wait(lambda: bool(flag), timeout=60, what="the flag")
-                    got.append("held")
-                except BaseException as exc:
-                    got.append(type(exc).__name__)
-
-            thread = threading.Thread(target=wait)
-            thread.start()
+            thread = in_a_thread(lambda: driver.wait(lambda: bool(flag), timeout=60, what="the flag") or "held", got)
             while not driver._progress:  # the wait is on the background loop
                 time.sleep(0.001)
 
@@ -345,24 +346,14 @@ def test_a_thread_using_the_runtime_mid_hand_over_waits_for_the_loop_that_takes_
         """
         if __name__ == "__main__":
             from actors._runtime._core import current_runtime
-            procs = this_host().spawn_procs({"procs": 1})
-            talker = procs.spawn("talker", Talker)
-            talker.echo.call_one(0).get(timeout=30)  # the background loop serves from here on
+            procs, talker = served_talker()
             background = current_runtime().driver._background
             unbind = background._unbind
             got, helpers = [], []
 
-            def helper():
-                try:
-                    got.append(talker.echo.call_one(2).get(timeout=30))
-                except BaseException as exc:
-                    got.append(repr(exc))
-
             def unbind_then_start_the_helper():
                 unbind()  # the hand-over's midpoint: the runtime is bound to no loop
-                thread = threading.Thread(target=helper)
-                helpers.append(thread)
-                thread.start()
+                helpers.append(thread := in_a_thread(lambda: talker.echo.call_one(2).get(timeout=30), got))
                 thread.join(0.5)  # (it used to be served by a loop of its own at once; now it waits for the lock)
 
             background._unbind = unbind_then_start_the_helper

@@ -498,6 +498,40 @@ print("ok")
 """
 
 
+async def test_a_loader_load_after_an_aliasing_install_leaves_the_viewed_update_held():
+    """The module still views the update it aliased after a loader takes the next one (another destination): that
+    update was released under it (its shared memory unmapped: the module read freed memory)."""
+    with WeightPublisher("shm", slots=3) as publisher:
+        inbox, model, first = aliasing_version_1(publisher)
+        taken: list[float] = []
+        inbox.put(publisher.publish(filled_model(2.0), 2))
+        await inbox.load_newest_async(lambda tensors: taken.append(float(next(iter(tensors.values())).flatten()[0])))
+        assert taken == [2.0] and inbox.consumer.installed_version == 2
+        assert inbox.consumer.holds_alias(first.update_id) and inbox.consumer.state(first.update_id) == "acknowledged"
+        assert all(bool((p == 1.0).all()) for p in model.parameters()), "the module reads the update it views"
+        inbox.close()
+
+
+@pytest.mark.parametrize("alias", [False, True])
+def test_a_partial_install_after_an_aliasing_one_leaves_no_tensor_on_the_released_update(alias):
+    """``strict=False`` with an update of some of the module's tensors: the others still viewed the aliased update's
+    slot when it was released. They get storage of their own (the values they had), taken before the release."""
+    with WeightPublisher("shm", slots=3) as publisher:
+        inbox, model, first = aliasing_version_1(publisher)
+        slot = {t.untyped_storage().data_ptr() for t in inbox.consumer._tensors[first.update_id].values()}
+        some = dict(list(filled_model(5.0).state_dict().items())[:1])
+        second = publisher.publish(some, 2)
+        inbox.consumer.install(second, model, strict=False, alias=alias)
+        assert not any(t.untyped_storage().data_ptr() in slot for t in model.state_dict().values())
+        assert inbox.consumer.state(first.update_id) == "released"
+        values = model.state_dict()
+        assert all(bool((values[name] == 5.0).all()) for name in some)
+        assert all(bool((t == 1.0).all()) for name, t in values.items() if name not in some)
+        if not alias:
+            inbox.consumer.release(second.update_id)
+        inbox.close()
+
+
 def test_a_copying_install_after_an_aliasing_one_gives_the_model_its_own_storage_again():
     """The parameters viewed the first update's read-only slot; copying into them would write into shared memory
     (a crash for ``shm``, the publisher's slot for ``cuda-ipc``). Run in a process of its own: a crash is a fail."""

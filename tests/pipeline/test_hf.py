@@ -150,6 +150,18 @@ def test_the_generate_engine_keeps_one_steps_distribution_not_every_steps_logits
     assert most[0] <= 2 and out.logps.shape == out.mask.shape == (6, out.tokens.shape[1] - 13)
 
 
+def test_generate_steps_that_do_not_match_the_tokens_are_refused_not_misaligned():
+    """A decoding strategy that runs the model other than once per token (assisted decoding, a wrapper that calls
+    another module) would pair log-probabilities with the wrong tokens: refused, naming the counts."""
+    from pipeline.models import _engines
+
+    steps = _engines._StepLogps(1.0)
+    steps.pending = torch.zeros(2, 5, device="cpu").log_softmax(-1)
+    steps.gather(torch.tensor([[1], [2]], device="cpu"))  # one model step was seen
+    with pytest.raises(RuntimeError, match="generate ran 1 model steps for 3 tokens"):
+        steps.finish(torch.tensor([[1, 2, 3], [2, 3, 4]], device="cpu"))
+
+
 @pytest.mark.parametrize("engine_class", ENGINES)
 def test_min_p_and_top_k_reach_each_engines_sampler(model_and_tokenizer, engine_class):
     """A cut to the likeliest token makes sampling greedy: every sample of a prompt is then the same."""
