@@ -206,8 +206,9 @@ async def test_installs_on_an_event_loop_release_through_the_readers_awaited_rel
             else:  # an aliasing install holds its update; the next one releases it
                 got = await inbox.install_newest_async(model, alias=install == "alias")
             assert got is manifests[-1]
-        # 1 after its copy; 2 when 3 replaced it in the module; 3 when the load replaced it; 4 after its load
-        assert awaited.awaited == [m.update_id for m in manifests]
+        # 1 after its copy; 2 when 3 replaced it in the module; 4 after its load; 3 stays held: the module views it
+        assert awaited.awaited == [manifests[i].update_id for i in (0, 1, 3)]
+        assert consumer.holds_alias(manifests[2].update_id)
         consumer._readers["shm"] = shm  # type: ignore[assignment]
         consumer.close()
 
