@@ -362,19 +362,12 @@ class Driver:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             loop = self.loop
-            if loop is None or not loop.is_running() or threading.get_ident() == self.thread:
-                break
-            if self._wait_on_loop(loop, condition, deadline, timeout, what):
-                return
-            self.next_loop(loop)  # the loop that took the runtime over checks the condition from now on
-        if threading.get_ident() != self.thread and self._settle():
-            self.wait(
-                condition,
-                timeout=None if deadline is None else max(0.0, deadline - time.monotonic()),
-                writable=writable,
-                what=what,
-            )
-            return
+            if loop is not None and loop.is_running() and threading.get_ident() != self.thread:
+                if self._wait_on_loop(loop, condition, deadline, timeout, what):
+                    return
+                self.next_loop(loop)  # the loop that took the runtime over checks the condition from now on
+            elif threading.get_ident() == self.thread or not self._settle():
+                break  # no other loop drives the runtime (a change of loop under way has settled)
         inbox, watcher = self._inbox, self._watcher
         while not condition():
             remaining = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())

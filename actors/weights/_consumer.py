@@ -8,7 +8,7 @@ import contextlib
 import logging
 import os
 import select
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -168,6 +168,18 @@ def _alias(
             own[name].data = tensors[name]
     else:
         model.load_state_dict(tensors, strict=strict, assign=True)
+
+
+def _copies(views: Iterable[tuple[str, torch.Tensor, torch.device]]) -> dict[str, torch.Tensor]:
+    """A copy of each named view on the device given with it; names that view the same bytes (a tied head) share one."""
+    made: dict[tuple[int, tuple[int, ...], tuple[int, ...], torch.device], torch.Tensor] = {}
+    copies: dict[str, torch.Tensor] = {}
+    for name, tensor, device in views:
+        key = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), device)
+        if key not in made:
+            made[key] = tensor.to(device=device, copy=True)
+        copies[name] = made[key]
+    return copies
 
 
 def fit(
@@ -442,18 +454,11 @@ class WeightConsumer:
         install leaves the module as it was.
         """
         slot_storage = self._aliased_storage()
-        if not slot_storage:
-            return {}
-        fresh: dict[str, torch.Tensor] = {}
-        copies: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
-        for name, target in targets.items():
-            if target.untyped_storage().data_ptr() in slot_storage:
-                source = tensors[name]
-                key = (source.data_ptr(), tuple(source.shape))
-                if key not in copies:
-                    copies[key] = source.to(device=target.device, copy=True)
-                fresh[name] = copies[key]
-        return fresh
+        return _copies(
+            (name, tensors[name], target.device)
+            for name, target in targets.items()
+            if target.untyped_storage().data_ptr() in slot_storage
+        )
 
     def _views_left(
         self, manifest: WeightManifest, model: torch.nn.Module, targets: dict[str, torch.Tensor]
@@ -467,16 +472,11 @@ class WeightConsumer:
         if self._aliased is None or self._aliased == manifest.update_id:
             return {}
         slot_storage = self._aliased_storage()
-        left: dict[str, torch.Tensor] = {}
-        copies: dict[tuple[int, tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
-        for name, tensor in model.state_dict().items():
-            if name in targets or tensor.untyped_storage().data_ptr() not in slot_storage:
-                continue
-            key = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
-            if key not in copies:
-                copies[key] = tensor.clone()
-            left[name] = copies[key]
-        return left
+        return _copies(
+            (name, tensor, tensor.device)
+            for name, tensor in model.state_dict().items()
+            if name not in targets and tensor.untyped_storage().data_ptr() in slot_storage
+        )
 
     def _aliased_storage(self) -> set[int]:
         """The storages of the update a module views (empty if none)."""
