@@ -172,6 +172,8 @@ class CompletionLogps(torch.nn.Module):
         self._checked = self.split is None
         forward = inspect.signature(model.forward).parameters
         self._keep = next((name for name in ("logits_to_keep", "num_logits_to_keep") if name in forward), None)
+        if self.split is None:
+            self._say_fallback("its output head could not be taken apart from its body")
 
     if TYPE_CHECKING:  # Module.__call__ runs forward (and a sharded root's hooks); typed as forward is
 
@@ -261,17 +263,24 @@ class CompletionLogps(torch.nn.Module):
             got.float(), expected.float(), rtol=tolerance, atol=tolerance
         ):
             self.split = None
-            _log.warning(
-                "%s: its output head could not be taken apart from its body (logits differ); log-probs are "
-                "computed from its own forward with logits at the completion positions only",
-                type(self.model).__name__,
-            )
+            self._say_fallback("its output head could not be taken apart from its body (logits differ)")
         self._checked = True
+
+    def _say_fallback(self, why: str) -> None:
+        """Warn that log-probs come from the model's own forward, and what that forward's logits cost."""
+        if self._keep is not None:
+            how = "with logits at the completion positions only"
+        else:  # [N, P + T, V] floats: at a real vocabulary, gigabytes for a modest batch
+            how = "which takes no logits_to_keep: logits at every position, prompt included, over the whole vocabulary"
+        _log.warning("%s: %s; log-probs are computed from its own forward, %s", type(self.model).__name__, why, how)
 
     @property
     def path(self) -> str:
-        """How log-probs are computed: ``"head in chunks"`` or ``"logits_to_keep"`` (known after the first call)."""
-        return "head in chunks" if self.split is not None else "logits_to_keep"
+        """How log-probs are computed: ``"head in chunks"``, ``"logits_to_keep"`` or, for a forward that takes
+        no ``logits_to_keep``, ``"full logits"`` (known after the first call)."""
+        if self.split is not None:
+            return "head in chunks"
+        return "logits_to_keep" if self._keep is not None else "full logits"
 
 
 def causal_logps(

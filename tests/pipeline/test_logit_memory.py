@@ -165,3 +165,33 @@ def test_an_entropy_bonus_keeps_the_step_in_chunks():
     assert 2 * 64 * 39 * 151_936 * 4 / 2**20 > 1.9 * PEAK_LIMIT_MB
     bonus = peak_of_one_step(64, 32, "bonus")
     assert bonus["peak_mb"] < PEAK_LIMIT_MB, bonus
+
+
+def test_a_model_without_a_split_or_logits_to_keep_is_scored_from_its_whole_logits_and_says_so(caplog):
+    """The last resort: a forward that takes no ``logits_to_keep`` and a head that cannot be taken apart gives
+    logits at every position; the log-probs are still right, and the path and a warning name that memory cost."""
+    pytest.importorskip("transformers", reason="needs the hf extra")
+    from pipeline.models import CompletionLogps
+
+    inner = tiny_qwen2(300)
+
+    class Plain(torch.nn.Module):  # no base_model, no output embeddings, no logits_to_keep
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids, attention_mask, position_ids, use_cache=False):
+            return inner(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache
+            )
+
+    prompt_mask = torch.ones(2, 4, dtype=torch.long, device="cpu")
+    tokens = torch.randint(3, 300, (2, 10), device="cpu")
+    with torch.no_grad():
+        logits = inner(input_ids=tokens[:, :-1], attention_mask=torch.ones(2, 9, dtype=torch.long)).logits
+    want, _ = token_logps(logits[:, 3:].float(), tokens[:, 4:], 1.0)
+    plain = CompletionLogps(Plain())
+    got, _ = plain(tokens, prompt_mask, 1.0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert plain.split is None and plain.path == "full logits"
+    assert "logits at every position" in caplog.text
