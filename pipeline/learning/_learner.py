@@ -22,7 +22,7 @@ import torch
 
 from actors.tensors import is_sharded
 
-from ..models import LoraAdapter, compile_blocks
+from ..models import LoraAdapter, compile_blocks, hold_weights, weights_dtype
 from ..tasks import LossReport, Task
 from . import checkpoint
 from ._fully_sharded import FullySharded
@@ -331,10 +331,11 @@ class Learner:
         return metrics
 
     def reference(self) -> torch.nn.Module:
-        """A frozen copy of the initial policy (the one-process baseline's RefModel)."""
+        """A frozen copy of the initial policy (the one-process baseline's RefModel), its weights in the run's dtype
+        as the RefModel role holds them."""
         model = self.task.build_policy().to(self.device)
         model.load_state_dict(self.reference_state)
-        return model.requires_grad_(False).eval()
+        return hold_weights(model, self.device, weights_dtype(self.task.config.dtype)).requires_grad_(False).eval()
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps of an unsharded learner, whole.

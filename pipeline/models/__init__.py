@@ -33,6 +33,7 @@ from ._engines import (
     end_tokens,
     left_pad,
 )
+from ._held_weights import hold_weights, weights_dtype
 from ._lora import LoraAdapter, check_lora_targets, require_peft
 from ._reward_model import RewardModel
 from ._tiny import PRESETS, Generation, ModelConfig, TinyTransformer, completion_logps, generate
@@ -72,6 +73,7 @@ __all__ = [
     "disable_dropout",
     "end_tokens",
     "generate",
+    "hold_weights",
     "import_vllm",
     "left_pad",
     "load_model",
@@ -85,4 +87,5 @@ __all__ = [
     "require_transformers",
     "static_refusal",
     "vllm_missing",
+    "weights_dtype",
 ]

@@ -19,14 +19,12 @@ from ._devices import (
     ALLOCATOR_VARIABLES,
     CPU,
     compact_gpu_allocator,
-    hold_weights,
     peak_gpu_gb,
     reserved_gpu_gb,
     role_device,
     sampling_seed,
     trainer_rank_device,
     uses_reference,
-    weights_dtype,
 )
 from ._generator import WEIGHTS_TIMEOUT, Generator
 from ._messages import WAKE, GeneratorTimes, Grant, Rollout, ScoredRollout, StepReport
@@ -57,12 +55,10 @@ __all__ = [
     "choose_transport",
     "compact_gpu_allocator",
     "first_death",
-    "hold_weights",
     "peak_gpu_gb",
     "reserved_gpu_gb",
     "role_device",
     "sampling_seed",
     "trainer_rank_device",
     "uses_reference",
-    "weights_dtype",
 ]

@@ -1,8 +1,8 @@
-"""What a role needs of its device: the right one, its weights in the run's dtype, a GPU allocator that shares well.
+"""What a role needs of its device: the right one, a GPU allocator that shares well, its memory figures.
 
 Also the run-wide choices every role agrees on: whether there is a
-reference (a KL term), the dtype generators hold, and the seed of each
-rollout's sampling.
+reference (a KL term) and the seed of each rollout's sampling (the dtype
+held weights take: :mod:`pipeline.models._held_weights`).
 """
 
 from __future__ import annotations
@@ -17,14 +17,12 @@ __all__ = [
     "ALLOCATOR_VARIABLES",
     "CPU",
     "compact_gpu_allocator",
-    "hold_weights",
     "peak_gpu_gb",
     "reserved_gpu_gb",
     "role_device",
     "sampling_seed",
     "trainer_rank_device",
     "uses_reference",
-    "weights_dtype",
 ]
 
 #: The CPU, where samples travel between processes.
@@ -39,34 +37,6 @@ def sampling_seed(seed: int, ticket: int) -> int:
 def uses_reference(config: Config) -> bool:
     """Whether the run has a KL term, so a RefModel (β = 0: no reference process, no reference pass)."""
     return config.hyper("kl_coeff") > 0
-
-
-def weights_dtype(config: Config) -> torch.dtype:
-    """The dtype generators and the reference hold, and updates carry: the run's (the trainer keeps float32)."""
-    return torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
-
-
-def hold_weights(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """``model`` on ``device`` with its weights in ``dtype``: parameters and saved buffers, nothing else.
-
-    Buffers a model does not save (a rotary embedding's inverse frequencies)
-    are derived constants it keeps in float32 whatever its weights' dtype, as
-    ``from_pretrained(dtype=...)`` leaves them: in bfloat16 they would shift
-    every position's angle, more the longer the sequence.
-    """
-    model = model.to(device)
-    if dtype == torch.float32:
-        return model
-    saved = set(model.state_dict())
-    for parameter in model.parameters():
-        if parameter.is_floating_point():
-            parameter.data = parameter.data.to(dtype)
-    for module_name, module in model.named_modules():
-        for name, buffer in list(module.named_buffers(recurse=False)):
-            full = f"{module_name}.{name}" if module_name else name
-            if buffer is not None and buffer.is_floating_point() and full in saved:
-                setattr(module, name, buffer.to(dtype))
-    return model
 
 
 def peak_gpu_gb(device: torch.device) -> float | None:

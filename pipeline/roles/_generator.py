@@ -21,16 +21,15 @@ from actors import (
 )
 
 from ..config import Config
+from ..models import hold_weights, weights_dtype
 from ..tasks import load_task, to_device
 from ._devices import (
     CPU,
     compact_gpu_allocator,
-    hold_weights,
     peak_gpu_gb,
     reserved_gpu_gb,
     role_device,
     sampling_seed,
-    weights_dtype,
 )
 from ._messages import WAKE, GeneratorTimes, Grant, Rollout
 
@@ -64,7 +63,7 @@ class Generator(ReceivesWeights):
         self.id = current_rank().rank
         self.device = role_device(config, "generator")
         compact_gpu_allocator(self.device)  # before the weights: every segment of this process can grow in place
-        policy = hold_weights(self.task.build_policy(), self.device, weights_dtype(config))
+        policy = hold_weights(self.task.build_policy(), self.device, weights_dtype(config.dtype))
         self.policy = policy.requires_grad_(False).eval()
         self.engine = self.task.build_engine(self.policy)
         self.rollouts = rollouts

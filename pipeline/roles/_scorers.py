@@ -9,9 +9,9 @@ import torch
 from actors import Actor, Channel, Port, ReceivesWeights, WeightManifest, endpoint
 
 from ..config import Config
-from ..models import compile_blocks
+from ..models import compile_blocks, hold_weights, weights_dtype
 from ..tasks import Scores, load_task, to_device
-from ._devices import compact_gpu_allocator, hold_weights, role_device, weights_dtype
+from ._devices import compact_gpu_allocator, role_device
 from ._messages import Rollout, ScoredRollout
 
 __all__ = ["RefModel", "Scorer"]
@@ -70,7 +70,7 @@ class RefModel(ReceivesWeights):
         self.task = load_task(config)
         self.device = role_device(config, "ref")
         compact_gpu_allocator(self.device)
-        model = hold_weights(self.task.build_policy(), self.device, weights_dtype(config))
+        model = hold_weights(self.task.build_policy(), self.device, weights_dtype(config.dtype))
         self.model = model.requires_grad_(False).eval()
         if config.compile:
             compile_blocks(self.model)

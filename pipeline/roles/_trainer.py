@@ -37,9 +37,10 @@ from actors import (
 from ..algorithm import group_spread
 from ..config import Config
 from ..learning import DataParallel, GroupAddress, Learner, RankShare, Rendezvous, Update, checkpoint, group_kind
+from ..models import weights_dtype
 from ..tasks import load_task, to_device
 from ._deaths import first_death
-from ._devices import peak_gpu_gb, reserved_gpu_gb, role_device, uses_reference, weights_dtype
+from ._devices import peak_gpu_gb, reserved_gpu_gb, role_device, uses_reference
 from ._generator import Generator
 from ._messages import Grant, ScoredRollout, StepReport
 from ._scorers import RefModel
@@ -86,7 +87,7 @@ class Trainer(Actor):
         on_gpu: dict[str, Any] = {"device": self.device} if config.transport == "cuda-ipc" else {}
         # A slot per version a generator may yet install: it takes one at its next rollout boundary.
         slots = max(config.generators, self.tickets.credits) + 3
-        self.routes = WeightRoutes(config.transport, slots, dtype=weights_dtype(config), **on_gpu)
+        self.routes = WeightRoutes(config.transport, slots, dtype=weights_dtype(config.dtype), **on_gpu)
         if self._shards_to_load is None:  # else published once the shards are loaded (join)
             # fail early: a transport that cannot publish fails before any process waits on it
             self.routes.publish(config.transport, self.learner.published(), self.version, self._metadata())
@@ -95,7 +96,7 @@ class Trainer(Actor):
         if uses_reference(config):
             # one slot: a sync waits only while the RefModel reads it; an update it had not installed yet is then
             # stale, and it installs the newer one queued behind it (each sync's is queued before its grants)
-            self.ref_publisher = WeightPublisher(config.transport, slots=1, dtype=weights_dtype(config), **on_gpu)
+            self.ref_publisher = WeightPublisher(config.transport, slots=1, dtype=weights_dtype(config.dtype), **on_gpu)
             self.ref_manifest = self.ref_publisher.publish(self.learner.reference_state, 1)
         self.dropped = 0
         self.tokens_received = 0

@@ -1122,13 +1122,24 @@ def test_bfloat16_roles_hold_their_weights_in_bfloat16_and_derived_buffers_in_fl
     """A rotary embedding's inverse frequencies are not weights: in bfloat16 they would shift every position."""
     import copy
 
-    from pipeline.roles import hold_weights
+    from pipeline.models import hold_weights
 
     model = hold_weights(copy.deepcopy(model_and_tokenizer[0]), torch.device("cpu"), torch.bfloat16)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert {v.dtype for v in model.state_dict().values() if v.is_floating_point()} == {torch.bfloat16}
     assert model.model.rotary_emb.inv_freq.dtype == torch.float32
     assert model.lm_head.weight is model.model.embed_tokens.weight, "tied weights stay tied"
+
+
+def test_the_one_process_reference_holds_the_runs_dtype_as_the_refmodel_does(tmp_path, tiny):
+    """--dtype bfloat16: the one-process run's reference scores with bfloat16 weights, as the RefModel role's does
+    (it held float32 ones, so the yardstick's KL term was not the pipeline's)."""
+    learner = Learner(HFTask(resolve(_config(tiny, tmp_path, kl_coeff=0.05, dtype="bfloat16"))), torch.device("cpu"))
+    reference = learner.reference()
+    assert {p.dtype for p in reference.parameters()} == {torch.bfloat16}
+    assert reference.model.rotary_emb.inv_freq.dtype == torch.float32
+    assert not any(p.requires_grad for p in reference.parameters()) and not reference.training
+    assert {p.dtype for p in learner.policy.parameters()} == {torch.float32}, "the trainer keeps float32"
 
 
 def _two_sharded_ranks_and_one_learner(
