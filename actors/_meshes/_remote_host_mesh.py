@@ -78,6 +78,16 @@ class RemoteNode:
     def __str__(self) -> str:
         return f"host {self.index} ({self.ip}, {self.label})"
 
+    def pool(self, addresses: list[str]) -> None:
+        """Keep fresh free ``addresses`` for later workers, leaving out any this host's pool already holds.
+
+        A batch is distinct in itself, but a port the pool still holds unbound
+        is free to the host's next batch too: kept twice, it would be handed
+        to two ranks.
+        """
+        held = set(self.addresses)
+        self.addresses.extend(address for address in addresses if address not in held)
+
 
 def use_tcp(caller: str, bind_host: str, reachable_at: str) -> None:
     """Make this process's inbox a tcp one on ``bind_host`` (its runtime may not exist yet), or say why it cannot.
@@ -344,7 +354,7 @@ class RemoteHostMesh(HostMesh):
                 f"(at most {ADDRESS_POOL} while the pool refills), or call it from a thread"
             )
         for node, addresses in zip(short, self._fetch_addresses(short, count + ADDRESS_POOL), strict=True):
-            node.addresses.extend(addresses)
+            node.pool(addresses)
 
     def _refill(self) -> None:
         for node in self._nodes:
@@ -352,6 +362,6 @@ class RemoteHostMesh(HostMesh):
 
                 def got(addresses: Any, error: BaseException | None, node: RemoteNode = node) -> None:
                     if error is None:
-                        node.addresses.extend(addresses)
+                        node.pool(addresses)
 
                 self._request(node, "addresses", (ADDRESS_POOL,), got)

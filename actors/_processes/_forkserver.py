@@ -223,6 +223,7 @@ class Forkserver:
             del self._unsent[:written]
 
     def _on_status(self) -> None:
+        ended = False
         while True:
             try:
                 data = os.read(self.status_fd, 65536)
@@ -231,9 +232,15 @@ class Forkserver:
             except OSError:
                 data = b""
             if not data:
-                self._lost()
-                return
+                ended = True  # the reports it sent before it ended still count (a SpawnFailed's reason)
+                break
             self._buffer += data
+        self._take_reports()
+        if ended:
+            self._lost()
+
+    def _take_reports(self) -> None:
+        """Act on the complete reports read so far: a spawned worker's pid, a failed one's reason."""
         for report in read_reports(self._buffer):  # (``Exited``: every process here watches its peers' pidfds)
             if isinstance(report, Spawned):
                 ref = self._refs.pop(report.worker, None)
@@ -248,6 +255,9 @@ class Forkserver:
         if self.closed:
             return
         self.closed = True
+        if self._retry is not None:  # a write still to retry would go to a descriptor closed from now on
+            self._retry.cancel()
+            self._retry = None
         self.rt.driver.remove_reader(self.status_fd)
         for ref in self._refs.values():
             self.rt.registry.mark_dead(ref, "the forkserver exited before starting it")

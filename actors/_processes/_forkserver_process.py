@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 import traceback
+from typing import Any
 
 from .._hosting._program_modules import Inherited, ModuleScan
 from .._shared._config import WorkerConfig
@@ -44,13 +45,17 @@ from ._forkserver_protocol import (
     read_requests,
 )
 
-__all__ = ["main", "serve"]
+__all__ = ["main", "serve", "worker_config"]
 
 
 def serve(status_fd: int, session_dir: str, session: str, owns_session: bool, preload: tuple[str, ...] = ()) -> None:
     # No automatic collection while importing: the one below is the only full pass (an automatic one triggered
     # mid-import cost a second ~80 ms pass over the controller's inherited heap before the first worker forked).
     gc.disable()
+    # First of all, so that a SIGTERM while torch and the preload import (seconds) still tears the session down.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    stopping: list[bool] = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     if owns_session:
         hold_session(session_dir)  # for this process's life: the session lives while its forkserver does
     # Import everything a worker needs once, before any fork.
@@ -66,9 +71,6 @@ def serve(status_fd: int, session_dir: str, session: str, owns_session: bool, pr
     gc.collect()
     gc.freeze()
     gc.enable()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    stopping = []
-    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     children: dict[int, int] = {}  # pid -> index
     modules = ModuleScan()  # which of the modules the workers inherit are the program's, classified here once
     addresses: dict[int, str] = {}  # pid -> inbox address
@@ -94,35 +96,49 @@ def serve(status_fd: int, session_dir: str, session: str, owns_session: bool, pr
             if index is not None:  # for a host placed by Ray, whose controller cannot watch this pid
                 report(Exited(index, pid, os.waitstatus_to_exitcode(status)))
 
-    while not stopping:
-        try:
-            readable, _, _ = select.select([0], [], [], 0.2)
-        except InterruptedError:
-            continue
-        reap()
-        if not readable:
-            continue
-        data = os.read(0, 65536)
-        if not data:
-            break  # the controller is gone
-        buffer += data
-        for request in read_requests(buffer):
-            index, config = request.worker, WorkerConfig.from_wire(request.config)
-            pythonpath = config.env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
-            inherited = modules.before_fork(config.sys_path, config.cwd, pythonpath)
+    try:
+        while not stopping:
             try:
-                pid = os.fork()
-            except OSError as exc:
-                report(SpawnFailed(index, str(exc)))
+                readable, _, _ = select.select([0], [], [], 0.2)
+            except InterruptedError:
                 continue
-            if pid == 0:
-                _child(config, status_fd, inherited)
-            children[pid] = index
-            addresses[pid] = config.address
-            with contextlib.suppress(OSError):
-                write_incarnation(session_dir, config.address, pid)
-            report(Spawned(index, pid))
-    _teardown(children, session_dir, session, addresses if not owns_session else None)
+            reap()
+            if not readable:
+                continue
+            data = os.read(0, 65536)
+            if not data:
+                break  # the controller is gone
+            buffer += data
+            for request in read_requests(buffer):
+                index = request.worker
+                config, why = worker_config(request.config)
+                if config is None:
+                    report(SpawnFailed(index, why))
+                    continue
+                pythonpath = config.env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+                inherited = modules.before_fork(config.sys_path, config.cwd, pythonpath)
+                try:
+                    pid = os.fork()
+                except OSError as exc:
+                    report(SpawnFailed(index, str(exc)))
+                    continue
+                if pid == 0:
+                    _child(config, status_fd, inherited)
+                children[pid] = index
+                addresses[pid] = config.address
+                with contextlib.suppress(OSError):
+                    write_incarnation(session_dir, config.address, pid)
+                report(Spawned(index, pid))
+    finally:  # a request it cannot serve ends it: its workers and files still go with it
+        _teardown(children, session_dir, session, addresses if not owns_session else None)
+
+
+def worker_config(fields: dict[str, Any]) -> tuple[WorkerConfig | None, str]:
+    """The worker's config a request carries, or None and why it does not fit (a field this version lacks, say)."""
+    try:
+        return WorkerConfig.from_wire(fields), ""
+    except TypeError as exc:
+        return None, f"a worker config this forkserver cannot read: {exc}"
 
 
 def _child(config: WorkerConfig, status_fd: int, inherited: Inherited | None) -> None:
@@ -175,16 +191,18 @@ def _teardown(children: dict[int, int], session_dir: str, session: str, only: di
     for pid in children:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-    for pid in list(children):
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, 0)
+    # The files go before the last waits: a killed process can take seconds to be reaped (a large CUDA context),
+    # and whoever stops this forkserver kills it after a few (its files would stay).
     if only is not None:
         for pid, address in only.items():
             remove_socket_file(address)
             remove_process_segments(session, pid)
-        return
-    shutil.rmtree(session_dir, ignore_errors=True)
-    remove_session_segments(session)
+    else:
+        shutil.rmtree(session_dir, ignore_errors=True)
+        remove_session_segments(session)
+    for pid in list(children):
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
 
 
 def _preload(modules: tuple[str, ...]) -> None:

@@ -35,6 +35,9 @@ log = logging.getLogger("actors")
 TERM_GRACE = 1.0
 #: ``prctl`` option: the signal a process gets when its parent dies.
 PR_SET_PDEATHSIG = 1
+#: The longest frame either side accepts (a worker's config is a few kB): a longer prefix means the stream is
+#: out of step, and waiting for that many bytes would buffer without bound.
+MAX_FRAME = 16 * 2**20
 
 
 class SpawnRequest(NamedTuple):
@@ -84,14 +87,31 @@ def frame(message: SpawnRequest | Report) -> bytes:
 
 
 def _frames(buffer: bytearray) -> list[Any]:
-    """Pop every complete frame from ``buffer`` (a partial one stays for the next read)."""
+    """Pop every complete frame from ``buffer`` (a partial one stays for the next read).
+
+    An undecodable frame is dropped (logged); a length past :data:`MAX_FRAME`
+    drops all the buffer holds, since nothing after it can be framed.
+    """
     out = []
     while len(buffer) >= 4:
         (size,) = struct.unpack(">I", buffer[:4])
+        if size > MAX_FRAME:
+            log.error(
+                "forkserver pipe: a frame of %d bytes is longer than any message; dropped the stream's %d "
+                "buffered bytes",
+                size,
+                len(buffer),
+            )
+            buffer.clear()
+            break
         if len(buffer) < 4 + size:
             break
-        out.append(msgpack.unpackb(bytes(buffer[4 : 4 + size]), raw=False))
+        data = bytes(buffer[4 : 4 + size])
         del buffer[: 4 + size]
+        try:
+            out.append(msgpack.unpackb(data, raw=False))
+        except (ValueError, msgpack.UnpackException) as exc:
+            log.error("forkserver pipe: dropped an undecodable frame (%s: %s)", type(exc).__name__, exc)
     return out
 
 

@@ -60,3 +60,61 @@ def test_a_report_sent_where_requests_are_read_is_dropped(caplog):
     with caplog.at_level(logging.ERROR, logger="actors"):
         assert read_requests(bytearray(frame(Spawned(1, 2)) + raw(["spawn", "x", {}]))) == []
     assert caplog.text.count("malformed or unexpected frame") == 2
+
+
+def test_an_undecodable_frame_is_dropped_and_the_next_one_still_arrives(caplog):
+    """A frame whose bytes are no msgpack (0xc1 is never used) raised out of the reader and stayed in the buffer,
+    so every later read raised again."""
+    buffer = bytearray(struct.pack(">I", 1) + b"\xc1" + frame(Spawned(5, 77)))
+    with caplog.at_level(logging.ERROR, logger="actors"):
+        assert read_reports(buffer) == [Spawned(5, 77)] and buffer == b""
+    assert "undecodable frame" in caplog.text
+
+
+def test_a_frame_longer_than_any_message_ends_the_stream_instead_of_buffering_without_bound(caplog):
+    """A length prefix past the limit means the stream is out of step: what it holds is dropped, not awaited."""
+    buffer = bytearray(struct.pack(">I", 2**31) + b"x" * 100)
+    with caplog.at_level(logging.ERROR, logger="actors"):
+        assert read_requests(buffer) == [] and buffer == b""
+    assert "longer than any message" in caplog.text
+
+
+def test_a_spawn_request_whose_config_does_not_fit_is_refused_with_the_reason():
+    """A field the worker's config does not have (another version of the package at one end) gives SpawnFailed with
+    the reason, not a TypeError that ends the forkserver."""
+    from actors._processes._forkserver_process import worker_config
+
+    config, why = worker_config({"bogus": 1})
+    assert config is None and "bogus" in why
+
+
+def test_reports_read_with_the_forkservers_end_still_count():
+    """A SpawnFailed and the pipe's end read in one go: the worker fails with the forkserver's reason, not with
+    'exited before starting it' (the reports were dropped when the end was seen first)."""
+    import os
+    from types import SimpleNamespace
+
+    from actors._processes._forkserver import Forkserver
+
+    dead: list[tuple[object, str]] = []
+    registry = SimpleNamespace(mark_dead=lambda ref, why: dead.append((ref, why)), set_pid=lambda ref, pid: None)
+    read_end, write_end = os.pipe()
+    os.set_blocking(read_end, False)
+    server = Forkserver.__new__(Forkserver)  # (no process: only its status pipe)
+    server.rt = SimpleNamespace(registry=registry, driver=SimpleNamespace(remove_reader=lambda fd: None))
+    server.status_fd, server._buffer, server._refs, server.closed, server._retry = (
+        read_end,
+        bytearray(),
+        {},
+        False,
+        None,
+    )
+    ref = object()
+    server._refs[3] = ref
+    os.write(write_end, frame(SpawnFailed(3, "fork: out of memory")))
+    os.close(write_end)
+    try:
+        server._on_status()
+    finally:
+        os.close(read_end)
+    assert dead == [(ref, "could not start: fork: out of memory")] and server.closed
