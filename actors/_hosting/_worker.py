@@ -83,6 +83,8 @@ def finalize(inherited: Inherited | None = None) -> None:
 
 
 def _run(config: WorkerConfig) -> int:
+    for name in config.env_unset:
+        os.environ.pop(name, None)
     os.environ.update(config.env)  # before anything here touches CUDA
     _set_title(config, [])
     sys.argv[:] = config.argv or sys.argv[:1]

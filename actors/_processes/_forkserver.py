@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import logging
 import os
 import select
@@ -78,17 +79,23 @@ def fork_refusal() -> str | None:
 class _ServerProcess:
     """The forkserver process: its pid, the pipe its requests go into, the pipe its reports come from."""
 
-    def __init__(self, pid: int, requests: int, status: int, popen: subprocess.Popen[bytes] | None) -> None:
+    def __init__(
+        self, pid: int, requests: int, status: int, popen: subprocess.Popen[bytes] | None, env: dict[str, str]
+    ) -> None:
         self.pid = pid
         self.requests = requests
         self.status = status
         self._popen = popen
         self.returncode: int | None = None
+        #: The program's environment when this process started: its workers inherit it, and what changed since
+        #: goes with each spawn request.
+        self.env = env
 
     @classmethod
     def start(cls, session_dir: str, session: str, owns_dir: bool, *, fork: bool) -> _ServerProcess:
         """Fork or exec the forkserver; either way it imports :func:`forkserver_preload`'s modules first."""
         preload = forkserver_preload()
+        started_with = dict(os.environ)
         request_r, request_w = os.pipe()
         status_r, status_w = os.pipe()
         if fork:
@@ -118,7 +125,7 @@ class _ServerProcess:
         os.close(status_w)
         os.set_blocking(status_r, False)
         os.set_blocking(request_w, False)
-        return cls(pid, request_w, status_r, popen)
+        return cls(pid, request_w, status_r, popen, started_with)
 
     def wait(self, timeout: float) -> bool:
         """Reap the process; False if it is still running after ``timeout`` s."""
@@ -198,8 +205,16 @@ class Forkserver:
         if self.closed:
             raise RuntimeError("the forkserver has exited")
         self._refs[index] = ref
-        self._unsent += frame(SpawnRequest(index, config.to_wire()))
+        self._unsent += frame(SpawnRequest(index, self._as_now(config).to_wire()))
         self._write()
+
+    def _as_now(self, config: WorkerConfig) -> WorkerConfig:
+        """``config`` with the program's environment as it is now: what was set or removed since this forkserver
+        started (``allow_code()``, a variable for the workers) reaches the workers spawned from now on."""
+        started, now = self.process.env, os.environ
+        changed = {name: value for name, value in now.items() if started.get(name) != value}
+        unset = [name for name in started if name not in now and name not in config.env]
+        return dataclasses.replace(config, env={**changed, **config.env}, env_unset=unset)
 
     def _write(self) -> None:
         """Hand queued requests to the pipe without waiting; a full pipe is retried later."""

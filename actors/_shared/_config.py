@@ -31,6 +31,8 @@ class WorkerConfig:
     bootstrap: str | None = None  # "module:function" run before serving
     threads: int = 1  # torch intra-op threads
     env: dict[str, str] = field(default_factory=dict)
+    #: Variables the worker removes from the environment it inherits (the program removed them since).
+    env_unset: list[str] = field(default_factory=list)
 
     def to_wire(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

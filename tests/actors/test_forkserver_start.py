@@ -133,3 +133,49 @@ def test_a_loaded_cuda_driver_stops_the_fork_and_a_preload_that_loads_it_is_name
         "REFUSAL the CUDA driver is loaded in this process",
     ]
     assert "actors forkserver: preloading loads_a_driver loaded the CUDA driver; workers forked from here" in out.stderr
+
+
+LATER_ENVIRONMENT = """
+import asyncio, os
+from actors import Actor, allow_code, endpoint, this_host
+
+class Env(Actor):
+    @endpoint
+    async def get(self, name: str) -> str | None:
+        return os.environ.get(name)
+
+    @endpoint
+    async def apply(self, function, value: int) -> int:
+        return function(value)
+
+async def main():
+    first = this_host().spawn_procs(per_host={"procs": 1})
+    before = await first.spawn("env", Env).get.call_one("ACTORS_TEST_LATER")
+    os.environ["ACTORS_TEST_LATER"] = "set after the first spawn"
+    del os.environ["ACTORS_TEST_GONE"]
+    allow_code()
+    second = this_host().spawn_procs(per_host={"procs": 1})
+    env = second.spawn("env", Env)
+    print("LATER", before, "|", await env.get.call_one("ACTORS_TEST_LATER"), "|",
+          await env.get.call_one("ACTORS_TEST_GONE"), "|", await env.apply.call_one(lambda x: x + 1, 41), flush=True)
+    await first.stop()
+    await second.stop()
+
+if __name__ == "__main__":
+    asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("mode", ["exec", "auto"])
+def test_workers_spawned_later_see_the_programs_environment_as_it_is_then(tmp_path, mode):
+    """The forkserver starts with the program's environment at its first spawn; a variable set or removed after
+    that (``allow_code()`` among them, which asks to be called before spawning) reaches the workers spawned later
+    (they had the forkserver's: the code was refused, the variable missing, the removed one still there)."""
+    pytest.importorskip("cloudpickle", reason="sending code needs the code extra")
+    script = tmp_path / "program.py"
+    script.write_text(LATER_ENVIRONMENT)
+    env = dict(os.environ, ACTORS_FORKSERVER=mode, ACTORS_TEST_GONE="there at the start")
+    env.pop("ACTORS_TEST_LATER", None)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "LATER None | set after the first spawn | None | 42" in out.stdout, out.stdout + out.stderr[-2000:]
