@@ -50,6 +50,8 @@ log = logging.getLogger("actors")
 LIFELINE_THREAD = "actors-lifeline"
 #: Seconds between heartbeats, both ways.
 HEARTBEAT = 0.5
+#: Pause after a connection the listener could not take (out of descriptors): bounds the retries of one still queued.
+ACCEPT_RETRY = 0.05
 #: Seconds without a byte after which the other side counts as gone (a machine lost without a word), by default.
 SILENCE = 5.0
 #: The controller's environment variable that sets the silence bound, in seconds.
@@ -183,8 +185,15 @@ class Lifelines:
             selector.close()
 
     def _accept(self, selector: selectors.BaseSelector, lines: dict[socket.socket, _Line]) -> None:
-        with contextlib.suppress(BlockingIOError):
+        try:
             sock, _ = self._listener.accept()
+        except BlockingIOError:
+            return
+        except OSError as exc:  # out of descriptors, a connection reset while queued: the lines held stay held
+            log.warning("lifelines: could not accept a node host's connection (%s); it is retried", exc)
+            time.sleep(ACCEPT_RETRY)  # (this thread's own wait: a connection still queued is retried, not spun on)
+            return
+        with contextlib.suppress(BlockingIOError):
             sock.setblocking(False)
             line = _Line(sock, os.urandom(_NONCE))
             try:

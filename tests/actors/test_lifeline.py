@@ -246,3 +246,29 @@ def _children() -> set[int]:
             if int(fields[1]) == os.getpid() and fields[0] != b"Z":
                 found.add(int(entry))
     return found
+
+
+def test_a_connection_the_listener_cannot_accept_costs_no_line_already_held(lifelines, monkeypatch):
+    """accept() failing with EMFILE (a controller out of descriptors) ended the lifeline thread, which closed every
+    line: each node host then ended its workers. Now it is logged and the next connection is taken."""
+    import errno
+
+    listener, real_accept, failed = lifelines._listener, socket.socket.accept, []
+
+    def fails_once(self: socket.socket) -> tuple[socket.socket, object]:
+        if self is listener and not failed:
+            failed.append(True)
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real_accept(self)
+
+    lost, seen, on_lost = reporter()
+    lifelines.watch(on_lost)
+    held_lost: list[str] = []
+    cut_0 = hold(lifelines.ticket(0), held_lost.append)
+    monkeypatch.setattr(socket.socket, "accept", fails_once)
+    cut_1 = hold(lifelines.ticket(1), lambda why: None)  # its first accept fails; the next takes it
+    assert failed and lifelines._thread.is_alive()
+    cut_1()
+    assert seen.wait(GUARD)
+    assert lost == [(1, "its lifeline to the controller closed")] and held_lost == []
+    cut_0()
