@@ -291,6 +291,7 @@ def hold(ticket: LifelineTicket, on_lost: Callable[[str], None]) -> Callable[[],
                 sock.send(b".")
         if why and not closing.is_set():
             on_lost(why)
+            sock.close()  # the line has ended: its closer, if ever called, finds it closed (a no-op)
 
     thread = threading.Thread(target=beat, name=LIFELINE_THREAD, daemon=True)
     thread.start()

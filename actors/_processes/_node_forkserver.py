@@ -10,6 +10,7 @@ bind tcp addresses on this host's address; a lifeline to the controller
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -165,6 +166,8 @@ class NodeForkserver:
                     else:
                         self._reports[report.worker] = report
                 self._lock.notify_all()
+        with contextlib.suppress(OSError):
+            os.close(fd)  # only this thread reads it, and it has ended
         with self._lock:
             self._lost = True
             self._lock.notify_all()

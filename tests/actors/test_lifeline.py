@@ -14,6 +14,7 @@ from harness import wait_for
 from actors._processes._lifeline import (
     _ANSWER,
     _NONCE,
+    LIFELINE_THREAD,
     SILENCE,
     SILENCE_ENV,
     Lifelines,
@@ -272,3 +273,19 @@ def test_a_connection_the_listener_cannot_accept_costs_no_line_already_held(life
     assert seen.wait(GUARD)
     assert lost == [(1, "its lifeline to the controller closed")] and held_lost == []
     cut_0()
+
+
+def test_a_line_the_controller_ended_closes_the_node_sides_socket():
+    """When the controller's end goes, the node side's socket is closed with the line (a worker loop serving one
+    controller after another kept one socket per controller it outlived)."""
+    before = set(os.listdir("/proc/self/fd"))
+    lines = Lifelines("127.0.0.1")
+    ended = threading.Event()
+    cut = hold(lines.ticket(0), lambda why: ended.set())  # kept, as a node host keeps it
+    beats = [t for t in threading.enumerate() if t.name == LIFELINE_THREAD]
+    lines.close()
+    assert ended.wait(GUARD)
+    for thread in beats:
+        thread.join(GUARD)
+    assert set(os.listdir("/proc/self/fd")) <= before
+    cut()  # (a closer called after the line ended is harmless)
