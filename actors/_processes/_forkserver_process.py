@@ -150,6 +150,8 @@ def _child(config: WorkerConfig, status_fd: int, inherited: Inherited | None) ->
         os.close(devnull)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        # The forkserver ignores SIGINT (Ctrl-C is the controller's); a worker, and what it runs, can be interrupted.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         parent = os.getppid()
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)

@@ -11,6 +11,7 @@ import sys
 import threading
 
 import pytest
+from harness import run_python
 
 from actors import forkserver_preload, set_forkserver_preload
 from actors._processes._forkserver import fork_refusal, prefork
@@ -179,3 +180,35 @@ def test_workers_spawned_later_see_the_programs_environment_as_it_is_then(tmp_pa
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "LATER None | set after the first spawn | None | 42" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+INTERRUPTIBLE = """
+import asyncio, signal, subprocess, sys
+from actors import Actor, endpoint, this_host
+
+class Signals(Actor):
+    @endpoint
+    async def sigint(self) -> list[str]:
+        child = subprocess.run([sys.executable, "-c", "import signal; print(signal.getsignal(signal.SIGINT))"],
+                               capture_output=True, text=True, timeout=60)
+        return [repr(signal.getsignal(signal.SIGINT)), child.stdout.strip()]
+
+async def main():
+    procs = this_host().spawn_procs(per_host={"procs": 1})
+    print("SIGINT", await procs.spawn("signals", Signals).sigint.call_one(), flush=True)
+    await procs.stop()
+
+if __name__ == "__main__":
+    asyncio.run(main())
+"""
+
+
+def test_a_worker_and_the_programs_it_runs_are_interruptible(tmp_path):
+    """The forkserver ignores SIGINT (Ctrl-C is the controller's); its workers took that over, and so did every
+    program an actor started (``send_signal(SIGINT)`` to a ``torchrun`` or a server it ran did nothing)."""
+    script = tmp_path / "program.py"
+    script.write_text(INTERRUPTIBLE)
+    out = run_python(str(script), timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(line for line in out.stdout.splitlines() if line.startswith("SIGINT"))
+    assert "SIG_IGN" not in line, line
