@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable
 
 from ._forkserver import _ServerProcess
-from ._forkserver_protocol import Exited, Report, SpawnFailed, SpawnRequest, frame, read_reports
+from ._forkserver_protocol import Exited, Report, Spawned, SpawnFailed, SpawnRequest, frame, read_reports
 from ._lifeline import LIFELINE_THREAD, LifelineTicket, hold
 
 __all__ = ["SPAWN_REPORT_TIMEOUT", "NodeForkserver", "free_addresses"]
@@ -49,6 +49,8 @@ class NodeForkserver:
         self._reports: dict[int, Report] = {}  # worker -> Spawned or SpawnFailed
         self._exits: list[Exited] = []  # not yet collected
         self._pids: dict[int, int] = {}  # worker -> pid of each worker not yet reaped
+        #: Workers whose spawn gave up waiting for their report: killed when it comes (nobody would track them).
+        self._abandoned: set[int] = set()
         self._lost = False
         self.stopped = False
         threading.Thread(target=self._read_reports, name="actors-node-reports", daemon=True).start()
@@ -90,6 +92,7 @@ class NodeForkserver:
             os.write(self._process.requests, frame(SpawnRequest(index, dict(config))))
         with self._lock:
             if not self._lock.wait_for(lambda: index in self._reports or self._lost, SPAWN_REPORT_TIMEOUT):
+                self._abandoned.add(index)
                 raise TimeoutError(f"the forkserver did not start worker {index} within {SPAWN_REPORT_TIMEOUT:g}s")
             report = self._reports.pop(index, None)
         if report is None:
@@ -97,9 +100,7 @@ class NodeForkserver:
         if isinstance(report, SpawnFailed):
             raise RuntimeError(f"could not start the worker: {report.why}")
         assert not isinstance(report, Exited)
-        with self._lock:
-            self._pids[index] = report.pid
-        return report.pid
+        return report.pid  # (its pid was recorded as the report came: an exit read with it has removed it)
 
     def kill(self, index: int) -> bool:
         """SIGKILL worker ``index`` (one that did not stop when asked); False if it is already gone."""
@@ -163,7 +164,15 @@ class NodeForkserver:
                     if isinstance(report, Exited):
                         self._exits.append(report)
                         self._pids.pop(report.worker, None)
+                    elif report.worker in self._abandoned:
+                        self._abandoned.discard(report.worker)
+                        if isinstance(report, Spawned):
+                            log.warning("killing worker %d (pid %d): it started after its spawn gave up", *report)
+                            with contextlib.suppress(ProcessLookupError):
+                                os.kill(report.pid, signal.SIGKILL)
                     else:
+                        if isinstance(report, Spawned):
+                            self._pids[report.worker] = report.pid
                         self._reports[report.worker] = report
                 self._lock.notify_all()
         with contextlib.suppress(OSError):

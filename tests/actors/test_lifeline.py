@@ -289,3 +289,50 @@ def test_a_line_the_controller_ended_closes_the_node_sides_socket():
         thread.join(GUARD)
     assert set(os.listdir("/proc/self/fd")) <= before
     cut()  # (a closer called after the line ended is harmless)
+
+
+@pytest.fixture
+def piped_node(monkeypatch, tmp_path):
+    """A NodeForkserver whose forkserver is two pipes the test writes reports into and reads requests from."""
+    import types
+
+    from actors._processes import _node_forkserver
+
+    requests_r, requests_w = os.pipe()
+    status_r, status_w = os.pipe()
+    process = types.SimpleNamespace(
+        requests=requests_w, status=status_r, pid=-1, kill=lambda: None, wait=lambda timeout: True
+    )
+    monkeypatch.setattr(_node_forkserver._ServerProcess, "start", lambda *args, **kwargs: process)
+    node = _node_forkserver.NodeForkserver("127.0.0.1", str(tmp_path))
+    yield node, status_w
+    node.stop()  # closes the request pipe's write end
+    os.close(status_w)
+    os.close(requests_r)
+
+
+def test_a_worker_that_starts_after_its_spawn_gave_up_is_killed_not_left_untracked(piped_node, monkeypatch):
+    """A cold host's forkserver answering after SPAWN_REPORT_TIMEOUT: the controller has counted the worker dead,
+    so the process that starts late is killed (it ran on, with an address nobody would use, and kill() missed it)."""
+    import subprocess
+    import sys
+
+    from actors._processes import _node_forkserver
+    from actors._processes._forkserver_protocol import Exited, Spawned, frame
+
+    node, status = piped_node
+    monkeypatch.setattr(_node_forkserver, "SPAWN_REPORT_TIMEOUT", 0.0)
+    with pytest.raises(TimeoutError, match="did not start worker 5"):
+        node.spawn(5, {})
+    late = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        os.write(status, frame(Spawned(5, late.pid)))
+        assert late.wait(GUARD) == -9
+    finally:
+        late.kill()
+        late.wait()
+    assert not node.kill(5)
+    os.write(status, frame(Spawned(6, 424242)) + frame(Exited(6, 424242, 0)))  # read together: started and gone
+    assert node.exits(GUARD) == [Exited(6, 424242, 0)]
+    monkeypatch.setattr(_node_forkserver, "SPAWN_REPORT_TIMEOUT", GUARD)
+    assert node.spawn(6, {}) == 424242 and 6 not in node._pids, "an exited worker's pid is not kept"
