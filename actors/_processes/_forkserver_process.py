@@ -45,7 +45,7 @@ from ._forkserver_protocol import (
     read_requests,
 )
 
-__all__ = ["main", "serve", "worker_config"]
+__all__ = ["main", "read_worker_config", "serve"]
 
 
 def serve(status_fd: int, session_dir: str, session: str, owns_session: bool, preload: tuple[str, ...] = ()) -> None:
@@ -111,7 +111,7 @@ def serve(status_fd: int, session_dir: str, session: str, owns_session: bool, pr
             buffer += data
             for request in read_requests(buffer):
                 index = request.worker
-                config, why = worker_config(request.config)
+                config, why = read_worker_config(request.config)
                 if config is None:
                     report(SpawnFailed(index, why))
                     continue
@@ -133,7 +133,7 @@ def serve(status_fd: int, session_dir: str, session: str, owns_session: bool, pr
         _teardown(children, session_dir, session, addresses if not owns_session else None)
 
 
-def worker_config(fields: dict[str, Any]) -> tuple[WorkerConfig | None, str]:
+def read_worker_config(fields: dict[str, Any]) -> tuple[WorkerConfig | None, str]:
     """The worker's config a request carries, or None and why it does not fit (a field this version lacks, say)."""
     try:
         return WorkerConfig.from_wire(fields), ""

@@ -193,16 +193,15 @@ class Lifelines:
             log.warning("lifelines: could not accept a node host's connection (%s); it is retried", exc)
             time.sleep(ACCEPT_RETRY)  # (this thread's own wait: a connection still queued is retried, not spun on)
             return
-        with contextlib.suppress(BlockingIOError):
-            sock.setblocking(False)
-            line = _Line(sock, os.urandom(_NONCE))
-            try:
-                sock.send(line.nonce)  # 16 bytes into an empty buffer
-            except OSError:
-                sock.close()
-                return
-            lines[sock] = line
-            selector.register(sock, selectors.EVENT_READ)
+        sock.setblocking(False)
+        line = _Line(sock, os.urandom(_NONCE))
+        try:
+            sock.send(line.nonce)  # 16 bytes into an empty buffer
+        except OSError:
+            sock.close()
+            return
+        lines[sock] = line
+        selector.register(sock, selectors.EVENT_READ)
 
     def _read(self, line: _Line) -> bool:
         """False once the line has ended (EOF, error, or a failed proof)."""

@@ -82,9 +82,9 @@ def test_a_frame_longer_than_any_message_ends_the_stream_instead_of_buffering_wi
 def test_a_spawn_request_whose_config_does_not_fit_is_refused_with_the_reason():
     """A field the worker's config does not have (another version of the package at one end) gives SpawnFailed with
     the reason, not a TypeError that ends the forkserver."""
-    from actors._processes._forkserver_process import worker_config
+    from actors._processes._forkserver_process import read_worker_config
 
-    config, why = worker_config({"bogus": 1})
+    config, why = read_worker_config({"bogus": 1})
     assert config is None and "bogus" in why
 
 
