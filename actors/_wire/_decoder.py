@@ -61,7 +61,7 @@ class Decoder:
         self.max_payload = max_payload
         self._frames: list[Any] = []
         self._depth = 0
-        self._classes: dict[str, type] = {}
+        self._classes: dict[str, _DataclassPlan] = {}
         self._hook = self._ext_hook
 
     def _unpacker(self, size: int) -> msgpack.Unpacker:
@@ -259,7 +259,9 @@ class Decoder:
             buffer = self._frames[data]
             buffer = buffer.buffer if hasattr(buffer, "buffer") else memoryview(buffer)
         elif type(data) is bytes:
-            buffer = data
+            # A copy the tensor owns: a tensor over the bytes object itself would let a write change an
+            # immutable object (CPython shares the one-byte ones interpreter-wide).
+            buffer = bytearray(data)
         else:
             raise DecodeError("malformed tensor data")
         size = buffer.nbytes if isinstance(buffer, memoryview) else len(buffer)
@@ -271,25 +273,69 @@ class Decoder:
             except RuntimeError as exc:  # other dims whose strides overflow int64
                 raise DecodeError(f"malformed tensor shape {shape!r:.80}: {exc}") from None
         flat = tensor_over(buffer, dtype, numel)
+        if flat.data_ptr() % itemsize:
+            # ZeroMQ may hand a frame at any address (a zero-copy receive points into its read buffer); kernels
+            # assume elements are aligned (a complex128 cast over such memory crashed), so this one is copied.
+            aligned = torch.empty(numel, dtype=dtype)
+            aligned.view(torch.uint8).copy_(tensor_over(buffer, torch.uint8, nbytes))
+            flat = aligned
         return flat if len(shape) == 1 else flat.view(shape)
 
     def _dataclass(self, record: Any) -> Any:
         if type(record) is not list or len(record) != 2 or type(record[0]) is not str or type(record[1]) is not list:
             raise DecodeError("malformed dataclass record")
         ref, values = record
-        cls = self._classes.get(ref)
-        if cls is None:
+        plan = self._classes.get(ref)
+        if plan is None:
             try:
                 found = _refs.resolve(ref, allow_import=False)
             except LookupError as exc:
                 raise DecodeError(f"refusing to build {ref}: {exc}") from None
             if not isinstance(found, type) or not dataclasses.is_dataclass(found):
                 raise DecodeError(f"refusing to build {ref}: not a dataclass")
-            cls = self._classes[ref] = found
+            plan = self._classes[ref] = _DataclassPlan.of(found)
+        if len(values) != len(plan.names):
+            raise DecodeError(f"cannot build {ref}: {len(values)} field values for {len(plan.names)} fields")
         try:
-            return cls(*values)
-        except Exception as exc:  # wrong arity, or the class's own __post_init__ refused the values
+            return plan.build(values)
+        except Exception as exc:  # the class's own __post_init__ refused the values
             raise DecodeError(f"cannot build {ref}: {exc}") from None
+
+
+class _DataclassPlan(NamedTuple):
+    """How to rebuild one dataclass from the values of all its fields, in declaration order.
+
+    The constructor runs, so the class's own checks (``__post_init__``) see
+    received values; when the class has a ``__post_init__`` or fields its
+    constructor does not take, every field is then set back to the value
+    sent, so the instance is the one the sender had (a ``__post_init__`` that
+    rewrites a field would otherwise rewrite it twice).
+    """
+
+    cls: type
+    names: tuple[str, ...]
+    init: tuple[int, ...]  # which fields the constructor takes
+    by_keyword: bool  # some field is keyword-only, or not taken by the constructor
+    restore: bool
+
+    @classmethod
+    def of(cls, found: type) -> _DataclassPlan:
+        fields = dataclasses.fields(found)
+        init = tuple(i for i, f in enumerate(fields) if f.init)
+        by_keyword = len(init) != len(fields) or any(f.kw_only for f in fields)
+        restore = len(init) != len(fields) or hasattr(found, "__post_init__")
+        return cls(found, tuple(f.name for f in fields), init, by_keyword, restore)
+
+    def build(self, values: list[Any]) -> Any:
+        names = self.names
+        if self.by_keyword:
+            instance = self.cls(**{names[i]: values[i] for i in self.init})
+        else:
+            instance = self.cls(*values)
+        if self.restore:
+            for name, value in zip(names, values, strict=True):
+                object.__setattr__(instance, name, value)
+        return instance
 
 
 _NO_FRAMES: list[Any] = []

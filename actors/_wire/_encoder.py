@@ -1,8 +1,8 @@
 """msgpack encoding of messages: plain values, tensors, dataclasses and handles.
 
 Large tensors travel as separate zero-copy frames, small ones inline; a
-dataclass travels as its class's qualified name and its field values; a
-port or an actor mesh as its registered handle state.
+dataclass travels as its class's qualified name and the values of all its
+fields (those its constructor does not take too); a port or an actor mesh as its registered handle state.
 """
 
 from __future__ import annotations
@@ -126,14 +126,16 @@ class Encoder:
             return dict(obj)
         if isinstance(obj, list):
             return list(obj)
+        # The base types' own conversions: a str or int enum member travels as its value (str() of one is
+        # "Colour.RED"; a subclass may override __int__ or __float__ too).
         if isinstance(obj, bool):
             return bool(obj)
         if isinstance(obj, int):
-            return int(obj)
+            return int.__index__(obj)
         if isinstance(obj, float):
-            return float(obj)
+            return float.__float__(obj)
         if isinstance(obj, str):
-            return str(obj)
+            return str.__str__(obj)
         if is_code(obj):  # a function, lambda, closure, method, partial or class
             if code_allowed():
                 return ext(EXT_CODE, pickle_code(obj))
@@ -156,10 +158,13 @@ class Encoder:
                 raise EncodeError(str(exc)) from None
             if "<locals>" in ref:
                 raise EncodeError(f"dataclass {ref} is defined inside a function; receivers cannot find it")
-            names = tuple(f.name for f in dataclasses.fields(obj) if f.init)
+            names = tuple(f.name for f in dataclasses.fields(obj))
             info = self._dataclass_refs[cls] = (ref, names)
         ref, names = info
-        return [ref, [getattr(obj, name) for name in names]]
+        try:
+            return [ref, [getattr(obj, name) for name in names]]
+        except AttributeError as exc:  # an init=False field nothing ever set
+            raise EncodeError(f"cannot send {ref}: {exc}") from None
 
     def _tensor(self, tensor: torch.Tensor) -> list[Any]:
         dtype = DTYPE_NAMES.get(tensor.dtype)

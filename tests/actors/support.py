@@ -7,7 +7,7 @@ import contextlib
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -51,6 +51,26 @@ class Triple:
     a: torch.Tensor
     b: torch.Tensor
     c: torch.Tensor
+
+
+@dataclass(kw_only=True)
+class Keyworded:
+    """A dataclass whose fields can only be given by keyword."""
+
+    name: str
+    size: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Derived:
+    """A dataclass whose ``__post_init__`` rewrites a field and fills one the constructor does not take."""
+
+    raw: int
+    doubled: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "raw", self.raw + 1)
+        object.__setattr__(self, "doubled", self.raw * 2)
 
 
 class Echo(Actor):

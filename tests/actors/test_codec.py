@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import math
 import types
 from collections import OrderedDict
@@ -15,10 +16,18 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support import Item, Triple
+from support import Derived, Item, Keyworded, Triple
 
 from actors import DecodeError, EncodeError
 from actors._wire._codec import EXT_DATACLASS, EXT_TENSOR, EXT_TUPLE, MAX_DEPTH, Decoder, Encoder
+
+
+class Colour(str, enum.Enum):
+    RED = "red"
+
+
+class Level(enum.IntEnum):
+    HIGH = 2
 
 
 def roundtrip(value):
@@ -108,6 +117,56 @@ def test_dataclasses_rebuilt_as_real_instances():
     out = roundtrip([item, Triple(torch.zeros(1), torch.ones(2), torch.arange(3))])
     assert isinstance(out[0], Item) and out[0].seq == 7 and torch.equal(out[0].payload, item.payload)
     assert isinstance(out[1], Triple) and torch.equal(out[1].c, torch.arange(3))
+
+
+def test_keyword_only_dataclasses_roundtrip():
+    assert roundtrip(Keyworded(name="a", size=3)) == Keyworded(name="a", size=3)
+
+
+def test_a_dataclass_arrives_as_it_was_sent_not_as_its_post_init_would_remake_it():
+    sent = Derived(3)
+    assert (sent.raw, sent.doubled) == (4, 8)
+    out = roundtrip(sent)
+    assert type(out) is Derived and (out.raw, out.doubled) == (4, 8)
+
+
+def test_a_dataclass_record_with_the_wrong_number_of_fields_is_a_decode_error():
+    for values in (["a", 1, 2], ["a"]):
+        record = msgpack.ExtType(EXT_DATACLASS, msgpack.packb(["support:Keyworded", values]))
+        with pytest.raises(DecodeError, match="Keyworded"):
+            Decoder().decode(msgpack.packb(record))
+
+
+def test_enum_members_travel_as_their_values():
+    assert roundtrip(Colour.RED) == "red" and type(roundtrip(Colour.RED)) is str
+    assert roundtrip(Level.HIGH) == 2 and type(roundtrip(Level.HIGH)) is int
+    assert roundtrip({Colour.RED: [Level.HIGH]}) == {"red": [2]}
+
+
+def test_a_small_received_tensor_owns_its_memory():
+    """Writing to a tensor that arrived inline must not write into a bytes object (CPython shares 1-byte ones)."""
+    out = roundtrip(torch.tensor([7], dtype=torch.uint8))
+    out.add_(1)
+    assert bytes([7])[0] == 7 and out.item() == 8
+    wide = roundtrip(torch.arange(64, dtype=torch.int64))
+    wide.mul_(2)
+    assert wide[3].item() == 6
+
+
+@pytest.mark.parametrize("dtype", [torch.complex128, torch.complex64, torch.float64, torch.int32])
+def test_a_tensor_over_a_misaligned_frame_is_aligned_before_use(dtype):
+    """ZeroMQ may hand a frame at any address; kernels that assume alignment must never see it (complex128 casts
+    crashed the process)."""
+    sent = torch.randn(3000).to(dtype) if not dtype.is_complex else torch.randn(3000, dtype=dtype)
+    enc = Encoder()
+    data = enc.encode(sent)
+    frame = memoryview(b"x" + bytes(enc.frames[0]))[1:]
+    out = Decoder().decode(data, [frame])
+    assert out.data_ptr() % dtype.itemsize == 0
+    assert torch.equal(out, sent)
+    cast = torch.float32 if not dtype.is_complex else torch.complex64
+    assert torch.equal(out.to(cast), sent.to(cast))
+    assert torch.equal(out.real if dtype.is_complex else out, sent.real if dtype.is_complex else sent)
 
 
 def test_unsupported_values_raise_encode_error():
