@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from .._runtime._actor_host import Stoppable
 from .._runtime._core import Runtime
 from .._shared._config import WorkerConfig
+from .._shared._errors import DecodeError
 from .._shared._liveness import ProcRef
 from .._shared._names import shown
 from .._wire._records import PROCESS_ACTOR, Call, ErrorRecord, Header
@@ -73,6 +74,12 @@ class ActorServer:
         return self.lifecycle.finished
 
     def on_call(self, call: Call, frames: list[Any], sender: Header, size: int) -> None:
+        if call.reply_to != sender.address or call.reply_pid != sender.pid:
+            # The runtime only ever sends calls answered at its own inbox: any other reply address is forged (and
+            # may be one zmq cannot parse, or another peer's, which would hear of a stop it never asked for).
+            raise DecodeError(
+                f"a call whose reply address {call.reply_to!r:.80} (pid {call.reply_pid}) is not its sender's"
+            )
         inv = Invocation(call, frames)
         if call.actor == PROCESS_ACTOR:
             self.lifecycle.background(self._process_call(inv))

@@ -95,7 +95,7 @@ class Runtime:
         self.header = Header(self.address, self.pid).encode()
         self.encoder = Encoder()
         self.drops = DropLog()
-        self.registry = Registry(self.dir, self.pid)
+        self.registry = Registry(self.dir, self.pid, authenticated=self.keys is not None)
         self.outbox = Outbox(
             self.ctx,
             self.header,

@@ -183,7 +183,8 @@ class Inbox:
                     continue
             size = sizes[j]
             try:
-                if frame_counts[j] != 0 or type(size) is not int:
+                count = frame_counts[j]
+                if type(count) is not int or count or type(size) is not int:
                     raise DecodeError("malformed batch framing")
                 route = routes.get(fields[0]) if type(fields) is list and fields and type(fields[0]) is int else None
                 if route is None:

@@ -159,7 +159,8 @@ class Receivers:
                 or fields[0] != Kind.PORT
                 or type(fields[1]) is not int
                 or fields[1] != port_id
-                or frame_counts[j] != 0
+                or type(frame_counts[j]) is not int  # (the framing is msgpack too: a tensor would compare elementwise)
+                or frame_counts[j]
                 or type(size) is not int
             ):
                 break

@@ -17,9 +17,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from .._shared._errors import DecodeError
 from .._shared._hooks import Hook
 from .._shared._liveness import ProcRef, Watcher
-from .._shared._session import local_hosts, read_incarnation, tcp_host
+from .._shared._session import local_hosts, read_incarnation, tcp_host, valid_peer_address
 
 __all__ = ["Registry"]
 
@@ -29,9 +30,11 @@ log = logging.getLogger("actors")
 class Registry:
     """Peers by address; liveness through pidfds; deaths announced on its hooks."""
 
-    def __init__(self, session_dir: str, own_pid: int) -> None:
+    def __init__(self, session_dir: str, own_pid: int, *, authenticated: bool = False) -> None:
         self.session_dir = session_dir
         self.own_pid = own_pid
+        #: The session's links are CURVE-keyed: an ipc peer may serve anywhere (see ``valid_peer_address``).
+        self.authenticated = authenticated
         self.procs: dict[str, ProcRef] = {}
         self._by_pid: dict[int, ProcRef] = {}
         self.watcher = Watcher(self._pid_died)
@@ -56,13 +59,20 @@ class Registry:
         return host is None or host in self._local_hosts
 
     def proc(self, address: str, pid: int | None) -> ProcRef:
-        """The interned :class:`ProcRef` for ``address`` (learning or updating its pid)."""
+        """The interned :class:`ProcRef` for ``address`` (learning or updating its pid).
+
+        Raises :class:`~actors.DecodeError` for an address no process of this session could own.
+        """
         ref = self.procs.get(address)
         if ref is None and address in self.moved:  # a handle from before its process moved: the replacement
             moved = self.find(address)
             if moved is not None:
                 return moved
         if ref is None:
+            if not valid_peer_address(address, self.session_dir, self.authenticated):
+                # Addresses arrive in records (reply addresses, ports, meshes): nothing may ever be sent to one no
+                # process of this session could own, nor reach zmq unparsed.
+                raise DecodeError(f"address {address!r:.80} is not a peer of this session")
             ref = self.procs[address] = ProcRef(address, None, remote=not self.is_local(address))
             if pid is not None:
                 self.set_pid(ref, pid)

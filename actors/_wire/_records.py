@@ -100,6 +100,11 @@ class Header(NamedTuple):
             header = msgpack.unpackb(data, raw=False)
         except (ValueError, msgpack.UnpackException) as exc:
             raise DecodeError(f"undecodable header: {exc}") from None
+        if type(header) is list and header and type(header[0]) is int and header[0] != PROTOCOL_VERSION:
+            raise DecodeError(
+                f"a header of protocol version {header[0]}; this process speaks {PROTOCOL_VERSION} "
+                "(is the sender running another version of the package?)"
+            )
         if (
             type(header) is not list
             or len(header) != 3

@@ -277,6 +277,14 @@ def test_a_header_claiming_an_impossible_pid_is_refused():
             Header.decode(msgpack.packb([PROTOCOL_VERSION, "ipc:///x.sock", pid]))
 
 
+def test_a_header_of_another_protocol_version_says_so():
+    """A peer running another version of the package is told apart from garbage in the log."""
+    from actors._wire._records import PROTOCOL_VERSION, Header
+
+    with pytest.raises(DecodeError, match=f"protocol version {PROTOCOL_VERSION + 1}.*speaks {PROTOCOL_VERSION}"):
+        Header.decode(msgpack.packb([PROTOCOL_VERSION + 1, "ipc:///x.sock", 5]))
+
+
 def test_a_call_whose_response_port_is_not_a_port_is_refused():
     from actors._wire._records import Call, Kind
 
@@ -377,6 +385,36 @@ def test_an_inbox_batch_whose_record_kind_is_a_tensor_is_dropped_and_the_rest_de
         )
         assert wired.pull.poll(10_000)
         wired.inbox.pump()
+        assert [value for value, _, _ in wired.state.queue] == ["first", "last"]
+        assert wired.drops.count == 2
+
+
+def test_an_inbox_batch_whose_framing_holds_a_tensor_drops_those_records_and_delivers_the_rest(tmp_path):
+    """A frame count or size that is a tensor (the framing is msgpack too) is bad framing for its record alone."""
+    import zmq
+
+    from actors._wire._records import PROTOCOL_VERSION, Kind, record_prefix
+
+    with wired_inbox(tmp_path) as wired:
+        port_id = wired.state.port_id
+        tensor = msgpack.packb(msgpack.ExtType(EXT_TENSOR, msgpack.packb(["int64", [2], b"\x00" * 16])))
+        first, bad, last = (msgpack.packb([int(Kind.PORT), port_id, v]) for v in ("first", "bad", "last"))
+        payload = b"".join(
+            (
+                record_prefix(0, len(first)) + first,
+                tensor + msgpack.packb(len(bad)) + bad,  # a tensor as its frame count
+                b"\x00" + tensor + bad,  # a tensor as its size
+                record_prefix(0, len(last)) + last,
+            )
+        )
+        push = wired.pull.context.socket(zmq.PUSH)
+        try:
+            push.connect(f"ipc://{tmp_path}/inbox.sock")
+            push.send_multipart([msgpack.packb([PROTOCOL_VERSION, wired.peer, 42]), payload])
+            assert wired.pull.poll(10_000)
+            wired.inbox.pump()
+        finally:
+            push.close(linger=0)
         assert [value for value, _, _ in wired.state.queue] == ["first", "last"]
         assert wired.drops.count == 2
 

@@ -92,6 +92,8 @@ async def test_worker_survives_100k_hostile_frames(procs):
 
 
 async def _fuzz(sock, procs, target, rng, seeds, hostile, header) -> None:  # type: ignore[no-untyped-def]
+    from actors._runtime._core import runtime
+
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.LINGER, 5000)
     sock.connect(procs._procs[0].address)
@@ -122,7 +124,7 @@ async def _fuzz(sock, procs, target, rng, seeds, hostile, header) -> None:  # ty
     enc = Encoder()
     blob = enc.encode([[port], {}])
     enc.reset()
-    call = enc.encode([CALL, 0, target._name, "mark", "ipc://x/fuzzer.sock", 1, 0, blob, None])
+    call = enc.encode([CALL, 0, target._name, "mark", f"ipc://{runtime().dir}/fuzzer.sock", 1, 0, blob, None])
     sock.send_multipart([header, message_prefix(0, len(call)) + call])
     assert await asyncio.wait_for(processed.recv(), 120) == "processed"
     # The worker still serves, and it saw (and dropped) the garbage.
@@ -164,3 +166,45 @@ def test_a_message_whose_handling_fails_unexpectedly_does_not_stall_the_ones_beh
         push.close(linger=0)
         pull.close(linger=0)
         ctx.term()
+
+
+async def test_a_call_whose_reply_address_is_not_its_senders_is_dropped(procs):
+    """Replies go only to the process that sent the call: a CALL naming another address (outside the session, one
+    zmq cannot even parse, or another peer's) or another pid is dropped, and a worker told to stop that way
+    neither stops nor stops answering (before, the reply to such a stop raised ZMQError and the stop never ended)."""
+    target = procs.spawn("pinger", Pinger).slice(procs=0)
+    before = await target.dropped.call_one()
+    from actors._runtime._core import runtime
+    from actors._wire._records import PROCESS_ACTOR
+
+    own = f"ipc://{runtime().dir}/forger.sock"
+    header = msgpack.packb([PROTOCOL_VERSION, own, 1])
+    enc = Encoder()
+    no_args = enc.encode([[], {}])
+    forged = [
+        [CALL, 5, target._name, "ping", "ipc:///etc/elsewhere.sock", 1, 0, enc.encode([[1], {}]), None],
+        [CALL, 6, PROCESS_ACTOR, "stop", "tcp://[::bad", 1, 0, no_args, None],
+        [CALL, 7, PROCESS_ACTOR, "stop", f"ipc://{runtime().dir}/another.sock", 1, 0, no_args, None],
+        [CALL, 8, PROCESS_ACTOR, "stop", own, 2, 0, no_args, None],
+    ]
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    try:
+        sock.setsockopt(zmq.LINGER, 5000)
+        sock.connect(procs._procs[0].address)
+        for record in forged:
+            enc.reset()
+            data = enc.encode(record)
+            sock.send_multipart([header, message_prefix(0, len(data)) + data])
+        port, processed = Channel.open(str)
+        enc.reset()
+        blob = enc.encode([[port], {}])
+        enc.reset()
+        call = enc.encode([CALL, 0, target._name, "mark", own, 1, 0, blob, None])
+        sock.send_multipart([header, message_prefix(0, len(call)) + call])
+        assert await asyncio.wait_for(processed.recv(), 60) == "processed"
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+    assert await target.ping.call_one(3) == 3
+    assert await target.dropped.call_one() - before == len(forged)

@@ -58,7 +58,7 @@ class FakeRuntime:
 
 @pytest.fixture
 def news(tmp_path):
-    registry = Registry(str(tmp_path), os.getpid())
+    registry = Registry(str(tmp_path), os.getpid(), authenticated=True)  # a session over tcp: CURVE-keyed links
     rt = FakeRuntime(registry)
     peer_news = PeerNews(rt)
     rt.routes = {ProcessLost: peer_news.on_lost, ProcessRestarted: peer_news.on_restarted}  # as Runtime wires it

@@ -11,7 +11,7 @@ import pytest
 import torch
 from support import Echo, Item, Relay
 
-from actors import ActorDied, ActorError, Channel, Port, PortClosed, ProcMesh, this_host
+from actors import ActorDied, ActorError, Channel, DecodeError, Port, PortClosed, ProcMesh, this_host
 from actors._runtime._core import runtime
 from actors._transport._flow import WINDOW as PORT_WINDOW
 
@@ -398,3 +398,21 @@ async def _until(condition: Any, timeout: float = 30.0) -> None:
     while not condition():
         assert asyncio.get_running_loop().time() < deadline, "condition never held"
         await asyncio.sleep(0.01)
+
+
+def test_a_port_or_mesh_naming_an_address_outside_the_session_is_refused():
+    """A handle's address is where sends go: one no process of this session could own is a DecodeError."""
+    import msgpack
+
+    from actors._wire._codec import EXT_HANDLE, EXT_TUPLE, Decoder
+
+    rt = runtime()
+    extent = [msgpack.ExtType(EXT_TUPLE, msgpack.packb(["procs", 1]))]
+    for kind, state in (
+        ("port", ["ipc:///etc/elsewhere.sock", 7, 1, None, False]),
+        ("actor_mesh", ["a", "m:C", [], extent, [[0, "tcp://[::bad", None]]]),
+        ("proc_mesh", ["p", extent, [[f"ipc://{rt.dir}/../x.sock", None]]]),
+    ):
+        record = msgpack.ExtType(EXT_HANDLE, msgpack.packb([kind, state]))
+        with pytest.raises(DecodeError, match="not a peer"):
+            Decoder().decode(msgpack.packb(record))

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from actors._shared._liveness import ProcRef, new_incarnation
 from actors._shared._session import forget_incarnation, read_incarnation, write_incarnation
 from actors._transport._registry import Registry
@@ -79,3 +81,32 @@ def test_each_incarnation_is_stamped_later_than_the_last(monkeypatch):
     ref.incarnation = first
     monkeypatch.setattr(time, "time_ns", lambda: first - 10**9)  # the clock stepped back
     assert new_incarnation(ref) == first + 1
+
+
+def test_an_address_outside_the_session_is_refused_before_anything_connects_to_it(tmp_path):
+    """A peer's address arrives in records (reply addresses, ports, meshes): one no process of this session could
+    own is refused (DecodeError), so nothing is ever sent there and zmq never meets an address it cannot parse."""
+    from actors import DecodeError
+
+    registry = Registry(str(tmp_path), os.getpid())
+    try:
+        for address in (
+            "ipc:///etc/elsewhere.sock",
+            f"ipc://{tmp_path}/../escape.sock",
+            "tcp://[::bad",
+            "inproc://x",
+            "",
+        ):
+            with pytest.raises(DecodeError, match="not a peer"):
+                registry.proc(address, 7)
+        assert registry.procs == {}
+        assert registry.proc(f"ipc://{tmp_path}/w1-0.sock", None).address == f"ipc://{tmp_path}/w1-0.sock"
+    finally:
+        registry.close()
+    keyed = Registry(str(tmp_path), os.getpid(), authenticated=True)  # CURVE: a worker loop's socket is anywhere
+    try:
+        assert keyed.proc("ipc:///var/run/w.sock", None).address == "ipc:///var/run/w.sock"
+        with pytest.raises(DecodeError):
+            keyed.proc("ipc://relative.sock", None)
+    finally:
+        keyed.close()
