@@ -143,7 +143,11 @@ def ties(tensors: list[tuple[str, torch.Tensor]]) -> list[int | None]:
 
 
 def _same_view(first: torch.Tensor, second: torch.Tensor, dtensor: Any) -> bool:
-    """Whether two tensors at one address are the same bytes: one device, shape, stride (a shard's) and dtype."""
+    """Whether two tensors at one address are the same values: one device, shape, stride (a shard's) and dtype,
+    and neither read through a lazy conjugate or negation the other lacks (``w.conj()`` is w's bytes, not its
+    values)."""
+    if first.is_conj() != second.is_conj() or first.is_neg() != second.is_neg():
+        return False
     if dtensor is not None and isinstance(first, dtensor):
         a, b = first.to_local(), second.to_local()  # type: ignore[attr-defined]
         return bool(first.shape == second.shape and a.stride() == b.stride() and first.dtype == second.dtype)

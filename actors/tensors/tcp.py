@@ -23,11 +23,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hmac
 import logging
 import os
+import select
 import socket
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
@@ -332,6 +335,46 @@ class _Fetch:
                 self.sock.shutdown(socket.SHUT_RDWR)
 
 
+#: How often a connect in progress looks whether its fetch was aborted (seconds).
+CONNECT_SLICE = 0.05
+
+
+def _connect(handle: TcpHandle, fetch: _Fetch, timeout: float, what: str) -> socket.socket:
+    """A connection to ``handle``'s server within ``timeout``, given up as soon as ``fetch`` is aborted.
+
+    A blocking connect cannot be interrupted from another thread (a server
+    whose accept queue is full leaves it hanging), so it runs non-blocking
+    and is polled in slices of :data:`CONNECT_SLICE`.
+    """
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(handle.host, handle.port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise WeightSyncError(f"{what}: cannot reach its publisher: {exc}") from None
+    try:
+        sock.setblocking(False)
+        error = sock.connect_ex(address)
+        deadline = time.monotonic() + timeout
+        while error in (errno.EINPROGRESS, errno.EALREADY, errno.EWOULDBLOCK):
+            if fetch.aborted:
+                raise WeightSyncError(f"{what}: the fetch was cancelled")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WeightSyncError(f"{what}: cannot reach its publisher: no connection within {timeout:g}s")
+            _, writable, _ = select.select([], [sock], [], min(left, CONNECT_SLICE))
+            if writable:
+                error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if error == errno.ECONNREFUSED:
+            raise PublisherDied(f"{what}: its publisher no longer serves it (connection refused)", pid=-1)
+        if error:
+            raise WeightSyncError(f"{what}: cannot reach its publisher: {os.strerror(error)}")
+        sock.setblocking(True)
+        return sock
+    except BaseException:
+        sock.close()
+        raise
+
+
 class TcpReader:
     """Consumer side: fetches each update into a buffer of its own and hands out views of it.
 
@@ -398,12 +441,7 @@ class TcpReader:
         check_specs(specs, 1 << 62)
         needed = max((s.offset + s.nbytes for s in specs), default=0)
         what = f"update {update_id} (version {version}) from {handle.host}:{handle.port}"
-        try:
-            sock = socket.create_connection((handle.host, handle.port), timeout=min(self.timeout, 30.0))
-        except ConnectionRefusedError:
-            raise PublisherDied(f"{what}: its publisher no longer serves it (connection refused)", pid=-1) from None
-        except OSError as exc:
-            raise WeightSyncError(f"{what}: cannot reach its publisher: {exc}") from None
+        sock = _connect(handle, fetch, min(self.timeout, 30.0), what)
         fetch.sock = sock
         self._fetches.add(fetch)
         try:
@@ -414,7 +452,10 @@ class TcpReader:
         except OSError as exc:
             if fetch.aborted:
                 raise WeightSyncError(f"{what}: the fetch was cancelled") from None
-            raise PublisherDied(f"{what}: the transfer broke off ({exc})", pid=-1) from None
+            if isinstance(exc, ConnectionError):  # reset, refused, broken pipe, or closed mid-stream: gone
+                raise PublisherDied(f"{what}: the transfer broke off ({exc})", pid=-1) from None
+            # A receive that timed out, or any other local failure, says nothing of the publisher's life.
+            raise WeightSyncError(f"{what}: the transfer failed ({type(exc).__name__}: {exc})") from None
         finally:
             self._fetches.discard(fetch)
             sock.close()

@@ -89,6 +89,7 @@ class Config:
     trust_remote_code: bool = False  # hf: run the model's own code (its config's auto_map), as transformers asks
     shuffle_dataset: bool = True  # hf: each epoch in a seeded random order; off: in the dataset's (a curriculum)
     eval_dataset: str = ""  # hf: held-out prompts; "" holds out ``eval_fraction`` of ``dataset``
+    eval_split: str = "test"  # hf: the split of a Hub ``eval_dataset`` (TRL's test split)
     eval_fraction: float = 0.1
     rewards: list[str] = field(default_factory=list)  # hf: module:function | file.py:function | built-in [=weight]
     reward_timeout: float = 60.0  # hf: the most seconds one reward function may take on one batch

@@ -37,6 +37,18 @@ def _one_of(config: Config, name: str, choices: tuple[str, ...]) -> None:
         raise SettingsError(f"--{name.replace('_', '-')} {value}: choose one of {', '.join(choices)}")
 
 
+def _check_run_shape(config: Config) -> None:
+    """Bounds of the run's checkpoints, hosts and schedule (before, each was taken and did nothing sensible)."""
+    if config.checkpoint_every < 0:
+        raise SettingsError(f"--save-every {config.checkpoint_every}: must be at least 0 (0: only at the end)")
+    _at_least(config, "ray_hosts", 0)
+    if config.warmup_steps > config.steps:
+        raise SettingsError(
+            f"--warmup-steps {config.warmup_steps} with --steps {config.steps}: the learning rate would never "
+            "reach --lr"
+        )
+
+
 def check_settings(config: Config) -> None:
     """Raise :class:`SettingsError` for the first setting of ``config`` that a run cannot train with."""
     for field in dataclasses.fields(config):
@@ -98,6 +110,7 @@ def check_settings(config: Config) -> None:
         )
     if not 0 < config.eval_fraction < 1:
         raise SettingsError(f"--eval-fraction {config.eval_fraction}: the held-out share must be in (0, 1)")
+    _check_run_shape(config)
     _one_of(config, "loss", LOSSES)
     _one_of(config, "scale_rewards", REWARD_SCALES)
     _one_of(config, "lr_schedule", ("constant", "cosine"))
@@ -328,6 +341,19 @@ def unused_settings(config: Config) -> list[tuple[tuple[str, ...], str]]:
         groups.append(
             (("ref_model_mixup_alpha", "ref_model_sync_steps"), "set the reference's sync: add --sync-ref-model")
         )
+    if config.mode == "sync":
+        groups.append(
+            (
+                ("max_staleness", "max_inflight"),
+                "bound an async run's rollouts; --mode sync trains each on the policy that made it: use --mode async",
+            )
+        )
+    if not config.ray:
+        groups.append((("ray_hosts",), "picks the Ray nodes to use: add --ray"))
+    if not config.eval_dataset:
+        groups.append((("eval_split",), "picks a Hub --eval-dataset's split: add --eval-dataset"))
+    else:
+        groups.append((("eval_fraction",), "holds out a share of --dataset; --eval-dataset gives the held-out prompts"))
     return groups
 
 

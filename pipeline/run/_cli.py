@@ -32,6 +32,7 @@ from ..config import (
 from ..models import PRESETS, ModelError, vllm_missing
 from ..tasks import (
     BUILTINS,
+    HF_DATA,
     SAMPLER,
     BanditTask,
     DataError,
@@ -158,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="let a model that brings its own code (its config's auto_map) run it, in every role",
     )
     data.add_argument("--eval-dataset", default="", help="held-out prompts (default: --eval-fraction of --dataset)")
+    data.add_argument(
+        "--eval-split", default="test", help="the split of a Hub --eval-dataset to evaluate on (default test)"
+    )
     data.add_argument(
         "--eval-fraction", type=float, default=0.1, help="share of --dataset held out for evaluation (default 0.1)"
     )
@@ -554,6 +558,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
             shuffle_dataset=args.shuffle_dataset,
             trust_remote_code=args.trust_remote_code,
             eval_dataset=args.eval_dataset,
+            eval_split=args.eval_split,
             eval_fraction=args.eval_fraction,
             rewards=list(args.reward),
             reward_timeout=args.reward_timeout,
@@ -706,12 +711,24 @@ def _resumed(args: argparse.Namespace, given: set[str]) -> Config:
         "trainer_shard",
         "stop_grace",
     )
+    may_change = {"resume", "quiet", *resumable, *(f"{role}_device" for role in ROLES)}
+    if fixed := sorted(given - may_change):
+        flags = ", ".join("--" + name.replace("_", "-") for name in fixed)
+        changeable = ", ".join("--" + name.replace("_", "-") for name in resumable)
+        raise SettingsError(
+            f"{flags}: a resumed run keeps the settings {args.resume} was started with, which cannot change "
+            f"(start a new run to change them); only {changeable}, the role devices and --quiet may be given"
+        )
     for attr in resumable:  # the settings a resumed run may change, where the command line gives them
         if attr in given and getattr(args, attr) != "auto":
             setattr(config, attr, getattr(args, attr))
     config.devices.update(_role_devices(args))
     forget_unused_settings(config)  # saved before they were refused without their switch: never used
     task = found_task(config)
+    if task is not None and not issubclass(task, HFTask):  # saved before they were refused: never read
+        defaults = Config()
+        for _, attr in HF_DATA:
+            setattr(config, attr, getattr(defaults, attr))
     if task is not None and issubclass(task, BanditTask):  # saved before the bandit refused them: never used
         for _, attr, default in SAMPLER:
             setattr(config, attr, default)

@@ -27,13 +27,14 @@ from ._rewards import (
     parse_spec,
     think_answer_format,
 )
-from ._task_settings import SAMPLER, check_task_settings, found_task
+from ._task_settings import HF_DATA, SAMPLER, check_task_settings, found_task
 
 __all__ = [
     "BOS",
     "BUILTINS",
     "DIGIT_TASKS",
     "EOS",
+    "HF_DATA",
     "PAD",
     "PLUS",
     "SAMPLER",

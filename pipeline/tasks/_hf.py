@@ -107,7 +107,7 @@ class HFTask(Task):
         rows = load_rows(config.dataset, config.dataset_split, subset=config.dataset_config)
         if config.eval_dataset:
             train = PromptData(rows, column, tokenizer, chat_template_kwargs=variables)
-            held = load_rows(config.eval_dataset, config.dataset_split, "--eval-dataset", config.dataset_config)
+            held = load_rows(config.eval_dataset, config.eval_split, "--eval-dataset", config.dataset_config)
             return train, PromptData(held, column, tokenizer, flag="--eval-dataset", chat_template_kwargs=variables)
         train_rows, held_rows = split_held_out(len(rows), config.eval_fraction, config.seed)
         return (

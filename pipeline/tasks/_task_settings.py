@@ -14,7 +14,7 @@ from ._hf import HFTask
 from ._interface import Task
 from ._registry import resolve, task_class
 
-__all__ = ["SAMPLER", "check_task_settings", "found_task"]
+__all__ = ["HF_DATA", "SAMPLER", "check_task_settings", "found_task"]
 
 
 #: The sampler's settings: (flag, Config attribute, the value that sets nothing).
@@ -84,8 +84,29 @@ def check_task_settings(config: Config) -> None:
             )
 
 
+#: The data and reward settings only a Hugging Face task reads: (flag, Config attribute).
+HF_DATA: tuple[tuple[str, str], ...] = (
+    ("--dataset-split", "dataset_split"),
+    ("--dataset-config", "dataset_config"),
+    ("--prompt-column", "prompt_column"),
+    ("--eval-dataset", "eval_dataset"),
+    ("--eval-split", "eval_split"),
+    ("--eval-fraction", "eval_fraction"),
+    ("--reward", "rewards"),
+    ("--reward-timeout", "reward_timeout"),
+    ("--log-completions", "log_completions"),
+)
+
+
 def _refuse_hf_settings(config: Config) -> None:
     """Settings only a Hugging Face task (``--task hf`` or a subclass of HFTask) has a use for."""
+    defaults = Config()
+    given = [flag for flag, attr in HF_DATA if getattr(config, attr) != getattr(defaults, attr)]
+    if given:
+        raise SettingsError(
+            f"{', '.join(given)} with --task {config.task}: only a Hugging Face task (--task hf, --dataset) reads "
+            "prompts from a dataset and scores them with reward functions"
+        )
     if config.num_generations_eval:
         raise SettingsError(
             f"--num-generations-eval {config.num_generations_eval} samples a Hugging Face model's held-out "

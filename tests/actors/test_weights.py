@@ -740,3 +740,14 @@ def test_ties_are_the_same_bytes_seen_the_same_way_not_just_the_same_address():
         ("other", torch.ones(3, 4, device="cpu")),
     ]
     assert ties(tensors) == [None, None, 0, None, 1, None, None, None]
+
+
+def test_a_conjugated_or_negated_view_is_not_tied_to_the_tensor_it_reads():
+    """``w.conj()`` and a negative view are w's address, shape, stride and dtype read another way: bytes of their
+    own (before, they were tied to w and w's values arrived in their place)."""
+    from actors.tensors import ties
+
+    w = torch.complex(torch.arange(4.0), torch.ones(4))
+    real = torch.arange(4.0)
+    tensors = [("w", w), ("conj", w.conj()), ("conj_again", w.conj()), ("real", real), ("neg", torch._neg_view(real))]
+    assert ties(tensors) == [None, None, 1, None, None]

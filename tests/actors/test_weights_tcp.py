@@ -246,6 +246,68 @@ async def test_a_fetch_that_outlives_its_deadline_fails_and_ends():
         listener.close()
 
 
+def _hanging_listener() -> tuple[socket.socket, socket.socket]:
+    """A listener whose accept queue is full (backlog 0, one connection never accepted): a connect to it hangs."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    return listener, socket.create_connection(listener.getsockname(), timeout=10)
+
+
+async def test_a_fetch_whose_connect_hangs_ends_at_its_deadline_or_when_cancelled():
+    """The deadline and a cancel reach a fetch still connecting (before, both waited for the connect's own
+    timeout: up to 30 s)."""
+    listener, filler = _hanging_listener()
+    reader = TcpReader(timeout=60.0)
+    try:
+        manifest, handle = one_tensor_served_at(listener)
+        started = time.monotonic()
+        with pytest.raises(WeightSyncError, match=r"took longer than 0\.3s"):
+            await reader.read_async(manifest.update_id, 1, handle, manifest.tensors, timeout=0.3)
+        assert time.monotonic() - started < 5, "(a guard: the fetch ends at about 0.3 s)"
+        task = asyncio.ensure_future(reader.read_async(manifest.update_id, 1, handle, manifest.tensors))
+        await asyncio.sleep(0)  # (the fetch starts on its thread; cancelled before or during its connect alike)
+        started = time.monotonic()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert time.monotonic() - started < 5, "(a guard: the cancel ends the connect at once)"
+    finally:
+        reader.close()
+        filler.close()
+        listener.close()
+
+
+async def test_a_receive_that_times_out_is_not_a_dead_publisher():
+    """A server that accepts and never speaks, read with a socket timeout shorter than the fetch's deadline: the
+    timeout says nothing of the publisher's life (before, every socket error was PublisherDied)."""
+    listener = socket.create_server(("127.0.0.1", 0))  # never accepts: the kernel completes the connect
+    reader = TcpReader(timeout=0.3)
+    try:
+        manifest, handle = one_tensor_served_at(listener)
+        with pytest.raises(WeightSyncError, match="TimeoutError") as caught:
+            await reader.read_async(manifest.update_id, 1, handle, manifest.tensors, timeout=30)
+        assert not isinstance(caught.value, PublisherDied)
+    finally:
+        reader.close()
+        listener.close()
+
+
+def test_a_blocking_fetch_whose_connect_hangs_ends_at_its_deadline():
+    listener, filler = _hanging_listener()
+    reader = TcpReader(timeout=0.5)
+    try:
+        manifest, handle = one_tensor_served_at(listener)
+        started = time.monotonic()
+        with pytest.raises(WeightSyncError, match=r"took longer than 0\.5s|no connection within 0\.5s"):
+            reader.read(manifest.update_id, 1, handle, manifest.tensors)
+        assert time.monotonic() - started < 5, "(a guard: the fetch ends at about 0.5 s)"
+    finally:
+        reader.close()
+        filler.close()
+        listener.close()
+
+
 def test_a_blocking_fetch_from_a_server_that_trickles_ends_at_its_deadline():
     """A socket timeout bounds each receive, not the fetch: a server sending a byte every 0.2 s kept a blocking
     ``read`` going as long as it liked. The reader's ``timeout`` bounds the whole fetch, as documented."""

@@ -532,6 +532,29 @@ def test_without_shuffling_rollouts_take_the_rows_in_the_datasets_order_epoch_af
     assert data.rows_for(2, 8, seed=0) != data.indices[16:24], "shuffled by default"
 
 
+def test_an_eval_dataset_is_held_out_whole_and_a_hub_one_is_read_from_its_eval_split(tmp_path, tiny, monkeypatch):
+    """``--eval-dataset`` is evaluated on, never trained on; a Hub one is read from ``--eval-split`` (TRL's test
+    split by default), not from the training split ``--dataset-split`` names (before: the training split)."""
+    from pipeline.tasks import _hf
+
+    chat = str(tiny / "chat" / "train.jsonl")
+    task = HFTask(resolve(_config(tiny, tmp_path, eval_dataset=chat)))
+    assert len(task.eval_data) == 50 and task.eval_data.chat, "the whole file, as held-out prompts"
+    assert len(task.train_data) == 200, "--dataset is trained on whole: nothing held out of it"
+    loaded: list[tuple[str, str]] = []
+    real = _hf.load_rows
+
+    def recorded(source: str, split: str = "train", flag: str = "--dataset", subset: str = "") -> object:
+        loaded.append((source, split))
+        return real(chat if source == "org/prompts" else source, split, flag, subset)
+
+    monkeypatch.setattr(_hf, "load_rows", recorded)
+    for settings, split in (({}, "test"), ({"eval_split": "validation"}, "validation")):
+        loaded.clear()
+        assert len(HFTask(resolve(_config(tiny, tmp_path, eval_dataset="org/prompts", **settings))).eval_data) == 50
+        assert loaded[-1] == ("org/prompts", split)
+
+
 def test_chat_template_kwargs_reach_the_template_and_a_failing_template_is_a_data_error(tiny, own_code):
     rows = load_rows(str(tiny / "chat" / "train.jsonl"))
     tokenizer = load_tokenizer(str(own_code))

@@ -60,6 +60,21 @@ HF = ("--dataset", "prompts.jsonl", "--reward", "exact_match")
             ],
             "--multi-objective-aggregation normalize_then_sum with --scale-rewards group: GDPO normalises",
         ),
+        (["--save-every", "-5"], "--save-every -5: must be at least 0 (0: only at the end)"),
+        (["--ray-hosts", "-1"], "--ray-hosts -1: must be at least 0"),
+        (["--ray-hosts", "2"], "--ray-hosts picks the Ray nodes to use: add --ray"),
+        (["--mode", "sync", "--max-staleness", "4"], "--max-staleness bound an async run's rollouts; --mode sync"),
+        (["--mode", "sync", "--max-inflight", "3"], "--max-inflight bound an async run's rollouts; --mode sync"),
+        (["--warmup-steps", "11", "--steps", "10"], "--warmup-steps 11 with --steps 10: the learning rate would"),
+        (["--reward", "exact_match"], "--reward with --task reverse: only a Hugging Face task (--task hf, --dataset)"),
+        (["--eval-dataset", "x.jsonl", "--log-completions", "2"], "--eval-dataset, --log-completions with --task"),
+        (["--task", "add", "--prompt-column", "q"], "--prompt-column with --task add: only a Hugging Face task"),
+        (["--eval-fraction", "0.2"], "--eval-fraction with --task reverse: only a Hugging Face task"),
+        ([*HF, "--eval-split", "validation"], "--eval-split picks a Hub --eval-dataset's split: add --eval-dataset"),
+        (
+            [*HF, "--eval-dataset", "x.jsonl", "--eval-fraction", "0.2"],
+            "--eval-fraction holds out a share of --dataset; --eval-dataset gives the held-out prompts",
+        ),
         (["--reward-timeout", "0"], "--reward-timeout 0.0: a reward function needs some time (above 0)"),
         (["--eval-fraction", "1"], "--eval-fraction 1.0: the held-out share must be in (0, 1)"),
         (["--stop-grace", "-1"], "--stop-grace -1.0: a number of seconds, at least 0"),
@@ -347,6 +362,18 @@ def test_resume_takes_a_flag_however_it_is_spelt(tmp_path):
     assert parse_args(["--resume", str(tmp_path), "--step", "8"])[0].steps == 8
     assert parse_args([f"--resume={tmp_path}", "--target-score=0.5"])[0].target_score == 0.5
     assert parse_args(["--resume", str(tmp_path), "--stop-grace", "90"])[0].stop_grace == 90, "a run-time setting"
+
+
+def test_resume_refuses_a_setting_it_would_not_change_by_name(tmp_path):
+    """A resumed run keeps its saved settings: a flag it would silently ignore (``--lr``) is refused, naming it and
+    the ones that may change (before, ``--resume DIR --lr 1e-3`` trained at the saved rate without a word)."""
+    (tmp_path / "config.json").write_text(json.dumps(Config(steps=10, device="cpu").to_dict()))
+    with pytest.raises(SettingsError, match=r"--lr, --seed: .*cannot change.*--steps"):
+        parse_args(["--resume", str(tmp_path), "--seed", "3", "--lr=1e-3", "--steps", "12"])
+    with pytest.raises(SettingsError, match=r"--eval-dataset"):
+        parse_args(["--resume", str(tmp_path), "--eval-dataset", "x.jsonl"])
+    config, _ = parse_args(["--resume", str(tmp_path), "--quiet", "--trainer-device", "cpu", "--steps", "12"])
+    assert config.steps == 12
 
 
 @pytest.mark.parametrize(
