@@ -98,34 +98,51 @@ class _ServerProcess:
         started_with = dict(os.environ)
         request_r, request_w = os.pipe()
         status_r, status_w = os.pipe()
+        try:
+            pid, popen = cls._launch(request_r, status_w, session_dir, session, owns_dir, preload, fork)
+        except BaseException:  # no process: none of its pipes' ends may stay open here
+            for fd in (request_r, request_w, status_r, status_w):
+                os.close(fd)
+            raise
+        os.close(request_r)
+        os.close(status_w)
+        os.set_blocking(status_r, False)
+        os.set_blocking(request_w, False)
+        return cls(pid, request_w, status_r, popen, started_with)
+
+    @staticmethod
+    def _launch(
+        request_r: int,
+        status_w: int,
+        session_dir: str,
+        session: str,
+        owns_dir: bool,
+        preload: tuple[str, ...],
+        fork: bool,
+    ) -> tuple[int, subprocess.Popen[bytes] | None]:
+        """Fork or exec the forkserver on the pipes' far ends: its pid, and its Popen when exec'd."""
         if fork:
             sys.stdout.flush()
             sys.stderr.flush()
             pid = os.fork()
             if pid == 0:
                 _forked_main(request_r, status_w, session_dir, session, owns_dir, preload)
-            popen = None
-        else:
-            env = dict(os.environ)
-            env[SESSION_ENV] = session_dir
-            package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-            popen = subprocess.Popen(
-                [
-                    *(sys.executable, "-c", _BOOT, str(status_w), session_dir, session),
-                    *("1" if owns_dir else "0", ",".join(preload)),
-                ],
-                stdin=request_r,
-                pass_fds=(status_w,),
-                env=env,
-                start_new_session=True,  # Ctrl-C at the terminal reaches only the controller
-            )
-            pid = popen.pid
-        os.close(request_r)
-        os.close(status_w)
-        os.set_blocking(status_r, False)
-        os.set_blocking(request_w, False)
-        return cls(pid, request_w, status_r, popen, started_with)
+            return pid, None
+        env = dict(os.environ)
+        env[SESSION_ENV] = session_dir
+        package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        popen = subprocess.Popen(
+            [
+                *(sys.executable, "-c", _BOOT, str(status_w), session_dir, session),
+                *("1" if owns_dir else "0", ",".join(preload)),
+            ],
+            stdin=request_r,
+            pass_fds=(status_w,),
+            env=env,
+            start_new_session=True,  # Ctrl-C at the terminal reaches only the controller
+        )
+        return popen.pid, popen
 
     def wait(self, timeout: float) -> bool:
         """Reap the process; False if it is still running after ``timeout`` s."""
@@ -184,6 +201,10 @@ def _forked_main(
         os._exit(code)
 
 
+#: How often a lost forkserver is looked for as a zombie to reap, 10 ms apart, before close() waits for it.
+REAP_TRIES = 500
+
+
 class Forkserver:
     """The controller's handle on its forkserver process."""
 
@@ -198,6 +219,7 @@ class Forkserver:
         self._retry: Any = None
         self._refs: dict[int, ProcRef] = {}
         self.closed = False
+        self._open_fds = {process.requests, process.status}  # closed once each (``_close_pipes``)
         rt.driver.add_reader(self.status_fd, self._on_status)
         at_runtime_exit(self.close)
 
@@ -277,19 +299,39 @@ class Forkserver:
         for ref in self._refs.values():
             self.rt.registry.mark_dead(ref, "the forkserver exited before starting it")
         self._refs.clear()
+        self._close_pipes()
+        self._reap(REAP_TRIES)
+
+    def _reap(self, tries: int) -> None:
+        """Reap the lost forkserver without waiting: its pipe closes a moment before it becomes a zombie, so an
+        attempt that comes too early is tried again on the loop (every 10 ms, ``tries`` more times)."""
+        if self.process.wait(0) or not tries:
+            return
+        loop = self.rt.driver.loop
+        if loop is not None and loop.is_running():
+            loop.call_later(0.01, self._reap, tries - 1)
+
+    def _close_pipes(self) -> None:
+        """Close both pipes, once: a second close could hit a descriptor the program has since reused."""
+        for fd in (self.process.requests, self.status_fd):
+            if fd in self._open_fds:
+                self._open_fds.discard(fd)
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
     def close(self) -> None:
         """Shut the forkserver down; it terminates every worker it forked."""
         # The program is exiting: a process it asked for and never got is no failure to report.
         self._refs.clear()
-        with contextlib.suppress(OSError):
-            os.close(self.process.requests)
+        if self.process.requests in self._open_fds:  # its end of input: the forkserver stops its workers
+            self._open_fds.discard(self.process.requests)
+            with contextlib.suppress(OSError):
+                os.close(self.process.requests)
         if not self.process.wait(TERM_GRACE + 3):
             self.process.kill()
             self.process.wait(5)
         self._lost()
-        with contextlib.suppress(OSError):
-            os.close(self.status_fd)
+        self._close_pipes()
 
 
 class Preforked:

@@ -117,13 +117,14 @@ def serve(status_fd: int, session_dir: str, session: str, owns_session: bool, pr
                     continue
                 pythonpath = config.env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
                 inherited = modules.before_fork(config.sys_path, config.cwd, pythonpath)
+                server = os.getpid()  # the child's parent, read before the fork: after it, it may already be gone
                 try:
                     pid = os.fork()
                 except OSError as exc:
                     report(SpawnFailed(index, str(exc)))
                     continue
                 if pid == 0:
-                    _child(config, status_fd, inherited)
+                    _child(config, status_fd, inherited, server)
                 children[pid] = index
                 addresses[pid] = config.address
                 with contextlib.suppress(OSError):
@@ -141,7 +142,8 @@ def read_worker_config(fields: dict[str, Any]) -> tuple[WorkerConfig | None, str
         return None, f"a worker config this forkserver cannot read: {exc}"
 
 
-def _child(config: WorkerConfig, status_fd: int, inherited: Inherited | None) -> None:
+def _child(config: WorkerConfig, status_fd: int, inherited: Inherited | None, server: int) -> None:
+    """The forked worker: it ends with the forkserver ``server`` (its parent), then runs its actors."""
     code = 1
     try:
         os.close(status_fd)
@@ -152,10 +154,9 @@ def _child(config: WorkerConfig, status_fd: int, inherited: Inherited | None) ->
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         # The forkserver ignores SIGINT (Ctrl-C is the controller's); a worker, and what it runs, can be interrupted.
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        parent = os.getppid()
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:
+        if os.getppid() != server:  # the forkserver died before the death signal was armed: nothing would send it
             os._exit(0)
         from .._hosting import _worker
 

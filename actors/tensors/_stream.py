@@ -35,6 +35,7 @@ from .._shared._errors import ChecksumError, WeightSyncError
 __all__ = [
     "CHUNK",
     "HELLO",
+    "MIN_CHUNK",
     "OK",
     "REFUSED",
     "REPLY",
@@ -52,6 +53,9 @@ MAGIC = b"ACTWTCP1"
 NONCE_BYTES = 16
 #: Bytes per checked chunk: large enough that a CRC call costs nothing per byte, small enough to overlap.
 CHUNK = 4 << 20
+#: The smallest chunk a server may send in (a publisher's ``chunk``): its CRC table, read before the reply is
+#: authenticated, then holds at most 4 bytes per 4 KiB (a 1-byte chunk would ask 4 bytes per byte).
+MIN_CHUNK = 4096
 #: Longest update id a request may name.
 MAX_ID_BYTES = 200
 HELLO = struct.Struct(f"<8s{NONCE_BYTES}s")
@@ -151,6 +155,11 @@ def check_reply(
     if total > most:
         raise WeightSyncError(
             f"the weight server offers {total} bytes where the manifest allows at most {most}; nothing was read"
+        )
+    if chunk < min(total, MIN_CHUNK):
+        raise WeightSyncError(
+            f"the weight server's reply is malformed ({total} bytes in chunks of {chunk}; they are at least "
+            f"{MIN_CHUNK}): nothing was read"
         )
     crcs = crcs_of(count)
     if not hmac.compare_digest(mac, reply_mac(key, reader_nonce, server_nonce, status, total, chunk, crcs)):

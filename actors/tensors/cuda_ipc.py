@@ -297,7 +297,10 @@ class CudaIpcReader:
         except BaseException:
             self._holds.unhold(parsed.slot)
             raise
-        self._held[update_id] = parsed.slot
+        if update_id in self._held:  # read again: one hold per update, so that one release frees it
+            self._holds.unhold(parsed.slot)
+        else:
+            self._held[update_id] = parsed.slot
         return tensors
 
     def _local_device(self, uuid: str) -> int:

@@ -49,6 +49,7 @@ from ._stream import (
     HELLO,
     MAGIC,
     MAX_ID_BYTES,
+    MIN_CHUNK,
     OK,
     REFUSED,
     REPLY,
@@ -106,8 +107,8 @@ class TcpWriter:
     ) -> None:
         if type(slots) is not int or slots < 1:
             raise ValueError(f"a publisher needs at least one slot, not {slots!r}")
-        if type(chunk) is not int or chunk < 4096:
-            raise ValueError(f"chunk must be an int of at least 4096 bytes, not {chunk!r}")
+        if type(chunk) is not int or chunk < MIN_CHUNK:
+            raise ValueError(f"chunk must be at least {MIN_CHUNK} bytes (an int), not {chunk!r}")
         self.max_slots = slots
         self.lock_timeout = lock_timeout
         self.chunk = chunk
@@ -424,8 +425,12 @@ class TcpReader:
             data = await asyncio.wait_for(asyncio.shield(future), limit)
         except BaseException as exc:
             fetch.abort()
-            with contextlib.suppress(BaseException):
-                await future  # the thread writes into our buffer until it stops
+            try:
+                await future  # the thread writes into our buffer until it stops (at once, aborted)
+            except asyncio.CancelledError:
+                raise  # cancelled again while the fetch ended: that cancel stands (the buffer is the thread's alone)
+            except BaseException:  # the aborted fetch's own ending: the first exception is the one to raise
+                pass
             if isinstance(exc, asyncio.TimeoutError):
                 raise WeightSyncError(f"update {update_id}: fetching it took longer than {limit:g}s") from None
             raise

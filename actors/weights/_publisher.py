@@ -184,10 +184,17 @@ class WeightPublisher:
                 )
             reservation = writer.reserve_blocking(total, self.timeout if timeout is None else timeout)
         try:
-            specs = self._fill_no_grad(reservation, tensors, specs)
+            with self._lock:  # a close() from another thread meanwhile frees the storage once this copy ends
+                if self.closed:
+                    raise WeightSyncError(f"this weight publisher was closed while it published version {version}")
+                self._filling = True
+            specs = self._fill_off_loop(reservation, tensors, specs)
         except BaseException:
-            writer.abort(reservation)
+            if not self.closed:  # a closed publisher's storage is gone with its reservations
+                writer.abort(reservation)
             raise
+        if self.closed:
+            raise WeightSyncError(f"this weight publisher was closed while it published version {version}")
         return self._commit(reservation, version, specs, total, extra)
 
     async def publish_async(
@@ -233,7 +240,8 @@ class WeightPublisher:
     def _fill_off_loop(
         self, reservation: Any, tensors: list[tuple[str, torch.Tensor]], specs: list[TensorSpec]
     ) -> list[TensorSpec]:
-        """:meth:`_fill_no_grad` on a worker thread; a :meth:`close` meanwhile frees the storage once it is done."""
+        """:meth:`_fill_no_grad` while ``_filling`` is set (a worker thread's, or a blocking publish's): a
+        :meth:`close` meanwhile, from any thread, frees the storage once the copy is done."""
         try:
             return self._fill_no_grad(reservation, tensors, specs)
         finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import glob
 import os
 import signal
@@ -288,3 +289,38 @@ async def test_stop_is_eager(sockets_dir):
     stopping = procs.stop()  # not awaited yet: the request is already on the wire
     assert wait_for(lambda: not (pids & actor_pids()), timeout=10)
     await stopping
+
+
+async def test_a_lost_forkserver_is_reaped_and_its_pipes_closed_at_once(procs: ProcMesh):
+    """A forkserver that dies is reaped and both its pipes closed when its loss is seen (before, they stayed open and
+    it stayed a zombie until the program exited); the next spawn starts a new one."""
+    from actors._processes._forkserver import forkserver
+    from actors._runtime._core import runtime
+
+    await procs.initialized
+    server = forkserver(runtime())
+    pipes = {os.fstat(fd).st_ino for fd in (server.process.requests, server.status_fd)}
+
+    def pipes_open_here() -> set[int]:
+        found = set()
+        for entry in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/self/fd/{entry}")
+                if target.startswith("pipe:["):
+                    found.add(int(target[6:-1]))
+        return found & pipes
+
+    assert len(pipes_open_here()) == 2
+    os.kill(server.process.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10  # a guard against a hang only
+    while server.process.returncode is None and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert server.closed and server.process.returncode == -signal.SIGKILL
+    assert not os.path.exists(f"/proc/{server.process.pid}"), "reaped, not a zombie"
+    assert pipes_open_here() == set()
+    fresh = this_host().spawn_procs(per_host={"procs": 1})
+    try:
+        await fresh.initialized
+        assert forkserver(runtime()) is not server
+    finally:
+        await fresh.stop()

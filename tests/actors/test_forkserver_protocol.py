@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import struct
 
 import msgpack
@@ -100,14 +101,16 @@ def test_reports_read_with_the_forkservers_end_still_count():
     registry = SimpleNamespace(mark_dead=lambda ref, why: dead.append((ref, why)), set_pid=lambda ref, pid: None)
     read_end, write_end = os.pipe()
     os.set_blocking(read_end, False)
-    server = Forkserver.__new__(Forkserver)  # (no process: only its status pipe)
+    server = Forkserver.__new__(Forkserver)  # (no process: only its status pipe, and a process already reaped)
     server.rt = SimpleNamespace(registry=registry, driver=SimpleNamespace(remove_reader=lambda fd: None))
-    server.status_fd, server._buffer, server._refs, server.closed, server._retry = (
+    server.process = SimpleNamespace(requests=-1, wait=lambda timeout: True)
+    server.status_fd, server._buffer, server._refs, server.closed, server._retry, server._open_fds = (
         read_end,
         bytearray(),
         {},
         False,
         None,
+        {read_end},
     )
     ref = object()
     server._refs[3] = ref
@@ -115,6 +118,29 @@ def test_reports_read_with_the_forkservers_end_still_count():
     os.close(write_end)
     try:
         server._on_status()
-    finally:
+    except BaseException:
         os.close(read_end)
+        raise
     assert dead == [(ref, "could not start: fork: out of memory")] and server.closed
+    with pytest.raises(OSError):
+        os.fstat(read_end)  # the lost forkserver's status pipe is closed with its loss
+
+
+def test_a_worker_whose_forkserver_died_before_its_death_signal_was_armed_ends_at_once():
+    """The forkserver's pid is read before the fork: one that dies between the fork and the child's prctl leaves
+    the child with another parent, which it sees and ends (before, it read its parent after the fork, so a
+    reparented child compared the new parent with itself and ran on, orphaned)."""
+    import signal as _signal
+
+    from actors._processes._forkserver_process import _child
+
+    status_r, status_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: told its forkserver was a process that is not its parent
+        _signal.alarm(30)  # (a guard: a child that ran on would be killed, and the test fail on its status)
+        _child(None, status_w, None, server=1)  # type: ignore[arg-type]
+        os._exit(3)  # not reached: _child always exits
+    os.close(status_w)
+    os.close(status_r)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "ended at the parent check, before running any worker"

@@ -212,3 +212,17 @@ def test_a_worker_and_the_programs_it_runs_are_interruptible(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     line = next(line for line in out.stdout.splitlines() if line.startswith("SIGINT"))
     assert "SIG_IGN" not in line, line
+
+
+def test_a_forkserver_that_cannot_start_leaves_no_pipe_open(tmp_path, monkeypatch):
+    """Exec (or fork) failing: the four pipe ends made for it are closed, not leaked, and the error is the caller's."""
+    from actors._processes._forkserver import _ServerProcess
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise OSError(24, "Too many open files")
+
+    before = set(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+    with pytest.raises(OSError, match="Too many open files"):
+        _ServerProcess.start(str(tmp_path), "actors-test", False, fork=False)
+    assert set(os.listdir("/proc/self/fd")) == before

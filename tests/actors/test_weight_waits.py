@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import glob
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -136,6 +137,42 @@ async def test_closing_the_publisher_during_a_copy_ends_that_publish_and_frees_t
     assert set(glob.glob(f"{SHM_DIR}/actors-*")) <= before, "the slot was not freed once the copy ended"
     with pytest.raises(WeightSyncError, match="closed"):
         await publisher.publish_async(state, 2)
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_closing_the_publisher_from_another_thread_during_a_blocking_publish_ends_it_after_its_copy(transport):
+    """As for publish_async: a blocking publish() on one thread, close() on another while it copies. The storage
+    is freed once the copy ends (not under it) and the publish raises, committing nothing (before, it committed
+    an update into freed storage and returned its manifest)."""
+    before = set(glob.glob(f"{SHM_DIR}/actors-*"))
+    publisher = WeightPublisher(transport, slots=1)
+    copying, closed = threading.Event(), threading.Event()
+    fill = publisher._writer.fill
+
+    def slow_fill(*args: object) -> object:
+        copying.set()
+        assert closed.wait(30)
+        return fill(*args)
+
+    publisher._writer.fill = slow_fill  # type: ignore[method-assign]
+    outcome: list[BaseException | object] = []
+
+    def publish() -> None:
+        try:
+            outcome.append(publisher.publish(filled_model(1.0), 1))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=publish)
+    thread.start()
+    assert copying.wait(30)
+    publisher.close()
+    closed.set()
+    thread.join(30)
+    [result] = outcome
+    assert isinstance(result, WeightSyncError) and "closed" in str(result), result
+    assert publisher.version is None and not publisher.unreleased
+    assert set(glob.glob(f"{SHM_DIR}/actors-*")) <= before, "the slot was not freed once the copy ended"
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])

@@ -357,6 +357,23 @@ async def test_dead_consumer_frees_its_slot(procs):
         assert again.handle == manifest.handle
 
 
+def test_an_update_read_twice_is_freed_by_one_release():
+    """A consumer that reads an update again (a retried install) and then releases it once frees its slot (before,
+    each read took a hold and one release dropped one: the slot stayed locked for good)."""
+    from actors.tensors.shm import ShmReader
+
+    with WeightPublisher("shm", slots=1, lock_timeout=0.5) as publisher:
+        manifest = publisher.publish(filled_model(1.0), 1)
+        reader = ShmReader()
+        try:
+            for _ in range(2):
+                reader.read(manifest.update_id, 1, manifest.handle, manifest.tensors)
+            reader.release(manifest.update_id)
+            assert publisher.publish(filled_model(2.0), 2).handle == manifest.handle, "the one slot is free again"
+        finally:
+            reader.close()
+
+
 async def test_dead_publisher_segments_are_removed(procs):
     source = procs.spawn("source", WeightSource).slice(procs=1)
     manifest = await source.publish.call_one(1)

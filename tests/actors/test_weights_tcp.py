@@ -203,6 +203,44 @@ def test_a_server_that_cannot_prove_the_key_is_not_read_from(reply, match):
         listener.close()
 
 
+def test_a_reply_in_chunks_too_small_to_be_ours_is_refused_before_its_crc_table_is_read():
+    """Within the manifest's size, a reply in 1-byte chunks asks the reader to take a table of 4 bytes per byte
+    (4 GiB for a 1 GiB update) before anything is authenticated: chunks below MIN_CHUNK are refused first."""
+    from actors.tensors._stream import MIN_CHUNK
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    total = 1 << 20
+    replied = threading.Event()
+
+    def impostor() -> None:
+        sock, _ = listener.accept()
+        with sock:
+            sock.sendall(HELLO.pack(MAGIC, os.urandom(16)))
+            sock.recv(4096)
+            sock.sendall(REPLY.pack(MAGIC, OK, total, 1, total, bytes(32)))
+            replied.set()
+            sock.recv(1)  # holds the connection open: the reader must not wait for a table
+
+    thread = threading.Thread(target=impostor)
+    thread.start()
+    try:
+        spec_source = WeightPublisher("local")
+        manifest = spec_source.publish({"w": torch.zeros(total // 4)}, 1)
+        spec_source.close()
+        handle = TcpHandle("127.0.0.1", listener.getsockname()[1], os.urandom(32))
+        fake = dataclasses.replace(manifest, transport="tcp", handle=handle, publisher_host="elsewhere")
+        consumer = WeightConsumer()
+        with pytest.raises(WeightSyncError, match=f"malformed.*at least {MIN_CHUNK}"):
+            consumer.import_update(fake)
+        consumer.close()
+        assert replied.is_set()
+    finally:
+        thread.join(10)
+        listener.close()
+    with pytest.raises(ValueError, match=f"chunk must be at least {MIN_CHUNK}"):
+        WeightPublisher("tcp", chunk=MIN_CHUNK - 1)
+
+
 def test_an_update_whose_buffer_was_reused_is_stale(publisher):
     first = publisher.publish(filled_model(1.0), 1)
     publisher.publish(filled_model(2.0), 2)
@@ -289,6 +327,38 @@ async def test_a_receive_that_times_out_is_not_a_dead_publisher():
             await reader.read_async(manifest.update_id, 1, handle, manifest.tensors, timeout=30)
         assert not isinstance(caught.value, PublisherDied)
     finally:
+        reader.close()
+        listener.close()
+
+
+async def test_a_fetch_cancelled_again_while_it_ends_raises_the_cancel(monkeypatch):
+    """Past its deadline a fetch aborts its transfer and waits for the thread to end; a cancel that comes then is
+    the caller's and stands (before, it was swallowed and the deadline's WeightSyncError raised instead, so a
+    caller that handles that error ran on although its task had been cancelled)."""
+    reader = TcpReader()
+    fetches: list[object] = []
+    release = threading.Event()
+
+    def stuck(update_id: str, version: int, handle: object, specs: object, fetch: object) -> None:
+        fetches.append(fetch)
+        assert release.wait(30)
+        raise WeightSyncError("the fetch was cancelled")
+
+    monkeypatch.setattr(reader, "_fetch", stuck)
+    listener = socket.create_server(("127.0.0.1", 0))
+    try:
+        manifest, handle = one_tensor_served_at(listener)
+        task = asyncio.ensure_future(reader.read_async(manifest.update_id, 1, handle, manifest.tensors, timeout=0.05))
+        deadline = time.monotonic() + 30  # a guard against a hang only
+        while not (fetches and fetches[0].aborted) and time.monotonic() < deadline:  # type: ignore[attr-defined]
+            await asyncio.sleep(0.01)
+        task.cancel()  # the deadline passed: it now waits for the aborted fetch's thread
+        await asyncio.sleep(0)
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    finally:
+        release.set()
         reader.close()
         listener.close()
 
