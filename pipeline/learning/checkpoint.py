@@ -45,10 +45,15 @@ def save(run_dir: str, state: dict[str, Any]) -> str:
     return target
 
 
+def is_shard_folder(name: str) -> bool:
+    """Whether ``name`` (in a run folder) is a sharded checkpoint's folder of shards."""
+    return name.startswith("checkpoint-") and name.endswith(".dcp")
+
+
 def remove_shards(run_dir: str, keep: str | None = None) -> None:
     """Remove the folders of shards in ``run_dir`` but ``keep`` (a fresh run's, or those a newer checkpoint replaced)."""
     for name in os.listdir(run_dir):
-        if name.startswith("checkpoint-") and name.endswith(".dcp") and name != keep:
+        if is_shard_folder(name) and name != keep:
             shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
 
 

@@ -29,6 +29,7 @@ __all__ = [
     "check_model",
     "load_model",
     "load_tokenizer",
+    "logits_to_keep_argument",
     "positions",
     "require_transformers",
 ]
@@ -140,6 +141,13 @@ def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
     return tokenizer
 
 
+def logits_to_keep_argument(model: torch.nn.Module) -> str | None:
+    """The name under which ``model``'s forward takes how many last positions to make logits for
+    (``logits_to_keep``; ``num_logits_to_keep`` in older transformers), or None if it takes neither."""
+    forward = inspect.signature(model.forward).parameters
+    return next((name for name in ("logits_to_keep", "num_logits_to_keep") if name in forward), None)
+
+
 def positions(attention_mask: torch.Tensor) -> torch.Tensor:
     """Position ids counted from each row's first attended token (left padding gets position 0)."""
     return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
@@ -170,8 +178,7 @@ class CompletionLogps(torch.nn.Module):
         self.compiled = compiled
         self.split = _body_and_head(model)
         self._checked = self.split is None
-        forward = inspect.signature(model.forward).parameters
-        self._keep = next((name for name in ("logits_to_keep", "num_logits_to_keep") if name in forward), None)
+        self._keep = logits_to_keep_argument(model)
         if self.split is None:
             self._say_fallback("its output head could not be taken apart from its body")
 

@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ._causal_lm import positions, require_transformers
+from ._causal_lm import logits_to_keep_argument, positions, require_transformers
 from ._grouped_attention import grouped_attention
 
 __all__ = [
@@ -70,7 +70,7 @@ class ModelCall:
         forward = inspect.signature(model.forward).parameters
         # transformers 5 names the KV cache ``cache`` in some models, ``past_key_values`` in others (and 4.x)
         cache_argument = "cache" if "cache" in forward else "past_key_values"
-        keep = next((name for name in ("logits_to_keep", "num_logits_to_keep") if name in forward), None)
+        keep = logits_to_keep_argument(model)
         return cls(cache_argument, {} if keep is None else {keep: 1}, "cache_position" in forward)
 
 

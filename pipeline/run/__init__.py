@@ -20,7 +20,7 @@ from ._metrics import (
     read_rows,
 )
 from ._placement import ROLES, PlacementError, check_placement
-from ._sinks import CompletionsFeed, Sink, TensorBoardSink, WandbSink, missing_tracker, open_sink
+from ._sinks import CompletionsFeed, Sink, TensorBoardSink, TrackerError, WandbSink, missing_tracker, open_sink
 
 __all__ = [
     "KNOCK_ON_GRACE",
@@ -39,6 +39,7 @@ __all__ = [
     "RunResult",
     "Sink",
     "TensorBoardSink",
+    "TrackerError",
     "WandbSink",
     "build_parser",
     "check_placement",

@@ -517,6 +517,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--quiet", action="store_true", help="no live progress line")
     run.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start afresh in a --run-dir that holds an earlier run, removing its outputs (default: refuse)",
+    )
+    run.add_argument(
         "--report-to",
         choices=REPORT_TO,
         default="tensorboard",
@@ -712,6 +717,8 @@ def _resumed(args: argparse.Namespace, given: set[str]) -> Config:
         "stop_grace",
     )
     may_change = {"resume", "quiet", *resumable, *(f"{role}_device" for role in ROLES)}
+    if "overwrite" in given:
+        raise SettingsError("--overwrite with --resume: a resumed run continues its folder's outputs")
     if fixed := sorted(given - may_change):
         flags = ", ".join("--" + name.replace("_", "-") for name in fixed)
         changeable = ", ".join("--" + name.replace("_", "-") for name in resumable)

@@ -53,6 +53,8 @@ from ._cli import parse_args
 from ._failures import PipelineError, first_failure
 from ._metrics import MetricsLog, Progress, plot
 from ._placement import check_placement
+from ._run_dir import outputs, prepare_fresh
+from ._sinks import TrackerError
 
 if TYPE_CHECKING:
     from actors.ray import RayHostMesh
@@ -263,13 +265,24 @@ async def _final_checkpoint(trainer: Trainer, grace: float) -> None:
 
 
 async def run_pipeline(
-    config: Config, *, resume: bool = False, quiet: bool = False, roles: Roles | None = None
+    config: Config,
+    *,
+    resume: bool = False,
+    quiet: bool = False,
+    roles: Roles | None = None,
+    overwrite: bool = False,
 ) -> RunResult:
-    """Run the pipeline described by ``config``; raises PipelineError if a role fails."""
+    """Run the pipeline described by ``config``; raises PipelineError if a role fails.
+
+    A fresh run (not ``resume``) refuses a run folder holding an earlier run's outputs, unless ``overwrite``
+    removes them first (:func:`~._run_dir.prepare_fresh`).
+    """
     roles = roles or Roles()
     check_settings(config)  # before anything starts: settings that cannot train start nothing
     check_task_settings(config)
     check_placement(config)  # nor do roles that cannot be placed
+    if not resume:
+        prepare_fresh(config.run_dir, overwrite)  # nor does a run that would mix with an earlier one
     config = resolve(config)
     # a task that cannot be built fails here, with its own message, before any process starts
     modules = load_task(config).role_modules
@@ -281,11 +294,6 @@ async def run_pipeline(
     checkpoint.remove_stale_staging(config.run_dir)  # an earlier run killed while it saved
     if resume and not checkpoint.exists(config.run_dir):
         raise FileNotFoundError(f"no checkpoint in {config.run_dir!r} to resume from")
-    if not resume:
-        for stale in ("metrics.jsonl", checkpoint.FILENAME):
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(config.run_dir, stale))
-        checkpoint.remove_shards(config.run_dir)
     with open(os.path.join(config.run_dir, "config.json"), "w") as f:
         json.dump(config.to_dict(), f, indent=2)
 
@@ -443,8 +451,9 @@ async def run_pipeline(
         )
         finished = True
         return result
-    except asyncio.CancelledError:  # Ctrl-C or SIGTERM: leave a checkpoint, then stop fast
-        if trainer is not None and not tasks.get("trainer", asyncio.Future()).done():
+    except (asyncio.CancelledError, PipelineError):  # Ctrl-C, SIGTERM or a failed role: leave a checkpoint, stop
+        trained = tasks.get("trainer")
+        if trainer is not None and (trained is None or not trained.done()):  # the trainer lives: it can save
             progress.done()
             await _final_checkpoint(trainer, config.stop_grace)
             if consumer is not None:
@@ -458,12 +467,12 @@ async def run_pipeline(
             if task.done() and not task.cancelled():
                 task.exception()  # retrieved: the failure was already reported
         progress.done()
-        if log is not None:
-            log.close()
         # every mesh at once: a process stuck in a collective with a dead rank takes its grace before its kill
         await asyncio.gather(*(_stop_quickly(mesh) for mesh in meshes))
         if cluster is not None:
             await cluster.shutdown_async()
+        if log is not None:  # after the roles stop: a tracker's close may take a while (W&B syncs its run)
+            log.close()
         if finished:  # a failed or interrupted run stops first (matplotlib takes 0.6-1.5 s): its rows are kept
             with contextlib.suppress(Exception):
                 plot(config.run_dir)
@@ -486,16 +495,22 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    resume_hint = f"the last checkpoint is in {config.run_dir} (resume with --resume {config.run_dir})"
     try:
-        result = uvloop.run(_until_terminated(run_pipeline(config, resume=bool(args.resume), quiet=args.quiet)))
+        run = run_pipeline(config, resume=bool(args.resume), quiet=args.quiet, overwrite=args.overwrite)
+        result = uvloop.run(_until_terminated(run))
     except KeyboardInterrupt:
-        print(f"\ninterrupted; {resume_hint}")
+        print(f"\ninterrupted; {_resume_hint(config.run_dir)}")
         return 130
     except asyncio.CancelledError:
-        print(f"\nterminated; {resume_hint}")
+        print(f"\nterminated; {_resume_hint(config.run_dir)}")
         return 143
-    except (PipelineError, FileNotFoundError, ValueError) as exc:
+    except SettingsError as exc:  # found once the run's folder or task is looked at: nothing started
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except PipelineError as exc:
+        print(f"error: {exc}\n{_resume_hint(config.run_dir)}", file=sys.stderr)
+        return 1
+    except (FileNotFoundError, ValueError, TrackerError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     held_out = ", ".join(f"{name} {value:.3f}" for name, value in result.evaluation.items()) or "n/a"
@@ -504,32 +519,16 @@ def main(argv: list[str] | None = None) -> int:
         f"done: {result.steps} steps in {result.seconds:.1f}s ({result.steps_per_second:.1f} steps/s) after "
         f"{result.startup_seconds:.1f}s starting the roles, held-out {held_out}{reached}; "
         f"{result.dropped} stale rollouts dropped, policy version {result.version}\n"
-        f"outputs in {result.run_dir}: {', '.join(_outputs(result.run_dir))}"
+        f"outputs in {result.run_dir}: {', '.join(outputs(result.run_dir))}"
     )
     return 0
 
 
-#: What a run folder may hold, in the order the summary names it.
-OUTPUTS = (
-    "config.json",
-    "metrics.jsonl",
-    "learning_curve.png",
-    "checkpoint.pt",
-    "model",
-    "adapter",
-    "completions.jsonl",
-    "tensorboard",
-    "wandb",
-)
-
-
-def _outputs(run_dir: str) -> list[str]:
-    """The outputs the run left in ``run_dir`` (a folder with a trailing slash)."""
-    return [
-        name + ("/" if os.path.isdir(os.path.join(run_dir, name)) else "")
-        for name in OUTPUTS
-        if os.path.exists(os.path.join(run_dir, name))
-    ]
+def _resume_hint(run_dir: str) -> str:
+    """Where a stopped run can continue from: its checkpoint, if it wrote one."""
+    if checkpoint.exists(run_dir):
+        return f"the last checkpoint is in {run_dir} (resume with --resume {run_dir})"
+    return f"no checkpoint was written in {run_dir}: there is nothing to resume"
 
 
 def exit_now(code: int) -> NoReturn:

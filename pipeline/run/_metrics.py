@@ -11,6 +11,7 @@ than its average since start-up.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -134,7 +135,7 @@ class MetricsLog:
         row = metric_row(report, self._window.add(report))
         if self.rows == 0:
             self._drop_rows_from(report.step)
-        self._file.write(json.dumps(row) + "\n")
+        self._file.write(json.dumps(_standard_json(row), allow_nan=False) + "\n")
         self._sink.write(row)
         self.rows += 1
         return row
@@ -157,6 +158,18 @@ class MetricsLog:
     def close(self) -> None:
         self._file.close()
         self._sink.close()
+
+
+def _standard_json(value: Any) -> Any:
+    """``value`` with every non-finite float as None: JSON has no NaN or Infinity (Python writes tokens that
+    ``jq``, JavaScript and strict parsers refuse)."""
+    if type(value) is float:
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _standard_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_standard_json(item) for item in value]
+    return value
 
 
 def _step_of(line: str) -> int:
@@ -228,6 +241,11 @@ def _reward_component(name: str, value: Any) -> bool:
     return name.startswith("reward/") and name not in _REWARD_SUMMARIES and isinstance(value, float)
 
 
+def _column(rows: list[dict[str, Any]], name: str) -> list[float]:
+    """One metric over the rows, a figure written as null (not finite) as NaN: a gap in the plot."""
+    return [math.nan if row.get(name) is None else row[name] for row in rows]
+
+
 def _smooth(values: list[float], window: int) -> list[float]:
     out = []
     for i in range(len(values)):
@@ -249,13 +267,13 @@ def plot(run_dir: str) -> str | None:
     steps = [r["step"] for r in rows]
     window = max(1, len(rows) // 50)
     fig, (top, middle, bottom) = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
-    top.plot(steps, _smooth([r["reward/mean"] for r in rows], window), label=f"reward (mean of {window} steps)")
+    top.plot(steps, _smooth(_column(rows, "reward/mean"), window), label=f"reward (mean of {window} steps)")
     components = sorted({k for r in rows for k, v in r.items() if _reward_component(k, v)})
     for name in components:  # each reward function's mean
         points = [(r["step"], r[name]) for r in rows if r.get(name) is not None]
         top.plot(*zip(*points, strict=True), linewidth=0.7, label=name)
     if rows[0].get("accuracy/train") is not None:
-        train_acc = [r["accuracy/train"] for r in rows]
+        train_acc = _column(rows, "accuracy/train")
         top.plot(steps, _smooth(train_acc, window), label="exact match, samples")
     evaluated = sorted({k for r in rows for k in r if k.startswith("eval/")})
     for name in evaluated:
@@ -264,15 +282,15 @@ def plot(run_dir: str) -> str | None:
     top.set_ylabel("reward / accuracy")
     top.legend(loc="lower right", fontsize="small")
     top.set_title("GRPO learning curve")
-    middle.plot(steps, _smooth([r["actor/kl"] for r in rows], window), color="tab:purple", label="KL to reference")
+    middle.plot(steps, _smooth(_column(rows, "actor/kl"), window), color="tab:purple", label="KL to reference")
     middle.set_ylabel("KL")
     right = middle.twinx()
-    right.plot(steps, _smooth([r["actor/entropy"] for r in rows], window), color="tab:gray", label="entropy")
+    right.plot(steps, _smooth(_column(rows, "actor/entropy"), window), color="tab:gray", label="entropy")
     right.set_ylabel("entropy")
     middle.legend(loc="upper left", fontsize="small")
     right.legend(loc="upper right", fontsize="small")
-    bottom.plot(steps, [r["staleness/lag"] for r in rows], color="tab:orange", linewidth=0.7, label="staleness")
-    bottom.plot(steps, [r["staleness/dropped"] for r in rows], color="tab:red", label="dropped (stale, cumulative)")
+    bottom.plot(steps, _column(rows, "staleness/lag"), color="tab:orange", linewidth=0.7, label="staleness")
+    bottom.plot(steps, _column(rows, "staleness/dropped"), color="tab:red", label="dropped (stale, cumulative)")
     bottom.set_xlabel("trainer step")
     bottom.set_ylabel("versions / rollouts")
     bottom.legend(loc="upper left", fontsize="small")

@@ -25,7 +25,8 @@ class PlacementError(ValueError):
     """The requested devices or transport cannot run on this machine; the message says why."""
 
 
-def _check_device(flag: str, spec: str) -> torch.device:
+def _check_device(flag: str, spec: str, here: bool = True) -> torch.device:
+    """``spec`` as a device; ``here``: one this machine has (under Ray, the host a role lands on checks its own)."""
     try:
         device = torch.device(spec)
     except (RuntimeError, TypeError):
@@ -34,6 +35,8 @@ def _check_device(flag: str, spec: str) -> torch.device:
         return device
     if device.type != "cuda":
         raise PlacementError(f"{flag} {spec}: only cpu and cuda devices are supported")
+    if not here:
+        return device
     # counted through NVML where torch can: the driver stays unloaded here, so the roles can be forked from this process
     count = torch.cuda.device_count()
     if count == 0:
@@ -44,15 +47,20 @@ def _check_device(flag: str, spec: str) -> torch.device:
 
 
 def check_placement(config: Config) -> dict[str, torch.device]:
-    """Each role's device, once the placement and the transport can run here; else :class:`PlacementError`."""
+    """Each role's device, once the placement and the transport can run here; else :class:`PlacementError`.
+
+    Under ``--ray`` the GPUs a placement needs (and ``cuda-ipc``'s) are the hosts' the roles land on, which each
+    check their own as the role starts: this machine (a login node without GPUs, say) is not asked for them.
+    """
     devices = {}
+    here = not config.ray  # under Ray the roles run on the cluster's hosts, which may have GPUs this one lacks
     for role in ROLES:
         flag = f"--{role}-device" if role in config.devices else "--device"
-        devices[role] = _check_device(flag, config.device_of(role))
+        devices[role] = _check_device(flag, config.device_of(role), here)
     status = available_transports().get(config.transport)
     if status is None:
         raise PlacementError(f"--transport {config.transport}: unknown transport")
-    if status != "pass":
+    if status != "pass" and (here or config.transport != "cuda-ipc"):
         what = "needs CUDA" if config.transport == "cuda-ipc" else "cannot run here"
         raise PlacementError(f"--transport {config.transport} {what}: {status.removeprefix('blocked: ')}")
     if config.transport == "cuda-ipc" and devices["trainer"].type != "cuda":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import secrets
 from typing import Any, Protocol
 
 from ..config import REPORT_TO
@@ -19,6 +20,7 @@ __all__ = [
     "CompletionsFeed",
     "Sink",
     "TensorBoardSink",
+    "TrackerError",
     "WandbSink",
     "missing_tracker",
     "open_sink",
@@ -52,16 +54,22 @@ class TensorBoardSink:
     """
 
     def __init__(self, run_dir: str) -> None:
+        self._folder = os.path.join(run_dir, "tensorboard")
         self._writer: Any = None
         self._last = -float("inf")
         self._completions = CompletionsFeed(run_dir)
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:  # optional: pip install tensorboard
+            self._open: Any = None
             return
-        self._writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        self._open = SummaryWriter
 
     def write(self, row: dict[str, Any]) -> None:
+        if self._writer is None and self._open is not None:
+            # Opened at the run's first row: a resumed run repeats the steps after its checkpoint, and the events
+            # an interrupted run wrote for them (at this step or later) are purged, not shown twice.
+            self._writer = self._open(self._folder, purge_step=row["step"])
         if self._writer is None or not _due(row, self._last):
             return
         self._last = row["time"]
@@ -117,23 +125,39 @@ def _cell(value: Any) -> str:
     return text.replace("|", "\\|").replace("\n", "<br>")
 
 
+class TrackerError(RuntimeError):
+    """The tracker ``--report-to`` names could not start its run (no login, no network, a refused project)."""
+
+
+#: The file under ``<run_dir>/wandb`` that keeps the W&B run's id, so that ``--resume`` continues that run.
+WANDB_ID = "run-id"
+
+
 class WandbSink:
     """Rows to a Weights & Biases run named after the run folder (``WANDB_MODE=offline`` keeps it local).
 
     The run's files go under ``<run_dir>/wandb``; ``WANDB_PROJECT`` names
-    the project (default ``pipeline-grpo``).
+    the project (default ``pipeline-grpo``). The run's id is kept there too:
+    a resumed run continues the same W&B run (W&B keeps the rows it has for
+    the steps the resumed run repeats).
     """
 
     def __init__(self, run_dir: str, config: dict[str, Any]) -> None:
         import wandb
 
         self._last = -float("inf")
-        self._run = wandb.init(
-            project=os.environ.get("WANDB_PROJECT", "pipeline-grpo"),
-            name=os.path.basename(os.path.abspath(run_dir)),
-            dir=run_dir,
-            config=config,
-        )
+        try:
+            self._run = wandb.init(
+                project=os.environ.get("WANDB_PROJECT", "pipeline-grpo"),
+                name=os.path.basename(os.path.abspath(run_dir)),
+                dir=run_dir,
+                config=config,
+                id=_wandb_id(run_dir),
+                resume="allow",
+            )
+        except Exception as exc:  # the library's own errors (login, network, settings): one line, naming the flag
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise TrackerError(f"--report-to wandb: its run could not start ({type(exc).__name__}: {first})") from None
 
     def write(self, row: dict[str, Any]) -> None:
         if not _due(row, self._last):
@@ -143,6 +167,23 @@ class WandbSink:
 
     def close(self) -> None:
         self._run.finish()
+
+
+def _wandb_id(run_dir: str) -> str:
+    """The W&B run id kept in ``run_dir``, made (12 random hex digits, as W&B's own ids go) the first time."""
+    path = os.path.join(run_dir, "wandb", WANDB_ID)
+    try:
+        with open(path) as f:
+            kept = f.read().strip()
+    except FileNotFoundError:
+        kept = ""
+    if kept:
+        return kept
+    made = secrets.token_hex(6)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(made + "\n")
+    return made
 
 
 class _Nowhere:

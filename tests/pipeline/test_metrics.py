@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 
 import pytest
@@ -105,6 +106,20 @@ def test_the_log_writes_rows_and_the_plot(tmp_path):
     assert plot(str(tmp_path / "empty")) is None
 
 
+def test_a_step_whose_figures_are_not_finite_writes_standard_json_and_still_plots(tmp_path):
+    """A diverged step (a NaN loss, an infinite KL) is a row any JSON reader takes (null), not Python's NaN token
+    that ``jq``, JavaScript and strict parsers refuse; the live line and the plot still show it."""
+    log = MetricsLog(str(tmp_path), report_to="none")
+    rows = [log.write(report(step, **({"kl": math.nan, "loss": math.inf} if step == 2 else {}))) for step in (1, 2, 3)]
+    log.close()
+    assert math.isnan(rows[1]["actor/kl"]), "the row handed back (the live line's) keeps the figure"
+    for line in (tmp_path / "metrics.jsonl").read_text().splitlines():
+        json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} in metrics.jsonl"))
+    written = read_rows(str(tmp_path))
+    assert written[1]["actor/kl"] is None and written[1]["actor/loss"] is None and written[2]["actor/kl"] == 0.01
+    assert plot(str(tmp_path)) is not None
+
+
 def test_a_resumed_run_replaces_the_rows_of_the_steps_it_repeats(tmp_path):
     """Interrupted at step 35 with its checkpoint at 20: the resumed run trains 21.. again, and its rows replace the
     interrupted run's for those steps (kept: 1-20), instead of following them."""
@@ -133,6 +148,57 @@ def test_tensorboard_gets_every_scalar_when_installed(tmp_path):
     tags = set(events.Tags()["scalars"])
     assert {"reward/mean", "actor/kl", "perf/tokens_trained_per_s", "eval/accuracy"} <= tags
     assert [e.step for e in events.Scalars("reward/mean")] == [1, 2, 3, 4, 5]
+
+
+def test_a_resumed_run_replaces_tensorboards_events_for_the_steps_it_repeats(tmp_path):
+    """As with metrics.jsonl: interrupted at step 35 with its checkpoint at 20, the resumed run's events for 21..
+    replace the interrupted run's (before, TensorBoard showed both, two values at each repeated step)."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = MetricsLog(str(tmp_path))
+    for step in range(1, 36):
+        first.write(report(step, time=float(step)))
+    first.close()
+    resumed = MetricsLog(str(tmp_path))
+    for step in range(21, 41):
+        resumed.write(report(step, time=float(step), reward_mean=-1.0))
+    resumed.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    scalars = [(e.step, e.value) for e in events.Scalars("reward/mean")]
+    assert [step for step, _ in scalars] == list(range(1, 41))
+    assert all(value == -1.0 for step, value in scalars if step > 20)
+
+
+def test_a_resumed_run_continues_its_wandb_run_and_a_tracker_that_cannot_start_says_so(tmp_path, monkeypatch):
+    """The W&B run's id is kept in the run folder: ``--resume`` continues that run (before, each resume started a
+    new W&B run). A run W&B cannot start (no login, no network) is one line naming the flag, not a traceback."""
+    wandb = pytest.importorskip("wandb", reason="needs the wandb extra: pip install -e '.[wandb]'")
+    from pipeline.run import TrackerError, WandbSink
+
+    started: list[dict[str, object]] = []
+
+    class Run:
+        def finish(self) -> None:
+            pass
+
+    def init(**settings: object) -> Run:
+        started.append(settings)
+        return Run()
+
+    monkeypatch.setattr(wandb, "init", init)
+    for folder in ("a", "a", "b"):
+        WandbSink(str(tmp_path / folder), {}).close()
+    ids = [settings["id"] for settings in started]
+    assert ids[0] == ids[1] != ids[2] and all(settings["resume"] == "allow" for settings in started)
+
+    def refuse(**settings: object) -> Run:
+        raise wandb.errors.UsageError("api_key not configured (no-tty)\nmore detail")
+
+    monkeypatch.setattr(wandb, "init", refuse)
+    with pytest.raises(TrackerError, match=r"^--report-to wandb: its run could not start \(UsageError: api_key"):
+        WandbSink(str(tmp_path / "c"), {})
 
 
 def test_tensorboard_takes_at_most_ten_rows_a_second_but_every_evaluation(tmp_path):

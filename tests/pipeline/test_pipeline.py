@@ -555,6 +555,11 @@ async def test_a_generator_out_of_restarts_stops_the_run_naming_it(tmp_path, soc
     with pytest.raises(PipelineError, match=r"the generator 0 failed: .*died"):
         await asyncio.wait_for(run, 30)
     assert time.monotonic() - started < 2.0
+    # The trainer lived on: the run left a checkpoint of where it stopped, and the rows of every step up to it
+    # (before, a role's failure left only the last periodic checkpoint, here none, and dropped queued rows).
+    saved = checkpoint_step(run_dir)
+    assert saved > 0, "a final checkpoint of the trainer's step"
+    assert set(range(1, saved + 1)) <= {row["step"] for row in read_rows(run_dir)}
 
 
 def checkpoint_step(run_dir: str) -> int:

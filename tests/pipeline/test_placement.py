@@ -61,6 +61,19 @@ def test_bad_placements_are_refused_before_anything_starts(config, match):
 
 
 @no_cuda
+def test_under_ray_gpu_placements_are_left_to_the_hosts_the_roles_run_on(monkeypatch):
+    """A run launched from a machine without GPUs (a login node) onto a Ray cluster's GPU nodes: the devices are
+    checked by each role's host as it starts, not against the launching machine's (none, here). A device that is
+    no device is still refused at once."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(PlacementError, match="needs CUDA"):
+        check_placement(Config(device="cuda"))
+    devices = check_placement(Config(device="cuda:1", ray="auto", transport="cuda-ipc", trainer_ranks=2))
+    assert devices["trainer"] == torch.device("cuda", 1)
+    with pytest.raises(PlacementError, match="not a device"):
+        check_placement(Config(device="gpu0", ray="auto"))
+
+
 def test_alias_installs_need_the_generators_where_the_weights_live():
     assert check_placement(Config(install="alias"))["generator"] == torch.device("cpu"), "shm slots are host memory"
 

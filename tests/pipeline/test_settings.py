@@ -210,6 +210,36 @@ def test_a_setting_that_cannot_train_is_one_line_and_exit_2(tmp_path, capsys, fl
     assert err.count("\n") == 1 and not run_dir.exists()
 
 
+def test_a_fresh_run_in_a_folder_holding_an_earlier_run_is_refused_and_loses_nothing(tmp_path, capsys):
+    """The earlier run's checkpoint was deleted without a word, and its completions, TensorBoard events and model
+    stayed beside the new run's; now the run is refused (exit 2, nothing touched) unless --overwrite is given."""
+    from pipeline.run._run_dir import prepare_fresh
+
+    run_dir = tmp_path / "run"
+    (run_dir / "tensorboard").mkdir(parents=True)
+    (run_dir / "checkpoint-3.dcp").mkdir()
+    for name in ("config.json", "checkpoint.pt", "completions.jsonl", "notes.txt"):
+        (run_dir / name).write_text("kept")
+    code = main(["--run-dir", str(run_dir), "--steps", "2", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"error: --run-dir {run_dir} holds an earlier run (config.json, "), err
+    assert f"--resume {run_dir}" in err and "--overwrite" in err and "checkpoint-3.dcp/" in err
+    assert sorted(os.listdir(run_dir)) == [
+        "checkpoint-3.dcp",
+        "checkpoint.pt",
+        "completions.jsonl",
+        "config.json",
+        "notes.txt",
+        "tensorboard",
+    ]
+    prepare_fresh(str(run_dir), overwrite=True)
+    assert os.listdir(run_dir) == ["notes.txt"], "the earlier run's outputs go; the user's own file stays"
+    prepare_fresh(str(tmp_path / "new"), overwrite=False)  # a folder that does not exist yet is fresh
+    with pytest.raises(SettingsError, match="--overwrite with --resume"):
+        (run_dir / "config.json").write_text(json.dumps(Config(steps=10, device="cpu").to_dict()))
+        parse_args(["--resume", str(run_dir), "--overwrite"])
+
+
 @pytest.mark.parametrize(
     "value, message", [("{hint: 1}", "'{hint: 1}' is not JSON"), ('["hint"]', """'["hint"]' is not a JSON object""")]
 )

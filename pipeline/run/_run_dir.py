@@ -1,0 +1,67 @@
+"""The run folder: what a run leaves there, and the check that a fresh run never mixes with an earlier one's outputs.
+
+A fresh run in a folder that holds an earlier run's outputs is refused:
+its checkpoint would be lost without a word, and the earlier run's
+completions, TensorBoard events and saved model would sit beside the new
+run's as if one run had made them. ``--resume`` continues that run;
+``--overwrite`` removes its outputs first.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+from ..config import SettingsError
+from ..learning import checkpoint
+
+__all__ = ["OUTPUTS", "earlier_outputs", "outputs", "prepare_fresh"]
+
+#: What a run folder may hold, in the order the summary names it.
+OUTPUTS = (
+    "config.json",
+    "metrics.jsonl",
+    "learning_curve.png",
+    "checkpoint.pt",
+    "model",
+    "adapter",
+    "completions.jsonl",
+    "tensorboard",
+    "wandb",
+)
+
+
+def outputs(run_dir: str) -> list[str]:
+    """The outputs ``run_dir`` holds (a folder with a trailing slash), in :data:`OUTPUTS` order."""
+    return [
+        name + ("/" if os.path.isdir(os.path.join(run_dir, name)) else "")
+        for name in OUTPUTS
+        if os.path.exists(os.path.join(run_dir, name))
+    ]
+
+
+def earlier_outputs(run_dir: str) -> list[str]:
+    """An earlier run's outputs in ``run_dir``, its sharded checkpoints' folders among them."""
+    if not os.path.isdir(run_dir):
+        return []
+    shards = sorted(name for name in os.listdir(run_dir) if checkpoint.is_shard_folder(name))
+    return outputs(run_dir) + [name + "/" for name in shards]
+
+
+def prepare_fresh(run_dir: str, overwrite: bool) -> None:
+    """Make ``run_dir`` ready for a fresh run: refuse one holding an earlier run's outputs, or with ``overwrite``
+    remove them (other files of the user's stay)."""
+    earlier = earlier_outputs(run_dir)
+    if not earlier:
+        return
+    if not overwrite:
+        raise SettingsError(
+            f"--run-dir {run_dir} holds an earlier run ({', '.join(earlier)}): continue it with --resume {run_dir}, "
+            "pick another folder, or add --overwrite to replace it"
+        )
+    for name in earlier:
+        target = os.path.join(run_dir, name.rstrip("/"))
+        if os.path.isdir(target) and not os.path.islink(target):
+            shutil.rmtree(target)
+        else:
+            os.remove(target)
