@@ -285,7 +285,7 @@ class Attach(NamedTuple):
     @classmethod
     def from_wire(cls, fields: Any) -> Attach:
         f = _check(fields, Kind.ATTACH, 3)
-        if type(f[1]) is not int or type(f[2]) is not int:
+        if type(f[1]) is not int or type(f[2]) is not int or not 0 < f[2] <= PID_MAX:  # (a pid to watch: a real one)
             raise DecodeError("malformed ATTACH record")
         return cls(f[1], f[2])
 

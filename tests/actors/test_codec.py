@@ -285,6 +285,17 @@ def test_a_header_of_another_protocol_version_says_so():
         Header.decode(msgpack.packb([PROTOCOL_VERSION + 1, "ipc:///x.sock", 5]))
 
 
+def test_an_attach_naming_a_pid_that_cannot_exist_is_refused():
+    """A port's receiver watches the pid an ATTACH names: one outside Linux's range is malformed, not a holder that
+    cannot be watched (which the receiver would count as gone)."""
+    from actors._wire._records import PID_MAX, Attach, Kind
+
+    assert Attach.from_wire([Kind.ATTACH, 3, 42]) == Attach(3, 42)
+    for pid in (0, -1, PID_MAX + 1, 2**40):
+        with pytest.raises(DecodeError, match="malformed ATTACH"):
+            Attach.from_wire([Kind.ATTACH, 3, pid])
+
+
 def test_a_call_whose_response_port_is_not_a_port_is_refused():
     from actors._wire._records import Call, Kind
 

@@ -445,3 +445,33 @@ def test_a_sequence_ratio_with_a_loss_that_sums_tokens_is_trained_with_a_warning
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         check_settings(Config(importance_sampling_level="sequence", loss="grpo"))
+
+
+def _documented_commands() -> list[tuple[str, list[str]]]:
+    """Every ``python -m pipeline.grpo`` command in a fenced block of the README and docs/: (file, its flags)."""
+    import glob
+    import re
+    import shlex
+
+    found = []
+    for path in [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]:
+        text = open(path).read()
+        for block in re.findall(r"^```[a-z]*\n(.*?)^```", text, re.S | re.M):
+            for line in block.replace("\\\n", " ").splitlines():
+                command = line.split(" #")[0].split("&&")[-1].strip().removeprefix("$ ")
+                if command.startswith("python -m pipeline.grpo"):
+                    found.append((os.path.basename(path), shlex.split(command)[3:]))
+    return found
+
+
+def test_every_command_line_the_docs_show_takes_its_flags():
+    """A flag renamed or removed leaves no documented command that argparse would refuse."""
+    from pipeline.run._cli import build_parser
+
+    commands = _documented_commands()
+    assert len(commands) >= 6, commands
+    for where, flags in commands:
+        try:
+            build_parser().parse_args(flags)
+        except SystemExit:
+            pytest.fail(f"{where}: python -m pipeline.grpo {' '.join(flags)}: argparse refuses it")
