@@ -150,7 +150,7 @@ class Port(Generic[T]):
         if route is not None:
             window = route.window
             rt = route.rt
-            if window is not None and not window.dead and rt is _runtime._process.runtime and rt.driver.loop_active():
+            if window is not None and not window.stale and rt is _runtime._process.runtime and rt.driver.loop_active():
                 self._post(rt, route, window, value)  # the hot path: a remote port, on this runtime's loop
                 return
         rt = runtime()
@@ -165,7 +165,7 @@ class Port(Generic[T]):
 
     def _resolve(self, rt: Runtime) -> _Route:
         route = self._route
-        if route is None or route.rt is not rt or (route.window is not None and route.window.dead):
+        if route is None or route.rt is not rt or (route.window is not None and route.window.stale):
             if self._address == rt.address:
                 route = _Route(rt, None, b"", None)
             else:

@@ -53,7 +53,9 @@ RELEASE_RETRY = 0.02
 
 
 class Window:
-    """One (peer, port) pair's flow state; ports cache it, so it lives until the peer dies (``dead``)."""
+    """One (peer, port) pair's flow state. Ports cache it until it is ``stale``: its peer died (``dead``), or
+    everything sent through it was credited back and :class:`SenderWindows` let it go (a port that sends again
+    then makes a fresh one)."""
 
     __slots__ = (
         "backlog",
@@ -64,6 +66,7 @@ class Window:
         "link",
         "port_id",
         "release",
+        "stale",
         "waiters",
     )
 
@@ -71,6 +74,7 @@ class Window:
         self.link = link
         self.port_id = port_id
         self.dead = False
+        self.stale = False
         self.inflight = 0
         self.inflight_bytes = 0
         # (record, its buffer frames or None, bytes): without frames an entry is bytes and ints, which the
@@ -103,7 +107,7 @@ class SenderWindows:
         """The flow state of ``port_id`` at ``link``'s peer (created on first use)."""
         key = (link.address, port_id)
         window = self._windows.get(key)
-        if window is None or window.dead:
+        if window is None or window.stale:
             window = self._windows[key] = Window(link, port_id)
         return window
 
@@ -131,12 +135,19 @@ class SenderWindows:
 
     def on_credit(self, address: str, port_id: int, messages: int, nbytes: int) -> None:
         """The receiver consumed ``messages``: release backlog into the freed window."""
-        window = self._windows.get((address, port_id))
+        key = (address, port_id)
+        window = self._windows.get(key)
         if window is None:
             return
         window.inflight = max(0, window.inflight - messages)
         window.inflight_bytes = max(0, window.inflight_bytes - nbytes)
         self._release(window)
+        if not window.inflight and not window.backlog and window.release is None:
+            # Everything sent was consumed: nothing to count any more. Kept, a window per port a process ever sent
+            # to would stay until that peer exits (a service streaming to a long-lived caller on a new port per
+            # request grew without bound); a port that sends again makes a fresh one.
+            del self._windows[key]
+            window.stale = True
 
     def _release(self, window: Window) -> None:
         """Send the backlog's head while the window has room; a full link is tried again shortly (with nothing
@@ -204,7 +215,7 @@ class SenderWindows:
         """The peer at ``address`` is gone: its windows and backlogs go, their waiters hear why."""
         for key in [key for key in self._windows if key[0] == address]:
             window = self._windows.pop(key)
-            window.dead = True
+            window.dead = window.stale = True
             if window.release is not None:
                 window.release.cancel()
                 window.release = None

@@ -260,18 +260,21 @@ class Decoder:
             buffer = buffer.buffer if hasattr(buffer, "buffer") else memoryview(buffer)
         elif type(data) is bytes:
             # A copy the tensor owns: a tensor over the bytes object itself would let a write change an
-            # immutable object (CPython shares the one-byte ones interpreter-wide).
-            buffer = bytearray(data)
+            # immutable object (CPython shares the one-byte ones interpreter-wide). Its memory is the allocator's,
+            # aligned for every dtype here.
+            if len(data) != nbytes:
+                raise DecodeError(f"tensor of shape {shape} needs {nbytes} bytes, the record holds {len(data)}")
+            if numel == 0:
+                return self._empty(shape, dtype)
+            flat = tensor_over(bytearray(data), dtype, numel)
+            return flat if len(shape) == 1 else flat.view(shape)
         else:
             raise DecodeError("malformed tensor data")
         size = buffer.nbytes if isinstance(buffer, memoryview) else len(buffer)
         if size != nbytes:
             raise DecodeError(f"tensor of shape {shape} needs {nbytes} bytes, frame holds {size}")
         if numel == 0:
-            try:
-                return torch.empty(shape, dtype=dtype)
-            except RuntimeError as exc:  # other dims whose strides overflow int64
-                raise DecodeError(f"malformed tensor shape {shape!r:.80}: {exc}") from None
+            return self._empty(shape, dtype)
         flat = tensor_over(buffer, dtype, numel)
         if flat.data_ptr() % itemsize:
             # ZeroMQ may hand a frame at any address (a zero-copy receive points into its read buffer); kernels
@@ -280,6 +283,13 @@ class Decoder:
             aligned.view(torch.uint8).copy_(tensor_over(buffer, torch.uint8, nbytes))
             flat = aligned
         return flat if len(shape) == 1 else flat.view(shape)
+
+    @staticmethod
+    def _empty(shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+        try:
+            return torch.empty(shape, dtype=dtype)
+        except RuntimeError as exc:  # other dims whose strides overflow int64
+            raise DecodeError(f"malformed tensor shape {shape!r:.80}: {exc}") from None
 
     def _dataclass(self, record: Any) -> Any:
         if type(record) is not list or len(record) != 2 or type(record[0]) is not str or type(record[1]) is not list:
@@ -297,7 +307,7 @@ class Decoder:
         if len(values) != len(plan.names):
             raise DecodeError(f"cannot build {ref}: {len(values)} field values for {len(plan.names)} fields")
         try:
-            return plan.build(values)
+            return plan.build(values) if plan.special else plan.cls(*values)  # (most: the constructor takes all)
         except Exception as exc:  # the class's own __post_init__ refused the values
             raise DecodeError(f"cannot build {ref}: {exc}") from None
 
@@ -317,6 +327,7 @@ class _DataclassPlan(NamedTuple):
     init: tuple[int, ...]  # which fields the constructor takes
     by_keyword: bool  # some field is keyword-only, or not taken by the constructor
     restore: bool
+    special: bool  # by keyword or restored: else ``cls(*values)`` is the whole build
 
     @classmethod
     def of(cls, found: type) -> _DataclassPlan:
@@ -324,7 +335,7 @@ class _DataclassPlan(NamedTuple):
         init = tuple(i for i, f in enumerate(fields) if f.init)
         by_keyword = len(init) != len(fields) or any(f.kw_only for f in fields)
         restore = len(init) != len(fields) or hasattr(found, "__post_init__")
-        return cls(found, tuple(f.name for f in fields), init, by_keyword, restore)
+        return cls(found, tuple(f.name for f in fields), init, by_keyword, restore, by_keyword or restore)
 
     def build(self, values: list[Any]) -> Any:
         names = self.names

@@ -190,6 +190,13 @@ class Relay(Actor):
         out.send(None)
         return n
 
+    @endpoint
+    async def counts_flow_to(self, port: Port) -> bool:
+        """Whether this process still keeps flow-control state for sending to ``port``."""
+        from actors._runtime._core import runtime
+
+        return (port._address, port._id) in runtime().windows._windows
+
 
 class OnceInlets(Actor):
     """Opens once-ports on request and counts what arrives on them."""

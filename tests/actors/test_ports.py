@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from typing import Any
 
 import pytest
@@ -111,6 +112,46 @@ async def test_sender_waits_when_the_window_is_full(procs: ProcMesh):
     assert await run == total
     assert consumer_count == total
     assert peak <= PORT_WINDOW
+
+
+async def test_a_sender_lets_a_ports_flow_state_go_once_everything_it_sent_was_consumed(procs: ProcMesh):
+    """A window per port a process ever sent to stayed until that peer exited: a service streaming to a long-lived
+    caller on a new port per request grew without bound. Once all it sent is credited back it goes, on both sides,
+    and the same port used again makes a fresh one that still counts."""
+    from actors._transport._flow import CREDIT_MESSAGES
+
+    relay = procs.spawn("relay", Relay).slice(procs=0)
+    inlet: Port = await relay.inlet.call_one()
+    out, out_recv = Channel.open(Item)
+    rt = runtime()
+
+    async def stream(items: int) -> list[int]:
+        run = relay.run.call_one(out, 0.0)
+        for seq in range(items):
+            inlet.send(Item(seq, torch.zeros(1)))
+        inlet.send(None)
+        got = []
+        while (item := await asyncio.wait_for(out_recv.recv(), 60)) is not None:
+            got.append(item.seq)
+        assert await run == items
+        return got
+
+    async def until(condition: Any) -> bool:
+        deadline = time.monotonic() + 30  # a guard against a hang only
+        while not await condition() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return bool(await condition())
+
+    async def ours_gone() -> bool:
+        return (inlet._address, inlet._id) not in rt.windows._windows
+
+    async def relays_gone() -> bool:
+        return not await relay.counts_flow_to.call_one(out)
+
+    items = 2 * CREDIT_MESSAGES - 1  # with its None: exactly two credits' worth, so all of it is credited back
+    assert await stream(items) == list(range(items))
+    assert await until(ours_gone) and await until(relays_gone)
+    assert await stream(5) == list(range(5)), "the same ports, used again, still carry everything"
 
 
 async def test_recv_raises_when_every_sender_died(procs: ProcMesh):
