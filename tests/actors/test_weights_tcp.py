@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -284,21 +286,27 @@ async def test_a_fetch_that_outlives_its_deadline_fails_and_ends():
         listener.close()
 
 
-def _hanging_listener() -> tuple[socket.socket, socket.socket]:
-    """A listener whose accept queue is full (backlog 0, one connection never accepted): a connect to it hangs."""
+@contextlib.contextmanager
+def _hanging_fetch(timeout: float) -> Iterator[tuple[TcpReader, WeightManifest, TcpHandle]]:
+    """A reader with ``timeout`` and an update served by a listener whose accept queue is full (backlog 0, one
+    connection never accepted): a connect to it hangs."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(0)
-    return listener, socket.create_connection(listener.getsockname(), timeout=10)
+    filler = socket.create_connection(listener.getsockname(), timeout=10)
+    reader = TcpReader(timeout=timeout)
+    try:
+        yield (reader, *one_tensor_served_at(listener))
+    finally:
+        reader.close()
+        filler.close()
+        listener.close()
 
 
 async def test_a_fetch_whose_connect_hangs_ends_at_its_deadline_or_when_cancelled():
     """The deadline and a cancel reach a fetch still connecting (before, both waited for the connect's own
     timeout: up to 30 s)."""
-    listener, filler = _hanging_listener()
-    reader = TcpReader(timeout=60.0)
-    try:
-        manifest, handle = one_tensor_served_at(listener)
+    with _hanging_fetch(60.0) as (reader, manifest, handle):
         started = time.monotonic()
         with pytest.raises(WeightSyncError, match=r"took longer than 0\.3s"):
             await reader.read_async(manifest.update_id, 1, handle, manifest.tensors, timeout=0.3)
@@ -310,10 +318,6 @@ async def test_a_fetch_whose_connect_hangs_ends_at_its_deadline_or_when_cancelle
         with pytest.raises(asyncio.CancelledError):
             await task
         assert time.monotonic() - started < 5, "(a guard: the cancel ends the connect at once)"
-    finally:
-        reader.close()
-        filler.close()
-        listener.close()
 
 
 async def test_a_receive_that_times_out_is_not_a_dead_publisher():
@@ -364,18 +368,11 @@ async def test_a_fetch_cancelled_again_while_it_ends_raises_the_cancel(monkeypat
 
 
 def test_a_blocking_fetch_whose_connect_hangs_ends_at_its_deadline():
-    listener, filler = _hanging_listener()
-    reader = TcpReader(timeout=0.5)
-    try:
-        manifest, handle = one_tensor_served_at(listener)
+    with _hanging_fetch(0.5) as (reader, manifest, handle):
         started = time.monotonic()
         with pytest.raises(WeightSyncError, match=r"took longer than 0\.5s|no connection within 0\.5s"):
             reader.read(manifest.update_id, 1, handle, manifest.tensors)
         assert time.monotonic() - started < 5, "(a guard: the fetch ends at about 0.5 s)"
-    finally:
-        reader.close()
-        filler.close()
-        listener.close()
 
 
 def test_a_blocking_fetch_from_a_server_that_trickles_ends_at_its_deadline():
