@@ -222,9 +222,10 @@ class WeightPublisher:
                 reservation = await writer.reserve_async(total, self.timeout if timeout is None else timeout)
             try:
                 if writer.host_copy and (total >= OFFLOAD_BYTES or _on_a_gpu(tensors)):
+                    ready = _queued_work(tensors)  # (recorded here: the caller's streams are this thread's)
                     with self._lock:
                         self._filling = True
-                    specs = await _to_thread_to_the_end(self._fill_off_loop, reservation, tensors, specs)
+                    specs = await _to_thread_to_the_end(self._fill_off_loop, reservation, tensors, specs, ready)
                 else:
                     specs = self._fill_no_grad(reservation, tensors, specs)
             except BaseException:
@@ -238,11 +239,17 @@ class WeightPublisher:
         return self._commit(reservation, version, specs, total, extra)
 
     def _fill_off_loop(
-        self, reservation: Any, tensors: list[tuple[str, torch.Tensor]], specs: list[TensorSpec]
+        self,
+        reservation: Any,
+        tensors: list[tuple[str, torch.Tensor]],
+        specs: list[TensorSpec],
+        ready: tuple[Any, ...] = (),
     ) -> list[TensorSpec]:
         """:meth:`_fill_no_grad` while ``_filling`` is set (a worker thread's, or a blocking publish's): a
         :meth:`close` meanwhile, from any thread, frees the storage once the copy is done."""
         try:
+            for event in ready:  # the GPU work that made the tensors, queued on the caller's streams, is done
+                event.synchronize()
             return self._fill_no_grad(reservation, tensors, specs)
         finally:
             with self._lock:
@@ -333,6 +340,22 @@ def _checked_metadata(metadata: object) -> dict[str, Any]:
     if not isinstance(metadata, dict) or not all(type(key) is str for key in metadata):
         raise TypeError(f"metadata must be a dict with str keys, not {metadata!r:.60}")
     return dict(metadata)
+
+
+def _queued_work(tensors: list[tuple[str, torch.Tensor]]) -> tuple[Any, ...]:
+    """An event on the current stream of each GPU ``tensors`` live on, recorded in the calling thread.
+
+    A worker thread's current stream is its own (the device's default), not
+    the caller's: a copy there is not ordered after an optimizer step the
+    caller queued on a stream of its own, so it waits for these events first.
+    """
+    devices = {tensor.device for _, tensor in tensors if tensor.device.type == "cuda"}
+    events = []
+    for device in devices:
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(device))
+        events.append(event)
+    return tuple(events)
 
 
 def _on_a_gpu(tensors: list[tuple[str, torch.Tensor]]) -> bool:

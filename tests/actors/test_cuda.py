@@ -239,3 +239,23 @@ async def test_a_gpus_mesh_gives_each_process_one_device(spawn):
     seen = await mesh.spawn("echo", Echo).getenv.call_one("CUDA_VISIBLE_DEVICES")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     assert seen == (visible.split(",")[0] if visible else "0")
+
+
+async def test_an_async_publish_from_a_side_stream_copies_what_that_stream_wrote():
+    """publish_async copies GPU tensors to the host on a worker thread, whose current stream is the device's
+    default: it first waits for the work the caller queued on its own stream (before, it copied at once and could
+    read the weights before the caller's optimizer step wrote them)."""
+    from actors import WeightConsumer
+
+    weights = torch.ones(1 << 20, device="cuda")  # 4 MiB: a host copy on a worker thread
+    side = torch.cuda.Stream()
+    consumer = WeightConsumer()
+    with WeightPublisher("shm", slots=1) as publisher:
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(500_000_000)  # ~0.3 s of GPU time queued before the write
+            weights.fill_(2.0)
+            manifest = await publisher.publish_async({"w": weights}, 1)
+        got = consumer.import_update(manifest)["w"]
+        assert torch.all(got == 2.0), "the copy read the weights before the side stream wrote them"
+        consumer.release(manifest.update_id)
+    consumer.close()
