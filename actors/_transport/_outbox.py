@@ -25,7 +25,7 @@ from typing import Any
 
 import zmq
 
-from .._shared._errors import BufferFull, CallTimeout
+from .._shared._errors import ActorDied, BufferFull, CallTimeout
 from .._wire._records import record_prefix
 from ._sockets import FLUSH_BYTES, FLUSH_RECORDS, Link, frame_size
 
@@ -88,6 +88,8 @@ class Outbox:
         ``owed``: an answer the peer asked for (a call's reply) is queued past the limits: the peer's own
         calls bound how many it is owed, and refusing it would leave that call unanswered for good.
         """
+        if link.dead:  # dropped since the caller looked it up (its peer died while a wait served the inbox)
+            raise ActorDied(f"the process at {link.address} has exited")
         if not owed:
             self.check_room(link)
         part, frame = len(link.parts), len(link.frames)  # where this record goes in the batch
@@ -99,9 +101,14 @@ class Outbox:
             link.records += 1
         loop = self.loop
         if loop is None or urgent or link.nbytes >= FLUSH_BYTES or link.records >= FLUSH_RECORDS:
+            batches = link.batches
             try:
                 self.flush(link)
-            except CallTimeout:  # (no loop: the peer's queue stayed full past SEND_TIMEOUT) nothing was sent
+            except CallTimeout:  # (no loop: the peer's queue stayed full past SEND_TIMEOUT)
+                if link.batches != batches:
+                    # A batch left during the wait (a record handled meanwhile found room), this record in it:
+                    # it was sent. What waits now was queued after it, and is not the caller's to take back.
+                    return
                 link.take_back(part, frame, len(frames), len(data) + sum(frame_size(f) for f in frames))
                 raise BufferFull(
                     f"{link.address} took nothing for {SEND_TIMEOUT:g}s (its queue stayed full): the record was not "

@@ -76,7 +76,7 @@ def bind_inbox(
 class Link:
     """The outbound side of one peer: a PUSH socket plus the records not yet handed to it."""
 
-    __slots__ = ("address", "dead", "frames", "nbytes", "parts", "records", "retry", "scheduled", "sock")
+    __slots__ = ("address", "batches", "dead", "frames", "nbytes", "parts", "records", "retry", "scheduled", "sock")
 
     def __init__(self, ctx: zmq.Context[Any], address: str, keys: tuple[bytes, bytes] | None = None) -> None:
         self.address = address
@@ -94,6 +94,8 @@ class Link:
         self.scheduled = False  # a flush at the end of this loop turn is arranged
         self.retry: Any = None  # the timer retrying a send the peer's queue refused
         self.dead = False
+        #: Batches handed to the socket so far: a record's post that waited can tell whether its batch left.
+        self.batches = 0
 
     def append(self, data: bytes, frames: list[Any]) -> None:
         """Add one encoded record (and its buffer frames) to the batch."""
@@ -124,6 +126,7 @@ class Link:
         payload = b"".join(self.parts)
         frames = self.frames
         self.parts, self.frames, self.nbytes, self.records = [], [], 0, 0
+        self.batches += 1
         if not frames:
             self.sock.send(payload)
             return True

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -187,15 +186,14 @@ class Generator(ReceivesWeights):
             try:
                 await asyncio.wait([arrived, stopped], return_when=asyncio.FIRST_COMPLETED)
             finally:
-                stopped.cancel()
-                if not arrived.done():
-                    arrived.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await stopped
-                with contextlib.suppress(asyncio.CancelledError):
-                    await arrived
-            if arrived.done() and not arrived.cancelled():
-                arrived.result()  # a timeout or a dead publisher is raised here
+                for wait in (arrived, stopped):
+                    wait.cancel()  # (a finished one ignores it)
+                # Let both unwind. asyncio.wait raises neither one's exception, and a cancel of this task that comes
+                # meanwhile (Ctrl-C, a drain's guard) propagates: suppressing around an await would swallow it.
+                await asyncio.wait([arrived, stopped])
+            failure = arrived.exception() if arrived.done() and not arrived.cancelled() else None
+            if failure is not None and not self.stopping:
+                raise failure  # a timeout or a dead publisher (a drain that came with it wins: nothing is lost)
 
     @endpoint
     async def drain(self) -> None:

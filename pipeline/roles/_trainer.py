@@ -494,7 +494,8 @@ class Trainer(Actor):
         async with self._granting:  # (a new ticket of its waits: a generator takes its grants in ticket order)
             self.grants[generator] = grants
             for ticket in self.tickets.restarted(generator):
-                await self.send_grant(ticket)
+                if ticket in self.tickets.open:  # (a late rollout of the old process may have closed it meanwhile)
+                    await self.send_grant(ticket)
         return self.version
 
     def flush_reports(self) -> None:

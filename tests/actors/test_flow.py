@@ -208,3 +208,67 @@ def test_without_a_loop_a_send_that_gives_up_is_taken_back_and_refused(tmp_path,
         for each in outbox.links.values():
             each.sock.close(linger=0)
         ctx.term()
+
+
+class _FakeSocket:
+    """A PUSH socket whose peer's queue is full while ``full`` says so; what it takes goes to ``sent``."""
+
+    def __init__(self) -> None:
+        self.full = True
+        self.sent: list[bytes] = []
+
+    def send(self, data: object, flags: int = 0, copy: bool = True) -> None:
+        import zmq
+
+        if self.full and flags & zmq.NOBLOCK:
+            raise zmq.Again()
+        self.sent.append(bytes(data))  # type: ignore[call-overload]
+
+    def close(self, linger: int | None = None) -> None:
+        pass
+
+    def setsockopt(self, *args: object) -> None:
+        pass
+
+
+def test_without_a_loop_a_record_that_left_while_its_post_waited_is_not_taken_back(tmp_path):
+    """A caller blocked on a full peer serves its inbox; a record handled meanwhile (a credit) finds room and takes
+    the batch with the caller's record in it, then the next one finds the queue full again and the caller's wait
+    times out. The caller's record left: it must not be refused as unsent, nor the later record taken back in its
+    place (before, BufferFull told the caller its sent record was not sent, and the later one lost its part but
+    left its frame in the batch, to be paired with the next record's tensors)."""
+    import zmq
+
+    from actors import ActorDied, CallTimeout
+    from actors._transport._outbox import Outbox
+
+    dispatching = [False]
+    ctx = zmq.Context()
+    fake = _FakeSocket()
+
+    def block(condition: object, sock: object, timeout: float, what: str) -> None:
+        dispatching[0] = True  # the inbox is served meanwhile
+        fake.full = False
+        outbox.post(link, b"credit", [], True)  # room: the batch leaves, the caller's record with it
+        fake.full = True
+        outbox.post(link, b"nested", [memoryview(b"its-frame")], True)  # full again: kept for later
+        dispatching[0] = False
+        raise CallTimeout(f"gave up after {timeout:.1f}s waiting for {what}")
+
+    outbox = Outbox(ctx, b"header", None, block, lambda: dispatching[0])
+    try:
+        link = outbox.link(f"ipc://{tmp_path}/peer.sock")
+        link.sock.close(linger=0)
+        link.sock = fake  # type: ignore[assignment]
+        outbox.post(link, b"ours", [], True)  # returns: its record left
+        [payload] = [data for data in fake.sent if b"ours" in data]  # (one batch: the header, then its payload)
+        assert payload.endswith(b"credit") and b"nested" not in payload
+        assert len(link.parts) == 1 and link.parts[0].endswith(b"nested")
+        assert [bytes(frame) for frame in link.frames] == [b"its-frame"] and link.records == 1
+        outbox.drop(link.address)
+        with pytest.raises(ActorDied, match="has exited"):  # (before: lost without a word, or a raw ZMQError)
+            outbox.post(link, b"to a dropped link", [], True)
+    finally:
+        for each in outbox.links.values():
+            each.sock.close(linger=0)
+        ctx.term()

@@ -1,0 +1,71 @@
+"""A generator waiting for the weights its ticket needs: a cancel or a drain that comes as the wait ends wins."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+import pytest
+
+from actors import CallTimeout
+from pipeline.roles._generator import Generator
+
+
+def _waiting(inbox_wait: object, stopped: object) -> types.SimpleNamespace:
+    """What ``Generator.reach_version`` uses of a generator: its version, installs, inbox and drain flag."""
+    state = types.SimpleNamespace(version=0, stopping=False, _stopped=stopped)
+
+    async def install_weights() -> None:
+        state.installs = getattr(state, "installs", 0) + 1
+        if state.installs > 2:  # (an update arrived at last: the version is reached)
+            state.version = 5
+
+    state.install_weights = install_weights
+    state.weight_inbox = types.SimpleNamespace(wait=inbox_wait)
+    return state
+
+
+async def test_a_cancel_that_comes_while_the_wait_unwinds_is_not_swallowed():
+    """The update arrives; as the drain's wait is cancelled and unwinds, the run is cancelled (Ctrl-C): the cancel
+    stands (before, it was suppressed with the wait's own, and the generator ran on)."""
+    outer: list[asyncio.Task[None]] = []
+
+    async def arrives(timeout: float) -> None:
+        return None
+
+    class Stopped:
+        async def wait(self) -> None:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                outer[0].cancel()  # the run is cancelled just as this wait unwinds
+                raise
+
+    state = _waiting(arrives, Stopped())
+    outer.append(asyncio.ensure_future(Generator.reach_version(state, 5)))  # type: ignore[arg-type]
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(outer[0], 30)
+    assert state.version == 0, "it stopped at the cancel, installing nothing more"
+
+
+async def test_a_drain_that_comes_with_a_timeout_ends_the_wait_without_raising_it():
+    """The weights' deadline and a drain in the same pass: the generator is stopping, so it ends cleanly (before,
+    the timeout was raised from the wait's cleanup and the drain's end of stream never sent)."""
+    stopped = asyncio.Event()
+
+    async def times_out(timeout: float) -> None:
+        stopped.set()  # a drain comes at the same moment
+        state.stopping = True
+        raise CallTimeout("no weights arrived within 600s")
+
+    state = _waiting(times_out, stopped)
+    await asyncio.wait_for(Generator.reach_version(state, 5), 30)  # type: ignore[arg-type]
+
+
+async def test_a_timeout_without_a_drain_is_raised():
+    async def times_out(timeout: float) -> None:
+        raise CallTimeout("no weights arrived within 600s")
+
+    state = _waiting(times_out, asyncio.Event())
+    with pytest.raises(CallTimeout, match="no weights arrived"):
+        await asyncio.wait_for(Generator.reach_version(state, 5), 30)  # type: ignore[arg-type]
