@@ -124,10 +124,14 @@ class Outbox:
     def _flush_dirty(self) -> None:
         self._flush_scheduled = False
         dirty, self._dirty = self._dirty, []
-        for link in dirty:
+        for link in dirty:  # all unmarked first: one link's failure must not leave the others marked, never flushed
             link.scheduled = False
+        for link in dirty:
             if not link.dead:
-                self.flush(link)
+                try:
+                    self.flush(link)
+                except Exception:  # (a socket error of this link's: the others still go)
+                    log.exception("could not deliver queued records to %s", link.address)
 
     def flush(self, link: Link) -> None:
         """Hand ``link``'s batch to its socket; if the peer's queue is full, retry without blocking a loop."""
@@ -194,6 +198,12 @@ class Outbox:
 
     def close(self, linger_ms: int) -> None:
         for link in self.links.values():
+            if link.records:  # a peer whose queue stayed full to the end: what it never took is lost, and said so
+                log.warning(
+                    "%d record(s) for %s were never sent: its queue stayed full until this process closed",
+                    link.records,
+                    link.address,
+                )
             link.dead = True
             link.close(linger=linger_ms)
         self.links.clear()

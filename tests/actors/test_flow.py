@@ -272,3 +272,49 @@ def test_without_a_loop_a_record_that_left_while_its_post_waited_is_not_taken_ba
         for each in outbox.links.values():
             each.sock.close(linger=0)
         ctx.term()
+
+
+def test_a_link_that_fails_to_flush_leaves_the_others_flushed_and_closing_says_what_was_never_sent(
+    tmp_path, monkeypatch, caplog
+):
+    """End of a loop turn: one link's socket error must not leave the links behind it marked as scheduled, and so
+    never flushed again by a turn's end (before, they waited for an urgent record); and a close that drops records a
+    full peer never took says how many (before: nothing was logged)."""
+    import logging
+
+    import zmq
+
+    from actors._transport._outbox import Outbox
+
+    class Loop:
+        def call_soon(self, callback: object) -> None:
+            pass
+
+    ctx = zmq.Context()
+    outbox = Outbox(ctx, b"header", None, lambda *args: None, lambda: False)
+    outbox.loop = Loop()  # type: ignore[assignment]
+    broken, fine = _FakeSocket(), _FakeSocket()
+    fine.full = False
+
+    def fails(data: object, flags: int = 0, copy: bool = True) -> None:
+        raise zmq.ZMQError(zmq.EHOSTUNREACH)
+
+    broken.send = fails  # type: ignore[method-assign]
+    try:
+        first, second = outbox.link(f"ipc://{tmp_path}/a.sock"), outbox.link(f"ipc://{tmp_path}/b.sock")
+        for link, sock in ((first, broken), (second, fine)):
+            link.sock.close(linger=0)
+            link.sock = sock  # type: ignore[assignment]
+            outbox.post(link, b"record", [], False)
+        with caplog.at_level(logging.ERROR, logger="actors"):
+            outbox._flush_dirty()
+        assert "could not deliver" in caplog.text
+        assert any(b"record" in data for data in fine.sent) and not first.scheduled and not second.scheduled
+        outbox.post(first, b"another", [], False)
+        assert outbox._dirty == [first], "its next record schedules a flush again"
+        broken.full = True
+        with caplog.at_level(logging.WARNING, logger="actors"):
+            outbox.close(0)
+        assert f"2 record(s) for {first.address} were never sent" in caplog.text
+    finally:
+        ctx.term()
