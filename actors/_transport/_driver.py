@@ -90,9 +90,10 @@ class Driver:
                 self._retiring = None
             self._background = None
             old = self.loop
-        if old is not None and not old.is_closed():
-            if old.is_running():
+        if old is not None:
+            if not old.is_closed() and old.is_running():
                 raise RuntimeError("the actors runtime is already driven by an event loop in another thread")
+            # (a closed one too: its timers, a pid lookup's among them, died with it and must not look pending)
             self.unbind()
         self.loop = loop
         self.thread = threading.get_ident()

@@ -239,6 +239,24 @@ async def _written(consumer: asyncio.Future[None], reports: PortReceiver[StepRep
     await asyncio.sleep(0)  # (and writes the last one it took)
 
 
+async def _stopping(
+    trainer: Trainer | None,
+    trained: asyncio.Future[Any] | None,
+    consumer: asyncio.Future[None] | None,
+    reports: PortReceiver[StepReport] | None,
+    progress: Progress,
+    grace: float,
+) -> None:
+    """A stopping run's last steps: the trainer's final checkpoint, if it is training (a trainer still starting has
+    nothing new to save: a resumed sharded one would save its untrained policy over the checkpoint it resumes),
+    then every report already received is written."""
+    if trainer is not None and trained is not None and not trained.done():
+        progress.done()
+        await _final_checkpoint(trainer, grace)
+    if consumer is not None and reports is not None:
+        await _written(consumer, reports)
+
+
 async def _final_checkpoint(trainer: Trainer, grace: float) -> None:
     """Ask the trainer for a checkpoint of where it is, waiting up to ``grace`` s; says on stderr how it went.
 
@@ -281,8 +299,8 @@ async def run_pipeline(
     check_settings(config)  # before anything starts: settings that cannot train start nothing
     check_task_settings(config)
     check_placement(config)  # nor do roles that cannot be placed
-    if not resume:
-        prepare_fresh(config.run_dir, overwrite)  # nor does a run that would mix with an earlier one
+    if not resume and not overwrite:
+        prepare_fresh(config.run_dir, overwrite=False)  # nor does a run that would mix with an earlier one
     config = resolve(config)
     # a task that cannot be built fails here, with its own message, before any process starts
     modules = load_task(config).role_modules
@@ -290,6 +308,8 @@ async def run_pipeline(
     set_forkserver_preload(preloaded + tuple(name for name in modules if name not in preloaded))
     if config.trust_remote_code:  # the model's own code imported here first: the roles then find it in the cache
         check_model(config.model, trust_remote_code=True)
+    if not resume and overwrite:  # only once the run's settings, task and model are known good
+        prepare_fresh(config.run_dir, overwrite=True)
     os.makedirs(config.run_dir, exist_ok=True)
     checkpoint.remove_stale_staging(config.run_dir)  # an earlier run killed while it saved
     if resume and not checkpoint.exists(config.run_dir):
@@ -305,6 +325,7 @@ async def run_pipeline(
     tasks: dict[str, asyncio.Task[Any]] = {}
     restarts: dict[str, int] = {}
     consumer: asyncio.Future[None] | None = None
+    reports: PortReceiver[StepReport] | None = None
     trainer = None
     cluster: RayHostMesh | None = None
     try:
@@ -451,13 +472,14 @@ async def run_pipeline(
         )
         finished = True
         return result
-    except (asyncio.CancelledError, PipelineError):  # Ctrl-C, SIGTERM or a failed role: leave a checkpoint, stop
-        trained = tasks.get("trainer")
-        if trainer is not None and (trained is None or not trained.done()):  # the trainer lives: it can save
-            progress.done()
-            await _final_checkpoint(trainer, config.stop_grace)
-            if consumer is not None:
-                await _written(consumer, reports)
+    except asyncio.CancelledError:  # Ctrl-C or SIGTERM: leave a checkpoint, then stop fast
+        await _stopping(trainer, tasks.get("trainer"), consumer, reports, progress, config.stop_grace)
+        raise
+    except PipelineError as failure:  # a role failed: the trainer, if it lives, leaves a checkpoint first
+        try:
+            await _stopping(trainer, tasks.get("trainer"), consumer, reports, progress, config.stop_grace)
+        except asyncio.CancelledError:  # the interrupt the wait invites skips the checkpoint, not the failure
+            raise failure from None
         raise
     except ActorsError as exc:  # a role failed outside the watched tasks (e.g. at startup)
         raise PipelineError(f"a role failed: {exc}") from exc
@@ -510,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     except PipelineError as exc:
         print(f"error: {exc}\n{_resume_hint(config.run_dir)}", file=sys.stderr)
         return 1
-    except (FileNotFoundError, ValueError, TrackerError) as exc:
+    except (OSError, ValueError, TrackerError) as exc:  # (a run folder that is a file, or read-only, among them)
         print(f"error: {exc}", file=sys.stderr)
         return 1
     held_out = ", ".join(f"{name} {value:.3f}" for name, value in result.evaluation.items()) or "n/a"

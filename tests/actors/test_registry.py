@@ -110,3 +110,43 @@ def test_an_address_outside_the_session_is_refused_before_anything_connects_to_i
             keyed.proc("ipc://relative.sock", None)
     finally:
         keyed.close()
+
+
+LATE_PEER = """
+import asyncio, subprocess, sys, time
+from actors._runtime._core import runtime
+from actors._shared._session import write_incarnation
+
+rt = runtime()
+address = f"ipc://{rt.dir}/w9-late.sock"
+
+async def first():
+    rt.driver.ensure_loop()
+    return rt.registry.proc(address, None)  # its pid not recorded yet: looked up again on this loop's timer
+
+ref = asyncio.run(first())  # ends with that timer still pending
+child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+write_incarnation(rt.dir, address, child.pid)
+
+async def second():
+    rt.driver.ensure_loop()
+    deadline = time.monotonic() + 10  # a guard against a hang only
+    while ref.pid is None and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    return ref.pid
+
+found = asyncio.run(second())
+child.kill()
+child.wait()
+print("found" if found == child.pid else f"not found: {found}")
+"""
+
+
+def test_a_second_asyncio_run_still_looks_up_a_peers_pid():
+    """A program's first ``asyncio.run`` ends while a peer's pid is still being looked up: the next one looks it up
+    (before, the first loop's timer stayed marked as pending, so the lookup stopped for good and the peer's death
+    would never be seen)."""
+    from harness import run_python
+
+    proc = run_python("-c", LATE_PEER, timeout=60)
+    assert proc.stdout.strip().endswith("found") and "not found" not in proc.stdout, proc.stdout + proc.stderr

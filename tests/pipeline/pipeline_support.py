@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import resource
@@ -12,7 +13,7 @@ import torch
 
 from actors import Actor, current_rank, current_size, endpoint, this_host
 from actors.tensors import is_sharded
-from pipeline import BanditTask, Config, Generator, Learner, RefModel, Scorer, resolve
+from pipeline import BanditTask, Config, Generator, Learner, RefModel, Scorer, Trainer, resolve
 from pipeline.learning import DataParallel, GroupAddress, RankShare, Rendezvous, group_kind
 from pipeline.tasks import load_task, to_device
 
@@ -261,3 +262,25 @@ class DrainFailingGenerator(Generator):
             if self.config.extra.get("drain_exit"):
                 os._exit(9)
             raise RuntimeError("drain exploded on purpose")
+
+
+class StuckStartTrainer(Trainer):
+    """A trainer whose start never finishes (its first manifests wait forever): the run is interrupted while it
+    starts. Writes ``<run_dir>/starting`` once it is there."""
+
+    @endpoint
+    async def initial_manifests(self):  # type: ignore[no-untyped-def]
+        with open(os.path.join(self.config.run_dir, "starting"), "w") as f:
+            f.write("waiting\n")
+        await asyncio.Event().wait()
+
+
+class SlowCheckpointTrainer(Trainer):
+    """A trainer whose final checkpoint takes minutes: writes ``<run_dir>/saving`` when one is asked for."""
+
+    @endpoint
+    async def checkpoint(self) -> str:  # type: ignore[override]
+        with open(os.path.join(self.config.run_dir, "saving"), "w") as f:
+            f.write("saving\n")
+        await asyncio.sleep(600)
+        return await super().checkpoint()

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -21,6 +22,8 @@ from pipeline_support import (
     ForbiddenRefModel,
     HookedGenerator,
     ProbeGenerator,
+    SlowCheckpointTrainer,
+    StuckStartTrainer,
     SyncRecordingRefModel,
 )
 
@@ -567,3 +570,58 @@ def checkpoint_step(run_dir: str) -> int:
         return int(load_checkpoint(run_dir)["step"])
     except (FileNotFoundError, OSError, EOFError, RuntimeError):
         return 0
+
+
+async def _until_file(path: str, run: asyncio.Future[Any]) -> None:
+    deadline = time.monotonic() + 120  # a guard against a hang only
+    while not os.path.exists(path) and not run.done() and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    assert os.path.exists(path), "the role never got there"
+
+
+async def test_an_interrupt_while_the_trainer_starts_writes_no_final_checkpoint(tmp_path, sockets_dir, capfd):
+    """A trainer still starting has nothing new to save (a resumed sharded one would save its untrained policy over
+    the checkpoint it resumes from, and remove the shards): interrupted then, the run writes no checkpoint."""
+    config = Config(steps=100, task=BANDIT, run_dir=str(tmp_path))
+    run = asyncio.ensure_future(run_pipeline(config, quiet=True, roles=Roles(trainer=StuckStartTrainer)))
+    await _until_file(str(tmp_path / "starting"), run)
+    run.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(run, 30)
+    assert not (tmp_path / "checkpoint.pt").exists()
+    assert "final checkpoint" not in capfd.readouterr().err
+
+
+async def test_a_role_failure_is_what_the_run_ends_with_even_if_its_final_checkpoint_is_interrupted(
+    tmp_path, sockets_dir
+):
+    """A role fails, the trainer is asked for a final checkpoint, and the user interrupts the wait (as its message
+    invites): the checkpoint is skipped, and the run still ends with the role's failure (before, the interrupt
+    replaced it: exit 130 and no word of what failed)."""
+    config = Config(steps=500, task=BANDIT, run_dir=str(tmp_path))
+    run = asyncio.ensure_future(
+        run_pipeline(config, quiet=True, roles=Roles(scorer=FailingScorer, trainer=SlowCheckpointTrainer))
+    )
+    await _until_file(str(tmp_path / "saving"), run)
+    run.cancel()
+    with pytest.raises(PipelineError, match="scorer exploded on purpose"):
+        await asyncio.wait_for(run, 30)
+
+
+async def test_overwrite_keeps_the_earlier_run_when_the_new_one_cannot_start(tmp_path, sockets_dir):
+    """--overwrite removes the earlier run's outputs only once the new run's task loads: a run refused before
+    that leaves them as they were."""
+    (tmp_path / "checkpoint.pt").write_text("the earlier run's")
+    config = Config(steps=5, task="pipeline_support:NoSuchTask", run_dir=str(tmp_path))
+    with pytest.raises(Exception, match="NoSuchTask"):
+        await run_pipeline(config, quiet=True, overwrite=True)
+    assert (tmp_path / "checkpoint.pt").read_text() == "the earlier run's"
+
+
+def test_a_run_folder_that_is_a_file_is_one_error_line(tmp_path, capsys):
+    from pipeline.grpo import main
+
+    (tmp_path / "run").write_text("not a folder")
+    assert main(["--run-dir", str(tmp_path / "run"), "--steps", "2", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err, err
