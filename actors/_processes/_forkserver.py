@@ -219,7 +219,7 @@ class Forkserver:
         self._retry: Any = None
         self._refs: dict[int, ProcRef] = {}
         self.closed = False
-        self._open_fds = {process.requests, process.status}  # closed once each (``_close_pipes``)
+        self._open_fds = {process.requests, process.status}  # closed once each (``_close_once``)
         rt.driver.add_reader(self.status_fd, self._on_status)
         at_runtime_exit(self.close)
 
@@ -312,21 +312,22 @@ class Forkserver:
             loop.call_later(0.01, self._reap, tries - 1)
 
     def _close_pipes(self) -> None:
-        """Close both pipes, once: a second close could hit a descriptor the program has since reused."""
         for fd in (self.process.requests, self.status_fd):
-            if fd in self._open_fds:
-                self._open_fds.discard(fd)
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+            self._close_once(fd)
+
+    def _close_once(self, fd: int) -> None:
+        """Close one of the pipes unless it was: a second close could hit a descriptor the program has since
+        reused."""
+        if fd in self._open_fds:
+            self._open_fds.discard(fd)
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def close(self) -> None:
         """Shut the forkserver down; it terminates every worker it forked."""
         # The program is exiting: a process it asked for and never got is no failure to report.
         self._refs.clear()
-        if self.process.requests in self._open_fds:  # its end of input: the forkserver stops its workers
-            self._open_fds.discard(self.process.requests)
-            with contextlib.suppress(OSError):
-                os.close(self.process.requests)
+        self._close_once(self.process.requests)  # its end of input: the forkserver stops its workers
         if not self.process.wait(TERM_GRACE + 3):
             self.process.kill()
             self.process.wait(5)

@@ -260,36 +260,27 @@ class Decoder:
             buffer = buffer.buffer if hasattr(buffer, "buffer") else memoryview(buffer)
         elif type(data) is bytes:
             # A copy the tensor owns: a tensor over the bytes object itself would let a write change an
-            # immutable object (CPython shares the one-byte ones interpreter-wide). Its memory is the allocator's,
-            # aligned for every dtype here.
-            if len(data) != nbytes:
-                raise DecodeError(f"tensor of shape {shape} needs {nbytes} bytes, the record holds {len(data)}")
-            if numel == 0:
-                return self._empty(shape, dtype)
-            flat = tensor_over(bytearray(data), dtype, numel)
-            return flat if len(shape) == 1 else flat.view(shape)
+            # immutable object (CPython shares the one-byte ones interpreter-wide).
+            buffer = bytearray(data)
         else:
             raise DecodeError("malformed tensor data")
         size = buffer.nbytes if isinstance(buffer, memoryview) else len(buffer)
         if size != nbytes:
             raise DecodeError(f"tensor of shape {shape} needs {nbytes} bytes, frame holds {size}")
         if numel == 0:
-            return self._empty(shape, dtype)
+            try:
+                return torch.empty(shape, dtype=dtype)
+            except RuntimeError as exc:  # other dims whose strides overflow int64
+                raise DecodeError(f"malformed tensor shape {shape!r:.80}: {exc}") from None
         flat = tensor_over(buffer, dtype, numel)
-        if flat.data_ptr() % itemsize:
+        if type(data) is int and flat.data_ptr() % itemsize:
             # ZeroMQ may hand a frame at any address (a zero-copy receive points into its read buffer); kernels
-            # assume elements are aligned (a complex128 cast over such memory crashed), so this one is copied.
+            # assume elements are aligned (a complex128 cast over such memory crashed), so this one is copied. (An
+            # inline tensor's bytearray is the allocator's memory, aligned for every dtype here.)
             aligned = torch.empty(numel, dtype=dtype)
             aligned.view(torch.uint8).copy_(tensor_over(buffer, torch.uint8, nbytes))
             flat = aligned
         return flat if len(shape) == 1 else flat.view(shape)
-
-    @staticmethod
-    def _empty(shape: list[int], dtype: torch.dtype) -> torch.Tensor:
-        try:
-            return torch.empty(shape, dtype=dtype)
-        except RuntimeError as exc:  # other dims whose strides overflow int64
-            raise DecodeError(f"malformed tensor shape {shape!r:.80}: {exc}") from None
 
     def _dataclass(self, record: Any) -> Any:
         if type(record) is not list or len(record) != 2 or type(record[0]) is not str or type(record[1]) is not list:

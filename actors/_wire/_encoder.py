@@ -2,7 +2,8 @@
 
 Large tensors travel as separate zero-copy frames, small ones inline; a
 dataclass travels as its class's qualified name and the values of all its
-fields (those its constructor does not take too); a port or an actor mesh as its registered handle state.
+fields (those its constructor does not take too); a port or an actor mesh
+as its registered handle state.
 """
 
 from __future__ import annotations

@@ -436,6 +436,14 @@ class SlotHolds:
             mapping.mm.close()
         os.close(mapping.fd)
 
+    def keep(self, held: dict[str, str], update_id: str, name: str) -> None:
+        """Record in ``held`` (a reader's update -> segment) the hold :meth:`hold` just took for ``update_id``; an
+        update read again gives its extra hold back, so that the reader's one release frees it."""
+        if update_id in held:
+            self.unhold(name)
+        else:
+            held[update_id] = name
+
     def unhold(self, name: str) -> None:
         mapping = self._maps.get(name)
         if mapping is None or mapping.holders == 0:

@@ -297,10 +297,7 @@ class CudaIpcReader:
         except BaseException:
             self._holds.unhold(parsed.slot)
             raise
-        if update_id in self._held:  # read again: one hold per update, so that one release frees it
-            self._holds.unhold(parsed.slot)
-        else:
-            self._held[update_id] = parsed.slot
+        self._holds.keep(self._held, update_id, parsed.slot)
         return tensors
 
     def _local_device(self, uuid: str) -> int:

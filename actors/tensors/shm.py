@@ -73,10 +73,7 @@ class ShmReader:
         except BaseException:
             self._holds.unhold(handle)
             raise
-        if update_id in self._held:  # read again: one hold per update, so that one release frees it
-            self._holds.unhold(handle)
-        else:
-            self._held[update_id] = handle
+        self._holds.keep(self._held, update_id, handle)
         return tensors
 
     def release(self, update_id: str) -> None:

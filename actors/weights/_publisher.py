@@ -184,11 +184,8 @@ class WeightPublisher:
                 )
             reservation = writer.reserve_blocking(total, self.timeout if timeout is None else timeout)
         try:
-            with self._lock:  # a close() from another thread meanwhile frees the storage once this copy ends
-                if self.closed:
-                    raise WeightSyncError(f"this weight publisher was closed while it published version {version}")
-                self._filling = True
-            specs = self._fill_off_loop(reservation, tensors, specs)
+            self._begin_fill(version)  # (a close() from another thread meanwhile frees the storage once it is done)
+            specs = self._fill_guarded(reservation, tensors, specs)
         except BaseException:
             if not self.closed:  # a closed publisher's storage is gone with its reservations
                 writer.abort(reservation)
@@ -223,9 +220,8 @@ class WeightPublisher:
             try:
                 if writer.host_copy and (total >= OFFLOAD_BYTES or _on_a_gpu(tensors)):
                     ready = _queued_work(tensors)  # (recorded here: the caller's streams are this thread's)
-                    with self._lock:
-                        self._filling = True
-                    specs = await _to_thread_to_the_end(self._fill_off_loop, reservation, tensors, specs, ready)
+                    self._begin_fill(version)
+                    specs = await _to_thread_to_the_end(self._fill_guarded, reservation, tensors, specs, ready)
                 else:
                     specs = self._fill_no_grad(reservation, tensors, specs)
             except BaseException:
@@ -238,15 +234,22 @@ class WeightPublisher:
             raise WeightSyncError(f"this weight publisher was closed while it published version {version}")
         return self._commit(reservation, version, specs, total, extra)
 
-    def _fill_off_loop(
+    def _begin_fill(self, version: int) -> None:
+        """Mark a copy into the reserved slot as under way, unless a close() came first (from another thread)."""
+        with self._lock:
+            if self.closed:
+                raise WeightSyncError(f"this weight publisher was closed while it published version {version}")
+            self._filling = True
+
+    def _fill_guarded(
         self,
         reservation: Any,
         tensors: list[tuple[str, torch.Tensor]],
         specs: list[TensorSpec],
         ready: tuple[Any, ...] = (),
     ) -> list[TensorSpec]:
-        """:meth:`_fill_no_grad` while ``_filling`` is set (a worker thread's, or a blocking publish's): a
-        :meth:`close` meanwhile, from any thread, frees the storage once the copy is done."""
+        """:meth:`_fill_no_grad` once :meth:`_begin_fill` marked it (on a worker thread, or a blocking publish's
+        own): a :meth:`close` meanwhile, from any thread, frees the storage once the copy is done."""
         try:
             for event in ready:  # the GPU work that made the tensors, queued on the caller's streams, is done
                 event.synchronize()

@@ -38,10 +38,9 @@ def _one_of(config: Config, name: str, choices: tuple[str, ...]) -> None:
 
 
 def _check_run_shape(config: Config) -> None:
-    """Bounds of the run's checkpoints, hosts and schedule (before, each was taken and did nothing sensible)."""
-    if config.checkpoint_every < 0:
+    """Bounds of the run's checkpoints and schedule (before, each was taken and did nothing sensible)."""
+    if config.checkpoint_every < 0:  # (its flag is --save-every: not _at_least's name)
         raise SettingsError(f"--save-every {config.checkpoint_every}: must be at least 0 (0: only at the end)")
-    _at_least(config, "ray_hosts", 0)
     if config.warmup_steps > config.steps:
         raise SettingsError(
             f"--warmup-steps {config.warmup_steps} with --steps {config.steps}: the learning rate would never "
@@ -89,6 +88,7 @@ def check_settings(config: Config) -> None:
         "log_completions",
         "num_generations_eval",
         "lora_r",
+        "ray_hosts",
     ):
         _at_least(config, name, 0)
     _check_lora(config)

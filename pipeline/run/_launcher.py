@@ -53,7 +53,7 @@ from ._cli import parse_args
 from ._failures import PipelineError, first_failure
 from ._metrics import MetricsLog, Progress, plot
 from ._placement import check_placement
-from ._run_dir import outputs, prepare_fresh
+from ._run_dir import outputs, refuse_earlier_run, remove_earlier_run
 from ._sinks import TrackerError
 
 if TYPE_CHECKING:
@@ -293,14 +293,14 @@ async def run_pipeline(
     """Run the pipeline described by ``config``; raises PipelineError if a role fails.
 
     A fresh run (not ``resume``) refuses a run folder holding an earlier run's outputs, unless ``overwrite``
-    removes them first (:func:`~._run_dir.prepare_fresh`).
+    removes them first (:mod:`._run_dir`).
     """
     roles = roles or Roles()
     check_settings(config)  # before anything starts: settings that cannot train start nothing
     check_task_settings(config)
     check_placement(config)  # nor do roles that cannot be placed
     if not resume and not overwrite:
-        prepare_fresh(config.run_dir, overwrite=False)  # nor does a run that would mix with an earlier one
+        refuse_earlier_run(config.run_dir)  # nor does a run that would mix with an earlier one
     config = resolve(config)
     # a task that cannot be built fails here, with its own message, before any process starts
     modules = load_task(config).role_modules
@@ -309,7 +309,7 @@ async def run_pipeline(
     if config.trust_remote_code:  # the model's own code imported here first: the roles then find it in the cache
         check_model(config.model, trust_remote_code=True)
     if not resume and overwrite:  # only once the run's settings, task and model are known good
-        prepare_fresh(config.run_dir, overwrite=True)
+        remove_earlier_run(config.run_dir)
     os.makedirs(config.run_dir, exist_ok=True)
     checkpoint.remove_stale_staging(config.run_dir)  # an earlier run killed while it saved
     if resume and not checkpoint.exists(config.run_dir):

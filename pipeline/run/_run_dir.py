@@ -15,7 +15,7 @@ import shutil
 from ..config import SettingsError
 from ..learning import checkpoint
 
-__all__ = ["OUTPUTS", "earlier_outputs", "outputs", "prepare_fresh"]
+__all__ = ["OUTPUTS", "earlier_outputs", "outputs", "refuse_earlier_run", "remove_earlier_run"]
 
 #: What a run folder may hold, in the order the summary names it.
 OUTPUTS = (
@@ -48,18 +48,19 @@ def earlier_outputs(run_dir: str) -> list[str]:
     return outputs(run_dir) + [name + "/" for name in shards]
 
 
-def prepare_fresh(run_dir: str, overwrite: bool) -> None:
-    """Make ``run_dir`` ready for a fresh run: refuse one holding an earlier run's outputs, or with ``overwrite``
-    remove them (other files of the user's stay)."""
+def refuse_earlier_run(run_dir: str) -> None:
+    """:class:`SettingsError` if ``run_dir`` holds an earlier run's outputs (a fresh run would mix with them)."""
     earlier = earlier_outputs(run_dir)
-    if not earlier:
-        return
-    if not overwrite:
+    if earlier:
         raise SettingsError(
             f"--run-dir {run_dir} holds an earlier run ({', '.join(earlier)}): continue it with --resume {run_dir}, "
             "pick another folder, or add --overwrite to replace it"
         )
-    for name in earlier:
+
+
+def remove_earlier_run(run_dir: str) -> None:
+    """Remove an earlier run's outputs from ``run_dir`` (``--overwrite``); other files of the user's stay."""
+    for name in earlier_outputs(run_dir):
         target = os.path.join(run_dir, name.rstrip("/"))
         if os.path.isdir(target) and not os.path.islink(target):
             shutil.rmtree(target)

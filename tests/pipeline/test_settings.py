@@ -213,7 +213,7 @@ def test_a_setting_that_cannot_train_is_one_line_and_exit_2(tmp_path, capsys, fl
 def test_a_fresh_run_in_a_folder_holding_an_earlier_run_is_refused_and_loses_nothing(tmp_path, capsys):
     """The earlier run's checkpoint was deleted without a word, and its completions, TensorBoard events and model
     stayed beside the new run's; now the run is refused (exit 2, nothing touched) unless --overwrite is given."""
-    from pipeline.run._run_dir import prepare_fresh
+    from pipeline.run._run_dir import refuse_earlier_run, remove_earlier_run
 
     run_dir = tmp_path / "run"
     (run_dir / "tensorboard").mkdir(parents=True)
@@ -232,9 +232,9 @@ def test_a_fresh_run_in_a_folder_holding_an_earlier_run_is_refused_and_loses_not
         "notes.txt",
         "tensorboard",
     ]
-    prepare_fresh(str(run_dir), overwrite=True)
+    remove_earlier_run(str(run_dir))
     assert os.listdir(run_dir) == ["notes.txt"], "the earlier run's outputs go; the user's own file stays"
-    prepare_fresh(str(tmp_path / "new"), overwrite=False)  # a folder that does not exist yet is fresh
+    refuse_earlier_run(str(tmp_path / "new"))  # a folder that does not exist yet is fresh
     with pytest.raises(SettingsError, match="--overwrite with --resume"):
         (run_dir / "config.json").write_text(json.dumps(Config(steps=10, device="cpu").to_dict()))
         parse_args(["--resume", str(run_dir), "--overwrite"])
