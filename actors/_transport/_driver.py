@@ -197,8 +197,17 @@ class Driver:
                     return fn()
                 continue  # a hand-over just ended: the loop it bound runs ``fn``
             done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            # Taken by whichever comes first: ``run`` on the loop, or this thread giving up on that loop, so
+            # ``fn`` runs once even when a stopped loop runs its queue again later.
+            claim = threading.Lock()
 
-            def run(done: concurrent.futures.Future[Any] = done) -> None:
+            def run(
+                done: concurrent.futures.Future[Any] = done,
+                claim: threading.Lock = claim,
+                loop: asyncio.AbstractEventLoop = loop,
+            ) -> None:
+                if self.loop is not loop or not claim.acquire(blocking=False):
+                    return  # (the runtime left this loop, or the waiting thread took ``fn`` elsewhere)
                 try:
                     done.set_result(fn())
                 except BaseException as exc:
@@ -214,11 +223,16 @@ class Driver:
                 try:
                     return done.result(min(ON_THREAD_SLICE, max(0.0, give_up - time.monotonic())))
                 except concurrent.futures.TimeoutError:
-                    if loop.is_closed() and not done.done():
-                        break  # it ended without running ``fn``: nothing ran, hand it to the next loop
+                    if not self._drives(loop) and claim.acquire(blocking=False):
+                        break  # it stopped, ended or handed over without running ``fn``: hand it to the next loop
                     if time.monotonic() >= give_up:
+                        claim.acquire(blocking=False)  # (not started: it never runs after this timeout)
                         raise
             self.next_loop(loop)
+
+    def _drives(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """Whether ``loop`` still drives the runtime: bound to it and running (not stopped, closed or handed over)."""
+        return self.loop is loop and loop.is_running()
 
     def _settle(self) -> bool:
         """Wait out a change of loop another thread is making; True if a running loop drives the runtime now.
@@ -259,8 +273,8 @@ class Driver:
         self._chasing = loop.call_later(delay, again)
 
     def _readable(self) -> None:
-        if self.closed:
-            return
+        if self.closed or running_loop() is not self.loop:
+            return  # (queued on a loop the runtime has left: the loop that drives it now reads the inbox)
         if not self._inbox.pump(limit=256):
             assert self.loop is not None
             self.loop.call_soon(self._readable)
@@ -306,18 +320,38 @@ class Driver:
         while True:
             limit = LOOP_WAIT_SLICE if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                waiting = asyncio.run_coroutine_threadsafe(self.wait_until(condition, limit), loop)
+                waiting = asyncio.run_coroutine_threadsafe(self._wait_if_bound(loop, condition, limit), loop)
             except RuntimeError:  # closed since this thread looked
                 return False
-            try:
-                if waiting.result(limit + HANDOVER_TIMEOUT):
+            end = time.monotonic() + limit + HANDOVER_TIMEOUT
+            while True:
+                try:
+                    held = waiting.result(min(ON_THREAD_SLICE, max(0.0, end - time.monotonic())))
+                except concurrent.futures.CancelledError:  # the loop ended with the wait on it
+                    return False
+                except concurrent.futures.TimeoutError:
+                    if not self._drives(loop):  # it stopped or handed the runtime over, the wait still on it
+                        waiting.cancel()
+                        return False
+                    if time.monotonic() < end:
+                        continue
+                    waiting.cancel()
+                    held = False
+                if held is None:  # it ran on a loop the runtime had left (a hand-over's last tasks)
+                    return False
+                if held:
                     return True
-            except concurrent.futures.CancelledError:  # the loop ended with the wait on it
-                return False
-            except concurrent.futures.TimeoutError:
-                waiting.cancel()
+                break
             if deadline is not None and time.monotonic() >= deadline:
                 raise CallTimeout(f"gave up after {timeout:.1f}s waiting for {what}")
+
+    async def _wait_if_bound(
+        self, loop: asyncio.AbstractEventLoop, condition: Callable[[], bool], timeout: float
+    ) -> bool | None:
+        """:meth:`wait_until` on ``loop`` while it drives the runtime; None if the runtime left it first."""
+        if self.loop is not loop or loop is self._retiring:
+            return None
+        return await self.wait_until(condition, timeout)
 
     def next_loop(self, old: asyncio.AbstractEventLoop) -> asyncio.AbstractEventLoop | None:
         """For a thread whose wait through ``old`` ended with that loop: the running loop that drives the

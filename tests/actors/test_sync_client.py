@@ -371,3 +371,123 @@ def test_a_thread_using_the_runtime_mid_hand_over_waits_for_the_loop_that_takes_
         """,
     )
     assert lines == ["bound", "[2]", "[]"]
+
+
+def test_a_wait_through_the_programs_loop_goes_on_when_that_loop_stops(tmp_path):
+    """A helper thread waits through the program's loop, and that loop stops (``run_until_complete`` returned; the
+    loop is not closed). The wait used to sit on the stopped loop, re-sent to it every minute, forever; now the
+    helper sees the loop stopped and waits through the loop that drives the runtime next (the background one)."""
+    lines = run_program(
+        tmp_path,
+        """
+        if __name__ == "__main__":
+            from actors._runtime._core import current_runtime
+            procs, talker = served_talker()
+            driver = current_runtime().driver
+            flag, got = [], []
+            loop = asyncio.new_event_loop()
+
+            async def wait_in_a_thread():
+                assert await talker.echo.call_one(1) == 1  # the runtime moved to this loop
+                thread = in_a_thread(lambda: driver.wait(lambda: bool(flag), timeout=None, what="the flag") or "held", got)
+                while not driver._progress:  # the helper's wait is on this loop
+                    await asyncio.sleep(0.001)
+                return thread
+
+            thread = loop.run_until_complete(wait_in_a_thread())  # the loop stops, not closed, with the wait on it
+            flag.append(1)
+            thread.join(30)
+            print(got, runtime_threads())
+            procs.stop().get()
+            loop.close()
+        """,
+    )
+    assert lines == ["['held']", "['actors-runtime']"]
+
+
+def test_work_handed_to_a_loop_that_stops_before_running_it_runs_once_on_the_next(tmp_path):
+    """A helper thread hands work to the program's loop (``on_thread``), which stops before running it. The helper
+    used to wait for the stopped loop until its minute ran out; now the work runs on the loop that drives the
+    runtime next, and when the stopped loop runs again it does not run the work a second time."""
+    lines = run_program(
+        tmp_path,
+        """
+        if __name__ == "__main__":
+            from actors._runtime._core import current_runtime
+            procs, talker = served_talker()
+            driver = current_runtime().driver
+            ran, got, threads = [], [], []
+            loop = asyncio.new_event_loop()
+            handed = threading.Event()
+            schedule = loop.call_soon_threadsafe
+
+            def noting_the_hand_off(callback, *args, **kwargs):
+                handle = schedule(callback, *args, **kwargs)
+                if getattr(callback, "__name__", "") == "run":
+                    handed.set()
+                return handle
+
+            loop.call_soon_threadsafe = noting_the_hand_off
+
+            async def stop_with_work_handed_over():
+                assert await talker.echo.call_one(1) == 1  # the runtime moved to this loop
+                work = lambda: ran.append(threading.current_thread().name) or "ran"
+                threads.append(in_a_thread(lambda: driver.on_thread(work), got))
+                handed.wait(30)  # (this loop's thread held on purpose: the work waits in its queue)
+                asyncio.get_running_loop().stop()  # the loop stops before its next turn would run the work
+                await asyncio.sleep(0)
+
+            try:
+                loop.run_until_complete(stop_with_work_handed_over())
+            except RuntimeError:
+                pass  # (stopped before the coroutine finished)
+            threads[0].join(30)
+            print(got, ran)
+            loop.run_until_complete(asyncio.sleep(0))  # the stopped loop runs again: its queue holds the work
+            print(ran)
+            procs.stop().get()
+            loop.close()
+        """,
+    )
+    assert lines == ["['ran']", "['actors-runtime']", "['actors-runtime']"]
+
+
+def test_a_loop_that_no_longer_drives_the_runtime_does_not_read_its_inbox(tmp_path):
+    """The program's loop binds the runtime and stops before its first look at the inbox; the background loop
+    takes the runtime back. When the program runs that loop again, for something else, its queued look used to
+    read the inbox on the program's thread while the background loop read it on its own."""
+    lines = run_program(
+        tmp_path,
+        """
+        if __name__ == "__main__":
+            from actors._runtime._core import current_runtime
+            procs, talker = served_talker()
+            driver = current_runtime().driver
+            readers = []
+            pump = driver._inbox.pump
+
+            def noting_the_reader(*args, **kwargs):
+                readers.append(threading.current_thread().name)
+                return pump(*args, **kwargs)
+
+            driver._inbox.pump = noting_the_reader
+            loop = asyncio.new_event_loop()
+
+            async def bind_then_stop():
+                driver.ensure_loop()  # the runtime moves to this loop; its first look at the inbox is queued
+                asyncio.get_running_loop().stop()  # and the loop stops before that look
+                await asyncio.sleep(0)
+
+            try:
+                loop.run_until_complete(bind_then_stop())
+            except RuntimeError:
+                pass  # (stopped before the coroutine finished)
+            assert talker.echo.call_one(2).get(timeout=30) == 2  # the background loop takes the runtime back
+            readers.clear()
+            loop.run_until_complete(asyncio.sleep(0))  # the program's loop runs again, for something else
+            print("MainThread" in readers)
+            procs.stop().get()
+            loop.close()
+        """,
+    )
+    assert lines == ["False"]
