@@ -168,6 +168,10 @@ class Config:
     checkpoint_every: int = 200
     stop_grace: float = 20.0  # seconds Ctrl-C or SIGTERM waits for the trainer's final checkpoint
     generator_restarts: int = 3  # a dead generator is restarted at most this often per minute
+    #: How long a generator waits for the policy version its ticket needs: a guard against a hung trainer, so it
+    #: must outlast the trainer's longest pause between publishes (an evaluation, a large model's checkpoint, a
+    #: peer generator's restart). A trainer that dies is noticed at once, whatever this is.
+    weights_timeout: float = 600.0
     target_score: float | None = None  # stop once the task's primary held-out metric reaches this
     threads: int = 1  # torch threads per role (every role is its own process)
     run_dir: str = ""

@@ -108,6 +108,8 @@ def check_settings(config: Config) -> None:
         raise SettingsError(
             f"--stop-grace {config.stop_grace}: a number of seconds, at least 0 (0: no final checkpoint)"
         )
+    if not 0 < config.weights_timeout < math.inf:
+        raise SettingsError(f"--weights-timeout {config.weights_timeout}: a number of seconds above 0")
     if not 0 < config.eval_fraction < 1:
         raise SettingsError(f"--eval-fraction {config.eval_fraction}: the held-out share must be in (0, 1)")
     _check_run_shape(config)

@@ -26,7 +26,7 @@ from ._devices import (
     trainer_rank_device,
     uses_reference,
 )
-from ._generator import WEIGHTS_TIMEOUT, Generator
+from ._generator import Generator
 from ._messages import WAKE, GeneratorTimes, Grant, Rollout, ScoredRollout, StepReport
 from ._scorers import RefModel, Scorer
 from ._tickets import Tickets
@@ -38,7 +38,6 @@ __all__ = [
     "ALLOCATOR_VARIABLES",
     "CPU",
     "WAKE",
-    "WEIGHTS_TIMEOUT",
     "Generator",
     "GeneratorTimes",
     "Grant",

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 
 from actors import (
+    CallTimeout,
     Channel,
     Port,
     ReceivesWeights,
@@ -32,15 +33,7 @@ from ._devices import (
 )
 from ._messages import WAKE, GeneratorTimes, Grant, Rollout
 
-__all__ = [
-    "WEIGHTS_TIMEOUT",
-    "Generator",
-]
-
-#: How long a generator waits for the policy version a grant requires: a guard against a hung trainer, so it must
-#: outlast the trainer's longest pause between publishes (a held-out evaluation and a checkpoint of a large model
-#: between two steps). A trainer that dies is noticed at once (its pidfd on this host, the launcher's supervision).
-WEIGHTS_TIMEOUT = 600.0
+__all__ = ["Generator"]
 
 
 class Generator(ReceivesWeights):
@@ -175,13 +168,15 @@ class Generator(ReceivesWeights):
         The trainer sends every generator the versions its tickets need, as
         soon as they are published; if one is stale by the time it is
         installed (its slot reused by newer versions), a newer one follows.
-        Waits at most ``WEIGHTS_TIMEOUT`` s for each update.
+        Waits at most ``Config.weights_timeout`` s for each update (a trainer
+        that dies is noticed at once: its pidfd on this host, the launcher's
+        supervision).
         """
         while self.version < version and not self.stopping:
             await self.install_weights()
             if self.version >= version:
                 return
-            arrived = asyncio.ensure_future(self.weight_inbox.wait(WEIGHTS_TIMEOUT))
+            arrived = asyncio.ensure_future(self.weight_inbox.wait(self.config.weights_timeout))
             stopped = asyncio.ensure_future(self._stopped.wait())
             try:
                 await asyncio.wait([arrived, stopped], return_when=asyncio.FIRST_COMPLETED)
@@ -192,8 +187,14 @@ class Generator(ReceivesWeights):
                 # meanwhile (Ctrl-C, a drain's guard) propagates: suppressing around an await would swallow it.
                 await asyncio.wait([arrived, stopped])
             failure = arrived.exception() if arrived.done() and not arrived.cancelled() else None
+            if isinstance(failure, CallTimeout) and not self.stopping:
+                raise CallTimeout(
+                    f"generator {self.id} waited {self.config.weights_timeout:g}s for policy version {version} "
+                    f"(it has {self.version}) and the trainer published none newer: raise --weights-timeout if "
+                    "the trainer's pauses (an evaluation, a checkpoint, a generator's restart) last longer"
+                ) from failure
             if failure is not None and not self.stopping:
-                raise failure  # a timeout or a dead publisher (a drain that came with it wins: nothing is lost)
+                raise failure  # a dead publisher (a drain that came with either wins: nothing is lost)
 
     @endpoint
     async def drain(self) -> None:

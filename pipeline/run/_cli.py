@@ -497,6 +497,15 @@ def build_parser() -> argparse.ArgumentParser:
     pipe.add_argument(
         "--generator-restarts", type=int, default=3, help="restarts of a dead generator allowed per minute (0: none)"
     )
+    pipe.add_argument(
+        "--weights-timeout",
+        type=float,
+        default=Config().weights_timeout,
+        metavar="S",
+        help="how long a generator waits for the policy version its ticket needs before the run fails: longer "
+        "than the trainer's longest pause (an evaluation, a checkpoint, a generator's restart; default "
+        f"{Config().weights_timeout:g})",
+    )
     run = parser.add_argument_group("run")
     run.add_argument("--run-dir", help="where outputs go (default runs/grpo-<time>)")
     run.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last checkpoint")
@@ -580,6 +589,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
             is_min=args.is_min,
             checkpoint_every=args.save_every,
             stop_grace=args.stop_grace,
+            weights_timeout=args.weights_timeout,
             eval_size=args.eval_size,
             eval_every=args.eval_every,
             steps=args.steps,
@@ -715,6 +725,7 @@ def _resumed(args: argparse.Namespace, given: set[str]) -> Config:
         "trainer_ranks",  # a checkpoint holds the policy whole: any N continues
         "trainer_shard",
         "stop_grace",
+        "weights_timeout",
     )
     may_change = {"resume", "quiet", *resumable, *(f"{role}_device" for role in ROLES)}
     if "overwrite" in given:

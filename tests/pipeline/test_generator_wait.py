@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import types
 
 import pytest
 
 from actors import CallTimeout
+from pipeline.config import Config, SettingsError, check_settings
 from pipeline.roles._generator import Generator
+from pipeline.run import parse_args
 
 
 def _waiting(inbox_wait: object, stopped: object) -> types.SimpleNamespace:
     """What ``Generator.reach_version`` uses of a generator: its version, installs, inbox and drain flag."""
-    state = types.SimpleNamespace(version=0, stopping=False, _stopped=stopped)
+    state = types.SimpleNamespace(
+        version=0, stopping=False, _stopped=stopped, config=Config(weights_timeout=900.0), id=1
+    )
 
     async def install_weights() -> None:
         state.installs = getattr(state, "installs", 0) + 1
@@ -62,10 +67,29 @@ async def test_a_drain_that_comes_with_a_timeout_ends_the_wait_without_raising_i
     await asyncio.wait_for(Generator.reach_version(state, 5), 30)  # type: ignore[arg-type]
 
 
-async def test_a_timeout_without_a_drain_is_raised():
+async def test_a_timeout_without_a_drain_says_what_waited_for_what_and_the_setting_that_bounds_it():
+    """The wait lasts ``--weights-timeout`` (a trainer paused longer than 600 s, by a peer's slow restart or a long
+    evaluation, failed a healthy generator, and nothing could raise the bound); its error says which generator
+    waited for which version, and the flag."""
+    waited: list[float] = []
+
     async def times_out(timeout: float) -> None:
-        raise CallTimeout("no weights arrived within 600s")
+        waited.append(timeout)
+        raise CallTimeout(f"no weight update arrived within {timeout:g}s")
 
     state = _waiting(times_out, asyncio.Event())
-    with pytest.raises(CallTimeout, match="no weights arrived"):
+    with pytest.raises(
+        CallTimeout, match=r"generator 1 waited 900s for policy version 5 \(it has 0\).*--weights-timeout"
+    ):
         await asyncio.wait_for(Generator.reach_version(state, 5), 30)  # type: ignore[arg-type]
+    assert waited == [900.0]
+
+
+def test_the_weights_timeout_is_a_positive_run_time_setting(tmp_path):
+    assert parse_args(["--weights-timeout", "1800"])[0].weights_timeout == 1800
+    (tmp_path / "config.json").write_text(json.dumps(Config(steps=10, device="cpu").to_dict()))
+    resumed = parse_args(["--resume", str(tmp_path), "--weights-timeout", "1800"])[0]
+    assert resumed.weights_timeout == 1800, "a run-time setting: it may change on --resume"
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(SettingsError, match="--weights-timeout"):
+            check_settings(Config(weights_timeout=bad))
