@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 from collections.abc import Callable
 
 import torch
 
 from .._hosting._actor import Actor, endpoint
-from .._shared._errors import CallTimeout, PublisherDied, StaleUpdateError
+from .._shared._errors import CallTimeout, PublisherDied, StaleUpdateError, WeightSyncError
 from ._consumer import WeightConsumer
 from ._manifest import WeightManifest
 
@@ -33,6 +32,7 @@ class WeightInbox:
         self.publisher: int | None = None
         #: Whether that publisher is on this host (a pid elsewhere cannot be watched).
         self.publisher_here = True
+        self._closed = False
 
     def put(self, manifest: WeightManifest) -> None:
         """Queue ``manifest``; one that is not a sound manifest is refused here, before it can reach the queue."""
@@ -51,37 +51,47 @@ class WeightInbox:
         :class:`PublisherDied` as soon as the publisher of the updates seen
         so far exits (when it is on this host: one elsewhere is noticed when
         its next update cannot be fetched): no update can come from it any
-        more, and the installed weights stay as they are.
+        more, and the installed weights stay as they are. A :meth:`close`
+        meanwhile ends it with :class:`WeightSyncError`.
         """
         if self._queue:
             return
+        self._check_open()
         if self._arrived is None:
             self._arrived = asyncio.Event()
         self._arrived.clear()
         publisher = self.publisher if self.publisher is not None else self.consumer.installed_from
         if not self.publisher_here:
             publisher = None
-        waiters: list[asyncio.Future[object]] = [asyncio.ensure_future(self._arrived.wait())]
+        arrived: asyncio.Future[object] = asyncio.ensure_future(self._arrived.wait())
+        waiters: list[asyncio.Future[object]] = [arrived]
         if publisher is not None:
             waiters.append(asyncio.ensure_future(self.consumer.publishers.death(publisher)))
         try:
             done, _ = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for waiter in waiters:
-                waiter.cancel()
-            for waiter in waiters:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await waiter
+                waiter.cancel()  # (a finished one ignores it)
+            # Let them unwind. A cancel of this task that comes meanwhile (an actor's stop) propagates:
+            # suppressing around an await would swallow it with theirs.
+            await asyncio.wait(waiters)
         if self._queue:
             return
-        if not done:
+        self._check_open()
+        died = [waiter for waiter in done if waiter is not arrived and not waiter.cancelled()]
+        if not died:
             raise CallTimeout(f"no weight update arrived within {timeout:g}s")
+        died[0].result()  # (what the watch raised, if it failed rather than saw a death)
         assert publisher is not None
         raise PublisherDied(
             f"the weight publisher (pid {publisher}) exited; the installed weights "
             f"(version {self.consumer.installed_version}) stay",
             pid=publisher,
         )
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise WeightSyncError("the weight inbox was closed: no update can be waited for")
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -186,13 +196,21 @@ class WeightInbox:
 
     def close(self) -> None:
         """Release what is queued and held, and close the consumer (on an event loop: :meth:`close_async`)."""
+        self._closing()
         for manifest in self._queue:
             self._drop(manifest, "inbox closed")
         self._queue.clear()
         self.consumer.close()
 
+    def _closing(self) -> None:
+        """Mark the inbox closed and wake a :meth:`wait` under way (it raises)."""
+        self._closed = True
+        if self._arrived is not None:
+            self._arrived.set()
+
     async def close_async(self) -> None:
         """:meth:`close` for an event loop: the wait for the GPU's reads of a held ``cuda-ipc`` slot is awaited."""
+        self._closing()
         for manifest in self._queue:  # rejected here, released (awaited) with everything else the consumer holds
             self._reject(manifest, "inbox closed")
         self._queue.clear()

@@ -22,6 +22,7 @@ from actors import (
     WeightConsumer,
     WeightInbox,
     WeightPublisher,
+    WeightSyncError,
 )
 from actors.tensors.cuda_ipc import IPC_HANDLE_BYTES, parse_handle
 from actors.weights import SpecTable
@@ -284,6 +285,58 @@ async def test_waiting_for_an_update_still_times_out_while_the_publisher_lives(p
     with pytest.raises(CallTimeout):
         await inbox.wait(0.2)
     inbox.close()
+
+
+async def test_a_cancel_that_lands_while_the_inbox_wait_unwinds_is_not_swallowed(published):
+    """An update arrives; as the wait's watch of the publisher's death unwinds, the waiting task is cancelled (an
+    actor's stop). The cancel stands (before, it was suppressed with the watch's own, and the task ran on to
+    install after its actor's cleanup had closed the consumer)."""
+    started, unwinding, gate = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    class SlowToUnwind:
+        async def death(self, pid: int) -> None:
+            started.set()
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                unwinding.set()
+                await gate.wait()
+                raise
+
+    inbox = WeightInbox()
+    watch, inbox.consumer.publishers = inbox.consumer.publishers, SlowToUnwind()  # type: ignore[assignment]
+    inbox.publisher = os.getppid()  # (a live publisher on this host: its death is watched)
+    try:
+        waiting = asyncio.ensure_future(inbox.wait(30))
+        await asyncio.wait_for(started.wait(), 30)
+        inbox.put(published)
+        await asyncio.wait_for(unwinding.wait(), 30)
+        waiting.cancel()
+        gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(waiting, 30)
+    finally:
+        inbox.consumer.publishers = watch
+        inbox.close()
+
+
+@pytest.mark.parametrize("watched", [True, False], ids=["publisher-watched", "no-publisher-yet"])
+async def test_closing_the_inbox_ends_a_wait_with_that_reason(published, watched):
+    """A task waits for an update and the inbox is closed (an actor's cleanup): the wait ends at once with a
+    ``WeightSyncError`` saying so (before, the closed watch of the publisher read as its death, ``PublisherDied``
+    of a live trainer; or, with no publisher known yet, the wait slept to its timeout)."""
+    inbox = WeightInbox()
+    if watched:
+        inbox.put(published)
+        inbox.install_newest(filled_model(0.0))  # (the publisher of what is installed is watched)
+    waiting = asyncio.ensure_future(inbox.wait(30))
+    await asyncio.sleep(0)  # (one turn: the wait is under way)
+    started = time.monotonic()
+    inbox.close()
+    with pytest.raises(WeightSyncError, match="closed") as raised:
+        await asyncio.wait_for(waiting, 30)
+    assert not isinstance(raised.value, (PublisherDied, CallTimeout))
+    assert time.monotonic() - started < 5, "at once, not at the wait's timeout"
 
 
 def test_a_closed_pool_keeps_a_held_slots_outside_storage_until_its_last_reader_lets_go():
