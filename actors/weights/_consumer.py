@@ -301,6 +301,10 @@ class WeightConsumer:
         state = self._state.get(update_id)
         if state in (_RELEASED, _REJECTED):
             raise LifecycleError(f"update {update_id} was already {state}; it cannot be imported")
+        if update_id in self._owed:  # (its tensors are forgotten, its storage half let go)
+            raise LifecycleError(
+                f"update {update_id} is being released (a release cut short is owed); it cannot be imported"
+            )
         if state is not None:
             return dict(self._tensors[update_id])
         if self.on_this_host(manifest) and not self.publishers.alive(manifest.publisher_pid):
@@ -494,11 +498,14 @@ class WeightConsumer:
         state = self._state.get(manifest.update_id)
         if state is None and isinstance(exc, (ManifestError, TransportBlocked)):
             return
+        if state == _ACKNOWLEDGED:
+            return  # installed already (into another module): it stays so; this install's error is the news
         if state not in (_RELEASED, _REJECTED):
             self.reject(manifest.update_id, f"{type(exc).__name__}: {exc}")
 
     def _acknowledged(self, manifest: WeightManifest) -> None:
-        self.acknowledge(manifest.update_id)
+        if self._state.get(manifest.update_id) != _ACKNOWLEDGED:  # (installed again: into a second module)
+            self.acknowledge(manifest.update_id)
         self.installed_version = manifest.version
         self.installed_from = manifest.publisher_pid
 
@@ -506,7 +513,8 @@ class WeightConsumer:
         """Record the install; the update a module viewed until now, which the caller releases (None if none)."""
         previous = self._aliased
         self._acknowledged(manifest)
-        self._aliased = manifest.update_id if alias else None
+        # (a copy of the update a module views, into another module: that module views it still)
+        self._aliased = manifest.update_id if alias or previous == manifest.update_id else None
         return previous if previous is not None and previous != manifest.update_id else None
 
     def holds_alias(self, update_id: str) -> bool:

@@ -339,6 +339,27 @@ async def test_closing_the_inbox_ends_a_wait_with_that_reason(published, watched
     assert time.monotonic() - started < 5, "at once, not at the wait's timeout"
 
 
+@pytest.mark.parametrize("alias", [False, True], ids=["copy", "alias"])
+def test_an_installed_update_installs_into_a_second_model_and_a_misfit_one_says_why(published, alias):
+    """One update installed into two models (replicas in one process, or an install retried): the second gets
+    the update too (before, it was written and then ``LifecycleError``: acknowledged twice); a model it does not
+    fit gets the ``ManifestError`` (before, hidden behind a ``LifecycleError`` from rejecting an installed update),
+    and the update stays installed."""
+    consumer = WeightConsumer()
+    first, second = filled_model(0.0), filled_model(0.0)
+    consumer.install(published, first, alias=alias)
+    consumer.install(published, second, alias=alias)
+    assert all_equal(first, 1.0) and all_equal(second, 1.0)
+    assert consumer.state(published.update_id) == "acknowledged"
+    consumer.install(published, filled_model(0.0), alias=False)  # a copy of it, into a third
+    assert consumer.holds_alias(published.update_id) is alias, "a module that views the update still does"
+    with pytest.raises(ManifestError, match="the model's is float32"):
+        consumer.install(published, filled_model(0.0, width=32))
+    assert consumer.state(published.update_id) == "acknowledged"
+    assert consumer.installed_version == 1
+    consumer.close()
+
+
 def test_a_closed_pool_keeps_a_held_slots_outside_storage_until_its_last_reader_lets_go():
     """cuda-ipc's case on the CPU: a slot's payload lives outside its segment (a GPU buffer). Closing the pool
     while a consumer still holds (aliases) one must not free that payload under it: the unheld slot is freed at

@@ -13,7 +13,7 @@ import pytest
 import torch
 from support import Heartbeat, filled_model
 
-from actors import WeightConsumer, WeightInbox, WeightPublisher, WeightSyncError
+from actors import LifecycleError, WeightConsumer, WeightInbox, WeightPublisher, WeightSyncError
 from actors.tensors.shm import SHM_DIR
 
 R = TypeVar("R")
@@ -283,6 +283,8 @@ async def test_a_release_cut_short_is_owed_and_made_by_the_next_one():
         with pytest.raises(asyncio.CancelledError):
             await installing
         assert consumer.state(manifests[0].update_id) == "acknowledged", "the cut-short release left it held"
+        with pytest.raises(LifecycleError, match="owed"):  # (before: a KeyError, its tensors forgotten)
+            consumer.import_update(manifests[0])
         gated.gate.set()
         inbox.put(manifests[2])
         assert await inbox.install_newest_async(model, alias=True) is manifests[2]
