@@ -88,7 +88,9 @@ class Learner:
         config = task.config
         torch.manual_seed(task.seed)  # every run of a seed starts from the same policy
         self.policy = task.build_policy().to(self._home)
-        self.reference_state = copy.deepcopy(self.policy.state_dict())  # the base: LoRA adapters start at 0
+        #: The reference weights (the base: LoRA adapters start at 0), in host memory: read only to publish them,
+        #: mix them every N steps and save them, never to compute (the RefModel role does). None without a KL term.
+        self.reference_state = self._reference_copy(self.policy.state_dict())
         self.adapter = (
             LoraAdapter(self.policy, config.lora_r, config.lora_scale_alpha, config.lora_target_modules)
             if config.lora_r
@@ -116,6 +118,14 @@ class Learner:
         self.compute_dtype = getattr(torch, config.dtype)
         self.entropy = config.entropy_control()
 
+    def _reference_copy(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``state`` copied into host memory (tied tensors staying tied); empty when the run has no KL term."""
+        if not self.task.config.hyper("kl_coeff") > 0:
+            return {}
+        if all(value.device.type == "cpu" for value in state.values()):
+            return copy.deepcopy(state)
+        return moved_state(state, torch.device("cpu"))
+
     def _optimizer(self) -> tuple[torch.optim.Adam, torch.optim.lr_scheduler.LambdaLR]:
         config = self.task.config
         trained = [p for p in self.policy.parameters() if p.requires_grad]  # with LoRA, only the adapters
@@ -135,6 +145,8 @@ class Learner:
         if isinstance(parallel, FullySharded) and self.task.config.compile:
             raise RuntimeError("a learner with compiled blocks cannot be sharded (FSDP2): --trainer-shard ddp")
         self.parallel = parallel
+        if parallel.share.rank != 0:
+            self.reference_state = {}  # rank 0 alone publishes, mixes and saves it
         if not isinstance(parallel, FullySharded):
             return
         from . import _sharded_state
@@ -146,8 +158,6 @@ class Learner:
         if moments is not None:
             _sharded_state.restore_moments(self.policy, self.optim, moments)
         self.schedule.load_state_dict(schedule)
-        on_host = parallel.share.rank == 0
-        self.reference_state = moved_state(self.reference_state, torch.device("cpu")) if on_host else {}
 
     @property
     def sharded(self) -> bool:
@@ -431,7 +441,7 @@ class Learner:
             self.schedule.load_state_dict(state["schedule"])
         if "entropy" in state and self.entropy.adaptive:  # a fixed coefficient is the run's setting, not state
             self.entropy.load(state["entropy"])
-        self.reference_state = moved_state(state["ref"], self._home)
+        self.reference_state = self._reference_copy(state.get("ref") or self.policy.state_dict())
 
 
 def moved_state(state: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:

@@ -116,6 +116,7 @@ class Trainer(Actor):
         #: restarted one's open tickets before any new one.
         self._granting = asyncio.Lock()
         self._stepping: asyncio.Future[Any] | None = None  # a step left blocked in a collective by a dead rank
+        self._saved: tuple[int, str] | None = None  # the step last checkpointed, and where
 
     @property
     def policy(self) -> torch.nn.Module:
@@ -216,7 +217,8 @@ class Trainer(Actor):
         the update and the seconds that publish took (0 otherwise).
         """
         if self.ranks is None:
-            return self.train_step(item), 0.0
+            async with self._weights:  # (a publish copying the policy off the loop finishes first)
+                return self.train_step(item), 0.0
         publishes = self.routes.transports() if self.learner.sharded else []
         version, step = self.version + 1, self.step + 1
 
@@ -528,13 +530,19 @@ class Trainer(Actor):
     async def _save(self) -> str:
         """Checkpoint where the run is, after sending every step's report (a resumed run's curve has no gap)."""
         self.flush_reports()
+        step = self.step
+        if self._saved is not None and self._saved[0] == step:
+            return self._saved[1]  # (the last step fell on a periodic checkpoint: nothing changed since)
         if not self.learner.sharded:
             async with self._weights:
-                return self.save()
-        if not self.config.run_dir:
+                path = self.save()
+        elif not self.config.run_dir:
             return ""
-        folder = checkpoint.shards_folder(self.config.run_dir, self.step)
-        return await self._with_ranks(lambda: self.save_sharded(folder), lambda rank: rank.save.call_one(folder))
+        else:
+            folder = checkpoint.shards_folder(self.config.run_dir, self.step)
+            path = await self._with_ranks(lambda: self.save_sharded(folder), lambda rank: rank.save.call_one(folder))
+        self._saved = (step, path)
+        return path
 
     @endpoint
     async def checkpoint(self) -> str:

@@ -194,6 +194,7 @@ class LearnerRank(Actor):
             "device": str(on),
             "backend": backend,
             "on_device": sorted({str(_local(p).device) for p in learner.policy.parameters()}),
+            "reference_on": sorted({str(value.device) for value in learner.reference_state.values()}),
         }
 
     @endpoint
@@ -284,3 +285,12 @@ class SlowCheckpointTrainer(Trainer):
             f.write("saving\n")
         await asyncio.sleep(600)
         return await super().checkpoint()
+
+
+class SaveCountingTrainer(Trainer):
+    """Appends the step of each checkpoint it writes to ``saves.txt`` in the run's folder."""
+
+    def save(self) -> str:
+        with open(os.path.join(self.config.run_dir, "saves.txt"), "a") as f:
+            f.write(f"{self.step}\n")
+        return super().save()

@@ -65,6 +65,8 @@ def test_two_ranks_take_the_step_one_learner_takes(shard):
     assert [r["passes"] for r in results] == [[[0, 5], [5, 10], [10, 12]], [[12, 15], [15, 20], [20, 24]]]
     assert [r["idle"] for r in results] == [0, 0]
     assert [r["backend"] for r in results] == ["gloo", "gloo"]
+    # rank 0 alone publishes, mixes and saves the reference: it holds it, in host memory; the others drop theirs
+    assert [r["reference_on"] for r in results] == [["cpu"], []]
     gradients = {name: p.grad for name, p in one.policy.named_parameters() if p.grad is not None}
     for result in results:
         assert set(result["gradients"]) == set(gradients)
@@ -272,6 +274,7 @@ def test_a_rank_on_a_gpu_joins_over_nccl_and_takes_the_one_learner_step(shard):
     update = one.update(batch, rewards, ref)
     (result,) = ranks_step(1, SETTINGS, batch, rewards, ref, shard, timeout=180, device="cuda")
     assert result["backend"] == "nccl" and result["device"] == "cuda:0" and result["on_device"] == ["cuda:0"]
+    assert result["reference_on"] == ["cpu"], "the reference copy takes no GPU memory"
     assert result["loss"] == pytest.approx(float(update.report.loss), rel=1e-4, abs=1e-5)
     assert result["grad_norm"] == pytest.approx(update.grad_norm, rel=1e-4)
     for name, value in result["weights"].items():
