@@ -136,9 +136,9 @@ class Learner:
         """From now on, train as one rank of ``parallel``'s group (a learner joins one group, once).
 
         A :class:`FullySharded` group shards the policy here; the optimizer is
-        rebuilt over the shards, keeping its state and schedule, and the
-        reference weights move to host memory on rank 0 (the only rank that
-        publishes or saves them).
+        rebuilt over the shards, keeping its state and schedule. Every rank
+        but 0 (the only one that publishes, mixes or saves the reference
+        weights) drops its reference copy.
         """
         if self.parallel is not None:
             raise RuntimeError("this learner already trains as a rank of a group")
