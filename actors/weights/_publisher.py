@@ -207,7 +207,9 @@ class WeightPublisher:
         Waiting for a free slot is awaited (``WeightSyncError`` after
         ``timeout`` s), and a host copy of 1 MiB or more runs on a worker
         thread. ``cuda-ipc`` only enqueues device copies, so it never waits
-        on the GPU either. The model must not change until this returns.
+        on the GPU either, except from host memory (a pageable copy holds its
+        thread): from 1 MiB that runs on a worker thread too. The model must
+        not change until this returns.
         """
         extra = _checked_metadata(metadata)
         tensors, specs, total = self._prepare(model, version)
@@ -218,7 +220,9 @@ class WeightPublisher:
             if reservation is None:
                 reservation = await writer.reserve_async(total, self.timeout if timeout is None else timeout)
             try:
-                if writer.host_copy and (total >= OFFLOAD_BYTES or _on_a_gpu(tensors)):
+                if (writer.host_copy and (total >= OFFLOAD_BYTES or _on_a_gpu(tensors))) or (
+                    not writer.host_copy and total >= OFFLOAD_BYTES and _on_the_host(tensors)
+                ):
                     ready = _queued_work(tensors)  # (recorded here: the caller's streams are this thread's)
                     self._begin_fill(version)
                     specs = await _to_thread_to_the_end(self._fill_guarded, reservation, tensors, specs, ready)
@@ -359,6 +363,11 @@ def _queued_work(tensors: list[tuple[str, torch.Tensor]]) -> tuple[Any, ...]:
         event.record(torch.cuda.current_stream(device))
         events.append(event)
     return tuple(events)
+
+
+def _on_the_host(tensors: list[tuple[str, torch.Tensor]]) -> bool:
+    """Whether a device copy of ``tensors`` reads host memory (a pageable copy holds its thread until done)."""
+    return any(tensor.device.type == "cpu" for _, tensor in tensors)
 
 
 def _on_a_gpu(tensors: list[tuple[str, torch.Tensor]]) -> bool:

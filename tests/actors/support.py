@@ -543,6 +543,15 @@ class CudaSink(ReceivesWeights):
         return self.report(None if installed is None else installed.version)
 
     @endpoint
+    async def sums(self, manifest: WeightManifest) -> dict[str, float]:
+        """Each tensor's sum as this process imports the update (device to device), then released."""
+        consumer = self.weight_inbox.consumer
+        tensors = await consumer.import_update_async(manifest)
+        sums = {name: float(tensor.double().sum()) for name, tensor in tensors.items()}
+        await consumer.release_async(manifest.update_id)
+        return sums
+
+    @endpoint
     async def install_async_never_blocking(self, manifest: WeightManifest, alias: bool = False) -> dict:
         """``install_newest_async`` with every host wait for the GPU refused: its releases are awaited instead."""
 
