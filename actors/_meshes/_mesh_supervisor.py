@@ -92,6 +92,7 @@ class MeshSupervisor:
                 self._restart_rank(rank, ref)
             except Exception as exc:  # no process could be started: the rank stays dead
                 restarting = False
+                self._budget.give_back()
                 reason += f"; could not restart it: {exc}"
             else:
                 reason += f"; restarted (restart {self.restarts[rank]} of rank {rank})"

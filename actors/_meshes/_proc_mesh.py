@@ -148,11 +148,18 @@ class ProcMesh:
         rt = runtime()
         targets = list(enumerate(self._procs))
         endpoint_timeouts = {ep_name: ep.timeout for ep_name, ep in endpoints_of(actor_class).items()}
-        pending = rt.driver.on_thread(lambda: self._send_spawn(rt, targets, name, class_ref, args, kwargs))
+
+        def send() -> PendingCall | None:
+            pending = self._send_spawn(rt, targets, name, class_ref, args, kwargs)
+            # with its send, on the runtime's thread: a restart from now on constructs it too (recorded on the
+            # caller's thread, a restart handled in between on the loop's missed it)
+            self._spawned.append((name, class_ref, args, kwargs))
+            return pending
+
+        pending = rt.driver.on_thread(send)
         mesh: ActorMesh[A] = ActorMesh(name, class_ref, endpoint_timeouts, self._extent, targets, self)
         mesh._spawn_call = pending
         self._actors[name] = mesh
-        self._spawned.append((name, class_ref, args, kwargs))
         if not self._owned:  # this process spawned them: their failures come here, not to the procs' owner
             for ref in self._procs:
                 rt.mesh_routes.supervise(ref.address, name, self.supervisor)

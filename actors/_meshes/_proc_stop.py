@@ -49,7 +49,9 @@ def stop_steps(
         alive[:] = [(rank, ref) for rank, ref in enumerate(procs) if not ref.dead]
         if not alive:
             return None
-        return send_call(rt, alive, PROCESS_ACTOR, "stop", encode_arguments(rt, (timeout,), {}), want_reply=True)
+        stop = encode_arguments(rt, (timeout,), {})
+        # (past a full link's limits: a worker with a backlog still gets it, and one that reads nothing is killed)
+        return send_call(rt, alive, PROCESS_ACTOR, "stop", stop, want_reply=True, past_limits=True)
 
     pending = None
     with contextlib.suppress(ActorDied):

@@ -45,12 +45,16 @@ def send_call(
     port: Any = None,
     timeout: float | None = None,
     class_ref: str = "",
+    past_limits: bool = False,
 ) -> PendingCall | None:
     """Put one call per ``(rank, process)`` on the wire; the pending call if a reply is wanted.
 
     A dead target fails the call at once with :class:`ActorDied` (raised
     for a fire-and-forget call), and a target whose link is full with
     :class:`BufferFull`, both before any rank was sent the call.
+    ``past_limits``: queued even on a full link (a process's stop, which
+    must reach a worker with a backlog, and precede the kill of one that
+    reads nothing).
     """
     blob, frames, handles = encoded
     actor = str(actor)  # a mesh's name is a str subclass (awaitable): a plain str keeps the encoder's fast path
@@ -67,13 +71,14 @@ def send_call(
                 pending.fail(error)
                 return pending
             links.append(rt.link(ref))
-            rt.outbox.check_room(links[-1])
+            if not past_limits:
+                rt.outbox.check_room(links[-1])
         for (rank, ref), link in zip(targets, links, strict=True):
             enc.reset()
             data = enc.encode(Call(call_id, actor, method, rt.address, rt.pid, rank, blob, port).to_wire())
             if handles or enc.handles:
                 rt.note_handles([*handles, *enc.handles], ref)
-            rt.outbox.post(link, data, frames, urgent=True)
+            rt.outbox.post(link, data, frames, urgent=True, owed=past_limits)
     except BaseException as exc:  # (BufferFull from a link whose peer is not reading): the caller hears it
         if pending is not None:
             pending.fail(exc)  # and the call table forgets the call; a rank already sent to answers no one

@@ -51,6 +51,11 @@ class RestartBudget:
         self._times.append(now)
         return True
 
+    def give_back(self) -> None:
+        """The restart last counted did not happen (no process could be started): it costs nothing."""
+        if self._times:
+            self._times.pop()
+
     def refusal(self) -> str:
         """Why the last restart was refused, for the failure record."""
         policy = self.policy

@@ -355,7 +355,7 @@ class Driver:
 
     def next_loop(self, old: asyncio.AbstractEventLoop) -> asyncio.AbstractEventLoop | None:
         """For a thread whose wait through ``old`` ended with that loop: the running loop that drives the
-        runtime now, once there is one — the program's, which took it over, or a background loop.
+        runtime now, once there is one — the program's, which took it over (or runs again), or a background loop.
 
         A hand-over takes milliseconds; this thread starts the background
         loop itself when none runs (under the binding lock, so it never
@@ -369,7 +369,9 @@ class Driver:
             if running_loop() is None:
                 self.follow_running_loop()
             loop = self.loop
-            if loop is not None and loop is not old and loop.is_running():
+            # (``old`` too, once it runs again: a program's loop that stopped and runs its next coroutine; never
+            # while it is handed over: its last tasks run then)
+            if loop is not None and loop.is_running() and loop is not self._retiring:
                 return loop
             if self.closed or not self.serve_in_background or time.monotonic() >= give_up:
                 return None

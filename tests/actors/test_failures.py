@@ -73,6 +73,25 @@ async def test_a_stop_given_up_on_goes_on_and_shutdown_context_waits_for_it(sock
     await asyncio.wait_for(procs.stop(), 5)  # the same run, done
 
 
+async def test_a_stop_reaches_a_frozen_process_whose_link_is_full(sockets_dir):
+    """A frozen worker that a million records wait for: the stop request is queued past the link's limits, as an
+    owed answer is (before, ``BufferFull`` escaped ``stop()`` before its SIGKILL step, the process lived on, and a
+    second ``stop()`` raised again); the frozen process never answers it and is killed."""
+    from support import Blocker
+
+    from actors._runtime._core import runtime
+    from actors._transport._outbox import LINK_RECORDS
+
+    procs = this_host().spawn_procs(per_host={"procs": 1})
+    blocker = procs.spawn("blocker", Blocker)
+    await blocker.ping.call_one()
+    pid = procs.pids[0]
+    blocker.freeze.broadcast(3600.0)
+    runtime().link(procs._procs[0]).records = LINK_RECORDS  # (as if a million records waited for it)
+    await asyncio.wait_for(procs.stop(timeout=0.1), 30)
+    assert pid not in actor_pids()
+
+
 async def test_stop_runs_cleanup_and_ends_processes(sockets_dir):
     from support import Cleanup
 

@@ -115,6 +115,32 @@ async def test_a_process_that_cannot_be_started_again_stays_dead_and_says_why(re
         await echo.add.call_one(1)
 
 
+async def test_a_restart_that_started_no_process_leaves_the_budget_to_the_next_death(restartable):
+    """One restart allowed; rank 1's fails (its host lost): the budget is not spent on it, so rank 0, dying on a
+    healthy host, is restarted (before, it was refused: "1 restarts within 60s already", none having happened)."""
+    procs = restartable(max_restarts=1)
+    seen: list[Failure] = []
+    procs.add_failure_handler(lambda failure: seen.append(failure) or True)  # (handled: the mesh goes on)
+    echo = procs.spawn("echo", Echo)
+    ranks = [echo.slice(procs=rank) for rank in (0, 1)]
+    pids = [await rank.pid.call_one() for rank in ranks]
+    respawn = procs.supervisor.respawn
+
+    def refuse(rank: int, ref: object) -> str:
+        raise RuntimeError("this host is lost")
+
+    procs.supervisor.respawn = refuse
+    for rank, pid in ((1, pids[1]), (0, pids[0])):
+        in_flight = ranks[rank].sleep.call_one(60)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(ActorDied):
+            await asyncio.wait_for(in_flight, 10)
+        procs.supervisor.respawn = respawn  # (rank 0's host is healthy)
+    assert [f.restarted for f in seen] == [False, True], [f.message for f in seen]
+    assert procs.restarts == [1, 0]
+    assert await asyncio.wait_for(ranks[0].add.call_one(1), 30) == 1
+
+
 def test_restart_options_are_checked():
     with pytest.raises(ValueError, match="restart must be one of"):
         this_host().spawn_procs(restart="always")

@@ -491,3 +491,88 @@ def test_a_loop_that_no_longer_drives_the_runtime_does_not_read_its_inbox(tmp_pa
         """,
     )
     assert lines == ["False"]
+
+
+def test_a_wait_through_a_loop_that_stops_and_runs_again_goes_on_there(tmp_path):
+    """A helper thread waits through the program's loop, which stops (``run_until_complete`` returned) and runs
+    again for the program's next coroutine before the helper found another loop: the helper goes on through it
+    (before, it took only a loop other than the one it had waited through, and waited out the 10 s hand-over
+    bound for one)."""
+    lines = run_program(
+        tmp_path,
+        """
+        if __name__ == "__main__":
+            from actors._runtime._core import current_runtime
+            procs, talker = served_talker()
+            driver = current_runtime().driver
+            flag, got = [], []
+            observed, restarted = threading.Event(), threading.Event()
+            next_loop = driver.next_loop
+
+            def next_loop_once_restarted(old):
+                observed.set()  # the helper saw the loop stop
+                restarted.wait(30)
+                return next_loop(old)
+
+            driver.next_loop = next_loop_once_restarted
+            loop = asyncio.new_event_loop()
+
+            async def wait_in_a_thread():
+                assert await talker.echo.call_one(1) == 1  # the runtime moved to this loop
+                thread = in_a_thread(lambda: driver.wait(lambda: bool(flag), timeout=None, what="the flag") or "held", got)
+                while not driver._progress:  # the helper's wait is on this loop
+                    await asyncio.sleep(0.001)
+                return thread
+
+            async def run_again(thread):
+                restarted.set()
+                flag.append(1)
+                started = time.monotonic()
+                await asyncio.to_thread(thread.join, 30)
+                return time.monotonic() - started
+
+            thread = loop.run_until_complete(wait_in_a_thread())  # the loop stops with the wait on it
+            observed.wait(30)
+            took = loop.run_until_complete(run_again(thread))  # and runs again
+            print(got, took < 5, runtime_threads())
+            procs.stop().get()
+            loop.close()
+        """,
+    )
+    assert lines == ["['held']", "True", "[]"]
+
+
+def test_an_actor_spawned_as_its_process_dies_is_built_again_by_the_restart(tmp_path):
+    """A synchronous program spawns ``b`` on a restartable mesh: the background loop sends the spawn, and the
+    process dies and is restarted before the program's thread records ``b`` among the mesh's actors. The
+    restart used to construct only the actors recorded, so ``b`` was missing from the new process; the spawn is
+    now recorded with its send, on the runtime's thread."""
+    lines = run_program(
+        tmp_path,
+        """
+        if __name__ == "__main__":
+            import signal
+            from actors._runtime._core import current_runtime
+            procs = this_host().spawn_procs({"procs": 1}, restart="on-failure")
+            a = procs.spawn("a", Talker)
+            a.echo.call_one(0).get(timeout=30)
+            pid = procs.pids[0]
+            driver = current_runtime().driver
+            on_thread = driver.on_thread
+
+            def then_the_process_dies(fn, timeout=60.0):
+                driver.on_thread = on_thread  # (once)
+                result = on_thread(fn, timeout)  # the spawn is sent
+                os.kill(pid, signal.SIGKILL)
+                deadline = time.monotonic() + 30
+                while procs.restarts != [1] and time.monotonic() < deadline:  # restarted, before spawn() goes on
+                    time.sleep(0.001)
+                return result
+
+            driver.on_thread = then_the_process_dies
+            b = procs.spawn("b", Talker)
+            print(procs.restarts, b.echo.call_one(5).get(timeout=30))
+            procs.stop().get()
+        """,
+    )
+    assert lines == ["[1]", "5"]
