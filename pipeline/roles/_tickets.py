@@ -96,10 +96,6 @@ class Tickets(Generic[T]):
         """The ticket :meth:`next_ready` gave was trained: its credit comes back."""
         self.next_to_train += 1
 
-    def retry(self, ticket: int) -> None:
-        """``ticket``'s rollout could not be trained: open it again for its owner."""
-        self.open[ticket] = self.owner(ticket)
-
     def restarted(self, generator: int) -> list[int]:
         """``generator`` restarted with nothing: it has no weights, and its open tickets must be produced again."""
         self._sent[generator] = -1

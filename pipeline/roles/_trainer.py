@@ -323,12 +323,14 @@ class Trainer(Actor):
             waited += time.perf_counter() - waiting
             rollout = item.rollout
             lag = self.version - rollout.version
-            if lag > self.tickets.staleness:  # only a generator that ignored its ticket's version gets here
-                self.dropped += 1
-                async with self._granting:  # (a restart re-granting its owner's tickets meanwhile grants it once)
-                    self.tickets.retry(rollout.ticket)
-                    await self.send_grant(rollout.ticket)
-                continue
+            if lag > self.tickets.staleness:
+                # Only a generator that ignored its ticket's version gets here. Granting the ticket again would put
+                # it behind that generator's later tickets, which need it trained first: the run would stall.
+                raise RuntimeError(
+                    f"generator {rollout.generator} drew ticket {rollout.ticket} with policy version "
+                    f"{rollout.version}, but the ticket needs at least {self.tickets.min_version(rollout.ticket)}: "
+                    "a generator installs its grant's min_version before drawing (Generator.reach_version)"
+                )
             async with self._in_step:  # (a checkpoint asked for meanwhile waits for this step's report)
                 update, published = await self.train(item)
                 self.step += 1

@@ -308,6 +308,18 @@ async def test_a_failing_role_stops_the_run_with_its_name(tmp_path, sockets_dir)
     assert time.monotonic() - started < 30
 
 
+async def test_a_generator_that_ignores_its_tickets_version_fails_the_run_saying_so(tmp_path, sockets_dir):
+    """A (custom) generator that draws a ticket with a policy older than the ticket allows: the run fails at once
+    naming the generator, the ticket and both versions. Before, the trainer granted the ticket again behind the
+    generator's later ones, which it could not draw before that one was trained: it waited out
+    ``--weights-timeout`` and the run failed with a message about waiting for weights."""
+    from pipeline_support import VersionIgnoringGenerator
+
+    config = Config(steps=50, task=BANDIT, max_staleness=0, run_dir=str(tmp_path))
+    with pytest.raises(PipelineError, match=r"generator \d drew ticket \d+ with policy version -?\d+.* at least \d+"):
+        await asyncio.wait_for(run_pipeline(config, quiet=True, roles=Roles(generator=VersionIgnoringGenerator)), 120)
+
+
 @pytest.mark.parametrize("exits", [False, True], ids=["raises", "dies"])
 async def test_a_generator_failing_after_training_ended_leaves_the_result_standing(tmp_path, sockets_dir, capfd, exits):
     """Training is over: a generator whose drain raises, or whose process dies there (and is restarted), is said on

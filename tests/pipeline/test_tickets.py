@@ -80,14 +80,6 @@ def test_a_restarted_generator_gets_its_open_tickets_again_and_duplicates_are_re
     assert not tickets.arrived(7, "never granted")
 
 
-def test_a_rollout_that_could_not_be_trained_is_granted_again():
-    tickets: Tickets[str] = Tickets(generators=1, credits=1, staleness=0)
-    tickets.grant()
-    assert tickets.arrived(0, "too old") and tickets.next_ready() == "too old"
-    tickets.retry(0)
-    assert tickets.next_ready() is None and tickets.arrived(0, "fresh") and tickets.next_ready() == "fresh"
-
-
 def test_grants_stop_at_the_last_step_and_resume_from_a_checkpointed_one():
     tickets: Tickets[str] = Tickets(generators=2, credits=4, staleness=1, first=98)
     assert tickets.grant(limit=100) == [98, 99]
