@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import time
 from collections.abc import Callable, Iterator
 
 from .._runtime._call_sender import encode_arguments, send_call
@@ -57,12 +58,17 @@ def stop_steps(
     with contextlib.suppress(ActorDied):
         pending = rt.driver.on_thread(ask_to_stop)
     if pending is not None:
+        answer_by = time.monotonic() + timeout + ANSWER_GRACE
         yield (lambda: pending.done or all_dead()), timeout + ANSWER_GRACE
-        # A process that never answered will not exit by itself (its loop is stuck): only those that
-        # answered are given time to exit; the rest are killed at once. Once the call failed (a process
-        # died), later answers are not recorded: every process then gets the time, as before.
-        answered = [ref for rank, ref in alive if rank not in pending.remaining or pending.error is not None]
-        yield (lambda: all(ref.dead for ref in answered)), EXIT_WAIT
+        if pending.error is not None:
+            # A process died, failing the call: later answers are not recorded, so every process still alive
+            # keeps the rest of its cleanup's bound (the others may be well inside it), then the time to exit.
+            yield all_dead, max(0.0, answer_by - time.monotonic()) + EXIT_WAIT
+        else:
+            # A process that never answered will not exit by itself (its loop is stuck): only those that
+            # answered are given time to exit; the rest are killed at once.
+            answered = [ref for rank, ref in alive if rank not in pending.remaining]
+            yield (lambda: all(ref.dead for ref in answered)), EXIT_WAIT
     else:
         yield all_dead, EXIT_WAIT
     registry = rt.registry
@@ -99,25 +105,38 @@ class StopRun:
         self._rt = rt
         self._steps = steps
         self._task: asyncio.Task[None] | None = None
+        #: Bumped when a run is taken over from a task whose loop no longer runs (stopped or closed with the
+        #: task on it): should that loop run again, its task stops instead of stepping beside the new one.
+        self._generation = 0
         self.done = False
 
     async def wait(self) -> None:
         task = self._task
-        if task is None or (task.done() and not self.done):
-            task = self._task = asyncio.get_running_loop().create_task(self._run())
+        if task is None or (task.done() and not self.done) or self._stranded(task):
+            self._generation += 1
+            task = self._task = asyncio.get_running_loop().create_task(self._run(self._generation))
         await asyncio.shield(task)
 
-    async def _run(self) -> None:
+    @staticmethod
+    def _stranded(task: asyncio.Task[None]) -> bool:
+        """Whether ``task`` waits on a loop that no longer runs (it will not go on unless that loop runs again)."""
+        return not task.done() and not task.get_loop().is_running()
+
+    async def _run(self, generation: int) -> None:
         for condition, limit in self._steps:
             await self._rt.driver.wait_until(condition, limit)
+            if generation != self._generation:
+                return  # (taken over meanwhile: its loop had stopped)
         self.done = True
 
     def wait_sync(self) -> None:
         driver, task = self._rt.driver, self._task
-        if task is not None and not task.done():  # under way on the loop of another thread
-            driver.wait(task.done, timeout=None, what="the stop under way")
+        if task is not None and not task.done():  # under way on the loop of another thread, while that loop runs
+            driver.wait(lambda: task.done() or self._stranded(task), timeout=None, what="the stop under way")
         if self.done:
             return
+        self._generation += 1
+        self._task = None
         for condition, limit in self._steps:
             with contextlib.suppress(CallTimeout):
                 driver.wait(condition, timeout=limit, what="processes to stop")

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import math
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -225,6 +226,24 @@ class Cleanup(Actor):
 
     async def __cleanup__(self, exc: BaseException | None) -> None:
         self.port.send(f"cleanup {current_rank().rank}")
+
+
+class CleanupThatDiesOrTakesItsTime(Actor):
+    """At a stop, rank 0's process dies in its cleanup; every other rank's cleanup takes a second, then reports."""
+
+    def __init__(self, port: Port[str]) -> None:
+        self.port = port
+
+    @endpoint
+    async def ping(self) -> str:
+        return "pong"
+
+    async def __cleanup__(self, exc: BaseException | None) -> None:
+        rank = current_rank().rank
+        if rank == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        await asyncio.sleep(1.0)  # (a cleanup that takes its time, well inside its bound)
+        self.port.send(f"done {rank}")
 
 
 class BadInit(Actor):

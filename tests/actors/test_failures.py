@@ -92,6 +92,26 @@ async def test_a_stop_reaches_a_frozen_process_whose_link_is_full(sockets_dir):
     assert pid not in actor_pids()
 
 
+async def test_a_process_dying_in_its_stop_leaves_the_others_their_cleanup(sockets_dir, monkeypatch):
+    """Rank 0 dies in its cleanup while rank 1's takes a second (its bound is 10 s): rank 1 finishes it. Before,
+    the death failed the stop call, and every process left got only the time to exit (3 s; 0.2 s here) before
+    SIGKILL, whatever its cleanup's bound."""
+    from support import CleanupThatDiesOrTakesItsTime
+
+    from actors import Channel
+    from actors._meshes import _proc_stop
+
+    monkeypatch.setattr(_proc_stop, "EXIT_WAIT", 0.2)
+    port, recv = Channel.open(str)
+    procs = this_host().spawn_procs(per_host={"procs": 2})
+    mesh = procs.spawn("c", CleanupThatDiesOrTakesItsTime, port)
+    await mesh.ping.call()
+    pids = set(procs.pids)
+    await asyncio.wait_for(procs.stop(timeout=10), 30)
+    assert await asyncio.wait_for(recv.recv(), 30) == "done 1"
+    assert not (pids & actor_pids())
+
+
 async def test_stop_runs_cleanup_and_ends_processes(sockets_dir):
     from support import Cleanup
 

@@ -44,6 +44,10 @@ class Talker(Actor):
         return x
 
     @endpoint
+    async def freeze(self, seconds: float) -> None:
+        time.sleep(seconds)  # (the classic mistake: its loop answers nothing, a stop included)
+
+    @endpoint
     async def when_exists(self, path: str) -> str:
         while not os.path.exists(path):  # (the test's signal: no port travels back to a test program's thread)
             await asyncio.sleep(0.005)
@@ -576,3 +580,31 @@ def test_an_actor_spawned_as_its_process_dies_is_built_again_by_the_restart(tmp_
         """,
     )
     assert lines == ["[1]", "5"]
+
+
+def test_a_stop_left_on_a_loop_that_closed_goes_on_with_the_next_waiter(tmp_path):
+    """``wait_for(procs.stop(), t)`` gave up on a loop the program then closed (``run_until_complete``, then
+    ``close``): the stop's task was left there, pending for good, and the next ``stop()`` on another loop raised
+    (a task of another loop) while the frozen process lived on. The next waiter takes the run over."""
+    lines = run_program(
+        tmp_path,
+        """
+        if __name__ == "__main__":
+            procs, talker = served_talker()
+            pid = procs.pids[0]
+            loop = asyncio.new_event_loop()
+
+            async def give_up_on_the_stop():
+                talker.freeze.broadcast(3600.0)  # its loop never answers the stop: only SIGKILL ends it
+                try:
+                    await asyncio.wait_for(procs.stop(timeout=0.1), 0.3)
+                except asyncio.TimeoutError:
+                    return "gave-up"
+
+            print(loop.run_until_complete(give_up_on_the_stop()))
+            loop.close()  # the stop's task is left on a closed loop
+            asyncio.run(asyncio.wait_for(procs.stop(), 30))
+            print(os.path.exists(f"/proc/{pid}"))
+        """,
+    )
+    assert lines == ["gave-up", "False"]
