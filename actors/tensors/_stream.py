@@ -148,7 +148,11 @@ def check_reply(
     magic, status, total, chunk, count, mac = REPLY.unpack(reply)
     if magic != MAGIC:
         raise WeightSyncError("the weight server answered with something that is not this protocol")
-    if status != OK:
+    if status == UNKNOWN:  # (proved too: an impostor's "stale" would send the consumer waiting for a newer manifest)
+        if not hmac.compare_digest(mac, reply_mac(key, reader_nonce, server_nonce, status, 0, 0, b"")):
+            raise WeightSyncError("the weight server could not prove it holds the update's key; nothing was read")
+        return status, 0, 0, b""
+    if status != OK:  # (REFUSED: the server could not check this reader's proof; an error either way)
         return status, 0, 0, b""
     if total < 0 or chunk <= 0 or chunk > 1 << 30 or count != -(-total // chunk):
         raise WeightSyncError(f"the weight server's reply is malformed ({total} bytes in {count} chunks of {chunk})")

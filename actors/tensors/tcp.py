@@ -73,6 +73,12 @@ log = logging.getLogger("actors.weights")
 FETCH_TIMEOUT = 120.0
 #: How long the server waits on one reader's socket before dropping it.
 SERVE_TIMEOUT = 60.0
+#: How long a connection may take to send its (authenticated) request: a peer without the key holds no more.
+REQUEST_TIMEOUT = 10.0
+#: Readers served at once; more connections wait in the listen backlog (their connect waits, within its deadline).
+MAX_READERS = 128
+#: After a failed ``accept`` (out of file descriptors, of memory): the pause before trying again.
+ACCEPT_RETRY = 0.1
 
 
 def probe() -> str | None:
@@ -242,27 +248,46 @@ class _Server:
         self._open: set[socket.socket] = set()
         self._senders: set[threading.Thread] = set()
         self._closed = False
+        self._closing = threading.Event()  # (wakes the accept thread out of a pause)
+        self._readers = threading.Semaphore(MAX_READERS)
         self._thread = threading.Thread(target=self._accept, name=f"actors-weights-tcp:{self.port}", daemon=True)
         self._thread.start()
 
     def _accept(self) -> None:
-        while True:
+        """Accept readers until closed; a failed ``accept`` (no file descriptor left) is retried, never the end."""
+        while not self._closing.is_set():
+            if not self._readers.acquire(timeout=ACCEPT_RETRY):
+                continue  # (as many readers as it serves at once: the next waits in the backlog)
             try:
                 sock, _ = self._listener.accept()
-            except OSError:
-                return  # closed
-            with self._lock:
-                if self._closed:
-                    sock.close()
+            except OSError as exc:
+                self._readers.release()
+                if self._closing.is_set():
                     return
-                self._open.add(sock)
+                log.warning("weights: the tcp server could not accept a reader (%s); trying again", exc)
+                self._closing.wait(ACCEPT_RETRY)
+                continue
+            self._start_sender(sock)
+
+    def _start_sender(self, sock: socket.socket) -> None:
+        """Serve ``sock`` on a thread of its own (closed at once if the server is closing or no thread starts)."""
+        with self._lock:
+            if not self._closed:
                 sender = threading.Thread(target=self._serve, args=(sock,), name="actors-weights-send", daemon=True)
-                self._senders.add(sender)
-                sender.start()
+                try:
+                    sender.start()
+                except RuntimeError as exc:  # (no thread can be started now)
+                    log.warning("weights: the tcp server could not serve a reader (%s)", exc)
+                else:
+                    self._open.add(sock)
+                    self._senders.add(sender)
+                    return
+        sock.close()
+        self._readers.release()
 
     def _serve(self, sock: socket.socket) -> None:
         try:
-            sock.settimeout(SERVE_TIMEOUT)
+            sock.settimeout(REQUEST_TIMEOUT)  # until the request is in and checked: then SERVE_TIMEOUT
             self._answer(sock)
         except OSError as exc:  # the reader went away or stalled: its fetch fails on its side
             log.debug("weight transfer to a reader ended early: %s", exc)
@@ -271,6 +296,7 @@ class _Server:
                 self._open.discard(sock)
                 self._senders.discard(threading.current_thread())
             sock.close()
+            self._readers.release()
 
     def _answer(self, sock: socket.socket) -> None:
         server_nonce = nonce()
@@ -285,9 +311,11 @@ class _Server:
         if not hmac.compare_digest(mac, request_mac(self._key, server_nonce, reader_nonce, version, bytes(update_id))):
             sock.sendall(REPLY.pack(MAGIC, REFUSED, 0, 0, 0, bytes(32)))
             return
+        sock.settimeout(SERVE_TIMEOUT)
         staged = self._writer.lend(update_id.decode(errors="replace"), version)
         if staged is None:
-            sock.sendall(REPLY.pack(MAGIC, UNKNOWN, 0, 0, 0, bytes(32)))
+            mac = reply_mac(self._key, reader_nonce, server_nonce, UNKNOWN, 0, 0, b"")
+            sock.sendall(REPLY.pack(MAGIC, UNKNOWN, 0, 0, 0, mac))
             return
         try:
             total, chunk, crcs = staged.nbytes, self._writer.chunk, staged.crcs
@@ -305,6 +333,7 @@ class _Server:
             self._closed = True
             readers = list(self._open)
             senders = list(self._senders)
+        self._closing.set()
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()

@@ -31,7 +31,7 @@ from actors import (
 )
 from actors._wire._codec import Decoder, Encoder
 from actors.tensors import TcpHandle
-from actors.tensors._stream import HELLO, MAGIC, OK, REPLY
+from actors.tensors._stream import HELLO, MAGIC, OK, REPLY, UNKNOWN
 from actors.tensors.tcp import TcpReader
 
 
@@ -69,6 +69,59 @@ def test_tcp_is_always_available_and_its_handle_hides_the_key(publisher):
     assert manifest.publisher_host == host_id()
     decoded = Decoder().decode(Encoder().encode(manifest))  # crosses any port or endpoint as is
     assert decoded == manifest
+
+
+def test_a_failed_accept_leaves_the_server_serving(monkeypatch):
+    """The server's ``accept`` fails (out of file descriptors: EMFILE); it says so and goes on accepting (before,
+    its thread ended without a word: every later fetch, of every version, waited out its deadline)."""
+    import errno
+
+    accept, failed = socket.socket.accept, []
+
+    def once_out_of_descriptors(self: socket.socket):  # type: ignore[no-untyped-def]
+        if not failed:
+            failed.append(True)
+            raise OSError(errno.EMFILE, "Too many open files")
+        return accept(self)
+
+    monkeypatch.setattr(socket.socket, "accept", once_out_of_descriptors)
+    with WeightPublisher("tcp", slots=2, chunk=4096) as publisher:
+        manifest = publisher.publish(filled_model(2.0), 1)
+        reader = TcpReader(timeout=10)
+        try:
+            tensors = reader.read(manifest.update_id, manifest.version, manifest.handle, manifest.tensors)
+            assert failed and all(bool((t == 2.0).all()) for t in tensors.values())
+            reader.release(manifest.update_id)
+        finally:
+            reader.close()
+
+
+def test_a_peer_that_connects_and_says_nothing_holds_a_reader_slot_only_briefly(monkeypatch):
+    """Connections that never send their request (a stranger without the key) are dropped after
+    ``REQUEST_TIMEOUT``; with every reader slot held by such, a reader's connection waits in the backlog for a
+    slot (before: a thread and a descriptor per connection, without a bound, held for 60 s each)."""
+    from actors.tensors import tcp
+
+    monkeypatch.setattr(tcp, "MAX_READERS", 2)
+    monkeypatch.setattr(tcp, "REQUEST_TIMEOUT", 0.5)
+    with WeightPublisher("tcp", slots=2, chunk=4096) as publisher:
+        manifest = publisher.publish(filled_model(3.0), 1)
+        handle = manifest.handle
+        idle = [socket.create_connection((handle.host, handle.port)) for _ in range(2)]
+        try:
+            reader = TcpReader(timeout=20)
+            try:
+                tensors = reader.read(manifest.update_id, manifest.version, handle, manifest.tensors)
+                assert all(bool((t == 3.0).all()) for t in tensors.values())
+                reader.release(manifest.update_id)
+            finally:
+                reader.close()
+            for sock in idle:  # each was dropped: its read sees the end of the stream after the server's hello
+                sock.settimeout(10)
+                assert len(sock.recv(1 << 16)) == HELLO.size and sock.recv(1) == b""
+        finally:
+            for sock in idle:
+                sock.close()
 
 
 def test_install_from_the_stream_is_whole_and_exact(publisher):
@@ -177,7 +230,11 @@ def test_a_reader_without_the_key_is_refused_and_reads_nothing(publisher):
             REPLY.pack(MAGIC, OK, (1 << 32) - 1, 1, (1 << 32) - 1, bytes(32)),
             "offers 4294967295 bytes where the manifest",
         ),
+        # "no such update": proved like any reply (before, taken unproved: StaleUpdateError, and the consumer
+        # waited for a newer manifest from a publisher that may be gone or impersonated)
+        (REPLY.pack(MAGIC, UNKNOWN, 0, 0, 0, bytes(32)), "could not prove it holds the update's key"),
     ],
+    ids=["wrong-mac", "oversized", "unproved-unknown"],
 )
 def test_a_server_that_cannot_prove_the_key_is_not_read_from(reply, match):
     """An impostor at the manifest's address: its reply's MAC is wrong, or its sizes are more than the manifest
