@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 from .._shared._errors import ActorDied, CallTimeout
 from .._shared._liveness import ProcRef
+from .._transport._driver import ON_THREAD_SLICE, Driver
 from .._wire._records import Call
 from ._core import Runtime
 from ._future import Future
@@ -102,7 +103,7 @@ def pending_future(rt: Runtime, pending: PendingCall, build: Callable[[dict[int,
         try:
             if driver.on_runtime_thread():
                 driver.wait(lambda: pending.done, timeout=limit, what=what)
-            elif not pending.wait_on_thread(limit):  # the loop of another thread serves the reply
+            elif not _wait_served(driver, pending, limit, what):  # the loop of another thread serves the reply
                 raise CallTimeout(f"gave up after {limit:.1f}s waiting for {what}")
         except CallTimeout:
             if pending.deadline is None or time.monotonic() < pending.deadline:
@@ -113,3 +114,28 @@ def pending_future(rt: Runtime, pending: PendingCall, build: Callable[[dict[int,
         return build(pending.results)
 
     return Future(wait, wait_sync, any_thread=True)
+
+
+def _wait_served(driver: Driver, pending: PendingCall, limit: float | None, what: str) -> bool:
+    """Wait on this thread while another thread's loop reads ``pending``'s reply; False at ``limit``.
+
+    Should that loop stop driving the runtime meanwhile (it stopped, closed,
+    or handed the runtime over), the wait follows the runtime to whatever
+    drives it next: nothing would read the reply otherwise.
+    """
+    loop = driver.loop
+    arrived = pending.arrival()
+    deadline = None if limit is None else time.monotonic() + limit
+    while True:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if arrived.wait(ON_THREAD_SLICE if left is None else min(ON_THREAD_SLICE, left)):
+            return True
+        if deadline is not None and time.monotonic() >= deadline:
+            return pending.done
+        if loop is None or not driver.drives(loop):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                driver.wait(lambda: pending.done, timeout=left, what=what)
+            except CallTimeout:
+                return pending.done
+            return True

@@ -92,18 +92,19 @@ class PendingCall:
         for callback in callbacks:
             callback(self)
 
-    def wait_on_thread(self, timeout: float | None) -> bool:
-        """Block this thread (not the loop's) until the call is done; False at ``timeout``.
+    def arrival(self) -> threading.Event:
+        """An event set once the call is done, for a thread that waits on its own (not the loop's).
 
         The loop's thread finishes the call: ``finish`` sets ``done`` before it
         takes the callbacks, so a callback added too late is covered by the
         second look at ``done``.
         """
-        if self.done:
-            return True
         arrived = threading.Event()
-        self.callbacks.append(lambda _call: arrived.set())
-        return self.done or arrived.wait(timeout)
+        if not self.done:
+            self.callbacks.append(lambda _call: arrived.set())
+        if self.done:
+            arrived.set()
+        return arrived
 
     async def wait(self) -> dict[int, Any]:
         """The results by rank, once every reply is in; raises the call's error."""
@@ -156,8 +157,9 @@ class CallTable:
         class_ref: str = "",
     ) -> PendingCall:
         call = PendingCall(next(self._ids), actor, dict(targets), method, timeout, class_ref)
-        self._pending[call.call_id] = call
-        call.callbacks.append(self._forget)
+        if not call.done:  # (a call to no process is done at once: nothing to wait for, nothing to keep)
+            self._pending[call.call_id] = call
+            call.callbacks.append(self._forget)
         return call
 
     def _forget(self, call: PendingCall) -> None:

@@ -27,6 +27,7 @@ from typing import Any, Generic, TypeVar, overload
 
 from .._shared._errors import ActorDied, BufferFull, CallTimeout, DecodeError, EncodeError, PortClosed
 from .._shared._liveness import ProcRef
+from .._transport._driver import ON_THREAD_SLICE
 from .._transport._flow import CREDIT_BYTES, CREDIT_MESSAGES, WINDOW, WINDOW_BYTES, Window
 from .._transport._outbox import SEND_TIMEOUT
 from .._transport._receivers import ReceiverState
@@ -167,6 +168,10 @@ class Port(Generic[T]):
         route = self._route
         if route is None or route.rt is not rt or (route.window is not None and route.window.stale):
             if self._address == rt.address:
+                if self._pid != rt.pid:  # an earlier process at this address (restarted): its receivers are gone
+                    raise PortClosed(
+                        f"the receiver of port {self._id} (pid {self._pid}) has exited; pid {rt.pid} replaced it"
+                    )
                 route = _Route(rt, None, b"", None)
             else:
                 ref = rt.registry.proc(self._address, self._pid)
@@ -263,7 +268,7 @@ class Port(Generic[T]):
         if pid == self._pid:
             return
         if self._address == rt.address:
-            state = rt.receivers.get(self._id)
+            state = rt.receivers.get(self._id) if self._pid == rt.pid else None  # (else an earlier process's)
             if state is not None:
                 rt.receivers.attach(state, pid)
             return
@@ -364,7 +369,7 @@ class PortReceiver(Generic[T]):
         started = time.monotonic()
         waiting = asyncio.run_coroutine_threadsafe(self._take_for(handover), loop)
         try:
-            waiting.result(timeout)
+            self._await_handover(waiting, loop, timeout)
         except BaseException as exc:
             with handover.lock:
                 handover.abandoned = True
@@ -382,6 +387,24 @@ class PortReceiver(Generic[T]):
                 f"gave up after {timeout:.1f}s waiting for a message on port {self._state.port_id}"
             ) from None
         return handover.value  # type: ignore[no-any-return]
+
+    def _await_handover(
+        self, waiting: concurrent.futures.Future[None], loop: asyncio.AbstractEventLoop, timeout: float | None
+    ) -> None:
+        """``waiting.result(timeout)``, and ``CancelledError`` as soon as ``loop`` no longer drives the runtime
+        (it stopped with the receive on it: a task not cancelled, which would wait for good)."""
+        driver = self._rt.driver
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                waiting.result(ON_THREAD_SLICE if left is None else min(ON_THREAD_SLICE, left))
+                return
+            except concurrent.futures.TimeoutError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+                if not driver.drives(loop):
+                    raise concurrent.futures.CancelledError() from None
 
     async def _take_for(self, handover: _Handover) -> None:
         await self._until_queued()
@@ -407,7 +430,10 @@ class PortReceiver(Generic[T]):
                 counts = state.unacked[address] = [0, 0]
             counts[0] += 1
             counts[1] += size
-            if counts[0] >= CREDIT_MESSAGES or counts[1] >= CREDIT_BYTES:
+            if value is None:  # the sender's end of stream: the rest of its credit goes back now, and its count
+                self._rt.receivers.credit(state, address, counts)
+                del state.unacked[address]
+            elif counts[0] >= CREDIT_MESSAGES or counts[1] >= CREDIT_BYTES:
                 self._rt.receivers.credit(state, address, counts)
         if state.once:
             self._rt.receivers.close(state, "a once-port delivers a single message")
@@ -465,7 +491,9 @@ class _Recv(Future["T | None"]):
 
     def __init__(self, receiver: PortReceiver[T]) -> None:
         self._receiver = receiver
-        self._done = False  # _value and _error are set once it is
+        self._done = False
+        self._value: Any = None
+        self._error: BaseException | None = None
         self._any_thread = True  # get() from any thread waits there; the message is taken where the runtime runs
 
     @property

@@ -223,14 +223,14 @@ class Driver:
                 try:
                     return done.result(min(ON_THREAD_SLICE, max(0.0, give_up - time.monotonic())))
                 except concurrent.futures.TimeoutError:
-                    if not self._drives(loop) and claim.acquire(blocking=False):
+                    if not self.drives(loop) and claim.acquire(blocking=False):
                         break  # it stopped, ended or handed over without running ``fn``: hand it to the next loop
                     if time.monotonic() >= give_up:
                         claim.acquire(blocking=False)  # (not started: it never runs after this timeout)
                         raise
             self.next_loop(loop)
 
-    def _drives(self, loop: asyncio.AbstractEventLoop) -> bool:
+    def drives(self, loop: asyncio.AbstractEventLoop) -> bool:
         """Whether ``loop`` still drives the runtime: bound to it and running (not stopped, closed or handed over)."""
         return self.loop is loop and loop.is_running()
 
@@ -330,7 +330,7 @@ class Driver:
                 except concurrent.futures.CancelledError:  # the loop ended with the wait on it
                     return False
                 except concurrent.futures.TimeoutError:
-                    if not self._drives(loop):  # it stopped or handed the runtime over, the wait still on it
+                    if not self.drives(loop):  # it stopped or handed the runtime over, the wait still on it
                         waiting.cancel()
                         return False
                     if time.monotonic() < end:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -152,6 +153,45 @@ async def test_a_sender_lets_a_ports_flow_state_go_once_everything_it_sent_was_c
     assert await stream(items) == list(range(items))
     assert await until(ours_gone) and await until(relays_gone)
     assert await stream(5) == list(range(5)), "the same ports, used again, still carry everything"
+    # a stream shorter than a credit batch: its None credits the rest at once (before, its 6 records stayed
+    # counted in flight on the sender's side, and their count on the receiver's, for good)
+    assert await until(ours_gone) and await until(relays_gone)
+
+
+async def test_a_receive_that_succeeded_gives_its_value_again_and_no_error():
+    port, recv = Channel.open(int)
+    port.send(1)
+    received = recv.recv()
+    assert await received == 1
+    assert await received == 1 and received.exception() is None  # (before: AttributeError, no _error set)
+
+
+async def test_a_port_of_an_earlier_process_at_this_address_reaches_no_receiver_here():
+    """A restarted process has its predecessor's address, and port ids start at 1 again: a port of the old
+    process (its pid) sent to here reached the new one's receiver of the same id. It is closed."""
+    from actors import PortClosed
+
+    port, recv = Channel.open(int)
+    rt = runtime()
+    stale: Port[int] = Port(rt.address, rt.pid + 12345, port._id, port._type, False)
+    with pytest.raises(PortClosed, match="replaced"):
+        stale.send(42)
+    assert recv.recv_ready() == []
+
+
+async def test_a_call_to_no_process_leaves_nothing_in_the_call_table(procs: ProcMesh):
+    echo = procs.spawn("echo", Echo)
+    await echo.whoami.call()
+    rt = runtime()
+    before = len(rt.calls._pending)
+    for pid in procs.pids:
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ActorDied):
+        await asyncio.wait_for(echo.sleep.call(60), 30)
+    for _ in range(3):
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(echo.stop(), 30)  # every process is dead: a call with no target
+    assert len(rt.calls._pending) <= before, "calls with no target stayed in the call table"
 
 
 async def test_recv_raises_when_every_sender_died(procs: ProcMesh):

@@ -608,3 +608,66 @@ def test_a_stop_left_on_a_loop_that_closed_goes_on_with_the_next_waiter(tmp_path
         """,
     )
     assert lines == ["gave-up", "False"]
+
+
+def test_a_get_waiting_for_a_reply_the_programs_loop_served_goes_on_when_that_loop_ends(tmp_path):
+    """A helper thread waits (``get()``, no deadline) for a reply that the program's loop would read; the
+    program's ``asyncio.run`` then returns and closes that loop. The helper used to wait for good (nothing read
+    the reply); it now follows the runtime to the loop that drives it next."""
+    lines = run_program(
+        tmp_path,
+        """
+        if __name__ == "__main__":
+            import tempfile
+            from actors._runtime._core import current_runtime
+            procs, talker = served_talker()
+            calls = current_runtime().calls._pending
+            path = os.path.join(tempfile.mkdtemp(), "go")
+            got = []
+
+            async def main():
+                assert await talker.echo.call_one(1) == 1  # the runtime moved to this loop
+                thread = in_a_thread(lambda: talker.when_exists.call_one(path).get(), got)
+                while not any(call.method == "when_exists" for call in calls.values()):
+                    await asyncio.sleep(0.001)  # (the helper's call is out: its reply comes to this loop)
+                return thread
+
+            thread = asyncio.run(main())  # the loop ends with the helper waiting
+            open(path, "w").close()
+            thread.join(30)
+            print(got)
+            procs.stop().get()
+        """,
+    )
+    assert lines == ["['answered']"]
+
+
+def test_a_receive_through_the_programs_loop_goes_on_when_that_loop_stops(tmp_path):
+    """A helper thread receives (``recv().get()``) through the program's loop, which stops
+    (``run_until_complete`` returned; not closed, so its waiting task is not cancelled): the receive used to wait
+    for good; it now goes on through the loop that drives the runtime next."""
+    lines = run_program(
+        tmp_path,
+        """
+        if __name__ == "__main__":
+            procs, talker = served_talker()
+            port, receiver = Channel.open(int)
+            got = []
+            loop = asyncio.new_event_loop()
+
+            async def receive_in_a_thread():
+                assert await talker.echo.call_one(1) == 1  # the runtime moved to this loop
+                thread = in_a_thread(lambda: receiver.recv().get(), got)
+                while not receiver._state.waiters:  # the helper's receive waits on this loop
+                    await asyncio.sleep(0.001)
+                return thread
+
+            thread = loop.run_until_complete(receive_in_a_thread())
+            port.send(7)
+            thread.join(30)
+            print(got)
+            procs.stop().get()
+            loop.close()
+        """,
+    )
+    assert lines == ["[7]"]
