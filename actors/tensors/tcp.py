@@ -420,6 +420,7 @@ class TcpReader:
         self._lock = threading.Lock()  # the spare buffer and the checker, taken by fetches on worker threads
         self._checker: ThreadPoolExecutor | None = None
         self._fetches: set[_Fetch] = set()
+        self._closed = False
 
     def read(self, update_id: str, version: int, handle: Any, specs: tuple[TensorSpec, ...]) -> dict[str, torch.Tensor]:
         if loop_running():
@@ -475,9 +476,17 @@ class TcpReader:
         check_specs(specs, 1 << 62)
         needed = max((s.offset + s.nbytes for s in specs), default=0)
         what = f"update {update_id} (version {version}) from {handle.host}:{handle.port}"
-        sock = _connect(handle, fetch, min(self.timeout, 30.0), what)
+        with self._lock:  # registered before it connects: a close() meanwhile aborts the connect too
+            if self._closed:
+                raise WeightSyncError(f"{what}: this reader was closed")
+            self._fetches.add(fetch)
+        try:
+            sock = _connect(handle, fetch, min(self.timeout, 30.0), what)
+        except BaseException:
+            with self._lock:
+                self._fetches.discard(fetch)
+            raise
         fetch.sock = sock
-        self._fetches.add(fetch)
         try:
             sock.settimeout(self.timeout)
             if fetch.aborted:
@@ -490,8 +499,13 @@ class TcpReader:
                 raise PublisherDied(f"{what}: the transfer broke off ({exc})", pid=-1) from None
             # A receive that timed out, or any other local failure, says nothing of the publisher's life.
             raise WeightSyncError(f"{what}: the transfer failed ({type(exc).__name__}: {exc})") from None
+        except RuntimeError as exc:  # (the checker shut down under it: the reader closed mid-transfer)
+            if not self._closed:
+                raise
+            raise WeightSyncError(f"{what}: this reader was closed") from exc
         finally:
-            self._fetches.discard(fetch)
+            with self._lock:
+                self._fetches.discard(fetch)
             sock.close()
 
     def _transfer(
@@ -525,6 +539,8 @@ class TcpReader:
         data = self._buffer(total)
         if total:
             with self._lock:  # concurrent fetches (worker threads) share one checker
+                if self._closed:
+                    raise WeightSyncError(f"{what}: this reader was closed")
                 if self._checker is None:
                     self._checker = ThreadPoolExecutor(1, thread_name_prefix="actors-weights-crc")
                 checker = self._checker
@@ -546,13 +562,16 @@ class TcpReader:
                 self._spare = data  # the next fetch reuses it (pages already touched, pinning already paid)
 
     def close(self) -> None:
-        for fetch in list(self._fetches):
+        """Abort every fetch under way (connecting ones too) and refuse new ones; free the buffers and checker."""
+        with self._lock:
+            self._closed = True
+            fetches, checker, self._checker = list(self._fetches), self._checker, None
+        for fetch in fetches:
             fetch.abort()
         self._held.clear()
         self._spare = None
-        if self._checker is not None:
-            self._checker.shutdown(wait=True)
-            self._checker = None
+        if checker is not None:
+            checker.shutdown(wait=True)
 
 
 def _check_handle(handle: Any) -> TcpHandle:

@@ -124,6 +124,42 @@ def test_a_peer_that_connects_and_says_nothing_holds_a_reader_slot_only_briefly(
                 sock.close()
 
 
+def test_closing_a_reader_ends_a_fetch_still_connecting(publisher, monkeypatch):
+    """``close()`` from another thread while a fetch connects: the fetch ends with ``WeightSyncError`` and leaves
+    no thread behind (before, it was not yet registered: it went on after the close, fetched the whole update,
+    and started a checker thread nobody would stop)."""
+    from actors.tensors import tcp
+
+    manifest = publisher.publish(filled_model(1.0), 1)
+    connecting, go = threading.Event(), threading.Event()
+    connect = tcp._connect
+
+    def slow_connect(*args, **kwargs):  # type: ignore[no-untyped-def]
+        connecting.set()
+        go.wait(30)
+        return connect(*args, **kwargs)
+
+    monkeypatch.setattr(tcp, "_connect", slow_connect)
+    reader, got = TcpReader(timeout=30), []
+
+    def fetch() -> None:
+        try:
+            got.append(reader.read(manifest.update_id, manifest.version, manifest.handle, manifest.tensors))
+        except BaseException as exc:
+            got.append(exc)
+
+    thread = threading.Thread(target=fetch)
+    thread.start()
+    assert connecting.wait(30)
+    reader.close()
+    go.set()
+    thread.join(30)
+    assert len(got) == 1 and isinstance(got[0], WeightSyncError) and not isinstance(got[0], PublisherDied), got
+    assert not any(name.startswith("actors-weights-crc") for name in weight_threads())
+    with pytest.raises(WeightSyncError, match="closed"):
+        reader.read(manifest.update_id, manifest.version, manifest.handle, manifest.tensors)
+
+
 def test_install_from_the_stream_is_whole_and_exact(publisher):
     source, target = filled_model(3.0), filled_model(0.0)
     with torch.no_grad():
