@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextvars
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,11 +51,11 @@ class ActorSlot:
     def context_for(self, message_rank: int) -> ActorContext:
         return ActorContext(self.name, self.rank, self.extent, self.class_ref, message_rank)
 
-    def run_sync(self, loop: asyncio.AbstractEventLoop, call: Callable[[], Any]) -> asyncio.Future[Any]:
-        """Run ``call`` on this actor's own thread, after the calls queued before it."""
+    def run_sync(self, loop: asyncio.AbstractEventLoop, call: Callable[[], Any]) -> Coroutine[Any, Any, Any]:
+        """Run ``call`` on this actor's own thread, after the calls queued before it (queued now; await it)."""
         if self.thread is None:
             self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"actor-{shown(self.name)}")
-        return loop.run_in_executor(self.thread, contextvars.copy_context().run, call)
+        return _as_raised(loop.run_in_executor(self.thread, contextvars.copy_context().run, _carried, call))
 
     def track(self, task: asyncio.Task[Any]) -> None:
         """``task`` runs for this actor: it is cancelled when the actor stops."""
@@ -86,3 +87,29 @@ class SlotTable:
     def hosted(self) -> list[tuple[str, int]]:
         """Each hosted actor's name (as shown) and rank, for the process title and its output's prefix."""
         return [(shown(name), slot.rank) for name, slot in self.actors.items()]
+
+
+class _Carried(Exception):
+    """What a call on the actor's thread raised that asyncio cannot carry back as it is."""
+
+    def __init__(self, exc: BaseException) -> None:
+        super().__init__()
+        self.exc = exc
+
+
+def _carried(call: Callable[[], Any]) -> Any:
+    """``call()``; ``StopIteration`` (which an asyncio future refuses: the call would never end) and
+    ``concurrent.futures.CancelledError`` (which asyncio turns into its own cancel) are carried as they are."""
+    try:
+        return call()
+    except (StopIteration, concurrent.futures.CancelledError) as exc:
+        raise _Carried(exc) from None
+
+
+async def _as_raised(future: asyncio.Future[Any]) -> Any:
+    """The result of a :func:`_carried` call, raising what it raised (``StopIteration`` as a coroutine does: a
+    ``RuntimeError`` caused by it, the same as from an ``async`` endpoint)."""
+    try:
+        return await future
+    except _Carried as carried:
+        raise carried.exc from None

@@ -136,7 +136,11 @@ class ErrorRecord(NamedTuple):
             return cls(exc.exception_type, exc.message, exc.remote_traceback or tb, spawn_failed)
         kind = type(exc)
         name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
-        return cls(name, str(exc), tb, spawn_failed)
+        try:
+            message = str(exc)
+        except Exception as failure:  # (its __str__ raised: the call is answered all the same)
+            message = f"<unprintable {kind.__qualname__}: its str() raised {type(failure).__name__}>"
+        return cls(name, message, tb, spawn_failed)
 
     def to_error(self, actor: str, rank: int | None, method: str = "") -> ActorsError:
         if self.type_name == SUPERVISION:

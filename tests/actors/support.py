@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import math
 import os
@@ -168,6 +169,31 @@ class SyncEcho(Actor):
     @endpoint
     def sync_add(self, x: int) -> int:
         return x + self.offset
+
+    @endpoint
+    def first(self, items: list[int]) -> int:
+        return next(iter(items))  # StopIteration on an empty list
+
+    @endpoint
+    def cancelled_elsewhere(self) -> None:
+        raise concurrent.futures.CancelledError()  # (as ``.result()`` of a cancelled pool future raises)
+
+
+class Unprintable(Exception):
+    """An exception whose ``str()`` itself raises."""
+
+    def __str__(self) -> str:
+        raise AttributeError("no detail")
+
+
+class RaisesUnprintably(Actor):
+    @endpoint
+    async def fail(self) -> None:
+        raise Unprintable()
+
+    @endpoint
+    async def ping(self) -> str:
+        return "pong"
 
 
 class Relay(Actor):

@@ -76,6 +76,29 @@ async def test_send_with_response_port(procs: ProcMesh):
     assert [await recv.recv(), await recv.recv()] == [6, 6]
 
 
+async def test_a_sync_endpoint_raising_what_asyncio_cannot_carry_fails_only_its_call(procs: ProcMesh):
+    """``StopIteration`` from a ``def`` endpoint cannot be set on an asyncio future: the call was never answered.
+    ``concurrent.futures.CancelledError`` (an ordinary exception) was turned into asyncio's cancel on its way
+    back, and failed the whole actor. Each now fails its call alone, as from an async endpoint."""
+    sync = procs.spawn("sync", SyncEcho).slice(gpus=0)
+    with pytest.raises(ActorError, match="StopIteration"):
+        await asyncio.wait_for(sync.first.call_one([]), 30)
+    with pytest.raises(ActorError) as raised:
+        await asyncio.wait_for(sync.cancelled_elsewhere.call_one(), 30)
+    assert "CancelledError" in raised.value.exception_type
+    assert await asyncio.wait_for(sync.sync_add.call_one(1), 30) == 1, "the actor lives on"
+
+
+async def test_an_exception_whose_str_raises_still_answers_the_call(procs: ProcMesh):
+    from support import RaisesUnprintably
+
+    mesh = procs.spawn("unprintable", RaisesUnprintably).slice(gpus=0)
+    with pytest.raises(ActorError, match="unprintable") as raised:
+        await asyncio.wait_for(mesh.fail.call_one(), 30)
+    assert raised.value.exception_type.endswith("Unprintable")
+    assert await mesh.ping.call_one() == "pong"
+
+
 async def test_sync_endpoint_runs_off_the_loop(procs: ProcMesh):
     echo = procs.spawn("echo", Echo, 3).slice(gpus=0)
     sync = procs.spawn("sync_echo", SyncEcho, 3).slice(gpus=0)
