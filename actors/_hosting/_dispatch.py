@@ -127,9 +127,11 @@ class CallDispatcher:
         record = ErrorRecord.of(exc, traceback.format_exc())  # (called in the except clause)
         kill = self._lifecycle.kill
         if port is not None:
-            if port.take_over():
-                why = f"{inv.call.method} raised instead of answering its response port: "
-                kill(slot, inv.call.method, why + f"{record.type_name}: {record.message}", record, exc, inv)
+            # (answered already: the caller has its answer, and the failure is the actor's all the same)
+            unanswered = port.take_over()
+            how = "instead of answering" if unanswered else "after answering"
+            why = f"{inv.call.method} raised {how} its response port: {record.type_name}: {record.message}"
+            kill(slot, inv.call.method, why, record, exc, inv if unanswered else None)
         elif isinstance(exc, Exception):
             self._reports.fail(slot, inv, record)
         else:

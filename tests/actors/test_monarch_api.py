@@ -114,6 +114,11 @@ class Replies(Actor):
     async def drop(self, port: Port[int]) -> None:
         return None
 
+    @endpoint(explicit_response_port=True)
+    async def answer_then_raise(self, port: Port[int]) -> None:
+        port.send(1)
+        raise KeyError("after answering")
+
 
 class SyncReplies(Actor):
     @endpoint(explicit_response_port=True)
@@ -322,6 +327,19 @@ async def test_an_exception_escaping_an_explicit_port_endpoint_is_a_supervision_
         SupervisionError, match=r"The actor <test_monarch_api.Replies replies\[0\]> and all its descendants have failed"
     ):
         await replies.later.call_one(1, 2)  # the actor is gone for good, as in Monarch
+
+
+async def test_an_exception_escaping_an_explicit_port_endpoint_after_it_answered_fails_the_actor(procs: ProcMesh):
+    """The endpoint answered its port, then raised: the caller has its answer, and the actor fails as when it
+    raised instead of answering (Monarch's dropping port reports it). Before, the exception was swallowed without
+    a word and the actor went on."""
+    seen: list[Failure] = []
+    procs.add_failure_handler(lambda failure: seen.append(failure) or True)
+    replies = procs.spawn("replies", Replies).slice(procs=0)
+    assert await asyncio.wait_for(replies.answer_then_raise.call_one(), 20) == 1
+    with pytest.raises(SupervisionError, match="have failed"):
+        await asyncio.wait_for(replies.later.call_one(1, 2), 20)
+    assert [f.endpoint for f in seen] == ["answer_then_raise"] and "after answering" in seen[0].message
 
 
 class Fatal(BaseException):
