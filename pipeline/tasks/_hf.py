@@ -44,7 +44,7 @@ from ..models import (
 from ._completion_loss import completion_loss
 from ._data import PromptData, load_rows, split_held_out
 from ._interface import LossReport, Scores, Task
-from ._rewards import RewardPlacement, RewardSet
+from ._rewards import RewardPlacement, RewardSet, RewardState
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -73,6 +73,7 @@ class HFBatch:
     truncated: torch.Tensor  # [B*G] bool: reached the limit without an end token
     texts: list[str]  # the completions, decoded
     group: int
+    ticket: int = -1  # the step this rollout trains (a reward function's trainer_state.global_step)
 
 
 class HFTask(Task):
@@ -217,6 +218,7 @@ class HFTask(Task):
             truncated,
             out.texts,
             self.config.group,
+            ticket,
         )
 
     async def score_async(self, scorer: Any, samples: HFBatch) -> Scores:
@@ -228,6 +230,8 @@ class HFTask(Task):
             [data.prompt(row) for row in rows],
             [data.completion(text) for text in samples.texts],
             data.columns_of(rows),
+            completion_ids=completion_ids(samples.tokens, samples.prompt_mask.shape[1], samples.mask),
+            state=RewardState(samples.ticket, self.config.steps),
         )
         total = rewards.combine(per_function)
         if self.config.multi_objective_aggregation == "normalize_then_sum":  # GDPO: the advantages' signal differs
@@ -302,13 +306,19 @@ class HFTask(Task):
         was_training = policy.training
         policy.eval()
         try:
-            texts = self._held_out_completions(policy, [data.prompt_ids(row) for row in rows])
+            texts, ids = self._held_out_completions(policy, [data.prompt_ids(row) for row in rows])
         finally:
             policy.train(was_training)
         rows = [row for row in rows for _ in range(max(1, samples))]  # a prompt's samples are consecutive
         prompts = [data.prompt(row) for row in rows]
         rewards = self.rewards_on(next(policy.parameters()).device)  # a reward model beside the policy
-        per_function = await rewards.score(prompts, [data.completion(t) for t in texts], data.columns_of(rows))
+        per_function = await rewards.score(
+            prompts,
+            [data.completion(t) for t in texts],
+            data.columns_of(rows),
+            completion_ids=ids,
+            state=RewardState(-1, self.config.steps),
+        )
         combined = rewards.combine(per_function)
         self._log_completions(prompts, texts, per_function, rewards.names)
         metrics = {
@@ -319,7 +329,9 @@ class HFTask(Task):
             metrics["reward_std"], metrics["frac_reward_zero_std"] = group_spread(combined, samples)
         return metrics
 
-    def _held_out_completions(self, policy: torch.nn.Module, prompts: list[list[int]]) -> list[str]:
+    def _held_out_completions(
+        self, policy: torch.nn.Module, prompts: list[list[int]]
+    ) -> tuple[list[str], list[list[int]]]:
         """Greedy completions, or ``--num-generations-eval`` sampled ones of each prompt (consecutive).
 
         Sampling draws from one seeded stream per evaluation, so every evaluation of a run (a resumed one's
@@ -328,14 +340,18 @@ class HFTask(Task):
         """
         engine, samples = self.engine(policy), self.config.num_generations_eval
         if samples == 0:
-            return engine.generate(prompts, self.params(1, greedy=True)).texts
+            out = engine.generate(prompts, self.params(1, greedy=True))
+            return out.texts, completion_ids(out.tokens, out.prompt_mask.shape[1], out.mask)
         device = next(policy.parameters()).device
         generator = torch.Generator(device=device).manual_seed(EVAL_SEED + self.config.seed)
         per_call = max(1, max(len(prompts), self.config.prompts * self.config.group) // samples)
         texts: list[str] = []
+        ids: list[list[int]] = []
         for start in range(0, len(prompts), per_call):
-            texts += engine.generate(prompts[start : start + per_call], self.params(samples), generator).texts
-        return texts
+            out = engine.generate(prompts[start : start + per_call], self.params(samples), generator)
+            texts += out.texts
+            ids += completion_ids(out.tokens, out.prompt_mask.shape[1], out.mask)
+        return texts, ids
 
     def evaluate(self, policy: torch.nn.Module) -> dict[str, float]:
         return asyncio.run(self.evaluate_async(policy))
@@ -374,3 +390,9 @@ def _held(cache: dict[int, tuple[torch.nn.Module, T]], model: torch.nn.Module, b
     if held is None or held[0] is not model:
         held = cache[id(model)] = (model, build())
     return held[1]
+
+
+def completion_ids(tokens: torch.Tensor, prompt_width: int, mask: torch.Tensor) -> list[list[int]]:
+    """Each row's completion token ids, its end token included, its padding left out (TRL's ``completion_ids``)."""
+    completion, kept = tokens[:, prompt_width:].cpu(), mask.bool().cpu()
+    return [row[keep].tolist() for row, keep in zip(completion, kept, strict=True)]

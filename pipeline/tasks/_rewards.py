@@ -1,7 +1,8 @@
 """Reward functions in TRL's signature: loading them by name, calling them with a deadline, combining them.
 
-A reward function is ``f(prompts, completions, **columns) -> list[float | None]``
-(as TRL's ``GRPOTrainer`` calls it), or a reward model
+A reward function is called as TRL's ``GRPOTrainer`` calls it, by keyword:
+``f(prompts=..., completions=..., completion_ids=..., trainer_state=..., **columns) -> list[float | None]``
+(a function without ``**kwargs`` gets only the names it takes), or is a reward model
 (:class:`pipeline.models.RewardModel`, named by its folder or Hub name): ``prompts`` as the dataset holds them
 (text, or chat messages), ``completions`` as text, or as a one-message list
 ``[{"role": "assistant", "content": text}]`` when the prompts are messages,
@@ -43,6 +44,7 @@ __all__ = [
     "RewardFunction",
     "RewardPlacement",
     "RewardSet",
+    "RewardState",
     "exact_match",
     "final_number",
     "load_reward",
@@ -68,11 +70,24 @@ def _text(completion: Any) -> str:
 
 
 def exact_match(prompts: list[Any], completions: list[Any], answer: list[Any], **_: Any) -> list[float | None]:
-    """1 where the completion, stripped, equals the ``answer`` column; None where a row has no answer."""
+    """1 where the completion, stripped, equals the ``answer`` column; None where a row has no answer.
+
+    A numeric answer (a column ``datasets`` read as numbers: ``42.0`` for 42) matches a completion that reads
+    as the same number.
+    """
     return [
-        None if a is None else float(_text(c).strip() == str(a).strip())
+        None if a is None else float(_same_answer(_text(c).strip(), a))
         for c, a in zip(completions, answer, strict=True)
     ]
+
+
+def _same_answer(text: str, answer: Any) -> bool:
+    if isinstance(answer, numbers.Real) and not isinstance(answer, bool):
+        try:
+            return math.isclose(float(text.replace(",", "")), float(answer), rel_tol=0, abs_tol=1e-9)
+        except ValueError:
+            return False
+    return text == str(answer).strip()
 
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -122,6 +137,15 @@ BUILTINS: dict[str, Callable[..., list[float | None]]] = {
 
 
 @dataclass(frozen=True)
+class RewardState:
+    """What a reward function reads of TRL's ``trainer_state``: the step (``global_step``: the step the scored
+    rollout trains, -1 at a held-out evaluation) and the run's last (``max_steps``)."""
+
+    global_step: int = -1
+    max_steps: int = 0
+
+
+@dataclass(frozen=True)
 class RewardFunction:
     """A loaded reward function, its name (``reward/<name>`` in the metrics) and weight."""
 
@@ -134,12 +158,12 @@ class RewardFunction:
     def is_async(self) -> bool:
         return inspect.iscoroutinefunction(self.function)
 
-    def keywords(self, columns: dict[str, list[Any]]) -> dict[str, list[Any]]:
-        """The columns it takes: all of them if it has ``**kwargs``, else those it names."""
+    def keywords(self, offered: dict[str, Any]) -> dict[str, Any]:
+        """The keywords it takes of those ``offered``: all of them if it has ``**kwargs``, else those it names."""
         parameters = inspect.signature(self.function).parameters
         if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-            return columns
-        return {name: values for name, values in columns.items() if name in parameters}
+            return offered
+        return {name: value for name, value in offered.items() if name in parameters}
 
 
 def parse_spec(spec: str) -> tuple[str, float]:
@@ -220,11 +244,13 @@ def load_reward(spec: str, placement: RewardPlacement | None = None) -> RewardFu
         parameters = inspect.signature(function).parameters
     except (TypeError, ValueError):
         raise RewardError(f"--reward {source}: its signature cannot be read") from None
-    named = {p.name for p in parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD}
-    if not {"prompts", "completions"} <= named:
+    unnamed = [p.name for p in parameters.values() if p.kind is inspect.Parameter.POSITIONAL_ONLY]
+    takes_keywords = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    if unnamed or not (takes_keywords or "completions" in parameters):
         raise RewardError(
-            f"--reward {source}: a reward function takes (prompts, completions, **columns) as TRL calls it; "
-            f"{getattr(function, '__name__', source)} takes ({', '.join(parameters)})"
+            f"--reward {source}: TRL calls a reward function by keyword, with completions=, prompts=, "
+            f"completion_ids=, trainer_state= and the dataset's columns; "
+            f"{getattr(function, '__name__', source)} takes ({', '.join(map(str, parameters.values()))})"
         )
     name = getattr(function, "__name__", source.rpartition(":")[2])
     return RewardFunction(name=name, source=source, function=function, weight=weight)
@@ -275,25 +301,35 @@ class RewardSet:
     def names(self) -> list[str]:
         return [f.name for f in self.functions]
 
-    async def score(self, prompts: list[Any], completions: list[Any], columns: dict[str, list[Any]]) -> torch.Tensor:
+    async def score(
+        self,
+        prompts: list[Any],
+        completions: list[Any],
+        columns: dict[str, list[Any]],
+        *,
+        completion_ids: list[list[int]] | None = None,
+        state: RewardState | None = None,
+    ) -> torch.Tensor:
         """[F, N] rewards, one row per function, NaN where a function returned None (reward models loaded first,
-        untimed)."""
+        untimed). Each function is called by keyword, as TRL calls it: ``prompts``, ``completions``,
+        ``completion_ids`` (each completion's token ids, its end token included), ``trainer_state`` and the
+        dataset's columns."""
         if not self._loaded:
             await asyncio.to_thread(self.load)
-        rows = await asyncio.gather(*(self._call(f, prompts, completions, columns) for f in self.functions))
+        offered: dict[str, Any] = {**columns, "prompts": prompts, "completions": completions}
+        if completion_ids is not None:
+            offered["completion_ids"] = completion_ids
+        offered["trainer_state"] = state if state is not None else RewardState()
+        rows = await asyncio.gather(*(self._call(f, offered, len(completions)) for f in self.functions))
         return torch.tensor(rows, dtype=torch.float32, device="cpu").reshape(len(self.functions), len(completions))
 
-    async def _call(
-        self, reward: RewardFunction, prompts: list[Any], completions: list[Any], columns: dict[str, list[Any]]
-    ) -> list[float]:
-        kwargs = reward.keywords(columns)
+    async def _call(self, reward: RewardFunction, offered: dict[str, Any], count: int) -> list[float]:
+        kwargs = reward.keywords(offered)
         try:
             if reward.is_async:
-                result = await asyncio.wait_for(reward.function(prompts, completions, **kwargs), self.timeout)
+                result = await asyncio.wait_for(reward.function(**kwargs), self.timeout)
             else:
-                result = await asyncio.wait_for(
-                    asyncio.to_thread(reward.function, prompts, completions, **kwargs), self.timeout
-                )
+                result = await asyncio.wait_for(asyncio.to_thread(reward.function, **kwargs), self.timeout)
         except asyncio.TimeoutError:
             raise RewardError(
                 f"reward function {reward.name} ({reward.source}) took longer than {self.timeout:g} s "
@@ -303,7 +339,7 @@ class RewardSet:
             raise RewardError(
                 f"reward function {reward.name} ({reward.source}) raised {type(exc).__name__}: {exc}"
             ) from None
-        return _checked(reward, result, len(completions))
+        return _checked(reward, result, count)
 
     def combine(self, per_function: torch.Tensor) -> torch.Tensor:
         """[N] weighted sums over functions, a None (NaN) counting as nothing; NaN where every function returned
@@ -329,7 +365,10 @@ class RewardSet:
 
 
 def _checked(reward: RewardFunction, result: Any, count: int) -> list[float]:
+    """The rewards as floats (None as NaN): a list or tuple, or a 1-D tensor or array (as TRL takes any of them)."""
     where = f"reward function {reward.name} ({reward.source})"
+    if hasattr(result, "tolist") and getattr(result, "ndim", None) == 1:  # a torch tensor or numpy array
+        result = result.tolist()
     if not isinstance(result, (list, tuple)):
         raise RewardError(f"{where} returned a {type(result).__name__}, not a list of floats")
     if len(result) != count:
@@ -338,8 +377,13 @@ def _checked(reward: RewardFunction, result: Any, count: int) -> list[float]:
     for value in result:
         if value is None:
             values.append(math.nan)
-        elif isinstance(value, numbers.Real):  # numpy and torch scalars too
+        elif isinstance(value, numbers.Real) or _scalar(value):  # numpy and torch scalars, 0-d tensors, np.bool_
             values.append(float(value))
         else:
             raise RewardError(f"{where} returned a {type(value).__name__} among its rewards (floats or None only)")
     return values
+
+
+def _scalar(value: Any) -> bool:
+    """A one-number tensor or numpy value (a 0-d tensor, ``np.bool_``), which ``float()`` takes."""
+    return getattr(value, "ndim", None) == 0 and not isinstance(value, (str, bytes))

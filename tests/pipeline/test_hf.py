@@ -346,7 +346,8 @@ def test_gdpo_normalises_each_reward_within_its_group_before_the_weighted_sum(tm
 @pytest.mark.parametrize(
     "body, spec, message",
     [
-        ("def f(x):\n    return []\n", "f", r"takes \(prompts, completions, \*\*columns\)"),
+        ("def f(x):\n    return []\n", "f", r"TRL calls a reward function by keyword.*takes \(x\)"),
+        ("def f(completions, /, **kw):\n    return []\n", "f", "TRL calls a reward function by keyword"),
         ("raise ImportError('no numpy here')\n", "f", "importing"),
         ("", "f", "has no 'f'"),
     ],
@@ -444,6 +445,37 @@ def test_what_is_not_a_reward_model_is_refused_naming_it(tiny, tmp_path, monkeyp
         load_reward(_sequence_classifier(tiny, tmp_path / "one"))
 
 
+def test_reward_functions_are_called_by_keyword_as_trl_calls_them(tmp_path):
+    """TRL calls ``f(prompts=, completions=, completion_ids=, trainer_state=, **columns)``: a function taking only
+    some of them (``completions`` alone, ``completion_ids``), in any order, gets what it names (before: only
+    ``(prompts, completions, ...)`` loaded, passed by position, so ``(completions, prompts)`` scored the prompts,
+    and ``completion_ids``/``trainer_state`` were never passed)."""
+    from pipeline.tasks import RewardState
+
+    path = _reward_file(
+        tmp_path,
+        "def only(completions, **kw):\n    return [float(c == 'A') for c in completions]\n"
+        "def ids(completion_ids, **kw):\n    return [float(len(i)) for i in completion_ids]\n"
+        "def swapped(completions, prompts, answer):\n    return [float(c == a) for c, a in zip(completions, answer)]\n"
+        "def step(completions, trainer_state, **kw):\n    return [float(trainer_state.global_step)] * len(completions)\n",
+    )
+    rewards = RewardSet([f"{path}:only", f"{path}:ids", f"{path}:swapped", f"{path}:step"])
+    per = asyncio.run(rewards.score(["p"], ["A"], {"answer": ["A"]}, completion_ids=[[5, 6]], state=RewardState(7, 10)))
+    assert per[:, 0].tolist() == [1.0, 2.0, 1.0, 7.0]
+
+
+def test_rewards_may_come_as_tensors_arrays_and_numpy_or_torch_scalars(tmp_path):
+    path = _reward_file(
+        tmp_path,
+        "import numpy as np, torch\n"
+        "def t(completions, **kw):\n    return torch.tensor([1.0, 2.0])\n"
+        "def z(completions, **kw):\n    return [torch.tensor(1.0), None]\n"
+        "def b(completions, **kw):\n    return np.array([True, False])\n",
+    )
+    per = asyncio.run(RewardSet([f"{path}:t", f"{path}:z", f"{path}:b"]).score(["p", "q"], ["a", "b"], {}))
+    assert per[0].tolist() == [1.0, 2.0] and per[1, 0] == 1.0 and per[1, 1].isnan() and per[2].tolist() == [1.0, 0.0]
+
+
 def test_builtin_rewards():
     from pipeline.tasks import exact_match, final_number, think_answer_format
 
@@ -451,6 +483,8 @@ def test_builtin_rewards():
     assert final_number([], ["so it is 1,234.", "it is 7"], ["work... #### 1234", "#### 8"]) == [1.0, 0.0]
     assert think_answer_format([], ["<think>hm</think> <answer>3</answer>", "3"]) == [1.0, 0.0]
     assert exact_match([], [[{"role": "assistant", "content": "x"}]], ["x"]) == [1.0]
+    # a numeric column (datasets reads 42 as 42.0 where a cell is empty or another is 3.5): compared as numbers
+    assert exact_match([], ["42", "7", "7.5", "x"], [42.0, 7.5, 7.5, 1.0]) == [1.0, 0.0, 1.0, 0.0]
 
 
 # -- data ------------------------------------------------------------------------------------------------------
