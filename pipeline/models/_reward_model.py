@@ -37,9 +37,12 @@ class RewardModel:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         trust_remote_code: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> None:
         transformers = require_transformers()
         self.source = name
+        #: The chat template's variables (``--chat-template-kwargs``), as TRL renders a reward model's input.
+        self.template_kwargs = dict(chat_template_kwargs or {})
         self.__name__ = name.rstrip("/").rpartition("/")[2]  # reward/<name> in the metrics, as TRL names it
         self.device = torch.device(device)
         self.dtype = dtype
@@ -86,17 +89,26 @@ class RewardModel:
         return rewards
 
     def check_chat(self) -> None:
-        """Refuse chat prompts if this model's tokenizer cannot render them (it has no chat template)."""
+        """Refuse chat prompts if this model's tokenizer cannot render them (no chat template, or one that fails
+        with the run's template variables)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ModelError(
                 f"--reward {self.source}: the prompts are chat messages, but its tokenizer has no chat template"
             )
+        probe = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!"}]
+        try:
+            self.tokenizer.apply_chat_template(probe, tokenize=False, **self.template_kwargs)
+        except Exception as exc:
+            raise ModelError(
+                f"--reward {self.source}: its chat template cannot render a conversation with the run's "
+                f"--chat-template-kwargs {self.template_kwargs}: {first_line(exc)}"
+            ) from None
 
     def _text(self, prompt: Any, completion: Any) -> str:
         if isinstance(prompt, list):  # chat messages; the completion is the assistant's turn
             self.check_chat()
             turn = completion if isinstance(completion, list) else [{"role": "assistant", "content": str(completion)}]
-            return str(self.tokenizer.apply_chat_template(prompt + turn, tokenize=False))
+            return str(self.tokenizer.apply_chat_template(prompt + turn, tokenize=False, **self.template_kwargs))
         return str(prompt) + (completion if isinstance(completion, str) else str(completion[-1]["content"]))
 
     def load(self) -> Any:

@@ -135,7 +135,9 @@ class HFTask(Task):
         if held is None:
             config = self.config
             dtype = torch.bfloat16 if config.dtype == "bfloat16" and device.type == "cuda" else torch.float32
-            placement = RewardPlacement(device, dtype, config.trust_remote_code)
+            placement = RewardPlacement(
+                device, dtype, config.trust_remote_code, dict(config.chat_template_kwargs or {})
+            )
             held = self._reward_sets[str(device)] = RewardSet(config.rewards, config.reward_timeout, placement)
         return held
 

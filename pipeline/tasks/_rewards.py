@@ -30,7 +30,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -179,12 +179,13 @@ def parse_spec(spec: str) -> tuple[str, float]:
 
 @dataclass(frozen=True)
 class RewardPlacement:
-    """Where a reward model named among the rewards runs: the scoring process's device, its dtype, and whether its
-    own code may run (``--trust-remote-code``)."""
+    """Where a reward model named among the rewards runs: the scoring process's device, its dtype, whether its
+    own code may run (``--trust-remote-code``), and its chat template's variables (``--chat-template-kwargs``)."""
 
     device: torch.device | str = "cpu"
     dtype: torch.dtype = torch.float32
     trust_remote_code: bool = False
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # its chat template's variables
 
 
 def _import(source: str, placement: RewardPlacement) -> Callable[..., Any]:
@@ -198,7 +199,9 @@ def _import(source: str, placement: RewardPlacement) -> Callable[..., Any]:
                 "or path/to/file.py:function, a reward model its folder or Hub name (org/name)"
             )
         try:
-            return RewardModel(source, placement.device, placement.dtype, placement.trust_remote_code)
+            return RewardModel(
+                source, placement.device, placement.dtype, placement.trust_remote_code, placement.chat_template_kwargs
+            )
         except ModelError as exc:
             raise RewardError(
                 f"{exc}; a reward is module:function, path/to/file.py:function, one of {', '.join(BUILTINS)}, or "

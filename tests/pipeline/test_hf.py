@@ -419,6 +419,31 @@ def test_a_reward_model_scores_prompt_and_completion_together_whatever_its_batch
     assert reward.function(chat, turns) == pytest.approx([alone(text) for text in rendered], abs=1e-5)
 
 
+def test_a_reward_model_renders_chat_with_the_runs_template_variables(tiny, tmp_path):
+    """``--chat-template-kwargs`` reach a reward model's template, as TRL renders its input (before: rendered
+    without them: another text, or a template that needs one failed at the first batch, unchecked before)."""
+    import transformers
+
+    from pipeline.tasks import RewardPlacement
+
+    folder = _sequence_classifier(tiny, tmp_path / "hinted-judge")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = HINTED_TEMPLATE + "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tokenizer.save_pretrained(folder)
+    plain = load_reward(folder)
+    with pytest.raises(RewardError, match="cannot render a conversation"):
+        RewardSet([folder]).check_chat(True)
+    hinted = load_reward(folder, RewardPlacement(chat_template_kwargs={"hint": "xyz"}))
+    RewardSet([folder], placement=RewardPlacement(chat_template_kwargs={"hint": "xyz"})).check_chat(True)
+    chat, turn = [{"role": "user", "content": "a"}], [{"role": "assistant", "content": "b"}]
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    ids = tokenizer("xyzab", return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        expected = float(model(**ids).logits[0, 0])
+    assert hinted.function([chat], [turn]) == pytest.approx([expected], abs=1e-5)
+    assert plain.name == hinted.name
+
+
 def test_what_is_not_a_reward_model_is_refused_naming_it(tiny, tmp_path, monkeypatch):
     with pytest.raises(RewardError, match=r"not a reward model \(a sequence classifier with one label\); its "):
         load_reward(str(tiny / "model"))  # a causal LM: its classification head would be random
