@@ -111,7 +111,8 @@ class CallDispatcher:
             if self._lifecycle.ending and slot.error is None:
                 return  # the process is ending (SIGTERM, owner gone): its callers hear ActorDied when it exits
             record = slot.error or ErrorRecord("CancelledError", f"actor {shown(slot.name)!r} stopped first")
-            self._reports.fail(slot, inv, record, report=False)
+            if port is None or port.take_over():  # (a port answered already has its answer; claimed, it is closed)
+                self._reports.fail(slot, inv, record, report=False)
         except BaseException as exc:
             self._failed(slot, inv, port, exc)
         else:

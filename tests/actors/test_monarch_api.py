@@ -22,6 +22,7 @@ from actors import (
     ActorDied,
     ActorError,
     ActorMesh,
+    Channel,
     EncodeError,
     Failure,
     MeshFailure,
@@ -118,6 +119,34 @@ class Replies(Actor):
     async def answer_then_raise(self, port: Port[int]) -> None:
         port.send(1)
         raise KeyError("after answering")
+
+
+class HeldPort(Actor):
+    """Keeps its explicit response port and waits; its ``__cleanup__`` tries the port and reports how it went."""
+
+    def __init__(self, report: Port[str]) -> None:
+        self.report = report
+        self.port: Port[int] | None = None
+        self.holding = asyncio.Event()
+
+    @endpoint(explicit_response_port=True)
+    async def hold(self, port: Port[int]) -> None:
+        self.port = port
+        self.holding.set()
+        await asyncio.Event().wait()  # (until the actor stops)
+
+    @endpoint
+    async def held(self) -> None:
+        await self.holding.wait()
+
+    async def __cleanup__(self, exc: BaseException | None) -> None:
+        assert self.port is not None
+        try:
+            self.port.send(1)
+        except PortClosed:
+            self.report.send("closed")
+        else:
+            self.report.send("sent")
 
 
 class SyncReplies(Actor):
@@ -340,6 +369,21 @@ async def test_an_exception_escaping_an_explicit_port_endpoint_after_it_answered
     with pytest.raises(SupervisionError, match="have failed"):
         await asyncio.wait_for(replies.later.call_one(1, 2), 20)
     assert [f.endpoint for f in seen] == ["answer_then_raise"] and "after answering" in seen[0].message
+
+
+async def test_a_stop_during_an_explicit_port_call_answers_it_once_and_closes_the_port(procs: ProcMesh):
+    """The actor stops while an endpoint holds its response port: the caller hears "stopped first", and the port
+    is closed, so a later ``send`` (its ``__cleanup__``'s) raises ``PortClosed`` (before, it sent a second answer,
+    and the dropped port a third)."""
+    report, reports = Channel.open(str)
+    mesh = procs.spawn("held", HeldPort, report)
+    holder = mesh.slice(procs=0)
+    call = asyncio.ensure_future(holder.hold.call_one())
+    await asyncio.wait_for(holder.held.call_one(), 20)
+    await asyncio.wait_for(mesh.stop(), 20)
+    with pytest.raises((ActorError, SupervisionError), match="stopped"):
+        await asyncio.wait_for(call, 20)
+    assert await asyncio.wait_for(reports.recv(), 20) == "closed"
 
 
 class Fatal(BaseException):

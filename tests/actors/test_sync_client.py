@@ -66,6 +66,20 @@ def served_talker():
     return procs, talker
 
 
+def waiting_for_the_flag(driver, flag, got):
+    # a helper thread waits (driver.wait, no deadline) until flag holds; got then has "held"
+    return in_a_thread(lambda: driver.wait(lambda: bool(flag), timeout=None, what="the flag") or "held", got)
+
+
+async def waiting_on_this_loop(talker, driver, flag, got):
+    # the runtime moves to the running loop, and a helper thread waits there for the flag
+    assert await talker.echo.call_one(1) == 1
+    thread = waiting_for_the_flag(driver, flag, got)
+    while not driver._progress:  # (the helper's wait is on this loop)
+        await asyncio.sleep(0.001)
+    return thread
+
+
 def in_a_thread(fn, got):
     # fn runs on a helper thread (started); its result, or its exception's name, goes to got
 
@@ -390,15 +404,8 @@ def test_a_wait_through_the_programs_loop_goes_on_when_that_loop_stops(tmp_path)
             driver = current_runtime().driver
             flag, got = [], []
             loop = asyncio.new_event_loop()
-
-            async def wait_in_a_thread():
-                assert await talker.echo.call_one(1) == 1  # the runtime moved to this loop
-                thread = in_a_thread(lambda: driver.wait(lambda: bool(flag), timeout=None, what="the flag") or "held", got)
-                while not driver._progress:  # the helper's wait is on this loop
-                    await asyncio.sleep(0.001)
-                return thread
-
-            thread = loop.run_until_complete(wait_in_a_thread())  # the loop stops, not closed, with the wait on it
+            # the loop stops, not closed, with the wait on it
+            thread = loop.run_until_complete(waiting_on_this_loop(talker, driver, flag, got))
             flag.append(1)
             thread.join(30)
             print(got, runtime_threads())
@@ -521,13 +528,6 @@ def test_a_wait_through_a_loop_that_stops_and_runs_again_goes_on_there(tmp_path)
             driver.next_loop = next_loop_once_restarted
             loop = asyncio.new_event_loop()
 
-            async def wait_in_a_thread():
-                assert await talker.echo.call_one(1) == 1  # the runtime moved to this loop
-                thread = in_a_thread(lambda: driver.wait(lambda: bool(flag), timeout=None, what="the flag") or "held", got)
-                while not driver._progress:  # the helper's wait is on this loop
-                    await asyncio.sleep(0.001)
-                return thread
-
             async def run_again(thread):
                 restarted.set()
                 flag.append(1)
@@ -535,7 +535,7 @@ def test_a_wait_through_a_loop_that_stops_and_runs_again_goes_on_there(tmp_path)
                 await asyncio.to_thread(thread.join, 30)
                 return time.monotonic() - started
 
-            thread = loop.run_until_complete(wait_in_a_thread())  # the loop stops with the wait on it
+            thread = loop.run_until_complete(waiting_on_this_loop(talker, driver, flag, got))  # it stops
             observed.wait(30)
             took = loop.run_until_complete(run_again(thread))  # and runs again
             print(got, took < 5, runtime_threads())
