@@ -10,6 +10,7 @@ never come.
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
     from ._invocation import Invocation
 
 __all__ = ["ResponsePort"]
+
+log = logging.getLogger("actors")
 
 T = TypeVar("T")
 
@@ -42,7 +45,14 @@ class _Answer:
 
 
 def _deliver(rt: Runtime, inv: Invocation, ok: bool, value: Any) -> None:
-    rt.driver.on_thread(lambda: inv.reply(rt, ok, value))
+    """The answer to its caller; a fire-and-forget call's to the port it was sent with (as a plain endpoint's
+    result goes there), or, failed, to the log (a port carries values, not errors)."""
+    if inv.call.call_id or inv.call.port is None:
+        rt.driver.on_thread(lambda: inv.reply(rt, ok, value))
+    elif ok:
+        rt.driver.on_thread(lambda: inv.deliver_result(value))
+    else:
+        log.error("%s.%s answered its port with an error: %s", inv.call.actor, inv.call.method, value)
 
 
 def _dropped(rt: Runtime, inv: Invocation, answer: _Answer) -> None:

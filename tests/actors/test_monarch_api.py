@@ -37,6 +37,7 @@ from actors import (
     current_rank,
     endpoint,
     get_or_spawn_controller,
+    send,
     this_host,
     this_proc,
 )
@@ -330,6 +331,18 @@ async def test_an_explicit_response_port_answers_later_and_only_once(procs: Proc
     assert "already answered" in await replies.second.call_one()
     sync = procs.spawn("sync_replies", SyncReplies).slice(procs=1)
     assert await sync.add.call_one(4, 5) == 9
+
+
+async def test_a_fire_and_forget_send_with_a_port_gets_what_an_explicit_port_endpoint_answers(procs: ProcMesh):
+    """``send(ep, args, port=p)`` to an endpoint that answers through its response port: the answer goes to ``p``,
+    as a plain endpoint's result does (before, a fire-and-forget call had no caller to answer, and it was lost)."""
+    port, answers = Channel.open(int)
+    replies = procs.spawn("replies", Replies).slice(procs=0)
+    send(replies.later, (2, 3), port=port)
+    assert await asyncio.wait_for(answers.recv(), 20) == 5
+    sync = procs.spawn("sync_replies", SyncReplies).slice(procs=1)
+    send(sync.add, (4, 5), port=port)
+    assert await asyncio.wait_for(answers.recv(), 20) == 9
 
 
 async def test_port_exception_reaches_the_caller_as_an_actor_error(procs: ProcMesh):
