@@ -66,6 +66,14 @@ def served_talker():
     return procs, talker
 
 
+def served_with_driver():
+    # served_talker(), and the driver of this program's runtime
+    from actors._runtime._core import current_runtime
+
+    procs, talker = served_talker()
+    return procs, talker, current_runtime().driver
+
+
 def waiting_for_the_flag(driver, flag, got):
     # a helper thread waits (driver.wait, no deadline) until flag holds; got then has "held"
     return in_a_thread(lambda: driver.wait(lambda: bool(flag), timeout=None, what="the flag") or "held", got)
@@ -332,9 +340,7 @@ def test_a_wait_through_the_background_loop_follows_the_runtime_when_the_loop_ha
         tmp_path,
         """
         if __name__ == "__main__":
-            from actors._runtime._core import current_runtime
-            procs, talker = served_talker()
-            driver = current_runtime().driver
+            procs, talker, driver = served_with_driver()
             flag, got = [], []
             thread = in_a_thread(lambda: driver.wait(lambda: bool(flag), timeout=60, what="the flag") or "held", got)
             while not driver._progress:  # the wait is on the background loop
@@ -399,9 +405,7 @@ def test_a_wait_through_the_programs_loop_goes_on_when_that_loop_stops(tmp_path)
         tmp_path,
         """
         if __name__ == "__main__":
-            from actors._runtime._core import current_runtime
-            procs, talker = served_talker()
-            driver = current_runtime().driver
+            procs, talker, driver = served_with_driver()
             flag, got = [], []
             loop = asyncio.new_event_loop()
             # the loop stops, not closed, with the wait on it
@@ -424,9 +428,7 @@ def test_work_handed_to_a_loop_that_stops_before_running_it_runs_once_on_the_nex
         tmp_path,
         """
         if __name__ == "__main__":
-            from actors._runtime._core import current_runtime
-            procs, talker = served_talker()
-            driver = current_runtime().driver
+            procs, talker, driver = served_with_driver()
             ran, got, threads = [], [], []
             loop = asyncio.new_event_loop()
             handed = threading.Event()
@@ -471,9 +473,7 @@ def test_a_loop_that_no_longer_drives_the_runtime_does_not_read_its_inbox(tmp_pa
         tmp_path,
         """
         if __name__ == "__main__":
-            from actors._runtime._core import current_runtime
-            procs, talker = served_talker()
-            driver = current_runtime().driver
+            procs, talker, driver = served_with_driver()
             readers = []
             pump = driver._inbox.pump
 
@@ -513,9 +513,7 @@ def test_a_wait_through_a_loop_that_stops_and_runs_again_goes_on_there(tmp_path)
         tmp_path,
         """
         if __name__ == "__main__":
-            from actors._runtime._core import current_runtime
-            procs, talker = served_talker()
-            driver = current_runtime().driver
+            procs, talker, driver = served_with_driver()
             flag, got = [], []
             observed, restarted = threading.Event(), threading.Event()
             next_loop = driver.next_loop
