@@ -89,7 +89,7 @@ class Learner:
         torch.manual_seed(task.seed)  # every run of a seed starts from the same policy
         self.policy = task.build_policy().to(self._home)
         #: The reference weights (the base: LoRA adapters start at 0), in host memory: read only to publish them,
-        #: mix them every N steps and save them, never to compute (the RefModel role does). None without a KL term.
+        #: mix them every N steps and save them, never to compute (the RefModel role does). Empty without a KL term.
         self.reference_state = self._reference_copy(self.policy.state_dict())
         self.adapter = (
             LoraAdapter(self.policy, config.lora_r, config.lora_scale_alpha, config.lora_target_modules)
