@@ -263,7 +263,19 @@ class Port(Generic[T]):
         """Record that process ``dest`` now holds a copy of this port."""
         pid = dest.pid
         if pid is None:
-            rt.registry.when_pid_known(dest, lambda: self._shipped_to(rt, dest))
+            state = rt.receivers.get(self._id) if self._address == rt.address and self._pid == rt.pid else None
+            if state is None:
+                rt.registry.when_pid_known(dest, lambda: self._shipped_to(rt, dest))
+                return
+            # A holder to come (a restarted process starting): until its pid is known, its sender counts, so a
+            # receive does not end with "every sender has exited" between the old process's death and it.
+            state.pending += 1
+
+            def known(state: ReceiverState = state) -> None:
+                state.pending -= 1
+                self._shipped_to(rt, dest)
+
+            rt.registry.when_pid_known(dest, known)
             return
         if pid == self._pid:
             return

@@ -26,7 +26,7 @@ __all__ = ["ReceiverState", "Receivers"]
 class ReceiverState:
     """What the owning process keeps for one open port."""
 
-    __slots__ = ("attached", "closed", "holders", "once", "port_id", "queue", "unacked", "waiters")
+    __slots__ = ("attached", "closed", "holders", "once", "pending", "port_id", "queue", "unacked", "waiters")
 
     def __init__(self, port_id: int, once: bool) -> None:
         self.port_id = port_id
@@ -34,6 +34,8 @@ class ReceiverState:
         #: The ``recv()``s waiting for the queue to fill, oldest first (woken ones leave it; a cancelled one removes itself).
         self.waiters: list[asyncio.Future[None]] = []
         self.holders: set[int] = set()
+        #: Processes sent a sender whose pid is not known yet (a restarted one starting): holders to come.
+        self.pending = 0
         self.attached = False
         self.closed: str | None = None
         self.once = once
@@ -61,7 +63,7 @@ class ReceiverState:
                 self.wake()
 
     def senders_gone(self) -> bool:
-        return self.attached and not self.holders
+        return self.attached and not self.holders and not self.pending
 
     def wake(self) -> None:
         """Wake every waiting ``recv()``: each looks at the queue again, in the order they came."""

@@ -194,6 +194,23 @@ async def test_a_call_to_no_process_leaves_nothing_in_the_call_table(procs: Proc
     assert len(rt.calls._pending) <= before, "calls with no target stayed in the call table"
 
 
+async def test_a_sender_sent_to_a_process_still_starting_counts_until_its_pid_is_known(sockets_dir):
+    """A restarted process is sent the port (a log port's replay) before its pid is known: meanwhile its sender
+    counts, so a receive does not end with "every sender has exited" between the old process's death and the new
+    one's pid (before: a log collector's receive ended there for good, and the restarted process's lines waited)."""
+    from actors._shared._session import inbox_address
+
+    port, recv = Channel.open(int)
+    rt = runtime()
+    recv._state.attach(rt.pid + 12345, False)  # (a holder that could not be watched: counted gone)
+    assert not recv.senders_alive
+    starting = rt.registry.proc(inbox_address(rt.dir, "w-starting"), None)
+    port._shipped_to(rt, starting)
+    assert recv.senders_alive, "a sender on its way counts"
+    rt.registry.set_pid(starting, rt.pid)  # (its pid is known: a holder like any other from now on)
+    assert recv._state.pending == 0
+
+
 async def test_recv_raises_when_every_sender_died(procs: ProcMesh):
     port, recv = Channel.open(str)
     echo = procs.spawn("echo", Echo).slice(procs=0)
