@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from .._shared._errors import ActorDied, CallTimeout
 from .._shared._liveness import ProcRef
-from .._transport._driver import ON_THREAD_SLICE, Driver
+from .._transport._driver import Driver
 from .._wire._records import Call
 from ._core import Runtime
 from ._future import Future
@@ -123,19 +123,13 @@ def _wait_served(driver: Driver, pending: PendingCall, limit: float | None, what
     or handed the runtime over), the wait follows the runtime to whatever
     drives it next: nothing would read the reply otherwise.
     """
-    loop = driver.loop
-    arrived = pending.arrival()
-    deadline = None if limit is None else time.monotonic() + limit
-    while True:
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        if arrived.wait(ON_THREAD_SLICE if left is None else min(ON_THREAD_SLICE, left)):
-            return True
-        if deadline is not None and time.monotonic() >= deadline:
-            return pending.done
-        if loop is None or not driver.drives(loop):
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                driver.wait(lambda: pending.done, timeout=left, what=what)
-            except CallTimeout:
-                return pending.done
-            return True
+    started = time.monotonic()
+    served = driver.wait_while_driven(driver.loop, pending.arrival().wait, limit)
+    if served is not None:
+        return served or pending.done
+    left = None if limit is None else max(0.0, limit - (time.monotonic() - started))
+    try:
+        driver.wait(lambda: pending.done, timeout=left, what=what)
+    except CallTimeout:
+        return pending.done
+    return True

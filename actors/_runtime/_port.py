@@ -27,7 +27,6 @@ from typing import Any, Generic, TypeVar, overload
 
 from .._shared._errors import ActorDied, BufferFull, CallTimeout, DecodeError, EncodeError, PortClosed
 from .._shared._liveness import ProcRef
-from .._transport._driver import ON_THREAD_SLICE
 from .._transport._flow import CREDIT_BYTES, CREDIT_MESSAGES, WINDOW, WINDOW_BYTES, Window
 from .._transport._outbox import SEND_TIMEOUT
 from .._transport._receivers import ReceiverState
@@ -405,18 +404,14 @@ class PortReceiver(Generic[T]):
     ) -> None:
         """``waiting.result(timeout)``, and ``CancelledError`` as soon as ``loop`` no longer drives the runtime
         (it stopped with the receive on it: a task not cancelled, which would wait for good)."""
-        driver = self._rt.driver
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                waiting.result(ON_THREAD_SLICE if left is None else min(ON_THREAD_SLICE, left))
-                return
-            except concurrent.futures.TimeoutError:
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise
-                if not driver.drives(loop):
-                    raise concurrent.futures.CancelledError() from None
+        served = self._rt.driver.wait_while_driven(
+            loop, lambda seconds: bool(concurrent.futures.wait([waiting], timeout=seconds).done), timeout
+        )
+        if served is None:
+            raise concurrent.futures.CancelledError()
+        if not served:
+            raise concurrent.futures.TimeoutError()
+        waiting.result()  # (its own outcome: PortClosed, or cancelled with its loop)
 
     async def _take_for(self, handover: _Handover) -> None:
         await self._until_queued()

@@ -234,6 +234,22 @@ class Driver:
         """Whether ``loop`` still drives the runtime: bound to it and running (not stopped, closed or handed over)."""
         return self.loop is loop and loop.is_running()
 
+    def wait_while_driven(
+        self, loop: asyncio.AbstractEventLoop | None, ready: Callable[[float], bool], timeout: float | None
+    ) -> bool | None:
+        """Wait on this thread (never a loop's) until ``ready(seconds)`` holds, asked in slices: True then, False
+        at ``timeout``, None as soon as ``loop`` no longer drives the runtime (what it would have done will not
+        happen there: the caller goes on through whatever drives it now)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if ready(ON_THREAD_SLICE if left is None else min(ON_THREAD_SLICE, left)):
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            if loop is None or not self.drives(loop):
+                return None
+
     def _settle(self) -> bool:
         """Wait out a change of loop another thread is making; True if a running loop drives the runtime now.
 
