@@ -86,7 +86,7 @@ class CallDispatcher:
         except DecodeError as exc:
             refuse(inv, ErrorRecord.of(exc))
             return
-        token = actor_context.set(slot.context_for(inv.call.rank))
+        token = actor_context.set(slot.context_for(inv.call.rank, inv.call.method))
         try:
             task = self._loop.create_task(self._invoke(slot, ep, args, kwargs, inv))
         finally:

@@ -4,7 +4,8 @@ A call that never ran (no such actor or endpoint, bad arguments) gets an
 error reply, or, fire-and-forget, is dropped with a rate-limited log. A call
 that ran and raised gets an error reply, or, fire-and-forget, is reported as
 a failure of its actor to that actor's supervisor: whoever spawned it, else
-this process's owner (as in Monarch).
+this process's owner (as in Monarch). A fire-and-forget call sent with a port
+is answered there with its error either way, and its actor lives on.
 """
 
 from __future__ import annotations
@@ -34,10 +35,9 @@ class FailureReports:
         self._owner = owner
 
     def refuse(self, inv: Invocation, record: ErrorRecord) -> None:
-        """A call that never ran: an error reply; fire-and-forget, a bad message, never an actor failure."""
-        if inv.wants_reply:
-            inv.reply(self._rt, False, record)
-        else:
+        """A call that never ran: an error reply (or to its port); fire-and-forget, a bad message, never an actor
+        failure."""
+        if not inv.answer_error(self._rt, record, inv.call.rank):
             call = inv.call
             self._rt.drops(
                 "a fire-and-forget call to %s.%s: %s: %s",
@@ -48,14 +48,12 @@ class FailureReports:
             )
 
     def fail(self, slot: ActorSlot | None, inv: Invocation, record: ErrorRecord, report: bool = True) -> None:
-        """A call that raised: an error reply; fire-and-forget, a failure of its actor (unless ``report`` is false)."""
-        if inv.wants_reply:
-            inv.reply(self._rt, False, record)
-            return
-        if not report:
-            return
+        """A call that raised: an error reply (or to the port it was sent with: its actor lives on, as in
+        Monarch); fire-and-forget, a failure of its actor (unless ``report`` is false)."""
         call = inv.call
         rank = slot.rank if slot is not None else call.rank
+        if inv.answer_error(self._rt, record, rank) or not report:
+            return
         log.error(
             "fire-and-forget call %s[%d].%s failed: %s: %s\n%s",
             shown(call.actor),

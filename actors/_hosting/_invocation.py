@@ -1,9 +1,9 @@
 """One endpoint call inside a worker: its arguments, running it, and where its answer goes.
 
 The answer of a call that wants a reply is a :class:`~actors._wire._records.Reply`
-to the caller; a fire-and-forget call with a port sends its result there;
-otherwise the result is dropped and a failure is reported to the actor's
-owner (see ``ActorServer.report_failure``).
+to the caller; a fire-and-forget call with a port sends its result, or its
+error, there; otherwise the result is dropped and a failure is reported to
+the actor's supervisor (see ``FailureReports``).
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .._runtime._port import send_error
+from .._runtime._port_error import PortError
 from .._shared._errors import ActorDied, DecodeError
 from .._wire._records import Call, ErrorRecord, Reply
 
@@ -73,3 +75,19 @@ class Invocation:
                 port.send(value)
             except Exception:
                 log.exception("could not send the result of %s.%s to its port", self.call.actor, self.call.method)
+
+    def answer_error(self, rt: Runtime, record: ErrorRecord, rank: int) -> bool:
+        """Tell whoever waits on this call that it failed: its caller, else the port it was sent with (as in
+        Monarch, whose ``send(..., port=p)`` hands ``p`` the error). False if nobody waits (fire-and-forget)."""
+        call = self.call
+        if call.call_id:
+            self.reply(rt, False, record)
+            return True
+        port = call.port
+        if port is None:
+            return False
+        try:
+            send_error(port, PortError(record, call.actor, rank, call.method))
+        except Exception:
+            log.exception("could not send the failure of %s.%s to its port", call.actor, call.method)
+        return True

@@ -143,8 +143,8 @@ class Lifecycle:
             )
             self._reports.report(slot.name, slot.rank, method, told)
             self.background(self.stop_slot(slot, exc, CLEANUP_TIMEOUT))
-        if inv is not None and inv.wants_reply:
-            inv.reply(self._rt, False, slot.error)
+        if inv is not None:
+            inv.answer_error(self._rt, slot.error, slot.rank)
 
     def abort(self, actor: str, reason: str) -> None:
         """``Instance.abort``: fail ``actor`` with ``reason``."""

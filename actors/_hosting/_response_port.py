@@ -10,7 +10,6 @@ never come.
 
 from __future__ import annotations
 
-import logging
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -23,8 +22,6 @@ if TYPE_CHECKING:
     from ._invocation import Invocation
 
 __all__ = ["ResponsePort"]
-
-log = logging.getLogger("actors")
 
 T = TypeVar("T")
 
@@ -46,13 +43,13 @@ class _Answer:
 
 def _deliver(rt: Runtime, inv: Invocation, ok: bool, value: Any) -> None:
     """The answer to its caller; a fire-and-forget call's to the port it was sent with (as a plain endpoint's
-    result goes there), or, failed, to the log (a port carries values, not errors)."""
+    result, or error, goes there)."""
     if inv.call.call_id or inv.call.port is None:
         rt.driver.on_thread(lambda: inv.reply(rt, ok, value))
     elif ok:
         rt.driver.on_thread(lambda: inv.deliver_result(value))
     else:
-        log.error("%s.%s answered its port with an error: %s", inv.call.actor, inv.call.method, value)
+        rt.driver.on_thread(lambda: inv.answer_error(rt, value, inv.call.rank))
 
 
 def _dropped(rt: Runtime, inv: Invocation, answer: _Answer) -> None:
@@ -62,7 +59,7 @@ def _dropped(rt: Runtime, inv: Invocation, answer: _Answer) -> None:
         record = ErrorRecord(
             "PortClosed", f"{inv.call.actor}.{inv.call.method} dropped its response port without answering"
         )
-        loop.call_soon_threadsafe(inv.reply, rt, False, record)
+        loop.call_soon_threadsafe(inv.answer_error, rt, record, inv.call.rank)
 
 
 class ResponsePort(Generic[T]):

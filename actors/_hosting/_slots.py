@@ -48,8 +48,8 @@ class ActorSlot:
     def context(self) -> ActorContext:
         return ActorContext(self.name, self.rank, self.extent, self.class_ref)
 
-    def context_for(self, message_rank: int) -> ActorContext:
-        return ActorContext(self.name, self.rank, self.extent, self.class_ref, message_rank)
+    def context_for(self, message_rank: int, method: str) -> ActorContext:
+        return ActorContext(self.name, self.rank, self.extent, self.class_ref, message_rank, method)
 
     def run_sync(self, loop: asyncio.AbstractEventLoop, call: Callable[[], Any]) -> Coroutine[Any, Any, Any]:
         """Run ``call`` on this actor's own thread, after the calls queued before it (queued now; await it)."""

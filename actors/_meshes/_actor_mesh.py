@@ -8,8 +8,9 @@ works there.
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Generic, Literal, ParamSpec, TypeVar
 
 from .._hosting._actor import Actor
@@ -17,7 +18,7 @@ from .._runtime._call_sender import encode_arguments, pending_future, send_call
 from .._runtime._core import runtime
 from .._runtime._future import Future
 from .._runtime._pending_calls import PendingCall
-from .._runtime._value_mesh import ValueMesh, extent_from_wire, flattened, select
+from .._runtime._value_mesh import Shaped, ValueMesh, extent_from_wire, flattened, select
 from .._shared._errors import ActorDied, DecodeError, SupervisionError, actor_stopped
 from .._shared._liveness import ProcRef
 from .._shared._names import MeshName, shown
@@ -27,7 +28,7 @@ from .._wire._records import PROCESS_ACTOR
 if TYPE_CHECKING:
     from ._proc_mesh import ProcMesh
 
-__all__ = ["ActorMesh", "MeshEndpoint", "Selection", "send"]
+__all__ = ["ActorMesh", "MeshEndpoint", "Selection", "check_endpoint_names", "send"]
 
 A = TypeVar("A", bound=Actor)
 P = ParamSpec("P")
@@ -177,16 +178,29 @@ def send(
 
 
 class _Life:
-    """Whether the actors behind a mesh handle (and all its slices) were stopped through it."""
+    """Which ranks of the actors behind a mesh handle (shared by all its slices) were stopped through it."""
 
     __slots__ = ("stopped",)
 
     def __init__(self) -> None:
-        self.stopped = False
+        self.stopped: set[int] = set()
 
 
-class ActorMesh(Generic[A]):
+class ActorMesh(Shaped, Generic[A]):
     """Handles to the actors of one ``spawn``; copy it freely into other actors."""
+
+    __slots__ = (
+        "__weakref__",
+        "_class_ref",
+        "_endpoints",
+        "_extent",
+        "_life",
+        "_name",
+        "_next",
+        "_proc_mesh",
+        "_spawn_call",
+        "_targets_list",
+    )
 
     def __init__(
         self,
@@ -208,22 +222,18 @@ class ActorMesh(Generic[A]):
         self._spawn_call: PendingCall | None = None  # where this mesh was spawned: its constructors' answers
 
     def __getattr__(self, name: str) -> MeshEndpoint[Any, Any]:
-        endpoints = self.__dict__.get("_endpoints", {})
-        if not name.startswith("__") and name in endpoints:
+        # (called only for a name that is no attribute: an endpoint's; a slot not set yet is none)
+        if name.startswith("__") or name in ActorMesh.__slots__:
+            raise AttributeError(name)
+        endpoints = self._endpoints
+        if name in endpoints:
             return MeshEndpoint(self, name, endpoints[name])
-        raise AttributeError(f"actor mesh {shown(self.__dict__.get('_name', ''))!r} has no endpoint {name!r}")
+        raise AttributeError(f"actor mesh {shown(self._name)!r} has no endpoint {name!r}")
 
     def __repr__(self) -> str:
         return f"<ActorMesh {self._name} {self._class_ref} {self._extent}>"
 
     def __len__(self) -> int:
-        return len(self._targets_list)
-
-    @property
-    def extent(self) -> dict[str, int]:
-        return dict(self._extent)
-
-    def size(self) -> int:
         return len(self._targets_list)
 
     @property
@@ -238,12 +248,20 @@ class ActorMesh(Generic[A]):
         return pending_future(runtime(), pending, lambda results: None, f"{shown(self._name)}.initialized")
 
     def _targets(self) -> list[tuple[int, ProcRef]]:
-        if self._life.stopped:
+        """Every actor of this mesh; ``SupervisionError`` if one was stopped (or the mesh faulted)."""
+        targets = self._reachable()
+        stopped = self._life.stopped
+        if stopped and any(rank in stopped for rank, _ in targets):
             raise SupervisionError(actor_stopped(self._name))
+        return targets
+
+    def _reachable(self) -> list[tuple[int, ProcRef]]:
+        """Every actor of this mesh, unless its proc mesh faulted or stops."""
         proc_mesh = self._proc_mesh
         if proc_mesh is not None:
-            if proc_mesh.fault is not None:
-                raise proc_mesh.fault
+            fault = proc_mesh.fault
+            if fault is not None:
+                raise fault.with_traceback(None)  # (raised again and again: each raise would add its frames)
             if proc_mesh.stopping:  # (an ActorDied, which code waiting out a shutdown already expects)
                 raise ActorDied(
                     f"actor mesh is stopped due to proc mesh shutdown: {shown(self._name)} was spawned on {proc_mesh!r}"
@@ -251,20 +269,29 @@ class ActorMesh(Generic[A]):
         return self._targets_list
 
     def _choose(self) -> tuple[int, ProcRef]:
-        """Round-robin over the actors whose process is alive (or was restarted)."""
-        targets = self._targets()
+        """Round-robin over the actors not stopped whose process is alive (or was restarted)."""
+        targets = self._reachable()
+        stopped = self._life.stopped
+        if stopped:
+            targets = [target for target in targets if target[0] not in stopped]
+            if not targets and self._targets_list:
+                raise SupervisionError(actor_stopped(self._name))
+        if not targets:
+            raise ValueError(f"actor mesh {shown(self._name)!r} is empty: there is no actor to choose")
+        driver = runtime().driver
         registry = runtime().registry
         for _ in range(len(targets)):
             target = targets[next(self._next) % len(targets)]
-            if registry.alive(target[1]):
+            # (a dead one may have been restarted: finding out updates the registry, on the runtime's thread)
+            ref = target[1]
+            if not ref.dead or driver.on_thread(functools.partial(registry.alive, ref)):
                 return target
         return targets[next(self._next) % len(targets)]
 
     def slice(self, **coords: int | slice) -> ActorMesh[A]:
         """The sub-mesh at ``coords`` (an index drops a dimension, a slice keeps it)."""
         ranks, extent = select(self._extent, coords)
-        keep = [self._targets_list[r] for r in ranks]
-        return self._view(extent or {"procs": len(keep)}, keep)
+        return self._view(extent, [self._targets_list[r] for r in ranks])
 
     def flatten(self, dim: str) -> ActorMesh[A]:
         """The same actors along one dimension named ``dim``."""
@@ -278,9 +305,13 @@ class ActorMesh(Generic[A]):
         return view
 
     def stop(self) -> Future[None]:
-        """Run ``__cleanup__`` on these actors and remove them (their processes stay)."""
+        """Run ``__cleanup__`` on these actors and remove them (their processes stay).
+
+        Stopping a slice stops its actors only: the others answer on, and
+        calls that would reach a stopped one raise ``SupervisionError``.
+        """
         rt = runtime()
-        self._life.stopped = True
+        self._life.stopped.update(rank for rank, _ in self._targets_list)
 
         def stop() -> PendingCall | None:
             # (those alive are picked on the runtime's thread, as the call is sent: a call is sent to all or none)
@@ -290,6 +321,16 @@ class ActorMesh(Generic[A]):
 
         pending = rt.driver.on_thread(stop)
         return pending_future(rt, pending, lambda results: None, f"stopping {shown(self._name)}")
+
+
+def check_endpoint_names(cls: type, endpoints: Iterable[str]) -> None:
+    """Refuse (``ValueError``, as Monarch does) an endpoint that an actor mesh's own attribute would hide."""
+    hidden = sorted(name for name in endpoints if hasattr(ActorMesh, name))
+    if hidden:
+        raise ValueError(
+            f"ActorMesh has an attribute that collides with an endpoint name: {', '.join(hidden)} "
+            f"(of {cls.__qualname__}); rename the endpoint"
+        )
 
 
 def _mesh_state(mesh: ActorMesh[Any]) -> list[Any]:

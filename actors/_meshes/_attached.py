@@ -33,6 +33,7 @@ from .._runtime._call_sender import pending_future
 from .._runtime._core import Runtime, at_runtime_exit, current_runtime, runtime
 from .._runtime._future import Future
 from .._runtime._pending_calls import PendingCall
+from .._runtime._value_mesh import Extent
 from .._shared._loops import loop_running
 from .._shared._restart import RestartPolicy
 from .._shared._session import (
@@ -141,8 +142,8 @@ class AttachedHostMesh(RemoteHostMesh):
         self._attaching.wait(None)
 
     @property
-    def extent(self) -> dict[str, int]:
-        return {"hosts": len(self._nodes) if self._nodes else len(self._attaching.addresses)}
+    def extent(self) -> Extent:
+        return Extent(["hosts"], [len(self._nodes) if self._nodes else len(self._attaching.addresses)])
 
     @property
     def hosts(self) -> list[dict[str, Any]]:
@@ -198,7 +199,7 @@ class AttachedHostMesh(RemoteHostMesh):
             reached = [node.index for node in self._nodes if not node.lost]
         else:
             reached = sorted(self._attaching.started)
-        calls = [ask_agent(self._rt, self._handles[index], "stop", (end_hosts,)) for index in reached]
+        calls = [ask_agent(self._rt, self._handles[index], "shut_down", (end_hosts,)) for index in reached]
         if end_hosts:
             for index in reached:
                 self._agents[index]._expect_exit()  # the loop's process ends after answering

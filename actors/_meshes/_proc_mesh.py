@@ -25,7 +25,7 @@ from .._runtime._future import Future
 from .._runtime._parts import Part
 from .._runtime._pending_calls import PendingCall
 from .._runtime._supervision import Failure, FailureHandler
-from .._runtime._value_mesh import extent_from_wire
+from .._runtime._value_mesh import Shaped, extent_from_wire
 from .._shared._errors import DecodeError, SupervisionError
 from .._shared._liveness import ProcRef, new_incarnation
 from .._shared._names import wire_name
@@ -33,7 +33,7 @@ from .._shared._restart import RestartPolicy
 from .._wire import _refs
 from .._wire._codec import register_handle
 from .._wire._records import PROCESS_ACTOR
-from ._actor_mesh import ActorMesh
+from ._actor_mesh import ActorMesh, check_endpoint_names
 from ._log_collector import LogCollector
 from ._mesh_supervisor import MeshSupervisor
 from ._proc_stop import StopRun, StopStep, stop_steps
@@ -48,7 +48,7 @@ def _mesh_set() -> weakref.WeakSet[ProcMesh]:
     return weakref.WeakSet()
 
 
-class ProcMesh:
+class ProcMesh(Shaped):
     """A group of actor processes; ``spawn`` actors on it, ``stop`` it when done."""
 
     def __init__(
@@ -100,18 +100,6 @@ class ProcMesh:
     def __repr__(self) -> str:
         return f"<ProcMesh {self._name} {self._extent}>"
 
-    @property
-    def extent(self) -> dict[str, int]:
-        return dict(self._extent)
-
-    def size(self, dim: str | None = None) -> int:
-        """How many processes (along ``dim`` when given)."""
-        if dim is None:
-            return len(self._procs)
-        if dim not in self._extent:
-            raise KeyError(f"no dimension {dim!r}; this proc mesh has {list(self._extent)}")
-        return self._extent[dim]
-
     def __len__(self) -> int:
         return len(self._procs)
 
@@ -148,6 +136,7 @@ class ProcMesh:
         rt = runtime()
         targets = list(enumerate(self._procs))
         endpoint_timeouts = {ep_name: ep.timeout for ep_name, ep in endpoints_of(actor_class).items()}
+        check_endpoint_names(actor_class, endpoint_timeouts)
 
         def send() -> PendingCall | None:
             pending = self._send_spawn(rt, targets, name, class_ref, args, kwargs)

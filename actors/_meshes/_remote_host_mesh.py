@@ -37,7 +37,7 @@ from .._processes._lifeline import Lifelines
 from .._runtime._core import Runtime, current_runtime
 from .._runtime._future import Future
 from .._runtime._relay import Relay
-from .._runtime._value_mesh import select
+from .._runtime._value_mesh import Extent, select
 from .._shared._liveness import ProcRef
 from .._shared._loops import loop_running
 from .._shared._restart import RestartPolicy
@@ -182,8 +182,8 @@ class RemoteHostMesh(HostMesh):
     # ------------------------------------------------------------------ the mesh
 
     @property
-    def extent(self) -> dict[str, int]:
-        return {"hosts": len(self._nodes)}
+    def extent(self) -> Extent:
+        return Extent(["hosts"], [len(self._nodes)])
 
     @property
     def hosts(self) -> list[dict[str, Any]]:

@@ -118,7 +118,7 @@ class HostAgent(Actor):
         return [[e.worker, e.pid, e.code] for e in reaped]
 
     @endpoint
-    async def stop(self, end_loop: bool = False) -> None:
+    async def shut_down(self, end_loop: bool = False) -> None:
         """End every worker this agent started, and the forkserver; with ``end_loop``, the worker loop too.
 
         The loop ends after this answer has left (its host mesh was shut down, Monarch's ``shutdown()``).

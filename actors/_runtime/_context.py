@@ -16,12 +16,19 @@ __all__ = ["ActorContext", "actor_context", "current_rank", "current_size"]
 class ActorContext:
     """What the server knows of the actor whose code runs now (set per call, per task)."""
 
-    __slots__ = ("class_ref", "extent", "message_rank", "name", "rank")
+    __slots__ = ("class_ref", "extent", "message_rank", "method", "name", "rank")
 
     def __init__(
-        self, name: str, rank: int, extent: dict[str, int], class_ref: str = "", message_rank: int | None = None
+        self,
+        name: str,
+        rank: int,
+        extent: dict[str, int],
+        class_ref: str = "",
+        message_rank: int | None = None,
+        method: str = "",
     ) -> None:
         self.name = name
+        self.method = method  # the endpoint whose call runs ("" outside one: construction, cleanup)
         self.rank = rank
         self.extent = extent
         self.class_ref = class_ref

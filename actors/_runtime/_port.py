@@ -3,7 +3,7 @@
 ``Channel.open(T)`` returns ``(Port[T], PortReceiver[T])``. The port is a small
 handle that can be copied into any process (as an argument, a return value or
 inside a message); the receiver stays where it was opened. ``None`` marks the
-end of a stream.
+end of a stream; ``port.exception(e)`` puts an error in a value's place.
 
 ``Port.send`` never waits on an event loop's thread: past the port's
 flow-control window a record waits in the sender's backlog, and past the
@@ -20,12 +20,13 @@ import concurrent.futures
 import contextlib
 import threading
 import time
+import traceback
 import types
 import typing
 from collections.abc import Generator
 from typing import Any, Generic, TypeVar, overload
 
-from .._shared._errors import ActorDied, BufferFull, CallTimeout, DecodeError, EncodeError, PortClosed
+from .._shared._errors import ActorDied, ActorsError, BufferFull, CallTimeout, DecodeError, EncodeError, PortClosed
 from .._shared._liveness import ProcRef
 from .._transport._flow import CREDIT_BYTES, CREDIT_MESSAGES, WINDOW, WINDOW_BYTES, Window
 from .._transport._outbox import SEND_TIMEOUT
@@ -33,14 +34,16 @@ from .._transport._receivers import ReceiverState
 from .._transport._sockets import frame_size
 from .._wire import _refs
 from .._wire._codec import register_handle
-from .._wire._records import Attach, Undecodable, port_prefix
+from .._wire._records import Attach, ErrorRecord, Undecodable, port_prefix
 from . import _core as _runtime
+from ._context import actor_context
 from ._core import Runtime, current_runtime, runtime
 from ._future import Future
+from ._port_error import PortError
 
 T = TypeVar("T")
 
-__all__ = ["Channel", "Port", "PortReceiver"]
+__all__ = ["Channel", "Port", "PortReceiver", "send_error"]
 
 
 def _type_ref(tp: Any) -> str | None:
@@ -73,6 +76,9 @@ def _safe_name(cls: type) -> str | None:
     except TypeError:
         return None
 
+
+#: What a receive raises for rather than returns: it ends a ``recv_ready`` batch.
+_RAISES = (Undecodable, PortError)
 
 _EXHAUSTED = iter(())  # an exhausted iterator stays exhausted: one serves every await
 
@@ -130,6 +136,24 @@ class Port(Generic[T]):
         if value is not None and ref is not None and not _is_instance(value, ref):
             cls = type(value)
             raise TypeError(f"this port carries {ref.replace(':', '.')}, not {cls.__module__}.{cls.__qualname__}")
+        self._send_once_or_more(value)
+
+    def exception(self, exc: BaseException) -> None:
+        """Deliver an error in the place of a value: the receive that meets it raises :class:`ActorError`.
+
+        Monarch's ``Port.exception``. The error names the actor and endpoint
+        sending it, when an actor sends it. It raises what :meth:`send` does.
+        """
+        if not isinstance(exc, BaseException):
+            raise TypeError(f"Port.exception takes an exception, not {type(exc).__name__}")
+        ctx = actor_context.get()
+        record = ErrorRecord.of(exc, "".join(traceback.format_exception(exc)) if exc.__traceback__ else "")
+        if ctx is None:
+            self._send_once_or_more(PortError(record))
+        else:
+            self._send_once_or_more(PortError(record, ctx.name, ctx.rank, ctx.method))
+
+    def _send_once_or_more(self, value: Any) -> None:
         if self._once:
             if self._used:
                 raise PortClosed("a once-port can be sent to only once")
@@ -289,6 +313,11 @@ class Port(Generic[T]):
                 rt.send(owner, Attach(self._id, pid), urgent=False)
 
 
+def send_error(port: Port[Any], error: PortError) -> None:
+    """Send ``error`` (built by the runtime, for a call that failed) in a value's place, as ``Port.exception``."""
+    port._send_once_or_more(error)
+
+
 def _port_state(port: Port[Any]) -> list[Any]:
     return [port._address, port._pid, port._id, port._type, port._once]
 
@@ -444,15 +473,19 @@ class PortReceiver(Generic[T]):
                 self._rt.receivers.credit(state, address, counts)
         if state.once:
             self._rt.receivers.close(state, "a once-port delivers a single message")
-        if type(value) is Undecodable:
+        kind = type(value)
+        if kind is Undecodable:
             raise DecodeError(f"port {state.port_id}: {value.reason}")
+        if kind is PortError:
+            raise value.to_error()
         return value
 
     def recv_ready(self) -> list[T | None]:
         """The messages already queued, taken without waiting (an empty list when none is).
 
-        A message that could not be decoded here ends the list before it (the
-        next receive raises ``DecodeError`` for it), or raises if it is first.
+        A message that could not be decoded here, or an error sent with
+        ``Port.exception``, ends the list before it (the next receive raises
+        ``DecodeError`` or ``ActorError`` for it), or raises if it is first.
         From any thread: the queue and its credit are the runtime thread's.
         """
         return self._rt.driver.on_thread(self._take_ready)  # type: ignore[no-any-return]
@@ -460,7 +493,7 @@ class PortReceiver(Generic[T]):
     def _take_ready(self) -> list[T | None]:
         queue = self._state.queue
         taken: list[T | None] = []
-        while queue and (not taken or type(queue[0][0]) is not Undecodable):
+        while queue and (not taken or type(queue[0][0]) not in _RAISES):
             taken.append(self._take())
         return taken
 
@@ -523,7 +556,7 @@ class _Recv(Future["T | None"]):
                 value = receiver._take()
             else:
                 value = yield from receiver._wait()
-        except PortClosed as exc:
+        except ActorsError as exc:  # (closed; an error sent in the stream; a message that could not be decoded)
             self._done, self._error = True, exc
             raise
         self._done, self._value = True, value

@@ -7,6 +7,7 @@ ranks number its points in row-major order.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Generic, TypeVar
 
@@ -15,7 +16,7 @@ from .._wire._ext import register_handle
 
 R = TypeVar("R")
 
-__all__ = ["Extent", "Point", "ValueMesh"]
+__all__ = ["Extent", "Point", "Shaped", "ValueMesh"]
 
 
 def coordinates(rank: int, extent: Mapping[str, int]) -> dict[str, int]:
@@ -27,10 +28,20 @@ def coordinates(rank: int, extent: Mapping[str, int]) -> dict[str, int]:
     return dict(reversed(list(coords.items())))
 
 
+def _index(dim: str, value: object) -> int:
+    """A coordinate as an int (any integer type: numpy's too), or ``TypeError`` naming it."""
+    if isinstance(value, bool):
+        raise TypeError(f"{dim}={value!r}: a coordinate is an integer or a slice")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{dim}={value!r}: a coordinate is an integer or a slice") from None
+
+
 def rank_of(coords: Mapping[str, int], extent: Mapping[str, int]) -> int:
     rank = 0
     for dim, size in extent.items():
-        index = coords[dim]
+        index = _index(dim, coords[dim])
         if not 0 <= index < size:
             raise IndexError(f"{dim}={index} is outside 0..{size - 1}")
         rank = rank * size + index
@@ -46,15 +57,20 @@ def select(extent: Mapping[str, int], coords: Mapping[str, int | slice]) -> tupl
     kept: dict[str, int] = {}
     for dim, size in extent.items():
         sel = coords.get(dim, slice(None))
-        if isinstance(sel, int):
-            if not -size <= sel < size:
-                raise IndexError(f"{dim}={sel} is outside a dimension of size {size}")
-            ranges[dim] = [sel % size]
-        else:
+        if isinstance(sel, slice):
+            step = None if sel.step is None else _index(dim, sel.step)
+            if step is not None and step < 1:
+                raise ValueError(f"{dim}={sel!r}: a mesh slice keeps its ranks' order, so its step is positive")
             ranges[dim] = list(range(size))[sel]
             kept[dim] = len(ranges[dim])
+        else:
+            index = _index(dim, sel)
+            if not -size <= index < size:
+                raise IndexError(f"{dim}={index} is outside a dimension of size {size}")
+            ranges[dim] = [index % size]
+    chosen = {dim: set(indices) for dim, indices in ranges.items()}
     ranks = [
-        r for r in range(math.prod(extent.values())) if all(c in ranges[d] for d, c in coordinates(r, extent).items())
+        r for r in range(math.prod(extent.values())) if all(c in chosen[d] for d, c in coordinates(r, extent).items())
     ]
     return ranks, kept
 
@@ -69,12 +85,21 @@ def flattened(extent: Mapping[str, int], dim: str) -> dict[str, int]:
 class Point(Mapping[str, int]):
     """One position in a mesh: its ``rank`` and its coordinates by dimension."""
 
-    __slots__ = ("_coords", "extent", "rank")
+    __slots__ = ("_coords", "_extent", "rank")
 
     def __init__(self, rank: int, extent: Mapping[str, int]) -> None:
         self.rank = rank
-        self.extent = dict(extent)
-        self._coords = coordinates(rank, self.extent)
+        self._extent = dict(extent)
+        self._coords = coordinates(rank, self._extent)
+
+    @property
+    def extent(self) -> Extent:
+        """The shape of the mesh this point is in."""
+        return Extent(list(self._extent), list(self._extent.values()))
+
+    def size(self, label: str) -> int:
+        """The size of the mesh along ``label``."""
+        return _size_of(self._extent, label)
 
     def __getitem__(self, dim: str) -> int:
         return self._coords[dim]
@@ -90,14 +115,18 @@ class Point(Mapping[str, int]):
 
     def __str__(self) -> str:
         """Monarch's form: ``{'hosts': 0/1, 'gpus': 1/2}`` (coordinate/size per dimension)."""
-        inner = ", ".join(f"{dim!r}: {self._coords[dim]}/{size}" for dim, size in self.extent.items())
+        inner = ", ".join(f"{dim!r}: {self._coords[dim]}/{size}" for dim, size in self._extent.items())
         return "{" + inner + "}"
 
 
-class Extent(Mapping[str, int]):
-    """A mesh's shape: its dimensions' labels and sizes, in order (Monarch's ``Extent(labels, sizes)``)."""
+class Extent(dict[str, int]):
+    """A mesh's shape: its dimensions' labels and sizes, in order (Monarch's ``Extent(labels, sizes)``).
 
-    __slots__ = ("_sizes",)
+    A ``dict`` of each dimension's size too, so code that compares, copies
+    or JSON-dumps a mesh's extent as the plain dict it once was still works.
+    """
+
+    __slots__ = ()
 
     def __init__(self, labels: Sequence[str], sizes: Sequence[int]) -> None:
         labels, sizes = list(labels), list(sizes)
@@ -105,38 +134,61 @@ class Extent(Mapping[str, int]):
             raise ValueError(f"an extent needs distinct labels, one per size: {labels!r}, {sizes!r}")
         if any(type(size) is not int or size < 0 for size in sizes):
             raise ValueError(f"an extent's sizes are non-negative ints, not {sizes!r}")
-        self._sizes = dict(zip(labels, sizes, strict=True))
+        super().__init__(zip(labels, sizes, strict=True))
 
     @property
     def labels(self) -> list[str]:
-        return list(self._sizes)
+        return list(self)
 
     @property
     def sizes(self) -> list[int]:
-        return list(self._sizes.values())
+        return list(self.values())
 
     @property
     def nelements(self) -> int:
         """How many points the mesh has."""
-        return math.prod(self._sizes.values())
-
-    def __getitem__(self, label: str) -> int:
-        return self._sizes[label]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._sizes)
-
-    def __len__(self) -> int:
-        return len(self._sizes)
+        return math.prod(self.values())
 
     def __repr__(self) -> str:
         return f"Extent({self.labels!r}, {self.sizes!r})"
 
     def __str__(self) -> str:
-        return str(self._sizes)
+        return str(dict(self))
 
 
-class ValueMesh(Generic[R]):
+def _size_of(extent: Mapping[str, int], dims: str | Sequence[str] | None) -> int:
+    if dims is None:
+        return math.prod(extent.values())
+    if isinstance(dims, str):
+        if dims not in extent:
+            raise KeyError(f"no dimension {dims!r}; the mesh has {list(extent)}")
+        return extent[dims]
+    return math.prod(_size_of(extent, dim) for dim in dims)
+
+
+class Shaped:
+    """What every mesh says of its shape, as Monarch's meshes do: ``extent``, ``sizes``, ``size(dims)``."""
+
+    __slots__ = ()
+
+    _extent: dict[str, int]  # its dimensions and their sizes, in order (each mesh keeps its own)
+
+    @property
+    def extent(self) -> Extent:
+        """The mesh's shape (a mapping of its dimensions to their sizes, with ``labels`` and ``sizes``)."""
+        return Extent(list(self._extent), list(self._extent.values()))
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Each dimension's size."""
+        return dict(self._extent)
+
+    def size(self, dim: str | Sequence[str] | None = None) -> int:
+        """How many points: in all, or along ``dim`` (or the product along several)."""
+        return _size_of(self._extent, dim)
+
+
+class ValueMesh(Shaped, Generic[R]):
     """One value per actor of a mesh, e.g. the results of ``endpoint.call()``."""
 
     __slots__ = ("_extent", "_values")
@@ -145,9 +197,9 @@ class ValueMesh(Generic[R]):
         self._extent = dict(extent)
         self._values = values
 
-    @property
-    def extent(self) -> dict[str, int]:
-        return dict(self._extent)
+    def get(self, rank: int) -> R:
+        """The value at position ``rank`` of this mesh (row-major, from 0)."""
+        return self._values[rank]
 
     def item(self, **coords: int) -> R:
         """The value at ``coords`` (no coordinates needed for a mesh of one)."""
@@ -200,7 +252,7 @@ def extent_from_wire(value: object, what: str) -> dict[str, int]:
 
 
 def _point_state(point: Point) -> list[object]:
-    return [point.rank, list(point.extent.items())]
+    return [point.rank, list(point._extent.items())]
 
 
 def _point_from_state(state: object) -> Point:
@@ -210,3 +262,29 @@ def _point_from_state(state: object) -> Point:
 
 
 register_handle("point", Point, _point_state, _point_from_state)
+
+
+def _extent_state(extent: Extent) -> list[object]:
+    return list(extent.items())
+
+
+def _extent_from_state(state: object) -> Extent:
+    shape = extent_from_wire(state, "sent")
+    return Extent(list(shape), list(shape.values()))
+
+
+def _value_mesh_state(mesh: ValueMesh[object]) -> list[object]:
+    return [list(mesh._extent.items()), mesh._values]
+
+
+def _value_mesh_from_state(state: object) -> ValueMesh[object]:
+    if type(state) is not list or len(state) != 2 or type(state[1]) is not list:
+        raise DecodeError("malformed value mesh")
+    extent = extent_from_wire(state[0], "value mesh")
+    if math.prod(extent.values()) != len(state[1]):
+        raise DecodeError(f"a value mesh of extent {extent} holds {len(state[1])} values")
+    return ValueMesh(extent, state[1])
+
+
+register_handle("extent", Extent, _extent_state, _extent_from_state)
+register_handle("value_mesh", ValueMesh, _value_mesh_state, _value_mesh_from_state)

@@ -121,6 +121,10 @@ class Echo(Actor):
             port.send(value)
 
     @endpoint
+    async def fail_to(self, port: Port, message: str) -> None:
+        port.exception(RuntimeError(message))
+
+    @endpoint
     async def emit(self, port: Port, count: int, size: int = 4) -> None:
         for seq in range(count):
             port.send(Item(seq, torch.full((size,), float(seq))))

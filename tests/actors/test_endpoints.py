@@ -76,6 +76,20 @@ async def test_send_with_response_port(procs: ProcMesh):
     assert [await recv.recv(), await recv.recv()] == [6, 6]
 
 
+async def test_a_fire_and_forget_call_that_raises_sends_its_error_to_its_port(procs: ProcMesh):
+    """As in Monarch, ``send(ep, args, port=p)`` to an endpoint that raises: ``p`` gets the error (its receive
+    raises ``ActorError``) and the actor lives on, unreported (before, the port got nothing and waited for good,
+    and the failure went to the supervisor as if nobody had been there to hear it)."""
+    echo = procs.spawn("echo", Echo).slice(gpus=0)
+    port, recv = Channel.open()
+    send(echo.fail, ("boom",), port=port)
+    with pytest.raises(ActorError, match="boom") as raised:
+        await asyncio.wait_for(recv.recv(), 20)
+    assert raised.value.method == "fail"
+    assert await asyncio.wait_for(echo.add.call_one(1), 20) == 1, "the actor lives on"
+    assert procs.failures == [], "and is not reported as failed (a report would have come before that answer)"
+
+
 async def test_a_sync_endpoint_raising_what_asyncio_cannot_carry_fails_only_its_call(procs: ProcMesh):
     """``StopIteration`` from a ``def`` endpoint cannot be set on an asyncio future: the call was never answered.
     ``concurrent.futures.CancelledError`` (an ordinary exception) was turned into asyncio's cancel on its way

@@ -345,6 +345,16 @@ async def test_a_fire_and_forget_send_with_a_port_gets_what_an_explicit_port_end
     assert await asyncio.wait_for(answers.recv(), 20) == 9
 
 
+async def test_an_explicit_port_endpoint_sent_with_a_port_answers_an_error_there(procs: ProcMesh):
+    """``port.exception(e)`` of an explicit-port endpoint called with ``send(..., port=p)`` reaches ``p`` (it was
+    only logged: a port carried values, not errors)."""
+    port, answers = Channel.open(int)
+    replies = procs.spawn("replies", Replies).slice(procs=0)
+    send(replies.refuse, (), port=port)
+    with pytest.raises(ActorError, match="no thanks"):
+        await asyncio.wait_for(answers.recv(), 20)
+
+
 async def test_port_exception_reaches_the_caller_as_an_actor_error(procs: ProcMesh):
     replies = procs.spawn("replies", Replies).slice(procs=0)
     with pytest.raises(ActorError, match="no thanks"):

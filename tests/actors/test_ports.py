@@ -166,6 +166,40 @@ async def test_a_receive_that_succeeded_gives_its_value_again_and_no_error():
     assert await received == 1 and received.exception() is None  # (before: AttributeError, no _error set)
 
 
+async def test_a_port_carries_an_exception_that_its_receiver_raises_as_an_actor_error():
+    """Monarch's ``Port.exception``: the error takes its place in the stream (a typed port takes it too); the
+    receive that meets it raises ``ActorError`` (again if awaited again), and the stream goes on after it."""
+    port, recv = Channel.open(int)
+    port.send(1)
+    port.exception(ValueError("bad value"))
+    port.send(2)
+    assert recv.recv_ready() == [1], "a batch ends before an error"
+    failed = recv.recv()
+    with pytest.raises(ActorError, match="bad value") as raised:
+        await failed
+    assert raised.value.exception_type == "ValueError"
+    with pytest.raises(ActorError, match="bad value"):
+        await failed
+    assert await recv.recv() == 2
+    once, answer = Channel.open(int, once=True)
+    once.exception(KeyError("gone"))
+    with pytest.raises(PortClosed, match="only once"):
+        once.exception(KeyError("again"))
+    with pytest.raises(ActorError, match="KeyError"):
+        await answer.recv()
+    with pytest.raises(TypeError, match="an exception"):
+        port.exception("not an exception")  # type: ignore[arg-type]
+
+
+async def test_an_actor_sends_an_exception_through_a_port(procs: ProcMesh):
+    port, recv = Channel.open(int)
+    echo = procs.spawn("echo", Echo).slice(procs=0)
+    await echo.fail_to.call_one(port, "refused over there")
+    with pytest.raises(ActorError, match="refused over there") as raised:
+        await asyncio.wait_for(recv.recv(), 20)
+    assert raised.value.actor == "echo" and raised.value.method == "fail_to"
+
+
 async def test_a_port_of_an_earlier_process_at_this_address_reaches_no_receiver_here():
     """A restarted process has its predecessor's address, and port ids start at 1 again: a port of the old
     process (its pid) sent to here reached the new one's receiver of the same id. It is closed."""

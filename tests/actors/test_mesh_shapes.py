@@ -1,0 +1,129 @@
+"""Mesh shapes as Monarch gives them: extents, sizes, points, slices, and results that travel."""
+
+from __future__ import annotations
+
+import asyncio
+import traceback
+
+import numpy as np
+import pytest
+from support import Echo, Fire
+
+from actors import Actor, ActorMesh, Extent, Point, ProcMesh, SupervisionError, ValueMesh, endpoint, send
+from actors._wire._codec import Decoder, Encoder
+
+
+class Forwards(Actor):
+    """Returns another mesh's results as they came (Monarch's ``return await other.ep.call()``)."""
+
+    @endpoint
+    async def forward(self, other: ActorMesh[Echo], x: int) -> ValueMesh[int]:
+        return await other.add.call(x)
+
+
+class Collides(Actor):
+    @endpoint
+    async def slice(self) -> int:
+        return 1
+
+
+def test_every_mesh_shape_reads_as_monarchs():
+    values = ValueMesh({"hosts": 2, "gpus": 2}, [0, 1, 2, 3])
+    assert isinstance(values.extent, Extent) and values.extent.labels == ["hosts", "gpus"]
+    assert values.extent == {"hosts": 2, "gpus": 2}, "an extent is still the mapping it was"
+    assert values.sizes == {"hosts": 2, "gpus": 2}
+    assert values.size() == 4 and values.size("gpus") == 2 and values.size(["hosts", "gpus"]) == 4
+    with pytest.raises(KeyError, match="no dimension 'x'"):
+        values.size("x")
+    assert values.get(3) == 3
+    point = Point(3, {"hosts": 2, "gpus": 2})
+    assert isinstance(point.extent, Extent) and point.extent.labels == ["hosts", "gpus"]
+    assert point.size("gpus") == 2 and dict(point) == {"hosts": 1, "gpus": 1}
+
+
+def test_slices_take_any_integer_and_refuse_what_they_cannot_honour():
+    values = ValueMesh({"hosts": 2, "gpus": 3}, list(range(6)))
+    assert values.slice(gpus=np.int64(1)).extent == {"hosts": 2}, "a numpy integer is an index"
+    assert values.item(hosts=np.int64(1), gpus=2) == 5
+    with pytest.raises(ValueError, match="step"):
+        values.slice(gpus=slice(None, None, -1))  # (before: the values in their own order, silently)
+    with pytest.raises(TypeError, match=r"gpus=1\.5"):
+        values.item(hosts=0, gpus=1.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="gpus='1'"):
+        values.slice(gpus="1")  # type: ignore[arg-type]
+    assert values.slice(hosts=1, gpus=2).extent == {} and values.slice(hosts=1, gpus=2).item() == 5
+
+
+def test_value_meshes_points_and_extents_travel():
+    values = ValueMesh({"hosts": 1, "gpus": 2}, [{"a": 1}, None])
+    encoder = Encoder()
+    for sent in (values, Extent(["hosts", "gpus"], [1, 2]), Point(1, {"hosts": 1, "gpus": 2})):
+        encoder.reset()
+        data = encoder.encode(sent)
+        got = Decoder().decode(data, list(encoder.frames))
+        assert type(got) is type(sent) and repr(got) == repr(sent)
+    encoder.reset()
+    got = Decoder().decode(encoder.encode(values), list(encoder.frames))
+    assert got.extent.labels == ["hosts", "gpus"] and list(got.values()) == [{"a": 1}, None]
+
+
+async def test_an_actor_returns_another_meshs_results(spawn):
+    procs = spawn(hosts=1, gpus=2)
+    echo = procs.spawn("echo", Echo, 10)
+    forwards = procs.spawn("forwards", Forwards).slice(gpus=0)
+    got = await asyncio.wait_for(forwards.forward.call_one(echo, 1), 30)
+    assert isinstance(got, ValueMesh) and got.extent.labels == ["hosts", "gpus"] and list(got.values()) == [11, 11]
+
+
+async def test_actor_and_proc_meshes_give_their_shape_and_a_point_slice_has_none(spawn):
+    procs: ProcMesh = spawn(hosts=1, gpus=2)
+    assert procs.extent.labels == ["hosts", "gpus"] and procs.sizes == {"hosts": 1, "gpus": 2}
+    echo = procs.spawn("echo", Echo)
+    assert echo.extent.labels == ["hosts", "gpus"] and echo.size("gpus") == 2 and echo.size() == 2
+    one = echo.slice(hosts=0, gpus=1)
+    assert one.extent == {} and one.size() == 1
+    result = await asyncio.wait_for(one.add.call(1), 30)
+    assert result.extent == {} and result.item() == 1, "no made-up 'procs' dimension"
+
+
+def test_an_endpoint_named_as_a_mesh_attribute_is_refused_at_spawn(procs: ProcMesh):
+    with pytest.raises(ValueError, match="collides with an endpoint name: slice"):
+        procs.spawn("collides", Collides)
+
+
+async def test_stopping_a_slice_stops_only_its_actors(procs: ProcMesh):
+    echo = procs.spawn("echo", Echo)
+    await asyncio.wait_for(echo.slice(procs=0).stop(), 30)
+    assert await asyncio.wait_for(echo.slice(procs=1).add.call_one(1), 30) == 1, "the other rank answers on"
+    assert await asyncio.wait_for(echo.add.choose(2), 30) == 2, "choose() picks a rank still there"
+    with pytest.raises(SupervisionError, match="stopped"):
+        echo.slice(procs=0).add.call_one(1)
+    with pytest.raises(SupervisionError, match="stopped"):
+        echo.add.call(1)
+    await asyncio.wait_for(echo.stop(), 30)
+    with pytest.raises(SupervisionError, match="stopped"):
+        echo.slice(procs=1).add.call_one(1)
+
+
+async def test_an_empty_slice_cannot_choose(procs: ProcMesh):
+    echo = procs.spawn("echo", Echo)
+    empty = echo.slice(procs=slice(2, 2))
+    assert list((await empty.add.call(1)).values()) == []
+    with pytest.raises(ValueError, match="no actor to choose"):
+        empty.add.choose(1)
+    with pytest.raises(ValueError, match="no actor to choose"):
+        send(empty.add, (1,), selection="choose")
+
+
+async def test_a_faulted_meshs_error_does_not_grow_with_each_call(procs: ProcMesh):
+    reported = asyncio.Event()
+    procs.add_failure_handler(lambda failure: reported.set())
+    fire = procs.spawn("fire", Fire)
+    send(fire.explode, ("nobody handles this",), selection="choose")
+    await asyncio.wait_for(reported.wait(), 30)
+    depths = []
+    for _ in range(5):
+        with pytest.raises(SupervisionError) as info:
+            fire.ok.call()
+        depths.append(len(traceback.extract_tb(info.value.__traceback__)))
+    assert len(set(depths)) == 1, f"each raise adds the frames of the ones before it: {depths}"
