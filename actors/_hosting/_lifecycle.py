@@ -39,6 +39,8 @@ log = logging.getLogger("actors")
 CLEANUP_TIMEOUT = 10.0
 #: How long a proc mesh's own stop steps may take, beyond the cleanup bound, when an owner stops it.
 CHILD_STOP_GRACE = 7.0
+#: How long a ``__cleanup__`` cancelled at its bound has to end before the stop goes on without it.
+CANCEL_GRACE = 1.0
 
 
 class Lifecycle:
@@ -166,18 +168,26 @@ class Lifecycle:
         self.stopping = True
         slots = list(self._slots.actors.values())
         self._slots.actors.clear()
-        under_way = [asyncio.shield(stop) for stop in self._stops]  # (their cleanup must end before the worker)
-        await asyncio.gather(*(self.stop_slot(slot, exc, timeout) for slot in slots), *under_way)
+        self._slots.stopped.update(slot.name for slot in slots)  # (what they spawn from now on is stopped at once)
+        for slot in slots:
+            self._start_stop(slot, exc, timeout)
+        while self._stops:  # every stop under way, those begun meanwhile too: their cleanup ends before the worker
+            for stop in await _finished(self._stops):
+                if not stop.cancelled() and stop.exception() is not None:
+                    log.error("a stop failed", exc_info=stop.exception())
         while self._last:
             await self._stop_child(self._last.pop(), timeout, "this worker")
 
     async def stop_slot(self, slot: ActorSlot, exc: BaseException | None, timeout: float) -> None:
         """Stop ``slot`` once; a second stop (a failed actor stops itself) waits for the first."""
+        await asyncio.shield(self._start_stop(slot, exc, timeout))
+
+    def _start_stop(self, slot: ActorSlot, exc: BaseException | None, timeout: float) -> asyncio.Task[None]:
         if slot.stop_task is None:
             slot.stopping = True
             slot.stop_task = self.loop.create_task(self._run_stop(slot, exc, timeout))
             self._track_stop(slot.stop_task)
-        await asyncio.shield(slot.stop_task)
+        return slot.stop_task
 
     def _track_stop(self, stop: asyncio.Task[None]) -> None:
         self._stops.add(stop)
@@ -211,7 +221,7 @@ class Lifecycle:
             else:
                 result = cleanup(exc)
             if inspect.isawaitable(result):
-                await asyncio.wait_for(result, timeout)
+                await self._bounded(result, timeout, slot)
         except asyncio.CancelledError:
             if _cancelled(asyncio.current_task()):
                 raise  # the stop itself is cancelled (the loop is closing), not a failure of the cleanup
@@ -220,6 +230,26 @@ class Lifecycle:
             log.exception("__cleanup__ of %s[%d] failed", shown(slot.name), slot.rank)
         finally:
             actor_context.reset(token)
+
+    async def _bounded(self, cleanup: Any, timeout: float, slot: ActorSlot) -> None:
+        """Await ``cleanup`` up to ``timeout`` s; then cancel it, and give it :data:`CANCEL_GRACE` s to end before
+        abandoning it (``wait_for`` waits for a cancelled task to end: one that swallows the cancel held the stop,
+        and the worker's exit, for good)."""
+        task = asyncio.ensure_future(cleanup)
+        try:
+            if not (await asyncio.wait({task}, timeout=timeout))[0]:
+                task.cancel()
+                who = f"__cleanup__ of {shown(slot.name)}[{slot.rank}]"
+                if not (await asyncio.wait({task}, timeout=CANCEL_GRACE))[0]:
+                    log.error("%s did not end within %gs, nor when cancelled: abandoned", who, timeout)
+                    return
+                if task.cancelled():
+                    log.error("%s did not end within %gs: cancelled", who, timeout)
+                    return
+        except asyncio.CancelledError:
+            task.cancel()  # the stop itself was cancelled (the loop is closing)
+            raise
+        task.result()  # (what it raised: logged by the caller)
 
     async def _stop_child(self, child: Stoppable, timeout: float, spawner: str) -> None:
         try:
@@ -231,9 +261,13 @@ class Lifecycle:
         """Record that ``actor`` spawned ``child``: it stops with the actor (at once if the actor stopped already,
         as one stopped while its constructor ran, which spawns on)."""
         slot = self._slots.get(actor)
-        if slot is not None:
+        if slot is not None and slot.stop_task is None:
             slot.children.append(child)
-        elif actor in self._slots.stopped:  # (called on the spawning code's thread: a sync actor's, say)
+        elif slot is not None or actor in self._slots.stopped:  # (on the spawning code's thread: a sync actor's)
+            # its stop began (a failed actor stays in the table): past its children's, the list is read no more
+            self.loop.call_soon_threadsafe(self._stop_orphan, actor, child)
+        else:
+            log.error("%r was spawned by %s, which this worker does not host: stopping it", child, shown(actor))
             self.loop.call_soon_threadsafe(self._stop_orphan, actor, child)
 
     def _stop_orphan(self, actor: str, child: Stoppable) -> None:
@@ -258,6 +292,12 @@ class Lifecycle:
                 self.finished.set()
 
         self.background(stop())
+
+
+async def _finished(tasks: set[asyncio.Task[None]]) -> set[asyncio.Task[None]]:
+    """The tasks of ``tasks`` that end first (shielded: a cancel of the waiter leaves them running)."""
+    done, _ = await asyncio.wait(list(tasks), return_when=asyncio.FIRST_COMPLETED)
+    return done
 
 
 def _cancelled(task: asyncio.Task[Any] | None) -> bool:

@@ -162,6 +162,9 @@ class SlotPool:
         self._newest: str | None = None
         self._reclaimed: list[str] = []
         self.closed = False
+        # try_acquire and close may run on two threads (a publish polling on a worker thread, a close on the
+        # loop's): a slot made while the pool closes must not outlive it
+        self._lock = threading.RLock()
 
     @property
     def names(self) -> list[str]:
@@ -176,6 +179,15 @@ class SlotPool:
         closed pool makes no slot (one would outlive it): it raises
         :class:`WeightSyncError`, which also ends a publish polling for one.
         """
+        with self._lock:
+            slot = self._try_acquire(nbytes)
+            if slot is not None and self.closed:  # closed on this thread while it made the slot (its allocator)
+                self._slots.remove(slot)
+                self._destroy(slot)
+                raise WeightSyncError(CLOSED)
+            return slot
+
+    def _try_acquire(self, nbytes: int) -> Slot | None:
         if self.closed:
             raise WeightSyncError(CLOSED)
         released = [s for s in self._slots if s.released]
@@ -258,6 +270,10 @@ class SlotPool:
         return slot
 
     def _destroy(self, slot: Slot) -> None:
+        """Remove ``slot``, its header emptied first: a reader that kept the segment mapped (and a GPU buffer's
+        opened handle) finds its update gone, not a header that still vouches for freed storage."""
+        with contextlib.suppress(ValueError, OSError):
+            _HEADER.pack_into(slot.mm, 0, _MAGIC, _EMPTY, -1, b"", 0)
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(SHM_DIR, slot.name))
         if self._free is not None:
@@ -285,6 +301,10 @@ class SlotPool:
         reader still reads it (an aliasing install would silently view
         whatever comes next there). A thread waits for the slot's lock.
         """
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         self.closed = True
         for slot in self._slots:
             if self._free is not None and not _try_lock(slot.fd, fcntl.LOCK_EX):

@@ -89,6 +89,89 @@ async def test_a_cleanup_that_fails_still_stops_what_the_actor_spawned():
     assert log == ["stopped child"]
 
 
+async def test_a_cleanup_that_swallows_its_cancel_is_abandoned_at_its_bound(caplog):
+    """``asyncio.wait_for`` cancels a cleanup that overruns and then waits for it to end: one that catches the
+    cancel and goes on ("finish flushing anyway") held the stop past its bound, for good if it never ended, and
+    the worker ignored SIGTERM meanwhile."""
+    log: list[str] = []
+    gate = asyncio.Event()
+
+    class Stubborn:
+        async def __cleanup__(self, exc: BaseException | None) -> None:
+            while not gate.is_set():
+                try:
+                    await gate.wait()
+                except asyncio.CancelledError:
+                    log.append("cancel swallowed")
+
+    life, _ = hosting(Stubborn(), Child(log, "child"))
+    try:
+        await asyncio.wait_for(life.stop_actor("a", timeout=0.1), 10)
+        assert log == ["cancel swallowed", "stopped child"]
+        assert "did not end within 0.1s" in caplog.text and "abandoned" in caplog.text
+    finally:
+        gate.set()  # (the abandoned cleanup ends with the test)
+
+
+class Noted:
+    """A child that says when it was stopped."""
+
+    def __init__(self) -> None:
+        self.stopped = asyncio.Event()
+
+    async def stop(self) -> None:
+        self.stopped.set()
+
+
+async def test_what_an_actor_spawns_once_its_stop_began_is_stopped_at_once():
+    """A sync actor's endpoint runs on past its actor's stop (a cancel does not stop a thread) and may spawn: a
+    child adopted once the stop had begun was added to a list nothing read again, and one adopted after the
+    worker's stop was dropped without a word; both processes lived on."""
+    life, slot = hosting(object())
+    await asyncio.wait_for(life.stop_slot(slot, None, 1.0), 10)  # (a failed actor: stopped, still in the table)
+    late = Noted()
+    life.adopt("a", late)
+    await asyncio.wait_for(late.stopped.wait(), 10)
+    assert not slot.children
+    life, slot = hosting(object())
+    await asyncio.wait_for(life.stop_all(), 10)
+    after = Noted()
+    life.adopt("a", after)
+    await asyncio.wait_for(after.stopped.wait(), 10)
+
+
+async def test_the_workers_stop_waits_for_stops_that_began_while_it_waited():
+    """A stop that begins while the worker's stop waits (an orphan adopted meanwhile) is waited for too; before,
+    only those under way when it began were, and the worker ended in the middle of the later one."""
+    log: list[str] = []
+    started, gate = asyncio.Event(), asyncio.Event()
+
+    class Gated:
+        async def __cleanup__(self, exc: BaseException | None) -> None:
+            started.set()
+            await gate.wait()
+            log.append("cleaned up")
+
+    child_gate = asyncio.Event()
+
+    class SlowChild:
+        async def stop(self) -> None:
+            await child_gate.wait()
+            log.append("late child stopped")
+
+    life, _ = hosting(Gated())
+    everything = asyncio.ensure_future(life.stop_all())
+    await asyncio.wait_for(started.wait(), 10)
+    life.adopt("a", SlowChild())  # the actor was stopped already: its child is stopped at once, as a stop of its own
+    gate.set()
+    for _ in range(5):  # (the old stop answered within a turn or two of the cleanup's end)
+        await asyncio.sleep(0)
+    assert log == ["cleaned up"] and not everything.done()
+    child_gate.set()
+    await asyncio.wait_for(everything, 10)
+    assert log == ["cleaned up", "late child stopped"]
+
+
 class SlowStart(Actor):
     """A synchronous actor whose constructor waits for the test's gate (it runs on the actor's own thread)."""
 

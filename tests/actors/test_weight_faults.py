@@ -391,6 +391,47 @@ def test_a_closed_pool_keeps_a_held_slots_outside_storage_until_its_last_reader_
     holds.close()
 
 
+def test_a_closed_pools_slot_is_stale_to_a_reader_that_kept_it_mapped():
+    """A reader keeps a segment it held mapped (cuda-ipc keeps its opened handle too). Closing the pool unlinked
+    the segment and freed its payload but left its header saying "ready": the reader's next hold of that update
+    passed every check and viewed storage the writer's allocator may since have handed to something else."""
+    from actors.tensors._slots import SlotHolds, SlotPool
+
+    freed: list[str] = []
+    pool = SlotPool(
+        1, kind="t", payload_in_segment=False, allocate=lambda slot: None, free=lambda s: freed.append(s.name)
+    )
+    slot = pool.try_acquire(64)
+    assert slot is not None
+    pool.commit(slot, "u1", 1, 64)
+    holds = SlotHolds(map_payload=False)
+    holds.hold(slot.name, "u1", 1)
+    holds.unhold(slot.name)  # still mapped here, held by nobody
+    pool.close()
+    assert freed == [slot.name]
+    with pytest.raises(StaleUpdateError):
+        holds.hold(slot.name, "u1", 1)
+    holds.close()
+
+
+def test_a_pool_closed_while_a_publish_makes_a_slot_leaves_no_slot_behind():
+    """``close()`` from another thread while a publish makes a slot (a GPU buffer takes milliseconds to allocate):
+    the slot was added after the close had removed every slot, and nothing ever removed it (a segment in /dev/shm
+    and a GPU buffer, for good)."""
+    from actors.tensors._slots import SHM_DIR, SlotPool
+
+    freed: list[str] = []
+
+    def allocate(slot: object) -> None:
+        pool.close()  # (what the other thread does at that moment)
+
+    pool = SlotPool(2, kind="t", payload_in_segment=False, allocate=allocate, free=lambda s: freed.append(s.name))
+    with pytest.raises(WeightSyncError, match="closed"):
+        pool.try_acquire(64)
+    assert not [name for name in os.listdir(SHM_DIR) if name.startswith(pool._prefix)]
+    assert len(freed) == 1 and pool.names == []
+
+
 def test_a_slots_views_are_made_once_per_layout_and_found_by_the_same_specs_without_hashing_them():
     from actors.tensors import TensorSpec
     from actors.tensors._slot_views import SlotViews
