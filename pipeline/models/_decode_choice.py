@@ -34,15 +34,22 @@ DECODE_PATHS: tuple[str, ...] = get_args(DecodePath)
 GRAPH_CHECK_EVERY = 8
 #: a static cache's length is rounded up to this many tokens, so batches of nearby prompt lengths share a graph
 LENGTH_BUCKET = 64
+#: static decoders kept, one per row count, the least recently used let go (a rollout's and an evaluation's)
+KEPT_SHAPES = 2
+#: batches in a row that fill less than half a kept cache before it is rebuilt shorter (one such batch between
+#: longer ones, prompt widths alternating, must not rebuild and recapture it every time)
+SHRINK_AFTER = 3
 
 
 class DecoderChoice:
     """The decode path a built-in engine takes, and the static decoder it keeps for its batch shape.
 
-    A kept decoder serves a batch with its rows whose prompt + new tokens
-    fit its length (and fill at least half of it); another shape builds
-    another (its graph captured anew). Weights that moved to new storage
-    are the decoder's :class:`~pipeline.models.StepGraphs`' to follow.
+    A decoder is kept per row count (the last :data:`KEPT_SHAPES` used);
+    it serves a batch of its rows whose prompt + new tokens fit its length.
+    A longer batch builds a longer one (its graph captured anew), and
+    :data:`SHRINK_AFTER` batches in a row that fill less than half of it
+    a shorter one. Weights that moved to new storage are the decoder's
+    :class:`~pipeline.models.StepGraphs`' to follow.
     """
 
     def __init__(self, model: torch.nn.Module, call: ModelCall, wanted: DecodePath = "auto") -> None:
@@ -54,12 +61,13 @@ class DecoderChoice:
         self.call = call
         self.wanted = wanted
         self.path: str | None = None  # dynamic | static | graphs | compiled, once the first batch decided it
-        self._static: StaticDecoder | None = None
+        self._static: dict[int, StaticDecoder] = {}  # by row count, the most recently used last
+        self._short: dict[int, int] = {}  # by row count: batches in a row that filled under half of its cache
 
     @property
     def kept(self) -> StaticDecoder | None:
-        """The static decoder kept for the last batch's shape, if the path is static."""
-        return self._static
+        """The static decoder the last batch ran on, if the path is static."""
+        return next(reversed(self._static.values()), None)
 
     @property
     def check_every(self) -> int:
@@ -80,21 +88,33 @@ class DecoderChoice:
             return DynamicDecoder(self.model, self.call)
         rows, need = ids.shape[0], ids.shape[1] + new_tokens
         fitted = -(-need // LENGTH_BUCKET) * LENGTH_BUCKET
-        kept = self._static
-        # kept while it fits and is at most twice the need, or the size this need would build anyway (a short
-        # batch's bucket is more than twice it: rebuilt each batch, it recaptured its graph every rollout)
-        if kept is not None and (kept.rows != rows or not need <= kept.length <= max(2 * need, fitted)):
-            kept.close()
-            self._static = kept = None
+        kept = self._static.pop(rows, None)
+        if kept is not None:
+            # over twice the need, and over the size this need would build anyway (a short batch's bucket is more
+            # than twice it: rebuilt each batch, it recaptured its graph every rollout)
+            oversized = kept.length > max(2 * need, fitted)
+            short = self._short[rows] = self._short.get(rows, 0) + 1 if oversized else 0
+            if need > kept.length or short >= SHRINK_AFTER:
+                kept.close()
+                kept = None
         if kept is None:
-            kept = self._static = self._build(rows, fitted)
-        return DynamicDecoder(self.model, self.call) if kept is None else kept
+            self._short[rows] = 0
+            kept = self._build(rows, fitted)
+            if kept is None:
+                return DynamicDecoder(self.model, self.call)
+        self._static[rows] = kept
+        while len(self._static) > KEPT_SHAPES:
+            oldest = next(iter(self._static))
+            self._static.pop(oldest).close()
+            self._short.pop(oldest, None)
+        return kept
 
     def close(self) -> None:
-        """Release the kept decoder's cache and graph."""
-        if self._static is not None:
-            self._static.close()
-            self._static = None
+        """Release the kept decoders' caches and graphs."""
+        for decoder in self._static.values():
+            decoder.close()
+        self._static.clear()
+        self._short.clear()
 
     def _build(self, rows: int, length: int) -> StaticDecoder | None:
         """A static decoder of this shape (its step captured on the graph path); None if ``auto`` could not

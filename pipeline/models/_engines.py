@@ -18,6 +18,7 @@ belong to the sampler, not the policy)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -52,6 +53,23 @@ class SamplingParams:
     min_p: float = 0.0
     repetition_penalty: float = 1.0  # the seen tokens' logits bent by it before the draw (1: off)
     samples: int = 1  # completions per prompt
+
+    def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "samples"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"SamplingParams.{name} is a positive int, not {value!r}")
+        if type(self.top_k) is not int or self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k is an int >= 0 (0: off), not {self.top_k!r}")
+        checks = (
+            ("temperature", 0.0 <= self.temperature < math.inf, ">= 0 (0: greedy)"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "in (0, 1] (1: off)"),
+            ("min_p", 0.0 <= self.min_p < 1.0, "in [0, 1) (0: off)"),
+            ("repetition_penalty", 0.0 < self.repetition_penalty < math.inf, "> 0 (1: off)"),
+        )
+        for name, fits, rule in checks:
+            if not fits:  # (NaN fits no rule)
+                raise ValueError(f"SamplingParams.{name} is {rule}, not {getattr(self, name)!r}")
 
 
 @dataclass
@@ -110,17 +128,32 @@ def decode_completions(tokenizer: Any, completion: torch.Tensor, mask: torch.Ten
     return texts
 
 
-def left_pad(prompts: list[list[int]], pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``prompts`` as one [B, P] tensor padded on the left, and its attention mask."""
+def left_pad(
+    prompts: list[list[int]], pad: int, device: torch.device, vocab: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``prompts`` as one [B, P] tensor padded on the left, and its attention mask; with ``vocab``, a token outside
+    ``[0, vocab)`` is refused here (on a GPU the embedding's lookup would be a device-side assert)."""
     if not prompts or any(not prompt for prompt in prompts):
         raise ValueError("every prompt needs at least one token")
     width = max(len(prompt) for prompt in prompts)
     ids = torch.full((len(prompts), width), pad, dtype=torch.long, device="cpu")
     mask = torch.zeros((len(prompts), width), dtype=torch.long, device="cpu")
     for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long, device="cpu")
+        tokens = torch.tensor(prompt, dtype=torch.long, device="cpu")
+        if vocab is not None and not bool(((tokens >= 0) & (tokens < vocab)).all()):
+            bad = int(tokens[(tokens < 0) | (tokens >= vocab)][0])
+            raise ValueError(f"prompt {row} has token {bad}, outside the model's vocabulary of {vocab}")
+        ids[row, width - len(prompt) :] = tokens
         mask[row, width - len(prompt) :] = 1
     return ids.to(device), mask.to(device)
+
+
+def vocabulary_size(model: torch.nn.Module) -> int | None:
+    """How many token ids the model's input embedding takes (None where it has no such table)."""
+    embeddings = getattr(model, "get_input_embeddings", None)
+    table = embeddings() if callable(embeddings) else None
+    rows = getattr(table, "num_embeddings", None)
+    return rows if isinstance(rows, int) else None
 
 
 class BuiltinEngine:
@@ -140,6 +173,7 @@ class BuiltinEngine:
         self.tokenizer = tokenizer
         self.eos = end_tokens(tokenizer, getattr(model, "generation_config", None))
         self.pad = int(tokenizer.pad_token_id)
+        self.vocab = vocabulary_size(model)
         self.decoding = DecoderChoice(model, ModelCall.of(model), decode)
 
     async def load_weights(self, inbox: WeightInbox, *, alias: bool = False) -> WeightManifest | None:
@@ -151,7 +185,7 @@ class BuiltinEngine:
         self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator | None = None
     ) -> Completions:
         device = next(self.model.parameters()).device
-        ids, prompt_mask = left_pad(prompts, self.pad, device)
+        ids, prompt_mask = left_pad(prompts, self.pad, device, self.vocab)
         ids = ids.repeat_interleave(params.samples, dim=0)
         prompt_mask = prompt_mask.repeat_interleave(params.samples, dim=0)
         decoder = self.decoding.decoder(ids, prompt_mask, params.max_new_tokens)
@@ -258,7 +292,7 @@ class GenerateEngine(BuiltinEngine):
         self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator | None = None
     ) -> Completions:
         device = next(self.model.parameters()).device
-        ids, prompt_mask = left_pad(prompts, self.pad, device)
+        ids, prompt_mask = left_pad(prompts, self.pad, device, self.vocab)
         greedy = params.temperature == 0
         penalty = params.repetition_penalty if params.repetition_penalty != 1.0 else None  # None: no processor
         sampling: dict[str, Any] = {"do_sample": not greedy, "repetition_penalty": penalty}

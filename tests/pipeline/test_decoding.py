@@ -27,6 +27,7 @@ from pipeline.models import (
     missing_compiler,
     static_refusal,
 )
+from pipeline.models._decode_choice import SHRINK_AFTER
 
 CHOICE_LOG = "pipeline.models._decode_choice"
 
@@ -318,14 +319,39 @@ def test_the_kept_cache_serves_batches_of_its_shape_and_is_rebuilt_for_another()
     draw_with(engine, prompts(500, (5, 60)), params)
     longer = engine.decoding.kept
     assert longer is not kept and longer is not None and longer.length == 128
+    for _ in range(SHRINK_AFTER - 1):
+        draw_with(engine, prompts(500, (5, 25)), params)
+        assert engine.decoding.kept is longer, "one batch under half of it is no reason to rebuild"
     draw_with(engine, prompts(500, (5, 25)), params)
     shorter = engine.decoding.kept
-    assert shorter is not longer and shorter is not None and shorter.length == 64, "more than twice the need"
+    assert shorter is not longer and shorter is not None and shorter.length == 64, "more than twice the need, again"
     draw_with(engine, prompts(500, (5, 6, 7)), params)
     assert engine.decoding.kept is not None and engine.decoding.kept.rows == 6
     short = engine.decoding.kept
     draw_with(engine, prompts(500, (5, 6, 7)), params)  # 7 + 8 tokens: its bucket (64) is over twice the need
     assert engine.decoding.kept is short, "a short batch's own bucket is reused, not rebuilt (recaptured) each time"
+
+
+def test_alternating_prompt_widths_and_row_counts_reuse_their_kept_caches(monkeypatch):
+    """Before, prompt widths alternating short and long rebuilt the cache (and recaptured its graph) every batch: a
+    long batch grew it, the short one after it shrank it back. An evaluation's row count between rollouts did too."""
+    built: list[tuple[int, int]] = []
+    build = StaticDecoder.__init__
+
+    def counted(self: StaticDecoder, model: Any, call: Any, rows: int, length: int, **options: Any) -> None:
+        built.append((rows, length))
+        build(self, model, call, rows, length, **options)
+
+    engine = BuiltinEngine(qwen2(), Tokenizer(), "static")
+    draw_with(engine, prompts(500, (5,)), SamplingParams(4))  # (the path is decided: its check builds one too)
+    monkeypatch.setattr(StaticDecoder, "__init__", counted)
+    built.clear()
+    params = SamplingParams(8)
+    for _ in range(3):
+        draw_with(engine, prompts(500, (10, 4)), params)  # 18 tokens: a 64-token cache
+        draw_with(engine, prompts(500, (100, 4)), params)  # 108 tokens: 128
+        draw_with(engine, prompts(500, (10, 4, 6)), params)  # another row count (an evaluation's chunk)
+    assert built == [(2, 64), (2, 128), (3, 64)], "each shape built once, and kept"
 
 
 @pytest.mark.parametrize("alias", [False, True])

@@ -222,6 +222,38 @@ def test_the_cuts_keep_what_transformers_warpers_keep_in_their_order():
         assert torch.equal(torch.isinf(ours), torch.isinf(theirs)), (top_k, top_p, min_p)
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_new_tokens", 0),
+        ("max_new_tokens", True),
+        ("temperature", -0.5),
+        ("temperature", float("nan")),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -1),
+        ("min_p", 1.0),
+        ("repetition_penalty", 0.0),
+        ("samples", 0),
+    ],
+)
+def test_sampling_params_refuse_what_no_sampler_can_mean(field, value):
+    """Before, ``max_new_tokens=0`` ran the prompt pass and then failed in ``torch.stack``; a negative temperature
+    sampled from the inverted distribution without a word."""
+    kwargs = {"max_new_tokens": 4, field: value}
+    with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("engine_class", ENGINES)
+def test_a_prompt_token_outside_the_vocabulary_is_refused_naming_its_prompt(model_and_tokenizer, engine_class):
+    """On a GPU such an id is a device-side assert that poisons the process; here it was an ``IndexError``."""
+    model, tokenizer = model_and_tokenizer
+    vocab = model.get_input_embeddings().num_embeddings
+    with pytest.raises(ValueError, match=rf"prompt 1 has token {vocab}, outside the model's vocabulary of {vocab}"):
+        engine_class(model, tokenizer).generate([[1, 2], [3, vocab]], SamplingParams(4))
+
+
 @pytest.mark.parametrize("engine_class", ENGINES)
 def test_the_same_generator_seed_draws_the_same_completions(model_and_tokenizer, engine_class):
     model, tokenizer = model_and_tokenizer
