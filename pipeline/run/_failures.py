@@ -37,7 +37,8 @@ async def first_failure(tasks: dict[str, asyncio.Task[Any]], until: asyncio.Task
     (the peer died) waits up to ``KNOCK_ON_GRACE`` s for the peer's own
     failure, which is then the one named. If ``until`` itself fails (the
     trainer's report stream ended because the trainer died), give the roles a
-    moment to report which of them failed.
+    moment to report which of them failed; a ``PipelineError`` of its own
+    (the run's metrics could not be written) is raised as it is.
     """
     finished: set[asyncio.Task[Any]] = set()
     while not until.done():
@@ -55,6 +56,8 @@ async def first_failure(tasks: dict[str, asyncio.Task[Any]], until: asyncio.Task
                 _raise_if_failed(tasks, task)
             elif not task.cancelled():
                 task.exception()  # replaced: its failure was the restart's cause, already handled
+    if isinstance(until.exception(), PipelineError):  # it failed on its own (the run's metrics could not be written)
+        raise until.exception()  # type: ignore[misc]
     if until.exception() is not None:
         await asyncio.wait(list(tasks.values()), timeout=2.0, return_when=asyncio.FIRST_EXCEPTION)
         for task in tasks.values():

@@ -25,7 +25,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
@@ -175,6 +175,28 @@ async def _hosts(config: Config) -> _Hosts:
 #: of grace and the runtime's 2 s for an answer); one that answered gets 3 s more to exit, then is killed and seen
 #: dead within 2 s (7.5 s in all). Cutting the stop shorter would skip its kill and the removal of its files.
 STOP_LIMIT = 10.0
+
+
+def _take_back_cancel() -> None:
+    """A cancel of this task, caught and handled, is taken back (its later waits are not cut short by it)."""
+    uncancel = getattr(asyncio.current_task(), "uncancel", None)  # (Python 3.11+)
+    if uncancel is not None:
+        uncancel()
+
+
+async def _to_the_end(step: Awaitable[object]) -> None:
+    """Await a (bounded) step of the clean-up to its end: a cancel of the run meanwhile (Ctrl-C, SIGTERM) is
+    taken back, so it neither cuts the step short nor replaces what the run ends with."""
+    future = asyncio.ensure_future(step)
+    while not future.done():
+        try:
+            await asyncio.shield(future)
+        except asyncio.CancelledError:
+            if future.cancelled():
+                return
+            _take_back_cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        future.result()
 
 
 async def _stop_quickly(mesh: ProcMesh) -> None:
@@ -341,26 +363,45 @@ async def run_pipeline(
         # torch threads are set where the processes start: a worker with more than one is forked from a fresh
         # forkserver (GNU OpenMP hangs in a child of a process that already ran its thread pool)
         threads = config.threads
-        trainer_procs = head.spawn_procs(per_host={"procs": 1}, name="trainer", threads=threads)
-        scorer_procs = head.spawn_procs(per_host={"procs": 1}, name="scorer", threads=threads)
+
+        def started_procs(start: Callable[[], ProcMesh]) -> ProcMesh:
+            """Start a role's processes; each mesh is listed to stop as soon as it exists (a later start that
+            fails leaves none of the earlier ones running)."""
+            try:
+                mesh = start()
+            except RuntimeError as exc:  # (a Ray host lost, a spawn's hand-over timed out)
+                raise PipelineError(f"starting the roles' processes failed: {exc}") from exc
+            meshes.append(mesh)
+            return mesh
+
+        trainer_procs = started_procs(lambda: head.spawn_procs(per_host={"procs": 1}, name="trainer", threads=threads))
+        scorer_procs = started_procs(lambda: head.spawn_procs(per_host={"procs": 1}, name="scorer", threads=threads))
         ref_procs = (
-            head.spawn_procs(per_host={"procs": 1}, name="ref", threads=threads) if uses_reference(config) else None
+            started_procs(lambda: head.spawn_procs(per_host={"procs": 1}, name="ref", threads=threads))
+            if uses_reference(config)
+            else None
         )
         per_host = config.generators // (len(cluster.hosts) if cluster is not None else 1)
-        gen_procs = everywhere.spawn_procs(
-            per_host={"procs": per_host},
-            name="generators",
-            threads=threads,
-            restart="on-failure" if config.generator_restarts > 0 else "never",
-            max_restarts=max(1, config.generator_restarts),
-            restart_period=60.0,
+        gen_procs = started_procs(
+            lambda: everywhere.spawn_procs(
+                per_host={"procs": per_host},
+                name="generators",
+                threads=threads,
+                restart="on-failure" if config.generator_restarts > 0 else "never",
+                max_restarts=max(1, config.generator_restarts),
+                restart_period=60.0,
+            )
         )
         rank_procs = None
         if rank_hosts is not None:
-            rank_procs = rank_hosts.hosts.spawn_procs(
-                per_host={"procs": rank_hosts.per_host}, name="trainer-ranks", threads=threads
+            hosts_for_ranks = rank_hosts
+            rank_procs = started_procs(
+                lambda: hosts_for_ranks.hosts.spawn_procs(
+                    per_host={"procs": hosts_for_ranks.per_host}, name="trainer-ranks", threads=threads
+                )
             )
-        meshes = [mesh for mesh in (gen_procs, scorer_procs, ref_procs, trainer_procs, rank_procs) if mesh is not None]
+        # stopped in this order at the end: the generators first, which feed the rest
+        meshes[:] = [m for m in (gen_procs, scorer_procs, ref_procs, trainer_procs, rank_procs) if m is not None]
         # Only now, with the roles' processes forked from a still single-threaded
         # launcher, the threads of a runtime and of TensorBoard's writer start.
         reports_port, reports = Channel.open(StepReport)
@@ -439,7 +480,10 @@ async def run_pipeline(
 
         async def consume_reports() -> None:
             while (report := await reports.recv()) is not None:
-                row = metrics_log.write(report)
+                try:
+                    row = metrics_log.write(report)
+                except Exception as exc:  # this process's own failure (a full disk), not the trainer's
+                    raise PipelineError(f"writing the run's metrics failed: {exc}") from exc
                 progress.update(row, force=report.step == config.steps)
 
         consumer = asyncio.ensure_future(consume_reports())
@@ -448,10 +492,16 @@ async def run_pipeline(
         seconds = time.perf_counter() - training_started
         progress.done()
         training_over.set()
-        produced = await _leftovers(gens, tasks, generator_names)
         stop_started = time.perf_counter()
-        for mesh in meshes:
-            await mesh.stop(timeout=2)
+        try:
+            produced = await _leftovers(gens, tasks, generator_names)
+            stop_started = time.perf_counter()
+            for mesh in meshes:
+                await mesh.stop(timeout=2)
+        except asyncio.CancelledError:  # Ctrl-C or SIGTERM once training ended: its result stands
+            _take_back_cancel()
+            produced = [None] * len(generator_names)
+            progress.note("interrupted once training had ended: the leftovers are not waited for")
         result = RunResult(
             steps=summary["steps"],
             version=summary["version"],
@@ -489,10 +539,12 @@ async def run_pipeline(
             if task.done() and not task.cancelled():
                 task.exception()  # retrieved: the failure was already reported
         progress.done()
+        # An interrupt from here on (a second Ctrl-C while the processes stop) cuts no step of the clean-up
+        # short, nor replaces what the run ends with: a role's failure, the interrupt before, or the result.
         # every mesh at once: a process stuck in a collective with a dead rank takes its grace before its kill
-        await asyncio.gather(*(_stop_quickly(mesh) for mesh in meshes))
+        await _to_the_end(asyncio.gather(*(_stop_quickly(mesh) for mesh in meshes)))
         if cluster is not None:
-            await cluster.shutdown_async()
+            await _to_the_end(cluster.shutdown_async())
         if log is not None:  # after the roles stop: a tracker's close may take a while (W&B syncs its run)
             log.close()
         if finished:  # a failed or interrupted run stops first (matplotlib takes 0.6-1.5 s): its rows are kept

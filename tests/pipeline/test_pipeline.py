@@ -621,6 +621,91 @@ async def test_a_role_failure_is_what_the_run_ends_with_even_if_its_final_checkp
         await asyncio.wait_for(run, 30)
 
 
+async def test_a_role_whose_processes_cannot_start_stops_those_started_before_it(tmp_path, sockets_dir, monkeypatch):
+    """The generators' processes cannot start (a Ray host lost, a spawn hand-over timed out): the trainer's, the
+    scorer's and the reference model's processes, started before, lived on until the program exited (the meshes
+    to stop were listed only once every start had returned), and the error was a traceback, not one line."""
+    from actors import HostMesh
+
+    spawn_procs = HostMesh.spawn_procs
+
+    def refuse_generators(self: HostMesh, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("name") == "generators":
+            raise RuntimeError("cannot spawn on a host mesh that lost a host")
+        return spawn_procs(self, *args, **kwargs)
+
+    monkeypatch.setattr(HostMesh, "spawn_procs", refuse_generators)
+    before = actor_pids()
+    config = Config(steps=5, task=BANDIT, run_dir=str(tmp_path))
+    with pytest.raises(PipelineError, match="starting the roles' processes failed: cannot spawn on a host mesh"):
+        await asyncio.wait_for(run_pipeline(config, quiet=True), 60)
+    assert wait_for(lambda: not (actor_pids() - before), timeout=10), "every process started is stopped"
+
+
+async def test_a_metrics_write_that_fails_is_named_not_blamed_on_the_trainer(tmp_path, sockets_dir, monkeypatch):
+    """The launcher writes each step's row (a full disk, a TensorBoard folder that is a file): its failure ended
+    the report stream, which was read as the trainer's failure: ``the trainer stopped reporting``, 2 s later."""
+    from pipeline.run import MetricsLog
+
+    def full_disk(self: MetricsLog, report: Any) -> Any:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(MetricsLog, "write", full_disk)
+    config = Config(steps=50, task=BANDIT, run_dir=str(tmp_path))
+    with pytest.raises(PipelineError) as failed:
+        await asyncio.wait_for(run_pipeline(config, quiet=True), 60)
+    assert "writing the run's metrics failed: [Errno 28] No space left on device" in str(failed.value)
+    assert "trainer" not in str(failed.value)
+
+
+async def test_a_second_interrupt_while_the_roles_stop_still_ends_with_the_failure_and_closes_the_log(
+    tmp_path, sockets_dir, monkeypatch
+):
+    """A role fails and, while the roles' processes stop, the user interrupts (a second Ctrl-C, SIGTERM): the
+    interrupt cut the clean-up short (the metrics log never closed, its tracker's last events lost, a Ray cluster
+    not released) and replaced the role's failure (exit 143, no word of what failed)."""
+    from pipeline.run import MetricsLog, _launcher
+
+    closed: list[str] = []
+    close = MetricsLog.close
+
+    def noted_close(self: MetricsLog) -> None:
+        closed.append("closed")
+        close(self)
+
+    stop_quickly = _launcher._stop_quickly
+
+    async def interrupted_stop(mesh: Any) -> None:
+        run.cancel()  # (the second interrupt, as the processes stop)
+        await stop_quickly(mesh)
+
+    monkeypatch.setattr(MetricsLog, "close", noted_close)
+    monkeypatch.setattr(_launcher, "_stop_quickly", interrupted_stop)
+    config = Config(steps=500, task=BANDIT, run_dir=str(tmp_path), stop_grace=0.0)
+    run = asyncio.ensure_future(run_pipeline(config, quiet=True, roles=Roles(scorer=FailingScorer)))
+    with pytest.raises(PipelineError, match="scorer exploded on purpose"):
+        await asyncio.wait_for(run, 60)
+    assert closed == ["closed"]
+
+
+async def test_an_interrupt_once_training_ended_keeps_the_result(tmp_path, sockets_dir, monkeypatch):
+    """Ctrl-C while the generators drain their last rollouts (a large model's take a while): training was over and
+    its last checkpoint written, but the interrupt threw the result away (exit 130, no ``done:``, no plot)."""
+    from pipeline.run import _launcher
+
+    async def slow_drain(gens: Any, tasks: Any, names: list[str]) -> list[int | None]:
+        run.cancel()  # (the user's Ctrl-C)
+        await asyncio.Event().wait()  # a drain that would take its full guard
+        raise AssertionError("not reached")
+
+    monkeypatch.setattr(_launcher, "_leftovers", slow_drain)
+    config = Config(steps=3, task=BANDIT, target_score=None, run_dir=str(tmp_path))
+    run = asyncio.ensure_future(run_pipeline(config, quiet=True))
+    result = await asyncio.wait_for(run, 60)
+    assert result.steps == 3 and result.rollouts == {}
+    assert (tmp_path / "learning_curve.png").exists(), "a finished run draws its curve"
+
+
 async def test_overwrite_keeps_the_earlier_run_when_the_new_one_cannot_start(tmp_path, sockets_dir):
     """--overwrite removes the earlier run's outputs only once the new run's task loads: a run refused before
     that leaves them as they were."""
