@@ -27,6 +27,19 @@ class Child:
         self._log.append(f"stopped {self._name}")
 
 
+class Gated:
+    """A stand-in actor whose ``__cleanup__`` waits for the test's gate, saying when it began and when it ended."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+        self.started, self.gate = asyncio.Event(), asyncio.Event()
+
+    async def __cleanup__(self, exc: BaseException | None) -> None:
+        self.started.set()
+        await self.gate.wait()
+        self.log.append("cleaned up")
+
+
 def hosting(instance: Any, *children: Child) -> tuple[Lifecycle, ActorSlot]:
     slots = SlotTable()
     slot = slots.actors["a"] = ActorSlot("a", 0, {}, "tests:Stand-in")
@@ -39,22 +52,15 @@ async def test_the_workers_stop_waits_for_a_cleanup_already_under_way():
     """An actor stopped alone (``ActorMesh.stop``), then its worker stopped before that cleanup ended: the worker's
     stop found no actor left and answered at once, so the process exited in the middle of ``__cleanup__``."""
     log: list[str] = []
-    started, gate = asyncio.Event(), asyncio.Event()
-
-    class Gated:
-        async def __cleanup__(self, exc: BaseException | None) -> None:
-            started.set()
-            await gate.wait()
-            log.append("cleaned up")
-
-    life, _ = hosting(Gated(), Child(log, "child"))
+    gated = Gated(log)
+    life, _ = hosting(gated, Child(log, "child"))
     alone = asyncio.ensure_future(life.stop_actor("a"))
-    await asyncio.wait_for(started.wait(), 10)
+    await asyncio.wait_for(gated.started.wait(), 10)
     everything = asyncio.ensure_future(life.stop_all())
     everything.add_done_callback(lambda _: log.append("worker stopped"))
     for _ in range(5):  # (the old stop answered within a turn or two)
         await asyncio.sleep(0)
-    gate.set()
+    gated.gate.set()
     await asyncio.wait_for(asyncio.gather(alone, everything), 10)
     assert log == ["cleaned up", "stopped child", "worker stopped"]
 
@@ -144,14 +150,7 @@ async def test_the_workers_stop_waits_for_stops_that_began_while_it_waited():
     """A stop that begins while the worker's stop waits (an orphan adopted meanwhile) is waited for too; before,
     only those under way when it began were, and the worker ended in the middle of the later one."""
     log: list[str] = []
-    started, gate = asyncio.Event(), asyncio.Event()
-
-    class Gated:
-        async def __cleanup__(self, exc: BaseException | None) -> None:
-            started.set()
-            await gate.wait()
-            log.append("cleaned up")
-
+    gated = Gated(log)
     child_gate = asyncio.Event()
 
     class SlowChild:
@@ -159,11 +158,11 @@ async def test_the_workers_stop_waits_for_stops_that_began_while_it_waited():
             await child_gate.wait()
             log.append("late child stopped")
 
-    life, _ = hosting(Gated())
+    life, _ = hosting(gated)
     everything = asyncio.ensure_future(life.stop_all())
-    await asyncio.wait_for(started.wait(), 10)
+    await asyncio.wait_for(gated.started.wait(), 10)
     life.adopt("a", SlowChild())  # the actor was stopped already: its child is stopped at once, as a stop of its own
-    gate.set()
+    gated.gate.set()
     for _ in range(5):  # (the old stop answered within a turn or two of the cleanup's end)
         await asyncio.sleep(0)
     assert log == ["cleaned up"] and not everything.done()
