@@ -15,6 +15,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import contextvars
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -220,14 +221,19 @@ class Driver:
                 self.next_loop(loop)
                 continue
             while True:
-                try:
-                    return done.result(min(ON_THREAD_SLICE, max(0.0, give_up - time.monotonic())))
-                except concurrent.futures.TimeoutError:
-                    if not self.drives(loop) and claim.acquire(blocking=False):
-                        break  # it stopped, ended or handed over without running ``fn``: hand it to the next loop
-                    if time.monotonic() >= give_up:
-                        claim.acquire(blocking=False)  # (not started: it never runs after this timeout)
-                        raise
+                served = self.wait_while_driven(
+                    loop,
+                    functools.partial(_done_within, done),
+                    max(0.0, give_up - time.monotonic()),
+                )
+                if served:
+                    return done.result()
+                if served is None and claim.acquire(blocking=False):
+                    break  # it stopped, ended or handed over without running ``fn``: hand it to the next loop
+                if served is False or time.monotonic() >= give_up:
+                    claim.acquire(blocking=False)  # (not started: it never runs after this timeout)
+                    raise concurrent.futures.TimeoutError(f"{fn!r} was not run on the runtime's thread in {timeout:g}s")
+                # (the loop stopped while ``fn`` ran on it: its result is still to come, up to the timeout)
             self.next_loop(loop)
 
     def drives(self, loop: asyncio.AbstractEventLoop) -> bool:
@@ -448,6 +454,11 @@ class Driver:
             self._outbox.retry_stuck()
             if self._registry.unresolved:
                 self._registry.retry_unresolved()
+
+
+def _done_within(future: concurrent.futures.Future[Any], seconds: float) -> bool:
+    """Whether ``future`` is done, waiting up to ``seconds`` on this thread for it."""
+    return bool(concurrent.futures.wait([future], timeout=seconds).done)
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:
