@@ -383,7 +383,7 @@ def token_grpo_loss(
             float((kl * per_token_mean).sum()),
             float((capped & real).to(logps.dtype).mul(per_token_mean).sum()),
             float((dual & real).to(logps.dtype).mul(per_token_mean).sum()),
-            float((entropy * per_token_mean).sum()) if entropy is not None else 0.0,
+            float((torch.where(real, entropy, 0.0) * per_token_mean).sum()) if entropy is not None else 0.0,
             float((trainer_gap.abs() * per_token_mean).sum()),
             float((is_weight * per_token_mean).sum()),
             float(outside.to(logps.dtype).mul(per_token_mean).sum()),

@@ -309,13 +309,32 @@ class Trainer(Actor):
 
         ``reference`` is the RefModel a synced reference goes to (``--sync-ref-model``).
         """
-        config = self.config
         self.generators = generators
         self.grants = list(grants)
         if not self.routes.routes:
             self.routes.plan_local(len(self.grants))
         await self.grant_open_tickets()  # the policy comes with the first tickets
         started = time.perf_counter()
+        try:
+            await self._train_until_done(reference, started)
+        except BaseException:  # the steps trained before the failure still reach the run's metrics
+            with contextlib.suppress(Exception):
+                self.flush_reports()
+            raise
+        self.flush_reports()
+        await self._save_between_steps()
+        self.reports.send(None)
+        return {
+            "steps": self.step,
+            "version": self.version,
+            "dropped": self.dropped,
+            "score": self.score,
+            "evaluation": self.evaluation,
+        }
+
+    async def _train_until_done(self, reference: RefModel | None, started: float) -> None:
+        """Train on each rollout as it comes, until ``config.steps`` or the target score."""
+        config = self.config
         waited = 0.0
         while self.step < config.steps:
             waiting = time.perf_counter()
@@ -336,9 +355,9 @@ class Trainer(Actor):
                 self.step += 1
                 self.version += 1
                 self.tickets.trained()
-                publishing = time.perf_counter()
                 if config.syncs_reference_after(self.step):
                     await self.sync_reference(reference)  # before the grants: every rollout granted now uses it
+                publishing = time.perf_counter()  # (the policy's publish: the reference's sync is not counted)
                 await self.deliver()
                 published += time.perf_counter() - publishing
                 final = self.step >= config.steps
@@ -351,19 +370,9 @@ class Trainer(Actor):
             if len(self._reports) >= REPORT_BATCH or final:
                 self.flush_reports()
             if config.checkpoint_every and self.step % config.checkpoint_every == 0:
-                await self._save()
+                await self._save_between_steps()
             if config.target_score is not None and self.score is not None and self.score >= config.target_score:
                 break
-        self.flush_reports()
-        await self._save()
-        self.reports.send(None)
-        return {
-            "steps": self.step,
-            "version": self.version,
-            "dropped": self.dropped,
-            "score": self.score,
-            "evaluation": self.evaluation,
-        }
 
     async def sync_reference(self, reference: RefModel | None) -> None:
         """Mix the policy into the reference weights and install them in ``reference`` before the next rollout
@@ -536,8 +545,8 @@ class Trainer(Actor):
         if self._saved is not None and self._saved[0] == step:
             return self._saved[1]  # (the last step fell on a periodic checkpoint: nothing changed since)
         if not self.learner.sharded:
-            async with self._weights:
-                path = self.save()
+            async with self._weights:  # (off the loop: a large policy's export takes seconds, and the loop serves)
+                path = await asyncio.to_thread(self.save)
         elif not self.config.run_dir:
             return ""
         else:
@@ -549,6 +558,11 @@ class Trainer(Actor):
     @endpoint
     async def checkpoint(self) -> str:
         """A checkpoint now (a stopping run's last): between steps, so the reports sent cover its step."""
+        return await self._save_between_steps()
+
+    async def _save_between_steps(self) -> str:
+        """:meth:`_save` holding the step lock: a checkpoint asked for while a periodic one is written finds it
+        done (both saving at once wrote the same step twice)."""
         async with self._in_step:
             return await self._save()
 

@@ -296,6 +296,34 @@ class SaveCountingTrainer(Trainer):
         return super().save()
 
 
+class OffTheLoopSaveTrainer(SaveCountingTrainer):
+    """Refuses to write a checkpoint on its event loop (a large policy's export there stalled every endpoint)."""
+
+    def save(self) -> str:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # a thread of its own: the loop serves meanwhile
+            return super().save()
+        raise RuntimeError("the checkpoint was written on the trainer's event loop")
+
+
+class FailsAtStepTrainer(Trainer):
+    """Fails training its 13th step (its reports of steps 11 and 12 still buffered, not a batch of 10 yet)."""
+
+    async def train(self, item):  # type: ignore[no-untyped-def]
+        if self.step == 12:
+            raise RuntimeError("the trainer failed at step 13 on purpose")
+        return await super().train(item)
+
+
+class SlowReferenceSyncTrainer(Trainer):
+    """Its reference's sync takes half a second more: not the policy's publish, which must not count it."""
+
+    async def sync_reference(self, reference):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(0.5)
+        await super().sync_reference(reference)
+
+
 class VersionIgnoringGenerator(Generator):
     """Draws every ticket with whatever policy it holds, never installing the version the ticket needs."""
 

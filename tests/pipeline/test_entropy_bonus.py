@@ -40,6 +40,15 @@ def test_the_bonus_is_the_mean_entropy_of_the_trained_tokens_whatever_the_loss(k
     torch.testing.assert_close(entropy.grad, torch.tensor([[1 / 3, 1 / 3], [1 / 3, 0.0]]))
 
 
+def test_a_pads_entropy_that_is_not_finite_counts_nowhere():
+    """Padding may hold any number: an infinite or NaN entropy there made ``actor/entropy`` NaN (the figure was the
+    entropies times a 0 weight, and inf × 0 is NaN), while the bonus and the trained entropy masked it."""
+    for pad in (math.inf, math.nan):
+        out = _bonus(LossSpec(), torch.tensor([[0.2, 0.9], [0.5, pad]]))
+        assert out.entropy == pytest.approx((0.2 + 0.9 + 0.5) / 3, abs=1e-6)
+        assert out.trained_entropy == pytest.approx((0.2 + 0.9 + 0.5) / 3, abs=1e-6)
+
+
 def test_with_a_top_entropy_share_the_bonus_is_the_mean_over_the_high_entropy_tokens():
     # the top two thirds of 0.2, 0.9, 0.5 are 0.9 and 0.5 (TRL applies the bonus to the same tokens as the policy term)
     out = _bonus(LossSpec(top_entropy=0.6), ENTROPY)

@@ -706,6 +706,39 @@ async def test_an_interrupt_once_training_ended_keeps_the_result(tmp_path, socke
     assert (tmp_path / "learning_curve.png").exists(), "a finished run draws its curve"
 
 
+async def test_the_trainer_writes_its_checkpoints_off_its_event_loop_and_once_a_step(tmp_path, sockets_dir):
+    """``save`` (a whole model's ``save_pretrained`` for an hf task) ran on the trainer's loop: no endpoint was
+    served meanwhile (a restarted generator's rejoin, a stop's final checkpoint). Its last step falls on a periodic
+    checkpoint: written once."""
+    from pipeline_support import OffTheLoopSaveTrainer
+
+    config = Config(steps=4, task=BANDIT, checkpoint_every=2, target_score=None, run_dir=str(tmp_path))
+    await asyncio.wait_for(run_pipeline(config, quiet=True, roles=Roles(trainer=OffTheLoopSaveTrainer)), 120)
+    assert (tmp_path / "saves.txt").read_text().split() == ["2", "4"]
+
+
+async def test_the_steps_trained_before_the_trainer_fails_reach_the_metrics(tmp_path, sockets_dir):
+    """Reports go out in batches of 10: the trainer failing at step 13, with no final checkpoint (which sends
+    them), lost steps 11 and 12 from the run's metrics, the very steps before the failure."""
+    from pipeline_support import FailsAtStepTrainer
+
+    config = Config(steps=50, task=BANDIT, stop_grace=0.0, run_dir=str(tmp_path))
+    with pytest.raises(PipelineError, match="the trainer failed at step 13 on purpose"):
+        await asyncio.wait_for(run_pipeline(config, quiet=True, roles=Roles(trainer=FailsAtStepTrainer)), 120)
+    assert [row["step"] for row in read_rows(str(tmp_path))] == list(range(1, 13))
+
+
+async def test_the_publish_time_is_the_policys_not_the_reference_syncs(tmp_path, sockets_dir):
+    from pipeline_support import SlowReferenceSyncTrainer
+
+    config = Config(
+        steps=4, task=BANDIT, sync_ref_model=True, ref_model_sync_steps=2, target_score=None, run_dir=str(tmp_path)
+    )
+    await asyncio.wait_for(run_pipeline(config, quiet=True, roles=Roles(trainer=SlowReferenceSyncTrainer)), 120)
+    publish = {row["step"]: row["timing/publish_ms"] for row in read_rows(str(tmp_path))}
+    assert publish[2] < 500 and publish[4] < 500, publish
+
+
 async def test_overwrite_keeps_the_earlier_run_when_the_new_one_cannot_start(tmp_path, sockets_dir):
     """--overwrite removes the earlier run's outputs only once the new run's task loads: a run refused before
     that leaves them as they were."""
