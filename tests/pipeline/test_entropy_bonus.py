@@ -42,7 +42,7 @@ def test_the_bonus_is_the_mean_entropy_of_the_trained_tokens_whatever_the_loss(k
 
 def test_a_pads_entropy_that_is_not_finite_counts_nowhere():
     """Padding may hold any number: an infinite or NaN entropy there made ``actor/entropy`` NaN (the figure was the
-    entropies times a 0 weight, and inf × 0 is NaN), while the bonus and the trained entropy masked it."""
+    entropies times a 0 weight, and inf times 0 is NaN), while the bonus and the trained entropy masked it."""
     for pad in (math.inf, math.nan):
         out = _bonus(LossSpec(), torch.tensor([[0.2, 0.9], [0.5, pad]]))
         assert out.entropy == pytest.approx((0.2 + 0.9 + 0.5) / 3, abs=1e-6)
