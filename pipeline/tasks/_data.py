@@ -87,6 +87,24 @@ def split_held_out(count: int, fraction: float, seed: int) -> tuple[list[int], l
     return sorted(order[held:]), sorted(order[:held])
 
 
+#: The reward functions' own keyword arguments (TRL's signature): a dataset column may not take their names.
+REWARD_ARGUMENTS = frozenset({"prompts", "completions", "completion_ids", "trainer_state"})
+#: Columns TRL leaves out of the reward functions' arguments (a reference completion's, as SFT data holds).
+NOT_FOR_REWARDS = frozenset({"completion", "completion_ids"})
+
+
+def _holds_messages(rows: Any, column: str, indices: list[int]) -> bool:
+    """Whether ``column`` holds chat messages: its type says (a list of them), not one row, whose cell may be
+    empty; without a typed column, the first row that holds something."""
+    feature = getattr(rows, "features", {}).get(column)
+    if feature is not None and type(feature).__name__ != "Value":
+        return isinstance(feature, list) or type(feature).__name__ in ("List", "LargeList", "Sequence")
+    if feature is not None:
+        return False
+    first = next((rows[row][column] for row in indices if rows[row][column] is not None), None)
+    return isinstance(first, list)
+
+
 class PromptData:
     """One set of prompts: their token ids for the model, their raw values and columns for the rewards."""
 
@@ -108,8 +126,15 @@ class PromptData:
         if not self.indices:
             raise DataError(f"{flag}: no rows")
         self.tokenizer = tokenizer
-        self.columns = [name for name in names if name != prompt_column]
-        self.chat = isinstance(rows[self.indices[0]][prompt_column], list)
+        clash = sorted(set(names) & (REWARD_ARGUMENTS - NOT_FOR_REWARDS) - {prompt_column})
+        if clash:
+            raise DataError(
+                f"{flag}: column {clash[0]!r} has the name of a reward function's own argument "
+                f"({', '.join(sorted(REWARD_ARGUMENTS))}); rename it"
+            )
+        # as TRL, the rewards get every column but the prompt and a reference completion's
+        self.columns = [name for name in names if name != prompt_column and name not in NOT_FOR_REWARDS]
+        self.chat = _holds_messages(rows, prompt_column, self.indices)
         if self.chat and not getattr(tokenizer, "chat_template", None):
             raise DataError(f"{flag}: the prompts are chat messages, but the model's tokenizer has no chat template")
         self.template_kwargs = dict(chat_template_kwargs or {})
@@ -133,6 +158,12 @@ class PromptData:
         ids = self._ids.get(row)
         if ids is None:
             prompt = self.prompt(row)
+            if prompt is None:
+                raise DataError(f"row {row}: its prompt is empty (column {self.prompt_column!r} holds nothing there)")
+            if self.chat and not isinstance(prompt, list):
+                raise DataError(f"row {row}: its prompt is a {type(prompt).__name__}, not chat messages")
+            if not self.chat and (isinstance(prompt, bool) or not isinstance(prompt, (str, int, float))):
+                raise DataError(f"row {row}: its prompt is a {type(prompt).__name__}, not text")
             if self.chat:
                 try:
                     ids = self.tokenizer.apply_chat_template(

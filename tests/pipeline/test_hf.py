@@ -560,6 +560,41 @@ def test_datasets_load_from_each_file_kind(tmp_path, model_and_tokenizer, kind):
     assert model_and_tokenizer[1].decode(data.prompt_ids(0)) == "reverse:12="
 
 
+def test_chat_or_text_is_the_columns_type_and_a_prompt_that_is_neither_is_refused(tiny, model_and_tokenizer):
+    """The first row alone decided: a chat column whose first cell is empty was taken for text, every conversation
+    tokenized as its Python repr with no template; an empty text cell trained on the prompt "None"."""
+    import datasets
+
+    tokenizer = load_tokenizer(str(tiny / "model"))
+    chat = datasets.Dataset.from_list([{"prompt": None}, {"prompt": [{"role": "user", "content": "12"}]}])
+    data = PromptData(chat, "prompt", tokenizer)
+    assert data.chat and tokenizer.decode(data.prompt_ids(1)).endswith("a:")
+    with pytest.raises(DataError, match="row 0: its prompt is empty"):
+        data.prompt_ids(0)
+    text = PromptData(datasets.Dataset.from_list([{"prompt": "ab="}, {"prompt": None}]), "prompt", tokenizer)
+    assert not text.chat
+    with pytest.raises(DataError, match="row 1: its prompt is empty"):
+        text.prompt_ids(1)
+    mixed = PromptData(datasets.Dataset.from_list([{"prompt": "ab="}, {"prompt": "cd="}]), "prompt", tokenizer)
+    mixed.rows = [{"prompt": "ab="}, {"prompt": {"role": "user"}}]  # (a row no datasets column would hold)
+    with pytest.raises(DataError, match="row 1: its prompt is a dict, not text"):
+        mixed.prompt_ids(1)
+
+
+def test_the_rewards_get_the_columns_trl_gives_and_a_column_named_as_an_argument_is_refused(model_and_tokenizer):
+    """A ``completions`` column was silently replaced by the model's completions (TRL fails on it), and a
+    ``completion`` or ``completion_ids`` column was passed on, where TRL leaves them out."""
+    import datasets
+
+    tokenizer = model_and_tokenizer[1]
+    rows = datasets.Dataset.from_list([{"prompt": "2+2=", "completion": "4", "completion_ids": [1], "answer": "4"}])
+    assert PromptData(rows, "prompt", tokenizer).columns_of([0]) == {"answer": ["4"]}
+    for name in ("prompts", "completions", "trainer_state"):
+        clashing = datasets.Dataset.from_list([{"prompt": "2+2=", name: "x"}])
+        with pytest.raises(DataError, match=f"column {name!r} has the name of a reward function's own argument"):
+            PromptData(clashing, "prompt", tokenizer)
+
+
 def test_a_missing_prompt_column_and_a_missing_file_are_refused(tmp_path, tiny, model_and_tokenizer):
     with pytest.raises(DataError, match="no column 'question'"):
         PromptData(load_rows(str(tiny / "train.jsonl")), "question", model_and_tokenizer[1])
