@@ -18,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from array import array
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
@@ -89,6 +91,8 @@ def split_held_out(count: int, fraction: float, seed: int) -> tuple[list[int], l
 
 #: The reward functions' own keyword arguments (TRL's signature): a dataset column may not take their names.
 REWARD_ARGUMENTS = frozenset({"prompts", "completions", "completion_ids", "trainer_state"})
+#: Rows whose prompt token ids a prompt set keeps (least recently used let go).
+PROMPT_CACHE_ROWS = 65_536
 #: Columns TRL leaves out of the reward functions' arguments (a reference completion's, as SFT data holds).
 NOT_FOR_REWARDS = frozenset({"completion", "completion_ids"})
 
@@ -143,7 +147,7 @@ class PromptData:
                 f"{flag}: --chat-template-kwargs sets the chat template's variables, but column {prompt_column!r} "
                 "holds text, which is tokenized as it is"
             )
-        self._ids: dict[int, list[int]] = {}
+        self._ids: OrderedDict[int, array[int]] = OrderedDict()  # the last PROMPT_CACHE_ROWS rows tokenized
         self._order: tuple[tuple[int, int], list[int]] | None = None
 
     def __len__(self) -> int:
@@ -155,34 +159,48 @@ class PromptData:
 
     def prompt_ids(self, row: int) -> list[int]:
         """Row ``row``'s prompt as token ids (rendered with the chat template if it is messages)."""
-        ids = self._ids.get(row)
-        if ids is None:
-            prompt = self.prompt(row)
-            if prompt is None:
-                raise DataError(f"row {row}: its prompt is empty (column {self.prompt_column!r} holds nothing there)")
-            if self.chat and not isinstance(prompt, list):
-                raise DataError(f"row {row}: its prompt is a {type(prompt).__name__}, not chat messages")
-            if not self.chat and (isinstance(prompt, bool) or not isinstance(prompt, (str, int, float))):
-                raise DataError(f"row {row}: its prompt is a {type(prompt).__name__}, not text")
-            if self.chat:
-                try:
-                    ids = self.tokenizer.apply_chat_template(
-                        prompt, add_generation_prompt=True, tokenize=True, **self.template_kwargs
-                    )
-                except Exception as exc:  # the tokenizer's own template: whatever it raises
-                    raise DataError(
-                        f"row {row}: the chat template failed: {type(exc).__name__}: {exc} (its variables: "
-                        f"--chat-template-kwargs {json.dumps(self.template_kwargs)})"
-                    ) from None
-                if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # newer tokenizers return a BatchEncoding
-                    ids = ids["input_ids"]
-            else:
-                ids = self.tokenizer(str(prompt), add_special_tokens=True)["input_ids"]
-            ids = [int(token) for token in ids]
-            if not ids:
-                raise DataError(f"row {row}: its prompt has no tokens")
-            self._ids[row] = ids
+        cached = self._ids.get(row)
+        if cached is not None:
+            self._ids.move_to_end(row)
+            return cached.tolist()
+        prompt = self.prompt(row)
+        if prompt is None:
+            raise DataError(f"row {row}: its prompt is empty (column {self.prompt_column!r} holds nothing there)")
+        if self.chat and not isinstance(prompt, list):
+            raise DataError(f"row {row}: its prompt is a {type(prompt).__name__}, not chat messages")
+        if not self.chat and (isinstance(prompt, bool) or not isinstance(prompt, (str, int, float))):
+            raise DataError(f"row {row}: its prompt is a {type(prompt).__name__}, not text")
+        if self.chat:
+            try:
+                ids = self.tokenizer.apply_chat_template(
+                    prompt, add_generation_prompt=True, tokenize=True, **self.template_kwargs
+                )
+            except Exception as exc:  # the tokenizer's own template: whatever it raises
+                raise DataError(
+                    f"row {row}: the chat template failed: {type(exc).__name__}: {exc} (its variables: "
+                    f"--chat-template-kwargs {json.dumps(self.template_kwargs)})"
+                ) from None
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # newer tokenizers return a BatchEncoding
+                ids = ids["input_ids"]
+        else:
+            ids = self.tokenizer(str(prompt), add_special_tokens=True)["input_ids"]
+        ids = [int(token) for token in ids]
+        if not ids:
+            raise DataError(f"row {row}: its prompt has no tokens")
+        # kept compact (4 bytes a token, not a Python int's 28 and a list slot's 8) and bounded: a run through
+        # a large dataset kept every prompt it ever tokenized
+        self._ids[row] = array("i", ids)
+        if len(self._ids) > PROMPT_CACHE_ROWS:
+            self._ids.popitem(last=False)
         return ids
+
+    def for_rewards(self, rows: list[int], group: int) -> tuple[list[Any], dict[str, list[Any]]]:
+        """The prompts and the other columns of ``rows``, each repeated ``group`` times (one per completion):
+        every row read once, not once per completion."""
+        records = [self.rows[row] for row in rows]
+        prompts = [record[self.prompt_column] for record in records for _ in range(group)]
+        columns = {name: [record[name] for record in records for _ in range(group)] for name in self.columns}
+        return prompts, columns
 
     def columns_of(self, rows: list[int]) -> dict[str, list[Any]]:
         """Every column but the prompt, one value per row in ``rows`` (the reward functions' keyword arguments)."""

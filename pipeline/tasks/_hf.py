@@ -42,7 +42,7 @@ from ..models import (
     load_tokenizer,
 )
 from ._completion_loss import completion_loss
-from ._data import PromptData, load_rows, split_held_out
+from ._data import DataError, PromptData, load_rows, split_held_out
 from ._interface import LossReport, Scores, Task
 from ._rewards import RewardPlacement, RewardSet, RewardState
 
@@ -105,6 +105,15 @@ class HFTask(Task):
     def _splits(self) -> tuple[PromptData, PromptData]:
         config = self.config
         column, tokenizer, variables = config.prompt_column, self.tokenizer, config.chat_template_kwargs
+        for flag, source, picks in (
+            ("--dataset", config.dataset, config.dataset_split != "train" or config.dataset_config),
+            ("--eval-dataset", config.eval_dataset, config.eval_dataset and config.eval_split != "test"),
+        ):
+            if picks and os.path.exists(source):  # (a file holds one split, read whole: the flag would be ignored)
+                raise DataError(
+                    f"{flag} {source} is a local file, read whole: --dataset-split, --eval-split and "
+                    "--dataset-config pick a Hub dataset's split and subset"
+                )
         rows = load_rows(config.dataset, config.dataset_split, subset=config.dataset_config)
         if config.eval_dataset:
             train = PromptData(rows, column, tokenizer, chat_template_kwargs=variables)
@@ -227,11 +236,11 @@ class HFTask(Task):
         """``scorer`` is :meth:`build_scorer`'s reward functions (None: those on the CPU)."""
         rewards = scorer if isinstance(scorer, RewardSet) else self.rewards
         data = self.train_data
-        rows = samples.rows.repeat_interleave(samples.group).tolist()
+        prompts, columns = data.for_rewards(samples.rows.tolist(), samples.group)
         per_function = await rewards.score(
-            [data.prompt(row) for row in rows],
+            prompts,
             [data.completion(text) for text in samples.texts],
-            data.columns_of(rows),
+            columns,
             completion_ids=completion_ids(samples.tokens, samples.prompt_mask.shape[1], samples.mask),
             state=RewardState(samples.ticket, self.config.steps),
         )
@@ -311,13 +320,12 @@ class HFTask(Task):
             texts, ids = self._held_out_completions(policy, [data.prompt_ids(row) for row in rows])
         finally:
             policy.train(was_training)
-        rows = [row for row in rows for _ in range(max(1, samples))]  # a prompt's samples are consecutive
-        prompts = [data.prompt(row) for row in rows]
+        prompts, columns = data.for_rewards(rows, max(1, samples))  # a prompt's samples are consecutive
         rewards = self.rewards_on(next(policy.parameters()).device)  # a reward model beside the policy
         per_function = await rewards.score(
             prompts,
             [data.completion(t) for t in texts],
-            data.columns_of(rows),
+            columns,
             completion_ids=ids,
             state=RewardState(-1, self.config.steps),
         )

@@ -595,6 +595,49 @@ def test_the_rewards_get_the_columns_trl_gives_and_a_column_named_as_an_argument
             PromptData(clashing, "prompt", tokenizer)
 
 
+def test_a_prompt_sets_token_cache_is_bounded_and_the_rewards_read_each_row_once(monkeypatch, model_and_tokenizer):
+    """Every prompt ever tokenized was kept as a list of Python ints (~40 bytes a token: gigabytes per generator
+    through a large dataset); and the rewards' prompts and columns read each row once per completion."""
+    import datasets
+
+    from pipeline.tasks import _data
+
+    class Counted:
+        """A dataset that counts its row reads."""
+
+        def __init__(self, rows: object) -> None:
+            self.rows, self.reads = rows, 0
+            self.column_names, self.features = rows.column_names, rows.features
+
+        def __len__(self) -> int:
+            return len(self.rows)
+
+        def __getitem__(self, row: int) -> object:
+            self.reads += 1
+            return self.rows[row]
+
+    monkeypatch.setattr(_data, "PROMPT_CACHE_ROWS", 2)
+    table = Counted(datasets.Dataset.from_list([{"prompt": f"{n}+{n}=", "answer": str(2 * n)} for n in range(3)]))
+    data = PromptData(table, "prompt", model_and_tokenizer[1])
+    first = [data.prompt_ids(row) for row in range(3)]
+    assert len(data._ids) == 2 and data.prompt_ids(0) == first[0], "the oldest let go, tokenized again alike"
+    table.reads = 0
+    prompts, columns = data.for_rewards([2, 0], 4)
+    assert prompts == ["2+2="] * 4 + ["0+0="] * 4 and columns == {"answer": ["4"] * 4 + ["0"] * 4}
+    assert table.reads == 2
+
+
+def test_a_local_files_split_or_subset_is_refused_not_ignored(tmp_path, tiny):
+    """A local file holds one split and is read whole: --dataset-split, --eval-split and --dataset-config were
+    silently ignored for one."""
+    for changes in ({"dataset_split": "validation"}, {"dataset_config": "main"}):
+        with pytest.raises(DataError, match="is a local file, read whole"):
+            _ = HFTask(resolve(_config(tiny, tmp_path, **changes))).train_data
+    held = {"eval_dataset": str(tiny / "train.jsonl"), "eval_split": "validation"}
+    with pytest.raises(DataError, match=r"--eval-dataset .* is a local file"):
+        _ = HFTask(resolve(_config(tiny, tmp_path, **held))).train_data
+
+
 def test_a_missing_prompt_column_and_a_missing_file_are_refused(tmp_path, tiny, model_and_tokenizer):
     with pytest.raises(DataError, match="no column 'question'"):
         PromptData(load_rows(str(tiny / "train.jsonl")), "question", model_and_tokenizer[1])
