@@ -263,12 +263,12 @@ class Lifecycle:
         slot = self._slots.get(actor)
         if slot is not None and slot.stop_task is None:
             slot.children.append(child)
-        elif slot is not None or actor in self._slots.stopped:  # (on the spawning code's thread: a sync actor's)
-            # its stop began (a failed actor stays in the table): past its children's, the list is read no more
-            self.loop.call_soon_threadsafe(self._stop_orphan, actor, child)
-        else:
+            return
+        # its stop began (a failed actor stays in the table: past its children's, the list is read no more), or
+        # it stopped; stopped at once, from the loop (this is the spawning code's thread: a sync actor's, say)
+        if slot is None and actor not in self._slots.stopped:
             log.error("%r was spawned by %s, which this worker does not host: stopping it", child, shown(actor))
-            self.loop.call_soon_threadsafe(self._stop_orphan, actor, child)
+        self.loop.call_soon_threadsafe(self._stop_orphan, actor, child)
 
     def _stop_orphan(self, actor: str, child: Stoppable) -> None:
         log.info("stopping %r at once: %s, which spawned it, has stopped", child, shown(actor))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import threading
 import time
 import traceback
@@ -28,6 +29,7 @@ from typing import Any, Generic, TypeVar, overload
 
 from .._shared._errors import ActorDied, ActorsError, BufferFull, CallTimeout, DecodeError, EncodeError, PortClosed
 from .._shared._liveness import ProcRef
+from .._shared._loops import done_within
 from .._transport._flow import CREDIT_BYTES, CREDIT_MESSAGES, WINDOW, WINDOW_BYTES, Window
 from .._transport._outbox import SEND_TIMEOUT
 from .._transport._receivers import ReceiverState
@@ -433,9 +435,7 @@ class PortReceiver(Generic[T]):
     ) -> None:
         """``waiting.result(timeout)``, and ``CancelledError`` as soon as ``loop`` no longer drives the runtime
         (it stopped with the receive on it: a task not cancelled, which would wait for good)."""
-        served = self._rt.driver.wait_while_driven(
-            loop, lambda seconds: bool(concurrent.futures.wait([waiting], timeout=seconds).done), timeout
-        )
+        served = self._rt.driver.wait_while_driven(loop, functools.partial(done_within, waiting), timeout)
         if served is None:
             raise concurrent.futures.CancelledError()
         if not served:

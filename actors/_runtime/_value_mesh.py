@@ -82,43 +82,6 @@ def flattened(extent: Mapping[str, int], dim: str) -> dict[str, int]:
     return {dim: math.prod(extent.values())}
 
 
-class Point(Mapping[str, int]):
-    """One position in a mesh: its ``rank`` and its coordinates by dimension."""
-
-    __slots__ = ("_coords", "_extent", "rank")
-
-    def __init__(self, rank: int, extent: Mapping[str, int]) -> None:
-        self.rank = rank
-        self._extent = dict(extent)
-        self._coords = coordinates(rank, self._extent)
-
-    @property
-    def extent(self) -> Extent:
-        """The shape of the mesh this point is in."""
-        return Extent(list(self._extent), list(self._extent.values()))
-
-    def size(self, label: str) -> int:
-        """The size of the mesh along ``label``."""
-        return _size_of(self._extent, label)
-
-    def __getitem__(self, dim: str) -> int:
-        return self._coords[dim]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._coords)
-
-    def __len__(self) -> int:
-        return len(self._coords)
-
-    def __repr__(self) -> str:
-        return f"Point(rank={self.rank}, {self._coords})"
-
-    def __str__(self) -> str:
-        """Monarch's form: ``{'hosts': 0/1, 'gpus': 1/2}`` (coordinate/size per dimension)."""
-        inner = ", ".join(f"{dim!r}: {self._coords[dim]}/{size}" for dim, size in self._extent.items())
-        return "{" + inner + "}"
-
-
 class Extent(dict[str, int]):
     """A mesh's shape: its dimensions' labels and sizes, in order (Monarch's ``Extent(labels, sizes)``).
 
@@ -135,6 +98,11 @@ class Extent(dict[str, int]):
         if any(type(size) is not int or size < 0 for size in sizes):
             raise ValueError(f"an extent's sizes are non-negative ints, not {sizes!r}")
         super().__init__(zip(labels, sizes, strict=True))
+
+    @classmethod
+    def of(cls, sizes: Mapping[str, int]) -> Extent:
+        """The extent whose dimensions and sizes ``sizes`` maps, in its order."""
+        return cls(list(sizes), list(sizes.values()))
 
     @property
     def labels(self) -> list[str]:
@@ -176,7 +144,7 @@ class Shaped:
     @property
     def extent(self) -> Extent:
         """The mesh's shape (a mapping of its dimensions to their sizes, with ``labels`` and ``sizes``)."""
-        return Extent(list(self._extent), list(self._extent.values()))
+        return Extent.of(self._extent)
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -186,6 +154,35 @@ class Shaped:
     def size(self, dim: str | Sequence[str] | None = None) -> int:
         """How many points: in all, or along ``dim`` (or the product along several)."""
         return _size_of(self._extent, dim)
+
+
+class Point(Shaped, Mapping[str, int]):
+    """One position in a mesh: its ``rank`` and its coordinates by dimension (the mesh's shape: ``extent``,
+    ``size(label)``)."""
+
+    __slots__ = ("_coords", "_extent", "rank")
+
+    def __init__(self, rank: int, extent: Mapping[str, int]) -> None:
+        self.rank = rank
+        self._extent = dict(extent)
+        self._coords = coordinates(rank, self._extent)
+
+    def __getitem__(self, dim: str) -> int:
+        return self._coords[dim]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._coords)
+
+    def __len__(self) -> int:
+        return len(self._coords)
+
+    def __repr__(self) -> str:
+        return f"Point(rank={self.rank}, {self._coords})"
+
+    def __str__(self) -> str:
+        """Monarch's form: ``{'hosts': 0/1, 'gpus': 1/2}`` (coordinate/size per dimension)."""
+        inner = ", ".join(f"{dim!r}: {self._coords[dim]}/{size}" for dim, size in self._extent.items())
+        return "{" + inner + "}"
 
 
 class ValueMesh(Shaped, Generic[R]):
@@ -269,8 +266,7 @@ def _extent_state(extent: Extent) -> list[object]:
 
 
 def _extent_from_state(state: object) -> Extent:
-    shape = extent_from_wire(state, "sent")
-    return Extent(list(shape), list(shape.values()))
+    return Extent.of(extent_from_wire(state, "sent"))
 
 
 def _value_mesh_state(mesh: ValueMesh[object]) -> list[object]:

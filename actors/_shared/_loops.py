@@ -4,9 +4,11 @@ the loop futures that waiters park on."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+from typing import Any
 
-__all__ = ["loop_running", "running_loop", "wake_all"]
+__all__ = ["done_within", "loop_running", "running_loop", "wake_all"]
 
 
 def running_loop() -> asyncio.AbstractEventLoop | None:
@@ -36,3 +38,8 @@ def wake_all(waiters: list[asyncio.Future[None]], error: BaseException | None = 
                 else:
                     waiter.set_exception(error)
     waiters.clear()
+
+
+def done_within(future: concurrent.futures.Future[Any], seconds: float) -> bool:
+    """Whether ``future`` is done, waiting up to ``seconds`` on this thread for it (never a loop's)."""
+    return bool(concurrent.futures.wait([future], timeout=seconds).done)

@@ -24,7 +24,7 @@ from typing import Any
 import zmq
 
 from .._shared._errors import CallTimeout
-from .._shared._loops import running_loop, wake_all
+from .._shared._loops import done_within, running_loop, wake_all
 from ._background import HANDOVER_TIMEOUT, BackgroundLoop
 from ._inbox_pump import Inbox
 from ._outbox import Outbox
@@ -223,7 +223,7 @@ class Driver:
             while True:
                 served = self.wait_while_driven(
                     loop,
-                    functools.partial(_done_within, done),
+                    functools.partial(done_within, done),
                     max(0.0, give_up - time.monotonic()),
                 )
                 if served:
@@ -454,11 +454,6 @@ class Driver:
             self._outbox.retry_stuck()
             if self._registry.unresolved:
                 self._registry.retry_unresolved()
-
-
-def _done_within(future: concurrent.futures.Future[Any], seconds: float) -> bool:
-    """Whether ``future`` is done, waiting up to ``seconds`` on this thread for it."""
-    return bool(concurrent.futures.wait([future], timeout=seconds).done)
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:

@@ -101,10 +101,8 @@ def _holds_messages(rows: Any, column: str, indices: list[int]) -> bool:
     """Whether ``column`` holds chat messages: its type says (a list of them), not one row, whose cell may be
     empty; without a typed column, the first row that holds something."""
     feature = getattr(rows, "features", {}).get(column)
-    if feature is not None and type(feature).__name__ != "Value":
+    if feature is not None:  # (text is a Value)
         return isinstance(feature, list) or type(feature).__name__ in ("List", "LargeList", "Sequence")
-    if feature is not None:
-        return False
     first = next((rows[row][column] for row in indices if rows[row][column] is not None), None)
     return isinstance(first, list)
 
@@ -201,11 +199,6 @@ class PromptData:
         prompts = [record[self.prompt_column] for record in records for _ in range(group)]
         columns = {name: [record[name] for record in records for _ in range(group)] for name in self.columns}
         return prompts, columns
-
-    def columns_of(self, rows: list[int]) -> dict[str, list[Any]]:
-        """Every column but the prompt, one value per row in ``rows`` (the reward functions' keyword arguments)."""
-        records = [self.rows[row] for row in rows]
-        return {name: [record[name] for record in records] for name in self.columns}
 
     def completion(self, text: str) -> Any:
         """A completion as TRL passes it to reward functions: text, or one assistant message for chat prompts."""

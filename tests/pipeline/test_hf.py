@@ -556,7 +556,7 @@ def test_datasets_load_from_each_file_kind(tmp_path, model_and_tokenizer, kind):
     path = str(tmp_path / f"data.{kind}")
     {"jsonl": table.to_json, "csv": table.to_csv, "parquet": table.to_parquet, "json": table.to_json}[kind](path)
     data = PromptData(load_rows(path), "prompt", model_and_tokenizer[1])
-    assert len(data) == 3 and data.columns_of([2]) == {"answer": ["r9876"]}
+    assert len(data) == 3 and data.for_rewards([2], 1)[1] == {"answer": ["r9876"]}
     assert model_and_tokenizer[1].decode(data.prompt_ids(0)) == "reverse:12="
 
 
@@ -588,7 +588,7 @@ def test_the_rewards_get_the_columns_trl_gives_and_a_column_named_as_an_argument
 
     tokenizer = model_and_tokenizer[1]
     rows = datasets.Dataset.from_list([{"prompt": "2+2=", "completion": "4", "completion_ids": [1], "answer": "4"}])
-    assert PromptData(rows, "prompt", tokenizer).columns_of([0]) == {"answer": ["4"]}
+    assert PromptData(rows, "prompt", tokenizer).for_rewards([0], 1)[1] == {"answer": ["4"]}
     for name in ("prompts", "completions", "trainer_state"):
         clashing = datasets.Dataset.from_list([{"prompt": "2+2=", name: "x"}])
         with pytest.raises(DataError, match=f"column {name!r} has the name of a reward function's own argument"):
