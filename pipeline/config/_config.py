@@ -81,7 +81,7 @@ class Config:
     task: str = "reverse"  # reverse | sort | add | bandit | hf | module:Class
     digits: int = 6  # digit tasks: input length
     model: str = "tiny"  # a preset (pipeline.models.PRESETS), or for ``hf`` a Hugging Face model folder or name
-    dataset: str = ""  # hf: a .jsonl/.json/.parquet/.csv file or a Hub dataset name
+    dataset: str = ""  # hf: a .jsonl/.json/.parquet/.csv file, a folder of them, or a Hub dataset name
     dataset_split: str = "train"  # hf: the split of a Hub dataset
     dataset_config: str = ""  # hf: the subset of a Hub dataset (gsm8k's "main")
     prompt_column: str = "prompt"  # hf: text, or a list of chat messages
@@ -90,6 +90,7 @@ class Config:
     shuffle_dataset: bool = True  # hf: each epoch in a seeded random order; off: in the dataset's (a curriculum)
     eval_dataset: str = ""  # hf: held-out prompts; "" holds out ``eval_fraction`` of ``dataset``
     eval_split: str = "test"  # hf: the split of a Hub ``eval_dataset`` (TRL's test split)
+    eval_dataset_config: str = ""  # hf: a Hub ``eval_dataset``'s subset; "": ``dataset``'s if it is ``dataset``
     eval_fraction: float = 0.1
     rewards: list[str] = field(default_factory=list)  # hf: module:function | file.py:function | built-in [=weight]
     reward_timeout: float = 60.0  # hf: the most seconds one reward function may take on one batch

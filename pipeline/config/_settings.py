@@ -354,6 +354,7 @@ def unused_settings(config: Config) -> list[tuple[tuple[str, ...], str]]:
         groups.append((("ray_hosts",), "picks the Ray nodes to use: add --ray"))
     if not config.eval_dataset:
         groups.append((("eval_split",), "picks a Hub --eval-dataset's split: add --eval-dataset"))
+        groups.append((("eval_dataset_config",), "picks a Hub --eval-dataset's subset: add --eval-dataset"))
     else:
         groups.append((("eval_fraction",), "holds out a share of --dataset; --eval-dataset gives the held-out prompts"))
     return groups

@@ -135,7 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
     task.add_argument("--eval-size", type=int, default=256, help="held-out prompts per evaluation (default 256)")
     task.add_argument("--eval-every", type=int, default=10, help="evaluate every N steps (default 10)")
     data = parser.add_argument_group("your model, data and rewards (--task hf)")
-    data.add_argument("--dataset", default="", help="prompts: a .jsonl, .json, .parquet or .csv file, or a Hub dataset")
+    data.add_argument(
+        "--dataset",
+        default="",
+        help="prompts: a .jsonl, .json, .parquet or .csv file, a folder of them, or a Hub dataset",
+    )
     data.add_argument("--dataset-split", default="train", help="the split of a Hub dataset (default train)")
     data.add_argument("--dataset-config", default="", help="the subset of a Hub dataset (e.g. gsm8k's main)")
     data.add_argument("--prompt-column", default="prompt", help="text, or a list of chat messages (default prompt)")
@@ -161,6 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--eval-dataset", default="", help="held-out prompts (default: --eval-fraction of --dataset)")
     data.add_argument(
         "--eval-split", default="test", help="the split of a Hub --eval-dataset to evaluate on (default test)"
+    )
+    data.add_argument(
+        "--eval-dataset-config",
+        default="",
+        help="the subset of a Hub --eval-dataset (default: --dataset-config where it is --dataset, else none)",
     )
     data.add_argument(
         "--eval-fraction", type=float, default=0.1, help="share of --dataset held out for evaluation (default 0.1)"
@@ -573,6 +582,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
             trust_remote_code=args.trust_remote_code,
             eval_dataset=args.eval_dataset,
             eval_split=args.eval_split,
+            eval_dataset_config=args.eval_dataset_config,
             eval_fraction=args.eval_fraction,
             rewards=list(args.reward),
             reward_timeout=args.reward_timeout,

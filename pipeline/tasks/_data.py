@@ -35,7 +35,8 @@ class DataError(ValueError):
 
 
 def load_rows(source: str, split: str = "train", flag: str = "--dataset", subset: str = "") -> Any:
-    """The ``datasets.Dataset`` that ``source`` (a local file, or a Hub name with its ``subset``) holds."""
+    """The ``datasets.Dataset`` that ``source`` (a local file, a folder whose files are splits, or a Hub name with its
+    ``subset``) holds."""
     try:
         import datasets
     except ImportError:
@@ -44,6 +45,8 @@ def load_rows(source: str, split: str = "train", flag: str = "--dataset", subset
     extension = os.path.splitext(source)[1].lower()
     try:
         with _no_progress_monitor():
+            if os.path.isdir(source):  # as a Hub dataset downloaded: its files' names give the splits
+                return datasets.load_dataset(source, split=split)
             if os.path.exists(source):
                 builder = _BUILDERS.get(extension)
                 if builder is None:

@@ -105,19 +105,27 @@ class HFTask(Task):
     def _splits(self) -> tuple[PromptData, PromptData]:
         config = self.config
         column, tokenizer, variables = config.prompt_column, self.tokenizer, config.chat_template_kwargs
-        for flag, source, picks in (
-            ("--dataset", config.dataset, config.dataset_split != "train" or config.dataset_config),
-            ("--eval-dataset", config.eval_dataset, config.eval_dataset and config.eval_split != "test"),
+        held_subset = config.eval_dataset_config or (
+            config.dataset_config if config.eval_dataset == config.dataset else ""
+        )
+        for flag, source, split, subset in (
+            ("--dataset", config.dataset, config.dataset_split != "train", config.dataset_config),
+            ("--eval-dataset", config.eval_dataset, config.eval_dataset and config.eval_split != "test", held_subset),
         ):
-            if picks and os.path.exists(source):  # (a file holds one split, read whole: the flag would be ignored)
+            if os.path.isfile(source) and (split or subset):  # (a file holds one split, read whole: ignored)
                 raise DataError(
-                    f"{flag} {source} is a local file, read whole: --dataset-split, --eval-split and "
-                    "--dataset-config pick a Hub dataset's split and subset"
+                    f"{flag} {source} is a local file, read whole: --dataset-split, --eval-split, --dataset-config "
+                    "and --eval-dataset-config pick a Hub dataset's split and subset"
+                )
+            if os.path.isdir(source) and subset:  # (a folder's files are its splits, of one subset)
+                raise DataError(
+                    f"{flag} {source} is a local folder: --dataset-config and --eval-dataset-config pick a Hub "
+                    "dataset's subset (the folder's files name its splits)"
                 )
         rows = load_rows(config.dataset, config.dataset_split, subset=config.dataset_config)
         if config.eval_dataset:
             train = PromptData(rows, column, tokenizer, chat_template_kwargs=variables)
-            held = load_rows(config.eval_dataset, config.eval_split, "--eval-dataset", config.dataset_config)
+            held = load_rows(config.eval_dataset, config.eval_split, "--eval-dataset", held_subset)
             return train, PromptData(held, column, tokenizer, flag="--eval-dataset", chat_template_kwargs=variables)
         train_rows, held_rows = split_held_out(len(rows), config.eval_fraction, config.seed)
         return (

@@ -91,6 +91,7 @@ HF_DATA: tuple[tuple[str, str], ...] = (
     ("--prompt-column", "prompt_column"),
     ("--eval-dataset", "eval_dataset"),
     ("--eval-split", "eval_split"),
+    ("--eval-dataset-config", "eval_dataset_config"),
     ("--eval-fraction", "eval_fraction"),
     ("--reward", "rewards"),
     ("--reward-timeout", "reward_timeout"),

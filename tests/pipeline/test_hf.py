@@ -724,6 +724,55 @@ def test_an_eval_dataset_is_held_out_whole_and_a_hub_one_is_read_from_its_eval_s
         assert loaded[-1] == ("org/prompts", split)
 
 
+def test_an_eval_datasets_subset_is_its_own_and_dataset_config_reaches_only_the_same_dataset(
+    tmp_path, tiny, monkeypatch
+):
+    """``--dataset-config`` is ``--dataset``'s subset: a different Hub ``--eval-dataset`` has its own
+    (``--eval-dataset-config``; before, it got ``--dataset``'s, a subset it may not have), and the same
+    dataset's test split keeps it (gsm8k main's train and test)."""
+    from pipeline.tasks import _hf
+
+    files = {"org/data": str(tiny / "train.jsonl"), "org/prompts": str(tiny / "chat" / "train.jsonl")}
+    loaded: list[tuple[str, str, str]] = []
+    real = _hf.load_rows
+
+    def recorded(source: str, split: str = "train", flag: str = "--dataset", subset: str = "") -> object:
+        loaded.append((source, split, subset))
+        return real(files.get(source, source), split, flag)
+
+    monkeypatch.setattr(_hf, "load_rows", recorded)
+    hub = {"dataset": "org/data", "dataset_config": "main"}
+    for held, subset in (
+        ({"eval_dataset": "org/prompts"}, ""),
+        ({"eval_dataset": "org/data"}, "main"),
+        ({"eval_dataset": "org/prompts", "eval_dataset_config": "easy"}, "easy"),
+    ):
+        loaded.clear()
+        _ = HFTask(resolve(_config(tiny, tmp_path, **hub, **held))).eval_data
+        assert loaded == [("org/data", "train", "main"), (held["eval_dataset"], "test", subset)]
+    with pytest.raises(DataError, match=r"--eval-dataset .* is a local file"):
+        _ = HFTask(resolve(_config(tiny, tmp_path, eval_dataset=files["org/data"], eval_dataset_config="x"))).eval_data
+
+
+def test_a_local_folder_of_data_files_is_a_dataset_whose_splits_are_its_files(tmp_path, tiny):
+    """A folder (a Hub dataset downloaded, parquet shards) loads as ``datasets`` loads one: its files' names give the
+    splits (before: refused as a file of no known type)."""
+    import datasets
+
+    folder = tmp_path / "prompts"
+    folder.mkdir()
+    rows = [json.loads(line) for line in (tiny / "train.jsonl").read_text().splitlines()]
+    for split, part in (("train", rows[:150]), ("test", rows[150:])):
+        datasets.Dataset.from_list(part).to_parquet(str(folder / f"{split}-00000-of-00001.parquet"))
+    assert len(load_rows(str(folder))) == 150 and len(load_rows(str(folder), "test")) == len(rows) - 150
+    with pytest.raises(DataError, match=r"--dataset .*prompts: cannot be loaded \(Unknown split"):
+        load_rows(str(folder), "validation")
+    task = HFTask(resolve(_config(tiny, tmp_path, dataset=str(folder), eval_dataset=str(folder))))
+    assert (len(task.train_data), len(task.eval_data)) == (150, len(rows) - 150)
+    with pytest.raises(DataError, match="is a local folder: --dataset-config"):
+        _ = HFTask(resolve(_config(tiny, tmp_path, dataset=str(folder), dataset_config="main"))).train_data
+
+
 def test_chat_template_kwargs_reach_the_template_and_a_failing_template_is_a_data_error(tiny, own_code):
     rows = load_rows(str(tiny / "chat" / "train.jsonl"))
     tokenizer = load_tokenizer(str(own_code))

@@ -71,6 +71,7 @@ HF = ("--dataset", "prompts.jsonl", "--reward", "exact_match")
         (["--task", "add", "--prompt-column", "q"], "--prompt-column with --task add: only a Hugging Face task"),
         (["--eval-fraction", "0.2"], "--eval-fraction with --task reverse: only a Hugging Face task"),
         ([*HF, "--eval-split", "validation"], "--eval-split picks a Hub --eval-dataset's split: add --eval-dataset"),
+        ([*HF, "--eval-dataset-config", "x"], "--eval-dataset-config picks a Hub --eval-dataset's subset: add --eval"),
         (
             [*HF, "--eval-dataset", "x.jsonl", "--eval-fraction", "0.2"],
             "--eval-fraction holds out a share of --dataset; --eval-dataset gives the held-out prompts",
