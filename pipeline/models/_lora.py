@@ -65,28 +65,33 @@ def _refuse_unmatched(model: torch.nn.Module, targets: str) -> None:
         )
 
 
-def _refuse_tied_head(model: torch.nn.Module, targets: str) -> None:
-    """No target may be an output head tied to the input embeddings: the generators' model holds one matrix for
-    both, so the head's merged W + BA and the embeddings' W could not both reach it (one would overwrite the other).
-    PEFT's ``all-linear`` leaves the head out."""
+def _refuse_tied(model: torch.nn.Module, targets: str) -> None:
+    """No target may be the output head or the input embeddings when the two are tied: the generators' model holds
+    one matrix for both, so one's merged W + BA and the other's W could not both reach it (the one loaded last would
+    overwrite the other, and the generators would sample from a policy the trainer never had). PEFT's
+    ``all-linear`` leaves both out."""
     wanted = _targets(targets)
     if wanted == ALL_LINEAR:
         return
-    head = _tied_head(model)
-    if head is None:
+    tied = _tied_pair(model)
+    if tied is None:
         return
-    named = [key for key in wanted if head == key or head.endswith(f".{key}")]
-    if named:
-        raise ModelError(
-            f"--lora-target-modules {targets}: {head} is the model's output head, tied to its input embeddings "
-            "(tie_word_embeddings): an adapter on it would give the head weights the embeddings no longer share, "
-            f"which the generators' tied model cannot hold; drop {', '.join(named)} from the targets, or untie the "
-            "embeddings (tie_word_embeddings false in the model's config.json)"
-        )
+    for name, role, other in (
+        (tied[0], "output head", "input embeddings"),
+        (tied[1], "input embeddings", "output head"),
+    ):
+        named = [key for key in wanted if name == key or name.endswith(f".{key}")]
+        if named:
+            raise ModelError(
+                f"--lora-target-modules {targets}: {name} is the model's {role}, tied to its {other} "
+                f"(tie_word_embeddings): an adapter on it would give it weights the {other} no longer share, "
+                f"which the generators' tied model cannot hold; drop {', '.join(named)} from the targets, or untie "
+                "the embeddings (tie_word_embeddings false in the model's config.json)"
+            )
 
 
-def _tied_head(model: torch.nn.Module) -> str | None:
-    """The dotted name of ``model``'s output head if its weight is the input embeddings' very parameter, else None."""
+def _tied_pair(model: torch.nn.Module) -> tuple[str, str] | None:
+    """The dotted names of ``model``'s output head and input embeddings if they hold one parameter, else None."""
     output = getattr(model, "get_output_embeddings", None)
     inputs = getattr(model, "get_input_embeddings", None)
     if output is None or inputs is None:
@@ -94,7 +99,10 @@ def _tied_head(model: torch.nn.Module) -> str | None:
     head, embeddings = output(), inputs()
     if head is None or embeddings is None or getattr(head, "weight", None) is not embeddings.weight:
         return None
-    return next((name for name, module in model.named_modules() if module is head), None)
+    names = {id(module): name for name, module in model.named_modules()}
+    if id(head) not in names or id(embeddings) not in names:
+        return None
+    return names[id(head)], names[id(embeddings)]
 
 
 def _linear_names(model: torch.nn.Module) -> set[str]:
@@ -102,15 +110,15 @@ def _linear_names(model: torch.nn.Module) -> set[str]:
 
 
 def check_lora_targets(name: str, targets: str, trust_remote_code: bool = False) -> None:
-    """Refuse ``--lora-target-modules`` that name no layer of ``name``, or its tied output head (built on the meta
-    device: no weights load)."""
+    """Refuse ``--lora-target-modules`` that name no layer of ``name``, or its output head or input embeddings where
+    the two are tied (built on the meta device: no weights load)."""
     transformers = require_transformers()
     require_peft()
     config = transformers.AutoConfig.from_pretrained(name, **loading_kwargs(name, trust_remote_code))
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     _refuse_unmatched(model, targets)
-    _refuse_tied_head(model, targets)
+    _refuse_tied(model, targets)
 
 
 class LoraAdapter:
@@ -119,7 +127,7 @@ class LoraAdapter:
     def __init__(self, model: torch.nn.Module, rank: int, alpha: float, targets: str) -> None:
         peft = require_peft()
         _refuse_unmatched(model, targets)
-        _refuse_tied_head(model, targets)
+        _refuse_tied(model, targets)
         try:
             self._peft = peft.get_peft_model(model, _lora_config(peft, rank, alpha, targets))
         except ValueError as exc:
