@@ -3,12 +3,14 @@
 A call to N actors is one :class:`PendingCall` keyed by its call id in the
 :class:`CallTable`. It is done at the last reply, at the first error
 reply, when a target's process dies (:class:`~actors.ActorDied`), or when
-its deadline passes (:class:`~actors.CallTimeout`).
+its deadline passes (:class:`~actors.CallTimeout`), whether or not anyone
+still waits for it: a caller that gave up first leaves nothing behind.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import threading
 import time
@@ -29,6 +31,7 @@ class PendingCall:
 
     __slots__ = (
         "actor",
+        "arrived",
         "call_id",
         "callbacks",
         "class_ref",
@@ -40,6 +43,7 @@ class PendingCall:
         "remaining",
         "results",
         "timeout",
+        "timer",
         "waiters",
     )
 
@@ -67,6 +71,10 @@ class PendingCall:
         self.waiters: list[asyncio.Future[None]] = []
         #: Run once when the call is done (e.g. a restart's re-spawn reporting a failed constructor).
         self.callbacks: list[Callable[[PendingCall], None]] = []
+        #: The loop's timer that expires the call at its deadline (:meth:`CallTable.open` sets it).
+        self.timer: asyncio.TimerHandle | None = None
+        #: Set once the call is done, for threads that wait on their own (one, however often they poll).
+        self.arrived: threading.Event | None = None
 
     def deliver(self, rank: int, ok: bool, value: Any) -> None:
         if self.done or rank not in self.remaining:
@@ -87,6 +95,8 @@ class PendingCall:
 
     def finish(self) -> None:
         self.done = True
+        if self.timer is not None:
+            self.timer.cancel()
         wake_all(self.waiters)
         callbacks, self.callbacks = self.callbacks, []
         for callback in callbacks:
@@ -97,11 +107,14 @@ class PendingCall:
 
         The loop's thread finishes the call: ``finish`` sets ``done`` before it
         takes the callbacks, so a callback added too late is covered by the
-        second look at ``done``.
+        second look at ``done``. One event serves every poll (two threads
+        that race to make it each add their own callback, and both are set).
         """
-        arrived = threading.Event()
-        if not self.done:
-            self.callbacks.append(lambda _call: arrived.set())
+        arrived = self.arrived
+        if arrived is None:
+            arrived = self.arrived = threading.Event()
+            if not self.done:
+                self.callbacks.append(lambda _call: arrived.set())
         if self.done:
             arrived.set()
         return arrived
@@ -120,6 +133,8 @@ class PendingCall:
         finally:
             if timer is not None:
                 timer.cancel()
+            if not self.done:  # this wait was cancelled: its waiter goes (a future awaited again makes another)
+                self.waiters = [w for w in self.waiters if not w.done()]
         if self.error is not None:
             raise self.error
         return self.results
@@ -160,6 +175,9 @@ class CallTable:
         if not call.done:  # (a call to no process is done at once: nothing to wait for, nothing to keep)
             self._pending[call.call_id] = call
             call.callbacks.append(self._forget)
+            if timeout is not None:  # it ends at its deadline even if its caller stopped waiting first
+                with contextlib.suppress(RuntimeError):  # (no loop runs: a waiting ``get`` expires it)
+                    call.timer = asyncio.get_running_loop().call_later(timeout, call.expire)
         return call
 
     def _forget(self, call: PendingCall) -> None:

@@ -86,3 +86,42 @@ async def test_waiting_for_progress_ends_at_its_deadline_with_false():
     started = time.monotonic()
     assert await runtime().driver.wait_until(lambda: False, 0.05) is False
     assert time.monotonic() - started < 5
+
+
+async def test_a_call_its_caller_gave_up_on_leaves_the_call_table_at_its_deadline(spawn):
+    """A caller that stops waiting first (``wait_for`` shorter than the call's deadline, a future never awaited, a
+    thread's ``get(timeout)`` polls) left the call in the table for good, with a waiter or a callback per attempt:
+    a service polling a wedged actor grew without bound. Each call now ends at its own deadline, waited for or not,
+    and an abandoned wait leaves nothing behind."""
+    import asyncio
+    import contextlib
+
+    from actors._runtime._core import runtime
+
+    procs: ProcMesh = spawn(procs=1)
+    blocker = procs.spawn("blocker", Blocker)
+    assert await blocker.ping.call_one(1) == 1
+    calls = runtime().calls
+    before = len(calls)
+    send(blocker.freeze, (FREEZE,))
+    for n in range(20):
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(blocker.ping.with_timeout(0.3).call_one(n), 0.005)
+    never = blocker.ping.with_timeout(0.3).call_one(99)  # noqa: F841  (never awaited)
+    last = blocker.ping.with_timeout(0.6).call_one(100)
+    pending = calls._pending[max(calls._pending)]
+    for _ in range(20):
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(last, 0.005)
+
+    def poll() -> None:
+        for _ in range(10):
+            with pytest.raises(CallTimeout, match="gave up after"):
+                last.get(timeout=0.005)
+
+    await asyncio.to_thread(poll)
+    assert len(calls) == before + 22
+    assert pending.waiters == [] and len(pending.callbacks) <= 2, "abandoned waits are let go"
+    with pytest.raises(CallTimeout, match=r"within 0\.6s"):
+        await last
+    assert len(calls) == before, "every call ended at its deadline, awaited or not"
