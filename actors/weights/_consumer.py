@@ -8,6 +8,7 @@ import contextlib
 import logging
 import os
 import select
+import weakref
 from collections.abc import Callable, Iterable
 
 import torch
@@ -234,7 +235,9 @@ class WeightConsumer:
         self._tensors: dict[str, dict[str, torch.Tensor]] = {}
         self._memo = SpecMemo()
         self._history = history
-        self._aliased: str | None = None  # the update a module's parameters currently view
+        #: The updates modules' parameters view (aliasing installs), each with the modules that view it: held
+        #: until the last of them installs another (or is gone).
+        self._viewers: dict[str, weakref.WeakSet[torch.nn.Module]] = {}
         #: Releases begun and cut short (cancelled, a GPU that did not finish its reads in time), by update, with
         #: the transport asked for: made first by the next release, so no slot stays held for good.
         self._owed: dict[str, str | None] = {}
@@ -360,8 +363,7 @@ class WeightConsumer:
         except BaseException as exc:
             self._failed(manifest, exc)
             raise
-        replaced = self._installed(manifest, alias)
-        if replaced is not None:
+        for replaced in self._installed(manifest, model, alias):
             self.release(replaced)
 
     async def install_async(
@@ -382,8 +384,7 @@ class WeightConsumer:
         except BaseException as exc:
             self._failed(manifest, exc)
             raise
-        replaced = self._installed(manifest, alias)
-        if replaced is not None:
+        for replaced in self._installed(manifest, model, alias):
             await self.release_async(replaced)
 
     async def load_async(
@@ -473,9 +474,10 @@ class WeightConsumer:
         Tied tensors share one copy. Made before anything is written (the
         replaced update's slot is never written by an install).
         """
-        if self._aliased is None or self._aliased == manifest.update_id:
+        viewed = self._viewed_by(model)
+        if viewed is None or viewed == manifest.update_id:
             return {}
-        slot_storage = self._aliased_storage()
+        slot_storage = self._storage_of(viewed)
         return _copies(
             (name, tensor, tensor.device)
             for name, tensor in model.state_dict().items()
@@ -483,9 +485,16 @@ class WeightConsumer:
         )
 
     def _aliased_storage(self) -> set[int]:
-        """The storages of the update a module views (empty if none)."""
-        viewed = self._tensors.get(self._aliased) if self._aliased is not None else None
+        """The storages of every update a module views (empty if none)."""
+        return {pointer for update_id in self._viewers for pointer in self._storage_of(update_id)}
+
+    def _storage_of(self, update_id: str) -> set[int]:
+        viewed = self._tensors.get(update_id)
         return {tensor.untyped_storage().data_ptr() for tensor in viewed.values()} if viewed else set()
+
+    def _viewed_by(self, model: torch.nn.Module) -> str | None:
+        """The update ``model``'s parameters view (None if it owns its storage)."""
+        return next((update_id for update_id, modules in self._viewers.items() if model in modules), None)
 
     def _failed(self, manifest: WeightManifest, exc: BaseException) -> None:
         """Reject the update after a failed install, unless only this manifest was refused.
@@ -509,17 +518,28 @@ class WeightConsumer:
         self.installed_version = manifest.version
         self.installed_from = manifest.publisher_pid
 
-    def _installed(self, manifest: WeightManifest, alias: bool) -> str | None:
-        """Record the install; the update a module viewed until now, which the caller releases (None if none)."""
-        previous = self._aliased
+    def _installed(self, manifest: WeightManifest, model: torch.nn.Module, alias: bool) -> list[str]:
+        """Record the install into ``model``; the updates no module views any more, which the caller releases.
+
+        ``model`` stops viewing what it viewed (a copying install gives its
+        targets storage of their own) and, aliasing, views this update;
+        another module's view is its own. An update whose last viewer moved
+        on, or was garbage-collected, is released; this one, copied, is the
+        caller's to release.
+        """
         self._acknowledged(manifest)
-        # (a copy of the update a module views, into another module: that module views it still)
-        self._aliased = manifest.update_id if alias or previous == manifest.update_id else None
-        return previous if previous is not None and previous != manifest.update_id else None
+        for modules in self._viewers.values():
+            modules.discard(model)
+        if alias:
+            self._viewers.setdefault(manifest.update_id, weakref.WeakSet()).add(model)
+        unviewed = [update_id for update_id, modules in self._viewers.items() if not modules]
+        for update_id in unviewed:
+            del self._viewers[update_id]
+        return [update_id for update_id in unviewed if update_id != manifest.update_id]
 
     def holds_alias(self, update_id: str) -> bool:
         """True while a module's parameters are views of ``update_id``'s storage."""
-        return self._aliased == update_id
+        return bool(self._viewers.get(update_id))
 
     def acknowledge(self, update_id: str) -> None:
         """The update is fully installed."""
@@ -598,8 +618,7 @@ class WeightConsumer:
         """Forget the update's tensors; the readers to release it from (None if it was released already)."""
         if self._state.get(update_id) == _RELEASED:
             return None
-        if self._aliased == update_id:
-            self._aliased = None
+        self._viewers.pop(update_id, None)
         self._tensors.pop(update_id, None)
         return [reader for name, reader in self._readers.items() if transport is None or name == transport]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import glob
 import os
 import signal
@@ -478,6 +479,36 @@ def test_a_repeat_of_the_update_a_model_aliases_leaves_it_held():
             publisher.publish(filled_model(float(version)), version)
         assert all(bool((p == 2.0).all()) for p in model.parameters()), "the model's weights were overwritten"
         inbox.close()
+
+
+@pytest.mark.parametrize("copied", [True, False], ids=["then-a-copy", "then-an-alias"])
+def test_an_update_one_module_views_stays_held_while_another_module_installs_the_next(copied):
+    """Two modules in one consumer (replicas, a policy beside its reference): installing the next update into one
+    released the update the other still viewed (the consumer kept one aliased update, whoever viewed it), and the
+    publisher wrote newer weights under it. Each module's view is its own: an update is released once no module
+    views it."""
+    with WeightPublisher("shm", slots=3, lock_timeout=0.2) as publisher:
+        consumer = WeightConsumer()
+        viewer, other = filled_model(0.0), filled_model(0.0)
+        first = publisher.publish(filled_model(1.0), 1)
+        consumer.install(first, viewer, alias=True)
+        second = publisher.publish(filled_model(2.0), 2)
+        consumer.install(second, other, alias=not copied)
+        if copied:
+            consumer.release(second.update_id)
+        assert consumer.holds_alias(first.update_id) and consumer.state(first.update_id) == "acknowledged"
+        assert consumer.holds_alias(second.update_id) is not copied
+        for version in (3, 4, 5):  # the slots no module views are written again
+            newest = publisher.publish(filled_model(float(version)), version)
+        assert all(bool((p == 1.0).all()) for p in viewer.parameters()), "the viewed update was written over"
+        consumer.install(newest, viewer, alias=True)
+        assert consumer.state(first.update_id) == "released", "released once its last viewer moved on"
+        assert consumer.holds_alias(second.update_id) is not copied, "the other module's view is its own"
+        del other  # a viewer garbage-collected: the next install releases what it viewed
+        gc.collect()
+        consumer.install(newest, viewer, alias=True)
+        assert consumer.state(second.update_id) == "released" and consumer.holds_alias(newest.update_id)
+        consumer.close()
 
 
 COPY_AFTER_ALIAS = """
