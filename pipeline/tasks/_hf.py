@@ -15,7 +15,6 @@ policy as a Hugging Face folder, ``<run_dir>/model`` (:meth:`HFTask.export`).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
@@ -243,23 +242,31 @@ class HFTask(Task):
     async def score_async(self, scorer: Any, samples: HFBatch) -> Scores:
         """``scorer`` is :meth:`build_scorer`'s reward functions (None: those on the CPU)."""
         rewards = scorer if isinstance(scorer, RewardSet) else self.rewards
-        data = self.train_data
-        prompts, columns = data.for_rewards(samples.rows.tolist(), samples.group)
-        per_function = await rewards.score(
-            prompts,
-            [data.completion(text) for text in samples.texts],
-            columns,
-            completion_ids=completion_ids(samples.tokens, samples.prompt_mask.shape[1], samples.mask),
-            state=RewardState(samples.ticket, self.config.steps),
-        )
-        total = rewards.combine(per_function)
-        if self.config.multi_objective_aggregation == "normalize_then_sum":  # GDPO: the advantages' signal differs
-            signal = rewards.combine_decoupled(per_function, samples.group)
-            return Scores(signal, None, rewards.means(per_function), total)
-        return Scores(total, None, rewards.means(per_function))
+        return self._scores(rewards, await rewards.score(**self._reward_inputs(samples)), samples.group)
 
     def score(self, scorer: Any, samples: HFBatch) -> Scores:
-        return asyncio.run(self.score_async(scorer, samples))
+        """:meth:`score_async` for code without an event loop (on the reward set's own loop, call after call)."""
+        rewards = scorer if isinstance(scorer, RewardSet) else self.rewards
+        return self._scores(rewards, rewards.score_blocking(**self._reward_inputs(samples)), samples.group)
+
+    def _reward_inputs(self, samples: HFBatch) -> dict[str, Any]:
+        """The reward functions' arguments for a rollout's completions."""
+        data = self.train_data
+        prompts, columns = data.for_rewards(samples.rows.tolist(), samples.group)
+        return {
+            "prompts": prompts,
+            "completions": [data.completion(text) for text in samples.texts],
+            "columns": columns,
+            "completion_ids": completion_ids(samples.tokens, samples.prompt_mask.shape[1], samples.mask),
+            "state": RewardState(samples.ticket, self.config.steps),
+        }
+
+    def _scores(self, rewards: RewardSet, per_function: torch.Tensor, group: int) -> Scores:
+        total = rewards.combine(per_function)
+        if self.config.multi_objective_aggregation == "normalize_then_sum":  # GDPO: the advantages' signal differs
+            signal = rewards.combine_decoupled(per_function, group)
+            return Scores(signal, None, rewards.means(per_function), total)
+        return Scores(total, None, rewards.means(per_function))
 
     def logps_of(self, model: torch.nn.Module) -> CompletionLogps:
         """What scores completions under ``model`` (one per model: its body/head split is checked once)."""
@@ -320,6 +327,16 @@ class HFTask(Task):
     async def evaluate_async(self, policy: torch.nn.Module) -> dict[str, float]:
         """The held-out prompts' completions, greedy or ``--num-generations-eval`` samples of each: the weighted
         reward and each function's mean; sampled, also the spread within each prompt's samples."""
+        rewards, inputs, texts = self._held_out(policy)
+        return self._evaluation(rewards, inputs, texts, await rewards.score(**inputs))
+
+    def evaluate(self, policy: torch.nn.Module) -> dict[str, float]:
+        """:meth:`evaluate_async` for code without an event loop (on the reward set's own loop, call after call)."""
+        rewards, inputs, texts = self._held_out(policy)
+        return self._evaluation(rewards, inputs, texts, rewards.score_blocking(**inputs))
+
+    def _held_out(self, policy: torch.nn.Module) -> tuple[RewardSet, dict[str, Any], list[str]]:
+        """The reward functions beside ``policy``, their arguments for its held-out completions, and their texts."""
         data, samples = self.eval_data, self.config.num_generations_eval
         rows = data.indices[: self.config.eval_size]
         was_training = policy.training
@@ -330,15 +347,21 @@ class HFTask(Task):
             policy.train(was_training)
         prompts, columns = data.for_rewards(rows, max(1, samples))  # a prompt's samples are consecutive
         rewards = self.rewards_on(next(policy.parameters()).device)  # a reward model beside the policy
-        per_function = await rewards.score(
-            prompts,
-            [data.completion(t) for t in texts],
-            columns,
-            completion_ids=ids,
-            state=RewardState(-1, self.config.steps),
-        )
+        inputs = {
+            "prompts": prompts,
+            "completions": [data.completion(t) for t in texts],
+            "columns": columns,
+            "completion_ids": ids,
+            "state": RewardState(-1, self.config.steps),
+        }
+        return rewards, inputs, texts
+
+    def _evaluation(
+        self, rewards: RewardSet, inputs: dict[str, Any], texts: list[str], per_function: torch.Tensor
+    ) -> dict[str, float]:
+        samples = self.config.num_generations_eval
         combined = rewards.combine(per_function)
-        self._log_completions(prompts, texts, per_function, rewards.names)
+        self._log_completions(inputs["prompts"], texts, per_function, rewards.names)
         metrics = {
             "reward": float(combined.nanmean()),  # (a completion no function scored is left out)
             **{f"reward/{name}": value for name, value in rewards.means(per_function).items()},
@@ -370,9 +393,6 @@ class HFTask(Task):
             texts += out.texts
             ids += completion_ids(out.tokens, out.prompt_mask.shape[1], out.mask)
         return texts, ids
-
-    def evaluate(self, policy: torch.nn.Module) -> dict[str, float]:
-        return asyncio.run(self.evaluate_async(policy))
 
     def _log_completions(
         self, prompts: list[Any], texts: list[str], per_function: torch.Tensor, names: list[str]

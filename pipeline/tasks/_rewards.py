@@ -37,6 +37,7 @@ import torch
 
 from ..algorithm import nan_moments
 from ..models import ModelError, RewardModel
+from ._blocking_loop import BlockingLoop
 
 __all__ = [
     "BUILTINS",
@@ -276,6 +277,7 @@ class RewardSet:
         self.weights = torch.tensor([f.weight for f in self.functions], dtype=torch.float32, device="cpu")
         self.timeout = timeout
         self._loaded = False
+        self._blocking = BlockingLoop()
 
     def check_chat(self, chat: bool) -> None:
         """With chat prompts, refuse a reward model that cannot render them (before the run, not at its first batch)."""
@@ -325,6 +327,24 @@ class RewardSet:
         offered["trainer_state"] = state if state is not None else RewardState()
         rows = await asyncio.gather(*(self._call(f, offered, len(completions)) for f in self.functions))
         return torch.tensor(rows, dtype=torch.float32, device="cpu").reshape(len(self.functions), len(completions))
+
+    def score_blocking(
+        self,
+        prompts: list[Any],
+        completions: list[Any],
+        columns: dict[str, list[Any]],
+        *,
+        completion_ids: list[list[int]] | None = None,
+        state: RewardState | None = None,
+    ) -> torch.Tensor:
+        """:meth:`score` for code without an event loop (a one-process run, a sharded trainer's evaluation): on one
+        loop this set keeps, so what async reward functions keep bound to it (a semaphore, a client) lasts from
+        call to call."""
+        return self._blocking.run(self.score(prompts, completions, columns, completion_ids=completion_ids, state=state))
+
+    def close(self) -> None:
+        """Close :meth:`score_blocking`'s loop (a later call makes another)."""
+        self._blocking.close()
 
     async def _call(self, reward: RewardFunction, offered: dict[str, Any], count: int) -> list[float]:
         kwargs = reward.keywords(offered)

@@ -326,6 +326,36 @@ def test_rewards_combine_with_weights_and_skip_none(tmp_path):
     assert rewards.means(per) == {"slow_half": 0.5, "sometimes": 1.0}
 
 
+def test_async_rewards_scored_without_a_loop_run_on_one_loop_every_step(tiny, tmp_path):
+    """The one-process run and a sharded trainer's evaluation score from code without an event loop: each call made
+    a new loop (``asyncio.run``), so an async reward holding loop-bound state (a module-level semaphore, a cached
+    HTTP client: an LLM judge's) failed from its second step. One loop per reward set serves every such call, as
+    TRL's one reward loop does."""
+    body = (
+        "import asyncio\n"
+        "LIMIT = None\n"
+        "async def judged(prompts, completions, **kw):\n"
+        "    global LIMIT\n"
+        "    LIMIT = LIMIT or asyncio.Semaphore(1)\n"
+        "    async def one(c):\n"
+        "        async with LIMIT:\n"
+        "            await asyncio.sleep(0)\n"
+        "            return 1.0\n"
+        "    return list(await asyncio.gather(*(one(c) for c in completions)))\n"
+    )
+    path = _reward_file(tmp_path, body)
+    task = HFTask(resolve(_config(tiny, tmp_path, prompts=2, group=2, eval_size=2, rewards=[f"{path}:judged"])))
+    policy = task.build_policy()
+    for ticket in range(2):
+        batch = task.sample(policy, torch.Generator().manual_seed(ticket), ticket=ticket)
+        assert task.score(None, batch).rewards.tolist() == [1.0] * 4
+    for _ in range(2):
+        assert task.evaluate(policy)["reward"] == 1.0
+    rewards = task.rewards
+    rewards.close()
+    rewards.close()  # (twice: nothing left to close)
+
+
 def test_a_gdpo_task_trains_on_the_decoupled_sum_and_reports_the_plain_one(tiny, tmp_path):
     # rewards that vary within every group whatever the completions: one widely, one narrowly
     body = (
