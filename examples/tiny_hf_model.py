@@ -42,13 +42,20 @@ def _text(completion):
     return completion if isinstance(completion, str) else completion[-1]["content"]
 
 
-def reversed_digits(prompts, completions, answer, **kwargs):
-    """1 for the reversed digits exactly; else 0.2 per digit in its place and 0.2 for the right length."""
-    rewards = []
-    for completion, expected in zip(completions, answer):
-        got = _text(completion).strip()
-        in_place = sum(a == b for a, b in zip(got, expected))
-        rewards.append(0.2 * in_place / len(expected) * 4 + 0.2 * (len(got) == len(expected)))
+def reversed_digits(prompts, completions, answer, log_metric=None, log_extra=None, **kwargs):
+    """1 for the reversed digits exactly; else 0.2 per digit in its place and 0.2 for the right length.
+
+    Logs the share of exact answers as a metric and each completion's expected
+    answer beside it (TRL's log_metric and log_extra, which the pipeline passes too).
+    """
+    rewards, got = [], [_text(completion).strip() for completion in completions]
+    for text, expected in zip(got, answer):
+        in_place = sum(a == b for a, b in zip(text, expected))
+        rewards.append(0.2 * in_place / len(expected) * 4 + 0.2 * (len(text) == len(expected)))
+    if log_metric is not None:
+        log_metric("reversed_digits/exact", sum(t == e for t, e in zip(got, answer)) / len(got))
+    if log_extra is not None:
+        log_extra("expected", list(answer))
     return rewards
 '''
 

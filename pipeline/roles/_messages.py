@@ -70,6 +70,7 @@ class ScoredRollout:
     ref_logps: torch.Tensor | None = None
     ref_queue: int = 0  # reference model's backlog when it forwarded this
     reward_components: dict[str, float] = field(default_factory=dict)  # each reward function's mean
+    reward_metrics: dict[str, float] = field(default_factory=dict)  # what the reward functions logged (log_metric)
     reward_total: torch.Tensor | None = None  # the weighted sum of the rewards, where ``rewards`` is not it (GDPO)
 
 
@@ -135,5 +136,6 @@ class StepReport:
     trainer_reserved_gpu_gb: float | None = None  # the most the trainer's caching allocator has reserved
     generator_reserved_gpu_gb: float | None = None  # that of the generator that drew this rollout
     reward_components: dict[str, float] = field(default_factory=dict)  # each reward function's mean
+    reward_metrics: dict[str, float] = field(default_factory=dict)  # what the reward functions logged (log_metric)
     reward_group_std: float | None = None  # the mean std within the rollout's groups (None: rows not in groups)
     reward_zero_std: float | None = None  # the share of its groups whose advantages are all 0: they teach nothing

@@ -49,6 +49,7 @@ class Scorer(Actor):
                     accuracy,
                     self.inbox.qsize(),
                     reward_components=components,
+                    reward_metrics=scores.metrics or {},
                     reward_total=total,
                 )
             )

@@ -491,6 +491,7 @@ class Trainer(Actor):
             scorer_queue=item.scorer_queue,
             ref_queue=item.ref_queue,
             reward_components=item.reward_components,
+            reward_metrics=item.reward_metrics,
         )
 
     def grant(self, generator: int, grant: Grant) -> None:

@@ -118,6 +118,13 @@ def metric_row(report: StepReport, windowed: dict[str, float]) -> dict[str, Any]
     row.update({name: round(value, 6) for name, value in windowed.items()})
     for name, value in (report.evaluation or {}).items():
         row[f"eval/{name}"] = value
+    clash = sorted(set(report.reward_metrics) & set(row))
+    if clash:
+        raise ValueError(
+            f"a reward function logged the metric {clash[0]!r} (log_metric), a name the pipeline logs itself: "
+            "name it otherwise"
+        )
+    row.update(report.reward_metrics)  # under their own names, as TRL logs them
     return row
 
 

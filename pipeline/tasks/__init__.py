@@ -15,6 +15,7 @@ from ._digits import BOS, DIGIT_TASKS, EOS, PAD, PLUS, SEP, VOCAB, DigitProblem,
 from ._hf import HFBatch, HFTask
 from ._interface import LossReport, Scores, Task, to_device
 from ._registry import load_task, resolve, task_class
+from ._reward_log import RewardLog
 from ._rewards import (
     BUILTINS,
     RewardError,
@@ -52,6 +53,7 @@ __all__ = [
     "PromptData",
     "RewardError",
     "RewardFunction",
+    "RewardLog",
     "RewardPlacement",
     "RewardSet",
     "RewardState",

@@ -93,7 +93,7 @@ def split_held_out(count: int, fraction: float, seed: int) -> tuple[list[int], l
 
 
 #: The reward functions' own keyword arguments (TRL's signature): a dataset column may not take their names.
-REWARD_ARGUMENTS = frozenset({"prompts", "completions", "completion_ids", "trainer_state"})
+REWARD_ARGUMENTS = frozenset({"prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra"})
 #: Rows whose prompt token ids a prompt set keeps (least recently used let go).
 PROMPT_CACHE_ROWS = 65_536
 #: Columns TRL leaves out of the reward functions' arguments (a reference completion's, as SFT data holds).

@@ -43,7 +43,8 @@ from ..models import (
 from ._completion_loss import completion_loss
 from ._data import DataError, PromptData, load_rows, split_held_out
 from ._interface import LossReport, Scores, Task
-from ._rewards import RewardPlacement, RewardSet, RewardState
+from ._reward_log import RewardLog
+from ._rewards import RewardError, RewardPlacement, RewardSet, RewardState
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -241,13 +242,15 @@ class HFTask(Task):
 
     async def score_async(self, scorer: Any, samples: HFBatch) -> Scores:
         """``scorer`` is :meth:`build_scorer`'s reward functions (None: those on the CPU)."""
-        rewards = scorer if isinstance(scorer, RewardSet) else self.rewards
-        return self._scores(rewards, await rewards.score(**self._reward_inputs(samples)), samples.group)
+        rewards, log = scorer if isinstance(scorer, RewardSet) else self.rewards, RewardLog()
+        per_function = await rewards.score(**self._reward_inputs(samples), log=log)
+        return self._scores(rewards, per_function, samples.group, log)
 
     def score(self, scorer: Any, samples: HFBatch) -> Scores:
         """:meth:`score_async` for code without an event loop (on the reward set's own loop, call after call)."""
-        rewards = scorer if isinstance(scorer, RewardSet) else self.rewards
-        return self._scores(rewards, rewards.score_blocking(**self._reward_inputs(samples)), samples.group)
+        rewards, log = scorer if isinstance(scorer, RewardSet) else self.rewards, RewardLog()
+        per_function = rewards.score_blocking(**self._reward_inputs(samples), log=log)
+        return self._scores(rewards, per_function, samples.group, log)
 
     def _reward_inputs(self, samples: HFBatch) -> dict[str, Any]:
         """The reward functions' arguments for a rollout's completions."""
@@ -261,12 +264,14 @@ class HFTask(Task):
             "state": RewardState(samples.ticket, self.config.steps),
         }
 
-    def _scores(self, rewards: RewardSet, per_function: torch.Tensor, group: int) -> Scores:
-        total = rewards.combine(per_function)
+    def _scores(self, rewards: RewardSet, per_function: torch.Tensor, group: int, log: RewardLog) -> Scores:
+        """The rollout's scores (a training rollout's ``log_extra`` columns are not kept: only the held-out
+        completions are logged)."""
+        total, means, metrics = rewards.combine(per_function), rewards.means(per_function), log.metrics()
         if self.config.multi_objective_aggregation == "normalize_then_sum":  # GDPO: the advantages' signal differs
             signal = rewards.combine_decoupled(per_function, group)
-            return Scores(signal, None, rewards.means(per_function), total)
-        return Scores(total, None, rewards.means(per_function))
+            return Scores(signal, None, means, total, metrics)
+        return Scores(total, None, means, metrics=metrics)
 
     def logps_of(self, model: torch.nn.Module) -> CompletionLogps:
         """What scores completions under ``model`` (one per model: its body/head split is checked once)."""
@@ -328,12 +333,14 @@ class HFTask(Task):
         """The held-out prompts' completions, greedy or ``--num-generations-eval`` samples of each: the weighted
         reward and each function's mean; sampled, also the spread within each prompt's samples."""
         rewards, inputs, texts = self._held_out(policy)
-        return self._evaluation(rewards, inputs, texts, await rewards.score(**inputs))
+        log = RewardLog()
+        return self._evaluation(rewards, inputs, texts, await rewards.score(**inputs, log=log), log)
 
     def evaluate(self, policy: torch.nn.Module) -> dict[str, float]:
         """:meth:`evaluate_async` for code without an event loop (on the reward set's own loop, call after call)."""
         rewards, inputs, texts = self._held_out(policy)
-        return self._evaluation(rewards, inputs, texts, rewards.score_blocking(**inputs))
+        log = RewardLog()
+        return self._evaluation(rewards, inputs, texts, rewards.score_blocking(**inputs, log=log), log)
 
     def _held_out(self, policy: torch.nn.Module) -> tuple[RewardSet, dict[str, Any], list[str]]:
         """The reward functions beside ``policy``, their arguments for its held-out completions, and their texts."""
@@ -357,18 +364,35 @@ class HFTask(Task):
         return rewards, inputs, texts
 
     def _evaluation(
-        self, rewards: RewardSet, inputs: dict[str, Any], texts: list[str], per_function: torch.Tensor
+        self,
+        rewards: RewardSet,
+        inputs: dict[str, Any],
+        texts: list[str],
+        per_function: torch.Tensor,
+        log: RewardLog,
     ) -> dict[str, float]:
+        """The held-out metrics (with what the reward functions logged), its completions logged."""
         samples = self.config.num_generations_eval
         combined = rewards.combine(per_function)
-        self._log_completions(inputs["prompts"], texts, per_function, rewards.names)
+        try:
+            extra = log.columns(len(texts))
+        except ValueError as exc:
+            raise RewardError(f"a reward function's {exc}") from None
+        self._log_completions(inputs["prompts"], texts, per_function, rewards.names, extra)
         metrics = {
             "reward": float(combined.nanmean()),  # (a completion no function scored is left out)
             **{f"reward/{name}": value for name, value in rewards.means(per_function).items()},
         }
         if samples > 1:
             metrics["reward_std"], metrics["frac_reward_zero_std"] = group_spread(combined, samples)
-        return metrics
+        logged = log.metrics()
+        clash = sorted(set(logged) & set(metrics))
+        if clash:
+            raise RewardError(
+                f"a reward function logged the metric {clash[0]!r} (log_metric), a name the evaluation logs itself: "
+                "name it otherwise"
+            )
+        return {**metrics, **logged}
 
     def _held_out_completions(
         self, policy: torch.nn.Module, prompts: list[list[int]]
@@ -395,15 +419,25 @@ class HFTask(Task):
         return texts, ids
 
     def _log_completions(
-        self, prompts: list[Any], texts: list[str], per_function: torch.Tensor, names: list[str]
+        self,
+        prompts: list[Any],
+        texts: list[str],
+        per_function: torch.Tensor,
+        names: list[str],
+        extra: dict[str, list[Any]],
     ) -> None:
+        """The first ``--log-completions`` held-out completions, their rewards and the columns reward functions
+        logged for them (``log_extra``), as rows of ``completions.jsonl``."""
         count, run_dir = self.config.log_completions, self.config.run_dir
         if count <= 0 or not run_dir:
             return
         with open(os.path.join(run_dir, "completions.jsonl"), "a") as f:
             for i in range(min(count, len(texts))):
                 scores = {n: (None if v != v else v) for n, v in zip(names, per_function[:, i].tolist(), strict=True)}
-                f.write(json.dumps({"prompt": prompts[i], "completion": texts[i], "rewards": scores}) + "\n")
+                row = {"prompt": prompts[i], "completion": texts[i], "rewards": scores}
+                if extra:
+                    row["extra"] = {column: values[i] for column, values in extra.items()}
+                f.write(json.dumps(row, default=str) + "\n")
 
     def export(self, policy: torch.nn.Module, run_dir: str) -> str | None:
         """``policy`` and its tokenizer as ``<run_dir>/model`` (safetensors), replaced whole."""

@@ -50,6 +50,7 @@ class Scores:
     accuracy: torch.Tensor | None = None  # [N] in {0, 1}
     components: dict[str, float] | None = None  # each reward function's mean, logged as reward/<name>
     total: torch.Tensor | None = None  # [N] the weighted sum logged as reward/mean, where ``rewards`` is not it
+    metrics: dict[str, float] | None = None  # what the reward functions logged (TRL's log_metric), by name
 
 
 @dataclass

@@ -38,6 +38,7 @@ import torch
 from ..algorithm import nan_moments
 from ..models import ModelError, RewardModel
 from ._blocking_loop import BlockingLoop
+from ._reward_log import RewardLog, is_scalar
 
 __all__ = [
     "BUILTINS",
@@ -253,7 +254,7 @@ def load_reward(spec: str, placement: RewardPlacement | None = None) -> RewardFu
     if unnamed or not (takes_keywords or "completions" in parameters):
         raise RewardError(
             f"--reward {source}: TRL calls a reward function by keyword, with completions=, prompts=, "
-            f"completion_ids=, trainer_state= and the dataset's columns; "
+            f"completion_ids=, trainer_state=, log_metric=, log_extra= and the dataset's columns; "
             f"{getattr(function, '__name__', source)} takes ({', '.join(map(str, parameters.values()))})"
         )
     name = getattr(function, "__name__", source.rpartition(":")[2])
@@ -314,17 +315,20 @@ class RewardSet:
         *,
         completion_ids: list[list[int]] | None = None,
         state: RewardState | None = None,
+        log: RewardLog | None = None,
     ) -> torch.Tensor:
         """[F, N] rewards, one row per function, NaN where a function returned None (reward models loaded first,
         untimed). Each function is called by keyword, as TRL calls it: ``prompts``, ``completions``,
-        ``completion_ids`` (each completion's token ids, its end token included), ``trainer_state`` and the
-        dataset's columns."""
+        ``completion_ids`` (each completion's token ids, its end token included), ``trainer_state``,
+        ``log_metric`` and ``log_extra`` (into ``log``; a throwaway one if None) and the dataset's columns."""
         if not self._loaded:
             await asyncio.to_thread(self.load)
+        log = log if log is not None else RewardLog()
         offered: dict[str, Any] = {**columns, "prompts": prompts, "completions": completions}
         if completion_ids is not None:
             offered["completion_ids"] = completion_ids
         offered["trainer_state"] = state if state is not None else RewardState()
+        offered["log_metric"], offered["log_extra"] = log.log_metric, log.log_extra
         rows = await asyncio.gather(*(self._call(f, offered, len(completions)) for f in self.functions))
         return torch.tensor(rows, dtype=torch.float32, device="cpu").reshape(len(self.functions), len(completions))
 
@@ -336,11 +340,13 @@ class RewardSet:
         *,
         completion_ids: list[list[int]] | None = None,
         state: RewardState | None = None,
+        log: RewardLog | None = None,
     ) -> torch.Tensor:
         """:meth:`score` for code without an event loop (a one-process run, a sharded trainer's evaluation): on one
         loop this set keeps, so what async reward functions keep bound to it (a semaphore, a client) lasts from
         call to call."""
-        return self._blocking.run(self.score(prompts, completions, columns, completion_ids=completion_ids, state=state))
+        scored = self.score(prompts, completions, columns, completion_ids=completion_ids, state=state, log=log)
+        return self._blocking.run(scored)
 
     def close(self) -> None:
         """Close :meth:`score_blocking`'s loop (a later call makes another)."""
@@ -400,13 +406,8 @@ def _checked(reward: RewardFunction, result: Any, count: int) -> list[float]:
     for value in result:
         if value is None:
             values.append(math.nan)
-        elif isinstance(value, numbers.Real) or _scalar(value):  # numpy and torch scalars, 0-d tensors, np.bool_
+        elif isinstance(value, numbers.Real) or is_scalar(value):  # numpy and torch scalars, 0-d tensors, np.bool_
             values.append(float(value))
         else:
             raise RewardError(f"{where} returned a {type(value).__name__} among its rewards (floats or None only)")
     return values
-
-
-def _scalar(value: Any) -> bool:
-    """A one-number tensor or numpy value (a 0-d tensor, ``np.bool_``), which ``float()`` takes."""
-    return getattr(value, "ndim", None) == 0 and not isinstance(value, (str, bytes))

@@ -35,7 +35,7 @@ from pipeline.models import (
     missing_compiler,
 )
 from pipeline.run import read_rows
-from pipeline.tasks import DataError, HFTask, PromptData, RewardError, RewardSet, load_reward, load_rows
+from pipeline.tasks import DataError, HFTask, PromptData, RewardError, RewardLog, RewardSet, load_reward, load_rows
 
 
 def _example():  # type: ignore[no-untyped-def]
@@ -354,6 +354,54 @@ def test_async_rewards_scored_without_a_loop_run_on_one_loop_every_step(tiny, tm
     rewards = task.rewards
     rewards.close()
     rewards.close()  # (twice: nothing left to close)
+
+
+def test_rewards_log_metrics_and_completion_columns_as_trl_passes_them(tiny, tmp_path):
+    """TRL (1.0 on) passes every reward function ``log_metric(name, value)``, a scalar averaged over the batch and
+    logged under its name, and ``log_extra(column, values)``, a column of the completions table: before, neither
+    was passed, and a function that read ``kwargs["log_metric"]`` or named it failed the run."""
+    import datasets
+
+    body = (
+        "def named(completions, log_metric, log_extra, **kw):\n"
+        "    log_metric('judge/len', sum(len(c) for c in completions) / len(completions))\n"
+        "    log_extra('why', ['because'] * len(completions))\n"
+        "    return [1.0] * len(completions)\n"
+        "async def by_kwargs(completions, **kw):\n"
+        "    kw['log_metric']('judge/len', 3.0)\n"
+        "    kw['log_metric']('judge/nan', float('nan'))\n"
+        "    return [0.0] * len(completions)\n"
+        "def wrong_value(completions, log_metric, **kw):\n"
+        "    log_metric('x', 'high')\n"
+        "    return [0.0] * len(completions)\n"
+        "def short_column(completions, log_extra, **kw):\n"
+        "    log_extra('why', ['one'])\n"
+        "    return [0.0] * len(completions)\n"
+    )
+    path = _reward_file(tmp_path, body)
+    log = RewardLog()
+    rewards = RewardSet([f"{path}:named", f"{path}:by_kwargs"])
+    per = asyncio.run(rewards.score(["p", "q"], ["a", "bcd"], {}, log=log))
+    assert per.tolist() == [[1.0, 1.0], [0.0, 0.0]]
+    metrics = log.metrics()
+    assert metrics["judge/len"] == 2.5 and math.isnan(metrics["judge/nan"]), "a batch's mean (NaN left out)"
+    assert log.columns(2) == {"why": ["because", "because"]}
+    with pytest.raises(ValueError, match=r"log_extra\('why', ...\) was given 2 values for 3 completions"):
+        log.columns(3)
+    with pytest.raises(RewardError, match=r"wrong_value .* raised ValueError: log_metric\('x', ...\): the value is a"):
+        asyncio.run(RewardSet([f"{path}:wrong_value"]).score(["p"], ["a"], {}))
+    task = HFTask(resolve(_config(tiny, tmp_path, eval_size=4, rewards=[f"{path}:named"])))
+    policy = task.build_policy()
+    batch = task.sample(policy, torch.Generator().manual_seed(0), ticket=0)
+    assert set(task.score(None, batch).metrics or {}) == {"judge/len"}, "a rollout's, for the step's report"
+    assert "judge/len" in task.evaluate(policy)
+    logged = [json.loads(line) for line in open(tmp_path / "completions.jsonl")]
+    assert logged[0]["extra"] == {"why": "because"}
+    short = HFTask(resolve(_config(tiny, tmp_path, eval_size=4, rewards=[f"{path}:short_column"])))
+    with pytest.raises(RewardError, match=r"a reward function's log_extra\('why', ...\) was given 1 values for 4"):
+        short.evaluate(policy)
+    with pytest.raises(DataError, match="column 'log_metric' has the name of a reward function's own argument"):
+        PromptData(datasets.Dataset.from_list([{"prompt": "a", "log_metric": 1}]), "prompt", task.tokenizer)
 
 
 def test_a_gdpo_task_trains_on_the_decoupled_sum_and_reports_the_plain_one(tiny, tmp_path):
@@ -941,9 +989,11 @@ async def test_a_hf_model_trains_in_the_pipeline_and_saves_what_transformers_loa
     result = await run_pipeline(config, quiet=True)
     spread = {"reward_std", "frac_reward_zero_std"} if ranks == 2 else {"reward/judge"}
     assert result.steps == 6
-    assert set(result.evaluation) == {"reward", "reward/reversed_digits", "reward/exact_match", *spread}
+    exact = "reversed_digits/exact"  # the example's reward logs it, TRL's log_metric
+    assert set(result.evaluation) == {"reward", "reward/reversed_digits", "reward/exact_match", exact, *spread}
     rows = read_rows(str(tmp_path))
     assert all("reward/reversed_digits" in row and "reward/exact_match" in row for row in rows)
+    assert all(0 <= row[exact] <= 1 for row in rows) and f"eval/{exact}" in rows[2], "logged by the reward, each step"
     for row in rows:  # weights 1, 0.5 (and 0.25); GDPO trains on its normalised sum, but logs the rewards themselves
         total = row["reward/reversed_digits"] + 0.5 * row["reward/exact_match"] + 0.25 * row.get("reward/judge", 0)
         assert row["reward/mean"] == pytest.approx(total, abs=1e-5), row
@@ -951,6 +1001,7 @@ async def test_a_hf_model_trains_in_the_pipeline_and_saves_what_transformers_loa
     logged = [json.loads(line) for line in open(tmp_path / "completions.jsonl")]
     names = {"reversed_digits", "exact_match"} | ({"judge"} if ranks == 1 else set())
     assert len(logged) == 4 and set(logged[0]["rewards"]) == names, "rank 0 logs them"
+    assert all(set(row["extra"]) == {"expected"} for row in logged), "with the reward's log_extra column"
     assert all(f"eval/{name}" in rows[2] for name in spread), rows[2]
     # the exported folder gives the checkpoint's logits (a sharded one's read whole by one learner)
     saved = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "model"), trust_remote_code=True).eval()
@@ -1082,7 +1133,8 @@ def test_sampled_evaluation_draws_n_of_each_prompt_the_same_way_each_time_in_bou
     spread = group_spread(scores, 3)
     assert (first["reward_std"], first["frac_reward_zero_std"]) == (pytest.approx(spread[0], abs=1e-6), spread[1])
     greedy = HFTask(resolve(_config(tiny, tmp_path, **{**settings, "num_generations_eval": 0, "log_completions": 0})))
-    assert set(greedy.evaluate(policy)) == {"reward", "reward/reversed_digits", "reward/exact_match"}
+    logged_metric = "reversed_digits/exact"  # the example's reward logs it (log_metric)
+    assert set(greedy.evaluate(policy)) == {"reward", "reward/reversed_digits", "reward/exact_match", logged_metric}
 
 
 @pytest.mark.parametrize("push, expected", [(50.0, False), (-50.0, True)])

@@ -47,6 +47,15 @@ def report(step: int, **changes: object) -> StepReport:
     return StepReport(**values)  # type: ignore[arg-type]
 
 
+def test_what_reward_functions_log_joins_the_row_under_its_name_unless_the_pipeline_logs_that_name():
+    """TRL logs a reward function's ``log_metric`` under its own name, beside the built-in metrics."""
+    row = metric_row(report(2, reward_metrics={"judge/len": 2.0}), RateWindow().add(report(2)))
+    assert row["judge/len"] == 2.0
+    for taken in ("actor/kl", "eval/reward", "perf/steps_per_s"):
+        with pytest.raises(ValueError, match=f"logged the metric '{taken}' .*a name the pipeline logs itself"):
+            metric_row(report(2, reward_metrics={taken: 1.0}), RateWindow().add(report(2)))
+
+
 def test_rates_and_ratios_cover_the_last_window_of_steps():
     window = RateWindow()
     first = window.add(report(1))
