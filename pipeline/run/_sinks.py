@@ -112,10 +112,13 @@ class CompletionsFeed:
         if not rows:
             return ""
         names = sorted({name for row in rows for name in row.get("rewards", {})})
-        lines = ["| prompt | completion | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+        extra = sorted({column for row in rows for column in row.get("extra", {})})  # the rewards' log_extra
+        header = ["prompt", "completion", *names, *extra]
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for row in rows:
             cells = [_cell(row.get("prompt")), _cell(row.get("completion"))]
             cells += [_cell(row.get("rewards", {}).get(name)) for name in names]
+            cells += [_cell(row.get("extra", {}).get(column)) for column in extra]
             lines.append("| " + " | ".join(cells) + " |")
         return "\n".join(lines)
 

@@ -274,6 +274,9 @@ def test_logged_completions_reach_tensorboard_as_text_once_each(tmp_path):
     assert "a\\|b" in table and "c<br>d" in table and "old" not in table and "half" not in table
     feed = CompletionsFeed(str(tmp_path))
     assert feed.new_rows() == []  # a new feed starts at the end
+    with open(path, "a") as f:  # the columns reward functions logged (log_extra) follow the rewards
+        f.write(json.dumps({"prompt": "p", "completion": "c", "rewards": {"r": 1.0}, "extra": {"why": "w"}}) + "\n")
+    assert feed.new_as_markdown().splitlines()[::2] == ["| prompt | completion | r | why |", "| p | c | 1.0 | w |"]
 
 
 def test_the_progress_line_shows_each_reward_function_when_there_are_several():
