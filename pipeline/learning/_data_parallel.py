@@ -217,10 +217,15 @@ class DataParallel:
         return contextlib.nullcontext()
 
     def sum_gradients(self, module: torch.nn.Module) -> None:
-        """Every trainable parameter's gradient summed over the ranks (a missing one counts as zeros)."""
+        """Every trainable parameter's gradient summed over the ranks: one some rank lacks counts as zeros there,
+        one that no rank has stays None (as in one learner, whose optimizer then skips the parameter: Adam
+        would move a zero gradient's parameter along its momentum)."""
+        trainable = [parameter for parameter in module.parameters() if parameter.requires_grad]
+        had = torch.tensor([p.grad is not None for p in trainable], dtype=torch.int32, device=self.device)
+        dist.all_reduce(had)  # (the same on every rank, so every rank sums the same parameters in the same buckets)
         grads = []
-        for parameter in module.parameters():
-            if parameter.requires_grad:
+        for parameter, anywhere in zip(trainable, had.tolist(), strict=True):
+            if anywhere:
                 if parameter.grad is None:
                     parameter.grad = torch.zeros_like(parameter)
                 grads.append(parameter.grad)

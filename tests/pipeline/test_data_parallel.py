@@ -279,3 +279,28 @@ def test_a_rank_on_a_gpu_joins_over_nccl_and_takes_the_one_learner_step(shard):
     assert result["grad_norm"] == pytest.approx(update.grad_norm, rel=1e-4)
     for name, value in result["weights"].items():
         torch.testing.assert_close(value, one.policy.state_dict()[name], atol=2.1 * SETTINGS["lr"], rtol=0)
+
+
+def test_a_parameter_no_rank_used_keeps_no_gradient_so_adam_leaves_it_as_one_learner_would():
+    """A parameter no rank's passes reached (an expert no token was routed to) has no gradient in one learner, and
+    Adam skips it; the ranks' sum gave it zeros, and Adam moved it along its momentum. Whether any rank had a
+    gradient is summed with the gradients: one that none had keeps none (one that some had is summed)."""
+    from pipeline.learning import DataParallel
+
+    rendezvous = Rendezvous("127.0.0.1", 1)
+    group = DataParallel(RankShare(0, 1), rendezvous.address, torch.device("cpu"), rendezvous=rendezvous)
+    try:
+        used, unused = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+        module = torch.nn.ModuleList([used, unused])
+        optim = torch.optim.Adam(module.parameters(), lr=0.1)
+        for step in range(2):  # the first step gives both momentum; the second reaches only ``used``
+            optim.zero_grad()
+            (used(torch.ones(1, 3)).sum() + (unused(torch.ones(1, 3)).sum() if step == 0 else 0)).backward()
+            before = unused.weight.detach().clone()
+            group.sum_gradients(module)
+            assert (unused.weight.grad is None) == (step == 1)
+            assert used.weight.grad is not None and torch.equal(used.weight.grad, torch.ones(3, 3))
+            optim.step()
+        assert torch.equal(unused.weight, before), "Adam skipped it, as in one learner"
+    finally:
+        group.close()
