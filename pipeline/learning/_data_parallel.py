@@ -36,6 +36,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not in its __all__, but its documented name
 
+from actors import bind_host
+
 from ..tasks import LossReport
 
 __all__ = ["COLLECTIVE_TIMEOUT", "DataParallel", "GroupAddress", "RankShare", "Rendezvous"]
@@ -147,14 +149,14 @@ class DataParallel:
         address: GroupAddress,
         device: torch.device,
         *,
-        host: str = "127.0.0.1",
+        host: str | None = None,
         rendezvous: Rendezvous | None = None,
         timeout: float = COLLECTIVE_TIMEOUT,
     ) -> None:
         """Join the group at ``address`` (rank 0 passes the :class:`Rendezvous` it serves there); waits for every rank.
 
-        ``host`` is the address this rank's gloo connections use (its session
-        address: :func:`use_interface_of`). Raises :class:`RuntimeError`, naming the rank, when the store
+        ``host`` is the address this rank's gloo connections use (by default
+        its session address, rank 0's too: :func:`use_interface_of`). Raises :class:`RuntimeError`, naming the rank, when the store
         cannot be reached, the other ranks do not come within ``timeout``
         seconds, or a rank of the group cannot show the address's token.
         """
@@ -178,7 +180,7 @@ class DataParallel:
             )
             backend = "nccl" if device.type == "cuda" else "gloo"
             if backend == "gloo":
-                use_interface_of(host)
+                use_interface_of(host if host is not None else bind_host())
             bound = device if backend == "nccl" else None  # NCCL's communicator made now, on this GPU
             dist.init_process_group(
                 backend, store=store, rank=share.rank, world_size=share.world, timeout=deadline, device_id=bound

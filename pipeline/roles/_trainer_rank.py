@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from actors import Actor, bind_host, current_rank, endpoint, host_id, join_publish
+from actors import Actor, current_rank, endpoint, host_id, join_publish
 
 from ..config import Config
 from ..learning import DataParallel, GroupAddress, Learner, RankShare, group_kind
@@ -50,7 +50,7 @@ class TrainerRank(Actor):
         share = RankShare(current_rank().rank + 1, world)
 
         def form() -> DataParallel:
-            group = group_kind(self.config.trainer_shard)(share, address, self.device, host=bind_host())
+            group = group_kind(self.config.trainer_shard)(share, address, self.device)
             self.learner.share_with(group)
             if self._shards_to_load is not None:  # as rank 0 does, which then publishes the policy
                 self.learner.load_shards(self._shards_to_load)

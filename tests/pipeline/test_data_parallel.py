@@ -304,3 +304,17 @@ def test_a_parameter_no_rank_used_keeps_no_gradient_so_adam_leaves_it_as_one_lea
         assert torch.equal(unused.weight, before), "Adam skipped it, as in one learner"
     finally:
         group.close()
+
+
+def test_every_rank_rank_0_too_sends_gloo_over_its_session_address(monkeypatch):
+    """Rank 0 left its gloo interface to the machine's name, which on a cluster may resolve to loopback (Debian's
+    127.0.1.1): ranks on other hosts were sent there and the group did not form. Every rank now picks the interface
+    of the address it serves the session on, unless the user chose one."""
+    from pipeline.learning import DataParallel, _data_parallel
+
+    chosen: list[str] = []
+    monkeypatch.setattr(_data_parallel, "bind_host", lambda: "10.0.0.5")
+    monkeypatch.setattr(_data_parallel, "use_interface_of", chosen.append)
+    rendezvous = Rendezvous("127.0.0.1", 1)
+    DataParallel(RankShare(0, 1), rendezvous.address, torch.device("cpu"), rendezvous=rendezvous).close()
+    assert chosen == ["10.0.0.5"]
