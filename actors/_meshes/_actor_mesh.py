@@ -311,9 +311,12 @@ class ActorMesh(Shaped, Generic[A]):
         calls that would reach a stopped one raise ``SupervisionError``.
         """
         rt = runtime()
-        self._life.stopped.update(rank for rank, _ in self._targets_list)
+        ranks = [rank for rank, _ in self._targets_list]
+        self._life.stopped.update(ranks)
 
         def stop() -> PendingCall | None:
+            if self._proc_mesh is not None:  # (on the runtime's thread, as a restart's replay: one or the other first)
+                self._proc_mesh._actors_stopped(self._name, ranks)
             # (those alive are picked on the runtime's thread, as the call is sent: a call is sent to all or none)
             alive = [t for t in self._targets_list if not t[1].dead]
             encoded = encode_arguments(rt, (self._name,), {})

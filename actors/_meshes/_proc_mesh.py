@@ -13,7 +13,8 @@ import itertools
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from .._hosting._actor import Actor, check_actor_class, endpoints_of
@@ -48,6 +49,18 @@ def _mesh_set() -> weakref.WeakSet[ProcMesh]:
     return weakref.WeakSet()
 
 
+@dataclass
+class SpawnRecord:
+    """One spawn on a proc mesh, as a restart replays it: the actor's name, class, arguments, and the ranks on
+    which it was stopped (not built again there)."""
+
+    name: str
+    class_ref: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    stopped: set[int] = field(default_factory=set)
+
+
 class ProcMesh(Shaped):
     """A group of actor processes; ``spawn`` actors on it, ``stop`` it when done."""
 
@@ -70,8 +83,8 @@ class ProcMesh(Shaped):
         self._log_option: tuple[Any, int] | None = None
         #: How the placer ends a process on another host that ignored the stop (its pid means nothing here).
         self._kill_remote = kill
-        #: ``(name, class_ref, args, kwargs)`` of every spawn, replayed into a restarted process.
-        self._spawned: list[tuple[str, str, tuple[Any, ...], dict[str, Any]]] = []
+        #: Every spawn, replayed into a restarted process for the ranks whose actor was not stopped.
+        self._spawned: list[SpawnRecord] = []
         self._extent = dict(extent)
         self._procs = procs
         self._actors: dict[str, ActorMesh[Any]] = {}
@@ -142,7 +155,7 @@ class ProcMesh(Shaped):
             pending = self._send_spawn(rt, targets, name, class_ref, args, kwargs)
             # with its send, on the runtime's thread: a restart from now on constructs it too (recorded on the
             # caller's thread, a restart handled in between on the loop's missed it)
-            self._spawned.append((name, class_ref, args, kwargs))
+            self._spawned.append(SpawnRecord(name, class_ref, args, kwargs))
             return pending
 
         pending = rt.driver.on_thread(send)
@@ -258,8 +271,15 @@ class ProcMesh(Shaped):
         if self._log_option is not None:
             options = encode_arguments(rt, self._log_option, {})
             send_call(rt, [(rank, ref)], PROCESS_ACTOR, "log_option", options, want_reply=False)
-        for name, class_ref, args, kwargs in self._spawned:
-            self._send_spawn(rt, [(rank, ref)], name, class_ref, args, kwargs)
+        for spawned in self._spawned:
+            if rank not in spawned.stopped:
+                self._send_spawn(rt, [(rank, ref)], spawned.name, spawned.class_ref, spawned.args, spawned.kwargs)
+
+    def _actors_stopped(self, name: str, ranks: Iterable[int]) -> None:
+        """The actor mesh ``name`` was stopped on ``ranks``: a restart of their processes does not build it again."""
+        for spawned in self._spawned:
+            if spawned.name == name:
+                spawned.stopped.update(ranks)
 
     def _expect_exit(self) -> None:
         """Its processes were told to end by other means (an attached worker loop's shutdown): their deaths

@@ -159,6 +159,18 @@ class Echo(Actor):
         print(text, flush=True)
 
 
+class Constructed(Actor):
+    """Appends ``<pid> <rank>`` to ``path`` each time it is constructed (a restart's replay constructs it again)."""
+
+    def __init__(self, path: str) -> None:
+        with open(path, "a") as f:
+            f.write(f"{os.getpid()} {current_rank().rank}\n")
+
+    @endpoint
+    async def ping(self) -> int:
+        return os.getpid()
+
+
 class SyncEcho(Actor):
     """A synchronous actor (only ``def`` endpoints): its calls run one at a time on its own thread."""
 

@@ -7,7 +7,7 @@ import os
 import signal
 
 import pytest
-from support import BadInit, Echo
+from support import BadInit, Constructed, Echo
 
 from actors import ActorDied, Failure, SupervisionError, this_host
 
@@ -50,6 +50,31 @@ async def test_a_killed_process_is_restarted_with_the_original_arguments(restart
     # another process holding a handle to the old instance finds the new one
     caller = spawn(procs=1).spawn("caller", Echo)
     assert await caller.call_other.call_one(victim, 5) == 15
+
+
+async def test_a_stopped_actor_stays_stopped_when_its_process_is_restarted(restartable, tmp_path):
+    """A restart constructs the mesh's actors again, but not one stopped before (all of it, or a slice's ranks):
+    before, the replay built it anew in the new process, holding whatever its constructor takes, and old handles
+    reached it again."""
+    procs = restartable()
+    log = tmp_path / "constructed"
+    whole = procs.spawn("whole", Constructed, str(log))
+    part = procs.spawn("part", Constructed, str(log))
+    echo = procs.spawn("echo", Echo, 1)
+    await whole.initialized
+    await part.initialized
+    await whole.stop()
+    await part.slice(procs=0).stop()
+    old_pid = procs.pids[0]
+    os.kill(old_pid, signal.SIGKILL)
+    with pytest.raises(ActorDied):
+        await asyncio.wait_for(echo.slice(procs=0).sleep.call_one(60), 10)
+    assert await asyncio.wait_for(echo.slice(procs=0).add.call_one(1), 30) == 2  # the replay has run
+    new_pid = procs.pids[0]
+    assert await part.slice(procs=1).ping.call_one() == procs.pids[1], "the slice not stopped answers on"
+    lines = log.read_text().split()
+    assert str(new_pid) not in lines, "neither stopped actor was constructed again in the new process"
+    assert sorted(lines[1::2]) == ["0", "0", "1", "1"]
 
 
 async def test_a_handle_in_another_process_sees_the_restart(restartable, spawn):
