@@ -26,7 +26,7 @@ from .._runtime._future import Future
 from .._runtime._parts import Part
 from .._runtime._pending_calls import PendingCall
 from .._runtime._supervision import Failure, FailureHandler
-from .._runtime._value_mesh import Shaped, extent_from_wire
+from .._runtime._value_mesh import Shaped, extent_from_wire, flattened, select
 from .._shared._errors import DecodeError, SupervisionError
 from .._shared._liveness import ProcRef, new_incarnation
 from .._shared._names import wire_name
@@ -51,14 +51,16 @@ def _mesh_set() -> weakref.WeakSet[ProcMesh]:
 
 @dataclass
 class SpawnRecord:
-    """One spawn on a proc mesh, as a restart replays it: the actor's name, class, arguments, and the ranks on
-    which it was stopped (not built again there)."""
+    """One spawn on a proc mesh (or a slice of it), as a restart replays it: the actor's name, class, arguments
+    and mesh extent, and for each process it lives in (by its rank in the proc mesh spawned from, not sliced) the
+    actor's rank in its own mesh. A rank whose actor was stopped is dropped: a restart does not build it again."""
 
     name: str
     class_ref: str
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
-    stopped: set[int] = field(default_factory=set)
+    extent: dict[str, int]
+    ranks: dict[int, int] = field(default_factory=dict)
 
 
 class ProcMesh(Shaped):
@@ -74,7 +76,10 @@ class ProcMesh(Shaped):
         *,
         owned: bool = True,
         kill: Callable[[ProcRef], None] | None = None,
+        sliced_from: tuple[ProcMesh, list[int]] | None = None,
     ) -> None:
+        """``sliced_from``: ``(root, ranks)`` for a slice of ``root``, whose processes at ``ranks`` these are: it
+        shares the root's supervision, spawn records and actors (see :meth:`slice`)."""
         self._name = name
         #: Where the processes' output arrives once ``logging_option`` streams it here.
         self._logs: LogCollector | None = None
@@ -83,13 +88,22 @@ class ProcMesh(Shaped):
         self._log_option: tuple[Any, int] | None = None
         #: How the placer ends a process on another host that ignored the stop (its pid means nothing here).
         self._kill_remote = kill
-        #: Every spawn, replayed into a restarted process for the ranks whose actor was not stopped.
-        self._spawned: list[SpawnRecord] = []
         self._extent = dict(extent)
         self._procs = procs
-        self._actors: dict[str, ActorMesh[Any]] = {}
         self._stopped = False
         self._stop_run: StopRun | None = None
+        root, root_ranks = sliced_from if sliced_from is not None else (self, list(range(len(procs))))
+        #: The proc mesh this one was sliced from (itself, unsliced), and its processes' ranks there.
+        self._root: ProcMesh = root
+        self._root_ranks = root_ranks
+        #: Every spawn on the root or a slice of it, replayed into a restarted process where its actor lives.
+        self._spawned: list[SpawnRecord] = root._spawned if root is not self else []
+        self._actors: dict[str, ActorMesh[Any]] = root._actors if root is not self else {}
+        self.supervisor: MeshSupervisor
+        if root is not self:  # a view of some of the root's processes: one supervision, one set of records
+            self.supervisor = root.supervisor
+            self._owned = False
+            return
         context = actor_context.get()
         self.supervisor = MeshSupervisor(
             procs,
@@ -152,10 +166,11 @@ class ProcMesh(Shaped):
         check_endpoint_names(actor_class, endpoint_timeouts)
 
         def send() -> PendingCall | None:
-            pending = self._send_spawn(rt, targets, name, class_ref, args, kwargs)
+            pending = self._send_spawn(rt, targets, name, class_ref, args, kwargs, self._extent)
             # with its send, on the runtime's thread: a restart from now on constructs it too (recorded on the
             # caller's thread, a restart handled in between on the loop's missed it)
-            self._spawned.append(SpawnRecord(name, class_ref, args, kwargs))
+            ranks = {root_rank: rank for rank, root_rank in enumerate(self._root_ranks)}
+            self._spawned.append(SpawnRecord(name, class_ref, args, kwargs, dict(self._extent), ranks))
             return pending
 
         pending = rt.driver.on_thread(send)
@@ -178,13 +193,14 @@ class ProcMesh(Shaped):
         class_ref: str,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
+        extent: dict[str, int],
     ) -> PendingCall | None:
         enc = rt.encoder
         enc.reset()
         ctor = enc.encode([list(args), kwargs])
         frames, handles = enc.frames, enc.handles
         enc.reset()
-        blob = enc.encode([[name, class_ref, self._extent, ctor], {}])
+        blob = enc.encode([[name, class_ref, extent, ctor], {}])
         return send_call(rt, targets, PROCESS_ACTOR, "spawn", (blob, frames, handles), want_reply=True)
 
     def _ask_processes(self, operation: str, args: tuple[Any, ...], build: Callable[[], R], what: str) -> Future[R]:
@@ -215,6 +231,11 @@ class ProcMesh(Shaped):
         writes its lines to its own descriptors, prefixed with its actors'
         names (on this machine, the terminal this process started from).
         """
+        if self._root is not self:
+            raise ValueError(
+                f"{self!r} is a slice of {self._root!r}: set the logging option on the mesh it was sliced from "
+                "(one collector, and one option a restarted process gets, for all its processes)"
+            )
         if not isinstance(stream_to_client, bool):
             raise TypeError(f"stream_to_client must be a bool, not {stream_to_client!r}")
         window = aggregate_window_sec
@@ -263,7 +284,28 @@ class ProcMesh(Shaped):
     @property
     def restarts(self) -> list[int]:
         """How many times each rank's process has been restarted."""
-        return self.supervisor.restarts
+        restarts = self.supervisor.restarts
+        return restarts if self._root is self else [restarts[rank] for rank in self._root_ranks]
+
+    def slice(self, **coords: int | slice) -> ProcMesh:
+        """The processes at ``coords`` (an index drops a dimension, a slice keeps it), as Monarch's meshes slice.
+
+        Actors spawned on it live in those processes only, ranked within the
+        slice; it shares this mesh's supervision (failures, restarts, which
+        rebuild its actors too) and is stopped with it (:meth:`stop` stops
+        the mesh it was sliced from, not a slice).
+        """
+        ranks, extent = select(self._extent, coords)
+        return self._sliced(extent, ranks)
+
+    def flatten(self, dim: str) -> ProcMesh:
+        """The same processes along one dimension named ``dim``."""
+        return self._sliced(flattened(self._extent, dim), list(range(len(self._procs))))
+
+    def _sliced(self, extent: dict[str, int], ranks: list[int]) -> ProcMesh:
+        procs = [self._procs[rank] for rank in ranks]
+        root = self._root
+        return ProcMesh(self._name, extent, procs, sliced_from=(root, [self._root_ranks[rank] for rank in ranks]))
 
     def _replay_spawns(self, rank: int, ref: ProcRef) -> None:
         """Construct every actor of this mesh again in the restarted process of ``rank`` (its log options first)."""
@@ -272,14 +314,20 @@ class ProcMesh(Shaped):
             options = encode_arguments(rt, self._log_option, {})
             send_call(rt, [(rank, ref)], PROCESS_ACTOR, "log_option", options, want_reply=False)
         for spawned in self._spawned:
-            if rank not in spawned.stopped:
-                self._send_spawn(rt, [(rank, ref)], spawned.name, spawned.class_ref, spawned.args, spawned.kwargs)
+            own = spawned.ranks.get(rank)
+            if own is not None:
+                target = [(own, ref)]
+                self._send_spawn(
+                    rt, target, spawned.name, spawned.class_ref, spawned.args, spawned.kwargs, spawned.extent
+                )
 
     def _actors_stopped(self, name: str, ranks: Iterable[int]) -> None:
-        """The actor mesh ``name`` was stopped on ``ranks``: a restart of their processes does not build it again."""
+        """The actor mesh ``name`` was stopped at its ``ranks``: a restart of their processes does not build it
+        again."""
+        gone = set(ranks)
         for spawned in self._spawned:
             if spawned.name == name:
-                spawned.stopped.update(ranks)
+                spawned.ranks = {root: own for root, own in spawned.ranks.items() if own not in gone}
 
     def _expect_exit(self) -> None:
         """Its processes were told to end by other means (an attached worker loop's shutdown): their deaths
@@ -293,6 +341,11 @@ class ProcMesh(Shaped):
         up leaves it going, and a later ``stop()`` (or ``shutdown_context``)
         waits for the same run (its ``timeout`` is the first stop's).
         """
+        if self._root is not self:
+            raise ValueError(
+                f"{self!r} is a slice of {self._root!r}: stop the proc mesh it was sliced from (a slice's processes "
+                "are that mesh's, stopped with it)"
+            )
         run = self._stop_run
         if run is None:
             rt = runtime()

@@ -9,7 +9,18 @@ import numpy as np
 import pytest
 from support import Echo, Fire
 
-from actors import Actor, ActorMesh, Extent, Point, ProcMesh, SupervisionError, ValueMesh, endpoint, send
+from actors import (
+    Actor,
+    ActorDied,
+    ActorMesh,
+    Extent,
+    Point,
+    ProcMesh,
+    SupervisionError,
+    ValueMesh,
+    endpoint,
+    send,
+)
 from actors._wire._codec import Decoder, Encoder
 
 
@@ -127,3 +138,28 @@ async def test_a_faulted_meshs_error_does_not_grow_with_each_call(procs: ProcMes
             fire.ok.call()
         depths.append(len(traceback.extract_tb(info.value.__traceback__)))
     assert len(set(depths)) == 1, f"each raise adds the frames of the ones before it: {depths}"
+
+
+async def test_a_proc_mesh_slices_as_monarchs_and_actors_spawned_on_a_slice_live_there(spawn):
+    """``procs.slice(...).spawn(...)`` (Monarch's ``pm.slice(gpus=0).spawn("owner", ...)``) was an AttributeError:
+    a slice is the processes at its coordinates, and its actors live in them only, ranked within the slice."""
+    procs: ProcMesh = spawn(hosts=1, procs=3)
+    one = procs.slice(procs=2)
+    assert isinstance(one, ProcMesh) and one.extent == {"hosts": 1} and one.pids == procs.pids[2:]
+    solo = one.spawn("solo", Echo, 5)
+    assert len(solo) == 1 and await solo.whoami.call_one() == (procs.pids[2], 0, {"hosts": 1})
+    pair = procs.slice(hosts=0, procs=slice(0, 2))
+    assert pair.extent == {"procs": 2} and pair.restarts == [0, 0] and len(pair) == 2
+    both = pair.spawn("both", Echo)
+    seen = await both.whoami.call()
+    assert [seen.get(r) for r in range(2)] == [(procs.pids[r], r, {"procs": 2}) for r in range(2)]
+    assert procs.flatten("all").extent == {"all": 3} and pair.slice(procs=1).pids == procs.pids[1:2]
+    with pytest.raises(ValueError, match=r"is a slice of .*: stop the proc mesh it was sliced from"):
+        pair.stop()
+    with pytest.raises(ValueError, match="set the logging option on the mesh it was sliced from"):
+        pair.logging_option()
+    with pytest.raises(KeyError):
+        procs.slice(gpus=0)
+    await procs.stop()
+    with pytest.raises(ActorDied):
+        await solo.add.call_one(1)

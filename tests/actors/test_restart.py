@@ -77,6 +77,26 @@ async def test_a_stopped_actor_stays_stopped_when_its_process_is_restarted(resta
     assert sorted(lines[1::2]) == ["0", "0", "1", "1"]
 
 
+async def test_an_actor_spawned_on_a_slice_is_rebuilt_in_its_restarted_process_only(restartable, tmp_path):
+    """A restart rebuilds a slice's actor in its own process, at its rank within the slice, and nowhere else."""
+    procs = restartable()
+    log = tmp_path / "constructed"
+    solo = procs.slice(procs=1).spawn("solo", Constructed, str(log))
+    echo = procs.spawn("echo", Echo, 1)
+    await solo.initialized
+    for rank in (0, 1):
+        old_pid = procs.pids[rank]
+        os.kill(old_pid, signal.SIGKILL)
+        with pytest.raises(ActorDied):
+            await asyncio.wait_for(echo.slice(procs=rank).sleep.call_one(60), 10)
+        assert await asyncio.wait_for(echo.slice(procs=rank).add.call_one(1), 30) == 2  # the replay has run
+    assert procs.restarts == [1, 1] and procs.slice(procs=1).restarts == [1]
+    assert await solo.ping.call_one() == procs.pids[1]
+    lines = log.read_text().split()  # "<pid> <rank in its mesh>" per construction
+    assert lines[1::2] == ["0", "0"] and lines[2] == str(procs.pids[1]), "rebuilt once, at its rank in the slice"
+    assert str(procs.pids[0]) not in lines, "not built in the other rank's new process"
+
+
 async def test_a_handle_in_another_process_sees_the_restart(restartable, spawn):
     procs = restartable()
     echo = procs.spawn("echo", Echo, 1).slice(procs=1)
