@@ -55,6 +55,15 @@ __all__ = [
 ]
 
 
+#: Said of a synchronous reward function that set a signal handler (``math_verify``'s default timeouts do).
+SIGNAL_HINT = (
+    " (a synchronous reward function runs in a worker thread, so the scorer's event loop keeps serving, and only "
+    "the main thread may set signal handlers: give math_verify's parse and verify parsing_timeout=None and "
+    "timeout_seconds=None, as TRL's accuracy_reward does off the main thread, and bound the time with "
+    "--reward-timeout)"
+)
+
+
 class RewardError(RuntimeError):
     """A reward function that cannot be loaded, or failed while scoring; the message names it."""
 
@@ -365,8 +374,9 @@ class RewardSet:
                 "(--reward-timeout)"
             ) from None
         except Exception as exc:
+            hint = SIGNAL_HINT if "signal only works in main thread" in str(exc) else ""
             raise RewardError(
-                f"reward function {reward.name} ({reward.source}) raised {type(exc).__name__}: {exc}"
+                f"reward function {reward.name} ({reward.source}) raised {type(exc).__name__}: {exc}{hint}"
             ) from None
         return _checked(reward, result, count)
 

@@ -404,6 +404,20 @@ def test_rewards_log_metrics_and_completion_columns_as_trl_passes_them(tiny, tmp
         PromptData(datasets.Dataset.from_list([{"prompt": "a", "log_metric": 1}]), "prompt", task.tokenizer)
 
 
+def test_a_reward_that_sets_a_signal_handler_fails_saying_why_and_what_to_do(tmp_path):
+    """math_verify's default timeouts set SIGALRM, which only the main thread may: the error says that a synchronous
+    reward runs in a worker thread and how math_verify is called there."""
+    body = (
+        "import signal\n"
+        "def timed(completions, **kw):\n"
+        "    signal.signal(signal.SIGALRM, lambda *a: None)\n"
+        "    return [1.0] * len(completions)\n"
+    )
+    path = _reward_file(tmp_path, body)
+    with pytest.raises(RewardError, match=r"signal only works in main thread.*runs in a worker thread.*=None"):
+        asyncio.run(RewardSet([f"{path}:timed"]).score(["p"], ["a"], {}))
+
+
 def test_a_gdpo_task_trains_on_the_decoupled_sum_and_reports_the_plain_one(tiny, tmp_path):
     # rewards that vary within every group whatever the completions: one widely, one narrowly
     body = (
