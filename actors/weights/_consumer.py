@@ -276,7 +276,12 @@ class WeightConsumer:
             tensors = reader.read(manifest.update_id, manifest.version, manifest.handle, self.specs(manifest))
         except PublisherDied as exc:
             raise self._publisher_died(manifest, exc) from None
-        return self._finish_import(manifest, reader, tensors)
+        try:
+            self._verify(manifest, tensors)
+        except ChecksumError:
+            reader.release(manifest.update_id)
+            raise
+        return self._imported(manifest, tensors)
 
     async def import_update_async(
         self, manifest: WeightManifest, timeout: float | None = None
@@ -295,7 +300,12 @@ class WeightConsumer:
             )
         except PublisherDied as exc:
             raise self._publisher_died(manifest, exc) from None
-        return self._finish_import(manifest, reader, tensors)
+        try:
+            self._verify(manifest, tensors)
+        except ChecksumError:
+            await release_async(reader, manifest.update_id)  # (a cuda-ipc release's wait for the GPU is awaited)
+            raise
+        return self._imported(manifest, tensors)
 
     def _start_import(self, manifest: WeightManifest) -> dict[str, torch.Tensor] | None:
         """The tensors if ``manifest`` is already imported; refuses released, rejected and orphaned updates."""
@@ -327,15 +337,17 @@ class WeightConsumer:
             pid=manifest.publisher_pid,
         )
 
-    def _finish_import(
-        self, manifest: WeightManifest, reader: Reader, tensors: dict[str, torch.Tensor]
-    ) -> dict[str, torch.Tensor]:
-        update_id = manifest.update_id
+    def _verify(self, manifest: WeightManifest, tensors: dict[str, torch.Tensor]) -> None:
+        """Raise :class:`ChecksumError` for a tensor whose bytes are not those its publisher summed (if checked)."""
         if self.verify_checksums:
             for spec in self.specs(manifest):
                 if spec.checksum is not None and checksum(tensors[spec.name]) != spec.checksum:
-                    reader.release(update_id)
-                    raise ChecksumError(f"tensor {spec.name!r} of update {update_id} does not match its checksum")
+                    raise ChecksumError(
+                        f"tensor {spec.name!r} of update {manifest.update_id} does not match its checksum"
+                    )
+
+    def _imported(self, manifest: WeightManifest, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        update_id = manifest.update_id
         self._set(update_id, _IMPORTED)
         self._tensors[update_id] = tensors
         return dict(tensors)

@@ -97,7 +97,8 @@ class WeightInbox:
         return len(self._queue)
 
     def take_newest(self) -> WeightManifest | None:
-        """The newest waiting manifest; every older one is rejected and released."""
+        """The newest waiting manifest; every older one is rejected and released, and a repeat of an update this
+        consumer already turned down or let go (a stale one delivered again) is dropped, not installed."""
         if not self._queue:
             return None
         unique = {m.update_id: m for m in self._queue}  # the same update delivered twice is one update
@@ -109,6 +110,9 @@ class WeightInbox:
         installed = self.consumer.installed_version
         if installed is not None and newest.version <= installed:
             self._drop(newest, f"not newer than installed version {installed}")
+            return None
+        if self.consumer.state(newest.update_id) in ("rejected", "released"):  # (done with once: let go then)
+            self.superseded += 1
             return None
         return newest
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 import uuid
 import weakref
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -74,6 +76,8 @@ async def _awaited_to_the_end(future: asyncio.Future[Any]) -> Any:
             await asyncio.shield(future)
         except asyncio.CancelledError:
             cancelled = True
+        except BaseException:  # the work failed: the caller's cancellation, if any, is still what it sees
+            break
     if cancelled:
         if not future.cancelled():
             future.exception()  # retrieved: the cancellation is what the caller sees
@@ -146,8 +150,6 @@ class WeightPublisher:
     ) -> tuple[list[tuple[str, torch.Tensor]], list[TensorSpec], int]:
         if self.closed:
             raise WeightSyncError("this publisher is closed")
-        if self._publishing:
-            raise WeightSyncError("another publish() of this publisher is still in progress")
         if type(version) is not int:
             raise TypeError(f"version must be an int, not {type(version).__name__}")
         if not 0 <= version <= MAX_VERSION:
@@ -173,26 +175,40 @@ class WeightPublisher:
         waits: with every slot held it raises (use :meth:`publish_async`).
         """
         extra = _checked_metadata(metadata)
-        tensors, specs, total = self._prepare(model, version)
-        writer = self._writer
-        reservation = writer.reserve(total)
-        if reservation is None:
-            if loop_running():
-                raise WeightSyncError(
-                    "every weight slot is held by a consumer, and publish() will not block a running event loop: "
-                    "use `await publisher.publish_async(...)`, which waits for a slot while the loop runs"
-                )
-            reservation = writer.reserve_blocking(total, self.timeout if timeout is None else timeout)
+        with self._one_publish():
+            tensors, specs, total = self._prepare(model, version)
+            writer = self._writer
+            reservation = writer.reserve(total)
+            if reservation is None:
+                if loop_running():
+                    raise WeightSyncError(
+                        "every weight slot is held by a consumer, and publish() will not block a running event "
+                        "loop: use `await publisher.publish_async(...)`, which waits for a slot while the loop runs"
+                    )
+                reservation = writer.reserve_blocking(total, self.timeout if timeout is None else timeout)
+            try:
+                self._begin_fill(version)  # (a close() from another thread meanwhile frees the storage once done)
+                specs = self._fill_guarded(reservation, tensors, specs)
+            except BaseException:
+                if not self.closed:  # a closed publisher's storage is gone with its reservations
+                    writer.abort(reservation)
+                raise
+            if self.closed:
+                raise WeightSyncError(f"this weight publisher was closed while it published version {version}")
+            return self._commit(reservation, version, specs, total, extra)
+
+    @contextlib.contextmanager
+    def _one_publish(self) -> Iterator[None]:
+        """One publish at a time, whatever thread or loop starts it: a second is refused while the first runs
+        (two would check their versions against the same last one and commit in either order)."""
+        with self._lock:
+            if self._publishing:
+                raise WeightSyncError("another publish() of this publisher is still in progress")
+            self._publishing = True
         try:
-            self._begin_fill(version)  # (a close() from another thread meanwhile frees the storage once it is done)
-            specs = self._fill_guarded(reservation, tensors, specs)
-        except BaseException:
-            if not self.closed:  # a closed publisher's storage is gone with its reservations
-                writer.abort(reservation)
-            raise
-        if self.closed:
-            raise WeightSyncError(f"this weight publisher was closed while it published version {version}")
-        return self._commit(reservation, version, specs, total, extra)
+            yield
+        finally:
+            self._publishing = False
 
     async def publish_async(
         self,
@@ -212,10 +228,9 @@ class WeightPublisher:
         not change until this returns.
         """
         extra = _checked_metadata(metadata)
-        tensors, specs, total = self._prepare(model, version)
-        writer = self._writer
-        self._publishing = True
-        try:
+        with self._one_publish():
+            tensors, specs, total = self._prepare(model, version)
+            writer = self._writer
             reservation = writer.reserve(total)
             if reservation is None:
                 reservation = await writer.reserve_async(total, self.timeout if timeout is None else timeout)
@@ -232,11 +247,9 @@ class WeightPublisher:
                 if not self.closed:  # a closed publisher's storage is gone with its reservations
                     writer.abort(reservation)
                 raise
-        finally:
-            self._publishing = False
-        if self.closed:
-            raise WeightSyncError(f"this weight publisher was closed while it published version {version}")
-        return self._commit(reservation, version, specs, total, extra)
+            if self.closed:
+                raise WeightSyncError(f"this weight publisher was closed while it published version {version}")
+            return self._commit(reservation, version, specs, total, extra)
 
     def _begin_fill(self, version: int) -> None:
         """Mark a copy into the reserved slot as under way, unless a close() came first (from another thread)."""

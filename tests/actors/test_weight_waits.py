@@ -121,6 +121,52 @@ async def test_concurrent_publishes_of_one_publisher_are_refused():
         assert (await first).version == 1
 
 
+async def test_a_cancellation_during_a_copy_that_then_fails_is_still_the_callers():
+    """Cancelled while the copy runs, then the copy raises: the caller sees its CancelledError (before: the copy's
+    error, and ``wait_for``'s timeout was lost)."""
+    from actors.weights._publisher import _awaited_to_the_end
+
+    copy: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    waiter = asyncio.ensure_future(_awaited_to_the_end(copy))
+    await asyncio.sleep(0)  # the waiter is suspended on the copy
+    waiter.cancel()
+    await asyncio.sleep(0)  # it took the cancel and waits on for the copy
+    assert not waiter.done()
+    copy.set_exception(RuntimeError("the copy failed"))
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+
+
+def test_a_publish_from_a_thread_while_another_runs_is_refused_not_committed_out_of_order():
+    """A blocking publish() on one thread while another thread's runs: it was not marked in progress, so both
+    passed the version check and committed in either order (the publisher's version could go back)."""
+    publisher = WeightPublisher("shm", slots=2)
+    writer = publisher._writer
+    filling, go_on = threading.Event(), threading.Event()
+    real_fill = writer.fill
+
+    def held_fill(*args: Any, **kwargs: Any) -> Any:
+        filling.set()
+        assert go_on.wait(30)
+        return real_fill(*args, **kwargs)
+
+    writer.fill = held_fill  # type: ignore[method-assign]
+    try:
+        first = threading.Thread(target=publisher.publish, args=(filled_model(3.0), 3))
+        first.start()
+        assert filling.wait(30)
+        writer.fill = real_fill  # type: ignore[method-assign]
+        with pytest.raises(WeightSyncError, match="in progress"):
+            publisher.publish(filled_model(4.0), 4)
+        go_on.set()
+        first.join(30)
+        assert publisher.version == 3
+        assert publisher.publish(filled_model(4.0), 4).version == 4 and publisher.version == 4
+    finally:
+        go_on.set()
+        publisher.close()
+
+
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 async def test_closing_the_publisher_during_a_copy_ends_that_publish_and_frees_the_slot_after_the_copy(transport):
     """close() while a publish's copy writes into a slot on a worker thread: the slot outlives the copy (it was

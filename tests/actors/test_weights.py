@@ -189,18 +189,27 @@ def test_lifecycle_errors_are_distinct(shm_publisher):
     consumer.close()
 
 
-def test_tampered_bytes_fail_the_checksum():
-    with WeightPublisher("shm", checksums=True) as publisher:
+@pytest.mark.parametrize("on_a_loop", [False, True], ids=["install", "install_async"])
+def test_tampered_bytes_fail_the_checksum(on_a_loop):
+    """Either way the update is let go and rejected (on a loop, its release awaited: a cuda-ipc release waits for
+    the GPU's reads, which the loop's thread must not)."""
+    with WeightPublisher("shm", checksums=True, slots=1, lock_timeout=0.2) as publisher:
         manifest = publisher.publish(filled_model(1.0), 1)
         with open(os.path.join(SHM_DIR, manifest.handle), "r+b") as segment:
             segment.seek(HEADER_BYTES + manifest.tensors[0].offset)
             segment.write(b"\x13\x37")
         consumer = WeightConsumer()
         with pytest.raises(ChecksumError, match=manifest.tensors[0].name):
-            consumer.install(manifest, filled_model(0.0))
+            if on_a_loop:
+                asyncio.run(consumer.install_async(manifest, filled_model(0.0)))
+            else:
+                consumer.install(manifest, filled_model(0.0))
         assert consumer.state(manifest.update_id) == "rejected"
+        unchecked = WeightConsumer(verify_checksums=False)
+        assert unchecked.import_update(manifest)
+        unchecked.close()
+        publisher.publish(filled_model(2.0), 2)  # its one slot is free again: the readers let it go
         consumer.close()
-        assert WeightConsumer(verify_checksums=False).import_update(manifest)
 
 
 def test_import_is_zero_copy_over_the_slot(shm_publisher):
@@ -799,3 +808,18 @@ def test_a_conjugated_or_negated_view_is_not_tied_to_the_tensor_it_reads():
     real = torch.arange(4.0)
     tensors = [("w", w), ("conj", w.conj()), ("conj_again", w.conj()), ("real", real), ("neg", torch._neg_view(real))]
     assert ties(tensors) == [None, None, 1, None, None]
+
+
+def test_a_stale_update_delivered_again_is_dropped_not_an_error():
+    """An update turned down as stale (its slot rewritten before the install) can arrive again (a grant and a
+    fire-and-forget send carry one version): it is dropped as it was, not a LifecycleError out of the install."""
+    with WeightPublisher("shm", slots=1, lock_timeout=0.2) as publisher:
+        inbox, model = WeightInbox(), filled_model(0.0)
+        first = publisher.publish(filled_model(1.0), 1)
+        publisher.publish(filled_model(2.0), 2)  # takes over the one slot: version 1 is stale
+        for _ in range(2):
+            inbox.put(first)
+            assert inbox.install_newest(model) is None
+        assert inbox.consumer.state(first.update_id) in ("rejected", "released") and inbox.superseded == 1
+        assert all(bool((p == 0.0).all()) for p in model.parameters())
+        inbox.close()
