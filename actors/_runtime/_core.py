@@ -105,7 +105,7 @@ class Runtime:
         )
         self.windows = SenderWindows(self.outbox)
         self.calls = CallTable()
-        self.receivers = Receivers(self.pid, self.registry.watcher.watch, self._credit, self.drops)
+        self.receivers = Receivers(self.pid, self.registry.watcher.watch, self._credit, self.drops, self.registry.proc)
         sock = bind_inbox(self.ctx, self.address, self.keys, fd)
         self.inbox = Inbox(sock, self.dir, self.address, self._learn_sender, self.drops, self.keys is not None)
         self.driver = Driver(self.inbox, self.registry, self.outbox, serve_in_background=serve_in_background)
@@ -144,6 +144,7 @@ class Runtime:
         registry.deaths.connect(self._peer_died)
         registry.deaths.connect(self.calls.on_death)
         registry.pid_exits.connect(self._holder_exited)
+        registry.deaths.connect(self._remote_holder_died)
         inbox.on(Reply, lambda record, frames, sender, size: self.calls.on_reply(record))
         inbox.on(Credit, lambda record, frames, sender, size: self.windows.on_credit(sender.address, *record))
         inbox.on(PortMessage, receivers.on_port_message, raw=True, run=receivers.deliver_run)  # the hot path
@@ -153,8 +154,14 @@ class Runtime:
         inbox.on(ProcessRestarted, news.on_restarted)
         registry.seen_deaths.connect(news.seen_dying)
 
-    def _holder_exited(self, pid: int) -> None:
-        """Process ``pid`` exited: once what it sent has been taken in, its port senders are gone.
+    def _remote_holder_died(self, ref: ProcRef) -> None:
+        """A process of another host died (news of it): its port senders, known by its address, are gone."""
+        if ref.remote:
+            self._holder_exited(ref.address)
+
+    def _holder_exited(self, pid: int | str) -> None:
+        """Process ``pid`` (another host's: its address) exited: once what it sent has been taken in, its port
+        senders are gone.
 
         Messages it sent just before exiting can still be in ZeroMQ's I/O
         thread when its pidfd fires, so the inbox is pumped now and, on a
@@ -169,7 +176,7 @@ class Runtime:
             return
         loop.call_later(HOLDER_SETTLE, self._holder_settled, pid)
 
-    def _holder_settled(self, pid: int) -> None:
+    def _holder_settled(self, pid: int | str) -> None:
         if not self.closed:
             self.inbox.pump()
         self.receivers.holder_died(pid)

@@ -26,7 +26,7 @@ __all__ = ["Future"]
 class Future(Generic[R]):
     """A result that will arrive; awaitable, or ``get()`` synchronously."""
 
-    __slots__ = ("_any_thread", "_done", "_error", "_make", "_value", "_wait_sync")
+    __slots__ = ("_any_thread", "_done", "_elsewhere", "_error", "_make", "_value", "_wait_sync")
 
     def __init__(
         self,
@@ -42,6 +42,9 @@ class Future(Generic[R]):
         self._done = False
         self._value: Any = None
         self._error: BaseException | None = None
+        #: The run a ``get()`` started on the loop of another thread: a later ``get()`` or ``await`` waits for
+        #: it (a ``get(timeout)`` that gave up does not consume the future, as in Monarch, nor run it twice).
+        self._elsewhere: concurrent.futures.Future[R] | None = None
 
     @classmethod
     def ready(cls, value: R) -> Future[R]:
@@ -66,6 +69,21 @@ class Future(Generic[R]):
     async def _run(self) -> R:
         if self._done:
             return self._result()
+        elsewhere = self._elsewhere
+        if elsewhere is not None:  # a get() started it on another thread's loop: its outcome is this one's
+            try:  # (shielded: this await cancelled leaves that run going)
+                await asyncio.shield(asyncio.wrap_future(elsewhere))
+            except asyncio.CancelledError:
+                if not elsewhere.cancelled():
+                    raise  # this await's own cancellation
+            except BaseException:
+                pass  # the outcome, kept: raised below
+            if self._done:
+                return self._result()
+        return await self._body()
+
+    async def _body(self) -> R:
+        """Run the future's work and keep its outcome (a cancellation is not one: it may be run again)."""
         try:
             self._value = await self._make()
         except BaseException as exc:
@@ -93,13 +111,16 @@ class Future(Generic[R]):
             assert loop is not None
             # Another thread drives the runtime: the background loop of a program without one, or a
             # worker's loop seen from a synchronous actor's thread. The wait is on this thread.
-            waiting = asyncio.run_coroutine_threadsafe(self._run(), loop)
+            waiting = self._elsewhere
+            if waiting is None or (waiting.cancelled() and not self._done):  # (a loop that ended cancels its run)
+                waiting = self._elsewhere = asyncio.run_coroutine_threadsafe(self._body(), loop)
             try:
                 return waiting.result(timeout)
             except concurrent.futures.TimeoutError:
                 if waiting.done():
                     raise  # the outcome itself (a call's own deadline: CallTimeout is a TimeoutError)
-                waiting.cancel()
+                # the run goes on: a later get() or await waits for the same one (Monarch: a timeout never
+                # consumes the future)
                 raise CallTimeout(f"gave up after {timeout:.1f}s waiting for the result") from None
         if self._wait_sync is None:
             raise RuntimeError("this Future can only be awaited")

@@ -18,12 +18,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import threading
 import time
 import traceback
 import types
 import typing
+import weakref
 from collections.abc import Generator
 from typing import Any, Generic, TypeVar, overload
 
@@ -36,6 +38,7 @@ from .._transport._receivers import ReceiverState
 from .._transport._sockets import frame_size
 from .._wire import _refs
 from .._wire._codec import register_handle
+from .._wire._ext import handle_of_type
 from .._wire._records import Attach, ErrorRecord, Undecodable, port_prefix
 from . import _core as _runtime
 from ._context import actor_context
@@ -57,7 +60,24 @@ def _type_ref(tp: Any) -> str | None:
         tp = origin
     if not isinstance(tp, type):
         return None  # unions and other typing constructs: unchecked
+    _check_travels_as_itself(tp)
     return _refs.qualified_name(tp)
+
+
+#: Types msgpack carries as themselves; their subclasses travel as them (a named tuple as a tuple, an enum member
+#: as its value), unless the codec has a record of their own for them.
+_PLAIN = (bool, int, float, str, bytes, tuple, list, dict)
+
+
+def _check_travels_as_itself(tp: type) -> None:
+    """Refuse a port type whose values would reach another process as another type (``TypeError``)."""
+    plain = next((base for base in _PLAIN if issubclass(tp, base)), None)
+    if plain is None or tp in _PLAIN or dataclasses.is_dataclass(tp) or handle_of_type(tp) is not None:
+        return
+    raise TypeError(
+        f"a port of {tp.__module__}.{tp.__qualname__} would deliver a plain {plain.__name__} to another process (its "
+        f"values travel as their base type): make it a dataclass, or open the port for {plain.__name__}"
+    )
 
 
 _matches: dict[tuple[type, str], bool] = {}  # memo of _is_instance: (class, type name) -> answer
@@ -307,12 +327,33 @@ class Port(Generic[T]):
         if self._address == rt.address:
             state = rt.receivers.get(self._id) if self._pid == rt.pid else None  # (else an earlier process's)
             if state is not None:
-                rt.receivers.attach(state, pid)
+                rt.receivers.attach(state, dest)
             return
         owner = rt.registry.proc(self._address, self._pid)
         if not owner.dead:
             with contextlib.suppress(ActorDied):
-                rt.send(owner, Attach(self._id, pid), urgent=False)
+                rt.send(owner, Attach(self._id, pid, dest.address), urgent=False)
+
+
+def _receiver_dropped(rt: Runtime, state: ReceiverState) -> None:
+    """Close the port whose receiver was garbage-collected unclosed, on the runtime's thread (the collection may
+    run on any)."""
+    if state.closed is not None or rt.closed:
+        return
+
+    def close() -> None:
+        if state.closed is None:
+            rt.receivers.close(state, "its receiver was dropped")
+
+    driver = rt.driver
+    loop = driver.loop
+    if driver.on_runtime_thread() or loop is None:
+        close()
+        return
+    try:
+        loop.call_soon_threadsafe(close)
+    except RuntimeError:  # (its loop closed meanwhile: nothing runs on it any more)
+        close()
 
 
 def send_error(port: Port[Any], error: PortError) -> None:
@@ -417,7 +458,7 @@ class PortReceiver(Generic[T]):
                 handover.abandoned = True
                 taken = handover.taken
             if taken:
-                return handover.value  # type: ignore[no-any-return]
+                return handover.outcome()  # type: ignore[no-any-return]
             waiting.cancel()  # (done already when the receive failed on its own)
             if isinstance(exc, concurrent.futures.CancelledError):  # the loop ended or handed the runtime over
                 self._rt.driver.next_loop(loop)
@@ -428,7 +469,7 @@ class PortReceiver(Generic[T]):
             raise CallTimeout(
                 f"gave up after {timeout:.1f}s waiting for a message on port {self._state.port_id}"
             ) from None
-        return handover.value  # type: ignore[no-any-return]
+        return handover.outcome()  # type: ignore[no-any-return]
 
     def _await_handover(
         self, waiting: concurrent.futures.Future[None], loop: asyncio.AbstractEventLoop, timeout: float | None
@@ -446,7 +487,11 @@ class PortReceiver(Generic[T]):
         await self._until_queued()
         with handover.lock:
             if not handover.abandoned:
-                handover.value, handover.taken = self._take(), True
+                try:
+                    handover.value = self._take()
+                except Exception as exc:  # an error in a value's place (Port.exception, an undecodable one), taken
+                    handover.error = exc
+                handover.taken = True
 
     def _check_open(self) -> None:
         state = self._state
@@ -515,13 +560,20 @@ class PortReceiver(Generic[T]):
 class _Handover:
     """A synchronous receive's message, taken on the runtime's thread for a caller waiting on its own."""
 
-    __slots__ = ("abandoned", "lock", "taken", "value")
+    __slots__ = ("abandoned", "error", "lock", "taken", "value")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.taken = False
         self.abandoned = False
         self.value: Any = None
+        #: What the record taken raised in a value's place: the caller gets it, even one that just gave up.
+        self.error: Exception | None = None
+
+    def outcome(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.value
 
 
 class _Recv(Future["T | None"]):
@@ -584,4 +636,8 @@ class Channel(Generic[T]):
         rt = runtime()
         ref = _type_ref(message_type)
         state = rt.receivers.open(once)
-        return Port(rt.address, rt.pid, state.port_id, ref, once), PortReceiver(rt, state, ref)
+        receiver: PortReceiver[Any] = PortReceiver(rt, state, ref)
+        # A receiver dropped unclosed is closed (as Monarch's is when dropped): what it queued is let go, and
+        # sends to it are refused, not kept for no one.
+        weakref.finalize(receiver, _receiver_dropped, rt, state).atexit = False
+        return Port(rt.address, rt.pid, state.port_id, ref, once), receiver

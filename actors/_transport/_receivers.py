@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from .._shared._liveness import ProcRef
 from .._shared._loops import wake_all
 from .._wire._codec import WholeBatch
 from .._wire._records import Attach, Header, Kind, PortMessage
@@ -33,7 +34,8 @@ class ReceiverState:
         self.queue: deque[tuple[Any, str | None, int]] = deque()
         #: The ``recv()``s waiting for the queue to fill, oldest first (woken ones leave it; a cancelled one removes itself).
         self.waiters: list[asyncio.Future[None]] = []
-        self.holders: set[int] = set()
+        #: Who holds a sender: a process of this host by its pid, one of another host by its address.
+        self.holders: set[int | str] = set()
         #: Processes sent a sender whose pid is not known yet (a restarted one starting): holders to come.
         self.pending = 0
         self.attached = False
@@ -48,17 +50,17 @@ class ReceiverState:
         self.queue.append((value, address, size))
         self.wake()
 
-    def attach(self, pid: int, alive: bool) -> None:
-        """Process ``pid`` holds a sender now (``alive``: it could be watched)."""
+    def attach(self, holder: int | str, alive: bool) -> None:
+        """Process ``holder`` (a pid, or another host's address) holds a sender now (``alive``: it is watched)."""
         self.attached = True
         if alive:
-            self.holders.add(pid)
+            self.holders.add(holder)
         else:
             self.wake()
 
-    def holder_died(self, pid: int) -> None:
-        if pid in self.holders:
-            self.holders.discard(pid)
+    def holder_died(self, holder: int | str) -> None:
+        if holder in self.holders:
+            self.holders.discard(holder)
             if not self.holders:
                 self.wake()
 
@@ -79,9 +81,11 @@ class Receivers:
         watch: Callable[[int], bool],
         credit: Callable[[str, int, int, int], None],
         drops: Callable[..., None],
+        proc: Callable[[str, int], ProcRef],
     ) -> None:
         self._own_pid = own_pid
         self._watch = watch
+        self._proc = proc  # the process at an address (the registry's): who an Attach names
         self._credit = credit
         self._drops = drops
         self._states: dict[int, ReceiverState] = {}
@@ -119,9 +123,13 @@ class Receivers:
         self._credit(address, state.port_id, counts[0], counts[1])
         counts[0] = counts[1] = 0
 
-    def attach(self, state: ReceiverState, pid: int) -> None:
-        if pid != self._own_pid:
-            state.attach(pid, self._watch(pid))
+    def attach(self, state: ReceiverState, holder: ProcRef) -> None:
+        """``holder`` holds a sender of ``state``'s port: watched by its pid on this host; on another host, where
+        its pid names no process of this one, by its address, until news of its death comes."""
+        if holder.remote:
+            state.attach(holder.address, not holder.dead)
+        elif holder.pid is not None and holder.pid != self._own_pid:
+            state.attach(holder.pid, self._watch(holder.pid))
 
     def on_port_message(self, fields: list[Any], frames: list[Any], sender: Header, size: int) -> None:
         """An undecoded ``[PORT, port_id, value]`` record: the hot path, so checked here in place."""
@@ -175,8 +183,9 @@ class Receivers:
     def on_attach(self, record: Attach, frames: list[Any], sender: Header, size: int) -> None:
         state = self._states.get(record.port_id)
         if state is not None:
-            self.attach(state, record.pid)
+            self.attach(state, self._proc(record.address, record.pid))
 
-    def holder_died(self, pid: int) -> None:
+    def holder_died(self, holder: int | str) -> None:
+        """Process ``holder`` (a pid of this host, an address of another) is gone."""
         for state in list(self._states.values()):
-            state.holder_died(pid)
+            state.holder_died(holder)

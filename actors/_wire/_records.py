@@ -278,20 +278,24 @@ class Credit(NamedTuple):
 
 
 class Attach(NamedTuple):
-    """Process ``pid`` now holds a sender of ``port_id`` (so the receiver watches it)."""
+    """Process ``pid`` at ``address`` now holds a sender of ``port_id`` (so the receiver watches it: by its pid on
+    the receiver's host, by news of its death on another)."""
 
     port_id: int
     pid: int
+    address: str
 
     def to_wire(self) -> list[Any]:
         return [Kind.ATTACH, *self]
 
     @classmethod
     def from_wire(cls, fields: Any) -> Attach:
-        f = _check(fields, Kind.ATTACH, 3)
+        f = _check(fields, Kind.ATTACH, 4)
         if type(f[1]) is not int or type(f[2]) is not int or not 0 < f[2] <= PID_MAX:  # (a pid to watch: a real one)
             raise DecodeError("malformed ATTACH record")
-        return cls(f[1], f[2])
+        if type(f[3]) is not str:
+            raise DecodeError("malformed ATTACH record")
+        return cls(f[1], f[2], f[3])
 
 
 class FailureReport(NamedTuple):

@@ -290,10 +290,13 @@ def test_an_attach_naming_a_pid_that_cannot_exist_is_refused():
     cannot be watched (which the receiver would count as gone)."""
     from actors._wire._records import PID_MAX, Attach, Kind
 
-    assert Attach.from_wire([Kind.ATTACH, 3, 42]) == Attach(3, 42)
+    assert Attach.from_wire([Kind.ATTACH, 3, 42, "ipc:///x.sock"]) == Attach(3, 42, "ipc:///x.sock")
     for pid in (0, -1, PID_MAX + 1, 2**40):
         with pytest.raises(DecodeError, match="malformed ATTACH"):
-            Attach.from_wire([Kind.ATTACH, 3, pid])
+            Attach.from_wire([Kind.ATTACH, 3, pid, "ipc:///x.sock"])
+    for fields in ([Kind.ATTACH, 3, 42], [Kind.ATTACH, 3, 42, 7]):  # the holder's address: a str, always there
+        with pytest.raises(DecodeError):
+            Attach.from_wire(fields)
 
 
 def test_a_call_whose_response_port_is_not_a_port_is_refused():
@@ -353,6 +356,7 @@ def wired_inbox(tmp_path: Any, learn_sender: Any = None, credit: Any = None) -> 
     ``send(values)`` pushes one batch of PORT records to it from the peer ``peer``."""
     import zmq
 
+    from actors._shared._liveness import ProcRef
     from actors._transport._inbox_pump import DropLog, Inbox
     from actors._transport._receivers import Receivers
     from actors._wire._records import PROTOCOL_VERSION, PortMessage, record_prefix
@@ -364,7 +368,13 @@ def wired_inbox(tmp_path: Any, learn_sender: Any = None, credit: Any = None) -> 
         push.connect(f"ipc://{tmp_path}/inbox.sock")
         wired = types.SimpleNamespace(pull=pull, peer=f"ipc://{tmp_path}/peer.sock", drops=DropLog())
         wired.inbox = Inbox(pull, str(tmp_path), "ipc://own", learn_sender or (lambda header: None), wired.drops)
-        wired.receivers = Receivers(1, lambda pid: True, credit or (lambda *credit: None), wired.drops)
+        wired.receivers = Receivers(
+            1,
+            lambda pid: True,
+            credit or (lambda *credit: None),
+            wired.drops,
+            lambda address, pid: ProcRef(address, pid),
+        )
         wired.state = wired.receivers.open(False)
         wired.inbox.on(PortMessage, wired.receivers.on_port_message, raw=True, run=wired.receivers.deliver_run)
         header = msgpack.packb([PROTOCOL_VERSION, wired.peer, 42])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 
 import pytest
 
@@ -65,6 +66,33 @@ def test_returns_future_serves_both_kinds_of_caller():
     assert asyncio.run(awaited()) == 10
     with pytest.raises(TypeError, match="async def"):
         actors.returns_future(lambda: 1)  # type: ignore[arg-type]
+
+
+def test_a_get_that_gives_up_does_not_consume_the_future_nor_run_it_twice():
+    """Monarch: a timeout never consumes the future; a later get() or await sees its result. A get(timeout) that
+    gave up cancelled the body, and the next get() ran it again (an endpoint call in it was sent twice)."""
+    started, release = [], threading.Event()
+
+    @actors.returns_future
+    async def slow() -> int:
+        started.append(1)
+        await asyncio.to_thread(release.wait, 30)
+        return 7
+
+    pending = slow()
+    with pytest.raises(actors.CallTimeout, match="gave up after"):
+        pending.get(timeout=0.05)
+    release.set()
+    assert pending.get(timeout=30) == 7 and started == [1]
+
+    async def awaited() -> int:
+        return await again
+
+    again, release = slow(), threading.Event()
+    with pytest.raises(actors.CallTimeout):
+        again.get(timeout=0.05)
+    release.set()
+    assert asyncio.run(awaited()) == 7 and started == [1, 1], "an await waits for the run a get() started"
 
 
 def test_spans_traced_functions_and_the_meter_record(caplog):

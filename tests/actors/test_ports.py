@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import enum
 import os
 import signal
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -27,6 +29,26 @@ async def test_typed_port_refuses_wrong_type_at_sender():
     got = await recv.recv()
     assert isinstance(got, Item) and got.seq == 1
     assert await recv.recv() is None
+
+
+class Pair(NamedTuple):
+    x: int
+    y: int
+
+
+class Colour(enum.IntEnum):
+    RED = 1
+
+
+def test_a_port_whose_type_would_arrive_as_another_is_refused_at_open():
+    """Values travel as msgpack has them: a named tuple as a tuple, an int enum as an int. A port typed for one let
+    the sender's check pass and handed another process's receiver a plain tuple (``got.x`` an AttributeError)."""
+    for kind, plain in ((Pair, "tuple"), (Colour, "int"), (collections.OrderedDict, "dict")):
+        with pytest.raises(TypeError, match=rf"would deliver a plain {plain} to another process.*make it a dataclass"):
+            Channel.open(kind)
+    for kind in (int, bool, str, tuple, dict, Item, tuple[int, int]):  # themselves, or a record of their own
+        _port, recv = Channel.open(kind)
+        recv.close()
 
 
 async def test_typed_port_checks_remote_senders(procs: ProcMesh):
@@ -243,6 +265,22 @@ async def test_a_sender_sent_to_a_process_still_starting_counts_until_its_pid_is
     assert recv.senders_alive, "a sender on its way counts"
     rt.registry.set_pid(starting, rt.pid)  # (its pid is known: a holder like any other from now on)
     assert recv._state.pending == 0
+
+
+async def test_a_sender_held_on_another_host_counts_until_news_of_its_death(sockets_dir):
+    """A process of another host holds a sender: its pid names no process here, so watching it by pid here said it
+    was gone at once ("every sender has exited" while it was alive), or waited on an unrelated local process of
+    the same pid. It is known by its address until news of its death comes."""
+    port, recv = Channel.open(int)
+    rt = runtime()
+    far = rt.registry.placed("tcp://10.255.0.1:40000")
+    rt.registry.set_pid(far, 4_000_000)  # (a pid no process of this machine has: Linux's are below 2**22)
+    rt.driver.on_thread(lambda: port._shipped_to(rt, far))
+    assert recv.senders_alive and recv._state.holders == {far.address}
+    rt.driver.on_thread(lambda: rt.registry.mark_dead(far, "its host said so"))
+    with pytest.raises(PortClosed, match="every process"):
+        await asyncio.wait_for(recv.recv(), 5)
+    assert 4_000_000 not in rt.registry.watcher.dead, "no pid of this machine was taken for it"
 
 
 async def test_recv_raises_when_every_sender_died(procs: ProcMesh):
@@ -548,3 +586,43 @@ def test_a_port_or_mesh_naming_an_address_outside_the_session_is_refused():
         record = msgpack.ExtType(EXT_HANDLE, msgpack.packb([kind, state]))
         with pytest.raises(DecodeError, match="not a peer"):
             Decoder().decode(msgpack.packb(record))
+
+
+async def test_a_receiver_dropped_unclosed_closes_its_port(sockets_dir):
+    """A service that opens a port per request and drops the receiver kept every one, and what was queued on it,
+    for good; sends to it were kept for no one. Dropped, a receiver closes, as Monarch's does."""
+    import gc
+
+    rt = runtime()
+    before = len(rt.receivers._states)
+    ports = []
+    for n in range(20):
+        port, recv = Channel.open(int)
+        port.send(n)
+        ports.append(port)
+        del recv
+    gc.collect()
+    assert len(rt.receivers._states) == before
+    with pytest.raises(PortClosed, match="no receiver in this process"):
+        ports[0].send(1)
+    kept, recv = Channel.open(int)
+    kept.send(5)
+    assert await recv.recv() == 5, "a receiver still held is left alone"
+
+
+def test_an_error_taken_just_as_a_threads_receive_gives_up_is_raised_not_lost(sockets_dir, monkeypatch):
+    """A synchronous receive gives up just as the loop takes an error sent in a value's place (Port.exception): the
+    error had left the queue, the caller got CallTimeout, and the stream silently skipped it."""
+    from actors._runtime import _port
+
+    port, recv = Channel.open(int)
+    real = _port.done_within
+
+    def arrives_as_it_gives_up(future: Any, seconds: float) -> bool:
+        port.exception(ValueError("sent instead of a value"))
+        real(future, 30)  # the loop takes it meanwhile
+        return False  # and the caller's wait runs out just then
+
+    monkeypatch.setattr(_port, "done_within", arrives_as_it_gives_up)
+    with pytest.raises(ActorError, match="sent instead of a value"):
+        recv.recv().get(timeout=0.1)
