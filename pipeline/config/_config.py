@@ -155,6 +155,7 @@ class Config:
     max_tokens_per_pass: int = 8192  # rows x token width of one trainer or reference pass (0: no limit)
     trainer_ranks: int = 1  # trainer processes, each training its share of every rollout's rows (gradients summed)
     trainer_shard: TrainerShard = "fsdp"  # with several ranks: fsdp shards the policy over them, ddp replicates it
+    collective_timeout: float = 60.0  # with several ranks: the most seconds a rank waits in one collective
     disable_dropout: bool = True  # hf: the policy's dropout off, so the trainer's log-probs are the generators'
     lora_r: int = 0  # hf: train LoRA adapters of this rank instead of every weight (0: off); generators get merged ones
     lora_alpha: float = 0.0  # hf: the adapters' scale is alpha / r (0: twice the rank)

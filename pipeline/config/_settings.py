@@ -108,6 +108,8 @@ def check_settings(config: Config) -> None:
         raise SettingsError(
             f"--stop-grace {config.stop_grace}: a number of seconds, at least 0 (0: no final checkpoint)"
         )
+    if not 0 < config.collective_timeout < math.inf:
+        raise SettingsError(f"--collective-timeout {config.collective_timeout}: a number of seconds above 0")
     if not 0 < config.weights_timeout < math.inf:
         raise SettingsError(f"--weights-timeout {config.weights_timeout}: a number of seconds above 0")
     if not 0 < config.eval_fraction < 1:
@@ -352,6 +354,8 @@ def unused_settings(config: Config) -> list[tuple[tuple[str, ...], str]]:
         )
     if not config.ray:
         groups.append((("ray_hosts",), "picks the Ray nodes to use: add --ray"))
+    if config.trainer_ranks == 1:
+        groups.append((("collective_timeout",), "bounds the trainer ranks' collectives: add --trainer-ranks N"))
     if not config.eval_dataset:
         groups.append((("eval_split",), "picks a Hub --eval-dataset's split: add --eval-dataset"))
         groups.append((("eval_dataset_config",), "picks a Hub --eval-dataset's subset: add --eval-dataset"))

@@ -185,7 +185,7 @@ class Trainer(Actor):
     @endpoint
     async def rendezvous(self, world: int) -> GroupAddress:
         """Serve the store through which ``world`` trainer ranks join (this is rank 0), on the session's address."""
-        self._rendezvous = Rendezvous(bind_host(), world)
+        self._rendezvous = Rendezvous(bind_host(), world, self.config.collective_timeout)
         return self._rendezvous.address
 
     @endpoint
@@ -197,7 +197,11 @@ class Trainer(Actor):
 
         def form() -> DataParallel:
             group = group_kind(config.trainer_shard)(
-                RankShare(0, world), rendezvous.address, self.device, rendezvous=rendezvous
+                RankShare(0, world),
+                rendezvous.address,
+                self.device,
+                rendezvous=rendezvous,
+                timeout=config.collective_timeout,
             )
             self.learner.share_with(group)  # sharded: every rank shards its copy now
             if self._shards_to_load is not None:  # every rank loads its part, then the policy goes out whole

@@ -50,7 +50,8 @@ class TrainerRank(Actor):
         share = RankShare(current_rank().rank + 1, world)
 
         def form() -> DataParallel:
-            group = group_kind(self.config.trainer_shard)(share, address, self.device)
+            config = self.config
+            group = group_kind(config.trainer_shard)(share, address, self.device, timeout=config.collective_timeout)
             self.learner.share_with(group)
             if self._shards_to_load is not None:  # as rank 0 does, which then publishes the policy
                 self.learner.load_shards(self._shards_to_load)

@@ -417,6 +417,15 @@ def build_parser() -> argparse.ArgumentParser:
         "each holds 1/N), ddp gives each a whole copy (default fsdp)",
     )
     train.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=Config().collective_timeout,
+        metavar="S",
+        help="with several trainer ranks: how long a rank waits for the others in one collective (joining the "
+        "group, summing gradients) before the step fails; longer than the ranks' passes can differ "
+        f"(default {Config().collective_timeout:g})",
+    )
+    train.add_argument(
         "--disable-dropout",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -637,6 +646,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
             micro_batch=args.micro_batch,
             trainer_ranks=args.trainer_ranks,
             trainer_shard=args.trainer_shard,
+            collective_timeout=args.collective_timeout,
             max_tokens_per_pass=args.max_tokens_per_pass,
             gradient_checkpointing=args.gradient_checkpointing,
             compile=args.compile,

@@ -15,6 +15,7 @@ from actors import Actor, current_rank, current_size, endpoint, this_host
 from actors.tensors import is_sharded
 from pipeline import BanditTask, Config, Generator, Learner, RefModel, Scorer, Trainer, resolve
 from pipeline.learning import DataParallel, GroupAddress, RankShare, Rendezvous, group_kind
+from pipeline.roles import TrainerRank
 from pipeline.tasks import load_task, to_device
 
 
@@ -274,6 +275,19 @@ class StuckStartTrainer(Trainer):
         with open(os.path.join(self.config.run_dir, "starting"), "w") as f:
             f.write("waiting\n")
         await asyncio.Event().wait()
+
+
+#: How late :class:`LateJoiningRank` comes to the trainer ranks' group.
+LATE_JOIN_S = 4.0
+
+
+class LateJoiningRank(TrainerRank):
+    """A trainer rank that comes to the group late (a slow host): ``--collective-timeout`` bounds the others' wait."""
+
+    @endpoint
+    async def join(self, address, world):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(LATE_JOIN_S)  # (the fault injected: not a synchronisation)
+        return await super().join(address, world)
 
 
 class SlowCheckpointTrainer(Trainer):

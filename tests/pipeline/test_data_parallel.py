@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 from harness import run_python
-from pipeline_support import LearnerRank, ranks_step
+from pipeline_support import LATE_JOIN_S, LateJoiningRank, LearnerRank, ranks_step
 
 from actors import this_host
 from pipeline import Config, DigitsTask, Learner, resolve, run_pipeline
@@ -318,3 +318,14 @@ def test_every_rank_rank_0_too_sends_gloo_over_its_session_address(monkeypatch):
     rendezvous = Rendezvous("127.0.0.1", 1)
     DataParallel(RankShare(0, 1), rendezvous.address, torch.device("cpu"), rendezvous=rendezvous).close()
     assert chosen == ["10.0.0.5"]
+
+
+async def test_the_ranks_collectives_wait_as_long_as_collective_timeout_says(tmp_path, sockets_dir):
+    """``--collective-timeout`` bounds each collective, the group's forming too (before: 60 s, fixed, however long
+    the ranks' passes could differ): a rank later than it fails the run, naming the deadline."""
+    from pipeline import Roles
+
+    config = Config(steps=2, trainer_ranks=2, collective_timeout=1.5, run_dir=str(tmp_path))
+    assert LATE_JOIN_S > 2 * config.collective_timeout
+    with pytest.raises(Exception, match=r"did not form within 1\.5 s"):
+        await run_pipeline(config, quiet=True, roles=Roles(trainer_rank=LateJoiningRank))

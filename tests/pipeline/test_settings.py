@@ -83,6 +83,8 @@ HF = ("--dataset", "prompts.jsonl", "--reward", "exact_match")
         (["--max-tokens-per-pass", "-1"], "--max-tokens-per-pass -1: must be at least 0"),
         (["--gradient-checkpointing"], "--gradient-checkpointing recomputes a Hugging Face model's layers"),
         (["--trainer-ranks", "0"], "--trainer-ranks 0: must be at least 1"),
+        (["--trainer-ranks", "2", "--collective-timeout", "0"], "--collective-timeout 0.0: a number of seconds above"),
+        (["--collective-timeout", "120"], "--collective-timeout bounds the trainer ranks' collectives: add --trainer"),
         (
             ["--compile", "--trainer-ranks", "2"],
             "--compile with --trainer-ranks 2 --trainer-shard fsdp: compiled blocks under FSDP2's hooks are not",
