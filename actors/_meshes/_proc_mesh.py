@@ -100,9 +100,10 @@ class ProcMesh(Shaped):
         self._spawned: list[SpawnRecord] = root._spawned if root is not self else []
         self._actors: dict[str, ActorMesh[Any]] = root._actors if root is not self else {}
         self.supervisor: MeshSupervisor
+        self._owned: bool
         if root is not self:  # a view of some of the root's processes: one supervision, one set of records
             self.supervisor = root.supervisor
-            self._owned = False
+            self._owned = root._owned  # (spawns on it are the root's owner's, as spawns on the root are)
             return
         context = actor_context.get()
         self.supervisor = MeshSupervisor(

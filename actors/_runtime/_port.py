@@ -336,24 +336,20 @@ class Port(Generic[T]):
 
 
 def _receiver_dropped(rt: Runtime, state: ReceiverState) -> None:
-    """Close the port whose receiver was garbage-collected unclosed, on the runtime's thread (the collection may
-    run on any)."""
+    """Close the port whose receiver was garbage-collected unclosed: later, on the runtime's loop, never here (a
+    collection runs wherever an allocation triggered it, the runtime's own encoding or flushing included, and a
+    close sends its senders their credit back)."""
     if state.closed is not None or rt.closed:
         return
 
     def close() -> None:
-        if state.closed is None:
+        if state.closed is None and not rt.closed:
             rt.receivers.close(state, "its receiver was dropped")
 
-    driver = rt.driver
-    loop = driver.loop
-    if driver.on_runtime_thread() or loop is None:
-        close()
-        return
-    try:
-        loop.call_soon_threadsafe(close)
-    except RuntimeError:  # (its loop closed meanwhile: nothing runs on it any more)
-        close()
+    loop = rt.driver.loop
+    if loop is not None:  # (none bound yet: the port stays open, as an unclosed receiver did before)
+        with contextlib.suppress(RuntimeError):  # (its loop closed meanwhile: nothing runs on it any more)
+            loop.call_soon_threadsafe(close)
 
 
 def send_error(port: Port[Any], error: PortError) -> None:

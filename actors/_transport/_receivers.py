@@ -123,13 +123,16 @@ class Receivers:
         self._credit(address, state.port_id, counts[0], counts[1])
         counts[0] = counts[1] = 0
 
-    def attach(self, state: ReceiverState, holder: ProcRef) -> None:
-        """``holder`` holds a sender of ``state``'s port: watched by its pid on this host; on another host, where
+    def attach(self, state: ReceiverState, holder: ProcRef, pid: int | None = None) -> None:
+        """``holder`` holds a sender of ``state``'s port: watched by its pid on this host (``pid``, the one the
+        news names, else the one known: a process restarted at the address has a new one); on another host, where
         its pid names no process of this one, by its address, until news of its death comes."""
         if holder.remote:
             state.attach(holder.address, not holder.dead)
-        elif holder.pid is not None and holder.pid != self._own_pid:
-            state.attach(holder.pid, self._watch(holder.pid))
+            return
+        pid = pid if pid is not None else holder.pid
+        if pid is not None and pid != self._own_pid:
+            state.attach(pid, self._watch(pid))
 
     def on_port_message(self, fields: list[Any], frames: list[Any], sender: Header, size: int) -> None:
         """An undecoded ``[PORT, port_id, value]`` record: the hot path, so checked here in place."""
@@ -183,7 +186,7 @@ class Receivers:
     def on_attach(self, record: Attach, frames: list[Any], sender: Header, size: int) -> None:
         state = self._states.get(record.port_id)
         if state is not None:
-            self.attach(state, self._proc(record.address, record.pid))
+            self.attach(state, self._proc(record.address, record.pid), record.pid)
 
     def holder_died(self, holder: int | str) -> None:
         """Process ``holder`` (a pid of this host, an address of another) is gone."""

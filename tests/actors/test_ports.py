@@ -601,7 +601,8 @@ async def test_a_receiver_dropped_unclosed_closes_its_port(sockets_dir):
         port.send(n)
         ports.append(port)
         del recv
-    gc.collect()
+    gc.collect()  # (their closes are queued on the loop, never run inside a collection: a yield runs them)
+    await asyncio.sleep(0)
     assert len(rt.receivers._states) == before
     with pytest.raises(PortClosed, match="no receiver in this process"):
         ports[0].send(1)
@@ -626,3 +627,18 @@ def test_an_error_taken_just_as_a_threads_receive_gives_up_is_raised_not_lost(so
     monkeypatch.setattr(_port, "done_within", arrives_as_it_gives_up)
     with pytest.raises(ActorError, match="sent instead of a value"):
         recv.recv().get(timeout=0.1)
+
+
+def test_an_attach_watches_the_pid_it_names_not_an_older_one_at_that_address():
+    """A process restarted at an address another's sender came from: the ATTACH names its new pid, which is the one
+    watched (the registry may still hold the old one, whose exit would say every sender was gone)."""
+    from actors._shared._liveness import ProcRef
+    from actors._transport._receivers import Receivers
+    from actors._wire._records import Attach
+
+    watched: list[int] = []
+    old = ProcRef("ipc:///restarted.sock", 111)
+    receivers = Receivers(1, lambda pid: watched.append(pid) or True, lambda *credit: None, print, lambda a, p: old)
+    state = receivers.open(False)
+    receivers.on_attach(Attach(state.port_id, 222, old.address), [], None, 0)  # type: ignore[arg-type]
+    assert watched == [222] and state.holders == {222}
