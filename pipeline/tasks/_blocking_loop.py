@@ -46,6 +46,15 @@ def _close(loop: asyncio.AbstractEventLoop) -> None:
     if loop.is_closed() or loop.is_running():
         return
     try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:  # collected on a thread another loop runs: no run_until_complete here, so cancel and close only
+        for task in asyncio.all_tasks(loop):
+            task.cancel()
+        loop.close()
+        return
+    try:
         left = asyncio.all_tasks(loop)
         for task in left:
             task.cancel()

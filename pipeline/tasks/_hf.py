@@ -261,7 +261,7 @@ class HFTask(Task):
             "completions": [data.completion(text) for text in samples.texts],
             "columns": columns,
             "completion_ids": completion_ids(samples.tokens, samples.prompt_mask.shape[1], samples.mask),
-            "state": RewardState(samples.ticket, self.config.steps),
+            "state": RewardState.at(samples.ticket, self.config.steps, self.config.prompts, len(data)),
         }
 
     def _scores(self, rewards: RewardSet, per_function: torch.Tensor, group: int, log: RewardLog) -> Scores:
@@ -359,7 +359,7 @@ class HFTask(Task):
             "completions": [data.completion(t) for t in texts],
             "columns": columns,
             "completion_ids": ids,
-            "state": RewardState(-1, self.config.steps),
+            "state": RewardState.at(-1, self.config.steps, self.config.prompts, len(self.train_data)),
         }
         return rewards, inputs, texts
 

@@ -418,6 +418,18 @@ def test_a_reward_that_sets_a_signal_handler_fails_saying_why_and_what_to_do(tmp
         asyncio.run(RewardSet([f"{path}:timed"]).score(["p"], ["a"], {}))
 
 
+async def test_a_reward_sets_own_loop_closes_even_on_a_thread_that_runs_another(tmp_path):
+    """Closed (or collected) on a thread whose event loop runs, the loop ``score_blocking`` keeps cannot be run to
+    finish its tasks there: they are cancelled and it is closed, not left open with a traceback."""
+    path = _reward_file(tmp_path, "async def one(completions, **kw):\n    return [1.0] * len(completions)\n")
+    rewards = RewardSet([f"{path}:one"])
+    assert (await asyncio.to_thread(rewards.score_blocking, ["p"], ["a"], {})).tolist() == [[1.0]]
+    kept = rewards._blocking._loop
+    assert kept is not None and not kept.is_closed()
+    rewards.close()
+    assert kept.is_closed() and rewards._blocking._loop is None
+
+
 def test_a_gdpo_task_trains_on_the_decoupled_sum_and_reports_the_plain_one(tiny, tmp_path):
     # rewards that vary within every group whatever the completions: one widely, one narrowly
     body = (
@@ -606,11 +618,17 @@ def test_reward_functions_are_called_by_keyword_as_trl_calls_them(tmp_path):
         "def only(completions, **kw):\n    return [float(c == 'A') for c in completions]\n"
         "def ids(completion_ids, **kw):\n    return [float(len(i)) for i in completion_ids]\n"
         "def swapped(completions, prompts, answer):\n    return [float(c == a) for c, a in zip(completions, answer)]\n"
-        "def step(completions, trainer_state, **kw):\n    return [float(trainer_state.global_step)] * len(completions)\n",
+        "def step(completions, trainer_state, **kw):\n    return [float(trainer_state.global_step)] * len(completions)\n"
+        "def epoch(completions, trainer_state, **kw):\n"
+        "    s = trainer_state\n"
+        "    assert s.is_world_process_zero and s.is_local_process_zero\n"
+        "    return [s.epoch / s.num_train_epochs] * len(completions)\n",
     )
-    rewards = RewardSet([f"{path}:only", f"{path}:ids", f"{path}:swapped", f"{path}:step"])
-    per = asyncio.run(rewards.score(["p"], ["A"], {"answer": ["A"]}, completion_ids=[[5, 6]], state=RewardState(7, 10)))
-    assert per[:, 0].tolist() == [1.0, 2.0, 1.0, 7.0]
+    rewards = RewardSet([f"{path}:only", f"{path}:ids", f"{path}:swapped", f"{path}:step", f"{path}:epoch"])
+    state = RewardState.at(7, 10, 8, 40)  # 8 of 40 rows a step: step 7 is 1.4 epochs in, of 2
+    assert (state.epoch, state.num_train_epochs) == (pytest.approx(1.4), pytest.approx(2.0))
+    per = asyncio.run(rewards.score(["p"], ["A"], {"answer": ["A"]}, completion_ids=[[5, 6]], state=state))
+    assert per[:, 0].tolist() == pytest.approx([1.0, 2.0, 1.0, 7.0, 0.7])
 
 
 def test_rewards_may_come_as_tensors_arrays_and_numpy_or_torch_scalars(tmp_path):
