@@ -186,16 +186,27 @@ class WeightPublisher:
                         "loop: use `await publisher.publish_async(...)`, which waits for a slot while the loop runs"
                     )
                 reservation = writer.reserve_blocking(total, self.timeout if timeout is None else timeout)
-            try:
+            with self._aborted_on_failure(reservation):
                 self._begin_fill(version)  # (a close() from another thread meanwhile frees the storage once done)
                 specs = self._fill_guarded(reservation, tensors, specs)
-            except BaseException:
-                if not self.closed:  # a closed publisher's storage is gone with its reservations
-                    writer.abort(reservation)
-                raise
-            if self.closed:
-                raise WeightSyncError(f"this weight publisher was closed while it published version {version}")
-            return self._commit(reservation, version, specs, total, extra)
+            return self._commit_unless_closed(reservation, version, specs, total, extra)
+
+    @contextlib.contextmanager
+    def _aborted_on_failure(self, reservation: Any) -> Iterator[None]:
+        """Give the reserved slot back if the copy into it fails (a closed publisher's storage is gone with it)."""
+        try:
+            yield
+        except BaseException:
+            if not self.closed:
+                self._writer.abort(reservation)
+            raise
+
+    def _commit_unless_closed(
+        self, reservation: Any, version: int, specs: list[TensorSpec], total: int, extra: dict[str, Any]
+    ) -> WeightManifest:
+        if self.closed:
+            raise WeightSyncError(f"this weight publisher was closed while it published version {version}")
+        return self._commit(reservation, version, specs, total, extra)
 
     @contextlib.contextmanager
     def _one_publish(self) -> Iterator[None]:
@@ -234,7 +245,7 @@ class WeightPublisher:
             reservation = writer.reserve(total)
             if reservation is None:
                 reservation = await writer.reserve_async(total, self.timeout if timeout is None else timeout)
-            try:
+            with self._aborted_on_failure(reservation):
                 if (writer.host_copy and (total >= OFFLOAD_BYTES or _on_a_gpu(tensors))) or (
                     not writer.host_copy and total >= OFFLOAD_BYTES and _on_the_host(tensors)
                 ):
@@ -243,13 +254,7 @@ class WeightPublisher:
                     specs = await _to_thread_to_the_end(self._fill_guarded, reservation, tensors, specs, ready)
                 else:
                     specs = self._fill_no_grad(reservation, tensors, specs)
-            except BaseException:
-                if not self.closed:  # a closed publisher's storage is gone with its reservations
-                    writer.abort(reservation)
-                raise
-            if self.closed:
-                raise WeightSyncError(f"this weight publisher was closed while it published version {version}")
-            return self._commit(reservation, version, specs, total, extra)
+            return self._commit_unless_closed(reservation, version, specs, total, extra)
 
     def _begin_fill(self, version: int) -> None:
         """Mark a copy into the reserved slot as under way, unless a close() came first (from another thread)."""
