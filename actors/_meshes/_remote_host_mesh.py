@@ -79,13 +79,15 @@ class RemoteNode:
         return f"host {self.index} ({self.ip}, {self.label})"
 
     def pool(self, addresses: list[str]) -> None:
-        """Keep fresh free ``addresses`` for later workers, leaving out any this host's pool already holds.
+        """Keep fresh free ``addresses`` for later workers, leaving out any this host's pool already holds or a
+        worker of it was given.
 
         A batch is distinct in itself, but a port the pool still holds unbound
-        is free to the host's next batch too: kept twice, it would be handed
-        to two ranks.
+        is free to the host's next batch too, and so is one a worker was sent
+        to start on and has not bound yet (the pool is refilled at once):
+        kept again, it would be handed to two ranks.
         """
-        held = set(self.addresses)
+        held = set(self.addresses) | {ref.address for ref in self.procs.values()}
         self.addresses.extend(address for address in addresses if address not in held)
 
 

@@ -111,3 +111,15 @@ def test_a_hosts_free_addresses_are_distinct_in_a_batch_and_its_pool_keeps_each_
     node.pool(["tcp://10.255.1.0:5001", "tcp://10.255.1.0:5002"])
     node.pool(["tcp://10.255.1.0:5002", "tcp://10.255.1.0:5003"])
     assert sorted(node.addresses) == ["tcp://10.255.1.0:5001", "tcp://10.255.1.0:5002", "tcp://10.255.1.0:5003"]
+
+
+def test_a_port_handed_to_a_worker_still_starting_is_not_pooled_again(tmp_path):
+    """The pool is refilled as soon as workers are sent to start, before they bind their ports: the host's next
+    free batch may hold one of them. Pooled again, it went to a second rank, whose worker failed to bind, and that
+    exit marked the live rank's process dead (they shared one address, so one ref)."""
+    mesh = a_host_mesh(tmp_path, 1)
+    (node,) = mesh._nodes
+    starting = mesh._rt.registry.placed("tcp://10.255.1.0:5001")
+    mesh._start(node, starting, {})
+    node.pool(["tcp://10.255.1.0:5001", "tcp://10.255.1.0:5002"])
+    assert node.addresses == ["tcp://10.255.1.0:5002"]
