@@ -45,22 +45,22 @@ class BlockingLoop:
 def _close(loop: asyncio.AbstractEventLoop) -> None:
     if loop.is_closed() or loop.is_running():
         return
+    left = asyncio.all_tasks(loop)
+    for task in left:
+        task.cancel()
+    try:
+        if not _a_loop_runs_here():  # (else run_until_complete cannot run here: cancelled and closed only)
+            if left:
+                loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.run_until_complete(loop.shutdown_default_executor())
+    finally:
+        loop.close()
+
+
+def _a_loop_runs_here() -> bool:
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        pass
-    else:  # collected on a thread another loop runs: no run_until_complete here, so cancel and close only
-        for task in asyncio.all_tasks(loop):
-            task.cancel()
-        loop.close()
-        return
-    try:
-        left = asyncio.all_tasks(loop)
-        for task in left:
-            task.cancel()
-        if left:
-            loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
-        loop.run_until_complete(loop.shutdown_asyncgens())
-        loop.run_until_complete(loop.shutdown_default_executor())
-    finally:
-        loop.close()
+        return False
+    return True

@@ -249,7 +249,7 @@ class HFTask(Task):
     def score(self, scorer: Any, samples: HFBatch) -> Scores:
         """:meth:`score_async` for code without an event loop (on the reward set's own loop, call after call)."""
         rewards, log = scorer if isinstance(scorer, RewardSet) else self.rewards, RewardLog()
-        per_function = rewards.score_blocking(**self._reward_inputs(samples), log=log)
+        per_function = rewards.run_blocking(rewards.score(**self._reward_inputs(samples), log=log))
         return self._scores(rewards, per_function, samples.group, log)
 
     def _reward_inputs(self, samples: HFBatch) -> dict[str, Any]:
@@ -340,7 +340,7 @@ class HFTask(Task):
         """:meth:`evaluate_async` for code without an event loop (on the reward set's own loop, call after call)."""
         rewards, inputs, texts = self._held_out(policy)
         log = RewardLog()
-        return self._evaluation(rewards, inputs, texts, rewards.score_blocking(**inputs, log=log), log)
+        return self._evaluation(rewards, inputs, texts, rewards.run_blocking(rewards.score(**inputs, log=log)), log)
 
     def _held_out(self, policy: torch.nn.Module) -> tuple[RewardSet, dict[str, Any], list[str]]:
         """The reward functions beside ``policy``, their arguments for its held-out completions, and their texts."""

@@ -29,9 +29,9 @@ import numbers
 import os
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -62,6 +62,9 @@ SIGNAL_HINT = (
     "timeout_seconds=None, as TRL's accuracy_reward does off the main thread, and bound the time with "
     "--reward-timeout)"
 )
+
+
+T = TypeVar("T")
 
 
 class RewardError(RuntimeError):
@@ -353,24 +356,14 @@ class RewardSet:
         rows = await asyncio.gather(*(self._call(f, offered, len(completions)) for f in self.functions))
         return torch.tensor(rows, dtype=torch.float32, device="cpu").reshape(len(self.functions), len(completions))
 
-    def score_blocking(
-        self,
-        prompts: list[Any],
-        completions: list[Any],
-        columns: dict[str, list[Any]],
-        *,
-        completion_ids: list[list[int]] | None = None,
-        state: RewardState | None = None,
-        log: RewardLog | None = None,
-    ) -> torch.Tensor:
-        """:meth:`score` for code without an event loop (a one-process run, a sharded trainer's evaluation): on one
-        loop this set keeps, so what async reward functions keep bound to it (a semaphore, a client) lasts from
-        call to call."""
-        scored = self.score(prompts, completions, columns, completion_ids=completion_ids, state=state, log=log)
-        return self._blocking.run(scored)
+    def run_blocking(self, scoring: Coroutine[Any, Any, T]) -> T:
+        """``scoring`` (a :meth:`score`) run for code without an event loop (a one-process run, a sharded
+        trainer's evaluation): on one loop this set keeps, so what async reward functions keep bound to it (a
+        semaphore, a client) lasts from call to call."""
+        return self._blocking.run(scoring)
 
     def close(self) -> None:
-        """Close :meth:`score_blocking`'s loop (a later call makes another)."""
+        """Close :meth:`run_blocking`'s loop (a later call makes another)."""
         self._blocking.close()
 
     async def _call(self, reward: RewardFunction, offered: dict[str, Any], count: int) -> list[float]:

@@ -419,11 +419,12 @@ def test_a_reward_that_sets_a_signal_handler_fails_saying_why_and_what_to_do(tmp
 
 
 async def test_a_reward_sets_own_loop_closes_even_on_a_thread_that_runs_another(tmp_path):
-    """Closed (or collected) on a thread whose event loop runs, the loop ``score_blocking`` keeps cannot be run to
+    """Closed (or collected) on a thread whose event loop runs, the loop ``run_blocking`` keeps cannot be run to
     finish its tasks there: they are cancelled and it is closed, not left open with a traceback."""
     path = _reward_file(tmp_path, "async def one(completions, **kw):\n    return [1.0] * len(completions)\n")
     rewards = RewardSet([f"{path}:one"])
-    assert (await asyncio.to_thread(rewards.score_blocking, ["p"], ["a"], {})).tolist() == [[1.0]]
+    scored = await asyncio.to_thread(lambda: rewards.run_blocking(rewards.score(["p"], ["a"], {})))
+    assert scored.tolist() == [[1.0]]
     kept = rewards._blocking._loop
     assert kept is not None and not kept.is_closed()
     rewards.close()
