@@ -65,6 +65,9 @@ ATTACH_TIMEOUT = 30.0
 REQUEST_TIMEOUT = 60.0
 #: How long shutting down waits for the agents to end their workers.
 STOP_TIMEOUT = 15.0
+#: How long it waits for an agent that never answered ``start`` (its worker may be unreachable): it is asked all
+#: the same, and the request stays queued for it after the wait.
+UNANSWERED_STOP_TIMEOUT = 3.0
 
 
 class AttachedHostMesh(RemoteHostMesh):
@@ -189,28 +192,31 @@ class AttachedHostMesh(RemoteHostMesh):
         """End every process this mesh started on every host, then the worker loops (``shutdown()``, as in
         Monarch) or, at this program's exit, only the agents (the loops serve the next controller).
 
-        A mesh still attaching stops attaching, and asks only the agents that started their forkserver.
+        A mesh still attaching stops attaching, and asks every agent whose worker was not lost: one that has
+        not answered ``start`` yet may still start its forkserver (a stop queued behind the start ends it), but
+        its answer is waited for only briefly (its worker may never have been reachable).
         """
         if self.closed:
             return
         self.closed = True
         self._attaching.cancel("its host mesh was shut down before it attached")
         if self._nodes:
-            reached = [node.index for node in self._nodes if not node.lost]
+            waits = {node.index: STOP_TIMEOUT for node in self._nodes if not node.lost}
         else:
-            reached = sorted(self._attaching.started)
-        calls = [ask_agent(self._rt, self._handles[index], "shut_down", (end_hosts,)) for index in reached]
+            started, unanswered = set(self._attaching.started), self._rt.driver.on_thread(self._attaching.unanswered)
+            waits = {i: STOP_TIMEOUT if i in started else UNANSWERED_STOP_TIMEOUT for i in [*started, *unanswered]}
+        calls = {index: ask_agent(self._rt, self._handles[index], "shut_down", (end_hosts,)) for index in waits}
         if end_hosts:
-            for index in reached:
+            for index in waits:
                 self._agents[index]._expect_exit()  # the loop's process ends after answering
-        for call in calls:
+        for index, call in calls.items():
             with contextlib.suppress(Exception):
-                _wait(self._rt, call, STOP_TIMEOUT, "the hosts to stop their workers")
+                _wait(self._rt, call, waits[index], "the hosts to stop their workers")
         if not end_hosts:  # the agent actors only: their process is the worker loop
-            stops = [self._handles[index].stop() for index in reached]
-            for stop in stops:
+            stops = {index: self._handles[index].stop() for index in waits}
+            for index, stop in stops.items():
                 with contextlib.suppress(Exception):
-                    stop.get(timeout=STOP_TIMEOUT)
+                    stop.get(timeout=waits[index])
         self._relay.close()
         self._lifelines.close()
         self._forget_workers("its host mesh was shut down")

@@ -190,6 +190,11 @@ class Attaching:
         self.started.discard(index)
         self._fail(RuntimeError(f"attach failed: lost the worker loop at {self.addresses[index]}: {why}"))
 
+    def unanswered(self) -> list[int]:
+        """The workers whose agent has not answered ``start`` and whose lifeline did not end: the request may
+        still be on its way, and a stop sent now comes after it (runtime's thread)."""
+        return [i for i in range(len(self._agents)) if i not in self.started and i not in self._lost]
+
     def cancel(self, why: str) -> None:
         """Stop attaching (its host mesh was shut down; any thread): readiness fails saying ``why``, and the
         questions still open are given up (a late answer is dropped)."""

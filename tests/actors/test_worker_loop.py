@@ -536,6 +536,50 @@ def test_a_worker_lost_while_attaching_fails_it_at_once_and_a_late_starter_is_st
     assert loops[1].wait(15) == 0, "the late starter's loop was ended by its mesh's shutdown"
 
 
+SHUT_BEFORE_START = textwrap.dedent(
+    """
+    import json, os, signal, sys, threading, time
+    from actors import attach_to_workers
+
+    def main(workers, pids):
+        # Both loops are paused: attaching returns, and the mesh is shut down before any agent answered `start`.
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        hosts = attach_to_workers(name="early", ca="trust_all_connections", workers=workers, timeout=60)
+        out = {"started": sorted(hosts._attaching.started)}  # (internal: nothing public says)
+        resume = threading.Timer(0.5, lambda: [os.kill(pid, signal.SIGCONT) for pid in pids])
+        resume.start()
+        t = time.monotonic()
+        hosts.shutdown()
+        out["shutdown_s"] = time.monotonic() - t
+        resume.join()
+        deadline = time.monotonic() + 60  # (kept alive until the loops are gone: the request left before it ends)
+        while any(os.path.exists(w.removeprefix("ipc://")) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        print(json.dumps(out), flush=True)
+
+    if __name__ == "__main__":
+        main(json.loads(sys.argv[1]), json.loads(sys.argv[2]))
+    """
+)
+
+
+@pytest.mark.parametrize("worker_loops", ["ipc"], indirect=True)
+def test_a_mesh_shut_down_before_its_agents_answered_still_ends_their_loops(tmp_path, worker_loops):
+    """``shutdown()`` right after ``attach_to_workers`` returned asked only the agents that had answered `start`
+    (none): the others started their forkserver later and the loops served on. Every agent not lost is asked."""
+    workers, keys, loops = worker_loops
+    assert wait_for(lambda: all(os.path.exists(w.removeprefix("ipc://")) for w in workers), timeout=30)
+    script = tmp_path / "shut_before_start.py"
+    script.write_text(SHUT_BEFORE_START)
+    pids = json.dumps([loop.pid for loop in loops])
+    out = result_of(run_python(str(script), json.dumps(workers), pids, timeout=120, env=clean_env(keys)))
+    assert out["started"] == [], "no agent had answered when the mesh was shut down"
+    assert out["shutdown_s"] < 10
+    for loop in loops:
+        assert loop.wait(15) == 0, "shutdown() ends the worker loops, answered or not"
+
+
 async def test_a_shutdown_awaited_on_an_event_loop_runs_off_the_loop_and_is_awaited_to_its_end():
     """Monarch's ``await hosts.shutdown()``: it ran on the loop's thread, where each of its waits raised "would
     block the running event loop" (swallowed), the lifelines' threads were joined on the loop, and it returned a
