@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._runtime._port import send_error
 from .._runtime._port_error import PortError
-from .._shared._errors import ActorDied, DecodeError
+from .._shared._errors import ActorDied, DecodeError, PortClosed
 from .._wire._records import Call, ErrorRecord, Reply
 
 if TYPE_CHECKING:
@@ -68,13 +68,22 @@ class Invocation:
                 rt.send(ref, Reply(call.call_id, call.rank, False, record), urgent=True, owed=True)
 
     def deliver_result(self, value: Any) -> None:
-        """A fire-and-forget call with a port: the result goes to that port."""
-        port = self.call.port
-        if port is not None:
+        """A fire-and-forget call with a port: the result goes to that port, or why it could not (a value of
+        another type than the port's, one the codec refuses, a full port), so its receiver does not wait for good."""
+        call = self.call
+        port = call.port
+        if port is None:
+            return
+        try:
+            port.send(value)
+        except PortClosed:  # (its receiver has gone: nobody waits)
+            return
+        except Exception as exc:
+            record = ErrorRecord.of(exc)._replace(message=f"the endpoint's result could not be sent to its port: {exc}")
             try:
-                port.send(value)
+                send_error(port, PortError(record, call.actor, call.rank, call.method))
             except Exception:
-                log.exception("could not send the result of %s.%s to its port", self.call.actor, self.call.method)
+                log.exception("could not send the result of %s.%s to its port", call.actor, call.method)
 
     def answer_error(self, rt: Runtime, record: ErrorRecord, rank: int) -> bool:
         """Tell whoever waits on this call that it failed: its caller, else the port it was sent with (as in

@@ -90,6 +90,18 @@ async def test_a_fire_and_forget_call_that_raises_sends_its_error_to_its_port(pr
     assert procs.failures == [], "and is not reported as failed (a report would have come before that answer)"
 
 
+async def test_a_fire_and_forget_result_its_port_refuses_sends_the_refusal_there(procs: ProcMesh):
+    """``send(ep, args, port=p)`` where ``p`` is typed for another value than the endpoint returns: the refusal
+    was only logged in the worker and ``p``'s receiver waited for good. It gets the error now, as for a raise."""
+    echo = procs.spawn("echo", Echo).slice(gpus=0)
+    port, recv = Channel.open(str)
+    send(echo.add, (1,), port=port)
+    with pytest.raises(ActorError, match="could not be sent to its port") as raised:
+        await asyncio.wait_for(recv.recv(), 20)
+    assert raised.value.method == "add"
+    assert await asyncio.wait_for(echo.add.call_one(1), 20) == 1, "the actor lives on"
+
+
 async def test_a_sync_endpoint_raising_what_asyncio_cannot_carry_fails_only_its_call(procs: ProcMesh):
     """``StopIteration`` from a ``def`` endpoint cannot be set on an asyncio future: the call was never answered.
     ``concurrent.futures.CancelledError`` (an ordinary exception) was turned into asyncio's cancel on its way
