@@ -63,6 +63,8 @@ class Lifecycle:
         self._tasks: set[asyncio.Task[Any]] = set()
         #: The stops under way (an actor stopped alone, or failed): the worker's stop waits for them too.
         self._stops: set[asyncio.Task[None]] = set()
+        #: The constructions under way (a synchronous actor's runs on its thread): the worker's stop waits for them.
+        self._building: set[asyncio.Future[None]] = set()
 
     def background(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Run ``coro`` as a task of the worker (kept referenced until it ends)."""
@@ -71,9 +73,26 @@ class Lifecycle:
         task.add_done_callback(self._tasks.discard)
 
     async def spawn(self, inv: Invocation, name: str, class_ref: str, extent: dict[str, int], ctor: bytes) -> ActorSlot:
-        """Construct actor ``name`` and answer ``inv``; the slot (failed if construction raised)."""
+        """Construct actor ``name`` and answer ``inv``; the slot (failed if construction raised).
+
+        Refused once the worker is stopping (nothing would stop the actor); the worker's stop waits for a
+        construction under way and then cleans the actor up.
+        """
+        if self.stopping:
+            raise RuntimeError(f"cannot spawn {shown(name)!r}: this process is stopping")
         if name in self._slots.actors:
             raise ValueError(f"an actor named {shown(name)!r} already exists in this process")
+        built: asyncio.Future[None] = self.loop.create_future()
+        self._building.add(built)
+        try:
+            return await self._construct(inv, name, class_ref, extent, ctor)
+        finally:
+            self._building.discard(built)
+            built.set_result(None)
+
+    async def _construct(
+        self, inv: Invocation, name: str, class_ref: str, extent: dict[str, int], ctor: bytes
+    ) -> ActorSlot:
         self._slots.stopped.discard(name)
         slot = ActorSlot(name, inv.call.rank, dict(extent), class_ref)
         slot.supervisor = self._rt.registry.proc(inv.call.reply_to, inv.call.reply_pid)
@@ -171,8 +190,10 @@ class Lifecycle:
         self._slots.stopped.update(slot.name for slot in slots)  # (what they spawn from now on is stopped at once)
         for slot in slots:
             self._start_stop(slot, exc, timeout)
-        while self._stops:  # every stop under way, those begun meanwhile too: their cleanup ends before the worker
-            for stop in await _finished(self._stops):
+        # every stop under way, those begun meanwhile too (an actor constructed meanwhile is cleaned up by one its
+        # construction starts before it ends): their cleanup ends before the worker
+        while self._stops or self._building:
+            for stop in await _finished(self._stops | self._building):
                 if not stop.cancelled() and stop.exception() is not None:
                     log.error("a stop failed", exc_info=stop.exception())
         while self._last:
@@ -294,7 +315,7 @@ class Lifecycle:
         self.background(stop())
 
 
-async def _finished(tasks: set[asyncio.Task[None]]) -> set[asyncio.Task[None]]:
+async def _finished(tasks: set[asyncio.Future[None]]) -> set[asyncio.Future[None]]:
     """The tasks of ``tasks`` that end first (shielded: a cancel of the waiter leaves them running)."""
     done, _ = await asyncio.wait(list(tasks), return_when=asyncio.FIRST_COMPLETED)
     return done

@@ -12,6 +12,8 @@ import threading
 import types
 from typing import Any
 
+import pytest
+
 from actors import Actor, endpoint
 from actors._hosting._lifecycle import Lifecycle
 from actors._hosting._slots import ActorSlot, SlotTable
@@ -217,3 +219,37 @@ async def test_an_actor_stopped_while_its_constructor_runs_is_cleaned_up_once_co
     await asyncio.wait_for(life.stop_all(), 20)  # (waits for every stop under way)
     assert replies == [True]
     assert sorted(log) == ["cleaned up on actor-a", "constructed", "stopped spawned after the stop"]
+
+
+async def test_the_workers_stop_waits_for_a_construction_under_way_and_refuses_a_later_spawn():
+    """The worker's stop (a mesh's ``stop()``, SIGTERM) while a synchronous actor's constructor runs: it found no
+    instance, answered at once, and the worker ended before the constructed actor's ``__cleanup__`` (what its
+    ``__init__`` acquired leaked). It now waits for the construction and cleans the actor up; a spawn that
+    arrives once the worker is stopping is refused (before, its actor was never stopped)."""
+    started, gate, log = threading.Event(), threading.Event(), []
+    replies: list[bool] = []
+    rt = types.SimpleNamespace(
+        registry=types.SimpleNamespace(proc=lambda address, pid: None),
+        inbox=types.SimpleNamespace(
+            decoder=types.SimpleNamespace(decode=lambda ctor, frames: ([started, gate, log], {}))
+        ),
+    )
+    inv = types.SimpleNamespace(
+        call=types.SimpleNamespace(rank=0, reply_to="ipc://caller", reply_pid=1),
+        frames=[],
+        reply=lambda rt, ok, value: replies.append(ok),
+    )
+    life = Lifecycle(rt, SlotTable(), None, lambda hosted: None)  # type: ignore[arg-type]
+    spawning = asyncio.ensure_future(life.spawn(inv, "a", f"{__name__}:SlowStart", {}, b""))  # type: ignore[arg-type]
+    await asyncio.wait_for(asyncio.to_thread(started.wait, 10), 20)
+    everything = asyncio.ensure_future(life.stop_all())
+    for _ in range(5):  # (the old stop ended within a turn or two)
+        await asyncio.sleep(0)
+    assert not everything.done(), "the worker's stop waits for the construction under way"
+    with pytest.raises(RuntimeError, match="stopping"):
+        await life.spawn(inv, "b", f"{__name__}:SlowStart", {}, b"")  # type: ignore[arg-type]
+    gate.set()
+    await asyncio.wait_for(spawning, 20)
+    await asyncio.wait_for(everything, 20)
+    assert replies == [True]
+    assert log == ["constructed", "cleaned up on actor-a"]
