@@ -48,7 +48,7 @@ class ChildSupervision:
                 verdict = slot.run_sync(self._lifecycle.loop, functools.partial(hook, failure))
             else:
                 verdict = hook(failure)
-        except Exception as exc:
+        except BaseException as exc:  # (SystemExit too: the hook's failure, never raised into the mesh supervisor)
             self.escalate(actor, failure, exc)
             return True
         finally:

@@ -247,7 +247,7 @@ class Lifecycle:
             if _cancelled(asyncio.current_task()):
                 raise  # the stop itself is cancelled (the loop is closing), not a failure of the cleanup
             log.exception("__cleanup__ of %s[%d] raised CancelledError", shown(slot.name), slot.rank)
-        except Exception:
+        except BaseException:  # (SystemExit, KeyboardInterrupt too: the cleanup's failure, not the worker's end)
             log.exception("__cleanup__ of %s[%d] failed", shown(slot.name), slot.rank)
         finally:
             actor_context.reset(token)
@@ -256,7 +256,7 @@ class Lifecycle:
         """Await ``cleanup`` up to ``timeout`` s; then cancel it, and give it :data:`CANCEL_GRACE` s to end before
         abandoning it (``wait_for`` waits for a cancelled task to end: one that swallows the cancel held the stop,
         and the worker's exit, for good)."""
-        task = asyncio.ensure_future(cleanup)
+        task = asyncio.ensure_future(_contained(cleanup))
         try:
             if not (await asyncio.wait({task}, timeout=timeout))[0]:
                 task.cancel()
@@ -319,6 +319,17 @@ async def _finished(tasks: set[asyncio.Future[None]]) -> set[asyncio.Future[None
     """The tasks of ``tasks`` that end first (shielded: a cancel of the waiter leaves them running)."""
     done, _ = await asyncio.wait(list(tasks), return_when=asyncio.FIRST_COMPLETED)
     return done
+
+
+async def _contained(awaitable: Any) -> Any:
+    """Await ``awaitable``, turning a ``SystemExit`` or ``KeyboardInterrupt`` it raises into a ``RuntimeError``: a
+    task re-raises those out of the event loop, which would end the worker in the middle of its stop."""
+    try:
+        return await awaitable
+    except (asyncio.CancelledError, Exception):
+        raise
+    except BaseException as exc:
+        raise RuntimeError(f"raised {type(exc).__name__}: {exc}") from exc
 
 
 def _cancelled(task: asyncio.Task[Any] | None) -> bool:

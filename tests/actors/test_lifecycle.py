@@ -253,3 +253,45 @@ async def test_the_workers_stop_waits_for_a_construction_under_way_and_refuses_a
     await asyncio.wait_for(everything, 20)
     assert replies == [True]
     assert log == ["constructed", "cleaned up on actor-a"]
+
+
+def test_a_cleanup_or_supervise_raising_system_exit_is_their_failure_and_the_worker_goes_on():
+    """``SystemExit`` (or ``KeyboardInterrupt``) from ``__cleanup__`` (async, or a plain ``def`` on an async
+    actor) escaped its task out of the worker's event loop: the other cleanups and the stops of what the actor
+    spawned never ran, and the stop was never answered. A ``def __supervise__`` raising it escaped into the mesh
+    supervisor. Each is now a failure of the hook: logged (cleanup) or escalated (supervise), and the stop goes on."""
+    from actors._hosting._child_supervision import ChildSupervision
+
+    class Exits:
+        async def __cleanup__(self, exc: BaseException | None) -> None:
+            raise SystemExit(3)
+
+    class ExitsPlainly:
+        def __cleanup__(self, exc: BaseException | None) -> None:
+            raise KeyboardInterrupt
+
+    class SupervisesByExiting:
+        def __supervise__(self, failure: Any) -> bool:
+            raise SystemExit(5)
+
+    async def main() -> tuple[list[str], list[tuple[str, str]], bool]:
+        log: list[str] = []
+        for instance in (Exits(), ExitsPlainly()):
+            life, _ = hosting(instance, Child(log, type(instance).__name__))
+            await asyncio.wait_for(life.stop_all(), 10)
+        reported: list[tuple[str, str]] = []
+        reports = types.SimpleNamespace(report=lambda actor, rank, method, record: reported.append((method, record)))
+        life, _slot = hosting(SupervisesByExiting(), Child(log, "supervisor's child"))
+        life._reports = reports  # type: ignore[assignment]
+        supervision = ChildSupervision(life._slots, reports, life)  # type: ignore[arg-type]
+        handled = supervision.supervise("a", types.SimpleNamespace(traceback="", __str__=lambda self: "a failure"))
+        await asyncio.wait_for(life.stop_all(), 10)
+        return log, [(method, record.message) for method, record in reported], handled
+
+    try:
+        log, reported, handled = asyncio.run(main())
+    except BaseException as exc:  # (what escaped the loop)
+        pytest.fail(f"the worker's loop ended: {type(exc).__name__}")
+    assert log == ["stopped Exits", "stopped ExitsPlainly", "stopped supervisor's child"]
+    assert handled and len(reported) == 1 and reported[0][0] == "__supervise__"
+    assert "__supervise__ raised SystemExit" in reported[0][1], reported
