@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import traceback
+import weakref
 from typing import Any
 
 from .._runtime._context import actor_context
@@ -50,7 +51,8 @@ class CallDispatcher:
             self._reports.refuse(inv, ErrorRecord(SUPERVISION, actor_stopped(actor)))
         elif slot is None:
             self._slots.waiting.setdefault(actor, []).append(inv)
-            self._loop.call_later(SPAWN_WAIT, self._expire, actor, inv)
+            # (held weakly: a call the spawn took and ran is not kept, with its buffers, until the timer fires)
+            self._loop.call_later(SPAWN_WAIT, self._expire, actor, weakref.ref(inv))
         elif slot.instance is None and slot.error is None:
             slot.backlog.append(inv)
         else:
@@ -62,11 +64,16 @@ class CallDispatcher:
         for waiting in backlog:
             self._start(slot, waiting)
 
-    def _expire(self, actor: str, inv: Invocation) -> None:
+    def _expire(self, actor: str, held: weakref.ref[Invocation]) -> None:
+        """The call still waits for its actor's spawn (the very call, not an equal one): it is refused."""
+        inv = held()
         waiting = self._slots.waiting.get(actor)
-        if waiting and inv in waiting:
-            waiting.remove(inv)
-            self._reports.refuse(inv, ErrorRecord("LookupError", f"no actor named {shown(actor)!r} in this process"))
+        if inv is None or not waiting or not any(w is inv for w in waiting):
+            return
+        waiting[:] = [w for w in waiting if w is not inv]
+        if not waiting:
+            del self._slots.waiting[actor]
+        self._reports.refuse(inv, ErrorRecord("LookupError", f"no actor named {shown(actor)!r} in this process"))
 
     def _start(self, slot: ActorSlot, inv: Invocation) -> None:
         refuse = self._reports.refuse

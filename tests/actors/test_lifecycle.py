@@ -295,3 +295,49 @@ def test_a_cleanup_or_supervise_raising_system_exit_is_their_failure_and_the_wor
     assert log == ["stopped Exits", "stopped ExitsPlainly", "stopped supervisor's child"]
     assert handled and len(reported) == 1 and reported[0][0] == "__supervise__"
     assert "__supervise__ raised SystemExit" in reported[0][1], reported
+
+
+async def test_a_call_that_waited_for_its_actors_spawn_is_not_held_once_the_spawn_took_it():
+    """A call read before its actor's spawn (``spawn(...)`` then at once ``load.call(state_dict)``) waits for
+    it, with a timer to refuse it if the spawn never comes: the timer held the call, its arguments and buffer
+    frames (gigabytes of weights) for 30 s after the call had finished. It holds the call weakly now."""
+    import gc
+    import weakref
+
+    from actors._hosting._dispatch import CallDispatcher
+    from actors._hosting._invocation import Invocation
+
+    slots = SlotTable()
+    life = types.SimpleNamespace(loop=asyncio.get_running_loop())
+    dispatcher = CallDispatcher(None, slots, None, life)  # type: ignore[arg-type]
+    inv = Invocation(types.SimpleNamespace(actor="a", method="load"), [bytearray(1 << 20)])  # type: ignore[arg-type]
+    dispatcher.dispatch(inv)
+    assert slots.waiting["a"] == [inv]
+    taken = slots.waiting.pop("a")  # (the spawn takes the calls that waited; they run and end)
+    held = weakref.ref(inv)
+    del inv, taken
+    gc.collect()
+    assert held() is None, "nothing holds a call that has run"
+
+
+async def test_a_call_whose_actor_is_never_spawned_is_refused_at_the_spawn_wait(monkeypatch):
+    """The expiry of a waiting call: that very call is refused (``LookupError``); an equal call queued behind it
+    (the same bytes: a retry) waits on, to its own expiry."""
+    from actors._hosting import _dispatch
+    from actors._hosting._dispatch import CallDispatcher
+    from actors._hosting._invocation import Invocation
+
+    monkeypatch.setattr(_dispatch, "SPAWN_WAIT", 0.01)
+    refused: asyncio.Queue[tuple[Invocation, str]] = asyncio.Queue()
+    reports = types.SimpleNamespace(refuse=lambda inv, record: refused.put_nowait((inv, record.type_name)))
+    slots = SlotTable()
+    life = types.SimpleNamespace(loop=asyncio.get_running_loop())
+    dispatcher = CallDispatcher(None, slots, reports, life)  # type: ignore[arg-type]
+    call = types.SimpleNamespace(actor="never", method="load")
+    first, second = Invocation(call, []), Invocation(call, [])  # type: ignore[arg-type]
+    dispatcher.dispatch(first)
+    monkeypatch.setattr(_dispatch, "SPAWN_WAIT", 30.0)
+    dispatcher.dispatch(second)
+    inv, kind = await asyncio.wait_for(refused.get(), 10)
+    assert inv is first and kind == "LookupError"
+    assert len(slots.waiting["never"]) == 1 and slots.waiting["never"][0] is second
