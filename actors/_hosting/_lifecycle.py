@@ -237,8 +237,10 @@ class Lifecycle:
             return
         token = actor_context.set(slot.context)
         try:
-            if is_sync_actor(type(slot.instance)) and not inspect.iscoroutinefunction(cleanup):
-                result = slot.run_sync(self.loop, functools.partial(cleanup, exc))  # on the actor's thread
+            if not inspect.iscoroutinefunction(cleanup):
+                # on the actor's thread: a synchronous actor's, or one with no endpoint (whose ``def`` would block
+                # the loop; an async actor's must be async)
+                result = slot.run_sync(self.loop, functools.partial(cleanup, exc))
             else:
                 result = cleanup(exc)
             if inspect.isawaitable(result):

@@ -341,3 +341,24 @@ async def test_a_call_whose_actor_is_never_spawned_is_refused_at_the_spawn_wait(
     inv, kind = await asyncio.wait_for(refused.get(), 10)
     assert inv is first and kind == "LookupError"
     assert len(slots.waiting["never"]) == 1 and slots.waiting["never"][0] is second
+
+
+async def test_a_plain_cleanup_of_an_actor_without_endpoints_runs_off_the_event_loop():
+    """An actor with no endpoint is not synchronous by Monarch's rule, so its plain ``def __cleanup__`` ran on
+    the worker's event loop: one that waits (joins its thread) blocked every other actor's calls and the stop's
+    own bound. It runs on the actor's thread now, under the bound."""
+    gate, log = threading.Event(), []
+
+    class Waits:
+        def __cleanup__(self, exc: BaseException | None) -> None:
+            gate.wait(5)
+            log.append(f"cleaned up on {threading.current_thread().name.partition('_')[0]}")
+
+    life, _ = hosting(Waits())
+    stopping = asyncio.ensure_future(life.stop_all())
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert log == [] and not stopping.done(), "the loop runs on while the cleanup waits"
+    gate.set()
+    await asyncio.wait_for(stopping, 10)
+    assert log == ["cleaned up on actor-a"]
