@@ -192,9 +192,10 @@ class AttachedHostMesh(RemoteHostMesh):
         """End every process this mesh started on every host, then the worker loops (``shutdown()``, as in
         Monarch) or, at this program's exit, only the agents (the loops serve the next controller).
 
-        A mesh still attaching stops attaching, and asks every agent whose worker was not lost: one that has
-        not answered ``start`` yet may still start its forkserver (a stop queued behind the start ends it), but
-        its answer is waited for only briefly (its worker may never have been reachable).
+        A mesh still attaching stops attaching, and asks the agents that started their forkserver; a
+        ``shutdown()`` also asks those that have not answered ``start`` yet (a stop queued behind the start
+        ends the forkserver it starts, and the loop), waiting for them only briefly (their worker may never have
+        been reachable). At exit the lifelines' end stops those. Every wait runs to one deadline per agent.
         """
         if self.closed:
             return
@@ -203,20 +204,27 @@ class AttachedHostMesh(RemoteHostMesh):
         if self._nodes:
             waits = {node.index: STOP_TIMEOUT for node in self._nodes if not node.lost}
         else:
-            started, unanswered = set(self._attaching.started), self._rt.driver.on_thread(self._attaching.unanswered)
+            started = set(self._attaching.started)
+            unanswered = self._rt.driver.on_thread(self._attaching.unanswered) if end_hosts else []
             waits = {i: STOP_TIMEOUT if i in started else UNANSWERED_STOP_TIMEOUT for i in [*started, *unanswered]}
+        now = time.monotonic()
+        deadlines = {index: now + wait for index, wait in waits.items()}
+
+        def left(index: int) -> float:
+            return max(0.0, deadlines[index] - time.monotonic())
+
         calls = {index: ask_agent(self._rt, self._handles[index], "shut_down", (end_hosts,)) for index in waits}
         if end_hosts:
             for index in waits:
                 self._agents[index]._expect_exit()  # the loop's process ends after answering
         for index, call in calls.items():
             with contextlib.suppress(Exception):
-                _wait(self._rt, call, waits[index], "the hosts to stop their workers")
+                _wait(self._rt, call, left(index), "the hosts to stop their workers")
         if not end_hosts:  # the agent actors only: their process is the worker loop
             stops = {index: self._handles[index].stop() for index in waits}
             for index, stop in stops.items():
                 with contextlib.suppress(Exception):
-                    stop.get(timeout=waits[index])
+                    stop.get(timeout=left(index))
         self._relay.close()
         self._lifelines.close()
         self._forget_workers("its host mesh was shut down")
