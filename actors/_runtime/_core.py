@@ -202,11 +202,12 @@ class Runtime:
         self.mesh_routes.moved(old, address)
 
     def _credit(self, address: str, port_id: int, messages: int, nbytes: int) -> None:
-        """Give a port's sender its window back (urgent: a busy consumer may never yield)."""
+        """Give a port's sender its window back (urgent: a busy consumer may never yield; owed: the sender's own
+        window bounds how many are due, and one refused on a full link would stall that sender for good)."""
         ref = self.registry.procs.get(address)
         if ref is not None and not ref.dead:
             with contextlib.suppress(ActorDied):
-                self.send(ref, Credit(port_id, messages, nbytes), urgent=True)
+                self.send(ref, Credit(port_id, messages, nbytes), urgent=True, owed=True)
 
     def send(self, ref: ProcRef, record: Any, *, urgent: bool, owed: bool = False) -> None:
         """Encode ``record`` and queue it for ``ref``; raises ActorDied if ``ref`` is gone.

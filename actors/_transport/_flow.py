@@ -20,6 +20,7 @@ wait on itself.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
 from typing import Any
 
@@ -66,6 +67,7 @@ class Window:
         "link",
         "port_id",
         "release",
+        "release_loop",
         "stale",
         "waiters",
     )
@@ -84,6 +86,8 @@ class Window:
         self.waiters: list[asyncio.Future[None]] = []
         #: The timer releasing the backlog again after a full link refused it (None when none is due).
         self.release: asyncio.TimerHandle | None = None
+        #: The loop that timer is due on (another may drive the process by then, and it never fires).
+        self.release_loop: asyncio.AbstractEventLoop | None = None
 
     def has_room(self) -> bool:
         return self.inflight < WINDOW and (self.inflight_bytes < WINDOW_BYTES or self.inflight == 0)
@@ -132,6 +136,16 @@ class SenderWindows:
         window.backlog.append((data, frames or None, size))
         window.backlog_bytes += size
         self.backlogged += 1
+        self._offer_again(window)
+
+    def _offer_again(self, window: Window) -> None:
+        """Release the backlog now if no release is due on the loop driving this process: the link refused it
+        while another loop drove it (that timer never fires) or none did (no timer was set), and with nothing
+        in flight no credit would come to try again."""
+        if not window.backlog or not window.has_room():
+            return
+        if window.release is None or window.release_loop is not self._outbox.loop:
+            self._release(window)
 
     def on_credit(self, address: str, port_id: int, messages: int, nbytes: int) -> None:
         """The receiver consumed ``messages``: release backlog into the freed window."""
@@ -168,6 +182,7 @@ class SenderWindows:
                 loop = self._outbox.loop
                 if loop is not None:
                     window.release = loop.call_later(RELEASE_RETRY, self._release, window)
+                    window.release_loop = loop
                 break
             backlog.popleft()
             window.backlog_bytes -= size
@@ -183,9 +198,16 @@ class SenderWindows:
         window = self._windows.get((address, port_id))
         if window is None or not window.backlog:
             return
+        self._offer_again(window)
+        if not window.backlog:
+            return
         waiter = asyncio.get_running_loop().create_future()
         window.waiters.append(waiter)
-        await waiter
+        try:
+            await waiter
+        finally:  # (a wait given up, by a timeout say, leaves no waiter behind: a stalled receiver's grew unbounded)
+            with contextlib.suppress(ValueError):
+                window.waiters.remove(waiter)
 
     async def drain_all(self, timeout: float) -> int:
         """Wait up to ``timeout`` s for every backlog to leave (a stopping process's last messages); the records
@@ -196,6 +218,8 @@ class SenderWindows:
             _, late = await asyncio.wait(waits, timeout=timeout)
             for wait in late:
                 wait.cancel()
+            if late:  # (each ends at once, leaving no waiter behind)
+                await asyncio.wait(late)
             for wait in waits:  # (a receiver that exited: its backlog is gone, and said so to its senders)
                 if wait.done() and not wait.cancelled():
                     wait.exception()

@@ -13,7 +13,11 @@ process). A peer whose socket queue is full keeps the batch:
 
 A link holding more than :data:`LINK_RECORDS` records or
 :data:`LINK_BYTES` bytes refuses more with :class:`~actors.BufferFull`:
-nothing is queued without limit and nothing is dropped quietly.
+nothing is queued without limit and nothing is dropped quietly. A batch
+never outgrows the payload a receiver accepts (``MAX_PAYLOAD_BYTES``: one
+past it is dropped whole there): a record that would make it do so waits for
+the batch to leave, or is refused; one that could never fit is an
+:class:`~actors.EncodeError`.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from typing import Any
 
 import zmq
 
-from .._shared._errors import ActorDied, BufferFull, CallTimeout
+from .._shared._errors import ActorDied, BufferFull, CallTimeout, EncodeError
+from .._wire._codec import MAX_PAYLOAD_BYTES
 from .._wire._records import record_prefix
 from ._sockets import FLUSH_BYTES, FLUSH_RECORDS, Link, frame_size
 
@@ -36,6 +41,8 @@ log = logging.getLogger("actors")
 #: Records and bytes one link may hold before new ones are refused with BufferFull.
 LINK_RECORDS = 1_000_000
 LINK_BYTES = 1 << 30
+#: The most a record's framing adds to its bytes in a batch (two msgpack uints).
+PREFIX_MAX = 18
 #: How long a caller without an event loop waits for a full peer queue.
 SEND_TIMEOUT = 60.0
 #: Retry delays (s) for a batch a full peer queue refused.
@@ -92,11 +99,15 @@ class Outbox:
             raise ActorDied(f"the process at {link.address} has exited")
         if not owed:
             self.check_room(link)
+        if link.inline + len(data) + PREFIX_MAX > MAX_PAYLOAD_BYTES:
+            self._make_payload_room(link, len(data), owed)
         part, frame = len(link.parts), len(link.frames)  # where this record goes in the batch
         if frames:
             link.append(data, frames)
         else:  # Link.append, inlined for the common record without buffer frames
-            link.parts.append(record_prefix(0, len(data)) + data)
+            encoded = record_prefix(0, len(data)) + data
+            link.parts.append(encoded)
+            link.inline += len(encoded)
             link.nbytes += len(data)
             link.records += 1
         loop = self.loop
@@ -120,6 +131,22 @@ class Outbox:
             if not self._flush_scheduled:
                 self._flush_scheduled = True
                 loop.call_soon(self._flush_dirty)
+
+    def _make_payload_room(self, link: Link, size: int, owed: bool) -> None:
+        """A record of ``size`` bytes would push ``link``'s batch past the payload a receiver accepts: the batch
+        leaves first; if the peer's queue refuses it, the record is refused (:class:`BufferFull`), unless it is
+        owed (queued all the same: refusing it would leave its call unanswered). One that could never fit is an
+        :class:`EncodeError`."""
+        if size + PREFIX_MAX > MAX_PAYLOAD_BYTES:
+            raise EncodeError(
+                f"a message of {size} bytes exceeds the {MAX_PAYLOAD_BYTES}-byte payload a receiver accepts: send "
+                "large bytes as tensors (they travel as buffer frames) or in parts"
+            )
+        if link.parts and not link.try_send(self._header) and not owed:
+            raise BufferFull(
+                f"{link.inline >> 20} MiB wait for {link.address} in one batch, whose queue stays full: it is not "
+                "reading"
+            )
 
     def _flush_dirty(self) -> None:
         self._flush_scheduled = False

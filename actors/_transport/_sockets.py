@@ -76,7 +76,19 @@ def bind_inbox(
 class Link:
     """The outbound side of one peer: a PUSH socket plus the records not yet handed to it."""
 
-    __slots__ = ("address", "batches", "dead", "frames", "nbytes", "parts", "records", "retry", "scheduled", "sock")
+    __slots__ = (
+        "address",
+        "batches",
+        "dead",
+        "frames",
+        "inline",
+        "nbytes",
+        "parts",
+        "records",
+        "retry",
+        "scheduled",
+        "sock",
+    )
 
     def __init__(self, ctx: zmq.Context[Any], address: str, keys: tuple[bytes, bytes] | None = None) -> None:
         self.address = address
@@ -90,6 +102,9 @@ class Link:
         self.parts: list[bytes] = []
         self.frames: list[Any] = []
         self.nbytes = 0
+        #: The batch's payload so far (the records and their framing, not their buffer frames): what a receiver
+        #: bounds at ``MAX_PAYLOAD_BYTES``.
+        self.inline = 0
         self.records = 0
         self.scheduled = False  # a flush at the end of this loop turn is arranged
         self.retry: Any = None  # the timer retrying a send the peer's queue refused
@@ -99,7 +114,9 @@ class Link:
 
     def append(self, data: bytes, frames: list[Any]) -> None:
         """Add one encoded record (and its buffer frames) to the batch."""
-        self.parts.append(record_prefix(len(frames), len(data)) + data)
+        part = record_prefix(len(frames), len(data)) + data
+        self.parts.append(part)
+        self.inline += len(part)
         self.nbytes += len(data)
         self.records += 1
         if frames:
@@ -110,6 +127,7 @@ class Link:
     def take_back(self, part: int, frame: int, frames: int, nbytes: int) -> None:
         """Drop one record whose send gave up: its part at index ``part``, its ``frames`` buffer frames from index
         ``frame``, ``nbytes`` bytes in all (records appended after it stay, in order)."""
+        self.inline -= len(self.parts[part])
         del self.parts[part]
         del self.frames[frame : frame + frames]
         self.nbytes -= nbytes
@@ -125,7 +143,7 @@ class Link:
             return False
         payload = b"".join(self.parts)
         frames = self.frames
-        self.parts, self.frames, self.nbytes, self.records = [], [], 0, 0
+        self.parts, self.frames, self.nbytes, self.records, self.inline = [], [], 0, 0, 0
         self.batches += 1
         if not frames:
             self.sock.send(payload)
@@ -143,4 +161,4 @@ class Link:
         if linger is not None:
             self.sock.setsockopt(zmq.LINGER, linger)
         self.sock.close()
-        self.parts, self.frames, self.nbytes, self.records = [], [], 0, 0
+        self.parts, self.frames, self.nbytes, self.records, self.inline = [], [], 0, 0, 0

@@ -72,6 +72,61 @@ async def test_a_backlog_a_full_link_refused_with_nothing_in_flight_is_offered_a
     assert outbox.posted == [b"record"] and window.inflight == 1
 
 
+@pytest.mark.parametrize("refused_on", ["another loop", "no loop"])
+async def test_a_backlog_refused_while_another_loop_or_none_drove_the_process_is_offered_again(refused_on):
+    """The credit that emptied the window found the link full while another event loop drove the process (the
+    background loop handing over to the program's), or none: the release was timed on that loop, or not at all,
+    and with nothing in flight no credit came to try again: ``drain()`` waited for good. A drain, or the next
+    send, offers the backlog again when its release is not due on the loop that drives the process now."""
+    import types
+
+    from actors import BufferFull
+    from actors._transport._flow import SenderWindows
+
+    other = asyncio.new_event_loop()
+
+    class FullOnce:
+        loop: asyncio.AbstractEventLoop | None = other if refused_on == "another loop" else None
+        posted: list[bytes] = []
+        refusals = 1
+
+        def post(self, link: object, data: bytes, frames: list[object], urgent: bool) -> None:
+            if self.refusals:
+                self.refusals -= 1
+                raise BufferFull("the link's queue is full")
+            self.posted.append(data)
+
+    outbox = FullOnce()
+    windows = SenderWindows(outbox)  # type: ignore[arg-type]
+    window = windows.window(types.SimpleNamespace(address="ipc://peer"), 7)  # type: ignore[arg-type]
+    window.inflight = PORT_WINDOW
+    windows.send(window, b"record", [], 6)
+    windows.on_credit("ipc://peer", 7, PORT_WINDOW, 0)  # room again, but the link refuses (on the other loop)
+    other.close()  # (its timer never fires)
+    outbox.loop = asyncio.get_running_loop()  # the program's loop drives the process now
+    await asyncio.wait_for(windows.drain("ipc://peer", 7), 5)
+    assert outbox.posted == [b"record"] and window.inflight == 1
+
+
+async def test_drain_waits_given_up_leave_no_waiter_behind():
+    """A producer that polls ``await wait_for(port.drain(), 0.1)`` while its receiver is stalled: each wait given
+    up left its future in the window's list, which only an emptied backlog cleared (never, with that receiver)."""
+    import types
+
+    from actors._transport._flow import SenderWindows
+
+    outbox = types.SimpleNamespace(loop=asyncio.get_running_loop(), post=lambda *args, **kw: None)
+    windows = SenderWindows(outbox)  # type: ignore[arg-type]
+    window = windows.window(types.SimpleNamespace(address="ipc://peer"), 7)  # type: ignore[arg-type]
+    window.inflight = PORT_WINDOW  # full: the next record waits in the backlog, and no credit comes
+    windows.send(window, b"record", [], 6)
+    for _ in range(20):
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(windows.drain("ipc://peer", 7), 0.001)
+    assert window.waiters == []
+    assert await windows.drain_all(0.001) == 1 and window.waiters == []
+
+
 async def test_a_calls_answer_is_queued_past_the_links_limits_and_anything_else_is_refused(tmp_path):
     """A link to a caller that reads nothing refuses more records (BufferFull); a call's reply was refused too, and
     its error reply, on the same full link, raised out of the endpoint's task: the call was never answered. The
@@ -96,6 +151,41 @@ async def test_a_calls_answer_is_queued_past_the_links_limits_and_anything_else_
         ctx.term()
 
 
+async def test_a_batch_never_outgrows_the_payload_its_receiver_accepts(tmp_path, monkeypatch):
+    """A peer that reads nothing: records pile up in one batch. The link's limit counts records and bytes before
+    each one (and owed answers pass it), so the batch could outgrow the payload a receiver accepts, which drops it
+    whole, every record in it lost. A record that would push it past waits for the batch to leave, or is refused;
+    an owed one is queued; one that could never fit is an EncodeError."""
+    import zmq
+
+    from actors import BufferFull, EncodeError
+    from actors._transport import _outbox
+    from actors._transport._outbox import Outbox
+    from actors._transport._sockets import Link
+    from actors._wire._codec import Decoder
+
+    limit = 4096
+    monkeypatch.setattr(_outbox, "MAX_PAYLOAD_BYTES", limit)
+    monkeypatch.setattr(Link, "try_send", lambda self, header: not self.parts)  # (the peer's queue stays full)
+    ctx = zmq.Context()
+    outbox = Outbox(ctx, b"header", None, lambda *args: None, lambda: False)
+    outbox.bind(asyncio.get_running_loop())
+    try:
+        link = outbox.link(f"ipc://{tmp_path}/nobody-reads")
+        with pytest.raises(BufferFull, match="in one batch"):
+            for _ in range(100):
+                outbox.post(link, b"r" * 100, [], False)
+        assert link.inline == sum(len(part) for part in link.parts) <= limit
+        assert len(list(Decoder(max_payload=limit).decode_batch(b"".join(link.parts), []))) == link.records
+        with pytest.raises(EncodeError, match="exceeds the 4096-byte payload"):
+            outbox.post(link, b"x" * limit, [], False, owed=True)
+        outbox.post(link, b"a reply", [], False, owed=True)  # (owed: queued, past the limit)
+        assert link.parts[-1].endswith(b"a reply")
+    finally:
+        outbox.close(0)
+        ctx.term()
+
+
 def test_an_invocation_answers_as_an_owed_record():
     import types
 
@@ -110,6 +200,25 @@ def test_an_invocation_answers_as_an_owed_record():
     )
     Invocation(Call(7, "a", "m", "ipc://caller", 1, 0, b"", None), []).reply(rt, True, 1)  # type: ignore[arg-type]
     assert sent == [(True, True)]
+
+
+def test_a_credit_is_sent_as_an_owed_record():
+    """A port's credit gives its sender its window back: the sender's own window bounds how many are due, as a
+    call's replies. Sent as an ordinary record, a full link refused it (BufferFull): a received value was lost
+    with the raise, a closing receiver's senders never got their window back and stalled for good."""
+    import types
+
+    from actors._runtime._core import Runtime
+    from actors._wire._records import Credit
+
+    sent: list[tuple[object, bool]] = []
+    peer = types.SimpleNamespace(dead=False)
+    rt = types.SimpleNamespace(
+        registry=types.SimpleNamespace(procs={"ipc://sender": peer}),
+        send=lambda ref, record, urgent, owed=False: sent.append((record, owed)),
+    )
+    Runtime._credit(rt, "ipc://sender", 3, 1, 100)  # type: ignore[arg-type]
+    assert sent == [(Credit(3, 1, 100), True)]
 
 
 async def test_a_batch_whose_retry_a_loop_hand_over_cancelled_is_retried_on_the_next_loop(tmp_path, monkeypatch):
