@@ -250,6 +250,12 @@ class DataParallel:
             grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
             offset += grad.numel()
 
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank (a collective: every rank calls it, and gets the same answer)."""
+        count = torch.tensor([int(flag)], dtype=torch.int32, device=self.device)
+        dist.all_reduce(count)
+        return bool(count.item())
+
     def sum_report(self, report: LossReport | None) -> LossReport:
         """The whole rollout's report: the ranks' shares added (a rank with no rows adds nothing)."""
         mine = report if report is not None else LossReport.nothing(self.device)

@@ -366,16 +366,26 @@ class Learner:
 
         A collective of a sharded group (each rank writes only what it holds);
         unsharded, this process writes them whole. Rank 0 then checks that
-        every rank's file is in ``folder`` (ranks on other hosts need it shared).
+        every rank's file is in ``folder`` (ranks on other hosts need it shared)
+        and every rank raises if one is not (rank 0 alone raising left the
+        others waiting in the next collective until its timeout).
         """
         from . import _sharded_state
 
         _sharded_state.save_shards(self.policy, self.optim, folder)
         missing = _sharded_state.missing_files(folder) if not self.parallel or self.parallel.share.rank == 0 else []
+        fix = "give --run-dir a folder every trainer host shares, or --trainer-shard ddp"
         if missing:
+            if self.parallel is not None:
+                self.parallel.any_rank(True)
             raise RuntimeError(
                 f"the checkpoint's shards {', '.join(missing)} are not in {folder}: ranks on other hosts wrote them "
-                "to their own disks; give --run-dir a folder every trainer host shares, or --trainer-shard ddp"
+                f"to their own disks; {fix}"
+            )
+        if self.parallel is not None and self.parallel.any_rank(False):
+            raise RuntimeError(
+                f"rank 0 found the checkpoint's shards missing from its {folder}: the ranks wrote them to disks of "
+                f"their own; {fix}"
             )
 
     def load_shards(self, folder: str) -> None:

@@ -161,7 +161,9 @@ class LearnerRank(Actor):
     ) -> dict[str, Any]:
         """One update of this rank's share: the summed gradients and the weights after it (whole), loss, norm, figures.
 
-        With ``folder``, the ranks then save their shards there. On ``cuda`` the rank joins over NCCL.
+        With ``folder``, the ranks then save their shards there (a ``{rank}`` in it: each rank its own folder, as
+        ranks on hosts without a shared disk do), and ``saved`` says how that went. On ``cuda`` the rank joins over
+        NCCL.
         """
         share = RankShare(current_rank().rank, math.prod(current_size().values()))
         parallel = group_kind(shard)(share, address, torch.device(device), rendezvous=self.rendezvous)
@@ -176,8 +178,13 @@ class LearnerRank(Actor):
             slices, rows = learner.task.micro_batches(samples, learner.micro_batch), learner.task.rows(samples)
             passes, idle = parallel.passes(slices, rows), parallel.idle_passes(slices, rows)
             update = learner.update(samples, rewards, ref)
+            saved = ""
             if folder:
-                learner.save_shards(folder)
+                try:
+                    learner.save_shards(folder.format(rank=f"-{share.rank}" if share.rank else ""))
+                    saved = "saved"
+                except RuntimeError as exc:
+                    saved = str(exc)
             weights = {name: _whole(value) for name, value in learner.policy.state_dict().items()}
             gradients = {name: _whole(p.grad) for name, p in learner.policy.named_parameters() if p.grad is not None}
         finally:
@@ -194,6 +201,7 @@ class LearnerRank(Actor):
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "device": str(on),
             "backend": backend,
+            "saved": saved,
             "on_device": sorted({str(_local(p).device) for p in learner.policy.parameters()}),
             "reference_on": sorted({str(value.device) for value in learner.reference_state.values()}),
         }

@@ -103,6 +103,18 @@ def test_shards_saved_by_two_ranks_load_whole_into_one_learner(tmp_path):
     assert missing_files(folder) == ["__1_0.distcp"], "what rank 0 checks after saving, to refuse a split checkpoint"
 
 
+def test_a_checkpoint_split_across_the_ranks_disks_is_refused_on_every_rank(tmp_path):
+    """Ranks on hosts without a shared disk each write their shard to their own: rank 0 found the shards missing
+    and raised alone, while the others went on into the next collective (the export's gather) and waited there
+    until the collective timeout. Every rank hears the refusal now."""
+    _task, batch, rewards, ref = _rollout()
+    folder = str(tmp_path / "checkpoint-1{rank}.dcp")
+    results = ranks_step(2, SETTINGS, batch, rewards, ref, "fsdp", folder)
+    assert "__1_0.distcp are not in" in results[0]["saved"], results[0]["saved"]
+    assert "rank 0 found the checkpoint's shards missing" in results[1]["saved"], results[1]["saved"]
+    assert os.path.exists(str(tmp_path / "checkpoint-1-1.dcp" / "__1_0.distcp")), "rank 1 wrote to its own disk"
+
+
 def test_sharded_ranks_with_uneven_passes_run_as_many_and_learn_the_same():
     """Passes of 7 rows over 24 rows split 12/12 give rank 0 two passes and rank 1 three: rank 0 runs one idle."""
     share = [RankShare(rank, 2) for rank in range(2)]
