@@ -50,7 +50,8 @@ __all__ = ["build_parser", "parse_args"]
 
 
 def _default_run_dir() -> str:
-    return os.path.join("runs", time.strftime("grpo-%Y%m%d-%H%M%S"))
+    """``runs/grpo-<time>-<pid>``: two runs of a sweep started in the same second get folders of their own."""
+    return os.path.join("runs", f"{time.strftime('grpo-%Y%m%d-%H%M%S')}-{os.getpid()}")
 
 
 def _target(value: str) -> float | str | None:

@@ -20,7 +20,6 @@ import asyncio
 import atexit
 import contextlib
 import functools
-import json
 import os
 import signal
 import sys
@@ -53,7 +52,7 @@ from ._cli import parse_args
 from ._failures import PipelineError, first_failure
 from ._metrics import MetricsLog, Progress, plot
 from ._placement import check_placement
-from ._run_dir import outputs, refuse_earlier_run, remove_earlier_run
+from ._run_dir import outputs, refuse_earlier_run, remove_earlier_run, write_config
 from ._sinks import TrackerError
 
 if TYPE_CHECKING:
@@ -336,8 +335,7 @@ async def run_pipeline(
     checkpoint.remove_stale_staging(config.run_dir)  # an earlier run killed while it saved
     if resume and not checkpoint.exists(config.run_dir):
         raise FileNotFoundError(f"no checkpoint in {config.run_dir!r} to resume from")
-    with open(os.path.join(config.run_dir, "config.json"), "w") as f:
-        json.dump(config.to_dict(), f, indent=2)
+    write_config(config.run_dir, config)
 
     started = time.perf_counter()
     finished = False  # the run ended normally: only then is the learning curve drawn

@@ -19,6 +19,7 @@ from collections import deque
 from typing import Any, TextIO
 
 from ..roles import StepReport
+from ..tasks import REWARD_STATISTICS
 from ._sinks import open_sink
 
 __all__ = ["METRICS", "PLOT", "WINDOW", "MetricsLog", "Progress", "RateWindow", "metric_row", "plot", "read_rows"]
@@ -148,11 +149,12 @@ class MetricsLog:
         return row
 
     def _drop_rows_from(self, step: int) -> None:
-        """A resumed run repeats the steps after its checkpoint: the rows an interrupted run wrote for them go."""
+        """A resumed run repeats the steps after its checkpoint: the rows an interrupted run wrote for them go,
+        and so does a last line a write cut short (no newline: the next row would be appended to it)."""
         self._file.flush()
         with open(self.path) as f:
             lines = [line for line in f if line.strip()]
-        kept = [line for line in lines if _step_of(line) < step]
+        kept = [line for line in lines if _step_of(line) < step and line.endswith("\n")]
         if len(kept) == len(lines):
             return
         staging = f"{self.path}.tmp-{os.getpid()}"
@@ -189,11 +191,13 @@ def _step_of(line: str) -> int:
 
 
 def read_rows(run_dir: str) -> list[dict[str, Any]]:
+    """The rows of ``<run_dir>/metrics.jsonl``; a last line without its newline (being written, or a write cut
+    short) is not one yet."""
     path = os.path.join(run_dir, METRICS)
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [json.loads(line) for line in f if line.strip() and line.endswith("\n")]
 
 
 class Progress:
@@ -212,7 +216,8 @@ class Progress:
         if self.quiet or (not force and now - self._last < self.every):
             return
         self._last = now
-        self.stream.write(("\r" + self.line(row)) if self.tty else self.line(row) + "\n")
+        # (on a terminal, in place: the rest of a longer line before is cleared)
+        self.stream.write(("\r" + self.line(row) + "\x1b[K") if self.tty else self.line(row) + "\n")
         self.stream.flush()
 
     def line(self, row: dict[str, Any]) -> str:
@@ -240,7 +245,7 @@ class Progress:
 
 
 #: The rollout's reward summaries: every other ``reward/<name>`` is one reward function's mean.
-_REWARD_SUMMARIES = ("reward/mean", "reward/std", "reward/group_std", "reward/frac_zero_std")
+_REWARD_SUMMARIES = frozenset(f"reward/{name}" for name in REWARD_STATISTICS)
 
 
 def _reward_component(name: str, value: Any) -> bool:

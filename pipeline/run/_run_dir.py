@@ -9,13 +9,14 @@ run's as if one run had made them. ``--resume`` continues that run;
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
-from ..config import SettingsError
+from ..config import Config, SettingsError
 from ..learning import checkpoint
 
-__all__ = ["OUTPUTS", "earlier_outputs", "outputs", "refuse_earlier_run", "remove_earlier_run"]
+__all__ = ["OUTPUTS", "earlier_outputs", "outputs", "refuse_earlier_run", "remove_earlier_run", "write_config"]
 
 #: What a run folder may hold, in the order the summary names it.
 OUTPUTS = (
@@ -66,3 +67,17 @@ def remove_earlier_run(run_dir: str) -> None:
             shutil.rmtree(target)
         else:
             os.remove(target)
+
+
+def write_config(run_dir: str, config: Config) -> None:
+    """``<run_dir>/config.json``, replaced whole or not at all: written beside it, then renamed (a write cut
+    short, by a full disk, left it empty, and the run it describes could never be resumed)."""
+    target = os.path.join(run_dir, "config.json")
+    staging = f"{target}.tmp-{os.getpid()}"
+    try:
+        with open(staging, "w") as f:
+            json.dump(config.to_dict(), f, indent=2)
+        os.replace(staging, target)
+    finally:
+        if os.path.exists(staging):
+            os.remove(staging)

@@ -41,8 +41,17 @@ def _due(row: dict[str, Any], last: float) -> bool:
     return any(name.startswith("eval/") for name in row) or row["time"] - last >= TRACKER_PERIOD
 
 
+#: A row's fields that are its bookkeeping, not figures to plot.
+_NOT_SCALARS = frozenset({"step", "time", "version", "generator", "score"})
+
+
 def _scalars(row: dict[str, Any]) -> dict[str, float]:
-    return {name: value for name, value in row.items() if "/" in name and isinstance(value, (int, float))}
+    """The row's figures: every number but its bookkeeping (a reward's ``log_metric`` name needs no slash)."""
+    return {
+        name: value
+        for name, value in row.items()
+        if name not in _NOT_SCALARS and isinstance(value, (int, float)) and not isinstance(value, bool)
+    }
 
 
 class TensorBoardSink:

@@ -18,6 +18,7 @@ from ._registry import load_task, resolve, task_class
 from ._reward_log import RewardLog
 from ._rewards import (
     BUILTINS,
+    REWARD_STATISTICS,
     RewardError,
     RewardFunction,
     RewardPlacement,
@@ -39,6 +40,7 @@ __all__ = [
     "HF_DATA",
     "PAD",
     "PLUS",
+    "REWARD_STATISTICS",
     "SAMPLER",
     "SEP",
     "VOCAB",

@@ -42,6 +42,7 @@ from ._reward_log import RewardLog, is_scalar
 
 __all__ = [
     "BUILTINS",
+    "REWARD_STATISTICS",
     "RewardError",
     "RewardFunction",
     "RewardPlacement",
@@ -288,6 +289,10 @@ def load_reward(spec: str, placement: RewardPlacement | None = None) -> RewardFu
 # -- calling --------------------------------------------------------------------------------------------------
 
 
+#: The ``reward/<name>`` statistics the pipeline logs itself: no reward function may take their names.
+REWARD_STATISTICS = frozenset({"mean", "std", "group_std", "frac_zero_std"})
+
+
 class RewardSet:
     """The run's reward functions, called together on one batch of completions."""
 
@@ -299,6 +304,12 @@ class RewardSet:
         duplicate = next((name for name in names if names.count(name) > 1), None)
         if duplicate is not None:
             raise RewardError(f"two reward functions are named {duplicate!r}: each is logged as reward/<name>")
+        statistic = next((name for name in names if name in REWARD_STATISTICS), None)
+        if statistic is not None:
+            raise RewardError(
+                f"a reward function is named {statistic!r}: each is logged as reward/<name>, and reward/{statistic} "
+                "is a statistic the pipeline logs itself; rename it (or wrap it in a function of another name)"
+            )
         self.weights = torch.tensor([f.weight for f in self.functions], dtype=torch.float32, device="cpu")
         self.timeout = timeout
         self._loaded = False

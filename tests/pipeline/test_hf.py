@@ -480,6 +480,15 @@ def test_gdpo_normalises_each_reward_within_its_group_before_the_weighted_sum(tm
     assert plain.tolist() == pytest.approx([0.0, 20.1, 40.2, 11.0, 10.0, 10.0]), "summed first, function 0 decides"
 
 
+def test_a_reward_function_named_as_a_reward_statistic_is_refused(tmp_path):
+    """Each reward function is logged as ``reward/<name>``: one named ``mean`` (or ``std``, ``group_std``,
+    ``frac_zero_std``) overwrote the pipeline's own ``reward/mean`` in every row without a word."""
+    zero = "(prompts, completions, **kw):\n    return [0.0] * len(completions)\n"
+    path = _reward_file(tmp_path, f"def mean{zero}def ok{zero}")
+    with pytest.raises(RewardError, match=r"named 'mean'.*reward/mean.*the pipeline logs itself"):
+        RewardSet([f"{path}:ok", f"{path}:mean"])
+
+
 @pytest.mark.parametrize(
     "body, spec, message",
     [

@@ -103,6 +103,23 @@ def test_the_progress_line_shows_reward_accuracy_and_pace():
     assert quiet.getvalue() == ""
 
 
+def test_a_shorter_progress_line_on_a_terminal_leaves_nothing_of_the_longer_one():
+    """On a terminal each line overwrites the last in place: a shorter one (a reward losing its minus sign, a
+    pace dropping below 10) left the old line's last characters on screen, misread as part of the new figures."""
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    stream = Terminal()
+    progress = Progress(100, quiet=False, stream=stream)
+    longer, shorter = report(4, reward_mean=-0.4), report(5)
+    progress.update(metric_row(longer, RateWindow().add(longer)), force=True)
+    progress.update(metric_row(shorter, RateWindow().add(shorter)), force=True)
+    second = stream.getvalue().split("\r")[-1]
+    assert second.endswith("\x1b[K"), repr(second)
+
+
 def test_the_log_writes_rows_and_the_plot(tmp_path):
     log = MetricsLog(str(tmp_path), report_to="none")
     for step in range(1, 41):
@@ -144,17 +161,37 @@ def test_a_resumed_run_replaces_the_rows_of_the_steps_it_repeats(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"], "no staging file left"
 
 
+def test_a_torn_last_row_is_dropped_when_a_run_resumes_and_never_read(tmp_path):
+    """A write cut short (a full disk) left a last line with no newline: the resumed run's first row was appended
+    to it (lost), and from then on reading the rows raised, so the learning curve was never drawn again."""
+    first = MetricsLog(str(tmp_path), report_to="none")
+    for step in range(1, 36):
+        first.write(report(step))
+    first.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 36, "rew')
+    assert [r["step"] for r in read_rows(str(tmp_path))] == list(range(1, 36)), "a torn last line is not a row"
+    resumed = MetricsLog(str(tmp_path), report_to="none")
+    for step in range(21, 41):
+        resumed.write(report(step))
+    resumed.close()
+    assert [r["step"] for r in read_rows(str(tmp_path))] == list(range(1, 41))
+    assert plot(str(tmp_path)) is not None
+
+
 def test_tensorboard_gets_every_scalar_when_installed(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     log = MetricsLog(str(tmp_path))
     for step in range(1, 6):
-        log.write(report(step))
+        log.write(report(step, reward_metrics={"judge_len": 2.0}))  # (a reward's log_metric, TRL's plain name)
     log.close()
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
+    assert "judge_len" in tags, "a metric named without a slash reaches the tracker too"
+    assert not tags & {"step", "time", "version", "generator"}, "the row's bookkeeping is no scalar"
     assert {"reward/mean", "actor/kl", "perf/tokens_trained_per_s", "eval/accuracy"} <= tags
     assert [e.step for e in events.Scalars("reward/mean")] == [1, 2, 3, 4, 5]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -478,3 +479,36 @@ def test_every_command_line_the_docs_show_takes_its_flags():
             build_parser().parse_args(flags)
         except SystemExit:
             pytest.fail(f"{where}: python -m pipeline.grpo {' '.join(flags)}: argparse refuses it")
+
+
+def test_two_runs_started_in_the_same_second_get_two_run_folders(monkeypatch):
+    """The default ``--run-dir`` was ``runs/grpo-<second>``: two runs of a sweep started together shared it, and
+    the second one's first row dropped every row the first had written. It names the process now."""
+    from pipeline.run import _cli
+
+    monkeypatch.setattr(_cli.time, "strftime", lambda pattern: "grpo-20261129-120000")
+    first = parse_args(["--steps", "2"])[0].run_dir
+    monkeypatch.setattr(_cli.os, "getpid", lambda: 4242)
+    second = parse_args(["--steps", "2"])[0].run_dir
+    assert first != second and os.path.dirname(first) == "runs"
+    assert os.path.basename(second).startswith("grpo-20261129-120000")
+
+
+def test_config_json_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
+    """``config.json`` was rewritten in place on every run, ``--resume`` too: a full disk left it empty and the
+    run could never be resumed (``its config.json cannot be read``). It is written beside, then renamed."""
+    from pipeline.run import _run_dir
+
+    config = Config(steps=10, device="cpu")
+    _run_dir.write_config(str(tmp_path), config)
+    before = (tmp_path / "config.json").read_text()
+
+    def disk_full(value: object, f: Any, **_: object) -> None:
+        f.write("{")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_run_dir.json, "dump", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        _run_dir.write_config(str(tmp_path), Config(steps=20, device="cpu"))
+    assert (tmp_path / "config.json").read_text() == before
+    assert os.listdir(tmp_path) == ["config.json"], "no staging file left"
