@@ -239,8 +239,13 @@ class Forkserver:
         return dataclasses.replace(config, env={**changed, **config.env}, env_unset=unset)
 
     def _write(self) -> None:
-        """Hand queued requests to the pipe without waiting; a full pipe is retried later."""
-        self._retry = None
+        """Hand queued requests to the pipe without waiting; a full pipe is retried later, by one timer (each
+        request's write armed one of its own and dropped the last one's handle: every chain ran on, every 5 ms)."""
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
+        if self.closed:  # (lost: its descriptor is closed, maybe reused since)
+            return
         deadline = time.monotonic() + SPAWN_WRITE_TIMEOUT
         while self._unsent:
             try:
@@ -295,6 +300,7 @@ class Forkserver:
         if self._retry is not None:  # a write still to retry would go to a descriptor closed from now on
             self._retry.cancel()
             self._retry = None
+        self._unsent.clear()
         self.rt.driver.remove_reader(self.status_fd)
         for ref in self._refs.values():
             self.rt.registry.mark_dead(ref, "the forkserver exited before starting it")

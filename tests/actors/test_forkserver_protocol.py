@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import struct
@@ -112,6 +113,7 @@ def test_reports_read_with_the_forkservers_end_still_count():
         None,
         {read_end},
     )
+    server._unsent = bytearray()
     ref = object()
     server._refs[3] = ref
     os.write(write_end, frame(SpawnFailed(3, "fork: out of memory")))
@@ -124,6 +126,59 @@ def test_reports_read_with_the_forkservers_end_still_count():
     assert dead == [(ref, "could not start: fork: out of memory")] and server.closed
     with pytest.raises(OSError):
         os.fstat(read_end)  # the lost forkserver's status pipe is closed with its loss
+
+
+async def test_a_full_request_pipe_has_one_retry_at_most_and_none_once_the_forkserver_is_lost(monkeypatch):
+    """Spawn requests meet a full pipe (a forkserver still importing torch): each request's write set up a retry
+    of its own and dropped the last one's handle, so every earlier chain ran on, every 5 ms, for good; once the
+    forkserver was lost, those chains wrote to its closed descriptor (or one reused since, a new forkserver's)."""
+    import os
+    from types import SimpleNamespace
+
+    from actors._processes import _forkserver
+    from actors._processes._forkserver import Forkserver
+
+    loop = asyncio.get_running_loop()
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    try:
+        while True:
+            os.write(write_end, b"x" * 65536)
+    except BlockingIOError:
+        pass
+    server = Forkserver.__new__(Forkserver)
+    server.rt = SimpleNamespace(
+        registry=SimpleNamespace(mark_dead=lambda ref, why: None),
+        driver=SimpleNamespace(loop=loop, remove_reader=lambda fd: None),
+    )
+    server.process = SimpleNamespace(requests=write_end, wait=lambda timeout: True)
+    server.status_fd, server._buffer, server._unsent, server._refs, server.closed, server._retry = (
+        read_end,
+        bytearray(),
+        bytearray(),
+        {},
+        False,
+        None,
+    )
+    server._open_fds = {read_end, write_end}
+    writes: list[int] = []
+    real_write = os.write
+
+    def counted(fd: int, data: bytes) -> int:
+        writes.append(fd)
+        return real_write(fd, data)
+
+    monkeypatch.setattr(_forkserver.os, "write", counted)
+    for _ in range(3):
+        server._unsent += b"request"
+        server._write()
+    pending = [h for h in loop._scheduled if not h.cancelled() and "_write" in repr(h)]  # type: ignore[attr-defined]
+    assert len(pending) == 1, "one retry waits for the pipe, whatever the number of requests"
+    server._lost()
+    writes.clear()
+    await asyncio.sleep(0.05)
+    assert writes == [], "nothing is written once the forkserver is lost"
+    assert not server._unsent
 
 
 def test_a_worker_whose_forkserver_died_before_its_death_signal_was_armed_ends_at_once():
