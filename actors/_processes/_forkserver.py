@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import logging
 import os
 import select
@@ -27,6 +28,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -222,6 +224,7 @@ class Forkserver:
         self._open_fds = {process.requests, process.status}  # closed once each (``_close_once``)
         rt.driver.add_reader(self.status_fd, self._on_status)
         at_runtime_exit(self.close)
+        os.register_at_fork(after_in_child=functools.partial(_close_in_fork, weakref.ref(self), os.getpid()))
 
     def spawn(self, index: int, config: WorkerConfig, ref: ProcRef) -> None:
         if self.closed:
@@ -422,6 +425,21 @@ def prefork() -> None:
     session_dir, owns_dir = prepare_session()
     session_keys()  # a tcp session's CURVE keys exist before the fork, so workers inherit them
     preforked.process = _ServerProcess.start(session_dir, os.path.basename(session_dir), owns_dir, fork=True)
+
+
+def _close_in_fork(held: weakref.ref[Forkserver], program: int) -> None:
+    """In a plain fork of the program (multiprocessing's fork start, a library's ``os.fork``): close the
+    forkserver's pipe ends it inherited. A forkserver ends when its request pipe's last writer closes; a fork
+    holding it kept the forkserver (a fresh interpreter's: it has no death signal) alive past a ``kill -9`` of the
+    program. Only in the program's own children, whose descriptors are the program's at the fork: a worker
+    forked by the forkserver inherited this hook, but not those descriptors."""
+    server = held()
+    if server is None or os.getppid() != program:
+        return
+    for fd in list(server._open_fds):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    server._open_fds.clear()
 
 
 def forkserver(rt: Runtime, threads: int = 1) -> Forkserver:

@@ -264,6 +264,64 @@ def test_controller_death_ends_every_actor_process(tmp_path, sig):
         proc.wait()
 
 
+CONTROLLER_WITH_A_FORKED_HELPER = """
+    import asyncio, multiprocessing, os, sys, time
+    from actors import this_host
+    from actors._processes._forkserver import forkserver
+    from actors._runtime._core import runtime
+    from support import Echo
+
+    async def main():
+        procs = this_host().spawn_procs(per_host={"procs": 2})
+        echo = procs.spawn("echo", Echo)
+        pids = [p for p, _, _ in (await echo.whoami.call()).values()]
+        helper = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,), daemon=True)
+        helper.start()  # (a plain fork: it inherits every descriptor the program holds, the forkserver's pipe too)
+        print("READY", runtime().dir, helper.pid, forkserver(runtime()).process.pid, *pids, flush=True)
+        await asyncio.sleep(600)
+
+    if __name__ == "__main__":
+        asyncio.run(main())
+"""
+
+
+def test_a_plain_fork_of_the_controller_does_not_keep_its_forkserver_alive(tmp_path):
+    """A forkserver started as a fresh interpreter ends when its request pipe's last writer closes: a helper the
+    program forked (multiprocessing's fork start) held that pipe, so after a ``kill -9`` of the controller the
+    forkserver, its session folder and its segments outlived it for as long as the helper ran. A fork of the
+    program closes the forkserver's pipe ends now."""
+    proc = _run_script(tmp_path, CONTROLLER_WITH_A_FORKED_HELPER, ACTORS_FORKSERVER="exec")
+    helper = 0
+    try:
+        assert proc.stdout is not None
+        line = ""
+        while not line.startswith("READY"):
+            line = proc.stdout.readline()
+            assert line, "controller exited early"
+        _, rundir, helper_pid, forkserver_pid, *pids = line.split()
+        helper, forkserver = int(helper_pid), int(forkserver_pid)
+        workers = {int(p) for p in pids}
+        proc.send_signal(signal.SIGKILL)
+        assert wait_for(lambda: not (workers & actor_pids()), timeout=10)
+        assert wait_for(lambda: not _alive(forkserver), timeout=10), "the forkserver outlived its program"
+        assert wait_for(lambda: not os.path.exists(rundir), timeout=5), "socket directory left behind"
+    finally:
+        proc.kill()
+        proc.wait()
+        if helper:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(helper, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, which its dead parent's init reaps, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 MAIN_SCRIPT = """
     import asyncio
     from dataclasses import dataclass
