@@ -131,6 +131,7 @@ class DecoderChoice:
             if not graphs or self.wanted == "graphs":
                 raise
             self.path = "dynamic"
+            self.close()  # (the decoders kept for other shapes are never used again: their caches and graphs go)
             _log.warning("builtin engine: capturing the decode step failed (%s); decoding over a dynamic cache", exc)
             return None
         return decoder

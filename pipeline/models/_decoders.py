@@ -186,18 +186,21 @@ class StepGraphs:
         self._current = None
 
     def _capture(self) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """Warm the step up on a side stream (lazy allocations, kernel choices), then capture it."""
+        """Warm the step up on a side stream (lazy allocations, kernel choices), then capture it, with the model's
+        GPU current throughout (the capture stream is the current GPU's: a model on ``cuda:1`` of a process whose
+        current GPU is 0 ran its kernels outside the capture)."""
         device = next(self.model.parameters()).device
-        side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.step()
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: another thread's CUDA work (a weight transfer, say) does not break the capture
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            out = self.step()
+        with torch.cuda.device(device):
+            side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self.step()
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: another thread's CUDA work (a weight transfer, say) does not break the capture
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                out = self.step()
         self.captures += 1
         return graph, out
 

@@ -520,3 +520,63 @@ def test_on_a_gpu_auto_decodes_over_the_dynamic_cache_when_the_static_one_does_n
     assert engine.decoding.path == "dynamic" and said in caplog.text
     want = draw_with(BuiltinEngine(model, Tokenizer(), "dynamic"), prompts(500), SamplingParams(4))
     assert_same_completions(got, want)
+
+
+def test_a_step_is_captured_with_the_models_gpu_current(monkeypatch):
+    """A generator on ``cuda:1`` of a process whose current GPU is 0: the warm-up ran on the model's GPU but the
+    capture on a stream of the current one, so its kernels were not captured (an empty graph replayed the same
+    logits every step) or the capture failed. The whole capture runs with the model's GPU current now. (CUDA is
+    stood in for: this machine has none, and a GPU machine here has one GPU.)"""
+    import contextlib
+    import types
+
+    from pipeline.models import _decoders
+
+    current = ["cuda:0"]
+    captured_on: list[str] = []
+
+    @contextlib.contextmanager
+    def device(which: Any) -> Any:
+        before, current[0] = current[0], str(which)
+        try:
+            yield
+        finally:
+            current[0] = before
+
+    @contextlib.contextmanager
+    def graph(graph: Any, pool: Any = None, stream: Any = None, capture_error_mode: str = "global") -> Any:
+        captured_on.append(current[0] if stream is None else str(stream.device))
+        yield
+
+    def stream_on(which: Any = None) -> Any:
+        return types.SimpleNamespace(device=current[0] if which is None else str(which), wait_stream=lambda s: None)
+
+    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(torch.cuda, "Stream", stream_on)
+    monkeypatch.setattr(torch.cuda, "current_stream", stream_on)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: types.SimpleNamespace(reset=lambda: None))
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 0))
+    on_gpu_1 = types.SimpleNamespace(parameters=lambda: iter([types.SimpleNamespace(device=torch.device("cuda", 1))]))
+    graphs = _decoders.StepGraphs(on_gpu_1, lambda: torch.zeros(1))  # type: ignore[arg-type]
+    graphs._capture()
+    assert captured_on == ["cuda:1"]
+
+
+def test_a_failed_capture_that_turns_auto_dynamic_releases_the_static_decoders_kept(caplog):
+    """``auto`` on a GPU kept a static decoder (its KV cache, its graphs) for one batch shape; a capture for another
+    shape then failed (no memory left for it) and the path turned dynamic: the kept decoder was never used or
+    closed again, and held its GPU memory for the generator's life, beside the dynamic cache that replaced it."""
+    import types
+
+    model = qwen2()
+    closed: list[int] = []
+    choice = DecoderChoice(model, lambda *args, **kwargs: None)  # type: ignore[arg-type,return-value]
+    choice.path = "graphs"  # (as a GPU's auto decided; capturing fails on this machine, as on a full GPU)
+    choice._static[8] = types.SimpleNamespace(close=lambda: closed.append(8), length=64)  # type: ignore[assignment]
+    ids, mask = torch.ones(4, 5, dtype=torch.long), torch.ones(4, 5, dtype=torch.long)
+    with caplog.at_level(logging.WARNING):
+        choice.decoder(ids, mask, 4)
+    assert choice.path == "dynamic" and "capturing the decode step failed" in caplog.text
+    assert closed == [8] and not choice._static
