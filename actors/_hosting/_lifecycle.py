@@ -191,9 +191,16 @@ class Lifecycle:
         for slot in slots:
             self._start_stop(slot, exc, timeout)
         # every stop under way, those begun meanwhile too (an actor constructed meanwhile is cleaned up by one its
-        # construction starts before it ends): their cleanup ends before the worker
+        # construction starts before it ends): their cleanup ends before the worker. A construction is waited for
+        # up to the cleanup bound (a constructor that never returns must not hold the worker's end).
+        deadline = self.loop.time() + timeout
         while self._stops or self._building:
-            for stop in await _finished(self._stops | self._building):
+            left = None if self._stops else max(0.0, deadline - self.loop.time())
+            done = await _finished(self._stops | self._building, left)
+            if not done:
+                log.error("a constructor still runs %gs into this worker's stop: the worker stops without it", timeout)
+                break
+            for stop in done:
                 if not stop.cancelled() and stop.exception() is not None:
                     log.error("a stop failed", exc_info=stop.exception())
         while self._last:
@@ -317,9 +324,10 @@ class Lifecycle:
         self.background(stop())
 
 
-async def _finished(tasks: set[asyncio.Future[None]]) -> set[asyncio.Future[None]]:
-    """The tasks of ``tasks`` that end first (shielded: a cancel of the waiter leaves them running)."""
-    done, _ = await asyncio.wait(list(tasks), return_when=asyncio.FIRST_COMPLETED)
+async def _finished(tasks: set[asyncio.Future[None]], timeout: float | None = None) -> set[asyncio.Future[None]]:
+    """The tasks of ``tasks`` that end first, none if ``timeout`` passes first (shielded: a cancel of the waiter
+    leaves them running)."""
+    done, _ = await asyncio.wait(list(tasks), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     return done
 
 

@@ -362,3 +362,28 @@ async def test_a_plain_cleanup_of_an_actor_without_endpoints_runs_off_the_event_
     gate.set()
     await asyncio.wait_for(stopping, 10)
     assert log == ["cleaned up on actor-a"]
+
+
+async def test_the_workers_stop_waits_for_a_construction_only_up_to_the_cleanup_bound(caplog):
+    """A constructor that never returns must not hold the worker's end: its stop waits for it up to the bound."""
+    started, gate, log = threading.Event(), threading.Event(), []
+    rt = types.SimpleNamespace(
+        registry=types.SimpleNamespace(proc=lambda address, pid: None),
+        inbox=types.SimpleNamespace(
+            decoder=types.SimpleNamespace(decode=lambda ctor, frames: ([started, gate, log], {}))
+        ),
+    )
+    inv = types.SimpleNamespace(
+        call=types.SimpleNamespace(rank=0, reply_to="ipc://caller", reply_pid=1),
+        frames=[],
+        reply=lambda rt, ok, value: None,
+    )
+    life = Lifecycle(rt, SlotTable(), None, lambda hosted: None)  # type: ignore[arg-type]
+    spawning = asyncio.ensure_future(life.spawn(inv, "a", f"{__name__}:SlowStart", {}, b""))  # type: ignore[arg-type]
+    try:
+        await asyncio.wait_for(asyncio.to_thread(started.wait, 10), 20)
+        await asyncio.wait_for(life.stop_all(timeout=0.05), 10)
+        assert "a constructor still runs" in caplog.text
+    finally:
+        gate.set()
+        await asyncio.wait_for(spawning, 20)
