@@ -244,7 +244,11 @@ class RemoteHostMesh(HostMesh):
         self._refill()
 
         def respawn(rank: int, ref: ProcRef) -> str:
-            """Start rank's replacement: on its host if that lives, else at a new address on the least busy one."""
+            """Start rank's replacement: on its host if that lives, else at a new address on the least busy one.
+            Refused once the hosts are shut down (their node hosts are gone: a replacement asked of one never
+            answers, and its revived ref would wait for good)."""
+            if self.closed or (self._root is not None and self._root.closed):
+                raise RuntimeError(f"{self!r} has been shut down: rank {rank} is not restarted")
             home = homes[rank]
             if not home.lost:
                 self._start(home, ref, configs[rank])
@@ -282,10 +286,12 @@ class RemoteHostMesh(HostMesh):
         node.procs[index] = ref
 
         def spawned(pid: Any, error: BaseException | None) -> None:
+            # (news of a spawn another replaced since, on a host lost meanwhile, is not the replacement's)
             if error is not None:
-                node.procs.pop(index, None)
-                self._rt.registry.mark_dead(ref, f"could not start on {node}: {error}")
-            elif ref.pid != pid:
+                tracked = node.procs.pop(index, None)
+                if tracked is not None and not self._superseded(ref, index):
+                    self._rt.registry.mark_dead(ref, f"could not start on {node}: {error}")
+            elif index in node.procs and not self._superseded(ref, index) and ref.pid != pid:
                 self._rt.registry.set_pid(ref, int(pid))
 
         self._request(node, "spawn", (index, config), spawned)

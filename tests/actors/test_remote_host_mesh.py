@@ -7,6 +7,8 @@ import os
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from actors._meshes._remote_host_mesh import RemoteHostMesh, RemoteNode, exit_reason
 from actors._transport._registry import Registry
 
@@ -123,3 +125,48 @@ def test_a_port_handed_to_a_worker_still_starting_is_not_pooled_again(tmp_path):
     mesh._start(node, starting, {})
     node.pool(["tcp://10.255.1.0:5001", "tcp://10.255.1.0:5002"])
     assert node.addresses == ["tcp://10.255.1.0:5002"]
+
+
+def test_a_late_answer_to_a_spawn_on_a_lost_host_leaves_the_ranks_replacement_alone(tmp_path):
+    """A spawn on host 1 in flight when host 1 is lost: the rank restarts on host 0 at the same ref, and then Ray
+    fails (or answers) the old spawn. Its error marked the live replacement dead (its callers got ActorDied, and
+    its restart at the same address could not bind); a late success overwrote the replacement's pid."""
+    mesh = a_host_mesh(tmp_path, 2)
+    registry = mesh._rt.registry
+    ref = registry.placed("tcp://10.255.1.0:5001")
+    mesh._start(mesh._nodes[1], ref, {})
+    _, old_spawn = mesh.requests.pop()
+    mesh._lose(mesh._nodes[1], "its lifeline closed")
+    assert ref.dead
+    mesh._start(mesh._nodes[0], ref, {})  # (the supervisor's restart on the live host)
+    registry.revive(ref, None)
+    _, new_spawn = mesh.requests.pop()
+    new_spawn(4242, None)
+    old_spawn(None, RuntimeError("the node host's actor died"))
+    assert not ref.dead and ref.pid == 4242
+    old_spawn(1111, None)
+    assert ref.pid == 4242, "a late answer of the old spawn is not the replacement's pid"
+
+
+def test_a_shut_down_host_mesh_restarts_nothing(tmp_path, monkeypatch):
+    """A restartable proc mesh on hosts that are shut down without stopping it first (at exit, or ``shutdown()``
+    alone): forgetting its workers reported their deaths, and the supervisor restarted each on its host, whose
+    node host was gone: the revived ref never heard, and every later call to it waited for good."""
+    from actors._meshes import _remote_host_mesh
+    from actors._shared._restart import RestartPolicy
+
+    captured: dict[str, Any] = {}
+    monkeypatch.setattr(_remote_host_mesh, "ProcMesh", lambda *args, **kwargs: captured.setdefault("respawn", args[4]))
+    mesh = a_host_mesh(tmp_path, 1)
+    (node,) = mesh._nodes
+    node.addresses = ["tcp://10.255.1.0:5001"]
+    monkeypatch.setattr(mesh, "_ensure_addresses", lambda count: None)
+    monkeypatch.setattr(mesh, "_refill", lambda: None)
+    monkeypatch.setattr(_remote_host_mesh, "worker_config", lambda *args: SimpleNamespace(to_wire=lambda: {}))
+    mesh._spawn({"procs": 1}, None, "m", 1, RestartPolicy("on-failure"))
+    mesh.requests.clear()
+    mesh.closed = True
+    ref = mesh._rt.registry.placed("tcp://10.255.1.0:5001")
+    with pytest.raises(RuntimeError, match="shut down"):
+        captured["respawn"](0, ref)
+    assert mesh.requests == [], "no spawn is sent to a host that was shut down"
