@@ -211,17 +211,33 @@ class RemoteHostMesh(HostMesh):
     def _spawn(
         self, per: dict[str, int], boot: str | None, name: str | None, threads: int, policy: RestartPolicy
     ) -> ProcMesh:
-        """Start ``per`` processes on every host; the mesh's extent is ``{"hosts": N, **per}``."""
-        if self.closed or (self._root is not None and self._root.closed):
-            raise RuntimeError(f"{self!r} has been shut down")
+        """Start ``per`` processes on every host; the mesh's extent is ``{"hosts": N, **per}``.
+
+        The addresses are fetched on the caller's thread (a round trip that may wait); the hosts' worker tables
+        change on the runtime's thread only, where their answers are handled.
+        """
         if "hosts" in per:
             raise ValueError("per_host counts processes on each host; 'hosts' is the host mesh's own dimension")
+        self._check_spawnable()
+        count = math.prod(per.values())
+        self._ensure_addresses(count)
+        return self._rt.driver.on_thread(  # type: ignore[no-any-return]
+            lambda: self._place(per, count, boot, name, threads, policy)
+        )
+
+    def _check_spawnable(self) -> None:
+        if self.closed or (self._root is not None and self._root.closed):
+            raise RuntimeError(f"{self!r} has been shut down")
         lost = [str(node) for node in self._nodes if node.lost]
         if lost:
             raise RuntimeError(f"cannot spawn on a host mesh that lost {', '.join(lost)}")
+
+    def _place(
+        self, per: dict[str, int], count: int, boot: str | None, name: str | None, threads: int, policy: RestartPolicy
+    ) -> ProcMesh:
+        """:meth:`_spawn`'s processes started on the hosts (the runtime's thread)."""
+        self._check_spawnable()  # (again: a host may have been lost while the addresses came)
         rt = self._rt
-        count = math.prod(per.values())
-        self._ensure_addresses(count)
         main = main_module()
         mesh_name = name or f"procs{rt.counter('mesh')}"
         procs: list[ProcRef] = []
@@ -268,11 +284,16 @@ class RemoteHostMesh(HostMesh):
         return ProcMesh(mesh_name, {"hosts": len(self._nodes), **per}, procs, policy, respawn, kill=self._kill)
 
     def _forget_workers(self, why: str) -> None:
-        """The mesh is shut down: every worker it started counts as gone."""
-        for node in self._nodes:
-            for ref in list(node.procs.values()):
-                self._rt.registry.mark_dead(ref, why)
-            node.procs.clear()
+        """The mesh is shut down: every worker it started counts as gone (on the runtime's thread, where the
+        registry's death hooks run; a shutdown runs on a worker thread, or a synchronous program's own)."""
+
+        def forget() -> None:
+            for node in self._nodes:
+                for ref in list(node.procs.values()):
+                    self._rt.registry.mark_dead(ref, why)
+                node.procs.clear()
+
+        self._rt.driver.on_thread(forget)
 
     # ------------------------------------------------------------------ the hosts' answers, on the runtime thread
 

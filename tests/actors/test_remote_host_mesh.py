@@ -18,13 +18,28 @@ class HandFed(RemoteHostMesh):
 
     def __init__(self, registry: Registry, nodes: list[RemoteNode]) -> None:  # (skips the base's start-up)
         counter = itertools.count()
-        self._rt = SimpleNamespace(registry=registry, counter=lambda name: next(counter))  # type: ignore[assignment]
+        #: Whether the code runs as on the runtime's thread (inside ``driver.on_thread``), and what ran outside.
+        self.on_thread = False
+        self.off_thread: list[str] = []
+
+        def on_thread(fn: Any, timeout: float | None = None) -> Any:
+            self.on_thread = True
+            try:
+                return fn()
+            finally:
+                self.on_thread = False
+
+        self._rt = SimpleNamespace(  # type: ignore[assignment]
+            registry=registry, counter=lambda name: next(counter), driver=SimpleNamespace(on_thread=on_thread)
+        )
         self._nodes = nodes
         self._root = None
         self.closed = False
         self.requests: list[tuple[str, Any]] = []
 
     def _request(self, node: RemoteNode, op: str, args: tuple[Any, ...], done: Any) -> None:
+        if not self.on_thread:
+            self.off_thread.append(op)
         self.requests.append((op, done))
 
 
@@ -170,3 +185,27 @@ def test_a_shut_down_host_mesh_restarts_nothing(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="shut down"):
         captured["respawn"](0, ref)
     assert mesh.requests == [], "no spawn is sent to a host that was shut down"
+
+
+def test_spawning_and_forgetting_workers_run_on_the_runtimes_thread(tmp_path, monkeypatch):
+    """``spawn_procs`` from a synchronous program's main thread, and ``shutdown()`` from a worker thread, changed
+    the hosts' worker tables while the runtime's thread read them (an exit report's handler raised "dictionary
+    changed size during iteration", was swallowed, and that host's exits were never polled again), and ran the
+    registry's death hooks off the loop. Both hop to the runtime's thread now (the address fetch, which may wait,
+    stays on the caller's)."""
+    from actors._meshes import _remote_host_mesh
+    from actors._shared._restart import RestartPolicy
+
+    mesh = a_host_mesh(tmp_path, 1)
+    (node,) = mesh._nodes
+    node.addresses = ["tcp://10.255.1.0:5001", "tcp://10.255.1.0:5002"]
+    fetched_on: list[bool] = []
+    monkeypatch.setattr(mesh, "_ensure_addresses", lambda count: fetched_on.append(mesh.on_thread))
+    monkeypatch.setattr(_remote_host_mesh, "worker_config", lambda *args: SimpleNamespace(to_wire=lambda: {}))
+    monkeypatch.setattr(_remote_host_mesh, "ProcMesh", lambda *args, **kwargs: args[2])
+    died_on: list[bool] = []
+    mesh._rt.registry.deaths.connect(lambda ref: died_on.append(mesh.on_thread))
+    procs = mesh._spawn({"procs": 1}, None, "m", 1, RestartPolicy())
+    assert fetched_on == [False] and mesh.off_thread == [] and len(procs) == 1
+    mesh._forget_workers("its host mesh was shut down")
+    assert procs[0].dead and died_on == [True]
