@@ -117,33 +117,36 @@ def host_mesh(
     if gpus_per_host:
         bundle["GPU"] = gpus_per_host
     pg = placement_group([dict(bundle) for _ in range(hosts)], strategy="STRICT_SPREAD")
-    ready, _ = ray.wait([pg.ready()], timeout=SETUP_TIMEOUT)
-    if not ready:
-        remove_placement_group(pg)
-        raise RuntimeError(
-            f"Ray could not reserve {hosts} separate nodes with {bundle} each within {SETUP_TIMEOUT:g}s "
-            f"(the cluster has {len(ray.nodes())} nodes: {ray.cluster_resources()})"
-        )
-    lifelines = Lifelines(tcp_host(rt.address) or "127.0.0.1", lost_after)
-    remote = ray.remote(NodeHost)
-    handles = [
-        remote.options(
-            num_cpus=cpus_per_host,
-            num_gpus=gpus_per_host,
-            max_concurrency=8,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-        ).remote(keys[0].decode(), keys[1].decode(), bind_host, lifelines.ticket(i))
-        for i in range(hosts)
-    ]
-    try:
+    lifelines: Lifelines | None = None
+    handles: list[Any] = []
+    try:  # (whatever stops it, a Ctrl-C in a wait among them, gives back what it reserved and started)
+        ready, _ = ray.wait([pg.ready()], timeout=SETUP_TIMEOUT)
+        if not ready:
+            raise RuntimeError(
+                f"Ray could not reserve {hosts} separate nodes with {bundle} each within {SETUP_TIMEOUT:g}s "
+                f"(the cluster has {len(ray.nodes())} nodes: {ray.cluster_resources()})"
+            )
+        lifelines = Lifelines(tcp_host(rt.address) or "127.0.0.1", lost_after)
+        remote = ray.remote(NodeHost)
+        for i in range(hosts):
+            handles.append(
+                remote.options(
+                    num_cpus=cpus_per_host,
+                    num_gpus=gpus_per_host,
+                    max_concurrency=8,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+                ).remote(keys[0].decode(), keys[1].decode(), bind_host, lifelines.ticket(i))
+            )
         infos = ray.get([h.info.remote() for h in handles], timeout=SETUP_TIMEOUT)
         pools = ray.get([h.addresses.remote(ADDRESS_POOL) for h in handles], timeout=SETUP_TIMEOUT)
     except BaseException:
         for h in handles:
             with contextlib.suppress(Exception):
                 ray.kill(h)
-        remove_placement_group(pg)
-        lifelines.close()
+        with contextlib.suppress(Exception):
+            remove_placement_group(pg)
+        if lifelines is not None:
+            lifelines.close()
         raise
     nodes = [
         RemoteNode(
@@ -164,6 +167,20 @@ async def host_mesh_async(
 ) -> RayHostMesh:
     """:func:`host_mesh` for code on an event loop: the reservation is waited for on a worker thread.
 
-    Each Ray wait inside is bounded (``SETUP_TIMEOUT``); the loop keeps running meanwhile.
+    Each Ray wait inside is bounded (``SETUP_TIMEOUT``); the loop keeps running meanwhile. Cancelled (a
+    ``wait_for`` that gave up), the reservation goes on on its thread, and the mesh it makes is shut down.
     """
-    return await asyncio.to_thread(host_mesh, address, hosts, gpus_per_host, cpus_per_host, bind_host=bind_host)
+    making = asyncio.ensure_future(
+        asyncio.to_thread(host_mesh, address, hosts, gpus_per_host, cpus_per_host, bind_host=bind_host)
+    )
+    try:
+        return await asyncio.shield(making)
+    except asyncio.CancelledError:
+        making.add_done_callback(_shut_down_unwanted)
+        raise
+
+
+def _shut_down_unwanted(making: asyncio.Future[RayHostMesh]) -> None:
+    """A host mesh whose caller gave up on it while it was made: its nodes and reservation are given back."""
+    if not making.cancelled() and making.exception() is None:
+        making.result().shutdown()

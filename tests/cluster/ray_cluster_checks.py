@@ -726,6 +726,31 @@ async def pipeline_survives_a_lost_node(cluster):  # type: ignore[no-untyped-def
     }
 
 
+@check("cancelled_host_mesh_gives_its_reservation_back")
+async def cancelled_host_mesh_gives_its_reservation_back():  # type: ignore[no-untyped-def]
+    """``wait_for(host_mesh_async(...), t)`` that gives up: the reservation went on on its thread and the mesh it
+    made was referenced by nothing but the exit hook (its nodes and placement group held until the program
+    exited). It is shut down once made: its placement group is removed."""
+    from ray.util import placement_group_table
+
+    from actors.ray import host_mesh_async
+
+    before = set(placement_group_table())
+    try:
+        await asyncio.wait_for(host_mesh_async(hosts=1), 0.05)
+    except asyncio.TimeoutError:
+        pass
+    else:
+        raise AssertionError("the host mesh was up within 50 ms: nothing was given up")
+    deadline = time.monotonic() + 90
+    while True:  # (an outside condition: the cluster's own table)
+        new = {key: group["state"] for key, group in placement_group_table().items() if key not in before}
+        if new and all(state == "REMOVED" for state in new.values()):
+            return {"groups": new}
+        assert time.monotonic() < deadline, f"the reservation was not given back: {new}"
+        await asyncio.sleep(0.1)
+
+
 async def main() -> None:
     import ray
     from ray.cluster_utils import Cluster
@@ -752,6 +777,7 @@ async def main() -> None:
             await node_host_lost_fails_calls(hosts)
         finally:
             hosts.shutdown()
+        await cancelled_host_mesh_gives_its_reservation_back()
         await child_elsewhere_hears_of_a_death_on_its_parents_node(cluster.address)
         await pipeline_placement_refused(cluster.address)
         await pipeline_across_nodes(cluster.address)

@@ -27,6 +27,7 @@ CHECKS = [
     "cousin_hears_of_a_death_on_another_node",
     "stop_kills_a_wedged_worker_on_another_node",
     "node_host_lost_fails_calls",
+    "cancelled_host_mesh_gives_its_reservation_back",
     "child_elsewhere_hears_of_a_death_on_its_parents_node",
     "pipeline_placement_refused",
     "pipeline_across_nodes",
