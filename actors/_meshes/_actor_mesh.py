@@ -304,8 +304,8 @@ class ActorMesh(Shaped, Generic[A]):
         view._next = self._next  # choose() on a slice taken afresh each time still takes turns
         return view
 
-    def stop(self) -> Future[None]:
-        """Run ``__cleanup__`` on these actors and remove them (their processes stay).
+    def stop(self, reason: str = "stopped by client") -> Future[None]:
+        """Run ``__cleanup__`` on these actors and remove them (their processes stay); ``reason`` is Monarch's.
 
         Stopping a slice stops its actors only: the others answer on, and
         calls that would reach a stopped one raise ``SupervisionError``.

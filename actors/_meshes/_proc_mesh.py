@@ -335,13 +335,17 @@ class ProcMesh(Shaped):
         from now on are expected, not failures."""
         self.supervisor.stopping = True
 
-    def stop(self, timeout: float = CLEANUP_TIMEOUT) -> Future[None]:
+    def stop(self, reason: str = "stopped by client", *, timeout: float = CLEANUP_TIMEOUT) -> Future[None]:
         """Run every actor's ``__cleanup__`` and end the processes (a no-op if already stopped).
+
+        ``reason`` is Monarch's (its worker logs say why); ``timeout`` bounds each actor's ``__cleanup__``.
 
         The stop runs to its end whoever waits for it: an awaiter that gives
         up leaves it going, and a later ``stop()`` (or ``shutdown_context``)
         waits for the same run (its ``timeout`` is the first stop's).
         """
+        if not isinstance(reason, str):
+            raise TypeError(f"stop(reason) takes Monarch's reason, a str, not {reason!r} (the bound is timeout=)")
         if self._root is not self:
             raise ValueError(
                 f"{self!r} is a slice of {self._root!r}: stop the proc mesh it was sliced from (a slice's processes "

@@ -740,6 +740,22 @@ async def test_a_call_after_stop_is_a_supervision_error(procs: ProcMesh):
         await other.slice(procs=1).call_other.call_one(who.slice(procs=0))
 
 
+async def test_stop_takes_monarchs_reason(spawn):
+    """Monarch's ``ActorMesh.stop(reason)`` and ``ProcMesh.stop(reason)`` (its ``stop_mesh.py`` example passes one):
+    the actor mesh's raised TypeError and its actors ran on; the proc mesh took the reason for a timeout, sent the
+    stop, then raised TypeError, and every worker stopped without waiting for ``__cleanup__``."""
+    procs = spawn(procs=2)
+    who = procs.spawn("who", Who)
+    await who.stop("mesh stopped by example")
+    with pytest.raises(SupervisionError, match="stopped"):
+        await who.value_of.call()
+    pids = set(procs.pids)
+    await asyncio.wait_for(procs.stop("done with the mesh"), 60)
+    assert wait_for(lambda: not pids & actor_pids(), timeout=10)
+    with pytest.raises(TypeError, match="the bound is timeout="):
+        procs.stop(0.5)  # type: ignore[arg-type]
+
+
 async def test_a_proc_mesh_travels_as_an_endpoint_argument(spawn):
     parent = spawn(procs=1).spawn("parent", AsyncParent, spawn(procs=2))
     assert len(await parent.fail_child.call_one()) >= 1
