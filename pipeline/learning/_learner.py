@@ -158,6 +158,15 @@ class Learner:
         if moments is not None:
             _sharded_state.restore_moments(self.policy, self.optim, moments)
         self.schedule.load_state_dict(schedule)
+        self._rate_from_schedule()
+
+    def _rate_from_schedule(self) -> None:
+        """Set the optimizer's rate to this run's schedule at the step it is at. A checkpoint's optimizer brings
+        the rate the saved run's schedule set; resumed with another ``--steps`` (or schedule), the first step
+        trained at that rate (a cosine run resumed to twice its steps took a step at lr 0)."""
+        factor = self.schedule.lr_lambdas[0](self.schedule.last_epoch)
+        for group, base in zip(self.optim.param_groups, self.schedule.base_lrs, strict=True):
+            group["lr"] = base * factor
 
     @property
     def sharded(self) -> bool:
@@ -397,6 +406,7 @@ class Learner:
         from . import _sharded_state
 
         _sharded_state.load_shards(self.policy, self.optim, folder)
+        self._rate_from_schedule()
 
     def whole_policy_state(self) -> dict[str, torch.Tensor]:
         """The policy's tensors whole (sharded: gathered into rank 0's host memory, every rank calling)."""
@@ -449,6 +459,7 @@ class Learner:
             self.optim.load_state_dict(state["optimizer"])
         if "schedule" in state:  # checkpoints from before schedules had none: constant
             self.schedule.load_state_dict(state["schedule"])
+        self._rate_from_schedule()
         if "entropy" in state and self.entropy.adaptive:  # a fixed coefficient is the run's setting, not state
             self.entropy.load(state["entropy"])
         self.reference_state = self._reference_copy(state.get("ref") or self.policy.state_dict())

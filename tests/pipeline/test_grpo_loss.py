@@ -762,6 +762,11 @@ def test_learning_rate_schedules():
     resumed = Learner(task, torch.device("cpu"))
     resumed.load_state(learner.state())
     assert resumed.optim.param_groups[0]["lr"] == learner.optim.param_groups[0]["lr"], "a checkpoint keeps it"
+    # resumed with twice the steps: the optimizer brought the old schedule's last rate (0: the cosine's end), and
+    # the first resumed step trained at it; each step follows this run's schedule now
+    longer = Learner(_task(lr=1e-2, steps=8, lr_schedule="cosine", warmup_steps=1)[0], torch.device("cpu"))
+    longer.load_state(learner.state())
+    assert longer.update(batch, rewards, ref).lr == pytest.approx(1e-2 * 0.5 * (1 + math.cos(3 * math.pi / 7)))
 
 
 def test_bfloat16_trains_under_autocast_and_keeps_float32_weights():
