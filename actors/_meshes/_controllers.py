@@ -69,9 +69,15 @@ def _paths(rt: Runtime, name: str) -> tuple[str, str]:
 
 
 def _publish(rt: Runtime, path: str, mesh: Any) -> None:
-    enc = rt.encoder
-    enc.reset()
-    blob = enc.encode(mesh)
+    """Write the controller's handle for other processes (encoded on the runtime's thread: the encoder's state
+    is shared with every message this process sends; a synchronous endpoint calls from its actor's thread)."""
+
+    def encode() -> bytes:
+        enc = rt.encoder
+        enc.reset()
+        return bytes(enc.encode(mesh))
+
+    blob = rt.driver.on_thread(encode)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "wb") as f:
         f.write(blob)
@@ -84,7 +90,7 @@ def _read(rt: Runtime, path: str) -> Any:
             blob = f.read()
     except FileNotFoundError:
         return None
-    return rt.inbox.decoder.decode(blob, [])
+    return rt.driver.on_thread(lambda: rt.inbox.decoder.decode(blob, []))  # (the inbox's decoder: its thread)
 
 
 def _claim(rt: Runtime, name: str, cls: type[Actor], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

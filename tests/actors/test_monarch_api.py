@@ -10,6 +10,7 @@ import re
 import textwrap
 import threading
 import time
+from typing import Any
 
 import pytest
 from harness import actor_pids, run_python, wait_for
@@ -1004,3 +1005,32 @@ async def test_a_call_to_an_actor_its_dead_spawner_stopped_says_it_was_stopped(s
 async def test_a_host_mesh_is_initialized_when_returned():
     """Monarch's ``HostMesh.initialized``: here every host mesh is ready when it is returned."""
     assert await this_host().initialized is True
+
+
+def test_a_controllers_handle_is_encoded_and_decoded_on_the_runtimes_thread(tmp_path):
+    """``get_or_spawn_controller`` from a synchronous endpoint (its actor's thread) or a synchronous program used
+    the runtime's encoder and the inbox's decoder on that thread, while the runtime's thread used them for the
+    messages it sent and read: their shared state could mix two records (a corrupt handle, or message)."""
+    from types import SimpleNamespace
+
+    from actors._meshes._controllers import _publish, _read
+
+    inside = [False]
+    used: list[tuple[str, bool]] = []
+
+    def on_thread(fn: Any, timeout: float | None = None) -> Any:
+        inside[0] = True
+        try:
+            return fn()
+        finally:
+            inside[0] = False
+
+    encoder = SimpleNamespace(reset=lambda: None, encode=lambda value: used.append(("encode", inside[0])) or b"x")
+    decoder = SimpleNamespace(decode=lambda blob, frames: used.append(("decode", inside[0])) or "mesh")
+    rt = SimpleNamespace(
+        encoder=encoder, inbox=SimpleNamespace(decoder=decoder), driver=SimpleNamespace(on_thread=on_thread)
+    )
+    path = str(tmp_path / "logger.mesh")
+    _publish(rt, path, object())  # type: ignore[arg-type]
+    assert _read(rt, path) == "mesh"  # type: ignore[arg-type]
+    assert used == [("encode", True), ("decode", True)]
