@@ -222,6 +222,16 @@ def _run_script(tmp_path, body: str, **env_vars: str) -> subprocess.Popen[str]:
     )
 
 
+def _ready_line(proc: subprocess.Popen[str]) -> str:
+    """The controller script's ``READY ...`` line (read past what it prints before)."""
+    assert proc.stdout is not None
+    line = ""
+    while not line.startswith("READY"):
+        line = proc.stdout.readline()
+        assert line, "controller exited early"
+    return line
+
+
 CONTROLLER = """
     import asyncio, os, sys
     from actors import this_host
@@ -244,12 +254,7 @@ CONTROLLER = """
 def test_controller_death_ends_every_actor_process(tmp_path, sig):
     proc = _run_script(tmp_path, CONTROLLER)
     try:
-        assert proc.stdout is not None
-        line = ""
-        while not line.startswith("READY"):
-            line = proc.stdout.readline()
-            assert line, "controller exited early"
-        _, rundir, *pids = line.split()
+        _, rundir, *pids = _ready_line(proc).split()
         workers = {int(p) for p in pids}
         assert workers <= actor_pids()
         start = time.monotonic()
@@ -293,12 +298,7 @@ def test_a_plain_fork_of_the_controller_does_not_keep_its_forkserver_alive(tmp_p
     proc = _run_script(tmp_path, CONTROLLER_WITH_A_FORKED_HELPER, ACTORS_FORKSERVER="exec")
     helper = 0
     try:
-        assert proc.stdout is not None
-        line = ""
-        while not line.startswith("READY"):
-            line = proc.stdout.readline()
-            assert line, "controller exited early"
-        _, rundir, helper_pid, forkserver_pid, *pids = line.split()
+        _, rundir, helper_pid, forkserver_pid, *pids = _ready_line(proc).split()
         helper, forkserver = int(helper_pid), int(forkserver_pid)
         workers = {int(p) for p in pids}
         proc.send_signal(signal.SIGKILL)

@@ -41,26 +41,31 @@ async def test_a_million_messages_through_two_stages_to_a_slow_receiver(procs):
     assert time.monotonic() - started < 100
 
 
+class FullOnce:
+    """An outbox whose link refuses the first record (its peer's queue full), then takes every one."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        self.loop = loop
+        self.posted: list[bytes] = []
+        self.refusals = 1
+
+    def post(self, link: object, data: bytes, frames: list[object], urgent: bool) -> None:
+        from actors import BufferFull
+
+        if self.refusals:
+            self.refusals -= 1
+            raise BufferFull("the link's queue is full")
+        self.posted.append(data)
+
+
 async def test_a_backlog_a_full_link_refused_with_nothing_in_flight_is_offered_again():
     """The credit that emptied the window found the link full: nothing was in flight, so no credit would come to
     release the backlog, and ``drain()`` waited forever. It is offered to the link again until it leaves."""
     import types
 
-    from actors import BufferFull
     from actors._transport._flow import SenderWindows
 
-    class FullOnce:
-        loop = asyncio.get_running_loop()
-        posted: list[bytes] = []
-        refusals = 1
-
-        def post(self, link: object, data: bytes, frames: list[object], urgent: bool) -> None:
-            if self.refusals:
-                self.refusals -= 1
-                raise BufferFull("the link's queue is full")
-            self.posted.append(data)
-
-    outbox = FullOnce()
+    outbox = FullOnce(asyncio.get_running_loop())
     windows = SenderWindows(outbox)  # type: ignore[arg-type]
     window = windows.window(types.SimpleNamespace(address="ipc://peer"), 7)  # type: ignore[arg-type]
     window.inflight = PORT_WINDOW  # full: the next record waits in the backlog
@@ -80,23 +85,10 @@ async def test_a_backlog_refused_while_another_loop_or_none_drove_the_process_is
     send, offers the backlog again when its release is not due on the loop that drives the process now."""
     import types
 
-    from actors import BufferFull
     from actors._transport._flow import SenderWindows
 
     other = asyncio.new_event_loop()
-
-    class FullOnce:
-        loop: asyncio.AbstractEventLoop | None = other if refused_on == "another loop" else None
-        posted: list[bytes] = []
-        refusals = 1
-
-        def post(self, link: object, data: bytes, frames: list[object], urgent: bool) -> None:
-            if self.refusals:
-                self.refusals -= 1
-                raise BufferFull("the link's queue is full")
-            self.posted.append(data)
-
-    outbox = FullOnce()
+    outbox = FullOnce(other if refused_on == "another loop" else None)
     windows = SenderWindows(outbox)  # type: ignore[arg-type]
     window = windows.window(types.SimpleNamespace(address="ipc://peer"), 7)  # type: ignore[arg-type]
     window.inflight = PORT_WINDOW

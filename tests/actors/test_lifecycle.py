@@ -190,12 +190,11 @@ class SlowStart(Actor):
         self.log.append(f"cleaned up on {threading.current_thread().name.partition('_')[0]}")
 
 
-async def test_an_actor_stopped_while_its_constructor_runs_is_cleaned_up_once_constructed():
-    """A synchronous actor's constructor runs on its thread; a stop meanwhile found no instance, so no
-    ``__cleanup__`` ever ran for the actor the constructor then finished building, and what it spawned after the
-    stop was adopted by no one (its processes lived until the worker exited). Both now stop."""
-    started, gate, log = threading.Event(), threading.Event(), []
-    replies: list[bool] = []
+def slow_start(
+    started: threading.Event, gate: threading.Event, log: list[str], replies: list[bool]
+) -> tuple[Lifecycle, Any]:
+    """A worker's lifecycle whose spawns construct :class:`SlowStart` with these arguments, and the spawn call
+    (its answers, ok or not, go to ``replies``)."""
     rt = types.SimpleNamespace(
         registry=types.SimpleNamespace(proc=lambda address, pid: None),
         inbox=types.SimpleNamespace(
@@ -207,8 +206,15 @@ async def test_an_actor_stopped_while_its_constructor_runs_is_cleaned_up_once_co
         frames=[],
         reply=lambda rt, ok, value: replies.append(ok),
     )
-    slots = SlotTable()
-    life = Lifecycle(rt, slots, None, lambda hosted: None)  # type: ignore[arg-type]
+    return Lifecycle(rt, SlotTable(), None, lambda hosted: None), inv  # type: ignore[arg-type]
+
+
+async def test_an_actor_stopped_while_its_constructor_runs_is_cleaned_up_once_constructed():
+    """A synchronous actor's constructor runs on its thread; a stop meanwhile found no instance, so no
+    ``__cleanup__`` ever ran for the actor the constructor then finished building, and what it spawned after the
+    stop was adopted by no one (its processes lived until the worker exited). Both now stop."""
+    started, gate, log, replies = threading.Event(), threading.Event(), [], []
+    life, inv = slow_start(started, gate, log, replies)
     spawning = asyncio.ensure_future(life.spawn(inv, "a", f"{__name__}:SlowStart", {}, b""))  # type: ignore[arg-type]
     await asyncio.wait_for(asyncio.to_thread(started.wait, 10), 20)
     await asyncio.wait_for(life.stop_actor("a"), 10)  # (no instance yet: nothing to clean up)
@@ -226,20 +232,8 @@ async def test_the_workers_stop_waits_for_a_construction_under_way_and_refuses_a
     instance, answered at once, and the worker ended before the constructed actor's ``__cleanup__`` (what its
     ``__init__`` acquired leaked). It now waits for the construction and cleans the actor up; a spawn that
     arrives once the worker is stopping is refused (before, its actor was never stopped)."""
-    started, gate, log = threading.Event(), threading.Event(), []
-    replies: list[bool] = []
-    rt = types.SimpleNamespace(
-        registry=types.SimpleNamespace(proc=lambda address, pid: None),
-        inbox=types.SimpleNamespace(
-            decoder=types.SimpleNamespace(decode=lambda ctor, frames: ([started, gate, log], {}))
-        ),
-    )
-    inv = types.SimpleNamespace(
-        call=types.SimpleNamespace(rank=0, reply_to="ipc://caller", reply_pid=1),
-        frames=[],
-        reply=lambda rt, ok, value: replies.append(ok),
-    )
-    life = Lifecycle(rt, SlotTable(), None, lambda hosted: None)  # type: ignore[arg-type]
+    started, gate, log, replies = threading.Event(), threading.Event(), [], []
+    life, inv = slow_start(started, gate, log, replies)
     spawning = asyncio.ensure_future(life.spawn(inv, "a", f"{__name__}:SlowStart", {}, b""))  # type: ignore[arg-type]
     await asyncio.wait_for(asyncio.to_thread(started.wait, 10), 20)
     everything = asyncio.ensure_future(life.stop_all())
@@ -367,18 +361,7 @@ async def test_a_plain_cleanup_of_an_actor_without_endpoints_runs_off_the_event_
 async def test_the_workers_stop_waits_for_a_construction_only_up_to_the_cleanup_bound(caplog):
     """A constructor that never returns must not hold the worker's end: its stop waits for it up to the bound."""
     started, gate, log = threading.Event(), threading.Event(), []
-    rt = types.SimpleNamespace(
-        registry=types.SimpleNamespace(proc=lambda address, pid: None),
-        inbox=types.SimpleNamespace(
-            decoder=types.SimpleNamespace(decode=lambda ctor, frames: ([started, gate, log], {}))
-        ),
-    )
-    inv = types.SimpleNamespace(
-        call=types.SimpleNamespace(rank=0, reply_to="ipc://caller", reply_pid=1),
-        frames=[],
-        reply=lambda rt, ok, value: None,
-    )
-    life = Lifecycle(rt, SlotTable(), None, lambda hosted: None)  # type: ignore[arg-type]
+    life, inv = slow_start(started, gate, log, [])
     spawning = asyncio.ensure_future(life.spawn(inv, "a", f"{__name__}:SlowStart", {}, b""))  # type: ignore[arg-type]
     try:
         await asyncio.wait_for(asyncio.to_thread(started.wait, 10), 20)
