@@ -16,6 +16,7 @@ agree on the order, and a resumed run's data position is its step.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 from array import array
@@ -45,8 +46,8 @@ def load_rows(source: str, split: str = "train", flag: str = "--dataset", subset
     extension = os.path.splitext(source)[1].lower()
     try:
         with _no_progress_monitor():
-            if os.path.isdir(source):  # as a Hub dataset downloaded: its files' names give the splits
-                return datasets.load_dataset(source, split=split)
+            if os.path.isdir(source):  # as a Hub dataset downloaded: its files, or its card's subsets, give the splits
+                return datasets.load_dataset(source, subset or None, split=split)
             if os.path.exists(source):
                 builder = _BUILDERS.get(extension)
                 if builder is None:
@@ -199,8 +200,8 @@ class PromptData:
         """The prompts and the other columns of ``rows``, each repeated ``group`` times (one per completion):
         every row read once, not once per completion."""
         records = [self.rows[row] for row in rows]
-        prompts = [record[self.prompt_column] for record in records for _ in range(group)]
-        columns = {name: [record[name] for record in records for _ in range(group)] for name in self.columns}
+        prompts = [_own(record[self.prompt_column]) for record in records for _ in range(group)]
+        columns = {name: [_own(record[name]) for record in records for _ in range(group)] for name in self.columns}
         return prompts, columns
 
     def completion(self, text: str) -> Any:
@@ -224,3 +225,10 @@ class PromptData:
             generator = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + epoch)
             self._order = ((epoch, seed), torch.randperm(len(self.indices), generator=generator, device="cpu").tolist())
         return self._order[1]
+
+
+def _own(value: Any) -> Any:
+    """``value`` for one completion alone: a list or dict (a chat prompt, a column of test cases) copied, so a
+    reward function that changes one completion's (extends the conversation, pops a case) changes no other's,
+    as each of TRL's repeated rows is an object of its own."""
+    return copy.deepcopy(value) if isinstance(value, (list, dict)) else value

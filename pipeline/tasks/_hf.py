@@ -117,11 +117,6 @@ class HFTask(Task):
                     f"{flag} {source} is a local file, read whole: --dataset-split, --eval-split, --dataset-config "
                     "and --eval-dataset-config pick a Hub dataset's split and subset"
                 )
-            if os.path.isdir(source) and subset:  # (a folder's files are its splits, of one subset)
-                raise DataError(
-                    f"{flag} {source} is a local folder: --dataset-config and --eval-dataset-config pick a Hub "
-                    "dataset's subset (the folder's files name its splits)"
-                )
         rows = load_rows(config.dataset, config.dataset_split, subset=config.dataset_config)
         if config.eval_dataset:
             train = PromptData(rows, column, tokenizer, chat_template_kwargs=variables)

@@ -745,6 +745,14 @@ def test_a_prompt_sets_token_cache_is_bounded_and_the_rewards_read_each_row_once
     prompts, columns = data.for_rewards([2, 0], 4)
     assert prompts == ["2+2="] * 4 + ["0+0="] * 4 and columns == {"answer": ["4"] * 4 + ["0"] * 4}
     assert table.reads == 2
+    # a chat prompt (a list) and a column of lists: each completion's own objects, as TRL's repeated rows are (a
+    # reward that extended one completion's conversation in place extended its siblings' too)
+    chat = Counted(datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": "hi"}], "cases": [1, 2]}]))
+    prompts, columns = PromptData(chat, "prompt", model_and_tokenizer[1]).for_rewards([0], 2)
+    prompts[0].append({"role": "assistant", "content": "hello"})
+    columns["cases"][0].pop()
+    assert prompts[1] == [{"role": "user", "content": "hi"}] and columns["cases"][1] == [1, 2]
+    assert chat.reads == 1
 
 
 def test_a_local_files_split_or_subset_is_refused_not_ignored(tmp_path, tiny):
@@ -889,8 +897,28 @@ def test_a_local_folder_of_data_files_is_a_dataset_whose_splits_are_its_files(tm
         load_rows(str(folder), "validation")
     task = HFTask(resolve(_config(tiny, tmp_path, dataset=str(folder), eval_dataset=str(folder))))
     assert (len(task.train_data), len(task.eval_data)) == (150, len(rows) - 150)
-    with pytest.raises(DataError, match="is a local folder: --dataset-config"):
-        _ = HFTask(resolve(_config(tiny, tmp_path, dataset=str(folder), dataset_config="main"))).train_data
+
+
+def test_a_downloaded_dataset_whose_card_declares_subsets_loads_the_one_named(tmp_path, tiny):
+    """A Hub dataset with several subsets downloaded (``huggingface-cli download openai/gsm8k``): its card names
+    them, with no default, so ``datasets`` needs one; ``--dataset-config`` was refused for a folder, and nothing
+    could load it. The subset named is loaded, and none names what is missing."""
+    import datasets
+
+    folder = tmp_path / "snapshot"
+    rows = [json.loads(line) for line in (tiny / "train.jsonl").read_text().splitlines()]
+    for subset, part in (("main", rows[:100]), ("socratic", rows[100:130])):
+        (folder / subset).mkdir(parents=True)
+        datasets.Dataset.from_list(part).to_parquet(str(folder / subset / "train-00000-of-00001.parquet"))
+    card = ["---", "configs:"]
+    for subset in ("main", "socratic"):
+        card += [f"- config_name: {subset}", "  data_files:", "  - split: train", f"    path: {subset}/train-*"]
+    (folder / "README.md").write_text("\n".join([*card, "---", ""]))
+    assert len(load_rows(str(folder), subset="socratic")) == 30
+    task = HFTask(resolve(_config(tiny, tmp_path, dataset=str(folder), dataset_config="main")))
+    assert len(task.train_data) + len(task.eval_data) == 100
+    with pytest.raises(DataError, match=r"--dataset .*snapshot: cannot be loaded \(.*[Cc]onfig"):
+        load_rows(str(folder))
 
 
 def test_chat_template_kwargs_reach_the_template_and_a_failing_template_is_a_data_error(tiny, own_code):
