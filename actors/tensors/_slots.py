@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import itertools
 import mmap
@@ -65,6 +66,20 @@ _EMPTY, _READY = 0, 2
 LOCK_TIMEOUT = 30.0
 #: What a closed writer's reservations raise.
 CLOSED = "this weight publisher is closed"
+
+
+def _claim_memory(fd: int, size: int, path: str) -> None:
+    """Reserve the segment's memory now: on tmpfs ``ftruncate`` makes a sparse file, and a write past what
+    ``/dev/shm`` has free faults (SIGBUS, the process killed) where this raises :class:`WeightSyncError`."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # (a file system that cannot reserve: written as before)
+            return
+        raise WeightSyncError(
+            f"{os.path.dirname(path)} has no room for a {size}-byte weight slot ({exc.strerror}): free space there, "
+            "or give the container more shared memory (docker --shm-size)"
+        ) from exc
 
 
 def segment_prefix(pid: int | None = None) -> str:
@@ -256,6 +271,7 @@ class SlotPool:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, size)
+            _claim_memory(fd, size, path)
             mm = mmap.mmap(fd, size)
             fcntl.flock(fd, fcntl.LOCK_EX)
             slot = Slot(name, fd, mm, nbytes)
@@ -452,8 +468,9 @@ class SlotHolds:
         mapping.views.clear()
         if self._on_forget is not None:
             self._on_forget(mapping.name)
-        with contextlib.suppress(BufferError):  # tensors still alive keep the pages mapped
-            mapping.mm.close()
+        # Not closed: torch's views over it hold the mapping object, not a buffer export, so closing it would unmap
+        # the pages under tensors still alive (an aliased model's parameters: a segfault at their next read). It
+        # is unmapped when the last of them goes.
         os.close(mapping.fd)
 
     def keep(self, held: dict[str, str], update_id: str, name: str) -> None:

@@ -596,6 +596,34 @@ def test_a_copying_install_after_an_aliasing_one_gives_the_model_its_own_storage
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", (proc.returncode, proc.stderr[-2000:])
 
 
+READ_AFTER_CLOSE = """
+import torch
+from actors import WeightInbox, WeightPublisher
+
+with WeightPublisher("shm", slots=2) as publisher:
+    inbox = WeightInbox()
+    model = torch.nn.Linear(64, 64)
+    source = torch.nn.Linear(64, 64)
+    with torch.no_grad():
+        for p in source.parameters():
+            p.fill_(3.0)
+    inbox.put(publisher.publish(source, 1))
+    inbox.install_newest(model, alias=True)  # the parameters view the slot's mapping
+    inbox.close()  # (an actor's __cleanup__, while another task still runs the model)
+    total = sum(float(p.sum()) for p in model.parameters())
+print(total)
+"""
+
+
+def test_closing_the_inbox_leaves_an_aliased_models_weights_readable():
+    """Torch's views of a mapping hold the mapping object, not a buffer export, so closing the reader unmapped
+    pages the aliased parameters still viewed: the next read of the model was a segfault. The mapping goes when
+    the last view does. Run in a process of its own: a crash is a fail."""
+    proc = run_python("-c", READ_AFTER_CLOSE, timeout=120)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert float(proc.stdout.strip()) == 3.0 * (64 * 64 + 64)
+
+
 def test_inbox_treats_a_repeated_manifest_as_one_update(shm_publisher):
     inbox = WeightInbox()
     manifest = shm_publisher.publish(filled_model(2.0), 1)
