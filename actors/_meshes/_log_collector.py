@@ -43,6 +43,7 @@ class LogCollector:
         self.port, self._receiver = Channel.open(OutputLine)
         self._task: asyncio.Task[None] | None = None
         self.ensure_receiving()
+        rt.driver.moved.connect(self._start)  # (the receiving task and the timer die with a loop the program left)
 
     def ensure_receiving(self) -> None:
         """Receive on the runtime's current loop (again, when the program moved to another loop since)."""
@@ -112,6 +113,8 @@ class LogCollector:
             self.set_window(None)
 
         def stop() -> None:
+            with contextlib.suppress(ValueError):
+                self._rt.driver.moved.disconnect(self._start)
             if self._timer is not None:
                 self._timer.cancel()
             with contextlib.suppress(Exception):

@@ -24,6 +24,7 @@ from typing import Any
 import zmq
 
 from .._shared._errors import CallTimeout
+from .._shared._hooks import Hook
 from .._shared._loops import done_within, running_loop, wake_all
 from ._background import HANDOVER_TIMEOUT, BackgroundLoop
 from ._inbox_pump import Inbox
@@ -63,6 +64,9 @@ class Driver:
         #: that contests it. Never taken on the fast path (the caller's loop is the bound one).
         self._binding = threading.RLock()
         self._retiring: asyncio.AbstractEventLoop | None = None  # a background loop being handed over
+        #: The runtime moved to another event loop (announced on it, on its thread): what lived on the old one
+        #: (a receiving task, a timer) starts again there.
+        self.moved: Hook[[]] = Hook("the runtime moving to another event loop")
 
     def ensure_loop(self) -> asyncio.AbstractEventLoop:
         """Bind to the running event loop (rebinding if an earlier loop ended)."""
@@ -106,6 +110,7 @@ class Driver:
         loop.call_soon(self._readable)  # messages may have arrived before binding
         if self._registry.unresolved:
             self._chase_pids()
+        self.moved()
         return loop
 
     def unbind(self) -> None:

@@ -7,10 +7,12 @@ import logging
 import os
 import signal
 import sys
+import textwrap
 import time
 from collections.abc import Callable
 
 import pytest
+from harness import last_json, run_python
 
 from actors import Actor, ProcMesh, endpoint, this_host
 from actors._meshes._line_aggregator import LineAggregator
@@ -184,3 +186,52 @@ async def test_a_restarted_process_streams_again(sockets_dir, capsys):
         )
     finally:
         await procs.stop()
+
+
+MOVES_TO_A_LOOP = textwrap.dedent(
+    """
+    import asyncio, io, json, sys, time
+    from actors import Actor, endpoint, this_host
+
+    class Printer(Actor):
+        @endpoint
+        async def say(self, text: str) -> None:
+            print(text, flush=True)
+
+    def main():
+        procs = this_host().spawn_procs(per_host={"procs": 1})
+        printer = procs.spawn("printer", Printer)
+        procs.logging_option(stream_to_client=True, aggregate_window_sec=None).get()  # (on the background loop)
+        printer.say.call("before the move").get()
+        captured, real = io.StringIO(), sys.stdout
+        sys.stdout = captured  # (the collector prints on sys.stdout as it is at print time)
+
+        async def on_a_loop():
+            await printer.say.call("after the move")
+            deadline = time.monotonic() + 20  # (a guard: the line comes at once, or never)
+            while "after the move" not in captured.getvalue() and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            return "after the move" in captured.getvalue()
+
+        try:
+            seen = asyncio.run(on_a_loop())
+        finally:
+            sys.stdout = real
+        procs.stop().get()
+        print(json.dumps({"seen_on_the_loop": seen}), flush=True)
+
+    if __name__ == "__main__":
+        main()
+    """
+)
+
+
+def test_streamed_lines_are_printed_after_the_program_moves_to_another_event_loop(tmp_path):
+    """``logging_option`` in synchronous code, then ``asyncio.run``: the collector's receiving task lived on the
+    background loop the runtime left, so nothing was printed until the mesh stopped (and once the port filled, the
+    workers gave up streaming). It follows the runtime to the loop that drives it now."""
+    script = tmp_path / "moves.py"
+    script.write_text(MOVES_TO_A_LOOP)
+    proc = run_python(str(script), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert last_json(proc.stdout) == {"seen_on_the_loop": True}
