@@ -544,7 +544,10 @@ async def run_pipeline(
         if cluster is not None:
             await _to_the_end(cluster.shutdown_async())
         if log is not None:  # after the roles stop: a tracker's close may take a while (W&B syncs its run)
-            log.close()
+            try:
+                log.close()
+            except Exception as exc:  # (the run's own outcome stands: a full disk's failure, or the result)
+                print(f"warning: closing the run's metrics failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         if finished:  # a failed or interrupted run stops first (matplotlib takes 0.6-1.5 s): its rows are kept
             with contextlib.suppress(Exception):
                 plot(config.run_dir)

@@ -165,8 +165,12 @@ class MetricsLog:
         self._file = open(self.path, "a", buffering=1)
 
     def close(self) -> None:
-        self._file.close()
-        self._sink.close()
+        """Close the rows' file, then the tracker, whatever the first raised (a full disk: the row the failed
+        write left buffered is written again at the close, and raised again)."""
+        try:
+            self._file.close()
+        finally:
+            self._sink.close()
 
 
 def _standard_json(value: Any) -> Any:

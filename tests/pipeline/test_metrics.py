@@ -388,3 +388,21 @@ async def test_a_generators_install_time_is_not_counted_as_waiting_nor_as_delive
     assert times.install >= INSTALL_S
     assert times.wait < INSTALL_S / 2, times
     assert times.delivery is not None and times.delivery < INSTALL_S / 2, times
+
+
+def test_a_metrics_file_that_fails_at_its_close_still_closes_the_tracker(tmp_path):
+    """A full disk: the row a failed write left in the file's buffer is written again at the close, which raises
+    again; the tracker (TensorBoard, W&B) was then never closed."""
+    log = MetricsLog(str(tmp_path), report_to="none")
+    closed: list[str] = []
+
+    class Full(io.StringIO):
+        def close(self) -> None:
+            raise OSError(28, "No space left on device")
+
+    log._file.close()
+    log._file = Full()  # type: ignore[assignment]
+    log._sink = type("Sink", (), {"close": lambda self: closed.append("tracker"), "write": lambda self, row: None})()
+    with pytest.raises(OSError, match="No space"):
+        log.close()
+    assert closed == ["tracker"]
