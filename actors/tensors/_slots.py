@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import fcntl
 import itertools
 import mmap
@@ -66,20 +65,6 @@ _EMPTY, _READY = 0, 2
 LOCK_TIMEOUT = 30.0
 #: What a closed writer's reservations raise.
 CLOSED = "this weight publisher is closed"
-
-
-def _claim_memory(fd: int, size: int, path: str) -> None:
-    """Reserve the segment's memory now: on tmpfs ``ftruncate`` makes a sparse file, and a write past what
-    ``/dev/shm`` has free faults (SIGBUS, the process killed) where this raises :class:`WeightSyncError`."""
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as exc:
-        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # (a file system that cannot reserve: written as before)
-            return
-        raise WeightSyncError(
-            f"{os.path.dirname(path)} has no room for a {size}-byte weight slot ({exc.strerror}): free space there, "
-            "or give the container more shared memory (docker --shm-size)"
-        ) from exc
 
 
 def segment_prefix(pid: int | None = None) -> str:
@@ -271,7 +256,6 @@ class SlotPool:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, size)
-            _claim_memory(fd, size, path)
             mm = mmap.mmap(fd, size)
             fcntl.flock(fd, fcntl.LOCK_EX)
             slot = Slot(name, fd, mm, nbytes)

@@ -432,29 +432,6 @@ def test_a_pool_closed_while_a_publish_makes_a_slot_leaves_no_slot_behind():
     assert len(freed) == 1 and pool.names == []
 
 
-def test_a_full_dev_shm_is_a_weight_sync_error_not_a_sigbus(monkeypatch):
-    """On tmpfs ``ftruncate`` makes a sparse file and always succeeds: an update larger than what ``/dev/shm`` has
-    free (Docker's default is 64 MiB) faulted on its first write past the quota, and SIGBUS killed the trainer.
-    The slot's memory is claimed when the slot is made: a full ``/dev/shm`` is a ``WeightSyncError`` saying so,
-    and no segment is left."""
-    import errno
-
-    from actors.tensors import _slots
-
-    def full(fd: int, offset: int, length: int) -> None:
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(_slots.os, "posix_fallocate", full)
-    before = set(os.listdir(_slots.SHM_DIR))
-    publisher = WeightPublisher("shm", slots=2)
-    try:
-        with pytest.raises(WeightSyncError, match=r"/dev/shm has no room for a .*-byte weight slot"):
-            publisher.publish(filled_model(1.0), 1)
-        assert set(os.listdir(_slots.SHM_DIR)) == before, "no segment is left"
-    finally:
-        publisher.close()
-
-
 def test_a_slots_views_are_made_once_per_layout_and_found_by_the_same_specs_without_hashing_them():
     from actors.tensors import TensorSpec
     from actors.tensors._slot_views import SlotViews
