@@ -44,6 +44,7 @@ class ShmWriter(PooledWriter):
         self, slot: Slot, tensors: list[tuple[str, torch.Tensor]], specs: list[TensorSpec], with_checksums: bool
     ) -> list[TensorSpec]:
         out = []
+        self._pool.claim_payload(slot)  # a full /dev/shm: WeightSyncError here, not SIGBUS at the copy
         buffer = self._pool.payload(slot)
         targets = slot.views.of(specs, lambda spec: view(buffer, spec, HEADER_BYTES))
         for spec, dst, source in zip(specs, targets, wholes(t for _, t in tensors), strict=True):  # sharded: gathered

@@ -432,6 +432,38 @@ def test_a_pool_closed_while_a_publish_makes_a_slot_leaves_no_slot_behind():
     assert len(freed) == 1 and pool.names == []
 
 
+async def test_a_full_dev_shm_is_a_weight_sync_error_not_a_sigbus(monkeypatch):
+    """On tmpfs ``ftruncate`` makes a sparse file and always succeeds: an update larger than what ``/dev/shm`` has
+    free (Docker's default is 64 MiB) faulted at its first write past the quota, and SIGBUS killed the trainer.
+    The payload's memory is reserved before the copy (off the loop from 1 MiB): a full ``/dev/shm`` is a
+    ``WeightSyncError`` saying so, and a publish once there is room again succeeds."""
+    import errno
+
+    from actors.tensors import _slots
+
+    reserve = _slots.os.posix_fallocate
+
+    def full(fd: int, offset: int, length: int) -> None:
+        if length > _slots.HEADER_BYTES:  # (the header's page fits; the payload does not)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        reserve(fd, offset, length)
+
+    big = {"w": torch.full((1024 * 1024,), 2.0)}  # 4 MiB: copied on a worker thread
+    monkeypatch.setattr(_slots.os, "posix_fallocate", full)
+    with WeightPublisher("shm", slots=2) as publisher:
+        with pytest.raises(WeightSyncError, match=r"/dev/shm has no room for a .*-byte weight slot"):
+            publisher.publish(filled_model(1.0), 1)
+        with pytest.raises(WeightSyncError, match=r"/dev/shm has no room for a .*-byte weight slot"):
+            await publisher.publish_async(big, 1)
+        assert publisher.version is None and not publisher.unreleased
+        monkeypatch.setattr(_slots.os, "posix_fallocate", reserve)  # room again
+        manifest = await publisher.publish_async(big, 1)
+        consumer = WeightConsumer()
+        assert bool((consumer.import_update(manifest)["w"] == 2.0).all())
+        consumer.close()
+    assert not [n for n in os.listdir(_slots.SHM_DIR) if n.startswith(_slots.segment_prefix())]
+
+
 def test_a_slots_views_are_made_once_per_layout_and_found_by_the_same_specs_without_hashing_them():
     from actors.tensors import TensorSpec
     from actors.tensors._slot_views import SlotViews
