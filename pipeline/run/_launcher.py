@@ -554,14 +554,33 @@ async def run_pipeline(
 
 
 async def _until_terminated(run: Coroutine[Any, Any, RunResult]) -> RunResult:
-    """Run ``run``; SIGTERM cancels it like Ctrl-C does (final checkpoint, clean stop)."""
+    """Run ``run``; every Ctrl-C and SIGTERM cancels it (a final checkpoint, a clean stop), and one whose run
+    ends cancelled by a Ctrl-C first raises :class:`KeyboardInterrupt`.
+
+    Each interrupt is a cancel handled on the loop, never an exception raised wherever the thread is: asyncio's
+    own second Ctrl-C raised ``KeyboardInterrupt`` in the middle of the clean-up (the processes' stop, the
+    metrics log's close), cutting it short and replacing a role's failure. The clean-up's steps take a cancel
+    back (:func:`_to_the_end`); each is bounded.
+    """
     task = asyncio.ensure_future(run)
     loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    signals: list[int] = []
+
+    def interrupted(signum: int) -> None:
+        signals.append(signum)
+        task.cancel()
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, interrupted, signum)
     try:
         return await task
+    except asyncio.CancelledError:
+        if task.cancelled() and signals and signals[0] == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        raise
     finally:
-        loop.remove_signal_handler(signal.SIGTERM)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,36 @@ ENV = dict(
 )
 
 
+SECOND_CTRL_C = """
+import asyncio, os, signal
+import uvloop
+from pipeline.run import _launcher
+
+async def run():
+    try:
+        os.kill(os.getpid(), signal.SIGINT)  # the user's Ctrl-C
+        await asyncio.wait_for(asyncio.Event().wait(), 30)
+    finally:
+        os.kill(os.getpid(), signal.SIGINT)  # a second one, while the run cleans up
+        await _launcher._to_the_end(asyncio.sleep(0.2))  # a step of the clean-up (the processes' stop)
+        print("cleaned up", flush=True)
+
+try:
+    uvloop.run(_launcher._until_terminated(run()))
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+
+
+def test_a_second_ctrl_c_cancels_the_clean_up_it_lands_in_instead_of_raising_there():
+    """asyncio's own handler made a second Ctrl-C a ``KeyboardInterrupt`` raised wherever the thread was: in the
+    middle of the clean-up (the processes' stop, the metrics log's close), cutting it short. Each Ctrl-C is a
+    cancel now, which the clean-up's steps take back; the run still ends as interrupted (exit 130)."""
+    proc = run_python("-c", SECOND_CTRL_C, timeout=60, env=ENV)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.split() == ["cleaned", "up", "interrupted"], proc.stdout + proc.stderr
+
+
 def test_the_custom_task_example_trains_and_prints_its_score():
     proc = run_python(os.path.join(ROOT, "examples", "custom_task.py"), timeout=90)
     assert proc.returncode == 0, proc.stdout + proc.stderr
