@@ -19,6 +19,7 @@ from typing import Any
 from .._meshes._remote_host_mesh import ADDRESS_POOL, RemoteHostMesh, RemoteNode, Requested, use_tcp
 from .._processes._lifeline import Lifelines, silence_bound
 from .._runtime._core import Runtime, at_runtime_exit, runtime
+from .._shared._loops import loop_running
 from .._shared._session import session_keys, tcp_host
 from ._node import NodeHost
 
@@ -94,8 +95,15 @@ def host_mesh(
     ``cpus_per_host`` CPUs and ``gpus_per_host`` GPUs; processes spawned
     with a ``gpus`` dimension get the GPUs Ray gave their host. Every
     address binds to the node's cluster IP (``bind_host`` overrides it, for
-    this process and the hosts). Blocks until the hosts are up.
+    this process and the hosts). Blocks until the hosts are up, so on an event loop's thread it refuses
+    (``RuntimeError``): use :func:`host_mesh_async` there.
     """
+    if loop_running():
+        raise RuntimeError(
+            "host_mesh() blocks until Ray has reserved and started the hosts (up to "
+            f"{SETUP_TIMEOUT:g}s per wait) and will not block a running event loop: use "
+            "`await actors.ray.host_mesh_async(...)`"
+        )
     if type(hosts) is not int or hosts < 1:
         raise ValueError(f"hosts must be a positive int, not {hosts!r}")
     for what, value in (("gpus_per_host", gpus_per_host), ("cpus_per_host", cpus_per_host)):

@@ -192,6 +192,17 @@ def test_ray_hosts_refuse_a_bad_bound_before_anything_is_reserved(monkeypatch):
     assert not ray.is_initialized(), "nothing was started"
 
 
+async def test_ray_hosts_made_on_an_event_loop_refuse_to_block_it():
+    """``host_mesh()`` waits for Ray's reservation and the hosts' start (up to 120 s per wait): called on a running
+    loop's thread it froze the loop that long. It refuses, naming ``host_mesh_async``, before anything starts."""
+    ray = pytest.importorskip("ray", reason="needs the ray extra: pip install -e '.[ray]'")
+    from actors.ray import host_mesh
+
+    with pytest.raises(RuntimeError, match=r"will not block a running event loop: use `await .*host_mesh_async"):
+        host_mesh(hosts=2)
+    assert not ray.is_initialized(), "nothing was started"
+
+
 def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 

@@ -271,9 +271,9 @@ async def main(spec: dict[str, Any]) -> None:
     ray.init(address=cluster.address, log_to_driver=False)
     try:
         await nodes_are_namespaces(cluster)
-        from actors.ray import host_mesh
+        from actors.ray import host_mesh_async
 
-        hosts = host_mesh(hosts=2, cpus_per_host=1)
+        hosts = await host_mesh_async(hosts=2, cpus_per_host=1)
         try:
             await base.call_across_nodes(hosts)
             await base.ports_across_nodes(hosts)
@@ -281,7 +281,7 @@ async def main(spec: dict[str, Any]) -> None:
             await key_refused_from_another_host(cluster)
             await base.weights_across_nodes(hosts)
         finally:
-            hosts.shutdown()
+            await hosts.shutdown()
         await partition_fails_calls_and_moves_the_rank(cluster)
         await brief_partition_loses_nothing(cluster)
         await base.pipeline_across_nodes(cluster.address)

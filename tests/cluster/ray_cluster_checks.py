@@ -760,9 +760,9 @@ async def main() -> None:
         cluster.add_node(num_cpus=1, node_ip_address=f"127.0.0.{n + 2}")
     ray.init(address=cluster.address, log_to_driver=False)
     try:
-        from actors.ray import host_mesh
+        from actors.ray import host_mesh_async
 
-        hosts = host_mesh(hosts=2, cpus_per_host=1)
+        hosts = await host_mesh_async(hosts=2, cpus_per_host=1)
         try:
             await call_across_nodes(hosts)
             await ports_across_nodes(hosts)
@@ -776,7 +776,7 @@ async def main() -> None:
             await stop_kills_a_wedged_worker_on_another_node(hosts)
             await node_host_lost_fails_calls(hosts)
         finally:
-            hosts.shutdown()
+            await hosts.shutdown()
         await cancelled_host_mesh_gives_its_reservation_back()
         await child_elsewhere_hears_of_a_death_on_its_parents_node(cluster.address)
         await pipeline_placement_refused(cluster.address)
