@@ -15,6 +15,7 @@ from ._causal_lm import (
     check_model,
     load_model,
     load_tokenizer,
+    position_limit,
     positions,
     require_transformers,
 )
@@ -80,6 +81,7 @@ __all__ = [
     "load_tokenizer",
     "logprobs_mode",
     "missing_compiler",
+    "position_limit",
     "positions",
     "repeated_blocks",
     "require_compiler",

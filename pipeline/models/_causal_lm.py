@@ -30,6 +30,7 @@ __all__ = [
     "load_model",
     "load_tokenizer",
     "logits_to_keep_argument",
+    "position_limit",
     "positions",
     "require_transformers",
 ]
@@ -91,6 +92,18 @@ def check_model(name: str, trust_remote_code: bool = False) -> Any:
     if own_code and trust_remote_code:
         _import_own_code(transformers, name, own_code)
     return config
+
+
+def position_limit(config: Any) -> int | None:
+    """How many positions a model of ``config`` takes (``max_position_embeddings``, GPT-2's ``n_positions``), or
+    None where its config does not say: a sequence longer than that fails a learned position table's lookup (a
+    device-side assert on a GPU) and runs a rotary one past what it was trained on."""
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    for name in ("max_position_embeddings", "n_positions"):
+        limit = getattr(text, name, None)
+        if type(limit) is int and limit > 0:
+            return limit
+    return None
 
 
 def _import_own_code(transformers: Any, name: str, reference: str) -> None:

@@ -85,7 +85,8 @@ class RewardModel:
                 encoded = self.tokenizer(
                     texts[start : start + BATCH], return_tensors="pt", padding=True, add_special_tokens=False
                 ).to(self.device)
-                rewards += model(**encoded).logits[:, 0].float().cpu().tolist()
+                # (no KV cache: a decoder's config asks for one, which would be built for the batch and dropped)
+                rewards += model(**encoded, use_cache=False).logits[:, 0].float().cpu().tolist()
         return rewards
 
     def check_chat(self) -> None:

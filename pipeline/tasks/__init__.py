@@ -9,7 +9,7 @@ class. May import :mod:`pipeline.models`, :mod:`pipeline.config` and
 
 from ._bandit import BanditSamples, BanditTask
 from ._completion_loss import completion_loss, loss_spec
-from ._data import DataError, PromptData, load_rows, split_held_out
+from ._data import DataError, PromptData, PromptRoom, load_rows, split_held_out
 from ._digit_task import DigitsTask, TokenBatch
 from ._digits import BOS, DIGIT_TASKS, EOS, PAD, PLUS, SEP, VOCAB, DigitProblem, Verdict, verify
 from ._hf import HFBatch, HFTask
@@ -53,6 +53,7 @@ __all__ = [
     "HFTask",
     "LossReport",
     "PromptData",
+    "PromptRoom",
     "RewardError",
     "RewardFunction",
     "RewardLog",

@@ -22,11 +22,12 @@ import os
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["DataError", "PromptData", "load_rows", "split_held_out"]
+__all__ = ["DataError", "PromptData", "PromptRoom", "load_rows", "split_held_out"]
 
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -111,8 +112,37 @@ def _holds_messages(rows: Any, column: str, indices: list[int]) -> bool:
     return isinstance(first, list)
 
 
+@dataclass(frozen=True)
+class PromptRoom:
+    """How long a prompt may be: the model's positions, less the completion's tokens (``--max-new-tokens``)."""
+
+    positions: int
+    new_tokens: int
+
+    def check(self, flag: str) -> None:
+        """Refuse a completion that leaves no room for a prompt at all."""
+        if self.new_tokens >= self.positions:
+            raise DataError(
+                f"{flag}: --max-new-tokens {self.new_tokens} leaves no room for a prompt in the model's "
+                f"{self.positions} positions (max_position_embeddings)"
+            )
+
+    def refuse(self, row: int, tokens: int) -> None:
+        """Refuse row ``row``'s prompt of ``tokens`` tokens if its completion would run past the positions."""
+        if tokens + self.new_tokens > self.positions:
+            raise DataError(
+                f"row {row}: its prompt is {tokens} tokens, and with --max-new-tokens {self.new_tokens} the completion "
+                f"would run past the model's {self.positions} positions (max_position_embeddings): shorten the "
+                f"prompt, or lower --max-new-tokens to {self.positions - tokens} at most"
+            )
+
+
 class PromptData:
-    """One set of prompts: their token ids for the model, their raw values and columns for the rewards."""
+    """One set of prompts: their token ids for the model, their raw values and columns for the rewards.
+
+    With ``room``, a prompt too long for the model's positions with its completion is refused, naming its row
+    (the model would fail on it mid-step: a device-side assert on a GPU).
+    """
 
     def __init__(
         self,
@@ -122,6 +152,7 @@ class PromptData:
         indices: list[int] | None = None,
         flag: str = "--dataset",
         chat_template_kwargs: dict[str, Any] | None = None,
+        room: PromptRoom | None = None,
     ) -> None:
         names = list(rows.column_names)
         if prompt_column not in names:
@@ -132,6 +163,9 @@ class PromptData:
         if not self.indices:
             raise DataError(f"{flag}: no rows")
         self.tokenizer = tokenizer
+        self.room = room
+        if room is not None:
+            room.check(flag)
         clash = sorted(set(names) & (REWARD_ARGUMENTS - NOT_FOR_REWARDS) - {prompt_column})
         if clash:
             raise DataError(
@@ -189,6 +223,8 @@ class PromptData:
         ids = [int(token) for token in ids]
         if not ids:
             raise DataError(f"row {row}: its prompt has no tokens")
+        if self.room is not None:
+            self.room.refuse(row, len(ids))
         # kept compact (4 bytes a token, not a Python int's 28 and a list slot's 8) and bounded: a run through
         # a large dataset kept every prompt it ever tokenized
         self._ids[row] = array("i", ids)

@@ -39,9 +39,10 @@ from ..models import (
     disable_dropout,
     load_model,
     load_tokenizer,
+    position_limit,
 )
 from ._completion_loss import completion_loss
-from ._data import DataError, PromptData, load_rows, split_held_out
+from ._data import DataError, PromptData, PromptRoom, load_rows, split_held_out
 from ._interface import LossReport, Scores, Task
 from ._reward_log import RewardLog
 from ._rewards import RewardError, RewardPlacement, RewardSet, RewardState
@@ -102,9 +103,20 @@ class HFTask(Task):
         return load_tokenizer(self.config.model, self.config.trust_remote_code)
 
     @cached_property
+    def prompt_room(self) -> PromptRoom | None:
+        """How long a prompt may be: the model's positions less ``--max-new-tokens`` (None where it does not say)."""
+        positions = position_limit(check_model(self.config.model, self.config.trust_remote_code))
+        return PromptRoom(positions, self.max_new_tokens) if positions is not None else None
+
+    @cached_property
     def _splits(self) -> tuple[PromptData, PromptData]:
         config = self.config
-        column, tokenizer, variables = config.prompt_column, self.tokenizer, config.chat_template_kwargs
+        column, tokenizer, variables, room = (
+            config.prompt_column,
+            self.tokenizer,
+            config.chat_template_kwargs,
+            self.prompt_room,
+        )
         held_subset = config.eval_dataset_config or (
             config.dataset_config if config.eval_dataset == config.dataset else ""
         )
@@ -119,13 +131,15 @@ class HFTask(Task):
                 )
         rows = load_rows(config.dataset, config.dataset_split, subset=config.dataset_config)
         if config.eval_dataset:
-            train = PromptData(rows, column, tokenizer, chat_template_kwargs=variables)
+            train = PromptData(rows, column, tokenizer, chat_template_kwargs=variables, room=room)
             held = load_rows(config.eval_dataset, config.eval_split, "--eval-dataset", held_subset)
-            return train, PromptData(held, column, tokenizer, flag="--eval-dataset", chat_template_kwargs=variables)
+            return train, PromptData(
+                held, column, tokenizer, flag="--eval-dataset", chat_template_kwargs=variables, room=room
+            )
         train_rows, held_rows = split_held_out(len(rows), config.eval_fraction, config.seed)
         return (
-            PromptData(rows, column, tokenizer, train_rows, chat_template_kwargs=variables),
-            PromptData(rows, column, tokenizer, held_rows, "--eval-fraction", variables),
+            PromptData(rows, column, tokenizer, train_rows, chat_template_kwargs=variables, room=room),
+            PromptData(rows, column, tokenizer, held_rows, "--eval-fraction", variables, room),
         )
 
     @property

@@ -565,6 +565,22 @@ def test_a_reward_model_scores_prompt_and_completion_together_whatever_its_batch
     assert reward.function(chat, turns) == pytest.approx([alone(text) for text in rendered], abs=1e-5)
 
 
+def test_a_reward_model_scores_without_building_a_kv_cache(judge):
+    """A decoder reward model's config asks for a KV cache (Llama's and Qwen's ``use_cache``): scoring built one
+    for every batch and held it until the batch's logits were read, never to read it (8 GiB for 32 rows of 2,048
+    tokens of an 8B model, on the scorer's GPU)."""
+    reward = load_reward(judge)
+    model = reward.function.load()
+    assert model.config.use_cache, "the checkpoint asks for a cache"
+    caches: list[object] = []
+    hook = model.register_forward_hook(lambda module, args, out: caches.append(out.past_key_values))
+    try:
+        assert len(reward.function(["reverse:1=", "reverse:22="], ["1", "22"])) == 2
+    finally:
+        hook.remove()
+    assert caches == [None]
+
+
 def test_a_reward_model_renders_chat_with_the_runs_template_variables(tiny, tmp_path):
     """``--chat-template-kwargs`` reach a reward model's template, as TRL renders its input (before: rendered
     without them: another text, or a template that needs one failed at the first batch, unchecked before)."""
@@ -699,6 +715,27 @@ def test_chat_or_text_is_the_columns_type_and_a_prompt_that_is_neither_is_refuse
     mixed.rows = [{"prompt": "ab="}, {"prompt": {"role": "user"}}]  # (a row no datasets column would hold)
     with pytest.raises(DataError, match="row 1: its prompt is a dict, not text"):
         mixed.prompt_ids(1)
+
+
+def test_a_prompt_too_long_for_the_models_positions_is_refused_naming_its_row(tiny, tmp_path):
+    """The tiny model takes 128 positions: a prompt whose completion would run past them made the generator's
+    position lookup fail mid-run (an ``IndexError`` on a CPU, a device-side assert poisoning the process on a GPU;
+    a rotary model ran past what it was trained on). It is refused naming its row, its length and the limit."""
+    data = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": "reverse:12="}, {"prompt": "reverse:" + "1" * 200 + "="}]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    task = HFTask(resolve(_config(tiny, tmp_path, dataset=str(data), eval_dataset=str(data))))
+    assert task.prompt_room is not None and task.prompt_room.positions == 128
+    assert task.train_data.prompt_ids(0)
+    with pytest.raises(
+        DataError,
+        match=r"row 1: its prompt is \d+ tokens, and with --max-new-tokens 6 the "
+        r"completion would run past the model's 128 positions",
+    ):
+        task.train_data.prompt_ids(1)
+    greedy = HFTask(resolve(_config(tiny, tmp_path, dataset=str(data), eval_dataset=str(data), max_new_tokens=128)))
+    with pytest.raises(DataError, match="--max-new-tokens 128 leaves no room for a prompt in the model's 128"):
+        greedy.train_data.prompt_ids(0)
 
 
 def test_the_rewards_get_the_columns_trl_gives_and_a_column_named_as_an_argument_is_refused(model_and_tokenizer):
