@@ -352,6 +352,21 @@ def unused_settings(config: Config) -> list[tuple[tuple[str, ...], str]]:
                 "bound an async run's rollouts; --mode sync trains each on the policy that made it: use --mode async",
             )
         )
+    if config.loss in ("cispo", "sapo", "vespo"):
+        groups.append(
+            (
+                ("dual_clip",),
+                f"bounds a clipped loss's term for a negative advantage; --loss {config.loss} has no such clip: use "
+                "--loss grpo, dr_grpo, dapo or luspo",
+            )
+        )
+    if config.loss in ("sapo", "vespo"):
+        groups.append((("clip", "epsilon_high"), f"clip the ratio; --loss {config.loss} weighs it without a clip"))
+    if config.loss == "cispo":
+        groups.append((("clip",), "sets the clip's lower bound; --loss cispo only caps the ratio, at --epsilon-high"))
+    if config.engine != "vllm":
+        vllm = ("vllm_dtype", "vllm_gpu_memory", "vllm_max_model_len")
+        groups.append((vllm, "set vLLM's engine: add --engine vllm"))
     if not config.ray:
         groups.append((("ray_hosts",), "picks the Ray nodes to use: add --ray"))
     if config.trainer_ranks == 1:

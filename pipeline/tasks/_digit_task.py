@@ -54,6 +54,12 @@ class DigitsTask(Task):
             raise ValueError(f"unknown model preset {config.model!r}; choose one of {', '.join(PRESETS)}")
         self.model_config = preset
         self.max_new_tokens = config.max_new_tokens or self.problem.answer_length + 2
+        if self.max_new_tokens <= self.problem.answer_length:  # the verifier reads the answer and its end token
+            raise ValueError(
+                f"--max-new-tokens {self.max_new_tokens}: {config.task}'s answer is {self.problem.answer_length} "
+                f"digits and an end token, so a completion needs at least {self.problem.answer_length + 1} tokens "
+                "(with fewer, nothing is ever right)"
+            )
         if self.problem.prompt_length + self.max_new_tokens > preset.max_len or VOCAB > preset.vocab:
             raise ValueError(f"{config.task} with {config.digits} digits does not fit model preset {config.model!r}")
         space = self.problem.space

@@ -7,6 +7,8 @@ Face task has reward functions, a chat template or LoRA.
 
 from __future__ import annotations
 
+import dataclasses
+
 from ..config import Config, SettingsError
 from ._bandit import BanditTask
 from ._digit_task import DigitsTask
@@ -35,6 +37,33 @@ def found_task(config: Config) -> type[Task] | None:
         return None
 
 
+#: What the bandit has no use for: (flag, Config attribute). A rollout is one state's --group actions, each one
+#: token whose entropy is its state's.
+_NOT_FOR_THE_BANDIT: tuple[tuple[str, str], ...] = (
+    ("--prompts", "prompts"),
+    ("--max-new-tokens", "max_new_tokens"),
+    ("--digits", "digits"),
+    ("--top-entropy-quantile", "top_entropy_quantile"),
+)
+
+
+def _refuse_for_the_bandit(config: Config) -> None:
+    """Refuse what the bandit would ignore, and trainer ranks its --group rows cannot all be given."""
+    defaults = {f.name: f.default for f in dataclasses.fields(Config)}
+    given = [flag for flag, attr in _NOT_FOR_THE_BANDIT if getattr(config, attr) != defaults[attr]]
+    if given:
+        raise SettingsError(
+            f"{', '.join(given)} with --task {config.task}: a bandit's rollout is one state's --group actions, each "
+            "one token with its state's entropy; these settings would change nothing"
+        )
+    rows, ranks = config.group, config.trainer_ranks
+    if ranks > 1 and rows < ranks * config.mini_batches:
+        raise SettingsError(
+            f"--trainer-ranks {ranks} with --mini-batches {config.mini_batches} and --task {config.task}: a "
+            f"rollout has {rows} rows (--group), fewer than a row for each rank in each mini-batch"
+        )
+
+
 def check_task_settings(config: Config) -> None:
     """Refuse settings the run's task cannot honour: a KL-term flag without a KL term (given, or the task's
     default β 0), sampler flags for the bandit (no sampler), GDPO without reward functions (not an HF task)."""
@@ -52,6 +81,7 @@ def check_task_settings(config: Config) -> None:
             raise SettingsError(
                 f"--mask-truncated with --task {config.task}: a bandit's completion is one action, never cut short"
             )
+        _refuse_for_the_bandit(config)
     if not config.disable_dropout and not issubclass(task, HFTask):
         raise SettingsError(
             f"--no-disable-dropout keeps a Hugging Face policy's dropout (--task hf); --task {config.task}'s model is "

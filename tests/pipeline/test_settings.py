@@ -167,6 +167,22 @@ HF = ("--dataset", "prompts.jsonl", "--reward", "exact_match")
         (["--vespo-k-neg", "-1"], "--vespo-k-neg -1.0: the weight's power of the ratio must be at least 0"),
         (["--vespo-lambda-pos", "0"], "--vespo-lambda-pos 0.0: the weight's decay must be above 0"),
         (["--trainer-ranks", "9", "--prompts", "2", "--group", "4"], "--trainer-ranks 9: a rollout has 8 rows"),
+        (["--loss", "sapo", "--dual-clip", "5"], "--dual-clip bounds a clipped loss's term for a negative advantage;"),
+        (
+            ["--loss", "vespo", "--clip", "0.1", "--epsilon-high", "0.28"],
+            "--clip, --epsilon-high clip the ratio; --loss",
+        ),
+        (["--loss", "cispo", "--clip", "0.1"], "--clip sets the clip's lower bound; --loss cispo only caps the ratio"),
+        (["--vllm-gpu-memory", "0.5"], "--vllm-gpu-memory set vLLM's engine: add --engine vllm"),
+        (["--task", "bandit", "--prompts", "64"], "--prompts with --task bandit: a bandit's rollout is one state's"),
+        (
+            ["--task", "bandit", "--top-entropy-quantile", "0.2", "--max-new-tokens", "3"],
+            "--max-new-tokens, --top-entropy-quantile with --task bandit: a bandit's rollout is one state's --group",
+        ),
+        (
+            ["--task", "bandit", "--group", "4", "--mini-batches", "2", "--trainer-ranks", "4"],
+            "--trainer-ranks 4 with --mini-batches 2 and --task bandit: a rollout has 4 rows (--group)",
+        ),
         (["--no-shuffle-dataset"], "--no-shuffle-dataset keeps a dataset's order (--task hf, --dataset); --task"),
         (["--lora-alpha", "8"], "--lora-alpha set LoRA adapters: add --lora-r"),
         (["--lora-r", "-1"], "--lora-r -1: must be at least 0"),
@@ -275,6 +291,16 @@ def test_a_prompt_space_too_small_for_both_sets_is_refused_before_anything_start
     assert f"reverse has {space} distinct prompts, too few for {eval_size} held-out ones" in err
     assert f"--eval-size at most {space // 2}" in err
     assert actor_pids() == before
+
+
+@pytest.mark.parametrize("task, digits, short", [("reverse", 6, 6), ("add", 3, 4)])
+def test_a_completion_limit_with_no_room_for_the_answer_and_its_end_is_refused(task, digits, short):
+    """The verifier reads the answer's digits and an end token: a shorter ``--max-new-tokens`` trained on with
+    nothing ever right (accuracy 0, the target never reached), and with ``--mask-truncated`` only wrong answers
+    trained."""
+    with pytest.raises(ValueError, match=f"--max-new-tokens {short}: {task}'s answer is {short} digits and an end"):
+        DigitsTask(resolve(Config(task=task, digits=digits, max_new_tokens=short)))
+    assert DigitsTask(resolve(Config(task=task, digits=digits, max_new_tokens=short + 1))).max_new_tokens == short + 1
 
 
 @pytest.mark.parametrize("digits, eval_size", [(1, 5), (2, 50)])
