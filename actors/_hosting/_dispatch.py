@@ -93,7 +93,7 @@ class CallDispatcher:
         except DecodeError as exc:
             refuse(inv, ErrorRecord.of(exc))
             return
-        token = actor_context.set(slot.context_for(inv.call.rank, inv.call.method))
+        token = actor_context.set(slot.context_for(inv.call))
         try:
             task = self._loop.create_task(self._invoke(slot, ep, args, kwargs, inv))
         finally:

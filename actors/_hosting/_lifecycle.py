@@ -300,6 +300,13 @@ class Lifecycle:
             log.error("%r was spawned by %s, which this worker does not host: stopping it", child, shown(actor))
         self.loop.call_soon_threadsafe(self._stop_orphan, actor, child)
 
+    def disown(self, actor: str, child: Stoppable) -> None:
+        """``child`` stopped before ``actor`` did: forgotten, so that an actor spawning and stopping meshes for as
+        long as it lives does not keep every one (their supervisors, failures, spawn arguments)."""
+        slot = self._slots.get(actor)
+        if slot is not None and slot.stop_task is None:
+            slot.children[:] = [kept for kept in slot.children if kept is not child]
+
     def _stop_orphan(self, actor: str, child: Stoppable) -> None:
         log.info("stopping %r at once: %s, which spawned it, has stopped", child, shown(actor))
         self._track_stop(self.loop.create_task(self._stop_child(child, CLEANUP_TIMEOUT, shown(actor))))

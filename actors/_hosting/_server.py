@@ -140,6 +140,10 @@ class ActorServer:
         """``actor`` spawned ``child`` (a proc or actor mesh): it stops with the actor."""
         self.lifecycle.adopt(actor, child)
 
+    def disown(self, actor: str, child: Stoppable) -> None:
+        """``child``, which ``actor`` spawned, has stopped: the actor no longer holds it."""
+        self.lifecycle.disown(actor, child)
+
     def stop_last(self, child: Stoppable) -> None:
         """``child`` (this worker's controllers) stops when the worker stops, after its actors."""
         self.lifecycle.stop_last(child)

@@ -14,7 +14,7 @@ from .._runtime._actor_host import Stoppable
 from .._runtime._context import ActorContext
 from .._shared._liveness import ProcRef
 from .._shared._names import shown
-from .._wire._records import ErrorRecord
+from .._wire._records import Call, ErrorRecord
 from ._actor import Endpoint
 from ._invocation import Invocation
 
@@ -48,8 +48,11 @@ class ActorSlot:
     def context(self) -> ActorContext:
         return ActorContext(self.name, self.rank, self.extent, self.class_ref)
 
-    def context_for(self, message_rank: int, method: str) -> ActorContext:
-        return ActorContext(self.name, self.rank, self.extent, self.class_ref, message_rank, method)
+    def context_for(self, call: Call) -> ActorContext:
+        """The context ``call`` runs in: its place in the mesh it came through (Monarch's ``message_rank``)."""
+        if call.extent is None:  # (through the actors' own mesh)
+            return ActorContext(self.name, self.rank, self.extent, self.class_ref, method=call.method)
+        return ActorContext(self.name, self.rank, self.extent, self.class_ref, call.position, call.method, call.extent)
 
     def run_sync(self, loop: asyncio.AbstractEventLoop, call: Callable[[], Any]) -> Coroutine[Any, Any, Any]:
         """Run ``call`` on this actor's own thread, after the calls queued before it (queued now; await it)."""

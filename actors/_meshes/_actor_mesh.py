@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Generic, Literal, ParamSpec, TypeVar
 
 from .._hosting._actor import Actor
-from .._runtime._call_sender import encode_arguments, pending_future, send_call
+from .._runtime._call_sender import Through, encode_arguments, pending_future, send_call
 from .._runtime._core import runtime
 from .._runtime._future import Future
 from .._runtime._pending_calls import PendingCall
@@ -75,6 +75,7 @@ class MeshEndpoint(Generic[P, R]):
                 want_reply=True,
                 timeout=self._timeout,
                 class_ref=mesh._class_ref,
+                through=mesh._through(targets),
             )
 
         pending = rt.driver.on_thread(send)
@@ -146,8 +147,17 @@ def _send_now(
 
     def send() -> None:
         encoded = encode_arguments(rt, args, kwargs)
+        mesh = ep._mesh
         send_call(
-            rt, targets, ep._mesh._name, ep._name, encoded, want_reply=False, port=port, class_ref=ep._mesh._class_ref
+            rt,
+            targets,
+            mesh._name,
+            ep._name,
+            encoded,
+            want_reply=False,
+            port=port,
+            class_ref=mesh._class_ref,
+            through=mesh._through(targets),
         )
 
     rt.driver.on_thread(send)
@@ -267,6 +277,13 @@ class ActorMesh(Shaped, Generic[A]):
                     f"actor mesh is stopped due to proc mesh shutdown: {shown(self._name)} was spawned on {proc_mesh!r}"
                 )
         return self._targets_list
+
+    def _through(self, targets: list[tuple[int, ProcRef]]) -> Through:
+        """This mesh's shape and each of ``targets``' index in it: where a call through it finds its target
+        (Monarch's ``message_rank``: on a slice, the actor's place in the slice, not in the mesh it was spawned as)."""
+        listed = self._targets_list
+        positions = list(range(len(listed))) if targets is listed else [listed.index(t) for t in targets]
+        return dict(self._extent), positions
 
     def _choose(self) -> tuple[int, ProcRef]:
         """Round-robin over the actors not stopped whose process is alive (or was restarted)."""

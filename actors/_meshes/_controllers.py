@@ -73,7 +73,7 @@ def _publish(rt: Runtime, path: str, mesh: Any) -> None:
     is shared with every message this process sends; a synchronous endpoint calls from its actor's thread)."""
 
     def encode() -> bytes:
-        enc = rt.encoder
+        enc = rt.encoder_now()
         enc.reset()
         return bytes(enc.encode(mesh))
 

@@ -98,7 +98,7 @@ class Context:
     def message_rank(self) -> Point:
         """The target's position in the mesh the current message was sent to."""
         ctx = self._ctx
-        return Point(ctx.message_rank, ctx.extent) if ctx is not None else Point(0, {})
+        return Point(ctx.message_rank, ctx.message_extent) if ctx is not None else Point(0, {})
 
     def __repr__(self) -> str:
         return f"<Context {self.actor_instance}>"

@@ -25,7 +25,7 @@ from .._runtime._core import Runtime, join_session, runtime
 from .._runtime._future import Future
 from .._runtime._parts import Part
 from .._runtime._pending_calls import PendingCall
-from .._runtime._supervision import Failure, FailureHandler
+from .._runtime._supervision import Failure, FailureHandler, checked_handler
 from .._runtime._value_mesh import Shaped, extent_from_wire, flattened, select
 from .._shared._errors import DecodeError, SupervisionError
 from .._shared._liveness import ProcRef, new_incarnation
@@ -196,7 +196,7 @@ class ProcMesh(Shaped):
         kwargs: dict[str, Any],
         extent: dict[str, int],
     ) -> PendingCall | None:
-        enc = rt.encoder
+        enc = rt.encoder_now()
         enc.reset()
         ctor = enc.encode([list(args), kwargs])
         frames, handles = enc.frames, enc.handles
@@ -265,7 +265,7 @@ class ProcMesh(Shaped):
 
     def add_failure_handler(self, handler: FailureHandler) -> None:
         """Offer ``handler(failure)`` each failure of this mesh's actors; a true return handles it."""
-        self.supervisor.handlers.append(handler)
+        self.supervisor.handlers.append(checked_handler(handler))
 
     @property
     def stopping(self) -> bool:
@@ -369,6 +369,9 @@ class ProcMesh(Shaped):
         self._stopped = True
         if self._logs is not None:
             self._logs.close()
+        owner_actor = self.supervisor.owner_actor
+        if owner_actor is not None and self._owned and rt.server is not None:
+            rt.server.disown(owner_actor, self)  # stopped: the actor that spawned it lets it go
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled (``multiprocessing`` hands it to a child so): another program of the session can spawn on it.

@@ -1,9 +1,10 @@
 """Monarch's ``shutdown_context``: stop everything this program started on its host, once it is done with actors.
 
 It stops every proc mesh this process spawned and still holds (the
-companion ``this_proc()`` included) and the controllers it spawned. The
-runtime itself stays usable: a later spawn starts afresh. (At interpreter
-exit the same happens without being asked.)
+companion ``this_proc()`` included), then the controllers it spawned: an
+actor's ``__cleanup__`` may still call one. The runtime itself stays
+usable: a later spawn starts afresh. (At interpreter exit the same happens
+without being asked.)
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import contextlib
 
 from .._runtime._core import current_runtime
 from .._runtime._future import Future
-from ._controllers import stop_controllers
+from ._controllers import CONTROLLERS, stop_controllers
 from ._proc_mesh import SPAWNED_MESHES
 
 __all__ = ["shutdown_context"]
@@ -25,8 +26,9 @@ def shutdown_context(host_timeout: float | None = None) -> Future[None]:
     if rt is None:
         return Future.ready(None)
     spawned = rt.parts.get(SPAWNED_MESHES)
+    controllers = {id(mesh) for mesh in rt.parts.get(CONTROLLERS).spawned.values()}  # (stopped after the rest)
     # each stop request leaves now; a mesh whose stop is under way (or was given up on) is waited for
-    stops = [mesh.stop() for mesh in list(spawned)]
+    stops = [mesh.stop() for mesh in list(spawned) if id(mesh) not in controllers]
 
     async def run() -> None:
         try:
@@ -36,10 +38,12 @@ def shutdown_context(host_timeout: float | None = None) -> Future[None]:
 
     def run_sync(timeout: float | None) -> None:
         limit = host_timeout if timeout is None else timeout
-        for stop in stops:
-            stop.get(timeout=limit)
-        with contextlib.suppress(RuntimeError):
-            asyncio.run(stop_controllers())
+        try:
+            for stop in stops:
+                stop.get(timeout=limit)
+        finally:  # (as on a loop: the controllers stop whatever became of the meshes' stops)
+            with contextlib.suppress(RuntimeError):
+                asyncio.run(stop_controllers())
 
     return Future(run, run_sync)
 

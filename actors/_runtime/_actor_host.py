@@ -41,6 +41,8 @@ class ActorHost(Protocol):
 
     def adopt(self, actor: str, child: Stoppable) -> None: ...  # stopped when ``actor`` stops
 
+    def disown(self, actor: str, child: Stoppable) -> None: ...  # ``child`` stopped first: ``actor`` lets it go
+
     def stop_last(self, child: Stoppable) -> None: ...  # stopped when the worker stops, after its actors
 
     def supervise(self, actor: str, failure: Failure) -> bool: ...

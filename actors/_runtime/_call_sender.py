@@ -20,16 +20,18 @@ from ._core import Runtime
 from ._future import Future
 from ._pending_calls import PendingCall
 
-__all__ = ["pending_future", "send_call"]
+__all__ = ["Through", "pending_future", "send_call"]
 
 R = TypeVar("R")
 
 #: ``(args_blob, frames, handles)`` of arguments already encoded.
 Encoded = tuple[bytes, list[Any], list[Any]]
+#: ``(extent, positions)``: the shape of the mesh a call goes through, and each target's index in it.
+Through = tuple[dict[str, int], list[int]]
 
 
 def encode_arguments(rt: Runtime, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Encoded:
-    enc = rt.encoder
+    enc = rt.encoder_now()
     enc.reset()
     blob = enc.encode([list(args), kwargs])
     return blob, enc.frames, enc.handles
@@ -47,8 +49,12 @@ def send_call(
     timeout: float | None = None,
     class_ref: str = "",
     past_limits: bool = False,
+    through: Through | None = None,
 ) -> PendingCall | None:
     """Put one call per ``(rank, process)`` on the wire; the pending call if a reply is wanted.
+
+    ``through``: the mesh the call goes through (a slice, a flattening) and each target's position in it, which
+    the target reads as ``context().message_rank`` (default: its own rank in its own mesh).
 
     A dead target fails the call at once with :class:`ActorDied` (raised
     for a fire-and-forget call), and a target whose link is full with
@@ -61,7 +67,7 @@ def send_call(
     actor = str(actor)  # a mesh's name is a str subclass (awaitable): a plain str keeps the encoder's fast path
     pending = rt.calls.open(actor, method, targets, timeout, class_ref) if want_reply else None
     call_id = pending.call_id if pending is not None else 0
-    enc = rt.encoder
+    enc = rt.encoder_now()
     try:
         links = []
         for rank, ref in targets:  # all or nothing: no rank runs a call its caller was told failed
@@ -74,9 +80,11 @@ def send_call(
             links.append(rt.link(ref))
             if not past_limits:
                 rt.outbox.check_room(links[-1])
-        for (rank, ref), link in zip(targets, links, strict=True):
+        extent, positions = through if through is not None else (None, [rank for rank, _ in targets])
+        for (rank, ref), link, position in zip(targets, links, positions, strict=True):
             enc.reset()
-            data = enc.encode(Call(call_id, actor, method, rt.address, rt.pid, rank, blob, port).to_wire())
+            call = Call(call_id, actor, method, rt.address, rt.pid, rank, blob, port, position, extent)
+            data = enc.encode(call.to_wire())
             if handles or enc.handles:
                 rt.note_handles([*handles, *enc.handles], ref)
             rt.outbox.post(link, data, frames, urgent=True, owed=past_limits)

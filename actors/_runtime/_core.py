@@ -209,13 +209,19 @@ class Runtime:
             with contextlib.suppress(ActorDied):
                 self.send(ref, Credit(port_id, messages, nbytes), urgent=True, owed=True)
 
+    def encoder_now(self) -> Encoder:
+        """The process's encoder, or a new one while it encodes: a message sent by code that a value runs as it is
+        encoded (a pid callback shipping a port, as an actor mesh's state looks up pids) is encoded apart."""
+        encoder = self.encoder
+        return encoder if not encoder.busy else Encoder()
+
     def send(self, ref: ProcRef, record: Any, *, urgent: bool, owed: bool = False) -> None:
         """Encode ``record`` and queue it for ``ref``; raises ActorDied if ``ref`` is gone.
 
         ``owed``: an answer ``ref`` asked for (a call's reply), queued even past the link's limits (see
         :meth:`~actors._transport._outbox.Outbox.post`).
         """
-        enc = self.encoder
+        enc = self.encoder_now()
         enc.reset()
         data = enc.encode(record.to_wire())
         frames, handles = enc.frames, enc.handles

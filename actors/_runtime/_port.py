@@ -253,7 +253,7 @@ class Port(Generic[T]):
         return True
 
     def _post(self, rt: Runtime, route: _Route, window: Window, value: Any) -> None:
-        enc = rt.encoder
+        enc = rt.encoder_now()
         enc.reset()
         data = route.prefix + enc.encode(value)
         frames = enc.frames

@@ -19,6 +19,7 @@ time.
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import signal
 import threading
@@ -31,7 +32,14 @@ from .._wire._records import FailureReport
 
 log = logging.getLogger("actors.supervision")
 
-__all__ = ["Failure", "MeshFailure", "add_failure_handler", "remove_failure_handler", "unhandled_fault_hook"]
+__all__ = [
+    "Failure",
+    "MeshFailure",
+    "add_failure_handler",
+    "checked_handler",
+    "remove_failure_handler",
+    "unhandled_fault_hook",
+]
 
 
 @dataclass(frozen=True)
@@ -95,7 +103,21 @@ def add_failure_handler(handler: FailureHandler) -> None:
     """Offer every failure reported to this process to ``handler`` (true return: handled)."""
     from ._core import runtime
 
-    runtime().mesh_routes.handlers.append(handler)
+    runtime().mesh_routes.handlers.append(checked_handler(handler))
+
+
+def checked_handler(handler: FailureHandler) -> FailureHandler:
+    """``handler``, if it answers at once: a failure is handled or not as it is reported (a coroutine function's
+    coroutine, always true, would count as handled without its body ever running)."""
+    if not callable(handler):
+        raise TypeError(f"a failure handler is a function of the failure, not {type(handler).__name__}")
+    call = type(handler).__call__ if not inspect.isroutine(handler) else None  # (an object with an async __call__)
+    if inspect.iscoroutinefunction(handler) or (call is not None and inspect.iscoroutinefunction(call)):
+        raise TypeError(
+            f"failure handler {handler!r} is a coroutine function: a handler answers at once, with a true value if "
+            "it handled the failure (start a task from it for work that awaits)"
+        )
+    return handler
 
 
 def remove_failure_handler(handler: FailureHandler) -> None:
@@ -110,9 +132,19 @@ def offer(failure: Failure, handlers: list[FailureHandler]) -> bool:
     handled = False
     for handler in handlers:
         try:
-            handled = bool(handler(failure)) or handled
+            answer = handler(failure)
         except Exception:
             log.exception("failure handler %r raised", handler)
+            continue
+        if inspect.isawaitable(answer):  # (a lambda around a coroutine function): not an answer, never run
+            close = getattr(answer, "close", None)
+            if close is not None:
+                close()
+            log.error(
+                "failure handler %r returned an awaitable, not an answer: the failure is not handled by it", handler
+            )
+            continue
+        handled = bool(answer) or handled
     return handled
 
 

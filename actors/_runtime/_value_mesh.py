@@ -195,8 +195,12 @@ class ValueMesh(Shaped, Generic[R]):
         self._values = values
 
     def get(self, rank: int) -> R:
-        """The value at position ``rank`` of this mesh (row-major, from 0)."""
-        return self._values[rank]
+        """The value at position ``rank`` of this mesh (row-major, from 0); outside it, ``ValueError`` as in
+        Monarch (a negative rank does not count from the end)."""
+        index = _index("rank", rank)
+        if not 0 <= index < len(self._values):
+            raise ValueError(f"rank {index} is outside this mesh's 0..{len(self._values) - 1}")
+        return self._values[index]
 
     def item(self, **coords: int) -> R:
         """The value at ``coords`` (no coordinates needed for a mesh of one)."""
@@ -223,8 +227,9 @@ class ValueMesh(Shaped, Generic[R]):
         for rank, value in enumerate(self._values):
             yield Point(rank, self._extent), value
 
-    def values(self) -> Iterator[R]:
-        return iter(self._values)
+    def values(self) -> list[R]:
+        """The values in rank order, as a list (Monarch's: ``sum(v)`` then ``len(v)`` both read it)."""
+        return list(self._values)
 
     def __iter__(self) -> Iterator[tuple[Point, R]]:
         return self.items()

@@ -165,7 +165,7 @@ class Inbox:
         routes = self._routes
         no_frames: list[Any] = []
         port_run = self._port_run
-        frame_counts, sizes, records = batch
+        frame_counts, sizes, records, _ = batch
         end = len(records)
         j = 0
         while j < end:
@@ -209,16 +209,21 @@ class Inbox:
             return
         routes = self._routes
         self.dispatching = True
-        if len(frames) == 2:  # no buffer frames: the whole batch in one pass when it is clean
-            batch = self.decoder.decode_whole(frames[1].buffer)
+        payload = frames[1].buffer
+        if len(frames) == 2:  # no buffer frames: the whole batch in one pass, as far as it is clean
+            batch = self.decoder.decode_whole(payload)
             if batch is not None:
                 try:
                     self._dispatch_all(batch, sender)
-                finally:
+                except BaseException:
                     self.dispatching = False
-                return
+                    raise
+                if batch.rest == payload.nbytes:
+                    self.dispatching = False
+                    return
+                payload = payload[batch.rest :]  # the rest record by record, from the first that failed
         try:
-            for fields, run, size in self.decoder.decode_batch(frames[1].buffer, frames[2:]):
+            for fields, run, size in self.decoder.decode_batch(payload, frames[2:]):
                 try:
                     route = (
                         routes.get(fields[0]) if type(fields) is list and fields and type(fields[0]) is int else None

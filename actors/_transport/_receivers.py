@@ -157,7 +157,7 @@ class Receivers:
         not for an open port: the caller handles it alone). The receiver is
         woken once, at the end of the run.
         """
-        frame_counts, sizes, records = batch
+        frame_counts, sizes, records, _ = batch
         fields = records[j]
         state = self._states.get(fields[1]) if type(fields[1]) is int else None
         if state is None or state.closed is not None:

@@ -17,8 +17,10 @@ import torch
 
 from .._shared._errors import DecodeError
 from . import _refs
+from ._brief import brief
 from ._buffers import DTYPES, ITEMSIZE, tensor_over
 from ._code import unpickle_code, unpickle_object
+from ._dataclasses import init_only_values
 from ._ext import (
     EXT_CODE,
     EXT_DATACLASS,
@@ -52,6 +54,7 @@ class WholeBatch(NamedTuple):
     frame_counts: list[Any]
     sizes: list[Any]
     records: list[Any]
+    rest: int  # where the records this pass could not decode begin (the payload's size: none)
 
 
 class Decoder:
@@ -148,13 +151,15 @@ class Decoder:
             self._frames = []
 
     def decode_whole(self, payload: Any) -> WholeBatch | None:
-        """A batch without buffer frames decoded in one pass; None if anything is off.
+        """A batch without buffer frames decoded in one pass, as far as it goes; None if it is too large.
 
         The batch framing is itself msgpack (two uints before each record), so
-        one unpacker walks it at C speed. Any doubt, a malformed record or a
-        framing mismatch, gives None: the caller then takes the per-record
-        path (:meth:`decode_batch`), which isolates the bad record and
-        delivers the rest.
+        one unpacker walks it at C speed. At any doubt, a malformed record or a
+        framing mismatch, the pass stops after the last whole record:
+        ``rest`` says where the caller takes the per-record path
+        (:meth:`decode_batch`), which isolates the bad record and delivers the
+        rest. The records before it are not decoded again (a dataclass's
+        ``__post_init__``, a handle's rebuilding, run once).
         """
         size = payload.nbytes if isinstance(payload, memoryview) else len(payload)
         if size > self.max_payload:
@@ -162,17 +167,21 @@ class Decoder:
         self._frames = _NO_FRAMES
         self._depth = 0
         unpacker = self._unpacker(size)
+        items: list[Any] = []
+        whole = 0  # the bytes of the records taken whole so far
         try:
             unpacker.feed(payload)
-            items = list(unpacker)
+            for item in unpacker:
+                items.append(item)
+                if len(items) % 3 == 0:
+                    whole = unpacker.tell()
         except Exception:
-            return None
+            pass  # (the per-record path says what is wrong, from ``whole`` on)
         finally:
             self._frames = []
-        if len(items) % 3 or unpacker.tell() != size:
-            return None
+        del items[len(items) - len(items) % 3 :]
         # The caller checks each record's frame count (0) and size (an int) as it goes.
-        return WholeBatch(items[0::3], items[1::3], items[2::3])
+        return WholeBatch(items[0::3], items[1::3], items[2::3], whole)
 
     def decode(self, payload: Any, frames: list[Any] | None = None) -> Any:
         """Decode exactly one value."""
@@ -271,7 +280,7 @@ class Decoder:
             try:
                 return torch.empty(shape, dtype=dtype)
             except RuntimeError as exc:  # other dims whose strides overflow int64
-                raise DecodeError(f"malformed tensor shape {shape!r:.80}: {exc}") from None
+                raise DecodeError(f"malformed tensor shape {brief(shape)}: {exc}") from None
         flat = tensor_over(buffer, dtype, numel)
         if type(data) is int and flat.data_ptr() % itemsize:
             # ZeroMQ may hand a frame at any address (a zero-copy receive points into its read buffer); kernels
@@ -310,27 +319,36 @@ class _DataclassPlan(NamedTuple):
     received values; when the class has a ``__post_init__`` or fields its
     constructor does not take, every field is then set back to the value
     sent, so the instance is the one the sender had (a ``__post_init__`` that
-    rewrites a field would otherwise rewrite it twice).
+    rewrites a field would otherwise rewrite it twice). An init-only value
+    (``InitVar``) is not kept by the instance: the constructor is called by
+    keyword, the value taking its default (positionally, the fields after it
+    would shift by one). A constructor of the class's own (``init=False``)
+    takes what it wants: the instance is made without it, from the fields.
     """
 
     cls: type
     names: tuple[str, ...]
     init: tuple[int, ...]  # which fields the constructor takes
-    by_keyword: bool  # some field is keyword-only, or not taken by the constructor
+    by_keyword: bool  # some field is keyword-only, not taken by the constructor, or after an init-only value
     restore: bool
     special: bool  # by keyword or restored: else ``cls(*values)`` is the whole build
+    own_init: bool  # the class wrote its own constructor: not called
 
     @classmethod
     def of(cls, found: type) -> _DataclassPlan:
         fields = dataclasses.fields(found)
         init = tuple(i for i, f in enumerate(fields) if f.init)
-        by_keyword = len(init) != len(fields) or any(f.kw_only for f in fields)
-        restore = len(init) != len(fields) or hasattr(found, "__post_init__")
-        return cls(found, tuple(f.name for f in fields), init, by_keyword, restore, by_keyword or restore)
+        own_init = not found.__dataclass_params__.init  # type: ignore[attr-defined]
+        by_keyword = len(init) != len(fields) or any(f.kw_only for f in fields) or bool(init_only_values(found))
+        restore = len(init) != len(fields) or hasattr(found, "__post_init__") or by_keyword or own_init
+        names = tuple(f.name for f in fields)
+        return cls(found, names, init, by_keyword, restore, by_keyword or restore, own_init)
 
     def build(self, values: list[Any]) -> Any:
         names = self.names
-        if self.by_keyword:
+        if self.own_init:
+            instance: Any = object.__new__(self.cls)
+        elif self.by_keyword:
             instance = self.cls(**{names[i]: values[i] for i in self.init})
         else:
             instance = self.cls(*values)

@@ -19,6 +19,7 @@ from .._shared._errors import EncodeError
 from . import _refs
 from ._buffers import DTYPE_NAMES, tensor_buffer
 from ._code import CODE_ENV, code_allowed, is_code, pickle_code, pickle_object, refusal
+from ._dataclasses import required_init_only
 from ._ext import (
     EXT_CODE,
     EXT_DATACLASS,
@@ -49,6 +50,7 @@ class Encoder:
         self.frames: list[Any] = []
         self.handles: list[Any] = []
         self._depth = 0
+        self._busy = False
         self._packers: list[msgpack.Packer] = []
         self._dataclass_refs: dict[type, tuple[str, tuple[str, ...]]] = {}
         self._top = self._packer()
@@ -66,8 +68,24 @@ class Encoder:
             self._packers.append(msgpack.Packer(default=self._default, use_bin_type=True, strict_types=True))
         return self._packers[self._depth]
 
+    @property
+    def busy(self) -> bool:
+        """Whether an encode is under way here: code a value runs as it is encoded (a handle's state, a pid
+        callback that ships a port) must encode what it sends with another encoder, not this one's packers
+        (mid-pack) and lists (the outer message's)."""
+        return self._busy
+
     def encode(self, obj: Any) -> bytes:
         """Pack ``obj``; tensor frames and handles accumulate on this encoder."""
+        if self._depth:
+            return self._encode(obj)
+        self._busy = True
+        try:
+            return self._encode(obj)
+        finally:
+            self._busy = False
+
+    def _encode(self, obj: Any) -> bytes:
         depth = self._depth
         try:
             if depth:
@@ -118,7 +136,10 @@ class Encoder:
         if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
             return ext(EXT_DATACLASS, self._nested(self._dataclass(obj)))
         if isinstance(obj, torch.dtype):
-            return ext(EXT_DTYPE, DTYPE_NAMES[obj].encode())
+            name = DTYPE_NAMES.get(obj)
+            if name is None:
+                raise EncodeError(f"dtype {obj} is not supported")
+            return ext(EXT_DTYPE, name.encode())
         # Subclasses of plain containers (OrderedDict state_dicts, torch.Size,
         # named tuples) travel as their base type.
         if isinstance(obj, tuple):
@@ -159,6 +180,12 @@ class Encoder:
                 raise EncodeError(str(exc)) from None
             if "<locals>" in ref:
                 raise EncodeError(f"dataclass {ref} is defined inside a function; receivers cannot find it")
+            needed = required_init_only(cls)
+            if needed is not None:
+                raise EncodeError(
+                    f"cannot send {ref}: its init-only value {needed!r} (an InitVar) has no default and the instance "
+                    "does not keep it, so a receiver cannot rebuild it; give it a default, or make it a field"
+                )
             names = tuple(f.name for f in dataclasses.fields(obj))
             info = self._dataclass_refs[cls] = (ref, names)
         ref, names = info
@@ -173,6 +200,8 @@ class Encoder:
             raise EncodeError(_unsendable(tensor))
         if tensor.is_conj():
             tensor = tensor.resolve_conj()
+        if tensor.is_neg():  # (a conjugate's imaginary part views the real storage with its sign bit set)
+            tensor = tensor.resolve_neg()
         if not tensor.is_contiguous():
             tensor = tensor.contiguous()
         nbytes = tensor.nbytes

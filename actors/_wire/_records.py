@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 import msgpack
 
 from .._shared._errors import ActorError, ActorsError, DecodeError, SpawnError, SupervisionError
+from ._brief import brief
 
 __all__ = [
     "PROCESS_ACTOR",
@@ -56,7 +57,7 @@ __all__ = [
     "record_prefix",
 ]
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 #: The largest pid Linux hands out (its pid_max ceiling): a header claiming more is forged.
 PID_MAX = 1 << 22
 #: The actor name that addresses a process itself (spawn, stop_actor, stop).
@@ -79,7 +80,7 @@ _new_tuple = tuple.__new__
 
 def _check(fields: Any, kind: Kind, arity: int) -> list[Any]:
     if type(fields) is not list or len(fields) != arity or not isinstance(fields[0], int) or fields[0] != kind:
-        raise DecodeError(f"malformed {kind.name} record: {fields!r:.80}")
+        raise DecodeError(f"malformed {kind.name} record: {brief(fields)}")
     return fields
 
 
@@ -113,7 +114,7 @@ class Header(NamedTuple):
             or type(header[2]) is not int
             or not 0 < header[2] <= PID_MAX
         ):
-            raise DecodeError(f"bad header {header!r:.80}")
+            raise DecodeError(f"bad header {brief(header)}")
         return cls(header[1], header[2])
 
 
@@ -162,28 +163,35 @@ class ErrorRecord(NamedTuple):
             or type(value[2]) is not str
             or type(value[3]) is not bool
         ):
-            return cls("DecodeError", f"malformed error record {value!r:.80}")
+            return cls("DecodeError", f"malformed error record {brief(value)}")
         return cls(*value)
 
 
 class Call(NamedTuple):
-    """Invoke ``actor.method`` with encoded ``args``; ``call_id`` 0 wants no reply."""
+    """Invoke ``actor.method`` with encoded ``args``; ``call_id`` 0 wants no reply.
+
+    ``extent`` is the shape of the mesh the call was sent through (a slice of the actors' mesh, or a flattening)
+    and ``position`` the target's index in it: Monarch's ``message_rank``. None: the actors' own mesh
+    (``position`` is then ``rank``), as for calls to the :data:`PROCESS_ACTOR`.
+    """
 
     call_id: int
     actor: str
     method: str
     reply_to: str  # the caller's inbox address
     reply_pid: int
-    rank: int  # the target's rank in its mesh
+    rank: int  # the target's rank in its mesh (the reply's)
     args: bytes  # encoded [args, kwargs]
     port: Any  # a Port that receives the result (fire-and-forget with a port), or None
+    position: int = 0
+    extent: dict[str, int] | None = None
 
     def to_wire(self) -> list[Any]:
         return [Kind.CALL, *self]
 
     @classmethod
     def from_wire(cls, fields: Any) -> Call:
-        f = _check(fields, Kind.CALL, 9)
+        f = _check(fields, Kind.CALL, 11)
         if (
             type(f[1]) is not int
             or type(f[2]) is not str
@@ -193,9 +201,29 @@ class Call(NamedTuple):
             or type(f[6]) is not int
             or type(f[7]) is not bytes
             or (f[8] is not None and not callable(getattr(f[8], "send", None)))
+            or type(f[9]) is not int
+            or not _is_extent(f[10], f[9])
         ):
-            raise DecodeError(f"malformed CALL record: {fields!r:.80}")
+            raise DecodeError(f"malformed CALL record: {brief(fields)}")
         return cls(*f[1:])
+
+
+#: The most dimensions a call's mesh may name (Monarch's meshes have a handful).
+_MAX_DIMENSIONS = 16
+
+
+def _is_extent(extent: Any, position: int) -> bool:
+    """Whether ``extent`` is None or a mesh shape (labels to sizes ≥ 1) that ``position`` lies in."""
+    if extent is None:
+        return position >= 0
+    if type(extent) is not dict or len(extent) > _MAX_DIMENSIONS:
+        return False
+    size = 1
+    for label, length in extent.items():
+        if type(label) is not str or type(length) is not int or length < 1:
+            return False
+        size *= length
+    return 0 <= position < size
 
 
 class Reply(NamedTuple):
@@ -214,7 +242,7 @@ class Reply(NamedTuple):
     def from_wire(cls, fields: Any) -> Reply:
         f = _check(fields, Kind.REPLY, 5)
         if type(f[1]) is not int or type(f[2]) is not int or type(f[3]) is not bool:
-            raise DecodeError(f"malformed REPLY record: {fields!r:.80}")
+            raise DecodeError(f"malformed REPLY record: {brief(fields)}")
         return cls(f[1], f[2], f[3], f[4] if f[3] else ErrorRecord.from_wire(f[4]))
 
 
@@ -242,7 +270,7 @@ class PortMessage(NamedTuple):
             or fields[0] != Kind.PORT
             or type(fields[1]) is not int
         ):
-            raise DecodeError(f"malformed PORT record: {fields!r:.80}")
+            raise DecodeError(f"malformed PORT record: {brief(fields)}")
         return fields
 
 
@@ -384,10 +412,10 @@ RECORDS: dict[int, type[Record]] = {
 def decode_record(fields: Any) -> Record:
     """The record an undecoded msgpack array stands for; :class:`DecodeError` if none."""
     if type(fields) is not list or not fields:
-        raise DecodeError(f"not a record: {fields!r:.80}")
-    record_type = RECORDS.get(fields[0])
+        raise DecodeError(f"not a record: {brief(fields)}")
+    record_type = RECORDS.get(fields[0]) if type(fields[0]) is int else None
     if record_type is None:
-        raise DecodeError(f"unknown record kind {fields[0]!r:.20}")
+        raise DecodeError(f"unknown record kind {brief(fields[0])}")
     return record_type.from_wire(fields)
 
 

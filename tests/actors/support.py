@@ -9,8 +9,8 @@ import math
 import os
 import signal
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import InitVar, dataclass, field
+from typing import Any, ClassVar
 
 import torch
 
@@ -25,6 +25,7 @@ from actors import (
     current_rank,
     current_size,
     endpoint,
+    get_or_spawn_controller,
     send,
     this_host,
 )
@@ -46,6 +47,17 @@ class Fragile:
     def __post_init__(self) -> None:
         if self.count < 0:
             raise RuntimeError(f"count {self.count} is negative")
+
+
+@dataclass
+class Counted:
+    """A dataclass that notes each time this process builds one: a record decoded twice shows."""
+
+    value: int
+    built: ClassVar[list[int]] = []
+
+    def __post_init__(self) -> None:
+        Counted.built.append(self.value)
 
 
 @dataclass(frozen=True)
@@ -73,6 +85,64 @@ class Derived:
     def __post_init__(self) -> None:
         object.__setattr__(self, "raw", self.raw + 1)
         object.__setattr__(self, "doubled", self.raw * 2)
+
+
+@dataclass
+class Scaled:
+    """A dataclass with an init-only value between its fields: the constructor takes ``(tokens, scale, label)``."""
+
+    tokens: list[int]
+    scale: InitVar[float] = 1.0
+    label: int = 0
+
+
+@dataclass
+class NeedsScale:
+    """A dataclass whose init-only value has no default: an instance cannot be rebuilt from its fields."""
+
+    tokens: list[int]
+    scale: InitVar[float]
+
+
+@dataclass(init=False)
+class Renamed:
+    """A dataclass whose constructor is its own: ``Renamed(text)`` sets ``words``."""
+
+    words: list[str]
+
+    def __init__(self, text: str) -> None:
+        self.words = text.split()
+
+
+class TalliesAtCleanup(Actor):
+    """Calls the session's ``tally`` controller in its ``__cleanup__`` and writes the answer to ``path``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    async def __cleanup__(self, exc: BaseException | None) -> None:
+        tally = await get_or_spawn_controller("tally", Echo)
+        answer = await asyncio.wait_for(tally.add.call_one(1), 10)
+        with open(self.path, "w") as f:
+            f.write(str(answer))
+
+
+class Respawner(Actor):
+    """Spawns proc meshes and stops them, again and again, as a long-lived controller actor does."""
+
+    @endpoint
+    async def spawn_and_stop(self, times: int) -> int:
+        """How many of what it spawned it still holds afterwards."""
+        from actors._runtime._context import actor_context
+        from actors._runtime._core import runtime
+
+        for _ in range(times):
+            procs = this_host().spawn_procs(per_host={"procs": 1})
+            await procs.spawn("echo", Echo).add.call_one(1)
+            await procs.stop()
+        ctx, server = actor_context.get(), runtime().server
+        assert ctx is not None and server is not None
+        return len(server.lifecycle._slots.actors[ctx.name].children)  # type: ignore[attr-defined]
 
 
 class Echo(Actor):

@@ -16,7 +16,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support import Derived, Item, Keyworded, Triple
+from support import Derived, Item, Keyworded, NeedsScale, Renamed, Scaled, Triple
 
 from actors import DecodeError, EncodeError
 from actors._wire._codec import EXT_DATACLASS, EXT_TENSOR, EXT_TUPLE, MAX_DEPTH, Decoder, Encoder
@@ -128,6 +128,29 @@ def test_a_dataclass_arrives_as_it_was_sent_not_as_its_post_init_would_remake_it
     assert (sent.raw, sent.doubled) == (4, 8)
     out = roundtrip(sent)
     assert type(out) is Derived and (out.raw, out.doubled) == (4, 8)
+
+
+def test_a_dataclass_with_an_init_only_value_or_its_own_constructor_arrives_as_it_was_sent():
+    """An ``InitVar`` is a constructor argument, not a field: the fields after it were passed in its place, so
+    ``Scaled([1, 2], label=7)`` arrived with ``label`` 0, silently; a class's own constructor was called with the
+    fields (a ``DecodeError`` at best). One whose init-only value has no default is refused at the sender."""
+    out = roundtrip(Scaled([1, 2], 3.0, label=7))
+    assert type(out) is Scaled and (out.tokens, out.label) == ([1, 2], 7)
+    renamed = roundtrip(Renamed("a b c"))
+    assert type(renamed) is Renamed and renamed.words == ["a", "b", "c"]
+    with pytest.raises(EncodeError, match=r"cannot send .*NeedsScale: its init-only value 'scale' .* has no default"):
+        Encoder().encode(NeedsScale([1], 2.0))
+
+
+def test_an_unsupported_dtype_is_an_encode_error_and_a_negated_view_travels_with_its_sign():
+    """A dtype with no name on the wire (``float8_e4m3fn``, ``uint16``) raised ``KeyError`` past the sender's
+    ``EncodeError`` handling (a once-port stayed marked used, its receiver waiting for good); a complex tensor's
+    conjugate's imaginary part (a view with the negative bit) arrived with the sign lost."""
+    for dtype in (torch.float8_e4m3fn, torch.uint16):
+        with pytest.raises(EncodeError, match=f"dtype {dtype} is not supported"):
+            Encoder().encode({"dtype": dtype})
+    imaginary = torch.tensor([1 + 2j, 3 - 4j]).conj().imag
+    assert imaginary.is_neg() and torch.equal(roundtrip(imaginary), torch.tensor([-2.0, 4.0]))
 
 
 def test_a_dataclass_record_with_the_wrong_number_of_fields_is_a_decode_error():
@@ -299,11 +322,52 @@ def test_an_attach_naming_a_pid_that_cannot_exist_is_refused():
             Attach.from_wire(fields)
 
 
+def test_a_malformed_records_error_says_it_briefly_however_deep_or_large_the_record():
+    """The message showed ``repr(record)`` cut to 80 characters, built whole first: a header frame of nested
+    lists 1,000 deep was a ``RecursionError`` past the inbox's decode-error handling, and 50 MB of bytes made a
+    200 MB string before it was cut."""
+    from actors._wire._records import Header, Kind, decode_record
+
+    with pytest.raises(DecodeError, match=r"bad header \[\[\[…\]\]\]"):
+        Header.decode(b"\x91" * 1000 + b"\xc0")
+    deep: list[Any] = []
+    for _ in range(5000):
+        deep = [deep]
+    for fields in ([int(Kind.CREDIT), deep], [int(Kind.CREDIT), b"\0" * 50_000_000, "x" * 10_000], deep, [deep]):
+        with pytest.raises(DecodeError) as info:
+            decode_record(fields)
+        assert len(str(info.value)) < 200, str(info.value)[:300]
+    with pytest.raises(DecodeError, match=r"malformed CREDIT record: \[\d+, <50000000 bytes>, 'x{40}'…\]"):
+        decode_record([int(Kind.CREDIT), b"\0" * 50_000_000, "x" * 10_000])
+
+
 def test_a_call_whose_response_port_is_not_a_port_is_refused():
     from actors._wire._records import Call, Kind
 
     with pytest.raises(DecodeError, match="malformed CALL"):
-        Call.from_wire([Kind.CALL, 1, "a", "m", "ipc:///x.sock", 1, 0, b"", 7])
+        Call.from_wire([Kind.CALL, 1, "a", "m", "ipc:///x.sock", 1, 0, b"", 7, 0, None])
+
+
+@pytest.mark.parametrize(
+    "position, extent",
+    [
+        (-1, None),
+        (2, {"gpus": 2}),
+        (0, {"gpus": 0}),
+        (0, {"gpus": "2"}),
+        (0, {1: 2}),
+        (0, [2]),
+        ("0", None),
+        (0, {f"d{i}": 1 for i in range(17)}),
+    ],
+)
+def test_a_call_whose_place_in_its_mesh_is_not_one_is_refused(position, extent):
+    """A call's place in the mesh it came through (Monarch's ``message_rank``) must lie in that mesh."""
+    from actors._wire._records import Call, Kind
+
+    with pytest.raises(DecodeError, match="malformed CALL"):
+        Call.from_wire([Kind.CALL, 1, "a", "m", "ipc:///x.sock", 1, 0, b"", None, position, extent])
+    assert Call.from_wire([Kind.CALL, 1, "a", "m", "ipc:///x.sock", 1, 3, b"", None, 1, {"a": 1, "b": 2}]).position == 1
 
 
 def test_a_reply_or_port_message_whose_value_cannot_be_built_says_so_and_other_records_stay_errors():
@@ -410,6 +474,27 @@ def test_an_inbox_batch_whose_record_kind_is_a_tensor_is_dropped_and_the_rest_de
         assert wired.drops.count == 2
 
 
+def test_a_batch_that_fails_part_way_builds_each_record_before_the_failure_once(tmp_path):
+    """The one-pass decode of a batch gave up on its first bad record and the batch was decoded again from its
+    start, record by record: every record before the bad one was built twice (its ``__post_init__`` run twice, a
+    handle rebuilt twice, an object unpickled twice). The per-record path takes over where the one pass stopped."""
+    from support import Counted
+
+    from actors._wire._records import Kind, Undecodable
+
+    counted = msgpack.ExtType(EXT_DATACLASS, msgpack.packb(["support:Counted", [5]]))
+    missing = msgpack.ExtType(EXT_DATACLASS, msgpack.packb(["no_such_module:Thing", [1]]))
+    Counted.built.clear()
+    with wired_inbox(tmp_path) as wired:
+        port_id = wired.state.port_id
+        wired.send([msgpack.packb([int(Kind.PORT), port_id, value]) for value in (counted, missing, "last")])
+        assert wired.pull.poll(10_000)
+        wired.inbox.pump()
+        values = [value for value, _, _ in wired.state.queue]
+    assert Counted.built == [5], "built once"
+    assert values[0].value == 5 and type(values[1]) is Undecodable and values[2] == "last"
+
+
 def test_an_inbox_batch_whose_framing_holds_a_tensor_drops_those_records_and_delivers_the_rest(tmp_path):
     """A frame count or size that is a tensor (the framing is msgpack too) is bad framing for its record alone."""
     import zmq
@@ -510,3 +595,42 @@ def test_a_pump_called_again_while_it_handles_a_message_leaves_the_rest_in_order
             assert wired.pull.poll(10_000)
             wired.inbox.pump()
         assert [value for value, _, _ in wired.state.queue] == [1, 2, 3, None]
+
+
+class Nosy:
+    """A handle whose state, as it is taken, has a message of its own encoded (as a pid lookup in an actor mesh's
+    state runs the callback that ships a port to that process)."""
+
+    def __init__(self) -> None:
+        self.sent: tuple[bytes, list[bytes]] | None = None
+
+
+def _nosy_state(nosy: Nosy) -> int:
+    from actors._runtime._core import runtime
+
+    enc = runtime().encoder_now()
+    enc.reset()
+    data = enc.encode(["inner", torch.ones(2000)])  # (a frame of its own)
+    nosy.sent = (data, [bytes(frame) for frame in enc.frames])
+    return 7
+
+
+def test_a_message_encoded_while_another_is_encoded_gets_an_encoder_of_its_own():
+    """The process's one encoder was asked for the inner message mid-way through the outer one: its packer was the
+    one packing (the inner bytes came out behind the outer's first half, the outer lost that half) and its reset
+    took the outer message's frames and handles away."""
+    from actors._runtime._core import runtime
+    from actors._wire._codec import register_handle
+
+    register_handle("test-nosy", Nosy, _nosy_state, lambda state: ("nosy", state))
+    enc = runtime().encoder_now()
+    enc.reset()
+    nosy = Nosy()
+    data = enc.encode(["outer", nosy, torch.zeros(3000)])
+    frames = [bytes(frame) for frame in enc.frames]
+    assert len(frames) == 1 and enc.handles == [nosy] and not enc.busy
+    outer = Decoder().decode(data, frames)
+    assert outer[:2] == ["outer", ("nosy", 7)] and torch.equal(outer[2], torch.zeros(3000))
+    assert nosy.sent is not None
+    inner = Decoder().decode(*nosy.sent)
+    assert inner[0] == "inner" and torch.equal(inner[1], torch.ones(2000))

@@ -28,7 +28,7 @@ def _seeds(rng: random.Random, actor: str) -> list[tuple[bytes, list[bytes]]]:
         [PORT, 9, ("a", b"bytes", None, True)],
         [REPLY, 12345, 0, True, [1, 2, 3]],
         [CREDIT, 3, 10, 1000],
-        [CALL, 0, actor, "ping", "ipc:///nowhere", 1, 0, enc.encode([[5], {}]), None],
+        [CALL, 0, actor, "ping", "ipc:///nowhere", 1, 0, enc.encode([[5], {}]), None, 0, None],
     ):
         enc.reset()
         data = enc.encode(message)
@@ -124,7 +124,7 @@ async def _fuzz(sock, procs, target, rng, seeds, hostile, header) -> None:  # ty
     enc = Encoder()
     blob = enc.encode([[port], {}])
     enc.reset()
-    call = enc.encode([CALL, 0, target._name, "mark", f"ipc://{runtime().dir}/fuzzer.sock", 1, 0, blob, None])
+    call = enc.encode([CALL, 0, target._name, "mark", f"ipc://{runtime().dir}/fuzzer.sock", 1, 0, blob, None, 0, None])
     sock.send_multipart([header, message_prefix(0, len(call)) + call])
     assert await asyncio.wait_for(processed.recv(), 120) == "processed"
     # The worker still serves, and it saw (and dropped) the garbage.
@@ -182,10 +182,10 @@ async def test_a_call_whose_reply_address_is_not_its_senders_is_dropped(procs):
     enc = Encoder()
     no_args = enc.encode([[], {}])
     forged = [
-        [CALL, 5, target._name, "ping", "ipc:///etc/elsewhere.sock", 1, 0, enc.encode([[1], {}]), None],
-        [CALL, 6, PROCESS_ACTOR, "stop", "tcp://[::bad", 1, 0, no_args, None],
-        [CALL, 7, PROCESS_ACTOR, "stop", f"ipc://{runtime().dir}/another.sock", 1, 0, no_args, None],
-        [CALL, 8, PROCESS_ACTOR, "stop", own, 2, 0, no_args, None],
+        [CALL, 5, target._name, "ping", "ipc:///etc/elsewhere.sock", 1, 0, enc.encode([[1], {}]), None, 0, None],
+        [CALL, 6, PROCESS_ACTOR, "stop", "tcp://[::bad", 1, 0, no_args, None, 0, None],
+        [CALL, 7, PROCESS_ACTOR, "stop", f"ipc://{runtime().dir}/another.sock", 1, 0, no_args, None, 0, None],
+        [CALL, 8, PROCESS_ACTOR, "stop", own, 2, 0, no_args, None, 0, None],
     ]
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
@@ -200,7 +200,7 @@ async def test_a_call_whose_reply_address_is_not_its_senders_is_dropped(procs):
         enc.reset()
         blob = enc.encode([[port], {}])
         enc.reset()
-        call = enc.encode([CALL, 0, target._name, "mark", own, 1, 0, blob, None])
+        call = enc.encode([CALL, 0, target._name, "mark", own, 1, 0, blob, None, 0, None])
         sock.send_multipart([header, message_prefix(0, len(call)) + call])
         assert await asyncio.wait_for(processed.recv(), 60) == "processed"
     finally:

@@ -47,6 +47,11 @@ def test_every_mesh_shape_reads_as_monarchs():
     with pytest.raises(KeyError, match="no dimension 'x'"):
         values.size("x")
     assert values.get(3) == 3
+    for outside in (-1, 4):  # (before: -1 was the last value, silently)
+        with pytest.raises(ValueError, match=f"rank {outside} is outside this mesh's 0..3"):
+            values.get(outside)
+    seen = values.values()  # a list, as Monarch's: read twice
+    assert sum(seen) == 6 and len(seen) == 4
     point = Point(3, {"hosts": 2, "gpus": 2})
     assert isinstance(point.extent, Extent) and point.extent.labels == ["hosts", "gpus"]
     assert point.size("gpus") == 2 and dict(point) == {"hosts": 1, "gpus": 1}

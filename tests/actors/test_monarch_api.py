@@ -36,6 +36,7 @@ from actors import (
     context,
     current_actor_name,
     current_rank,
+    current_size,
     endpoint,
     get_or_spawn_controller,
     send,
@@ -60,6 +61,11 @@ class Who(Actor):
     @endpoint
     async def value_of(self) -> int:
         return self.value
+
+    @endpoint
+    async def where(self) -> list[object]:
+        """Where this message found the actor (as ``current_rank``/``current_size`` and the context say)."""
+        return [str(current_rank()), current_size(), str(context().message_rank), context().actor_instance.rank.rank]
 
     @endpoint
     async def incr(self) -> None:
@@ -277,6 +283,12 @@ class Runs(Actor):
         return fn
 
 
+class SyncWhere(Actor):
+    @endpoint
+    def where_sync(self) -> list[object]:
+        return [str(current_rank()), current_size()]
+
+
 # ------------------------------------------------------------------ context and names
 
 
@@ -300,6 +312,36 @@ async def test_context_inside_an_actor_names_it_and_its_rank(spawn):
     rank_text = await who.slice(gpus=1).who.call_one()
     assert rank_text[0].endswith("{'hosts': 0/1, 'gpus': 1/2}>")
     assert str(current_rank()) == "{'procs': 0/1}"
+
+
+async def test_a_message_through_a_slice_finds_its_actor_at_its_place_in_the_slice(spawn):
+    """As Monarch's ``message_rank`` (and ``current_rank``/``current_size``, read from it): the point of the message
+    in the mesh it was sent through, not the actor's own rank in the mesh it was spawned as (that stays
+    ``actor_instance.rank``). Before, a slice's actors all read their spawn ranks and the whole mesh's size."""
+    procs = spawn(hosts=1, gpus=4)
+    who = procs.spawn("who", Who)
+    whole = [value for _, value in await who.where.call()]
+    assert whole[3] == ["{'hosts': 0/1, 'gpus': 3/4}", {"hosts": 1, "gpus": 4}, "{'hosts': 0/1, 'gpus': 3/4}", 3]
+    back = who.slice(gpus=slice(2, 4))
+    assert [value for _, value in await back.where.call()] == [
+        ["{'hosts': 0/1, 'gpus': 0/2}", {"hosts": 1, "gpus": 2}, "{'hosts': 0/1, 'gpus': 0/2}", 2],
+        ["{'hosts': 0/1, 'gpus': 1/2}", {"hosts": 1, "gpus": 2}, "{'hosts': 0/1, 'gpus': 1/2}", 3],
+    ]
+    assert await back.slice(hosts=0, gpus=1).where.call_one() == ["{}", {}, "{}", 3]
+    assert (await back.where.choose())[1] == {"hosts": 1, "gpus": 2}
+    flat = [value[0] for _, value in await who.flatten("all").where.call()]
+    assert flat == [f"{{'all': {r}/4}}" for r in range(4)]
+    port, inbox = Channel.open(list)
+    send(back.where, port=port)
+    got = sorted([await inbox.recv(), await inbox.recv()])
+    assert [text for text, *_ in got] == ["{'hosts': 0/1, 'gpus': 0/2}", "{'hosts': 0/1, 'gpus': 1/2}"]
+
+
+async def test_a_synchronous_actors_message_through_a_slice_finds_it_at_its_place_there(spawn):
+    procs = spawn(procs=3)
+    sync = procs.spawn("sync", SyncWhere)
+    got = [value for _, value in await sync.slice(procs=slice(1, 3)).where_sync.call()]
+    assert got == [["{'procs': 0/2}", {"procs": 2}], ["{'procs': 1/2}", {"procs": 2}]]
 
 
 async def test_spawners_choosing_the_same_name_each_reach_their_own_actors(spawn):
@@ -1028,7 +1070,7 @@ def test_a_controllers_handle_is_encoded_and_decoded_on_the_runtimes_thread(tmp_
     encoder = SimpleNamespace(reset=lambda: None, encode=lambda value: used.append(("encode", inside[0])) or b"x")
     decoder = SimpleNamespace(decode=lambda blob, frames: used.append(("decode", inside[0])) or "mesh")
     rt = SimpleNamespace(
-        encoder=encoder, inbox=SimpleNamespace(decoder=decoder), driver=SimpleNamespace(on_thread=on_thread)
+        encoder_now=lambda: encoder, inbox=SimpleNamespace(decoder=decoder), driver=SimpleNamespace(on_thread=on_thread)
     )
     path = str(tmp_path / "logger.mesh")
     _publish(rt, path, object())  # type: ignore[arg-type]

@@ -149,6 +149,19 @@ def test_enable_transport_accepts_the_transport_in_use_and_refuses_a_change(sock
         actors.enable_transport("carrier-pigeon")
 
 
+async def test_shutdown_context_stops_the_controllers_after_the_actors_whose_cleanup_calls_them(sockets_dir, tmp_path):
+    """The controllers' processes were stopped with every other mesh at once: an actor's ``__cleanup__`` that
+    calls a controller (to log its last figures, say) raced the controller's own stop and lost."""
+    from support import Echo, TalliesAtCleanup
+
+    tally = await actors.get_or_spawn_controller("tally", Echo)
+    assert await tally.add.call_one(1) == 1
+    procs: ProcMesh = actors.this_host().spawn_procs(per_host={"procs": 1})
+    await procs.spawn("caller", TalliesAtCleanup, str(tmp_path / "called")).initialized
+    await asyncio.wait_for(actors.shutdown_context(), 60)
+    assert (tmp_path / "called").read_text() == "1"
+
+
 async def test_shutdown_context_stops_every_proc_mesh_this_process_spawned(sockets_dir):
     procs: ProcMesh = actors.this_host().spawn_procs(per_host={"procs": 2})
     await procs.initialized

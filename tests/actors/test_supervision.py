@@ -8,7 +8,7 @@ import signal
 import threading
 
 import pytest
-from support import Echo, Fire, Supervisor
+from support import Echo, Fire, Respawner, Supervisor
 
 import actors
 from actors import Actor, Channel, Failure, Port, ProcMesh, SupervisionError, endpoint, send, this_host
@@ -30,6 +30,28 @@ async def test_an_unhandled_failure_faults_the_mesh(procs: ProcMesh):
         send(fire.ok, (), selection="choose")
     with pytest.raises(SupervisionError):
         fire.slice(procs=1).ok.call_one()
+
+
+async def test_a_coroutine_failure_handler_is_refused_and_an_awaitable_answer_handles_nothing(procs: ProcMesh):
+    """A coroutine function's call returns a coroutine, always true: the failure counted as handled, the mesh was
+    never faulted, and the handler's body never ran (a "never awaited" warning at best). It is refused when added;
+    one that returns an awaitable anyway (a lambda around one) handles nothing."""
+
+    async def log_it(failure: Failure) -> bool:
+        return True
+
+    with pytest.raises(TypeError, match="is a coroutine function: a handler answers at once"):
+        procs.add_failure_handler(log_it)
+    with pytest.raises(TypeError, match="is a coroutine function"):
+        actors.add_failure_handler(log_it)
+    reported = asyncio.Event()
+    procs.add_failure_handler(lambda failure: reported.set())
+    procs.add_failure_handler(lambda failure: log_it(failure))
+    fire = procs.spawn("fire", Fire)
+    send(fire.explode, ("an awaitable is no answer",), selection="choose")
+    await asyncio.wait_for(reported.wait(), 30)
+    with pytest.raises(SupervisionError, match="an awaitable is no answer"):
+        await fire.ok.call()
 
 
 async def test_kill_9_without_a_handler_faults_the_mesh(procs: ProcMesh):
@@ -56,6 +78,14 @@ async def test_a_replaced_fault_hook_decides(procs: ProcMesh, monkeypatch):
     await asyncio.wait_for(dropped.wait(), 30)
     assert seen[0].exception_type == "KeyError" and procs.fault is None
     assert await fire.ok.call() is not None
+
+
+async def test_an_actor_that_spawns_and_stops_meshes_does_not_keep_them(procs: ProcMesh):
+    """An actor's proc meshes stop with it, so it holds each one it spawns; one it stopped itself was held all the
+    same until the actor stopped (its supervisor, failures and spawn arguments: memory that grew for as long as a
+    controller actor spawned and stopped workers)."""
+    respawner = procs.slice(procs=0).spawn("respawner", Respawner)
+    assert await asyncio.wait_for(respawner.spawn_and_stop.call_one(2), 120) == 0
 
 
 async def test_owning_actor_supervises_its_children(procs: ProcMesh):
