@@ -340,7 +340,7 @@ class _DataclassPlan(NamedTuple):
         init = tuple(i for i, f in enumerate(fields) if f.init)
         own_init = not found.__dataclass_params__.init  # type: ignore[attr-defined]
         by_keyword = len(init) != len(fields) or any(f.kw_only for f in fields) or bool(init_only_values(found))
-        restore = len(init) != len(fields) or hasattr(found, "__post_init__") or by_keyword or own_init
+        restore = len(init) != len(fields) or hasattr(found, "__post_init__") or own_init
         names = tuple(f.name for f in fields)
         return cls(found, names, init, by_keyword, restore, by_keyword or restore, own_init)
 

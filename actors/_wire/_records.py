@@ -413,7 +413,7 @@ def decode_record(fields: Any) -> Record:
     """The record an undecoded msgpack array stands for; :class:`DecodeError` if none."""
     if type(fields) is not list or not fields:
         raise DecodeError(f"not a record: {brief(fields)}")
-    record_type = RECORDS.get(fields[0]) if type(fields[0]) is int else None
+    record_type = RECORDS.get(fields[0]) if isinstance(fields[0], int) else None  # (a list is unhashable)
     if record_type is None:
         raise DecodeError(f"unknown record kind {brief(fields[0])}")
     return record_type.from_wire(fields)

@@ -94,11 +94,18 @@ def check_model(name: str, trust_remote_code: bool = False) -> Any:
     return config
 
 
+#: Config attributes of rotary position encodings: positions past ``max_position_embeddings`` still compute.
+_ROTARY = ("rope_parameters", "rope_scaling", "rope_theta", "rotary_dim", "rotary_pct", "partial_rotary_factor")
+
+
 def position_limit(config: Any) -> int | None:
-    """How many positions a model of ``config`` takes (``max_position_embeddings``, GPT-2's ``n_positions``), or
-    None where its config does not say: a sequence longer than that fails a learned position table's lookup (a
-    device-side assert on a GPU) and runs a rotary one past what it was trained on."""
+    """How many positions a model of ``config`` can take at all: its learned position table's rows
+    (``max_position_embeddings``, GPT-2's ``n_positions``), past which the lookup fails (an ``IndexError``, a
+    device-side assert on a GPU). None for rotary positions (Llama, Qwen), which run past the length they were
+    trained on as transformers' ``generate`` lets them, and where the config does not say."""
     text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    if any(getattr(text, name, None) is not None for name in _ROTARY):
+        return None
     for name in ("max_position_embeddings", "n_positions"):
         limit = getattr(text, name, None)
         if type(limit) is int and limit > 0:

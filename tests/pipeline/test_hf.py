@@ -717,25 +717,37 @@ def test_chat_or_text_is_the_columns_type_and_a_prompt_that_is_neither_is_refuse
         mixed.prompt_ids(1)
 
 
-def test_a_prompt_too_long_for_the_models_positions_is_refused_naming_its_row(tiny, tmp_path):
-    """The tiny model takes 128 positions: a prompt whose completion would run past them made the generator's
-    position lookup fail mid-run (an ``IndexError`` on a CPU, a device-side assert poisoning the process on a GPU;
-    a rotary model ran past what it was trained on). It is refused naming its row, its length and the limit."""
+def test_a_prompt_too_long_for_a_learned_position_table_is_refused_naming_its_row(tiny, tmp_path):
+    """A GPT-2 takes as many positions as its table has rows (here 128): a prompt whose completion would run past
+    them made the generator's position lookup fail mid-run (an ``IndexError`` on a CPU, a device-side assert
+    poisoning the process on a GPU). It is refused naming its row, its length and the limit. A rotary model (the
+    tiny Qwen2) runs past its ``max_position_embeddings``, as transformers' ``generate`` lets it."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tiny / "model"))
+    gpt2 = tmp_path / "gpt2"
+    config = transformers.GPT2Config(
+        vocab_size=len(tokenizer), n_positions=128, n_embd=32, n_layer=1, n_head=2, pad_token_id=tokenizer.pad_token_id
+    )
+    transformers.GPT2LMHeadModel(config).save_pretrained(gpt2)
+    tokenizer.save_pretrained(gpt2)
     data = tmp_path / "prompts.jsonl"
     rows = [{"prompt": "reverse:12="}, {"prompt": "reverse:" + "1" * 200 + "="}]
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    task = HFTask(resolve(_config(tiny, tmp_path, dataset=str(data), eval_dataset=str(data))))
+    task = HFTask(resolve(_config(tiny, tmp_path, model=str(gpt2), dataset=str(data), eval_dataset=str(data))))
     assert task.prompt_room is not None and task.prompt_room.positions == 128
     assert task.train_data.prompt_ids(0)
     with pytest.raises(
         DataError,
-        match=r"row 1: its prompt is \d+ tokens, and with --max-new-tokens 6 the "
-        r"completion would run past the model's 128 positions",
+        match=r"row 1: its prompt is \d+ tokens, and with --max-new-tokens 6 the completion would run past the "
+        r"model's 128 positions",
     ):
         task.train_data.prompt_ids(1)
-    greedy = HFTask(resolve(_config(tiny, tmp_path, dataset=str(data), eval_dataset=str(data), max_new_tokens=128)))
+    greedy = _config(tiny, tmp_path, model=str(gpt2), dataset=str(data), eval_dataset=str(data), max_new_tokens=128)
     with pytest.raises(DataError, match="--max-new-tokens 128 leaves no room for a prompt in the model's 128"):
-        greedy.train_data.prompt_ids(0)
+        HFTask(resolve(greedy)).train_data.prompt_ids(0)
+    rotary = HFTask(resolve(_config(tiny, tmp_path, dataset=str(data), eval_dataset=str(data), max_new_tokens=256)))
+    assert rotary.prompt_room is None and len(rotary.train_data.prompt_ids(1)) > 128
 
 
 def test_the_rewards_get_the_columns_trl_gives_and_a_column_named_as_an_argument_is_refused(model_and_tokenizer):
