@@ -128,9 +128,9 @@ class Future(Generic[R]):
             self._value = self._wait_sync(timeout)
         except CallTimeout:
             raise  # not an outcome: the answer may still come (an expired call keeps its error itself)
-        except BaseException as exc:
+        except Exception as exc:
             self._done, self._error = True, exc
-            raise
+            raise  # (a KeyboardInterrupt is the waiter's own: not the outcome, which a later get() still waits for)
         self._done = True
         return self._value  # type: ignore[no-any-return]
 

@@ -29,7 +29,7 @@ import weakref
 from collections.abc import Generator
 from typing import Any, Generic, TypeVar, overload
 
-from .._shared._errors import ActorDied, ActorsError, BufferFull, CallTimeout, DecodeError, EncodeError, PortClosed
+from .._shared._errors import ActorDied, ActorsError, BufferFull, CallTimeout, DecodeError, PortClosed
 from .._shared._liveness import ProcRef
 from .._shared._loops import done_within
 from .._transport._flow import CREDIT_BYTES, CREDIT_MESSAGES, WINDOW, WINDOW_BYTES, Window
@@ -182,8 +182,12 @@ class Port(Generic[T]):
             self._used = True
             try:
                 self._deliver(value)
-            except (PortClosed, BufferFull, EncodeError, TypeError):
-                self._used = False  # refused before it left: the one message is still to come
+            except Exception as exc:
+                # Refused before it left (closed, full, a value that cannot be encoded, its own pickling code
+                # raising): the one message is still to come. Not the runtime thread's own timeout: the send
+                # may have run there after all, and a second could arrive as a second answer.
+                if type(exc) is not TimeoutError:
+                    self._used = False
                 raise
             route = self._route
             if route is not None and route.window is not None:  # its one message left: no credit will come back
@@ -400,6 +404,8 @@ class PortReceiver(Generic[T]):
     def _wait(self) -> Generator[Any, None, T | None]:
         if not self._state.queue:
             yield from self._until_queued()
+        elif not self._rt.driver.loop_active():  # (the queue and its credit are the runtime thread's: this
+            self._rt.driver.ensure_loop()  # loop takes the runtime over first, or says why it cannot)
         return self._take()  # type: ignore[no-any-return]
 
     @types.coroutine
@@ -600,8 +606,8 @@ class _Recv(Future["T | None"]):
             return self._result()
         receiver = self._receiver
         try:
-            if receiver._state.queue:
-                value = receiver._take()
+            if receiver._state.queue and receiver._rt.driver.thread == threading.get_ident():
+                value = receiver._take()  # (the hot path: on the runtime's own thread)
             else:
                 value = yield from receiver._wait()
         except ActorsError as exc:  # (closed; an error sent in the stream; a message that could not be decoded)

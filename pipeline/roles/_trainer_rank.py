@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from actors import Actor, current_rank, endpoint, host_id, join_publish
+from actors import Actor, context, current_rank, endpoint, host_id, join_publish
 
 from ..config import Config
 from ..learning import DataParallel, GroupAddress, Learner, RankShare, group_kind
@@ -47,7 +47,7 @@ class TrainerRank(Actor):
     @endpoint
     async def join(self, address: GroupAddress, world: int) -> tuple[int, str]:
         """Join the group at rank 0's ``address`` as this mesh's rank + 1; that rank and this host. Waits for every rank."""
-        share = RankShare(current_rank().rank + 1, world)
+        share = RankShare(context().actor_instance.rank.rank + 1, world)  # (its own: not the message's place)
 
         def form() -> DataParallel:
             config = self.config

@@ -229,7 +229,9 @@ async def _leftovers(gens: Generator, tasks: dict[str, asyncio.Task[Any]], names
     roles = [*names, *(role for role in ("scorer", "reference model") if role in tasks)]
     pending = [tasks[role] for role in roles]
     # (a drain lands between rollouts: it answers once each generator's rollout in flight is done)
-    draining = asyncio.ensure_future(gens.drain.call())
+    draining = asyncio.ensure_future(
+        _drained(gens, [rank for rank, name in enumerate(names) if not tasks[name].done()])
+    )
     await asyncio.wait([draining, *pending[: len(names)]], timeout=DRAIN_GUARD, return_when=asyncio.ALL_COMPLETED)
     if not draining.done():
         draining.cancel()
@@ -251,6 +253,12 @@ async def _leftovers(gens: Generator, tasks: dict[str, asyncio.Task[Any]], names
         else:
             outcomes[role] = task.result()
     return [outcomes[name] for name in names]
+
+
+async def _drained(gens: Generator, ranks: list[int]) -> None:
+    """Drain the generators of ``ranks``: those still running. One whose run has ended has nothing to drain (its
+    process died, and the one restarted in its place may still be loading its model: a drain would wait for that)."""
+    await asyncio.gather(*(gens.slice(procs=rank).drain.call_one() for rank in ranks))
 
 
 async def _written(consumer: asyncio.Future[None], reports: PortReceiver[StepReport]) -> None:

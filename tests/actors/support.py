@@ -324,6 +324,12 @@ class OnceInlets(Actor):
         return port
 
     @endpoint
+    async def open_untyped(self) -> Port:
+        port, receiver = Channel.open(once=True)
+        self.receivers.append(receiver)
+        return port
+
+    @endpoint
     async def total(self) -> int:
         return sum([await receiver.recv() for receiver in self.receivers])  # type: ignore[misc]
 

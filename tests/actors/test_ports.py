@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import enum
 import os
 import signal
@@ -97,6 +98,59 @@ async def test_once_port_delivers_a_single_message():
     assert await recv.recv() == 7
     with pytest.raises(PortClosed):
         await recv.recv()
+
+
+@dataclasses.dataclass
+class Fields:
+    x: int
+
+
+class Unreadable(Fields):
+    """A dataclass whose field cannot be read: encoding it raises the field's own error, not an ``EncodeError``."""
+
+    @property
+    def x(self) -> int:
+        raise RuntimeError("this field cannot be read")
+
+
+async def test_a_once_port_whose_value_raises_as_it_is_encoded_still_takes_its_one_message(procs: ProcMesh):
+    """Only a refusal the port knew (closed, full, ``EncodeError``) gave a once-port its message back: a value whose
+    own code raised as it was encoded (a property, a pickled object's ``__reduce__``) used the port up though
+    nothing left, so the answer that followed was refused and its receiver never heard."""
+    from support import OnceInlets
+
+    inlets = procs.spawn("inlets", OnceInlets).slice(procs=0)
+    inlet: Port = await inlets.open_untyped.call_one()
+    with pytest.raises(RuntimeError, match="this field cannot be read"):
+        inlet.send(object.__new__(Unreadable))
+    inlet.send(5)
+    assert await asyncio.wait_for(inlets.total.call_one(), 10) == 5
+
+
+def test_a_synchronous_waiters_interrupt_is_not_the_futures_outcome():
+    """A Ctrl-C during ``get()`` (an interrupted notebook cell) was kept as the future's result: every later
+    ``get()`` or ``await`` raised ``KeyboardInterrupt`` at once, though the answer came."""
+    from actors._runtime._future import Future
+
+    tries = iter([KeyboardInterrupt(), 5])
+
+    def wait_sync(timeout: float | None) -> int:
+        outcome = next(tries)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    async def body() -> int:
+        raise AssertionError("waited for on this thread")
+
+    future = Future(body, wait_sync, any_thread=True)
+    with pytest.raises(KeyboardInterrupt):
+        future.get()
+    try:
+        answer = future.get()
+    except KeyboardInterrupt:  # (caught here: raised on, it would end the test session)
+        pytest.fail("the waiter's interrupt was kept as the future's outcome")
+    assert answer == 5
 
 
 async def test_once_port_from_an_actor(procs: ProcMesh):

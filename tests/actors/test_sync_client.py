@@ -153,6 +153,36 @@ def test_port_messages_are_taken_in_without_a_get(tmp_path):
     assert lines == ["5", "True"]
 
 
+def test_an_await_of_a_queued_message_on_the_programs_loop_takes_the_runtime_there_first(tmp_path):
+    """Messages queued by the background loop, then ``asyncio.run`` awaits one: the queued message was taken on
+    the program's thread while the background loop still drove the runtime (the receiver's queue, and the credit
+    it sends back through the shared encoder and ZeroMQ sockets, touched from two threads). The await takes the
+    runtime over first, as an await with nothing queued does."""
+    lines = run_program(
+        tmp_path,
+        """
+        if __name__ == "__main__":
+            from actors._runtime._core import runtime
+            actors.unhandled_fault_hook = lambda failure: None  # (tell raises once it has sent)
+            procs = this_host().spawn_procs({"procs": 1})
+            talker = procs.spawn("talker", Talker)
+            port, receiver = Channel.open(int)
+            talker.tell.broadcast(port, 3)
+            deadline = time.monotonic() + 30
+            while receiver.qsize() < 3:  # queued by the background loop
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+            driver = runtime().driver  # (looked at without asking for the runtime, which would take it over)
+            async def take():
+                value = await receiver.recv()
+                return value, driver.thread == threading.get_ident()
+            print(*asyncio.run(take()))
+            procs.stop().get()
+        """,
+    )
+    assert lines == ["0", "True"]
+
+
 def test_the_runtime_moves_to_the_programs_loop_and_back(tmp_path):
     lines = run_program(
         tmp_path,

@@ -33,6 +33,8 @@ PREFIX = "actns"
 #: The Ray head's port, in the first namespace.
 RAY_PORT = 6379
 _QUIET: dict[str, Any] = {"check": True, "capture_output": True, "timeout": 120}
+#: Ray's start without token authentication (the cluster lives in namespaces of this machine only).
+_NO_TOKEN = dict(os.environ, RAY_AUTH_MODE="disabled")
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -122,11 +124,25 @@ class Hosts:
         common = [f"--num-cpus={cpus}", "--disable-usage-stats"]
         address = f"{self.addresses[0]}:{RAY_PORT}"
         head = [ray, "start", "--head", f"--node-ip-address={self.addresses[0]}", f"--port={RAY_PORT}"]
-        subprocess.run(self.run_in(0, [*head, "--include-dashboard=false", *common]), **_QUIET)
+        # (no token: a ~/.ray/auth_token left by an earlier local Ray turned it on for the head, and the nodes
+        # in the other namespaces were refused)
+        subprocess.run(self.run_in(0, [*head, "--include-dashboard=false", *common]), env=_NO_TOKEN, **_QUIET)
         for k in range(1, len(self.names)):
             node = [ray, "start", f"--address={address}", f"--node-ip-address={self.addresses[k]}", *common]
-            subprocess.run(self.run_in(k, node), **_QUIET)
+            self._join(k, node)
         return address
+
+    def _join(self, k: int, node: list[str], tries: int = 3) -> None:
+        """Start host ``k``'s Ray node; a start that times out reaching the head (a loaded 2-core machine) is tried
+        again, and one that keeps failing says why (``ray start``'s own output)."""
+        for _ in range(tries):
+            done = subprocess.run(
+                self.run_in(k, node), capture_output=True, text=True, timeout=120, check=False, env=_NO_TOKEN
+            )
+            if done.returncode == 0:
+                return
+            subprocess.run(self.run_in(k, [node[0], "stop", "--force"]), capture_output=True, timeout=60, check=False)
+        raise RuntimeError(f"ray start on {self.names[k]} failed {tries} times: {(done.stdout + done.stderr)[-3000:]}")
 
     def run_in(self, k: int, command: list[str]) -> list[str]:
         """``command`` prefixed to run in host ``k``'s namespace."""

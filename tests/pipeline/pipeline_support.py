@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from actors import Actor, current_rank, current_size, endpoint, this_host
+from actors import Actor, context, current_rank, current_size, endpoint, this_host
 from actors.tensors import is_sharded
 from pipeline import BanditTask, Config, Generator, Learner, RefModel, Scorer, Trainer, resolve
 from pipeline.learning import DataParallel, GroupAddress, RankShare, Rendezvous, group_kind
@@ -209,7 +209,7 @@ class LearnerRank(Actor):
     @endpoint
     def join(self, address: GroupAddress, world: int, timeout: float) -> str:
         """Join the group at ``address`` as this mesh's rank (rank 0 serves it): "joined", or the error a user sees."""
-        rank = current_rank().rank
+        rank = context().actor_instance.rank.rank  # (its own rank: it may be called through a slice)
         try:
             group = DataParallel(
                 RankShare(rank, world), address, torch.device("cpu"), rendezvous=self.rendezvous, timeout=timeout

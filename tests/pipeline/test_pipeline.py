@@ -339,6 +339,38 @@ async def test_a_generator_failing_after_training_ended_leaves_the_result_standi
         assert "draining the generators failed after training ended" in err and "on purpose" in err, err[-2000:]
 
 
+async def test_the_drain_once_training_ended_skips_a_generator_whose_run_ended(capfd):
+    """A generator that died as training ended is restarted, and its new process may take a while to load its
+    model: the drain asked every rank, so it waited for that process (up to ``DRAIN_GUARD``, 120 s) though the
+    rank's run had ended and there was nothing to drain. Only the ranks still running are drained."""
+    from types import SimpleNamespace
+
+    from actors import ActorDied
+    from pipeline.run import _launcher
+
+    loop = asyncio.get_running_loop()
+    dead: asyncio.Future[int] = loop.create_future()
+    dead.set_exception(ActorDied("generator 0's process died"))
+    running: asyncio.Future[int] = loop.create_future()
+    drained: list[int] = []
+
+    async def drain(rank: int) -> None:
+        if rank == 0:
+            await asyncio.Event().wait()  # the restarted process, still loading its model
+        drained.append(rank)
+        running.set_result(7)  # (its run returns its rollout count once drained)
+
+    gens = SimpleNamespace(
+        slice=lambda procs: SimpleNamespace(drain=SimpleNamespace(call_one=lambda: drain(procs))),
+        drain=SimpleNamespace(call=lambda: drain(0)),  # the whole mesh's drain waits for every rank
+    )
+    tasks = {"generator 0": dead, "generator 1": running}
+    names = ["generator 0", "generator 1"]
+    assert await asyncio.wait_for(_launcher._leftovers(gens, tasks, names), 10) == [None, 7]  # type: ignore[arg-type]
+    assert drained == [1]
+    assert "generator 0 failed after training ended (the run's result stands)" in capfd.readouterr().err
+
+
 async def test_generator_hooks_run_in_the_worker_and_their_errors_propagate(tmp_path, sockets_dir):
     config = Config(steps=500, task=BANDIT, run_dir=str(tmp_path), extra={"hook_limit": 15})
     with pytest.raises(PipelineError, match=r"generator \d failed.*hook stopped generator"):
