@@ -14,6 +14,7 @@ import contextlib
 
 from .._runtime._core import current_runtime
 from .._runtime._future import Future
+from .._shared._errors import CallTimeout
 from ._controllers import CONTROLLERS, stop_controllers
 from ._proc_mesh import SPAWNED_MESHES
 
@@ -33,6 +34,11 @@ def shutdown_context(host_timeout: float | None = None) -> Future[None]:
     async def run() -> None:
         try:
             await asyncio.wait_for(asyncio.gather(*(_awaited(stop) for stop in stops)), host_timeout)
+        except asyncio.TimeoutError:
+            raise CallTimeout(
+                f"the proc meshes did not stop within host_timeout={host_timeout:g}s; their stops go on (a process "
+                "that does not answer is killed)"
+            ) from None
         finally:  # (past host_timeout the meshes' stops go on; the controllers stop all the same)
             await stop_controllers()
 

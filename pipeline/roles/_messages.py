@@ -99,7 +99,7 @@ class StepReport:
     version: int
     generator: int
     staleness: int  # policy versions between the sample's and the trainer's
-    dropped_stale: int  # cumulative
+    dropped_stale: int  # cumulative since the trainer started: duplicates (a restarted generator's ticket, twice)
     reward_mean: float
     reward_std: float
     accuracy: float | None  # exact match of the sampled completions, if the task has it

@@ -620,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"done: {result.steps} steps in {result.seconds:.1f}s ({result.steps_per_second:.1f} steps/s) after "
         f"{result.startup_seconds:.1f}s starting the roles, held-out {held_out}{reached}; "
-        f"{result.dropped} stale rollouts dropped, policy version {result.version}\n"
+        f"{result.dropped} duplicate rollouts dropped, policy version {result.version}\n"
         f"outputs in {result.run_dir}: {', '.join(outputs(result.run_dir))}"
     )
     return 0

@@ -306,7 +306,7 @@ def plot(run_dir: str) -> str | None:
     middle.legend(loc="upper left", fontsize="small")
     right.legend(loc="upper right", fontsize="small")
     bottom.plot(steps, _column(rows, "staleness/lag"), color="tab:orange", linewidth=0.7, label="staleness")
-    bottom.plot(steps, _column(rows, "staleness/dropped"), color="tab:red", label="dropped (stale, cumulative)")
+    bottom.plot(steps, _column(rows, "staleness/dropped"), color="tab:red", label="dropped (duplicates, cumulative)")
     bottom.set_xlabel("trainer step")
     bottom.set_ylabel("versions / rollouts")
     bottom.legend(loc="upper left", fontsize="small")

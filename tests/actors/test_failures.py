@@ -88,6 +88,8 @@ async def test_a_stop_given_up_on_goes_on_and_shutdown_context_waits_for_it(sock
     blocker.freeze.broadcast(3600.0)  # its loop never answers the stop: only SIGKILL ends it
     with pytest.raises(asyncio.TimeoutError):
         await asyncio.wait_for(procs.stop(timeout=0.1), 0.3)
+    with pytest.raises(actors.CallTimeout, match=r"did not stop within host_timeout=0\.1s; their stops go on"):
+        await actors.shutdown_context(host_timeout=0.1)  # (the project's own timeout, not asyncio's bare one)
     await asyncio.wait_for(actors.shutdown_context(), 30)
     assert pid not in actor_pids()
     await asyncio.wait_for(procs.stop(), 5)  # the same run, done
