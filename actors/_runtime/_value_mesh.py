@@ -65,9 +65,9 @@ def select(extent: Mapping[str, int], coords: Mapping[str, int | slice]) -> tupl
             kept[dim] = len(ranges[dim])
         else:
             index = _index(dim, sel)
-            if not -size <= index < size:
-                raise IndexError(f"{dim}={index} is outside a dimension of size {size}")
-            ranges[dim] = [index % size]
+            if not 0 <= index < size:  # (as in Monarch: a negative index does not count from the end)
+                raise IndexError(f"{dim}={index} is outside 0..{size - 1}")
+            ranges[dim] = [index]
     chosen = {dim: set(indices) for dim, indices in ranges.items()}
     ranks = [
         r for r in range(math.prod(extent.values())) if all(c in chosen[d] for d, c in coordinates(r, extent).items())

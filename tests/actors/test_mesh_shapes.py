@@ -63,6 +63,9 @@ def test_slices_take_any_integer_and_refuse_what_they_cannot_honour():
     assert values.item(hosts=np.int64(1), gpus=2) == 5
     with pytest.raises(ValueError, match="step"):
         values.slice(gpus=slice(None, None, -1))  # (before: the values in their own order, silently)
+    for outside in (-1, 3):  # (before: -1 was the last, silently; Monarch raises IndexError)
+        with pytest.raises(IndexError, match=f"gpus={outside} is outside 0..2"):
+            values.slice(gpus=outside)
     with pytest.raises(TypeError, match=r"gpus=1\.5"):
         values.item(hosts=0, gpus=1.5)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="gpus='1'"):
