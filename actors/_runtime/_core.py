@@ -141,7 +141,6 @@ class Runtime:
 
     def _wire_handlers(self) -> None:
         registry, inbox, receivers = self.registry, self.inbox, self.receivers
-        registry.deaths.connect(self._take_in_before_death)
         registry.deaths.connect(self._peer_died)
         registry.deaths.connect(self.calls.on_death)
         registry.pid_exits.connect(self._holder_exited)
@@ -154,12 +153,6 @@ class Runtime:
         inbox.on(ProcessLost, news.on_lost)
         inbox.on(ProcessRestarted, news.on_restarted)
         registry.seen_deaths.connect(news.seen_dying)
-
-    def _take_in_before_death(self, ref: ProcRef) -> None:
-        """Read what is waiting in the inbox before a dead process's calls fail: its reply, sent just before it
-        exited, may be there still (its pidfd read first, or the reply queued behind a full turn's records)."""
-        if not self.closed:
-            self.inbox.pump()
 
     def _remote_holder_died(self, ref: ProcRef) -> None:
         """A process of another host died (news of it): its port senders, known by its address, are gone."""
