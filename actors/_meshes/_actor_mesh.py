@@ -283,7 +283,7 @@ class ActorMesh(Shaped, Generic[A]):
         (Monarch's ``message_rank``: on a slice, the actor's place in the slice, not in the mesh it was spawned as)."""
         listed = self._targets_list
         positions = list(range(len(listed))) if targets is listed else [listed.index(t) for t in targets]
-        return dict(self._extent), positions
+        return self._extent, positions  # (a plain dict: the codec packs it as it is)
 
     def _choose(self) -> tuple[int, ProcRef]:
         """Round-robin over the actors not stopped whose process is alive (or was restarted)."""

@@ -19,7 +19,7 @@ from ._config import (
     TrainDtype,
     TrainerShard,
 )
-from ._settings import SettingsError, check_settings, forget_unused_settings, unused_settings
+from ._settings import SettingsError, check_settings, forget_unused_settings, setting_defaults, unused_settings
 
 __all__ = [
     "DECODE_PATHS",
@@ -39,5 +39,6 @@ __all__ = [
     "TrainerShard",
     "check_settings",
     "forget_unused_settings",
+    "setting_defaults",
     "unused_settings",
 ]

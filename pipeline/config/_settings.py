@@ -18,7 +18,7 @@ from typing import get_args
 from ..algorithm import LOSSES, RATIO_LEVELS, REWARD_SCALES
 from ._config import DECODE_PATHS, ENGINES, REPORT_TO, Aggregation, Config, IsCorrection
 
-__all__ = ["SettingsError", "check_settings", "forget_unused_settings", "unused_settings"]
+__all__ = ["SettingsError", "check_settings", "forget_unused_settings", "setting_defaults", "unused_settings"]
 
 
 class SettingsError(ValueError):
@@ -379,14 +379,14 @@ def unused_settings(config: Config) -> list[tuple[tuple[str, ...], str]]:
     return groups
 
 
-def _defaults() -> dict[str, object]:
+def setting_defaults() -> dict[str, object]:
     """Each setting's default, by field name."""
     return {f.name: f.default for f in dataclasses.fields(Config)}
 
 
 def forget_unused_settings(config: Config) -> None:
     """Put back the defaults of settings no switch uses (a run saved before they were refused never used them)."""
-    defaults = _defaults()
+    defaults = setting_defaults()
     for names, _why in unused_settings(config):
         for name in names:
             setattr(config, name, defaults[name])
@@ -394,7 +394,7 @@ def forget_unused_settings(config: Config) -> None:
 
 def _refuse_without_switch(config: Config, names: tuple[str, ...], why: str) -> None:
     """Refuse settings among ``names`` given (away from their defaults) while the switch that uses them is off."""
-    defaults = _defaults()
+    defaults = setting_defaults()
     given = [name for name in names if getattr(config, name) != defaults[name]]
     if given:
         raise SettingsError(f"{', '.join('--' + name.replace('_', '-') for name in given)} {why}")

@@ -7,9 +7,7 @@ Face task has reward functions, a chat template or LoRA.
 
 from __future__ import annotations
 
-import dataclasses
-
-from ..config import Config, SettingsError
+from ..config import Config, SettingsError, setting_defaults
 from ._bandit import BanditTask
 from ._digit_task import DigitsTask
 from ._hf import HFTask
@@ -49,7 +47,7 @@ _NOT_FOR_THE_BANDIT: tuple[tuple[str, str], ...] = (
 
 def _refuse_for_the_bandit(config: Config) -> None:
     """Refuse what the bandit would ignore, and trainer ranks its --group rows cannot all be given."""
-    defaults = {f.name: f.default for f in dataclasses.fields(Config)}
+    defaults = setting_defaults()
     given = [flag for flag, attr in _NOT_FOR_THE_BANDIT if getattr(config, attr) != defaults[attr]]
     if given:
         raise SettingsError(

@@ -132,17 +132,13 @@ class Hosts:
             self._join(k, node)
         return address
 
-    def _join(self, k: int, node: list[str], tries: int = 3) -> None:
-        """Start host ``k``'s Ray node; a start that times out reaching the head (a loaded 2-core machine) is tried
-        again, and one that keeps failing says why (``ray start``'s own output)."""
-        for _ in range(tries):
-            done = subprocess.run(
-                self.run_in(k, node), capture_output=True, text=True, timeout=120, check=False, env=_NO_TOKEN
-            )
-            if done.returncode == 0:
-                return
-            subprocess.run(self.run_in(k, [node[0], "stop", "--force"]), capture_output=True, timeout=60, check=False)
-        raise RuntimeError(f"ray start on {self.names[k]} failed {tries} times: {(done.stdout + done.stderr)[-3000:]}")
+    def _join(self, k: int, node: list[str]) -> None:
+        """Start host ``k``'s Ray node; one that fails says why (``ray start``'s own output)."""
+        done = subprocess.run(
+            self.run_in(k, node), capture_output=True, text=True, timeout=120, check=False, env=_NO_TOKEN
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"ray start on {self.names[k]} failed: {(done.stdout + done.stderr)[-3000:]}")
 
     def run_in(self, k: int, command: list[str]) -> list[str]:
         """``command`` prefixed to run in host ``k``'s namespace."""
