@@ -152,7 +152,14 @@ class Runtime:
         news = self.news
         inbox.on(ProcessLost, news.on_lost)
         inbox.on(ProcessRestarted, news.on_restarted)
-        registry.seen_deaths.connect(news.seen_dying)
+        registry.seen_deaths.connect(news.seen_dying)  # (the news goes out first: a restart read next is later)
+        registry.seen_deaths.connect(self._take_in_before_death)
+
+    def _take_in_before_death(self, ref: ProcRef) -> None:
+        """Read what waits in the inbox before a process seen dying here fails its calls: a reply it sent just
+        before it exited may be there still (its pidfd read first, or the reply queued behind a turn's records)."""
+        if not self.closed:
+            self.inbox.pump()
 
     def _remote_holder_died(self, ref: ProcRef) -> None:
         """A process of another host died (news of it): its port senders, known by its address, are gone."""

@@ -43,6 +43,32 @@ async def test_kill_9_fails_pending_and_later_calls_promptly(procs: ProcMesh):
     assert any(f.exception_type == "ActorDied" and f.pid == pid for f in procs.failures)
 
 
+async def test_a_reply_already_in_the_socket_wins_over_its_senders_death(procs: ProcMesh):
+    """A worker answers, then dies, and its pidfd is read before its reply (the loop's reader ran first, or the
+    reply waited behind a full turn's records): the call still gets its answer, not ``ActorDied``. What waits in
+    the inbox is read once the news of the death has gone out, before the dead process's calls fail."""
+    from actors._runtime._core import runtime
+
+    procs.add_failure_handler(lambda failure: True)  # (the death below is contained)
+    echo = procs.spawn("echo", Echo).slice(procs=0)
+    pid = await echo.pid.call_one()
+    rt = runtime()
+    answer = echo.add.call_one(41)  # on the wire now; the loop does not run until the await below
+    deadline = time.monotonic() + 10
+    while not rt.inbox.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # the reply waits in the socket, unread
+        assert time.monotonic() < deadline, "no reply came"
+        time.sleep(0.001)
+    os.kill(pid, signal.SIGKILL)
+    watcher = rt.registry.watcher
+    while pid not in watcher.dead:  # its pidfd handled first, the reply still unread
+        assert time.monotonic() < deadline, "its death was not seen"
+        watcher.take_pending(pid)
+        time.sleep(0.001)
+    assert await asyncio.wait_for(answer, 5) == 41
+    with pytest.raises(ActorDied):
+        await echo.add.call_one(1)
+
+
 async def test_stop_of_a_dead_mesh_returns(sockets_dir):
     procs = this_host().spawn_procs(per_host={"procs": 2})
     echo = procs.spawn("echo", Echo)
