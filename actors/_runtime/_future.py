@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import threading
+import time
 from collections.abc import Callable, Coroutine, Generator
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from .._shared._errors import CallTimeout
 from .._shared._loops import loop_running
@@ -20,7 +22,19 @@ from ._core import runtime
 R = TypeVar("R")
 T = TypeVar("T")
 
+if TYPE_CHECKING:
+    from .._transport._driver import Driver
+
 __all__ = ["Future"]
+
+#: ``Future._get_elsewhere``'s word that no loop drives the runtime (its outcome may be None).
+_NO_LOOP = object()
+
+
+def _settled(waiting: concurrent.futures.Future[Any], seconds: float) -> bool:
+    """Whether ``waiting`` is done, waiting up to ``seconds`` on this thread."""
+    concurrent.futures.wait([waiting], timeout=seconds)
+    return waiting.done()
 
 
 class Future(Generic[R]):
@@ -111,17 +125,10 @@ class Future(Generic[R]):
             assert loop is not None
             # Another thread drives the runtime: the background loop of a program without one, or a
             # worker's loop seen from a synchronous actor's thread. The wait is on this thread.
-            waiting = self._elsewhere
-            if waiting is None or (waiting.cancelled() and not self._done):  # (a loop that ended cancels its run)
-                waiting = self._elsewhere = asyncio.run_coroutine_threadsafe(self._body(), loop)
-            try:
-                return waiting.result(timeout)
-            except concurrent.futures.TimeoutError:
-                if waiting.done():
-                    raise  # the outcome itself (a call's own deadline: CallTimeout is a TimeoutError)
-                # the run goes on: a later get() or await waits for the same one (Monarch: a timeout never
-                # consumes the future)
-                raise CallTimeout(f"gave up after {timeout:.1f}s waiting for the result") from None
+            outcome = self._get_elsewhere(driver, loop, timeout)
+            if outcome is not _NO_LOOP:
+                return outcome  # type: ignore[return-value]
+            # no loop drives the runtime any more: this thread waits as a program without one does
         if self._wait_sync is None:
             raise RuntimeError("this Future can only be awaited")
         try:
@@ -133,6 +140,37 @@ class Future(Generic[R]):
             raise  # (a KeyboardInterrupt is the waiter's own: not the outcome, which a later get() still waits for)
         self._done = True
         return self._value  # type: ignore[no-any-return]
+
+    def _get_elsewhere(self, driver: Driver, loop: asyncio.AbstractEventLoop, timeout: float | None) -> R | object:
+        """Run the work on ``loop``, which another thread runs, and wait for it here; ``_NO_LOOP`` if none drives.
+
+        When ``loop`` ends or hands the runtime over before the work is done
+        (a program's ``asyncio.run`` returned and cancelled the run, or its
+        loop stopped with the run pending on it), the run there is cancelled
+        and started again on the loop that drives the runtime now.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            waiting = self._elsewhere
+            if waiting is None or (waiting.cancelled() and not self._done):  # (a loop that ended cancels its run)
+                try:
+                    waiting = self._elsewhere = asyncio.run_coroutine_threadsafe(self._body(), loop)
+                except RuntimeError:  # closed since this thread looked
+                    waiting = None
+            if waiting is not None:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                driven = driver.wait_while_driven(loop, functools.partial(_settled, waiting), left)
+                if waiting.done() and not waiting.cancelled():
+                    return waiting.result()  # the outcome (a call's own deadline too: CallTimeout)
+                if driven is False:
+                    # the run goes on: a later get() or await waits for the same one (Monarch: a timeout never
+                    # consumes the future)
+                    raise CallTimeout(f"gave up after {timeout:.1f}s waiting for the result")
+                waiting.cancel()  # (stranded on a loop that stopped: cancelled there should it run again)
+            following = driver.next_loop(loop)
+            if following is None:
+                return _NO_LOOP
+            loop = following
 
     def result(self, timeout: float | None = None) -> R:
         """Alias of :meth:`get`."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import textwrap
 
+import pytest
 from harness import ROOT, actor_pids, run_python
 
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), ROOT]))
@@ -668,6 +669,46 @@ def test_a_get_waiting_for_a_reply_the_programs_loop_served_goes_on_when_that_lo
         """,
     )
     assert lines == ["['answered']"]
+
+
+@pytest.mark.parametrize("ending", ["closed", "stopped"])
+def test_a_get_of_work_run_on_the_programs_loop_goes_on_when_that_loop_ends(tmp_path, ending):
+    """A helper thread waits (``get()``) for a future whose work runs on the program's loop (``then``, a stop);
+    that loop then ends: ``asyncio.run`` returned (the run cancelled), or ``run_until_complete`` did (the run left
+    pending on a stopped loop). The get raised ``CancelledError``, or waited for good; the work now starts again
+    on the loop that drives the runtime next."""
+    lines = run_program(
+        tmp_path,
+        f"""
+        if __name__ == "__main__":
+            import tempfile
+            from actors._runtime._core import current_runtime
+            procs, talker = served_talker()
+            calls = current_runtime().calls._pending
+            path = os.path.join(tempfile.mkdtemp(), "go")
+            got = []
+
+            async def main():
+                assert await talker.echo.call_one(1) == 1  # the runtime moved to this loop
+                thread = in_a_thread(lambda: talker.when_exists.call_one(path).then(str.upper).get(), got)
+                while not any(call.method == "when_exists" for call in calls.values()):
+                    await asyncio.sleep(0.001)  # (the helper's call is out: its reply comes to this loop)
+                while not any(task.get_coro().__qualname__ == "Future._body" for task in asyncio.all_tasks()):
+                    await asyncio.sleep(0.001)  # (and its get() runs the work on this loop)
+                return thread
+
+            if {ending!r} == "closed":
+                thread = asyncio.run(main())
+            else:
+                loop = asyncio.new_event_loop()
+                thread = loop.run_until_complete(main())
+            open(path, "w").close()
+            thread.join(30)
+            print(got)
+            procs.stop().get()
+        """,
+    )
+    assert lines == ["['ANSWERED']"]
 
 
 def test_a_receive_through_the_programs_loop_goes_on_when_that_loop_stops(tmp_path):
