@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
-__all__ = ["ROOT", "actor_pids", "last_json", "run_python", "wait_for"]
+__all__ = ["ROOT", "actor_pids", "descriptors_below_1024_taken", "last_json", "run_python", "wait_for"]
 
 #: The repository's root: where examples, benchmarks and ``python -m pipeline.grpo`` run from.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,3 +57,17 @@ def run_python(
 def last_json(stdout: str) -> Any:
     """The JSON record a benchmark or a checks child prints as its last line."""
     return json.loads(stdout.strip().splitlines()[-1])
+
+
+@contextlib.contextmanager
+def descriptors_below_1024_taken() -> Iterator[None]:
+    """Every descriptor number below 1024 in use while it lasts: the next one opened is numbered 1024 or more (as
+    in a process holding device files, sockets and mapped shards), which ``select.select`` refuses."""
+    taken: list[int] = []
+    try:
+        while not taken or taken[-1] < 1023:
+            taken.append(os.open(os.devnull, os.O_RDONLY))
+        yield
+    finally:
+        for fd in taken:
+            os.close(fd)

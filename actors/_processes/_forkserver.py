@@ -21,7 +21,6 @@ import dataclasses
 import functools
 import logging
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from .._runtime._core import Runtime, at_runtime_exit, prepare_session, process_
 from .._runtime._parts import Part
 from .._shared._config import WorkerConfig
 from .._shared._liveness import ProcRef
+from .._shared._readiness import fd_ready
 from .._shared._session import SESSION_ENV, session_keys
 from ._devices import cuda_driver_loaded
 from ._forkserver_protocol import PR_SET_PDEATHSIG, TERM_GRACE, Spawned, SpawnFailed, SpawnRequest, frame, read_reports
@@ -260,7 +260,7 @@ class Forkserver:
                     return
                 if time.monotonic() > deadline:  # no loop: the caller waited, with a deadline
                     raise RuntimeError("the forkserver stopped taking requests") from None
-                select.select([], [self.process.requests], [], 0.1)
+                fd_ready(self.process.requests, write=True, timeout=0.1)
                 continue
             except BrokenPipeError:
                 self._lost()

@@ -19,7 +19,6 @@ import errno
 import gc
 import importlib
 import os
-import select
 import shutil
 import signal
 import sys
@@ -30,6 +29,7 @@ from typing import Any
 
 from .._hosting._program_modules import Inherited, ModuleScan
 from .._shared._config import WorkerConfig
+from .._shared._readiness import fd_ready
 from .._shared._segments import remove_process_segments, remove_session_segments
 from .._shared._session import forget_incarnation, remove_socket_file, write_incarnation
 from .._shared._stale_sessions import hold_session
@@ -99,7 +99,7 @@ def serve(status_fd: int, session_dir: str, session: str, owns_session: bool, pr
     try:
         while not stopping:
             try:
-                readable, _, _ = select.select([0], [], [], 0.2)
+                readable = fd_ready(0, timeout=0.2)
             except InterruptedError:
                 continue
             reap()

@@ -7,9 +7,10 @@ by the event loop (or the synchronous pump) without polling or heartbeats.
 from __future__ import annotations
 
 import os
-import select
 import time
 from collections.abc import Callable
+
+from ._readiness import fd_ready
 
 
 class Watcher:
@@ -61,7 +62,7 @@ class Watcher:
         process's own event loop got to the old process's exit.
         """
         fd = self._fds.get(pid)
-        if fd is not None and select.select([fd], [], [], 0)[0]:
+        if fd is not None and fd_ready(fd):
             self._readable(fd)
 
     def _readable(self, fd: int) -> None:

@@ -27,7 +27,6 @@ import errno
 import hmac
 import logging
 import os
-import select
 import socket
 import threading
 import time
@@ -39,6 +38,7 @@ import torch
 
 from .._shared._errors import ManifestError, PublisherDied, StaleUpdateError, WeightSyncError
 from .._shared._loops import loop_running
+from .._shared._readiness import fd_ready
 from .._shared._session import bind_host
 from .._wire._buffers import tensor_buffer
 from . import ALIGN, TensorSpec, check_specs, checksum
@@ -391,8 +391,7 @@ def _connect(handle: TcpHandle, fetch: _Fetch, timeout: float, what: str) -> soc
             left = deadline - time.monotonic()
             if left <= 0:
                 raise WeightSyncError(f"{what}: cannot reach its publisher: no connection within {timeout:g}s")
-            _, writable, _ = select.select([], [sock], [], min(left, CONNECT_SLICE))
-            if writable:
+            if fd_ready(sock, write=True, timeout=min(left, CONNECT_SLICE)):
                 error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
         if error == errno.ECONNREFUSED:
             raise PublisherDied(f"{what}: its publisher no longer serves it (connection refused)", pid=-1)

@@ -8,8 +8,9 @@ import sys
 import time
 
 import pytest
+from harness import descriptors_below_1024_taken
 
-from actors._shared._liveness import ProcRef, new_incarnation
+from actors._shared._liveness import ProcRef, Watcher, new_incarnation
 from actors._shared._session import forget_incarnation, read_incarnation, write_incarnation
 from actors._transport._registry import Registry
 
@@ -150,3 +151,23 @@ def test_a_second_asyncio_run_still_looks_up_a_peers_pid():
 
     proc = run_python("-c", LATE_PEER, timeout=60)
     assert proc.stdout.strip().endswith("found") and "not found" not in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_a_death_is_taken_in_early_whatever_its_pidfds_number():
+    """``take_pending`` (news of a restart, read before this process's loop got to the old process's exit) on a
+    pidfd numbered 1024 or more: ``select.select`` refused it with ``ValueError`` and the news was lost."""
+    died: list[int] = []
+    watcher = Watcher(died.append)
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        with descriptors_below_1024_taken():
+            assert watcher.watch(child.pid)
+            assert watcher._fds[child.pid] >= 1024
+        child.stdin.close()  # type: ignore[union-attr]
+        child.wait(30)
+        watcher.take_pending(child.pid)
+        assert died == [child.pid]
+    finally:
+        child.kill()
+        child.wait(30)
+        watcher.close()

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from harness import descriptors_below_1024_taken
 from support import WeightSink, WeightSource, filled_model, models_equal
 
 from actors import (
@@ -170,6 +171,19 @@ def test_install_from_the_stream_is_whole_and_exact(publisher):
     consumer.release(manifest.update_id)
     assert models_equal(source, target)
     assert consumer.state(manifest.update_id) == "released"
+    consumer.close()
+
+
+def test_a_fetch_whose_socket_is_numbered_past_1024_connects(publisher):
+    """A consumer holding over a thousand descriptors: its fetch's socket is numbered 1024 or more, which
+    ``select.select`` refuses (a raw ``ValueError`` for every version, naming nothing); the connect is polled."""
+    source, target = filled_model(3.0), filled_model(0.0)
+    consumer = WeightConsumer()
+    manifest = publisher.publish(source, 1)
+    with descriptors_below_1024_taken():
+        consumer.install(remote(manifest), target)
+    consumer.release(manifest.update_id)
+    assert models_equal(source, target)
     consumer.close()
 
 
