@@ -363,7 +363,11 @@ class CudaIpcReader:
         if opened is not None:
             # The writer may rewrite the slot as soon as the lock drops: our reads
             # of it (installs, or generation over aliased weights) finish first.
-            torch.cuda.current_stream(opened.device).synchronize()
+            try:
+                torch.cuda.current_stream(opened.device).synchronize()
+            except BaseException:  # (a Ctrl-C, a device error): still held, and a later release tries again
+                self._held[update_id] = name
+                raise
         self._holds.unhold(name)
 
     async def release_async(self, update_id: str) -> None:

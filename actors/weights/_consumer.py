@@ -7,9 +7,9 @@ import collections
 import contextlib
 import logging
 import os
-import select
 import weakref
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -23,9 +23,11 @@ from .._shared._errors import (
 )
 from .._shared._liveness import pid_exists
 from .._shared._loops import loop_running
+from .._shared._readiness import fd_ready
 from .._shared._session import host_id
 from ..tensors import Reader, TensorSpec, checksum, copy_all, dtype_name, is_sharded, read_async, release_async
 from ._manifest import WeightManifest, make_reader
+from ._off_the_loop import OFFLOAD_BYTES, on_a_gpu, queued_work, to_thread_to_the_end
 from ._spec_table import SpecMemo
 
 __all__ = ["PublisherWatch", "WeightConsumer", "fit"]
@@ -58,9 +60,7 @@ class PublisherWatch:
             return pid_exists(pid)
         if fd is None:
             return False
-        readable = select.poll()  # (not select.select: it refuses a descriptor numbered 1024 or more)
-        readable.register(fd, select.POLLIN)
-        if readable.poll(0):
+        if fd_ready(fd):
             self._died(pid)
             return False
         return True
@@ -301,8 +301,8 @@ class WeightConsumer:
         except PublisherDied as exc:
             raise self._publisher_died(manifest, exc) from None
         try:
-            self._verify(manifest, tensors)
-        except ChecksumError:
+            await self._verify_async(manifest, tensors)
+        except BaseException:  # (a mismatch, or the caller cancelled while the bytes were checked)
             await release_async(reader, manifest.update_id)  # (a cuda-ipc release's wait for the GPU is awaited)
             raise
         return self._imported(manifest, tensors)
@@ -345,6 +345,23 @@ class WeightConsumer:
                     raise ChecksumError(
                         f"tensor {spec.name!r} of update {manifest.update_id} does not match its checksum"
                     )
+
+    async def _verify_async(self, manifest: WeightManifest, tensors: dict[str, torch.Tensor]) -> None:
+        """:meth:`_verify` for an event loop: a pass over 1 MiB or more, or over GPU memory (read back to the host,
+        waiting for the GPU), runs on a worker thread, after the reads this thread queued on its streams."""
+        if not self.verify_checksums or all(spec.checksum is None for spec in self.specs(manifest)):
+            return
+        named = list(tensors.items())
+        if sum(t.numel() * t.element_size() for _, t in named) < OFFLOAD_BYTES and not on_a_gpu(named):
+            self._verify(manifest, tensors)
+            return
+        ready = queued_work(named)  # (recorded here: the reads were ordered on this thread's streams)
+        await to_thread_to_the_end(self._verify_after, ready, manifest, tensors)
+
+    def _verify_after(self, ready: tuple[Any, ...], manifest: WeightManifest, tensors: dict[str, torch.Tensor]) -> None:
+        for event in ready:
+            event.synchronize()
+        self._verify(manifest, tensors)
 
     def _imported(self, manifest: WeightManifest, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         update_id = manifest.update_id

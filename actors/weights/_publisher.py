@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import threading
@@ -19,13 +18,11 @@ from .._shared._loops import loop_running
 from .._shared._session import host_id
 from ..tensors import TensorSpec, distinct, gather_each, layout, origins
 from ._manifest import WeightManifest, make_writer
+from ._off_the_loop import OFFLOAD_BYTES, on_a_gpu, on_the_host, queued_work, to_thread_to_the_end
 from ._spec_table import SpecTable
 
 __all__ = ["WeightPublisher", "join_publish"]
 
-#: Host copies at least this large (or any out of a GPU, which waits for it) run on a worker thread under
-#: ``publish_async``.
-OFFLOAD_BYTES = 1 << 20
 #: The largest version a slot's header holds (a signed 64-bit field).
 MAX_VERSION = 2**63 - 1
 
@@ -53,36 +50,6 @@ def join_publish(model: torch.nn.Module | dict[str, Any]) -> int:
     tensors = _named_tensors(model)
     specs, _ = layout(tensors)
     return gather_each(tensors[index][1] for index in distinct(specs))
-
-
-async def _to_thread_to_the_end(fn: Any, *args: Any) -> Any:
-    """``fn(*args)`` on a worker thread; a cancelled caller still waits for it to finish.
-
-    The copy writes into a reserved slot: the slot can only be given back
-    once nothing writes into it any more.
-    """
-    return await _awaited_to_the_end(asyncio.get_running_loop().run_in_executor(None, fn, *args))
-
-
-async def _awaited_to_the_end(future: asyncio.Future[Any]) -> Any:
-    """``future``'s result, awaited until it is done even if the caller is cancelled meanwhile (then that is raised).
-
-    A cancellation may land after the future finished but before this task
-    resumed: it is still the caller's cancellation, and the result is dropped.
-    """
-    cancelled = False
-    while not future.done():
-        try:
-            await asyncio.shield(future)
-        except asyncio.CancelledError:
-            cancelled = True
-        except BaseException:  # the work failed: the caller's cancellation, if any, is still what it sees
-            break
-    if cancelled:
-        if not future.cancelled():
-            future.exception()  # retrieved: the cancellation is what the caller sees
-        raise asyncio.CancelledError
-    return future.result()
 
 
 class WeightPublisher:
@@ -133,8 +100,8 @@ class WeightPublisher:
         self._version: int | None = None
         self._published: dict[str, int] = {}  # update_id -> version, until released
         self._publishing = False
-        self._lock = threading.Lock()  # closed and _filling, between close() and a copy on a worker thread
-        self._filling = False  # a publish_async's copy is writing into a slot on a worker thread
+        self._lock = threading.Lock()  # closed and _filling, between close() and a publish on another thread
+        self._filling = False  # a publish is copying into a slot or committing it (a close() waits for it)
         self._host = host_id()
         self.closed = False
         # Storage is freed when the publisher is collected or the interpreter exits (Ctrl-C too).
@@ -186,10 +153,10 @@ class WeightPublisher:
                         "loop: use `await publisher.publish_async(...)`, which waits for a slot while the loop runs"
                     )
                 reservation = writer.reserve_blocking(total, self.timeout if timeout is None else timeout)
-            with self._aborted_on_failure(reservation):
-                self._begin_fill(version)  # (a close() from another thread meanwhile frees the storage once done)
-                specs = self._fill_guarded(reservation, tensors, specs)
-            return self._commit_unless_closed(reservation, version, specs, total, extra)
+            with self._writing(version):
+                with self._aborted_on_failure(reservation):
+                    specs = self._fill_no_grad(reservation, tensors, specs)
+                return self._commit_unless_closed(reservation, version, specs, total, extra)
 
     @contextlib.contextmanager
     def _aborted_on_failure(self, reservation: Any) -> Iterator[None]:
@@ -235,8 +202,9 @@ class WeightPublisher:
         ``timeout`` s), and a host copy of 1 MiB or more runs on a worker
         thread. ``cuda-ipc`` only enqueues device copies, so it never waits
         on the GPU either, except from host memory (a pageable copy holds its
-        thread): from 1 MiB that runs on a worker thread too. The model must
-        not change until this returns.
+        thread: from 1 MiB that runs on a worker thread too) or for checksums
+        (read back from the GPU: on a worker thread). The model must not
+        change until this returns.
         """
         extra = _checked_metadata(metadata)
         with self._one_publish():
@@ -245,43 +213,51 @@ class WeightPublisher:
             reservation = writer.reserve(total)
             if reservation is None:
                 reservation = await writer.reserve_async(total, self.timeout if timeout is None else timeout)
-            with self._aborted_on_failure(reservation):
-                if (writer.host_copy and (total >= OFFLOAD_BYTES or _on_a_gpu(tensors))) or (
-                    not writer.host_copy and total >= OFFLOAD_BYTES and _on_the_host(tensors)
-                ):
-                    ready = _queued_work(tensors)  # (recorded here: the caller's streams are this thread's)
-                    self._begin_fill(version)
-                    specs = await _to_thread_to_the_end(self._fill_guarded, reservation, tensors, specs, ready)
-                else:
-                    specs = self._fill_no_grad(reservation, tensors, specs)
-            return self._commit_unless_closed(reservation, version, specs, total, extra)
+            with self._writing(version):
+                with self._aborted_on_failure(reservation):
+                    if self._fills_off_the_loop(writer.host_copy, tensors, total):
+                        ready = queued_work(tensors)  # (recorded here: the caller's streams are this thread's)
+                        specs = await to_thread_to_the_end(self._fill_after, ready, reservation, tensors, specs)
+                    else:
+                        specs = self._fill_no_grad(reservation, tensors, specs)
+                return self._commit_unless_closed(reservation, version, specs, total, extra)
 
-    def _begin_fill(self, version: int) -> None:
-        """Mark a copy into the reserved slot as under way, unless a close() came first (from another thread)."""
+    def _fills_off_the_loop(self, host_copy: bool, tensors: list[tuple[str, torch.Tensor]], total: int) -> bool:
+        """Whether ``publish_async``'s copy would hold the loop: a host copy of 1 MiB or more or out of a GPU; a
+        device copy of 1 MiB or more from host memory, or one whose checksums read the GPU's bytes back."""
+        if host_copy:
+            return total >= OFFLOAD_BYTES or on_a_gpu(tensors)
+        return self.checksums or (total >= OFFLOAD_BYTES and on_the_host(tensors))
+
+    @contextlib.contextmanager
+    def _writing(self, version: int) -> Iterator[None]:
+        """A copy into the reserved slot and its commit under way, unless a close() came first: a close() from
+        another thread meanwhile frees the storage once they are done (that publish then raises)."""
         with self._lock:
             if self.closed:
                 raise WeightSyncError(f"this weight publisher was closed while it published version {version}")
             self._filling = True
-
-    def _fill_guarded(
-        self,
-        reservation: Any,
-        tensors: list[tuple[str, torch.Tensor]],
-        specs: list[TensorSpec],
-        ready: tuple[Any, ...] = (),
-    ) -> list[TensorSpec]:
-        """:meth:`_fill_no_grad` once :meth:`_begin_fill` marked it (on a worker thread, or a blocking publish's
-        own): a :meth:`close` meanwhile, from any thread, frees the storage once the copy is done."""
         try:
-            for event in ready:  # the GPU work that made the tensors, queued on the caller's streams, is done
-                event.synchronize()
-            return self._fill_no_grad(reservation, tensors, specs)
+            yield
         finally:
             with self._lock:
                 self._filling = False
                 closed = self.closed
             if closed:
-                self._finalizer()  # the close deferred while this copy wrote into a slot
+                self._finalizer()  # the close deferred while this publish wrote into a slot
+
+    def _fill_after(
+        self,
+        ready: tuple[Any, ...],
+        reservation: Any,
+        tensors: list[tuple[str, torch.Tensor]],
+        specs: list[TensorSpec],
+    ) -> list[TensorSpec]:
+        """:meth:`_fill_no_grad` on a worker thread, once the GPU work that made the tensors (queued on the
+        caller's streams) is done."""
+        for event in ready:
+            event.synchronize()
+        return self._fill_no_grad(reservation, tensors, specs)
 
     def _fill_no_grad(
         self, reservation: Any, tensors: list[tuple[str, torch.Tensor]], specs: list[TensorSpec]
@@ -306,12 +282,15 @@ class WeightPublisher:
     ) -> WeightManifest:
         update_id = f"{os.getpid()}-{version}-{uuid.uuid4().hex[:12]}"
         handle = self._writer.commit(reservation, update_id, version, total)
-        self._version = version
-        for reclaimed in self._writer.reclaimed():  # storage the transport reused: released here too
-            self._published.pop(reclaimed, None)
-        self._published[update_id] = version
-        while len(self._published) > self.keep:
-            self.release(next(iter(self._published)))
+        with self._lock:  # (a close() from another thread during the commit: nothing is recorded, and it raises)
+            if self.closed:
+                raise WeightSyncError(f"this weight publisher was closed while it published version {version}")
+            self._version = version
+            for reclaimed in self._writer.reclaimed():  # storage the transport reused: released here too
+                self._published.pop(reclaimed, None)
+            self._published[update_id] = version
+            while len(self._published) > self.keep:
+                self.release(next(iter(self._published)))
         return WeightManifest(
             update_id,
             version,
@@ -365,29 +344,3 @@ def _checked_metadata(metadata: object) -> dict[str, Any]:
     if not isinstance(metadata, dict) or not all(type(key) is str for key in metadata):
         raise TypeError(f"metadata must be a dict with str keys, not {metadata!r:.60}")
     return dict(metadata)
-
-
-def _queued_work(tensors: list[tuple[str, torch.Tensor]]) -> tuple[Any, ...]:
-    """An event on the current stream of each GPU ``tensors`` live on, recorded in the calling thread.
-
-    A worker thread's current stream is its own (the device's default), not
-    the caller's: a copy there is not ordered after an optimizer step the
-    caller queued on a stream of its own, so it waits for these events first.
-    """
-    devices = {tensor.device for _, tensor in tensors if tensor.device.type == "cuda"}
-    events = []
-    for device in devices:
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record(torch.cuda.current_stream(device))
-        events.append(event)
-    return tuple(events)
-
-
-def _on_the_host(tensors: list[tuple[str, torch.Tensor]]) -> bool:
-    """Whether a device copy of ``tensors`` reads host memory (a pageable copy holds its thread until done)."""
-    return any(tensor.device.type == "cpu" for _, tensor in tensors)
-
-
-def _on_a_gpu(tensors: list[tuple[str, torch.Tensor]]) -> bool:
-    """Whether a host copy of ``tensors`` waits for a GPU (its copy out of device memory synchronizes)."""
-    return any(tensor.device.type == "cuda" for _, tensor in tensors)

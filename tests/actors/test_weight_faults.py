@@ -538,3 +538,35 @@ async def test_a_death_awaited_by_two_tasks_wakes_both_even_when_asked_about_mea
         child.kill()
         child.wait()
         watch.close()
+
+
+def test_a_cuda_ipc_release_interrupted_in_its_wait_for_the_gpu_stays_owed(monkeypatch):
+    """A synchronous cuda-ipc release waits for this process's GPU reads of the slot before it lets go; interrupted
+    there (Ctrl-C, a device error), it had already forgotten the update: the retry the consumer owes found nothing
+    to release and the slot stayed locked until the reader closed (a one-slot publisher then waited 30 s and
+    failed each publish). The update stays held, and the next release lets it go."""
+    from types import SimpleNamespace
+
+    from actors.tensors.cuda_ipc import CudaIpcReader
+
+    unheld: list[str] = []
+    reader = object.__new__(CudaIpcReader)  # (its parts, without a GPU: only the release is under test)
+    reader._holds = SimpleNamespace(unhold=unheld.append)  # type: ignore[assignment]
+    reader._open = {"slot-0": SimpleNamespace(device=0)}  # type: ignore[dict-item]
+    reader._held = {"update-1": "slot-0"}
+
+    class Stream:
+        def __init__(self, interrupt: bool) -> None:
+            self.interrupt = interrupt
+
+        def synchronize(self) -> None:
+            if self.interrupt:
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: Stream(interrupt=True))
+    with pytest.raises(KeyboardInterrupt):
+        reader.release("update-1")
+    assert reader._held == {"update-1": "slot-0"} and unheld == []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: Stream(interrupt=False))
+    reader.release("update-1")
+    assert reader._held == {} and unheld == ["slot-0"]

@@ -97,10 +97,10 @@ async def test_a_cancelled_publish_gives_its_slot_back():
 
 async def test_a_cancellation_landing_after_the_copy_finished_is_still_the_callers():
     """The copy's future done, its waiter not yet resumed, then the cancel: the caller sees CancelledError."""
-    from actors.weights._publisher import _awaited_to_the_end
+    from actors.weights._off_the_loop import awaited_to_the_end
 
     copy: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-    waiter = asyncio.ensure_future(_awaited_to_the_end(copy))
+    waiter = asyncio.ensure_future(awaited_to_the_end(copy))
     await asyncio.sleep(0)  # the waiter is suspended on the copy
     copy.set_result(7)  # done; the waiter is woken only on the loop's next turn
     waiter.cancel()
@@ -108,7 +108,7 @@ async def test_a_cancellation_landing_after_the_copy_finished_is_still_the_calle
         await waiter
     finished: asyncio.Future[int] = asyncio.get_running_loop().create_future()
     finished.set_result(8)
-    assert await _awaited_to_the_end(finished) == 8
+    assert await awaited_to_the_end(finished) == 8
 
 
 async def test_concurrent_publishes_of_one_publisher_are_refused():
@@ -124,10 +124,10 @@ async def test_concurrent_publishes_of_one_publisher_are_refused():
 async def test_a_cancellation_during_a_copy_that_then_fails_is_still_the_callers():
     """Cancelled while the copy runs, then the copy raises: the caller sees its CancelledError (before: the copy's
     error, and ``wait_for``'s timeout was lost)."""
-    from actors.weights._publisher import _awaited_to_the_end
+    from actors.weights._off_the_loop import awaited_to_the_end
 
     copy: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-    waiter = asyncio.ensure_future(_awaited_to_the_end(copy))
+    waiter = asyncio.ensure_future(awaited_to_the_end(copy))
     await asyncio.sleep(0)  # the waiter is suspended on the copy
     waiter.cancel()
     await asyncio.sleep(0)  # it took the cancel and waits on for the copy
@@ -219,6 +219,54 @@ def test_closing_the_publisher_from_another_thread_during_a_blocking_publish_end
     assert isinstance(result, WeightSyncError) and "closed" in str(result), result
     assert publisher.version is None and not publisher.unreleased
     assert set(glob.glob(f"{SHM_DIR}/actors-*")) <= before, "the slot was not freed once the copy ended"
+
+
+@pytest.mark.parametrize("during", ["fill", "commit"])
+async def test_a_close_from_another_thread_during_a_small_async_publish_waits_for_it(during):
+    """A publish_async under 1 MiB copies on the loop's thread; a close() from another thread (a signal or
+    checkpoint thread) during that copy, or during the commit of any publish, freed the storage under it: a raw
+    ``AttributeError``/``ValueError`` from the writer, or an unlock of a closed descriptor. The close now waits
+    for the copy and commit, and the publish raises saying the publisher was closed."""
+    before = set(glob.glob(f"{SHM_DIR}/actors-*"))
+    publisher = WeightPublisher("shm", slots=1)
+    writer = publisher._writer
+    step = getattr(writer, during)
+
+    def closing_first(*args: object) -> object:
+        closer = threading.Thread(target=publisher.close)
+        closer.start()
+        closer.join(30)  # (it returns at once: the storage is freed when this publish ends)
+        return step(*args)
+
+    setattr(writer, during, closing_first)
+    with pytest.raises(WeightSyncError, match="closed while it published version 1"):
+        await publisher.publish_async(filled_model(1.0), 1)
+    assert publisher.closed and publisher.version is None and not publisher.unreleased
+    assert set(glob.glob(f"{SHM_DIR}/actors-*")) <= before, "the slot was freed once the publish ended"
+
+
+async def test_an_async_import_checks_its_checksums_off_the_loop(monkeypatch):
+    """The CRC pass reads every byte of the update (a GPU's copied back first): from 1 MiB it runs on a worker
+    thread, as the copy does (before, on the loop's thread)."""
+    import actors.weights._consumer as consumer_module
+
+    threads: list[int] = []
+    crc = consumer_module.checksum
+
+    def recorded(tensor: torch.Tensor) -> int:
+        threads.append(threading.get_ident())
+        return crc(tensor)
+
+    state = {"w": torch.ones(1024 * 1024)}  # 4 MiB
+    with WeightPublisher("shm", slots=1, checksums=True) as publisher:
+        manifest = await publisher.publish_async(state, 1)
+        consumer = WeightConsumer()
+        monkeypatch.setattr(consumer_module, "checksum", recorded)
+        tensors = await consumer.import_update_async(manifest)
+        assert bool((tensors["w"] == 1.0).all())
+        assert threads and threading.get_ident() not in threads
+        consumer.release(manifest.update_id)
+        consumer.close()
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
