@@ -136,7 +136,11 @@ class MetricsLog:
         self.path = os.path.join(run_dir, METRICS)
         self._file = open(self.path, "a", buffering=1)
         self._window = RateWindow()
-        self._sink = open_sink(report_to, run_dir, config)
+        try:
+            self._sink = open_sink(report_to, run_dir, config)
+        except BaseException:  # (a tracker that cannot start: the launcher has no log to close)
+            self._file.close()
+            raise
         self.rows = 0
 
     def write(self, report: StepReport) -> dict[str, Any]:

@@ -36,9 +36,28 @@ class Sink(Protocol):
     def close(self) -> None: ...
 
 
-def _due(row: dict[str, Any], last: float) -> bool:
-    """Whether ``row`` goes out: every evaluation row, others at most every :data:`TRACKER_PERIOD` s."""
-    return any(name.startswith("eval/") for name in row) or row["time"] - last >= TRACKER_PERIOD
+class _Pace:
+    """Which rows a tracker takes: every evaluation row, others at most every :data:`TRACKER_PERIOD` s of run time.
+
+    The newest row held back is kept, and sent at the close: a run stopped
+    between evaluations (Ctrl-C, a failure) still shows its last step.
+    """
+
+    def __init__(self) -> None:
+        self._last = -float("inf")
+        self._held: dict[str, Any] | None = None
+
+    def due(self, row: dict[str, Any]) -> bool:
+        if any(name.startswith("eval/") for name in row) or row["time"] - self._last >= TRACKER_PERIOD:
+            self._last, self._held = row["time"], None
+            return True
+        self._held = row
+        return False
+
+    def held_back(self) -> dict[str, Any] | None:
+        """The newest row not sent (once), if one came after the last sent."""
+        row, self._held = self._held, None
+        return row
 
 
 #: A row's fields that are its bookkeeping, not figures to plot.
@@ -65,7 +84,7 @@ class TensorBoardSink:
     def __init__(self, run_dir: str) -> None:
         self._folder = os.path.join(run_dir, "tensorboard")
         self._writer: Any = None
-        self._last = -float("inf")
+        self._pace = _Pace()
         self._completions = CompletionsFeed(run_dir)
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -79,9 +98,10 @@ class TensorBoardSink:
             # Opened at the run's first row: a resumed run repeats the steps after its checkpoint, and the events
             # an interrupted run wrote for them (at this step or later) are purged, not shown twice.
             self._writer = self._open(self._folder, purge_step=row["step"])
-        if self._writer is None or not _due(row, self._last):
-            return
-        self._last = row["time"]
+        if self._writer is not None and self._pace.due(row):
+            self._send(row)
+
+    def _send(self, row: dict[str, Any]) -> None:
         for name, value in _scalars(row).items():
             self._writer.add_scalar(name, value, row["step"])
         if any(name.startswith("eval/") for name in row):
@@ -91,6 +111,9 @@ class TensorBoardSink:
 
     def close(self) -> None:
         if self._writer is not None:
+            held = self._pace.held_back()
+            if held is not None:
+                self._send(held)
             self._writer.close()
 
 
@@ -157,7 +180,7 @@ class WandbSink:
     def __init__(self, run_dir: str, config: dict[str, Any]) -> None:
         import wandb
 
-        self._last = -float("inf")
+        self._pace = _Pace()
         try:
             self._run = wandb.init(
                 project=os.environ.get("WANDB_PROJECT", "pipeline-grpo"),
@@ -172,12 +195,13 @@ class WandbSink:
             raise TrackerError(f"--report-to wandb: its run could not start ({type(exc).__name__}: {first})") from None
 
     def write(self, row: dict[str, Any]) -> None:
-        if not _due(row, self._last):
-            return
-        self._last = row["time"]
-        self._run.log(_scalars(row), step=row["step"])
+        if self._pace.due(row):
+            self._run.log(_scalars(row), step=row["step"])
 
     def close(self) -> None:
+        held = self._pace.held_back()
+        if held is not None:
+            self._run.log(_scalars(held), step=held["step"])
         self._run.finish()
 
 

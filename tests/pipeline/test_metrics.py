@@ -261,6 +261,47 @@ def test_tensorboard_takes_at_most_ten_rows_a_second_but_every_evaluation(tmp_pa
     assert {25, 50, 75, 100} <= set(steps) and len(steps) <= 15, steps
 
 
+def test_a_metrics_log_whose_tracker_cannot_start_leaves_no_file_open(tmp_path, monkeypatch):
+    import pipeline.run._metrics as metrics
+    from pipeline.run import TrackerError
+
+    def refuse(*args: object) -> None:
+        raise TrackerError("--report-to wandb: its run could not start (UsageError: no login)")
+
+    monkeypatch.setattr(metrics, "open_sink", refuse)
+    with pytest.raises(TrackerError) as caught:
+        MetricsLog(str(tmp_path), "wandb")
+    fds = os.listdir("/proc/self/fd")
+    held = [fd for fd in fds if os.path.realpath(f"/proc/self/fd/{fd}") == str(tmp_path / "metrics.jsonl")]
+    assert not held, f"metrics.jsonl still open, while {caught.value!r} is held"
+
+
+def test_the_last_row_a_tracker_held_back_goes_out_when_the_run_stops(tmp_path, monkeypatch):
+    """A run stopped (Ctrl-C, a failure) between evaluations: the newest row, held back by the tracker's pace, is
+    sent at the close (before, the tracker's last point was up to 0.1 s of steps older than ``metrics.jsonl``'s,
+    and a resume purged from the step after the checkpoint, so those steps never reached it)."""
+    wandb = pytest.importorskip("wandb", reason="needs the wandb extra: pip install -e '.[wandb]'")
+    from pipeline.run import WandbSink
+
+    logged: list[int] = []
+
+    class Run:
+        def log(self, scalars: dict[str, float], step: int) -> None:
+            logged.append(step)
+
+        def finish(self) -> None:
+            pass
+
+    monkeypatch.setattr(wandb, "init", lambda **settings: Run())
+    sink = WandbSink(str(tmp_path), {})
+    for step in range(1, 38):  # 37 steps at 100 a second: stopped at 0.37 s
+        sink.write(dict(metric_row(report(step, evaluation=None), {}), time=0.01 * step))
+    sink.close()
+    assert logged[-1] == 37 and len(logged) <= 6, logged
+    sink.close()  # (a second close sends nothing again)
+    assert logged.count(37) == 1
+
+
 async def test_report_to_wandb_writes_an_offline_run(tmp_path, sockets_dir, monkeypatch):
     pytest.importorskip("wandb", reason="needs the wandb extra: pip install -e '.[wandb]'")
     import glob
