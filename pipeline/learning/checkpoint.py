@@ -39,10 +39,22 @@ def save(run_dir: str, state: dict[str, Any]) -> str:
         return ""
     target = path(run_dir)
     tmp = f"{target}.tmp-{os.getpid()}"
-    torch.save(state, tmp)
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())  # on the disk before the rename (else a crash may leave the new name, empty)
     os.replace(tmp, target)
+    _sync_folder(run_dir)  # the rename too, before the shards the last checkpoint named go
     remove_shards(run_dir, keep=state.get(SHARDS))
     return target
+
+
+def _sync_folder(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def is_shard_folder(name: str) -> bool:
@@ -58,25 +70,40 @@ def remove_shards(run_dir: str, keep: str | None = None) -> None:
 
 
 def remove_stale_staging(run_dir: str) -> list[str]:
-    """Remove what a killed save left in ``run_dir``: ``<name>.tmp-<pid>`` files and folders of processes now gone.
+    """Clear what a killed save left in ``run_dir``, under the pid of a process now gone; returns the names removed.
 
-    Saves write there first and rename when complete; one killed mid-write
-    (a stop's kill, a crash) leaves its staging behind, under its pid.
-    Returns the names removed.
+    Saves write ``<name>.tmp-<pid>`` first and rename it when complete; one
+    killed mid-write (a stop's kill, a crash) leaves it behind, and it goes.
+    A folder replaced whole (the exported model) is first renamed to
+    ``<name>.old-<pid>``: while that is there, the staging beside it was
+    complete, so a save killed between the two renames is finished (the
+    staging goes into place), and the old copy goes.
     """
     removed = []
     for name in sorted(os.listdir(run_dir)):
         stem, _, pid = name.rpartition(".tmp-")
         if not stem or not pid.isdigit() or _alive(int(pid)):
             continue
-        where = os.path.join(run_dir, name)
-        if os.path.isdir(where):
-            shutil.rmtree(where, ignore_errors=True)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(where)
+        where, replaced = os.path.join(run_dir, name), os.path.join(run_dir, f"{stem}.old-{pid}")
+        if os.path.exists(replaced) and not os.path.exists(os.path.join(run_dir, stem)):
+            os.replace(where, os.path.join(run_dir, stem))  # complete: the old one was already set aside for it
+            continue
+        _remove(where)
         removed.append(name)
+    for name in sorted(os.listdir(run_dir)):
+        stem, _, pid = name.rpartition(".old-")
+        if stem and pid.isdigit() and not _alive(int(pid)):
+            _remove(os.path.join(run_dir, name))
+            removed.append(name)
     return removed
+
+
+def _remove(where: str) -> None:
+    if os.path.isdir(where):
+        shutil.rmtree(where, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(where)
 
 
 def _alive(pid: int) -> bool:

@@ -37,6 +37,7 @@ from ._engines import (
 from ._held_weights import hold_weights, weights_dtype
 from ._lora import LoraAdapter, check_lora_targets, require_peft
 from ._reward_model import RewardModel
+from ._saved_folder import replace_folder, staging_folder
 from ._tiny import PRESETS, Generation, ModelConfig, TinyTransformer, completion_logps, generate
 from ._vllm import VLLMEngine, VLLMUnavailable, import_vllm, logprobs_mode, vllm_missing
 
@@ -84,9 +85,11 @@ __all__ = [
     "position_limit",
     "positions",
     "repeated_blocks",
+    "replace_folder",
     "require_compiler",
     "require_peft",
     "require_transformers",
+    "staging_folder",
     "static_refusal",
     "vllm_missing",
     "weights_dtype",

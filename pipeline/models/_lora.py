@@ -12,13 +12,12 @@ other, and the adapter on its own in PEFT's format.
 
 from __future__ import annotations
 
-import os
-import shutil
 from typing import Any
 
 import torch
 
 from ._causal_lm import ModelError, first_line, loading_kwargs, require_transformers
+from ._saved_folder import replace_folder, staging_folder
 
 __all__ = ["LoraAdapter", "check_lora_targets", "require_peft"]
 
@@ -152,9 +151,6 @@ class LoraAdapter:
 
     def save(self, folder: str) -> str:
         """The adapter alone in PEFT's format (``PeftModel.from_pretrained(base, folder)``), replaced whole."""
-        staging = f"{folder}.tmp-{os.getpid()}"
-        shutil.rmtree(staging, ignore_errors=True)
+        staging = staging_folder(folder)
         self._peft.save_pretrained(staging)
-        shutil.rmtree(folder, ignore_errors=True)
-        os.replace(staging, folder)
-        return folder
+        return replace_folder(staging, folder)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
@@ -40,6 +39,8 @@ from ..models import (
     load_model,
     load_tokenizer,
     position_limit,
+    replace_folder,
+    staging_folder,
 )
 from ._completion_loss import completion_loss
 from ._data import DataError, PromptData, PromptRoom, load_rows, split_held_out
@@ -453,16 +454,10 @@ class HFTask(Task):
         if not run_dir:
             return None
         target = os.path.join(run_dir, "model")
-        staging = f"{target}.tmp-{os.getpid()}"
-        shutil.rmtree(staging, ignore_errors=True)
+        staging = staging_folder(target)
         policy.save_pretrained(staging, safe_serialization=True)  # type: ignore[operator]
         self.tokenizer.save_pretrained(staging)
-        old = f"{target}.old-{os.getpid()}"
-        if os.path.exists(target):
-            os.replace(target, old)
-        os.replace(staging, target)
-        shutil.rmtree(old, ignore_errors=True)
-        return target
+        return replace_folder(staging, target)
 
 
 def _held(cache: dict[int, tuple[torch.nn.Module, T]], model: torch.nn.Module, build: Callable[[], T]) -> T:

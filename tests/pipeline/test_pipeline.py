@@ -266,6 +266,48 @@ def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["config.json", live.name])
 
 
+@pytest.mark.parametrize("killed", ["between_the_renames", "removing_the_old_model"])
+def test_an_export_killed_part_way_leaves_the_new_model_in_place(tmp_path, killed):
+    """The export writes ``model.tmp-<pid>``, renames ``model`` to ``model.old-<pid>``, the staging to ``model``,
+    and removes the old one. Killed between the renames, the next start removed the complete new model as a
+    half-written staging folder (no ``model`` at all); killed while it removed the old one, a whole model's copy
+    stayed for good. Both are finished now: the complete staging goes into place, the old copy goes."""
+    from pipeline.learning.checkpoint import remove_stale_staging
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    new, old = tmp_path / f"model.tmp-{gone.pid}", tmp_path / f"model.old-{gone.pid}"
+    (new if killed == "between_the_renames" else tmp_path / "model").mkdir()
+    old.mkdir()
+    for folder, weights in ((new, b"new"), (tmp_path / "model", b"new"), (old, b"old")):
+        if folder.exists():
+            (folder / "model.safetensors").write_bytes(weights)
+    remove_stale_staging(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+    assert (tmp_path / "model" / "model.safetensors").read_bytes() == b"new"
+
+
+def test_a_checkpoint_reaches_the_disk_before_it_replaces_the_last_one(tmp_path, monkeypatch):
+    """Renamed into place unsynced, a power loss or a node's crash (XFS, NFS) could leave ``checkpoint.pt`` empty
+    with the shards of the one before already removed: nothing to resume from. It is synced, then renamed, then
+    its folder synced, and only then are older shards removed."""
+    from pipeline.learning import checkpoint
+
+    events: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(
+        os,
+        "fsync",
+        lambda fd: events.append("fsync " + os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))) or real_fsync(fd),
+    )
+    monkeypatch.setattr(os, "replace", lambda a, b: events.append("replace") or real_replace(a, b))
+    monkeypatch.setattr(checkpoint, "remove_shards", lambda run_dir, keep=None: events.append("remove shards"))
+    checkpoint.save(str(tmp_path), {"step": 3})
+    pid = os.getpid()
+    assert events == [f"fsync checkpoint.pt.tmp-{pid}", "replace", f"fsync {tmp_path.name}", "remove shards"], events
+    assert checkpoint.load(str(tmp_path)) == {"step": 3}
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
