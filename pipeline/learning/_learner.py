@@ -211,6 +211,7 @@ class Learner:
         before this rollout's update); ``lr`` is the last step's rate.
         """
         started = time.perf_counter()
+        torch.manual_seed(self._step_seed())
         batches = self._mini_batches(samples)
         done = [
             self._iterate(samples, rewards, ref_logps, batch)
@@ -225,6 +226,14 @@ class Learner:
             report.logp_diff = reports[0].logp_diff
         seconds = time.perf_counter() - started
         return Update(report, sum(norms) / len(norms), seconds, rates[-1], self.entropy.coef)
+
+    def _step_seed(self) -> int:
+        """The seed of this update's randomness (dropout kept, a task's own draws): the run's seed, the optimiser
+        steps taken so far (a checkpoint restores them, with the schedule) and this rank. A resumed run draws what
+        the uninterrupted one would; the random state itself is in no checkpoint (nor the same on every rank)."""
+        rank = self.parallel.share.rank if self.parallel is not None else 0
+        steps = int(self.schedule.last_epoch)
+        return ((self.task.seed * 1_000_003 + steps) * 65_537 + rank) % 2**63
 
     def _mini_batches(self, samples: Any) -> list[slice | None]:
         """The rows of each optimiser step of an iteration: the whole rollout, or ``mini_batches`` equal parts."""

@@ -103,6 +103,37 @@ def test_shards_saved_by_two_ranks_load_whole_into_one_learner(tmp_path):
     assert missing_files(folder) == ["__1_0.distcp"], "what rank 0 checks after saving, to refuse a split checkpoint"
 
 
+def test_a_resumed_learner_draws_the_randomness_an_uninterrupted_one_would(tmp_path, monkeypatch):
+    """A loss that draws random numbers (a policy's dropout kept, ``--no-disable-dropout``; a task's own draws):
+    resumed from a checkpoint, the learner drew the fresh run's first numbers again (seeded as it was built, and no
+    checkpoint holds a random state), so the resumed steps were not the run's. Each update's randomness follows
+    the optimiser steps taken, which the checkpoint restores."""
+    from pipeline.learning import checkpoint
+
+    task, batch, rewards, ref = _rollout()
+    draws: list[float] = []
+    loss = task.loss
+
+    def drawing_loss(*args: object, **kwargs: object) -> object:
+        draws.append(float(torch.rand(())))
+        return loss(*args, **kwargs)
+
+    monkeypatch.setattr(task, "loss", drawing_loss)
+    whole = Learner(task, torch.device("cpu"))
+    whole.update(batch, rewards, ref)
+    checkpoint.save(str(tmp_path), {"step": 1, **whole.state()})
+    first = len(draws)
+    whole.update(batch, rewards, ref)
+    resumed = Learner(task, torch.device("cpu"))
+    resumed.resume(str(tmp_path))
+    resumed.update(batch, rewards, ref)
+    run_on, after_resume = draws[first : 2 * first], draws[2 * first :]
+    assert run_on != draws[:first], "each update draws afresh"
+    assert after_resume == run_on
+    for name, value in whole.policy.state_dict().items():
+        assert torch.equal(resumed.policy.state_dict()[name], value), name
+
+
 def test_a_checkpoint_split_across_the_ranks_disks_is_refused_on_every_rank(tmp_path):
     """Ranks on hosts without a shared disk each write their shard to their own: rank 0 found the shards missing
     and raised alone, while the others went on into the next collective (the export's gather) and waited there
