@@ -29,7 +29,7 @@ import weakref
 from collections.abc import Generator
 from typing import Any, Generic, TypeVar, overload
 
-from .._shared._errors import ActorDied, ActorsError, BufferFull, CallTimeout, DecodeError, PortClosed
+from .._shared._errors import ActorDied, ActorsError, BufferFull, CallTimeout, DecodeError, HandOffTimeout, PortClosed
 from .._shared._liveness import ProcRef
 from .._shared._loops import done_within
 from .._transport._flow import CREDIT_BYTES, CREDIT_MESSAGES, WINDOW, WINDOW_BYTES, Window
@@ -184,9 +184,9 @@ class Port(Generic[T]):
                 self._deliver(value)
             except Exception as exc:
                 # Refused before it left (closed, full, a value that cannot be encoded, its own pickling code
-                # raising): the one message is still to come. Not the runtime thread's own timeout: the send
-                # may have run there after all, and a second could arrive as a second answer.
-                if type(exc) is not TimeoutError:
+                # raising): the one message is still to come. Not a hand-off to the runtime's thread that timed
+                # out: the send may have run there after all, and a second could arrive as a second answer.
+                if not isinstance(exc, HandOffTimeout):
                     self._used = False
                 raise
             route = self._route

@@ -13,7 +13,9 @@ Every error the runtime raises on purpose derives from :class:`ActorsError`::
     │   │                   a call to a stopped actor
     │   └── ActorDied       the process hosting the actor is gone (killed, crashed, stopped)
     ├── CallTimeout         a call's deadline or a wait's timeout passed (also a
-    │                       ``TimeoutError``); the actor is alive but busy or blocked
+    │   │                   ``TimeoutError``); the actor is alive but busy or blocked
+    │   └── HandOffTimeout  work handed to the runtime's thread from another did not
+    │                       finish in time (it may have run: what it sent may have left)
     ├── PortClosed          a port cannot deliver: its receiver is gone, a once-port was
     │                       already used, or every sender of a receiver has died
     ├── BufferFull          a bounded send buffer is full (a port's backlog, a peer's queue):
@@ -56,6 +58,7 @@ __all__ = [
     "CodecError",
     "DecodeError",
     "EncodeError",
+    "HandOffTimeout",
     "LifecycleError",
     "MainLoadingError",
     "ManifestError",
@@ -182,6 +185,10 @@ class MainLoadingError(ActorsError, RuntimeError):
 
 class CallTimeout(ActorsError, TimeoutError):
     """A call or wait ran past its deadline."""
+
+
+class HandOffTimeout(CallTimeout):
+    """Work handed to the runtime's thread did not finish in time; it may have run (a send may have left)."""
 
 
 class PortClosed(ActorsError):

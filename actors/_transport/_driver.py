@@ -23,7 +23,7 @@ from typing import Any
 
 import zmq
 
-from .._shared._errors import CallTimeout
+from .._shared._errors import CallTimeout, HandOffTimeout
 from .._shared._hooks import Hook
 from .._shared._loops import done_within, running_loop, wake_all
 from ._background import HANDOVER_TIMEOUT, BackgroundLoop
@@ -237,7 +237,7 @@ class Driver:
                     break  # it stopped, ended or handed over without running ``fn``: hand it to the next loop
                 if served is False or time.monotonic() >= give_up:
                     claim.acquire(blocking=False)  # (not started: it never runs after this timeout)
-                    raise concurrent.futures.TimeoutError(f"{fn!r} was not run on the runtime's thread in {timeout:g}s")
+                    raise HandOffTimeout(f"{fn!r} was not run on the runtime's thread in {timeout:g}s")
                 # (the loop stopped while ``fn`` ran on it: its result is still to come, up to the timeout)
             self.next_loop(loop)
 

@@ -537,6 +537,44 @@ def test_a_once_port_whose_send_failed_was_not_used_up():
             port.send(1)
 
 
+async def test_work_handed_to_a_busy_runtime_thread_times_out_as_the_runtimes_own_timeout(monkeypatch):
+    """A thread hands work to the runtime's loop, whose thread is busy past the hand-off's timeout: that was a bare
+    ``TimeoutError`` (on Python 3.10 not even the built-in one, so a once-port took it for a refusal and could
+    send a second answer); it is a ``CallTimeout``, ``HandOffTimeout``, after which the work never runs. A
+    once-port whose send timed out that way keeps it used; one refused another way gets its message back."""
+    import threading
+
+    from actors import CallTimeout
+    from actors._shared._errors import HandOffTimeout
+
+    rt = runtime()
+    rt.driver.ensure_loop()
+    ran: list[int] = []
+    outcome: list[BaseException] = []
+
+    def hand_off() -> None:
+        try:
+            rt.driver.on_thread(lambda: ran.append(1), timeout=0.2)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    helper = threading.Thread(target=hand_off)
+    helper.start()
+    helper.join(30)  # (this test holds the loop's thread meanwhile: the work cannot run in time)
+    [error] = outcome
+    assert isinstance(error, HandOffTimeout) and isinstance(error, CallTimeout), repr(error)
+    await asyncio.sleep(0)
+    assert ran == [], "given up on: it does not run later"
+
+    for refusal, used in ((HandOffTimeout("the hand-off timed out"), True), (CallTimeout("no credit came"), False)):
+        port, recv = Channel.open(int, once=True)
+        monkeypatch.setattr(Port, "_deliver", lambda self, value, refusal=refusal: (_ for _ in ()).throw(refusal))
+        with pytest.raises(CallTimeout):
+            port.send(1)
+        assert port._used is used, refusal
+        recv.close()
+
+
 async def test_a_call_that_cannot_be_queued_leaves_no_pending_call(procs: ProcMesh, monkeypatch):
     """``post`` raising BufferFull fails the call at its caller; the call table forgets it."""
     from actors import BufferFull
