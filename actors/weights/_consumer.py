@@ -392,7 +392,7 @@ class WeightConsumer:
         except BaseException as exc:
             self._failed(manifest, exc)
             raise
-        for replaced in self._installed(manifest, model, alias):
+        for replaced in self._owing(self._installed(manifest, model, alias)):
             self.release(replaced)
 
     async def install_async(
@@ -413,7 +413,7 @@ class WeightConsumer:
         except BaseException as exc:
             self._failed(manifest, exc)
             raise
-        for replaced in self._installed(manifest, model, alias):
+        for replaced in self._owing(self._installed(manifest, model, alias)):
             await self.release_async(replaced)
 
     async def load_async(
@@ -565,6 +565,12 @@ class WeightConsumer:
         for update_id in unviewed:
             del self._viewers[update_id]
         return [update_id for update_id in unviewed if update_id != manifest.update_id]
+
+    def _owing(self, replaced: list[str]) -> list[str]:
+        """``replaced``, each owed until it is let go: should one release fail, the next release makes the rest."""
+        for update_id in replaced:
+            self._owed.setdefault(update_id, None)
+        return replaced
 
     def holds_alias(self, update_id: str) -> bool:
         """True while a module's parameters are views of ``update_id``'s storage."""

@@ -520,6 +520,41 @@ def test_an_update_one_module_views_stays_held_while_another_module_installs_the
         consumer.close()
 
 
+def test_updates_an_install_replaces_are_each_released_or_owed_whatever_fails_first(monkeypatch):
+    """An install can leave two updates unviewed (the module's own, and one whose other viewer was collected): if
+    releasing the first failed, the second was neither released nor owed, and stayed held for good. Each is
+    owed until let go: the next release makes what is left."""
+    with WeightPublisher("shm", slots=4, lock_timeout=0.2) as publisher:
+        consumer = WeightConsumer()
+        viewer, other = filled_model(0.0), filled_model(0.0)
+        first = publisher.publish(filled_model(1.0), 1)
+        consumer.install(first, viewer, alias=True)
+        second = publisher.publish(filled_model(2.0), 2)
+        consumer.install(second, other, alias=True)
+        del other
+        gc.collect()
+        reader = consumer.reader("shm")
+        release = reader.release
+        failing = {first.update_id}
+
+        def flaky(update_id: str) -> None:
+            if update_id in failing:
+                failing.discard(update_id)
+                raise OSError("interrupted")
+            release(update_id)
+
+        monkeypatch.setattr(reader, "release", flaky)
+        third = publisher.publish(filled_model(3.0), 3)
+        with pytest.raises(OSError, match="interrupted"):
+            consumer.install(third, viewer, alias=True)  # (installed: the failure is in letting the others go)
+        assert consumer.holds_alias(third.update_id)
+        later = publisher.publish(filled_model(4.0), 4)
+        consumer.import_update(later)
+        consumer.release(later.update_id)  # makes what is owed
+        assert [consumer.state(u.update_id) for u in (first, second)] == ["released", "released"]
+        consumer.close()
+
+
 COPY_AFTER_ALIAS = """
 import torch
 from actors import WeightInbox, WeightPublisher
