@@ -26,6 +26,7 @@ import contextlib
 import errno
 import fcntl
 import itertools
+import math
 import mmap
 import os
 import struct
@@ -100,9 +101,16 @@ T = TypeVar("T")
 _FIRST_PAUSE, _LONGEST_PAUSE = 0.0005, 0.01
 
 
+def checked_wait(timeout: object, what: str = "timeout") -> float:
+    """``timeout`` as seconds to wait, refused unless a finite number of 0 or more (a NaN deadline never passes)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < math.inf:
+        raise ValueError(f"{what} is a finite number of seconds, 0 or more, not {timeout!r}")
+    return float(timeout)
+
+
 def poll_blocking(attempt: Callable[[], T | None], timeout: float, exhausted: Callable[[float], Exception]) -> T:
     """``attempt()`` until it returns something, sleeping this thread between tries; ``exhausted(timeout)`` raised."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + checked_wait(timeout)
     delay = _FIRST_PAUSE
     while (got := attempt()) is None:
         if time.monotonic() >= deadline:
@@ -114,7 +122,7 @@ def poll_blocking(attempt: Callable[[], T | None], timeout: float, exhausted: Ca
 
 async def poll_async(attempt: Callable[[], T | None], timeout: float, exhausted: Callable[[float], Exception]) -> T:
     """:func:`poll_blocking` for an event loop: the pauses are awaited, so the loop keeps running."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + checked_wait(timeout)
     delay = _FIRST_PAUSE
     while (got := attempt()) is None:
         if time.monotonic() >= deadline:
@@ -175,6 +183,9 @@ class SlotPool:
         self._allocate = allocate
         self._free = free
         self._slots: list[Slot] = []
+        #: The payload memory of the last new slot could not be reserved (a full ``/dev/shm``): until one is, the
+        #: pool reuses any slot it can before it makes one (the room they hold is what a new one lacked).
+        self._short = False
         self._newest: str | None = None
         self._reclaimed: list[str] = []
         self.closed = False
@@ -191,7 +202,8 @@ class SlotPool:
 
         Preference keeps in-flight manifests importable as long as possible:
         released slots, then a new slot while the pool has room, then
-        superseded updates (oldest first), and the newest update last. A
+        superseded updates (oldest first), and the newest update last; after
+        a new slot's memory could not be reserved, a new slot comes last. A
         closed pool makes no slot (one would outlive it): it raises
         :class:`WeightSyncError`, which also ends a publish polling for one.
         """
@@ -211,7 +223,7 @@ class SlotPool:
             (s for s in self._slots if not s.released and s.update_id != self._newest), key=lambda s: s.version
         )
         newest = [s for s in self._slots if not s.released and s.update_id == self._newest]
-        for group in (released, None, superseded, newest):
+        for group in (released, superseded, newest, None) if self._short else (released, None, superseded, newest):
             if group is None:
                 if len(self._slots) < self.max_slots:
                     return self._create(nbytes)
@@ -245,8 +257,12 @@ class SlotPool:
         Called by the copy, which runs off the event loop from 1 MiB: reserving 256 MiB takes ~0.1 s.
         """
         if self._inline and not slot.claimed:
-            _claim_memory(slot.fd, HEADER_BYTES + slot.capacity, os.path.join(SHM_DIR, slot.name))
-            slot.claimed = True
+            try:
+                _claim_memory(slot.fd, HEADER_BYTES + slot.capacity, os.path.join(SHM_DIR, slot.name))
+            except WeightSyncError:
+                self._short = True
+                raise
+            slot.claimed, self._short = True, False
 
     def commit(self, slot: Slot, update_id: str, version: int, nbytes: int) -> None:
         """The payload is in place (or its copy is ordered before any read): readers may take it."""
@@ -256,7 +272,17 @@ class SlotPool:
         self._newest = update_id
 
     def abort(self, slot: Slot) -> None:
-        """Give back a slot that was acquired but not committed; it holds nothing now."""
+        """Give back a slot that was acquired but not committed; it holds nothing now.
+
+        One whose payload memory was never reserved (``shm``: its reservation
+        failed) is removed: kept, it would be the first slot every later
+        publish took, and failed on, again.
+        """
+        with self._lock:
+            if self._inline and not slot.claimed and slot in self._slots:
+                self._slots.remove(slot)
+                self._destroy(slot)
+                return
         with contextlib.suppress(ValueError, OSError):
             _HEADER.pack_into(slot.mm, 0, _MAGIC, _EMPTY, -1, b"", 0)
             fcntl.flock(slot.fd, fcntl.LOCK_UN)
@@ -352,7 +378,7 @@ class PooledWriter:
 
     def __init__(self, pool: SlotPool, lock_timeout: float) -> None:
         self._pool = pool
-        self.lock_timeout = lock_timeout
+        self.lock_timeout = checked_wait(lock_timeout, "lock_timeout")
 
     @property
     def segment_names(self) -> list[str]:

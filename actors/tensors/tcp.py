@@ -43,7 +43,7 @@ from .._shared._session import bind_host
 from .._wire._buffers import tensor_buffer
 from . import ALIGN, TensorSpec, check_specs, checksum
 from ._sharded import is_sharded, wholes
-from ._slots import CLOSED, LOCK_TIMEOUT, poll_async, poll_blocking
+from ._slots import CLOSED, LOCK_TIMEOUT, checked_wait, poll_async, poll_blocking
 from ._stream import (
     CHUNK,
     HELLO,
@@ -116,7 +116,7 @@ class TcpWriter:
         if type(chunk) is not int or chunk < MIN_CHUNK:
             raise ValueError(f"chunk must be at least {MIN_CHUNK} bytes (an int), not {chunk!r}")
         self.max_slots = slots
-        self.lock_timeout = lock_timeout
+        self.lock_timeout = checked_wait(lock_timeout, "lock_timeout")
         self.chunk = chunk
         self._lock = threading.Lock()
         self._slots: list[_Staged] = []

@@ -464,6 +464,40 @@ async def test_a_full_dev_shm_is_a_weight_sync_error_not_a_sigbus(monkeypatch):
     assert not [n for n in os.listdir(_slots.SHM_DIR) if n.startswith(_slots.segment_prefix())]
 
 
+def test_a_slot_whose_memory_could_not_be_reserved_is_not_tried_again_before_those_that_hold_theirs(monkeypatch):
+    """A 64 MiB ``/dev/shm``, a 40 MiB model, two slots: the second slot's reservation fails. That slot stayed in
+    the pool, released and unreserved, so every later publish took it first and failed again, though the first
+    slot (whose room it lacked) was free to rewrite. It is removed, and the pool reuses what holds its room before
+    it tries a new slot again."""
+    import errno
+
+    from actors.tensors import _slots
+
+    reserve = _slots.os.posix_fallocate
+    reserved: list[int] = []
+
+    def room_for_one(fd: int, offset: int, length: int) -> None:
+        if length > _slots.HEADER_BYTES:
+            if reserved and fd not in reserved:  # (the first slot's payload took the room)
+                raise OSError(errno.ENOSPC, "No space left on device")
+            reserved.append(fd)
+        reserve(fd, offset, length)
+
+    monkeypatch.setattr(_slots.os, "posix_fallocate", room_for_one)
+    with WeightPublisher("shm", slots=2) as publisher:
+        first = publisher.publish(filled_model(1.0), 1)
+        with pytest.raises(WeightSyncError, match="no room"):
+            publisher.publish(filled_model(2.0), 2)  # its new slot's reservation fails
+        assert publisher._writer.segment_names == [first.handle], "the slot that could not be reserved is gone"
+        third = publisher.publish(filled_model(3.0), 3)  # the first slot, rewritten
+        consumer = WeightConsumer()
+        model = filled_model(0.0)
+        consumer.install(third, model)
+        consumer.release(third.update_id)
+        assert all_equal(model, 3.0)
+        consumer.close()
+
+
 def test_a_slots_views_are_made_once_per_layout_and_found_by_the_same_specs_without_hashing_them():
     from actors.tensors import TensorSpec
     from actors.tensors._slot_views import SlotViews
@@ -570,3 +604,25 @@ def test_a_cuda_ipc_release_interrupted_in_its_wait_for_the_gpu_stays_owed(monke
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device: Stream(interrupt=False))
     reader.release("update-1")
     assert reader._held == {} and unheld == ["slot-0"]
+
+
+@pytest.mark.parametrize("where", ["lock_timeout", "publish", "publish_async"])
+async def test_a_wait_for_a_slot_that_is_not_a_finite_number_of_seconds_is_refused(where):
+    """``lock_timeout=nan`` (or a publish's ``timeout=nan``) made a deadline that never passes: with every slot held
+    the publish polled for good. It is a ``ValueError`` naming the value."""
+    nan = float("nan")
+    if where == "lock_timeout":
+        with pytest.raises(ValueError, match="lock_timeout is a finite number of seconds, 0 or more, not nan"):
+            WeightPublisher("shm", lock_timeout=nan)
+        with pytest.raises(ValueError, match="lock_timeout is a finite number"):
+            WeightPublisher("tcp", lock_timeout=-1.0)
+        return
+    with WeightPublisher("shm", slots=1) as publisher:
+        consumer = WeightConsumer()
+        consumer.import_update(publisher.publish(filled_model(1.0), 1))  # its one slot held
+        with pytest.raises(ValueError, match="timeout is a finite number of seconds, 0 or more, not nan"):
+            if where == "publish":
+                await asyncio.to_thread(publisher.publish, filled_model(2.0), 2, timeout=nan)
+            else:
+                await publisher.publish_async(filled_model(2.0), 2, timeout=nan)
+        consumer.close()
