@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 from .._processes._forkserver_protocol import PR_SET_PDEATHSIG
 from .._processes._lifeline import Lifelines, silence_bound
+from .._processes._node_forkserver import SPAWN_REPORT_TIMEOUT
 from .._runtime._call_sender import pending_future
 from .._runtime._core import Runtime, at_runtime_exit, current_runtime, runtime
 from .._runtime._future import Future
@@ -50,6 +51,7 @@ from ._actor_mesh import ActorMesh
 from ._attaching import Attaching, ask_agent
 from ._proc_mesh import ProcMesh
 from ._remote_host_mesh import RemoteHostMesh, RemoteNode, Requested, use_tcp
+from ._request_deadlines import RequestDeadlines
 from ._worker_addresses import attach_address
 from ._worker_loop import HostAgent, check_worker_loop_args
 
@@ -63,6 +65,9 @@ _CA = "trust_all_connections"
 ATTACH_TIMEOUT = 30.0
 #: How long a request to an agent may take before the host counts as unreachable (``exits`` waits 10 s itself).
 REQUEST_TIMEOUT = 60.0
+#: How long a spawn may take: longer than the agent's own wait for its worker's start (past which the agent
+#: kills it), so a worker this controller gave up on is never one the agent still lets run.
+SPAWN_TIMEOUT = SPAWN_REPORT_TIMEOUT + 30.0
 #: How long shutting down waits for the agents to end their workers.
 STOP_TIMEOUT = 15.0
 #: How long it waits for an agent that never answered ``start`` (its worker may be unreachable): it is asked all
@@ -91,6 +96,7 @@ class AttachedHostMesh(RemoteHostMesh):
         self._agents = agents  # the worker loops' processes, as handles (ended by shutdown(), not at our exit)
         self._handles = handles
         self._attaching = Attaching(rt, addresses, list(handles), timeout, self._install)
+        self._deadlines = RequestDeadlines(rt)
         at_runtime_exit(lambda: self._release(end_hosts=False))
 
     def _install(self, nodes: list[RemoteNode]) -> None:
@@ -175,7 +181,8 @@ class AttachedHostMesh(RemoteHostMesh):
 
         pending = ask_agent(self._rt, agent, op, args, answered)  # (answered is attached as the request leaves)
         if not pending.done:
-            self._rt.driver.on_thread(lambda: _expire_later(self._rt, pending))
+            timeout = SPAWN_TIMEOUT if op == "spawn" else REQUEST_TIMEOUT
+            self._rt.driver.on_thread(lambda: self._deadlines.add(pending, timeout))
 
     def _fetch_addresses(self, nodes: list[RemoteNode], count: int) -> list[list[str]]:
         calls = [ask_agent(self._rt, node.handle, "addresses", (count,)) for node in nodes]
@@ -228,14 +235,7 @@ class AttachedHostMesh(RemoteHostMesh):
         self._relay.close()
         self._lifelines.close()
         self._forget_workers("its host mesh was shut down")
-
-
-def _expire_later(rt: Runtime, pending: PendingCall) -> None:
-    """Fail ``pending`` after :data:`REQUEST_TIMEOUT` if it is still open (nobody awaits a request's answer)."""
-    loop = rt.driver.loop
-    if loop is not None and loop.is_running() and not pending.done:
-        pending.timeout = REQUEST_TIMEOUT
-        loop.call_later(REQUEST_TIMEOUT, pending.expire)
+        self._deadlines.close()
 
 
 def _wait(rt: Runtime, pending: PendingCall, timeout: float, what: str) -> Any:

@@ -51,6 +51,8 @@ log = logging.getLogger("actors")
 
 #: Free tcp addresses asked of each host ahead of need, so ``spawn_procs`` rarely waits for one.
 ADDRESS_POOL = 64
+#: Rounds of fetching addresses and placing a spawn, while other spawns on the same hosts take them first.
+PLACE_ATTEMPTS = 3
 
 #: ``done(value, None)`` or ``done(None, error)`` on the runtime's thread when a request to a host completes.
 Requested = Callable[[Any, BaseException | None], None]
@@ -220,9 +222,14 @@ class RemoteHostMesh(HostMesh):
             raise ValueError("per_host counts processes on each host; 'hosts' is the host mesh's own dimension")
         self._check_spawnable()
         count = math.prod(per.values())
-        self._ensure_addresses(count)
-        return self._rt.driver.on_thread(  # type: ignore[no-any-return]
-            lambda: self._place(per, count, boot, name, threads, policy)
+        for _ in range(PLACE_ATTEMPTS):
+            self._ensure_addresses(count)
+            mesh = self._rt.driver.on_thread(lambda: self._place(per, count, boot, name, threads, policy))
+            if mesh is not None:
+                return mesh  # type: ignore[no-any-return]
+        raise RuntimeError(
+            f"spawn_procs() could not keep {count} free addresses per host ready: other spawns on these hosts took "
+            f"them {PLACE_ATTEMPTS} times over; spawn again"
         )
 
     def _check_spawnable(self) -> None:
@@ -232,11 +239,41 @@ class RemoteHostMesh(HostMesh):
         if lost:
             raise RuntimeError(f"cannot spawn on a host mesh that lost {', '.join(lost)}")
 
+    def _free_addresses(self, node: RemoteNode, count: int, chosen: set[str]) -> list[str] | None:
+        """``count`` of ``node``'s pooled addresses that no live process serves and this placement has not chosen,
+        taken from its pool; None (the pool as it was) if it has too few.
+
+        Another host with the same IP (two worker loops on one machine) pools
+        ports of the same address space: a port it still holds unbound is
+        free to this host's batch too, and may be a live worker's by now.
+        """
+        taken: list[str] = []
+        while len(taken) < count and node.addresses:
+            address = node.addresses.pop()
+            known = self._rt.registry.procs.get(address)
+            if address not in chosen and (known is None or known.dead):
+                taken.append(address)
+        if len(taken) < count:
+            node.addresses.extend(reversed(taken))
+            return None
+        chosen.update(taken)
+        return taken
+
     def _place(
         self, per: dict[str, int], count: int, boot: str | None, name: str | None, threads: int, policy: RestartPolicy
-    ) -> ProcMesh:
-        """:meth:`_spawn`'s processes started on the hosts (the runtime's thread)."""
+    ) -> ProcMesh | None:
+        """:meth:`_spawn`'s processes started on the hosts (the runtime's thread); None, nothing started, if a
+        host has too few free addresses (another spawn took them since they were fetched)."""
         self._check_spawnable()  # (again: a host may have been lost while the addresses came)
+        chosen: set[str] = set()
+        placements: list[tuple[RemoteNode, list[str]]] = []
+        for node in self._nodes:
+            addresses = self._free_addresses(node, count, chosen)
+            if addresses is None:
+                for earlier, taken in placements:
+                    earlier.addresses.extend(reversed(taken))
+                return None
+            placements.append((node, addresses))
         rt = self._rt
         main = main_module()
         mesh_name = name or f"procs{rt.counter('mesh')}"
@@ -249,9 +286,9 @@ class RemoteHostMesh(HostMesh):
             env = gpu_env(per, rank % count, node.gpus)
             return worker_config(rt, f"{mesh_name}.{rank}", address, rank, main, boot, threads, env).to_wire()
 
-        for node in self._nodes:
-            for _ in range(count):
-                rank, address = len(procs), node.addresses.pop()
+        for node, addresses in placements:
+            for address in addresses:
+                rank = len(procs)
                 ref = rt.registry.placed(address)
                 configs.append(config_for(rank, node, address))
                 procs.append(ref)
@@ -270,9 +307,10 @@ class RemoteHostMesh(HostMesh):
                 self._start(home, ref, configs[rank])
                 return ref.address
             node = self._live_node()
-            if not node.addresses:
+            free = self._free_addresses(node, 1, set())
+            if free is None:
                 raise RuntimeError(f"{node} has no free address ready yet")
-            address = node.addresses.pop()
+            [address] = free
             if GPU_DIM in per:
                 log.warning("rank %d moves to %s, sharing GPU %d of its own rank there", rank, node, rank % count)
             configs[rank], homes[rank] = config_for(rank, node, address), node

@@ -209,3 +209,90 @@ def test_spawning_and_forgetting_workers_run_on_the_runtimes_thread(tmp_path, mo
     assert fetched_on == [False] and mesh.off_thread == [] and len(procs) == 1
     mesh._forget_workers("its host mesh was shut down")
     assert procs[0].dead and died_on == [True]
+
+
+def test_a_port_two_hosts_of_one_ip_both_pool_goes_to_one_rank_only(tmp_path):
+    """Two worker loops on one machine pool ports of one address space: a port one holds unbound can be in the
+    other's batch, or serve a live worker of the other by now. Both ranks got it (one ref: the worker that
+    failed to bind marked the other rank's process dead, or the calls of one rank reached the other's)."""
+    mesh = a_host_mesh(tmp_path, 2)
+    first, second = mesh._nodes
+    shared = "tcp://10.255.1.0:5001"
+    first.pool(["tcp://10.255.1.0:5002", shared])
+    second.pool(["tcp://10.255.1.0:5003", shared])
+    chosen: set[str] = set()
+    assert mesh._free_addresses(first, 1, chosen) == [shared]
+    assert mesh._free_addresses(second, 1, chosen) == ["tcp://10.255.1.0:5003"], "chosen once in a placement"
+    mesh._rt.registry.placed("tcp://10.255.1.0:5002")  # a live worker serves it now (placed by another mesh)
+    assert mesh._free_addresses(first, 1, set()) is None and first.addresses == []
+
+
+def test_a_spawn_whose_addresses_another_spawn_took_starts_nothing_and_fetches_again(tmp_path):
+    """The addresses are fetched on the caller's thread and used on the runtime's: a spawn from another thread
+    in between may take them. Placing popped from an empty pool part-way (``IndexError``), leaving the workers
+    it had started on the first hosts with no mesh to stop them; it now starts nothing and fetches again."""
+    mesh = a_host_mesh(tmp_path, 2)
+    mesh._nodes[0].pool(["tcp://10.255.1.0:5001", "tcp://10.255.1.0:5002"])
+    mesh._nodes[1].pool(["tcp://10.255.1.1:5001"])  # one short
+    assert mesh._place({"procs": 2}, 2, None, None, 1, None) is None  # type: ignore[arg-type]
+    assert mesh.requests == [] and len(mesh._nodes[0].addresses) == 2, "nothing started, nothing lost"
+
+    fetched: list[int] = []
+    placed = iter([None, None, "the mesh"])
+
+    class Retrying(HandFed):
+        def _fetch_addresses(self, nodes: list[RemoteNode], count: int) -> list[list[str]]:
+            fetched.append(count)
+            return [[f"tcp://{node.ip}:{6000 + i}" for i in range(count)] for node in nodes]
+
+        def _place(self, *args: Any) -> Any:
+            return next(placed)
+
+    retrying = Retrying(mesh._rt.registry, [RemoteNode(0, None, "10.255.1.5", 1, "n", "node", [])])
+    assert retrying._spawn({"procs": 2}, None, None, 1, None) == "the mesh"  # type: ignore[arg-type,comparison-overlap]
+    assert len(fetched) == 1, "a pool that still holds enough is not fetched again"
+    placed = iter([None] * 3)
+    with pytest.raises(RuntimeError, match="could not keep 2 free addresses per host ready"):
+        retrying._spawn({"procs": 2}, None, None, 1, None)  # type: ignore[arg-type]
+
+
+def test_a_request_deadline_outlives_the_loop_it_was_armed_on():
+    """A request to a host's agent fails at its deadline, a timer on the runtime's loop: armed on a loop the
+    program then left (a synchronous setup's background loop, then ``asyncio.run``), it never fired, and a request
+    whose answer never came (a hung agent) left the host's exits unpolled for good. Re-armed on the next loop."""
+    import asyncio
+
+    from actors._meshes._request_deadlines import RequestDeadlines
+    from actors._shared._hooks import Hook
+
+    class Pending:
+        done = False
+        timeout: float | None = None
+
+        def expire(self) -> None:
+            self.done = True
+
+    first, second = asyncio.new_event_loop(), asyncio.new_event_loop()
+    driver = SimpleNamespace(loop=first, moved=Hook("moved"))
+    deadlines = RequestDeadlines(SimpleNamespace(driver=driver))  # type: ignore[arg-type]
+    pending, answered = Pending(), Pending()
+
+    async def ask() -> None:
+        deadlines.add(pending, 0.05)  # type: ignore[arg-type]
+        deadlines.add(answered, 0.05)  # type: ignore[arg-type]
+        answered.done = True  # (its answer came)
+
+    first.run_until_complete(ask())  # armed on the first loop, which then ends
+    first.close()
+    driver.loop = second
+
+    async def moved() -> None:
+        driver.moved()
+        while not pending.done:
+            await asyncio.sleep(0.005)
+
+    second.run_until_complete(asyncio.wait_for(moved(), 5))
+    second.close()
+    assert pending.done and pending.timeout == 0.05 and deadlines.open == 0
+    deadlines.close()
+    assert not driver.moved
