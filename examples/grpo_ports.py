@@ -207,17 +207,18 @@ async def main() -> None:
     scored_in = await ref.inlet.call_one()
     ref_scored_in = await trainer.inlet.call_one()
 
-    await generators.start.call()
-    scoring = scorer.run.call_one(scored_in)  # each of these is on the wire already
-    referencing = ref.run.call_one(ref_scored_in)
-    training = trainer.run.call_one(generators)
-
-    print(f"training finished at step {await done.recv()}")
-    await training
-    await scoring
-    await referencing
-    for procs in (gen_procs, scorer_procs, ref_procs, trainer_procs):
-        await procs.stop()
+    try:
+        await generators.start.call()
+        scoring = scorer.run.call_one(scored_in)  # each of these is on the wire already
+        referencing = ref.run.call_one(ref_scored_in)
+        training = trainer.run.call_one(generators)
+        await training  # (first: a trainer that fails raises here; its done port would never be sent to)
+        print(f"training finished at step {await done.recv()}")
+        await scoring
+        await referencing
+    finally:
+        for procs in (gen_procs, scorer_procs, ref_procs, trainer_procs):
+            await procs.stop()
 
 
 if __name__ == "__main__":

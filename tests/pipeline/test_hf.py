@@ -46,6 +46,16 @@ def _example():  # type: ignore[no-untyped-def]
     return module
 
 
+@pytest.mark.parametrize("flags", [["--digits", "3"], ["--digits", "0"], ["--rows", "0"]])
+def test_the_example_refuses_more_rows_than_its_digits_can_make(tmp_path, capsys, flags):
+    """``--digits 3`` with the default 2,000 rows: there are 1,000 three-digit numbers, and it drew numbers for
+    good at full CPU, saying nothing. A usage error now, before any model is built."""
+    with pytest.raises(SystemExit) as caught:
+        _example().main([str(tmp_path), *flags])
+    assert caught.value.code == 2 and "give 1 to 10**digits rows" in capsys.readouterr().err
+    assert not (tmp_path / "model").exists()
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):  # type: ignore[no-untyped-def]
     """A folder with model/ (Qwen2-style, random), train.jsonl, chat.jsonl and rewards.py."""
