@@ -490,6 +490,19 @@ def test_a_repeat_of_the_update_a_model_aliases_leaves_it_held():
         inbox.close()
 
 
+def two_modules_installed(
+    publisher: WeightPublisher, second_alias: bool
+) -> tuple[WeightConsumer, torch.nn.Module, torch.nn.Module, WeightManifest, WeightManifest]:
+    """A consumer with version 1 aliased into one module and version 2 installed into another."""
+    consumer = WeightConsumer()
+    viewer, other = filled_model(0.0), filled_model(0.0)
+    first = publisher.publish(filled_model(1.0), 1)
+    consumer.install(first, viewer, alias=True)
+    second = publisher.publish(filled_model(2.0), 2)
+    consumer.install(second, other, alias=second_alias)
+    return consumer, viewer, other, first, second
+
+
 @pytest.mark.parametrize("copied", [True, False], ids=["then-a-copy", "then-an-alias"])
 def test_an_update_one_module_views_stays_held_while_another_module_installs_the_next(copied):
     """Two modules in one consumer (replicas, a policy beside its reference): installing the next update into one
@@ -497,12 +510,7 @@ def test_an_update_one_module_views_stays_held_while_another_module_installs_the
     publisher wrote newer weights under it. Each module's view is its own: an update is released once no module
     views it."""
     with WeightPublisher("shm", slots=3, lock_timeout=0.2) as publisher:
-        consumer = WeightConsumer()
-        viewer, other = filled_model(0.0), filled_model(0.0)
-        first = publisher.publish(filled_model(1.0), 1)
-        consumer.install(first, viewer, alias=True)
-        second = publisher.publish(filled_model(2.0), 2)
-        consumer.install(second, other, alias=not copied)
+        consumer, viewer, other, first, second = two_modules_installed(publisher, second_alias=not copied)
         if copied:
             consumer.release(second.update_id)
         assert consumer.holds_alias(first.update_id) and consumer.state(first.update_id) == "acknowledged"
@@ -525,12 +533,7 @@ def test_updates_an_install_replaces_are_each_released_or_owed_whatever_fails_fi
     releasing the first failed, the second was neither released nor owed, and stayed held for good. Each is
     owed until let go: the next release makes what is left."""
     with WeightPublisher("shm", slots=4, lock_timeout=0.2) as publisher:
-        consumer = WeightConsumer()
-        viewer, other = filled_model(0.0), filled_model(0.0)
-        first = publisher.publish(filled_model(1.0), 1)
-        consumer.install(first, viewer, alias=True)
-        second = publisher.publish(filled_model(2.0), 2)
-        consumer.install(second, other, alias=True)
+        consumer, viewer, other, first, second = two_modules_installed(publisher, second_alias=True)
         del other
         gc.collect()
         reader = consumer.reader("shm")
