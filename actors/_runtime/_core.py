@@ -50,7 +50,7 @@ from .._wire._records import Attach, Credit, Header, PortMessage, ProcessLost, P
 from ._actor_host import ActorHost
 from ._mesh_routes import MeshRoutes
 from ._parts import Parts
-from ._pending_calls import CallTable
+from ._pending_calls import CallTable, Doomed, fail_waiting
 
 __all__ = [
     "Runtime",
@@ -105,6 +105,9 @@ class Runtime:
         )
         self.windows = SenderWindows(self.outbox)
         self.calls = CallTable()
+        #: Calls waiting on a process whose exit the registry is announcing, by pid: they fail at its
+        #: ``pid_exits``, once the inbox has been read (a reply sent just before the exit wins).
+        self._doomed: dict[int, list[Doomed]] = {}
         self.receivers = Receivers(self.pid, self.registry.watcher.watch, self._credit, self.drops, self.registry.proc)
         sock = bind_inbox(self.ctx, self.address, self.keys, fd)
         self.inbox = Inbox(sock, self.dir, self.address, self._learn_sender, self.drops, self.keys is not None)
@@ -142,7 +145,7 @@ class Runtime:
     def _wire_handlers(self) -> None:
         registry, inbox, receivers = self.registry, self.inbox, self.receivers
         registry.deaths.connect(self._peer_died)
-        registry.deaths.connect(self.calls.on_death)
+        registry.deaths.connect(self._fail_calls_of)
         registry.pid_exits.connect(self._holder_exited)
         registry.deaths.connect(self._remote_holder_died)
         inbox.on(Reply, lambda record, frames, sender, size: self.calls.on_reply(record))
@@ -152,14 +155,24 @@ class Runtime:
         news = self.news
         inbox.on(ProcessLost, news.on_lost)
         inbox.on(ProcessRestarted, news.on_restarted)
-        registry.seen_deaths.connect(news.seen_dying)  # (the news goes out first: a restart read next is later)
-        registry.seen_deaths.connect(self._take_in_before_death)
+        registry.seen_deaths.connect(news.seen_dying)
 
-    def _take_in_before_death(self, ref: ProcRef) -> None:
-        """Read what waits in the inbox before a process seen dying here fails its calls: a reply it sent just
-        before it exited may be there still (its pidfd read first, or the reply queued behind a turn's records)."""
-        if not self.closed:
-            self.inbox.pump()
+    def _fail_calls_of(self, ref: ProcRef) -> None:
+        """Fail the calls still waiting on ``ref``, a process that died.
+
+        One whose exit this process saw (its pidfd) may have answered just
+        before it exited, the reply still unread (the pidfd read first, or
+        the reply queued behind a turn's records): its calls fail at its
+        ``pid_exits``, once what waits in the inbox has been read (the news
+        of its death has gone out by then, so a restart read there is later).
+        """
+        doomed = self.calls.waiting_on(ref)
+        if not doomed:
+            return
+        if ref.pid is not None and ref.pid == self.registry.exiting:
+            self._doomed.setdefault(ref.pid, []).append(Doomed(doomed, ref.pid, ref.exit_reason))
+        else:
+            fail_waiting(doomed, ref.pid, ref.exit_reason)
 
     def _remote_holder_died(self, ref: ProcRef) -> None:
         """A process of another host died (news of it): its port senders, known by its address, are gone."""
@@ -177,6 +190,9 @@ class Runtime:
         mistaken for lost).
         """
         self.inbox.pump()
+        if isinstance(pid, int):
+            for doomed in self._doomed.pop(pid, ()):  # its calls the inbox did not answer
+                fail_waiting(doomed.calls, doomed.pid, doomed.reason)
         loop = self.driver.loop
         if loop is None or not loop.is_running():
             self.receivers.holder_died(pid)

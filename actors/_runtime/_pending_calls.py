@@ -15,7 +15,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from .._shared._errors import ActorDied, CallTimeout
 from .._shared._liveness import ProcRef
@@ -23,7 +23,7 @@ from .._shared._loops import wake_all
 from .._shared._names import shown
 from .._wire._records import ErrorRecord, Reply
 
-__all__ = ["CallTable", "PendingCall"]
+__all__ = ["CallTable", "Doomed", "PendingCall", "fail_waiting"]
 
 
 class PendingCall:
@@ -156,6 +156,21 @@ class PendingCall:
         )
 
 
+class Doomed(NamedTuple):
+    """Calls waiting on a process that exited, to fail once what waits in the inbox has been read."""
+
+    calls: list[tuple[PendingCall, int]]
+    pid: int | None
+    reason: str
+
+
+def fail_waiting(waiting: list[tuple[PendingCall, int]], pid: int | None, reason: str) -> None:
+    """Fail each call still waiting on its rank (one answered meanwhile is left as it is) with ``ActorDied``."""
+    for call, rank in waiting:
+        if not call.done and rank in call.remaining:
+            call.fail(ActorDied.of(call.actor, rank, pid, reason, call.method, call.class_ref))
+
+
 class CallTable:
     """Every call of this process that still expects replies, by call id."""
 
@@ -188,13 +203,15 @@ class CallTable:
         if call is not None:  # else it already failed or timed out
             call.deliver(reply.rank, reply.ok, reply.value)
 
-    def on_death(self, ref: ProcRef) -> None:
-        """Fail every call still waiting on a rank hosted by ``ref``."""
-        for call in list(self._pending.values()):
+    def waiting_on(self, ref: ProcRef) -> list[tuple[PendingCall, int]]:
+        """Each call still waiting on a rank hosted by ``ref``, with that rank (its first, if several)."""
+        waiting = []
+        for call in self._pending.values():
             for rank in call.remaining:
                 if call.procs[rank] is ref:
-                    call.fail(ActorDied.of(call.actor, rank, ref.pid, ref.exit_reason, call.method, call.class_ref))
+                    waiting.append((call, rank))
                     break
+        return waiting
 
     def __len__(self) -> int:
         return len(self._pending)

@@ -8,9 +8,8 @@ the forkserver writes it when it forks, and an owner rewrites it when it
 restarts a process at the same address. Nothing here ever waits.
 
 Deaths come from :class:`~actors._shared._liveness.Watcher` (pidfds) or from
-:meth:`Registry.mark_dead`; each is announced once on the ``deaths`` hook.
-One seen through a pidfd is first announced on ``seen_deaths``: its news is
-passed on, and the inbox read, before any call to it fails (see ``_pid_died``).
+:meth:`Registry.mark_dead`; each is announced once on the ``deaths`` hook,
+and one seen through a pidfd also on ``seen_deaths`` (news to pass on).
 """
 
 from __future__ import annotations
@@ -43,8 +42,11 @@ class Registry:
         self.deaths: Hook[[ProcRef]] = Hook("process deaths")
         #: Every pid that exits, known ref or not (port holders are pids).
         self.pid_exits: Hook[[int]] = Hook("pid exits")
-        #: Each peer whose death this process saw for itself (its pidfd), marked dead but before ``deaths``.
+        #: Each peer whose death this process saw for itself (its pidfd), after ``deaths``.
         self.seen_deaths: Hook[[ProcRef]] = Hook("deaths seen here")
+        #: The pid whose exit the hooks are announcing (``deaths``, ``seen_deaths``, then ``pid_exits``), while
+        #: they are: a listener may leave what must follow what is waiting in the inbox to ``pid_exits``.
+        self.exiting: int | None = None
         self._pid_waiters: dict[str, list[Callable[[], None]]] = {}
         #: Peers whose pid nobody has recorded yet: ``retry_unresolved`` looks again.
         self.unresolved: set[ProcRef] = set()
@@ -196,29 +198,24 @@ class Registry:
         self.revive(ref, pid)
         return not ref.dead
 
-    def mark_dead(self, ref: ProcRef, reason: str, *, seen: bool = False) -> None:
-        """Treat ``ref`` as gone and tell every listener, once; a death ``seen`` here goes to ``seen_deaths`` first."""
+    def mark_dead(self, ref: ProcRef, reason: str) -> None:
+        """Treat ``ref`` as gone and tell every listener, once."""
         if ref.dead:
             return
         ref.dead = True
         ref.exit_reason = reason
-        if seen:
-            self.seen_deaths(ref)
         self.deaths(ref)
 
     def _pid_died(self, pid: int) -> None:
-        """A watched pid exited: its ref (if it still names it) dies, seen here.
-
-        ``seen_deaths`` comes before ``deaths``: its listeners pass the news
-        on and then read what waits in the inbox, so a reply the process
-        sent before it exited is taken in before its calls fail, and news
-        queued behind it (a restart) reaches peers after the death, not
-        before it.
-        """
         ref = self._by_pid.get(pid)
-        if ref is not None and ref.pid == pid and not ref.dead:
-            self.mark_dead(ref, "process exited", seen=True)
-        self.pid_exits(pid)
+        self.exiting = pid
+        try:
+            if ref is not None and ref.pid == pid and not ref.dead:
+                self.mark_dead(ref, "process exited")
+                self.seen_deaths(ref)
+            self.pid_exits(pid)
+        finally:
+            self.exiting = None
 
     def close(self) -> None:
         self.watcher.close()
