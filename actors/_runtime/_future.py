@@ -40,7 +40,7 @@ def _settled(waiting: concurrent.futures.Future[Any], seconds: float) -> bool:
 class Future(Generic[R]):
     """A result that will arrive; awaitable, or ``get()`` synchronously."""
 
-    __slots__ = ("_any_thread", "_done", "_elsewhere", "_error", "_make", "_value", "_wait_sync")
+    __slots__ = ("_any_thread", "_done", "_elsewhere", "_elsewhere_on", "_error", "_make", "_value", "_wait_sync")
 
     def __init__(
         self,
@@ -59,6 +59,8 @@ class Future(Generic[R]):
         #: The run a ``get()`` started on the loop of another thread: a later ``get()`` or ``await`` waits for
         #: it (a ``get(timeout)`` that gave up does not consume the future, as in Monarch, nor run it twice).
         self._elsewhere: concurrent.futures.Future[R] | None = None
+        #: The loop that run is on.
+        self._elsewhere_on: asyncio.AbstractEventLoop | None = None
 
     @classmethod
     def ready(cls, value: R) -> Future[R]:
@@ -97,11 +99,12 @@ class Future(Generic[R]):
         return await self._body()
 
     async def _body(self) -> R:
-        """Run the future's work and keep its outcome (a cancellation is not one: it may be run again)."""
+        """Run the future's work and keep its outcome (a cancellation is not one: it may be run again; nor is the
+        ``GeneratorExit`` of a run closed with the loop it was left on)."""
         try:
             self._value = await self._make()
         except BaseException as exc:
-            if not isinstance(exc, asyncio.CancelledError):
+            if not isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
                 self._done, self._error = True, exc
             raise
         self._done = True
@@ -151,10 +154,15 @@ class Future(Generic[R]):
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            if self._done:  # (the run ended as its loop stopped, or an await of this future finished the work)
+                return self._result()
             waiting = self._elsewhere
+            if waiting is not None and not waiting.done() and self._elsewhere_on is not loop:
+                waiting.cancel()  # stranded on a loop that no longer drives (an earlier get gave up on it there)
             if waiting is None or (waiting.cancelled() and not self._done):  # (a loop that ended cancels its run)
                 try:
                     waiting = self._elsewhere = asyncio.run_coroutine_threadsafe(self._body(), loop)
+                    self._elsewhere_on = loop
                 except RuntimeError:  # closed since this thread looked
                     waiting = None
             if waiting is not None:
@@ -162,7 +170,9 @@ class Future(Generic[R]):
                 driven = driver.wait_while_driven(loop, functools.partial(_settled, waiting), left)
                 if waiting.done() and not waiting.cancelled():
                     return waiting.result()  # the outcome (a call's own deadline too: CallTimeout)
-                if driven is False:
+                if self._done:
+                    return self._result()
+                if driven is False or (deadline is not None and time.monotonic() >= deadline):
                     # the run goes on: a later get() or await waits for the same one (Monarch: a timeout never
                     # consumes the future)
                     raise CallTimeout(f"gave up after {timeout:.1f}s waiting for the result")

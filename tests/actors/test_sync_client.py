@@ -685,6 +685,53 @@ def test_a_get_waiting_on_the_programs_loop_goes_on_when_that_loop_ends(tmp_path
     assert lines == (["['ANSWERED']"] if work == "then" else ["['answered']"])
 
 
+def test_a_get_after_an_earlier_one_gave_up_on_a_loop_that_stopped_runs_the_work_where_the_runtime_is(tmp_path):
+    """A helper's ``get(timeout)`` gives up while the work runs on the program's loop, which then stops with it
+    pending; the program's next ``asyncio.run`` drives the runtime. The helper's next ``get()`` waited there for
+    the run stranded on the stopped loop, for good; that run is cancelled and the work runs where the runtime is."""
+    lines = run_program(
+        tmp_path,
+        """
+        if __name__ == "__main__":
+            import tempfile
+            procs, talker = served_talker()
+            path = os.path.join(tempfile.mkdtemp(), "go")
+            got, gave_up, go_on = [], threading.Event(), threading.Event()
+
+            def helper():
+                answer = talker.when_exists.call_one(path).then(str.upper)
+                try:
+                    answer.get(timeout=0.2)
+                except CallTimeout:
+                    gave_up.set()
+                assert go_on.wait(30)
+                return answer.get()
+
+            async def first():
+                assert await talker.echo.call_one(1) == 1  # the runtime moved to this loop
+                thread = in_a_thread(helper, got)
+                while not gave_up.is_set():
+                    await asyncio.sleep(0.005)  # (the helper's run is on this loop, which stops with it pending)
+                return thread
+
+            thread = asyncio.new_event_loop().run_until_complete(first())
+
+            async def second():
+                assert await talker.echo.call_one(2) == 2  # the runtime moved to this loop
+                go_on.set()
+                open(path, "w").close()
+                while not got:
+                    await asyncio.sleep(0.005)
+
+            asyncio.run(asyncio.wait_for(second(), 15))
+            thread.join(30)
+            print(got)
+            procs.stop().get()
+        """,
+    )
+    assert lines == ["['ANSWERED']"]
+
+
 def test_a_receive_through_the_programs_loop_goes_on_when_that_loop_stops(tmp_path):
     """A helper thread receives (``recv().get()``) through the program's loop, which stops
     (``run_until_complete`` returned; not closed, so its waiting task is not cancelled): the receive used to wait
