@@ -240,18 +240,19 @@ class RemoteHostMesh(HostMesh):
             raise RuntimeError(f"cannot spawn on a host mesh that lost {', '.join(lost)}")
 
     def _free_addresses(self, node: RemoteNode, count: int, chosen: set[str]) -> list[str] | None:
-        """``count`` of ``node``'s pooled addresses that no live process serves and this placement has not chosen,
-        taken from its pool; None (the pool as it was) if it has too few.
+        """``count`` of ``node``'s pooled addresses that no process this one knows ever served and this placement
+        has not chosen, taken from its pool; None (the pool as it was) if it has too few.
 
         Another host with the same IP (two worker loops on one machine) pools
         ports of the same address space: a port it still holds unbound is
-        free to this host's batch too, and may be a live worker's by now.
+        free to this host's batch too, and may be a live worker's by now. One
+        a dead worker served is left too: its ref, interned by address, is
+        dead and still another mesh's rank.
         """
         taken: list[str] = []
         while len(taken) < count and node.addresses:
             address = node.addresses.pop()
-            known = self._rt.registry.procs.get(address)
-            if address not in chosen and (known is None or known.dead):
+            if address not in chosen and address not in self._rt.registry.procs:
                 taken.append(address)
         if len(taken) < count:
             node.addresses.extend(reversed(taken))

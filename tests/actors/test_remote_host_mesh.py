@@ -225,6 +225,10 @@ def test_a_port_two_hosts_of_one_ip_both_pool_goes_to_one_rank_only(tmp_path):
     assert mesh._free_addresses(second, 1, chosen) == ["tcp://10.255.1.0:5003"], "chosen once in a placement"
     mesh._rt.registry.placed("tcp://10.255.1.0:5002")  # a live worker serves it now (placed by another mesh)
     assert mesh._free_addresses(first, 1, set()) is None and first.addresses == []
+    gone = mesh._rt.registry.placed("tcp://10.255.1.0:5004")
+    mesh._rt.registry.mark_dead(gone, "exited")  # a dead worker's: its ref is another mesh's dead rank still
+    first.pool(["tcp://10.255.1.0:5004"])
+    assert mesh._free_addresses(first, 1, set()) is None
 
 
 def test_a_spawn_whose_addresses_another_spawn_took_starts_nothing_and_fetches_again(tmp_path):
