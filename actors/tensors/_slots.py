@@ -183,9 +183,6 @@ class SlotPool:
         self._allocate = allocate
         self._free = free
         self._slots: list[Slot] = []
-        #: The payload memory of the last new slot could not be reserved (a full ``/dev/shm``): until one is, the
-        #: pool reuses any slot it can before it makes one (the room they hold is what a new one lacked).
-        self._short = False
         self._newest: str | None = None
         self._reclaimed: list[str] = []
         self.closed = False
@@ -202,8 +199,9 @@ class SlotPool:
 
         Preference keeps in-flight manifests importable as long as possible:
         released slots, then a new slot while the pool has room, then
-        superseded updates (oldest first), and the newest update last; after
-        a new slot's memory could not be reserved, a new slot comes last. A
+        superseded updates (oldest first), and the newest update last. A new
+        ``shm`` slot is made only while ``/dev/shm`` has room for it: a full
+        one reuses the slots that hold their room instead. A
         closed pool makes no slot (one would outlive it): it raises
         :class:`WeightSyncError`, which also ends a publish polling for one.
         """
@@ -223,9 +221,9 @@ class SlotPool:
             (s for s in self._slots if not s.released and s.update_id != self._newest), key=lambda s: s.version
         )
         newest = [s for s in self._slots if not s.released and s.update_id == self._newest]
-        for group in (released, superseded, newest, None) if self._short else (released, None, superseded, newest):
+        for group in (released, None, superseded, newest):
             if group is None:
-                if len(self._slots) < self.max_slots:
+                if len(self._slots) < self.max_slots and (not self._slots or self._room_for(nbytes)):
                     return self._create(nbytes)
                 continue
             for slot in group:
@@ -257,12 +255,8 @@ class SlotPool:
         Called by the copy, which runs off the event loop from 1 MiB: reserving 256 MiB takes ~0.1 s.
         """
         if self._inline and not slot.claimed:
-            try:
-                _claim_memory(slot.fd, HEADER_BYTES + slot.capacity, os.path.join(SHM_DIR, slot.name))
-            except WeightSyncError:
-                self._short = True
-                raise
-            slot.claimed, self._short = True, False
+            _claim_memory(slot.fd, HEADER_BYTES + slot.capacity, os.path.join(SHM_DIR, slot.name))
+            slot.claimed = True
 
     def commit(self, slot: Slot, update_id: str, version: int, nbytes: int) -> None:
         """The payload is in place (or its copy is ordered before any read): readers may take it."""
@@ -287,6 +281,16 @@ class SlotPool:
             _HEADER.pack_into(slot.mm, 0, _MAGIC, _EMPTY, -1, b"", 0)
             fcntl.flock(slot.fd, fcntl.LOCK_UN)
         slot.update_id, slot.version, slot.released = None, -1, True
+
+    def _room_for(self, nbytes: int) -> bool:
+        """Whether ``/dev/shm`` has room for a new slot of ``nbytes`` (always, for a payload held elsewhere)."""
+        if not self._inline:
+            return True
+        try:
+            free = os.statvfs(SHM_DIR)
+        except OSError:
+            return True
+        return free.f_bavail * free.f_frsize >= HEADER_BYTES + nbytes
 
     def _claim(self, slot: Slot, nbytes: int) -> Slot:
         """Take over a locked slot: its old update is reclaimed; replaced if too small."""

@@ -464,16 +464,17 @@ async def test_a_full_dev_shm_is_a_weight_sync_error_not_a_sigbus(monkeypatch):
     assert not [n for n in os.listdir(_slots.SHM_DIR) if n.startswith(_slots.segment_prefix())]
 
 
-def test_a_slot_whose_memory_could_not_be_reserved_is_not_tried_again_before_those_that_hold_theirs(monkeypatch):
+def test_a_full_dev_shm_reuses_the_slots_that_hold_room_and_the_pool_grows_again_once_there_is_room(monkeypatch):
     """A 64 MiB ``/dev/shm``, a 40 MiB model, two slots: the second slot's reservation fails. That slot stayed in
     the pool, released and unreserved, so every later publish took it first and failed again, though the first
-    slot (whose room it lacked) was free to rewrite. It is removed, and the pool reuses what holds its room before
-    it tries a new slot again."""
+    slot (whose room it lacked) was free to rewrite. It is removed; a new slot is made only while ``/dev/shm`` has
+    room for it, so the next publish rewrites the first slot, and the pool grows once there is room again."""
     import errno
+    from types import SimpleNamespace
 
     from actors.tensors import _slots
 
-    reserve = _slots.os.posix_fallocate
+    reserve, statvfs = _slots.os.posix_fallocate, _slots.os.statvfs
     reserved: list[int] = []
 
     def room_for_one(fd: int, offset: int, length: int) -> None:
@@ -487,14 +488,20 @@ def test_a_slot_whose_memory_could_not_be_reserved_is_not_tried_again_before_tho
     with WeightPublisher("shm", slots=2) as publisher:
         first = publisher.publish(filled_model(1.0), 1)
         with pytest.raises(WeightSyncError, match="no room"):
-            publisher.publish(filled_model(2.0), 2)  # its new slot's reservation fails
+            publisher.publish(filled_model(2.0), 2)  # its new slot's reservation fails (the room looked free)
         assert publisher._writer.segment_names == [first.handle], "the slot that could not be reserved is gone"
-        third = publisher.publish(filled_model(3.0), 3)  # the first slot, rewritten
+        monkeypatch.setattr(_slots.os, "statvfs", lambda path: SimpleNamespace(f_bavail=0, f_frsize=4096))
+        third = publisher.publish(filled_model(3.0), 3)  # no room for a new slot: the first one, rewritten
+        assert third.handle == first.handle
         consumer = WeightConsumer()
         model = filled_model(0.0)
         consumer.install(third, model)
         consumer.release(third.update_id)
         assert all_equal(model, 3.0)
+        monkeypatch.setattr(_slots.os, "statvfs", statvfs)  # room again
+        monkeypatch.setattr(_slots.os, "posix_fallocate", reserve)
+        fourth = publisher.publish(filled_model(4.0), 4)
+        assert fourth.handle != first.handle and len(publisher._writer.segment_names) == 2, "it grows again"
         consumer.close()
 
 
