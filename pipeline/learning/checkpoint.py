@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from ..models import sync_path
+
 FILENAME = "checkpoint.pt"
 #: The key of ``checkpoint.pt`` that names a sharded checkpoint's folder of shards.
 SHARDS = "shards"
@@ -44,17 +46,9 @@ def save(run_dir: str, state: dict[str, Any]) -> str:
         f.flush()
         os.fsync(f.fileno())  # on the disk before the rename (else a crash may leave the new name, empty)
     os.replace(tmp, target)
-    _sync_folder(run_dir)  # the rename too, before the shards the last checkpoint named go
+    sync_path(run_dir)  # the rename too, before the shards the last checkpoint named go
     remove_shards(run_dir, keep=state.get(SHARDS))
     return target
-
-
-def _sync_folder(folder: str) -> None:
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def is_shard_folder(name: str) -> bool:

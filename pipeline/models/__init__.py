@@ -37,7 +37,7 @@ from ._engines import (
 from ._held_weights import hold_weights, weights_dtype
 from ._lora import LoraAdapter, check_lora_targets, require_peft
 from ._reward_model import RewardModel
-from ._saved_folder import replace_folder, staging_folder
+from ._saved_folder import replace_folder, staging_folder, sync_path
 from ._tiny import PRESETS, Generation, ModelConfig, TinyTransformer, completion_logps, generate
 from ._vllm import VLLMEngine, VLLMUnavailable, import_vllm, logprobs_mode, vllm_missing
 
@@ -91,6 +91,7 @@ __all__ = [
     "require_transformers",
     "staging_folder",
     "static_refusal",
+    "sync_path",
     "vllm_missing",
     "weights_dtype",
 ]

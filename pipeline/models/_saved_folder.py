@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 
-__all__ = ["replace_folder", "staging_folder"]
+__all__ = ["replace_folder", "staging_folder", "sync_path"]
 
 
 def staging_folder(folder: str) -> str:
@@ -22,11 +22,30 @@ def staging_folder(folder: str) -> str:
     return staging
 
 
+def sync_path(path: str) -> None:
+    """Flush a file's bytes, or a folder's entries (a rename in it), to the disk."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if os.path.isdir(path) else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def replace_folder(staging: str, folder: str) -> str:
-    """Put the complete ``staging`` in ``folder``'s place; returns ``folder``."""
+    """Put the complete ``staging`` in ``folder``'s place, on the disk before the old one goes; returns ``folder``.
+
+    A crash after the swap (XFS, NFS: a rename may reach the disk before a
+    file's bytes) leaves whole files under the new name, not empty ones.
+    """
+    for root, _, files in os.walk(staging):
+        for name in files:
+            sync_path(os.path.join(root, name))
+        sync_path(root)
     old = f"{folder}.old-{os.getpid()}"
+    shutil.rmtree(old, ignore_errors=True)  # (one an earlier save of this process could not remove whole)
     if os.path.exists(folder):
         os.replace(folder, old)
     os.replace(staging, folder)
+    sync_path(os.path.dirname(os.path.abspath(folder)))
     shutil.rmtree(old, ignore_errors=True)
     return folder

@@ -70,10 +70,13 @@ class Trainer(Actor):
         self.learner = Learner(self.task, self.device, stage_on_host=config.sharded_trainer)
         self.step = 0
         self.version = 0
+        #: Duplicate rollouts dropped since the run began (a restarted generator's ticket, produced twice).
+        self.dropped = 0
         self._shards_to_load: str | None = None  # a sharded checkpoint's, loaded once the ranks have sharded
         if resume:
             state, self._shards_to_load = self.learner.resume(config.run_dir, shard_later=config.sharded_trainer)
             self.step, self.version = int(state["step"]), int(state["version"])
+            self.dropped = int(state.get("dropped", 0))  # (a checkpoint from before it was kept: 0)
         self.reports = reports
         # Rollouts come from the reference model, or straight from the scorer when the run has no KL term.
         self.port, self.inbox = Channel.open(ScoredRollout)
@@ -98,7 +101,6 @@ class Trainer(Actor):
             # stale, and it installs the newer one queued behind it (each sync's is queued before its grants)
             self.ref_publisher = WeightPublisher(config.transport, slots=1, dtype=weights_dtype(config.dtype), **on_gpu)
             self.ref_manifest = self.ref_publisher.publish(self.learner.reference_state, 1)
-        self.dropped = 0
         self.tokens_received = 0
         self.evaluation: dict[str, float] | None = None
         self.score: float | None = None
@@ -527,9 +529,11 @@ class Trainer(Actor):
         self.task.export(self.learner.exported(), self.config.run_dir)
         if self.learner.adapter is not None and self.config.run_dir:
             self.learner.adapter.save(os.path.join(self.config.run_dir, "adapter"))
-        return checkpoint.save(
-            self.config.run_dir, {"step": self.step, "version": self.version, **self.learner.state()}
-        )
+        return checkpoint.save(self.config.run_dir, {**self._counters(), **self.learner.state()})
+
+    def _counters(self) -> dict[str, int]:
+        """What a checkpoint keeps of the run's own count: its step, its policy's version, the duplicates dropped."""
+        return {"step": self.step, "version": self.version, "dropped": self.dropped}
 
     def save_sharded(self, folder: str) -> str:
         """:meth:`save` of a sharded policy, beside every rank: the shards into ``folder``, then the rest.
@@ -540,7 +544,7 @@ class Trainer(Actor):
         run_dir = self.config.run_dir
         self.learner.save_shards(folder)
         self.task.export(self.learner.whole_policy(self.learner.whole_policy_state()), run_dir)
-        small = {"step": self.step, "version": self.version, **self.learner.small_state()}
+        small = {**self._counters(), **self.learner.small_state()}
         return checkpoint.save(run_dir, {**small, checkpoint.SHARDS: os.path.basename(folder)})
 
     async def _save(self) -> str:

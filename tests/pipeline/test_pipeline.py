@@ -181,14 +181,20 @@ async def test_bfloat16_runs_hold_and_send_bfloat16_weights_and_train_float32_ma
 
 
 async def test_resume_continues_steps_and_versions(tmp_path, sockets_dir):
+    """... and the count of duplicate rollouts dropped (``staleness/dropped``, cumulative: it restarted at 0)."""
+    from pipeline.learning import checkpoint
+
     config = Config(steps=20, run_dir=str(tmp_path), checkpoint_every=10)
     await run_pipeline(config, quiet=True)
     before = load_checkpoint(str(tmp_path))
+    assert before["dropped"] == 0
+    checkpoint.save(str(tmp_path), {**before, "dropped": 3})  # (as if a restarted generator's tickets came twice)
     config.steps = 30
     result = await run_pipeline(config, resume=True, quiet=True)
     rows = read_rows(str(tmp_path))
     assert [r["step"] for r in rows] == list(range(1, 31))
     assert rows[20]["version"] == before["version"] + 1, "versions continue monotonically"
+    assert all(row["staleness/dropped"] >= 3 for row in rows[20:])
     assert result.steps == 30 and load_checkpoint(str(tmp_path))["version"] == 30
     after = load_checkpoint(str(tmp_path))
     assert torch.equal(after["ref"]["embed.weight"], before["ref"]["embed.weight"]), "the reference stays frozen"
@@ -285,6 +291,33 @@ def test_an_export_killed_part_way_leaves_the_new_model_in_place(tmp_path, kille
     remove_stale_staging(str(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
     assert (tmp_path / "model" / "model.safetensors").read_bytes() == b"new"
+
+
+def test_a_folder_replaced_whole_is_synced_and_survives_what_an_earlier_swap_left(tmp_path, monkeypatch):
+    """The model's export (and a LoRA adapter's save) swaps folders by renames: an earlier swap of this process
+    whose removal of the old folder stopped part-way (a file still open on NFS) left ``model.old-<pid>``, and the
+    next save's rename onto it failed (``ENOTEMPTY``). It is cleared first; the new files are synced before the
+    swap, and the run folder after it."""
+    from pipeline.models import replace_folder, staging_folder
+
+    target = tmp_path / "model"
+    target.mkdir()
+    (target / "model.safetensors").write_text("old")
+    leftover = tmp_path / f"model.old-{os.getpid()}"
+    leftover.mkdir()
+    (leftover / "model.safetensors").write_text("older")
+    staging = staging_folder(str(target))
+    os.mkdir(staging)
+    with open(os.path.join(staging, "model.safetensors"), "w") as f:
+        f.write("new")
+    synced: list[str] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real_fsync(fd))
+    replace_folder(staging, str(target))
+    assert (target / "model.safetensors").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "model"
+    ]
+    assert synced == [os.path.join(staging, "model.safetensors"), staging, str(tmp_path)], synced
 
 
 def test_a_checkpoint_reaches_the_disk_before_it_replaces_the_last_one(tmp_path, monkeypatch):
