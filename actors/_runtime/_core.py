@@ -170,9 +170,9 @@ class Runtime:
         if not doomed:
             return
         if ref.pid is not None and ref.pid == self.registry.exiting:
-            self._doomed.setdefault(ref.pid, []).append(Doomed(doomed, ref.pid, ref.exit_reason))
+            self._doomed.setdefault(ref.pid, []).append(Doomed(doomed, ref, ref.pid, ref.exit_reason))
         else:
-            fail_waiting(doomed, ref.pid, ref.exit_reason)
+            fail_waiting(doomed, ref, ref.pid, ref.exit_reason)
 
     def _remote_holder_died(self, ref: ProcRef) -> None:
         """A process of another host died (news of it): its port senders, known by its address, are gone."""
@@ -189,10 +189,13 @@ class Runtime:
         may report "every sender gone" (a port's last messages are never
         mistaken for lost).
         """
-        self.inbox.pump()
-        if isinstance(pid, int):
-            for doomed in self._doomed.pop(pid, ()):  # its calls the inbox did not answer
-                fail_waiting(doomed.calls, doomed.pid, doomed.reason)
+        try:
+            if not self.closed:
+                self.inbox.pump()
+        finally:  # (whatever the pump raised: a Ctrl-C, a closed socket)
+            if isinstance(pid, int):
+                for doomed in self._doomed.pop(pid, ()):  # its calls the inbox did not answer
+                    fail_waiting(doomed.calls, doomed.ref, doomed.pid, doomed.reason)
         loop = self.driver.loop
         if loop is None or not loop.is_running():
             self.receivers.holder_died(pid)

@@ -159,16 +159,20 @@ class PendingCall:
 class Doomed(NamedTuple):
     """Calls waiting on a process that exited, to fail once what waits in the inbox has been read."""
 
-    calls: list[tuple[PendingCall, int]]
+    calls: list[PendingCall]
+    ref: ProcRef
     pid: int | None
     reason: str
 
 
-def fail_waiting(waiting: list[tuple[PendingCall, int]], pid: int | None, reason: str) -> None:
-    """Fail each call still waiting on its rank (one answered meanwhile is left as it is) with ``ActorDied``."""
-    for call, rank in waiting:
-        if not call.done and rank in call.remaining:
-            call.fail(ActorDied.of(call.actor, rank, pid, reason, call.method, call.class_ref))
+def fail_waiting(calls: list[PendingCall], ref: ProcRef, pid: int | None, reason: str) -> None:
+    """Fail each of ``calls`` still waiting on a rank ``ref`` hosts (one answered meanwhile is left as it is) with
+    ``ActorDied`` naming process ``pid`` and ``reason``."""
+    for call in calls:
+        for rank in call.remaining:
+            if call.procs[rank] is ref:
+                call.fail(ActorDied.of(call.actor, rank, pid, reason, call.method, call.class_ref))
+                break
 
 
 class CallTable:
@@ -203,15 +207,9 @@ class CallTable:
         if call is not None:  # else it already failed or timed out
             call.deliver(reply.rank, reply.ok, reply.value)
 
-    def waiting_on(self, ref: ProcRef) -> list[tuple[PendingCall, int]]:
-        """Each call still waiting on a rank hosted by ``ref``, with that rank (its first, if several)."""
-        waiting = []
-        for call in self._pending.values():
-            for rank in call.remaining:
-                if call.procs[rank] is ref:
-                    waiting.append((call, rank))
-                    break
-        return waiting
+    def waiting_on(self, ref: ProcRef) -> list[PendingCall]:
+        """Each call still waiting on a rank hosted by ``ref``."""
+        return [call for call in self._pending.values() if any(call.procs[rank] is ref for rank in call.remaining)]
 
     def __len__(self) -> int:
         return len(self._pending)

@@ -69,6 +69,28 @@ async def test_a_reply_already_in_the_socket_wins_over_its_senders_death(procs: 
         await echo.add.call_one(1)
 
 
+def test_calls_waiting_on_a_dead_process_fail_on_every_rank_it_hosts_but_not_once_answered():
+    """The calls a dead process owes are taken when its exit is announced and failed after the inbox is read:
+    one answered meanwhile stays answered; one still owed a rank the process hosts fails, whichever of its ranks
+    answered (the first version kept one rank per call, and a call whose kept rank answered was never failed)."""
+    from actors._runtime._pending_calls import CallTable, fail_waiting
+    from actors._shared._liveness import ProcRef
+
+    calls = CallTable()
+    dead, alive = ProcRef("ipc:///tmp/dead", 7), ProcRef("ipc:///tmp/alive", 8)
+    answered = calls.open("echo", "add", [(0, dead)])
+    both = calls.open("echo", "add", [(0, dead), (1, dead), (2, alive)])
+    other = calls.open("echo", "add", [(0, alive)])
+    doomed = calls.waiting_on(dead)
+    assert doomed == [answered, both]
+    answered.deliver(0, True, 1)  # (read from the inbox before the calls fail)
+    both.deliver(0, True, 2)
+    fail_waiting(doomed, dead, 7, "process exited")
+    assert answered.error is None and answered.results == {0: 1}
+    assert isinstance(both.error, ActorDied) and "7" in str(both.error)
+    assert not other.done
+
+
 async def test_stop_of_a_dead_mesh_returns(sockets_dir):
     procs = this_host().spawn_procs(per_host={"procs": 2})
     echo = procs.spawn("echo", Echo)
