@@ -86,6 +86,10 @@ class Future(Generic[R]):
         if self._done:
             return self._result()
         elsewhere = self._elsewhere
+        on = self._elsewhere_on
+        if elsewhere is not None and not elsewhere.done() and (on is None or not runtime().driver.drives(on)):
+            elsewhere.cancel()  # stranded on a loop that no longer drives the runtime: the work runs here
+            elsewhere = None
         if elsewhere is not None:  # a get() started it on another thread's loop: its outcome is this one's
             try:  # (shielded: this await cancelled leaves that run going)
                 await asyncio.shield(asyncio.wrap_future(elsewhere))
@@ -153,6 +157,7 @@ class Future(Generic[R]):
         and started again on the loop that drives the runtime now.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
+        cancelled_on: asyncio.AbstractEventLoop | None = None  # the loop that last cancelled a run while it drove
         while True:
             if self._done:  # (the run ended as its loop stopped, or an await of this future finished the work)
                 return self._result()
@@ -176,6 +181,10 @@ class Future(Generic[R]):
                     # the run goes on: a later get() or await waits for the same one (Monarch: a timeout never
                     # consumes the future)
                     raise CallTimeout(f"gave up after {timeout:.1f}s waiting for the result")
+                if driven and waiting.cancelled():  # cancelled while its loop drove: a loop shutting down, or the
+                    if cancelled_on is loop:  # work's own cancellation, twice on the same loop: that is its end
+                        raise concurrent.futures.CancelledError()
+                    cancelled_on = loop
                 waiting.cancel()  # (stranded on a loop that stopped: cancelled there should it run again)
             following = driver.next_loop(loop)
             if following is None:

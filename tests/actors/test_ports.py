@@ -153,6 +153,33 @@ def test_a_synchronous_waiters_interrupt_is_not_the_futures_outcome():
     assert answer == 5
 
 
+async def test_a_get_of_work_that_cancels_itself_on_a_loop_that_drives_ends_with_the_cancellation():
+    """``get()`` from a helper thread of work run on the runtime's loop, which ends in ``CancelledError`` while that
+    loop drives the runtime: the run was started again at once, for good, re-running the work each round. Once
+    is a loop shutting down (the work then runs on the next); twice on the same loop, the cancellation is its
+    outcome."""
+    from actors._runtime._future import Future
+
+    runs: list[int] = []
+
+    async def cancels_itself() -> None:
+        runs.append(1)
+        raise asyncio.CancelledError
+
+    runtime().driver.ensure_loop()
+    future: Future[None] = Future(cancels_itself)
+
+    def get_in_a_thread() -> str:
+        try:
+            future.get()
+        except BaseException as exc:
+            return type(exc).__name__
+        return "returned"
+
+    assert await asyncio.wait_for(asyncio.to_thread(get_in_a_thread), 10) == "CancelledError"
+    assert len(runs) == 2
+
+
 async def test_once_port_from_an_actor(procs: ProcMesh):
     port, recv = Channel.open(once=True)
     echo = procs.spawn("echo", Echo).slice(procs=1)

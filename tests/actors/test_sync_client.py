@@ -685,13 +685,15 @@ def test_a_get_waiting_on_the_programs_loop_goes_on_when_that_loop_ends(tmp_path
     assert lines == (["['ANSWERED']"] if work == "then" else ["['answered']"])
 
 
-def test_a_get_after_an_earlier_one_gave_up_on_a_loop_that_stopped_runs_the_work_where_the_runtime_is(tmp_path):
+@pytest.mark.parametrize("then", ["get", "await"])
+def test_a_wait_after_a_get_gave_up_on_a_loop_that_stopped_runs_the_work_where_the_runtime_is(tmp_path, then):
     """A helper's ``get(timeout)`` gives up while the work runs on the program's loop, which then stops with it
-    pending; the program's next ``asyncio.run`` drives the runtime. The helper's next ``get()`` waited there for
-    the run stranded on the stopped loop, for good; that run is cancelled and the work runs where the runtime is."""
+    pending; the program's next ``asyncio.run`` drives the runtime. The helper's next ``get()``, or an ``await``
+    there, waited for the run stranded on the stopped loop, for good; that run is cancelled and the work runs
+    where the runtime is."""
     lines = run_program(
         tmp_path,
-        """
+        f"""
         if __name__ == "__main__":
             import tempfile
             procs, talker = served_talker()
@@ -704,6 +706,8 @@ def test_a_get_after_an_earlier_one_gave_up_on_a_loop_that_stopped_runs_the_work
                     answer.get(timeout=0.2)
                 except CallTimeout:
                     gave_up.set()
+                if {then!r} == "await":
+                    return answer
                 assert go_on.wait(30)
                 return answer.get()
 
@@ -722,6 +726,8 @@ def test_a_get_after_an_earlier_one_gave_up_on_a_loop_that_stopped_runs_the_work
                 open(path, "w").close()
                 while not got:
                     await asyncio.sleep(0.005)
+                if {then!r} == "await":
+                    got[0] = await got[0]
 
             asyncio.run(asyncio.wait_for(second(), 15))
             thread.join(30)
