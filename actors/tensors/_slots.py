@@ -290,6 +290,8 @@ class SlotPool:
             free = os.statvfs(SHM_DIR)
         except OSError:
             return True
+        if free.f_blocks == 0:  # a tmpfs without a size limit says nothing of its room
+            return True
         return free.f_bavail * free.f_frsize >= HEADER_BYTES + nbytes
 
     def _claim(self, slot: Slot, nbytes: int) -> Slot:

@@ -490,7 +490,9 @@ def test_a_full_dev_shm_reuses_the_slots_that_hold_room_and_the_pool_grows_again
         with pytest.raises(WeightSyncError, match="no room"):
             publisher.publish(filled_model(2.0), 2)  # its new slot's reservation fails (the room looked free)
         assert publisher._writer.segment_names == [first.handle], "the slot that could not be reserved is gone"
-        monkeypatch.setattr(_slots.os, "statvfs", lambda path: SimpleNamespace(f_bavail=0, f_frsize=4096))
+        monkeypatch.setattr(
+            _slots.os, "statvfs", lambda path: SimpleNamespace(f_blocks=16384, f_bavail=0, f_frsize=4096)
+        )
         third = publisher.publish(filled_model(3.0), 3)  # no room for a new slot: the first one, rewritten
         assert third.handle == first.handle
         consumer = WeightConsumer()
@@ -502,6 +504,14 @@ def test_a_full_dev_shm_reuses_the_slots_that_hold_room_and_the_pool_grows_again
         monkeypatch.setattr(_slots.os, "posix_fallocate", reserve)
         fourth = publisher.publish(filled_model(4.0), 4)
         assert fourth.handle != first.handle and len(publisher._writer.segment_names) == 2, "it grows again"
+        consumer.close()
+    unlimited = SimpleNamespace(f_blocks=0, f_bavail=0, f_frsize=4096)  # a tmpfs with no size limit says 0 free
+    monkeypatch.setattr(_slots.os, "statvfs", lambda path: unlimited)
+    with WeightPublisher("shm", slots=2) as publisher:
+        consumer = WeightConsumer()
+        consumer.import_update(publisher.publish(filled_model(1.0), 1))  # its slot held
+        publisher.publish(filled_model(2.0), 2)  # a second slot, not a wait for the first
+        assert len(publisher._writer.segment_names) == 2
         consumer.close()
 
 
