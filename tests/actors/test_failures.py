@@ -50,9 +50,11 @@ async def test_a_reply_already_in_the_socket_wins_over_its_senders_death(procs: 
     from actors._runtime._core import runtime
 
     procs.add_failure_handler(lambda failure: True)  # (the death below is contained)
-    echo = procs.spawn("echo", Echo).slice(procs=0)
-    pid = await echo.pid.call_one()
+    both = procs.spawn("echo", Echo)
+    pid = (await both.pid.call()).item(procs=0)  # (both ranks answered: no late answer of rank 1 comes next)
+    echo = both.slice(procs=0)
     rt = runtime()
+    rt.inbox.pump()  # (nothing else waits in the socket: what comes now is the reply)
     answer = echo.add.call_one(41)  # on the wire now; the loop does not run until the await below
     deadline = time.monotonic() + 10
     while not rt.inbox.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # the reply waits in the socket, unread
