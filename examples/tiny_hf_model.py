@@ -124,7 +124,7 @@ def build_model(folder: str, arch: str, vocab: int, seed: int, heads: int = 4, s
 def write_task(folder: str, rows: int, digits: int, chat: bool, seed: int) -> str:
     """``rows`` distinct digit-reversal prompts as JSONL; the path."""
     if digits < 1 or not 1 <= rows <= 10**digits:
-        raise ValueError(f"{rows} distinct prompts of {digits} digits: there are {10 ** max(digits, 0)} such numbers")
+        raise ValueError(f"give 1 to 10**digits rows, and at least 1 digit ({10 ** max(digits, 0)} such numbers)")
     rng = random.Random(seed)
     seen: set[str] = set()
     while len(seen) < rows:
@@ -157,13 +157,15 @@ def main(argv: list[str] | None = None) -> int:
         "qwen2.5-0.5b (494 M parameters, a 151,936-token vocabulary; for a GPU)",
     )
     args = parser.parse_args(argv)
-    if args.digits < 1 or not 1 <= args.rows <= 10**args.digits:
-        parser.error(f"--rows {args.rows} --digits {args.digits}: give 1 to 10**digits rows, and at least 1 digit")
+    os.makedirs(args.folder, exist_ok=True)
+    try:  # (the prompts first: a task its digits cannot make is refused before any model is built)
+        data = write_task(args.folder, args.rows, args.digits, args.chat, args.seed)
+    except ValueError as exc:
+        parser.error(f"--rows {args.rows} --digits {args.digits}: {exc}")
     model_dir = os.path.join(args.folder, "model")
     os.makedirs(model_dir, exist_ok=True)
     tokenizer = build_tokenizer(model_dir)
     parameters = build_model(model_dir, args.arch, len(tokenizer), args.seed, args.heads, args.shape)
-    data = write_task(args.folder, args.rows, args.digits, args.chat, args.seed)
     rewards = os.path.join(args.folder, "rewards.py")
     with open(rewards, "w") as f:
         f.write(REWARDS)

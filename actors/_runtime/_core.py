@@ -170,7 +170,7 @@ class Runtime:
         if not doomed:
             return
         if ref.pid is not None and ref.pid == self.registry.exiting:
-            self._doomed.setdefault(ref.pid, []).append(Doomed(doomed, ref, ref.pid, ref.exit_reason))
+            self._doomed.setdefault(ref.pid, []).append(Doomed(doomed, ref, ref.exit_reason))
         else:
             fail_waiting(doomed, ref, ref.pid, ref.exit_reason)
 
@@ -195,7 +195,7 @@ class Runtime:
         finally:  # (whatever the pump raised: a Ctrl-C, a closed socket)
             if isinstance(pid, int):
                 for doomed in self._doomed.pop(pid, ()):  # its calls the inbox did not answer
-                    fail_waiting(doomed.calls, doomed.ref, doomed.pid, doomed.reason)
+                    fail_waiting(doomed.calls, doomed.ref, pid, doomed.reason)
         loop = self.driver.loop
         if loop is None or not loop.is_running():
             self.receivers.holder_died(pid)

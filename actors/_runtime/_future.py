@@ -16,7 +16,7 @@ from collections.abc import Callable, Coroutine, Generator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from .._shared._errors import CallTimeout
-from .._shared._loops import loop_running
+from .._shared._loops import done_within, loop_running
 from ._core import runtime
 
 R = TypeVar("R")
@@ -29,12 +29,6 @@ __all__ = ["Future"]
 
 #: ``Future._get_elsewhere``'s word that no loop drives the runtime (its outcome may be None).
 _NO_LOOP = object()
-
-
-def _settled(waiting: concurrent.futures.Future[Any], seconds: float) -> bool:
-    """Whether ``waiting`` is done, waiting up to ``seconds`` on this thread."""
-    concurrent.futures.wait([waiting], timeout=seconds)
-    return waiting.done()
 
 
 class Future(Generic[R]):
@@ -164,7 +158,7 @@ class Future(Generic[R]):
             waiting = self._elsewhere
             if waiting is not None and not waiting.done() and self._elsewhere_on is not loop:
                 waiting.cancel()  # stranded on a loop that no longer drives (an earlier get gave up on it there)
-            if waiting is None or (waiting.cancelled() and not self._done):  # (a loop that ended cancels its run)
+            if waiting is None or waiting.cancelled():  # (a loop that ended cancels its run)
                 try:
                     waiting = self._elsewhere = asyncio.run_coroutine_threadsafe(self._body(), loop)
                     self._elsewhere_on = loop
@@ -172,7 +166,7 @@ class Future(Generic[R]):
                     waiting = None
             if waiting is not None:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                driven = driver.wait_while_driven(loop, functools.partial(_settled, waiting), left)
+                driven = driver.wait_while_driven(loop, functools.partial(done_within, waiting), left)
                 if waiting.done() and not waiting.cancelled():
                     return waiting.result()  # the outcome (a call's own deadline too: CallTimeout)
                 if self._done:

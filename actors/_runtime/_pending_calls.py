@@ -161,7 +161,6 @@ class Doomed(NamedTuple):
 
     calls: list[PendingCall]
     ref: ProcRef
-    pid: int | None
     reason: str
 
 

@@ -9,7 +9,6 @@ import logging
 import os
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
 
 import torch
 
@@ -27,7 +26,7 @@ from .._shared._readiness import fd_ready
 from .._shared._session import host_id
 from ..tensors import Reader, TensorSpec, checksum, copy_all, dtype_name, is_sharded, read_async, release_async
 from ._manifest import WeightManifest, make_reader
-from ._off_the_loop import OFFLOAD_BYTES, on_a_gpu, queued_work, to_thread_to_the_end
+from ._off_the_loop import OFFLOAD_BYTES, on_a_gpu, to_thread_after_queued_work
 from ._spec_table import SpecMemo
 
 __all__ = ["PublisherWatch", "WeightConsumer", "fit"]
@@ -352,16 +351,10 @@ class WeightConsumer:
         if not self.verify_checksums or all(spec.checksum is None for spec in self.specs(manifest)):
             return
         named = list(tensors.items())
-        if sum(t.numel() * t.element_size() for _, t in named) < OFFLOAD_BYTES and not on_a_gpu(named):
+        if manifest.total_nbytes < OFFLOAD_BYTES and not on_a_gpu(named):
             self._verify(manifest, tensors)
-            return
-        ready = queued_work(named)  # (recorded here: the reads were ordered on this thread's streams)
-        await to_thread_to_the_end(self._verify_after, ready, manifest, tensors)
-
-    def _verify_after(self, ready: tuple[Any, ...], manifest: WeightManifest, tensors: dict[str, torch.Tensor]) -> None:
-        for event in ready:
-            event.synchronize()
-        self._verify(manifest, tensors)
+        else:  # (after the reads, ordered on this thread's streams)
+            await to_thread_after_queued_work(named, self._verify, manifest, tensors)
 
     def _imported(self, manifest: WeightManifest, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         update_id = manifest.update_id

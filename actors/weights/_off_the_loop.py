@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["OFFLOAD_BYTES", "awaited_to_the_end", "on_a_gpu", "on_the_host", "queued_work", "to_thread_to_the_end"]
+__all__ = ["OFFLOAD_BYTES", "awaited_to_the_end", "on_a_gpu", "on_the_host", "to_thread_after_queued_work"]
 
 #: Host copies (or checksum passes) at least this large, or any out of a GPU, which waits for it, run on a worker
 #: thread under ``publish_async`` and the consumer's async imports.
@@ -64,6 +64,19 @@ def queued_work(tensors: list[tuple[str, torch.Tensor]]) -> tuple[Any, ...]:
         event.record(torch.cuda.current_stream(device))
         events.append(event)
     return tuple(events)
+
+
+async def to_thread_after_queued_work(tensors: list[tuple[str, torch.Tensor]], fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` on a worker thread (to its end, as :func:`to_thread_to_the_end`), once the GPU work queued on
+    this thread's streams for ``tensors`` is done."""
+    ready = queued_work(tensors)  # (recorded here: the caller's streams are this thread's)
+
+    def after() -> Any:
+        for event in ready:
+            event.synchronize()
+        return fn(*args)
+
+    return await to_thread_to_the_end(after)
 
 
 def on_the_host(tensors: list[tuple[str, torch.Tensor]]) -> bool:

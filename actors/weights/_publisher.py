@@ -18,7 +18,7 @@ from .._shared._loops import loop_running
 from .._shared._session import host_id
 from ..tensors import TensorSpec, distinct, gather_each, layout, origins
 from ._manifest import WeightManifest, make_writer
-from ._off_the_loop import OFFLOAD_BYTES, on_a_gpu, on_the_host, queued_work, to_thread_to_the_end
+from ._off_the_loop import OFFLOAD_BYTES, on_a_gpu, on_the_host, to_thread_after_queued_work
 from ._spec_table import SpecTable
 
 __all__ = ["WeightPublisher", "join_publish"]
@@ -216,8 +216,9 @@ class WeightPublisher:
             with self._writing(version):
                 with self._aborted_on_failure(reservation):
                     if self._fills_off_the_loop(writer.host_copy, tensors, total):
-                        ready = queued_work(tensors)  # (recorded here: the caller's streams are this thread's)
-                        specs = await to_thread_to_the_end(self._fill_after, ready, reservation, tensors, specs)
+                        specs = await to_thread_after_queued_work(
+                            tensors, self._fill_no_grad, reservation, tensors, specs
+                        )
                     else:
                         specs = self._fill_no_grad(reservation, tensors, specs)
                 return self._commit_unless_closed(reservation, version, specs, total, extra)
@@ -245,19 +246,6 @@ class WeightPublisher:
                 closed = self.closed
             if closed:
                 self._finalizer()  # the close deferred while this publish wrote into a slot
-
-    def _fill_after(
-        self,
-        ready: tuple[Any, ...],
-        reservation: Any,
-        tensors: list[tuple[str, torch.Tensor]],
-        specs: list[TensorSpec],
-    ) -> list[TensorSpec]:
-        """:meth:`_fill_no_grad` on a worker thread, once the GPU work that made the tensors (queued on the
-        caller's streams) is done."""
-        for event in ready:
-            event.synchronize()
-        return self._fill_no_grad(reservation, tensors, specs)
 
     def _fill_no_grad(
         self, reservation: Any, tensors: list[tuple[str, torch.Tensor]], specs: list[TensorSpec]

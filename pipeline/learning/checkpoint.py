@@ -41,10 +41,8 @@ def save(run_dir: str, state: dict[str, Any]) -> str:
         return ""
     target = path(run_dir)
     tmp = f"{target}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())  # on the disk before the rename (else a crash may leave the new name, empty)
+    torch.save(state, tmp)
+    sync_path(tmp)  # on the disk before the rename (else a crash may leave the new name, empty)
     os.replace(tmp, target)
     sync_path(run_dir)  # the rename too, before the shards the last checkpoint named go
     remove_shards(run_dir, keep=state.get(SHARDS))
