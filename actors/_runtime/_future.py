@@ -81,8 +81,8 @@ class Future(Generic[R]):
             return self._result()
         elsewhere = self._elsewhere
         on = self._elsewhere_on
-        if elsewhere is not None and not elsewhere.done() and (on is None or not runtime().driver.drives(on)):
-            elsewhere.cancel()  # stranded on a loop that no longer drives the runtime: the work runs here
+        if elsewhere is not None and not elsewhere.done() and (on is None or not on.is_running()):
+            elsewhere.cancel()  # stranded on a loop that stopped (one handing the runtime over still runs it)
             elsewhere = None
         if elsewhere is not None:  # a get() started it on another thread's loop: its outcome is this one's
             try:  # (shielded: this await cancelled leaves that run going)
@@ -156,8 +156,9 @@ class Future(Generic[R]):
             if self._done:  # (the run ended as its loop stopped, or an await of this future finished the work)
                 return self._result()
             waiting = self._elsewhere
-            if waiting is not None and not waiting.done() and self._elsewhere_on is not loop:
-                waiting.cancel()  # stranded on a loop that no longer drives (an earlier get gave up on it there)
+            on = self._elsewhere_on
+            if waiting is not None and not waiting.done() and (on is None or not on.is_running()):
+                waiting.cancel()  # stranded on a loop that stopped (an earlier get gave up on it there)
             if waiting is None or waiting.cancelled():  # (a loop that ended cancels its run)
                 try:
                     waiting = self._elsewhere = asyncio.run_coroutine_threadsafe(self._body(), loop)
