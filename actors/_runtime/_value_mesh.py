@@ -51,8 +51,8 @@ def rank_of(coords: Mapping[str, int], extent: Mapping[str, int]) -> int:
 def select(extent: Mapping[str, int], coords: Mapping[str, int | slice]) -> tuple[list[int], dict[str, int]]:
     """The ranks of ``extent`` at ``coords`` and the extent they form (an index drops its dimension)."""
     unknown = set(coords) - set(extent)
-    if unknown:
-        raise KeyError(f"unknown dimension(s) {sorted(unknown)}; mesh has {list(extent)}")
+    if unknown:  # a TypeError, as Monarch's slice() raises: a keyword the mesh does not take
+        raise TypeError(f"unknown dimension(s) {sorted(unknown)}; mesh has {list(extent)}")
     ranges: dict[str, list[int]] = {}
     kept: dict[str, int] = {}
     for dim, size in extent.items():

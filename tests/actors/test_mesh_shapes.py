@@ -70,6 +70,8 @@ def test_slices_take_any_integer_and_refuse_what_they_cannot_honour():
         values.item(hosts=0, gpus=1.5)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="gpus='1'"):
         values.slice(gpus="1")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"unknown dimension\(s\) \['x'\]"):
+        values.slice(x=0)  # (before: a KeyError; Monarch's slice raises TypeError for a label the mesh lacks)
     assert values.slice(hosts=1, gpus=2).extent == {} and values.slice(hosts=1, gpus=2).item() == 5
 
 
