@@ -240,8 +240,16 @@ class SlotPool:
         return await poll_async(lambda: self.try_acquire(nbytes), timeout, self.exhausted)
 
     def exhausted(self, timeout: float) -> WeightSyncError:
+        """The error of a publish that found no free slot within ``timeout``: what held them, and what would help."""
+        made = len(self._slots)
+        if made < self.max_slots and self._inline:  # the pool could not grow: /dev/shm is full
+            return WeightSyncError(
+                f"the {made} weight slot(s) /dev/shm had room for (of {self.max_slots}) stayed held by consumers "
+                f"for {timeout:g}s, and /dev/shm has no room for another; consumers must release imported "
+                "updates, or /dev/shm needs more room (Docker: --shm-size)"
+            )
         return WeightSyncError(
-            f"all {self.max_slots} weight slots stayed held by consumers for {timeout:g}s; "
+            f"all {made} weight slots stayed held by consumers for {timeout:g}s; "
             "consumers must release imported updates, or publish with more slots"
         )
 

@@ -485,7 +485,7 @@ def test_a_full_dev_shm_reuses_the_slots_that_hold_room_and_the_pool_grows_again
         reserve(fd, offset, length)
 
     monkeypatch.setattr(_slots.os, "posix_fallocate", room_for_one)
-    with WeightPublisher("shm", slots=2) as publisher:
+    with WeightPublisher("shm", slots=2, lock_timeout=0.2) as publisher:
         first = publisher.publish(filled_model(1.0), 1)
         with pytest.raises(WeightSyncError, match="no room"):
             publisher.publish(filled_model(2.0), 2)  # its new slot's reservation fails (the room looked free)
@@ -497,7 +497,9 @@ def test_a_full_dev_shm_reuses_the_slots_that_hold_room_and_the_pool_grows_again
         assert third.handle == first.handle
         consumer = WeightConsumer()
         model = filled_model(0.0)
-        consumer.install(third, model)
+        consumer.install(third, model)  # its only slot held until released, and no room for another
+        with pytest.raises(WeightSyncError, match=r"the 1 weight slot\(s\) /dev/shm had room for \(of 2\)"):
+            publisher.publish(filled_model(9.0), 9)  # (before: "all 2 weight slots stayed held", though one existed)
         consumer.release(third.update_id)
         assert all_equal(model, 3.0)
         monkeypatch.setattr(_slots.os, "statvfs", statvfs)  # room again
