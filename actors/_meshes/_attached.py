@@ -330,8 +330,10 @@ def hosts_from_config(name: str, hosts: int = 2) -> AttachedHostMesh:
         os.environ.update(new_session_keys())
     _use_tcp()
     folder = make_runtime_dir()
-    loops = [_start_worker_loop(f"ipc://{folder}/loop{i}") for i in range(hosts)]
+    loops: list[tuple[str, subprocess.Popen[bytes]]] = []
     try:
+        for i in range(hosts):  # (one that cannot start ends those started before it)
+            loops.append(_start_worker_loop(f"ipc://{folder}/loop{i}"))
         mesh = attach_to_workers(workers=[address for address, _ in loops], name=name)
     except BaseException:
         _end_worker_loops(loops, folder)

@@ -387,6 +387,37 @@ def test_hosts_from_config_starts_worker_loops_here_and_everything_ends_with_the
     assert not loops, "the worker loops end with the program that started them"
 
 
+def test_hosts_from_config_ends_the_loops_it_started_when_the_next_cannot_start(monkeypatch, tmp_path):
+    """The second worker loop's start fails (no process can be made): the first, already running, is ended and
+    the folder removed (before: a list comprehension lost the started ones, which served on until this program
+    exited)."""
+    from actors._meshes import _attached
+
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(address: str) -> tuple[str, subprocess.Popen[bytes]]:
+        if started:
+            raise OSError("[Errno 11] Resource temporarily unavailable")
+        started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]))
+        return address, started[0]
+
+    folder = tmp_path / "loops"
+    monkeypatch.setenv("ACTORS_CURVE_PUBLIC", "p")
+    monkeypatch.setenv("ACTORS_CURVE_SECRET", "s")
+    monkeypatch.setattr(_attached, "_use_tcp", lambda: None)
+    monkeypatch.setattr(_attached, "make_runtime_dir", lambda: (folder.mkdir(), str(folder))[1])
+    monkeypatch.setattr(_attached, "_start_worker_loop", start)
+    try:
+        with pytest.raises(OSError, match="Resource temporarily unavailable"):
+            _attached.hosts_from_config("hosts", 2)
+        assert started[0].poll() is not None, "the loop already started is ended"
+        assert not folder.exists()
+    finally:
+        if started[0].poll() is None:
+            started[0].kill()
+            started[0].wait()
+
+
 def test_a_senders_ipc_address_outside_the_session_folder_is_trusted_only_on_an_authenticated_inbox(tmp_path):
     """A header names where replies go: without CURVE only this session's folder may hold a peer's socket; with
     it (every sender holds the key) an ipc worker loop's socket may lie anywhere, but never a relative, denormalised
