@@ -208,14 +208,17 @@ class Registry:
 
     def _pid_died(self, pid: int) -> None:
         ref = self._by_pid.get(pid)
-        self.exiting = pid
+        # (a listener may learn of another death meanwhile, handled inside this one: this one is exiting after it)
+        outer, self.exiting = self.exiting, pid
         try:
             if ref is not None and ref.pid == pid and not ref.dead:
                 self.mark_dead(ref, "process exited")
                 self.seen_deaths(ref)
-            self.pid_exits(pid)
-        finally:
-            self.exiting = None
+        finally:  # (a Ctrl-C in a death's listener: the calls it left to pid_exits still fail there)
+            try:
+                self.pid_exits(pid)
+            finally:
+                self.exiting = outer
 
     def close(self) -> None:
         self.watcher.close()

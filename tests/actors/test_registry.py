@@ -171,3 +171,51 @@ def test_a_death_is_taken_in_early_whatever_its_pidfds_number():
         child.kill()
         child.wait(30)
         watcher.close()
+
+
+def test_a_death_learned_while_another_is_handled_leaves_the_first_one_marked_exiting(tmp_path):
+    """While process A's death is handled, a listener learns peer B's pid, already gone: B's death is handled
+    inside A's. A's listeners that run after that still see A as the process exiting, so its calls wait for the
+    inbox to be read (before: the nested death reset ``exiting`` to None, and A's calls failed at once, a reply
+    of A's still unread)."""
+    registry = Registry(str(tmp_path), os.getpid())
+    a, b = (registry.proc(f"ipc://{tmp_path}/w1-{n}.sock", None) for n in (3, 4))
+    gone = [subprocess.Popen([sys.executable, "-c", "pass"]) for _ in range(2)]
+    for child in gone:
+        child.wait(30)
+    a.pid = gone[0].pid
+    registry._by_pid[a.pid] = a  # (known, not watched: its death is reported below)
+    seen: list[tuple[ProcRef, int | None]] = []
+
+    def learn_b(ref: ProcRef) -> None:
+        if ref is a:
+            registry.set_pid(b, gone[1].pid)  # a pid already gone: its death is handled right here
+
+    registry.deaths.connect(learn_b)
+    registry.deaths.connect(lambda ref: seen.append((ref, registry.exiting)))
+    registry._pid_died(a.pid)
+    assert seen == [(b, gone[1].pid), (a, gone[0].pid)]
+    assert registry.exiting is None
+    registry.close()
+
+
+def test_a_ctrl_c_in_a_deaths_listener_still_announces_the_pids_exit(tmp_path):
+    """A death's listeners leave the calls waiting on it to ``pid_exits`` (after the inbox is read): a Ctrl-C in
+    one of them skipped ``pid_exits``, and those calls waited for good. The interrupt goes on, after it."""
+    registry = Registry(str(tmp_path), os.getpid())
+    a = registry.proc(f"ipc://{tmp_path}/w1-5.sock", None)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(30)
+    a.pid = gone.pid
+    registry._by_pid[a.pid] = a
+    exits: list[tuple[int, int | None]] = []
+
+    def interrupted(ref: ProcRef) -> None:
+        raise KeyboardInterrupt
+
+    registry.deaths.connect(interrupted)
+    registry.pid_exits.connect(lambda pid: exits.append((pid, registry.exiting)))
+    with pytest.raises(KeyboardInterrupt):
+        registry._pid_died(gone.pid)
+    assert a.dead and exits == [(gone.pid, gone.pid)] and registry.exiting is None
+    registry.close()
