@@ -125,6 +125,41 @@ async def test_a_stop_given_up_on_goes_on_and_shutdown_context_waits_for_it(sock
     await asyncio.wait_for(procs.stop(), 5)  # the same run, done
 
 
+def test_shutdown_context_without_a_loop_waits_host_timeout_in_all_not_per_mesh(monkeypatch):
+    """Two meshes whose stops take 0.3 s and 0.75 s, ``host_timeout=0.5``, waited for without an event loop
+    (``shutdown_context``'s synchronous wait): ``CallTimeout`` at 0.5 s, as the awaited form raises (before: each
+    stop had the whole ``host_timeout``, so the second one's wait ran on to 0.75 s and returned without a word)."""
+    from types import SimpleNamespace
+
+    import actors
+    from actors._meshes import _shutdown
+
+    class Stop:
+        def __init__(self, seconds: float) -> None:
+            self.ends = time.monotonic() + seconds
+
+        def get(self, timeout: float | None = None) -> None:
+            left = self.ends - time.monotonic()
+            if timeout is not None and left > timeout:
+                time.sleep(timeout)
+                raise actors.CallTimeout("gave up")
+            time.sleep(max(0.0, left))
+
+    meshes = [SimpleNamespace(stop=lambda seconds=seconds: Stop(seconds)) for seconds in (0.3, 0.75)]
+    parts = {_shutdown.SPAWNED_MESHES: meshes, _shutdown.CONTROLLERS: SimpleNamespace(spawned={})}
+    monkeypatch.setattr(_shutdown, "current_runtime", lambda: SimpleNamespace(parts=parts))
+    stopped: list[bool] = []
+
+    async def stop_controllers() -> None:
+        stopped.append(True)
+
+    monkeypatch.setattr(_shutdown, "stop_controllers", stop_controllers)
+    waiting = actors.shutdown_context(host_timeout=0.5)
+    with pytest.raises(actors.CallTimeout, match=r"did not stop within host_timeout=0\.5s; their stops go on"):
+        waiting._wait_sync(None)  # type: ignore[misc]
+    assert stopped == [True], "the controllers stop all the same"
+
+
 async def test_a_stop_reaches_a_frozen_process_whose_link_is_full(sockets_dir):
     """A frozen worker that a million records wait for: the stop request is queued past the link's limits, as an
     owed answer is (before, ``BufferFull`` escaped ``stop()`` before its SIGKILL step, the process lived on, and a
