@@ -121,15 +121,17 @@ class Future(Generic[R]):
             raise RuntimeError("Future.get() would block the running event loop; use 'await' instead")
         driver = runtime().driver
         loop = driver.loop
+        deadline = None if timeout is None else time.monotonic() + timeout  # (one bound, whichever way it waits)
         runs_elsewhere = loop is not None and loop.is_running() and driver.thread != threading.get_ident()
         if runs_elsewhere and not (self._any_thread and self._wait_sync is not None):
             assert loop is not None
             # Another thread drives the runtime: the background loop of a program without one, or a
             # worker's loop seen from a synchronous actor's thread. The wait is on this thread.
-            outcome = self._get_elsewhere(driver, loop, timeout)
+            outcome = self._get_elsewhere(driver, loop, timeout, deadline)
             if outcome is not _NO_LOOP:
                 return outcome  # type: ignore[return-value]
-            # no loop drives the runtime any more: this thread waits as a program without one does
+            # no loop drives the runtime any more: this thread waits as a program without one does, for what is left
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         if self._wait_sync is None:
             raise RuntimeError("this Future can only be awaited")
         try:
@@ -142,7 +144,9 @@ class Future(Generic[R]):
         self._done = True
         return self._value  # type: ignore[no-any-return]
 
-    def _get_elsewhere(self, driver: Driver, loop: asyncio.AbstractEventLoop, timeout: float | None) -> R | object:
+    def _get_elsewhere(
+        self, driver: Driver, loop: asyncio.AbstractEventLoop, timeout: float | None, deadline: float | None
+    ) -> R | object:
         """Run the work on ``loop``, which another thread runs, and wait for it here; ``_NO_LOOP`` if none drives.
 
         When ``loop`` ends or hands the runtime over before the work is done
@@ -150,7 +154,6 @@ class Future(Generic[R]):
         loop stopped with the run pending on it), the run there is cancelled
         and started again on the loop that drives the runtime now.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
         cancelled_on: asyncio.AbstractEventLoop | None = None  # the loop that last cancelled a run while it drove
         while True:
             if self._done:  # (the run ended as its loop stopped, or an await of this future finished the work)
@@ -181,8 +184,10 @@ class Future(Generic[R]):
                         raise concurrent.futures.CancelledError()
                     cancelled_on = loop
                 waiting.cancel()  # (stranded on a loop that stopped: cancelled there should it run again)
-            following = driver.next_loop(loop)
+            following = driver.next_loop(loop, until=deadline)
             if following is None:
+                if deadline is not None and time.monotonic() >= deadline:  # (it waited for a hand-over meanwhile)
+                    raise CallTimeout(f"gave up after {timeout:.1f}s waiting for the result")
                 return _NO_LOOP
             loop = following
 

@@ -380,18 +380,20 @@ class Driver:
             return None
         return await self.wait_until(condition, timeout)
 
-    def next_loop(self, old: asyncio.AbstractEventLoop) -> asyncio.AbstractEventLoop | None:
+    def next_loop(self, old: asyncio.AbstractEventLoop, until: float | None = None) -> asyncio.AbstractEventLoop | None:
         """For a thread whose wait through ``old`` ended with that loop: the running loop that drives the
         runtime now, once there is one — the program's, which took it over (or runs again), or a background loop.
 
         A hand-over takes milliseconds; this thread starts the background
         loop itself when none runs (under the binding lock, so it never
         contests a hand-over). None if no loop ran within
-        :data:`HANDOVER_TIMEOUT`, or none will (the runtime closed or is
-        released to the exiting thread): the caller then waits as a program
-        without a loop does.
+        :data:`HANDOVER_TIMEOUT` (or by ``until``, a caller's own deadline),
+        or none will (the runtime closed or is released to the exiting
+        thread): the caller then waits as a program without a loop does.
         """
         give_up = time.monotonic() + HANDOVER_TIMEOUT
+        if until is not None:
+            give_up = min(give_up, until)
         while True:
             if running_loop() is None:
                 self.follow_running_loop()

@@ -549,10 +549,10 @@ def test_a_wait_through_a_loop_that_stops_and_runs_again_goes_on_there(tmp_path)
             observed, restarted = threading.Event(), threading.Event()
             next_loop = driver.next_loop
 
-            def next_loop_once_restarted(old):
+            def next_loop_once_restarted(old, until=None):
                 observed.set()  # the helper saw the loop stop
                 restarted.wait(30)
-                return next_loop(old)
+                return next_loop(old, until)
 
             driver.next_loop = next_loop_once_restarted
             loop = asyncio.new_event_loop()
@@ -573,6 +573,45 @@ def test_a_wait_through_a_loop_that_stops_and_runs_again_goes_on_there(tmp_path)
         """,
     )
     assert lines == ["['held']", "True", "[]"]
+
+
+def test_a_get_whose_loop_ended_waits_only_what_is_left_of_its_timeout(tmp_path):
+    """``get(timeout=2)`` waits 0.4 s through a loop that then stops driving the runtime, and 0.4 s more for a
+    hand-over that brings none: it waits on as a program without a loop does, for the 1.2 s left (before: for
+    the whole 2 s again, so a get could take its timeout twice over, and the hand-over's 10 s bound besides)."""
+    lines = run_program(
+        tmp_path,
+        """
+        if __name__ == "__main__":
+            from actors._runtime._future import Future
+            procs, talker, driver = served_with_driver()
+            given, hand_over_until = [], []
+
+            def wait_sync(timeout):
+                given.append(timeout)
+                return 7
+
+            async def never():
+                await asyncio.sleep(3600)
+
+            def loop_stops_driving(loop, ready, timeout):
+                time.sleep(0.4)  # (what the wait took before its loop stopped driving the runtime)
+                return None
+
+            def no_loop_comes(old, until=None):
+                hand_over_until.append(until)
+                time.sleep(0.4)  # (the wait for a hand-over that brought none)
+                return None
+
+            driver.wait_while_driven, driver.next_loop = loop_stops_driving, no_loop_comes
+            started = time.monotonic()
+            got = Future(never, wait_sync).get(timeout=2.0)
+            print(got, 0.5 < given[0] < 1.25, hand_over_until[0] is not None and hand_over_until[0] < started + 2.1)
+            del driver.wait_while_driven, driver.next_loop
+            procs.stop().get()
+        """,
+    )
+    assert lines == ["7", "True", "True"]
 
 
 def test_an_actor_spawned_as_its_process_dies_is_built_again_by_the_restart(tmp_path):
