@@ -273,6 +273,7 @@ class RemoteHostMesh(HostMesh):
             if addresses is None:
                 for earlier, taken in placements:
                     earlier.addresses.extend(reversed(taken))
+                self._refill()  # (a pool that held addresses served since may be short now: the next spawn finds it full)
                 return None
             placements.append((node, addresses))
         rt = self._rt

@@ -239,7 +239,20 @@ def test_a_spawn_whose_addresses_another_spawn_took_starts_nothing_and_fetches_a
     mesh._nodes[0].pool(["tcp://10.255.1.0:5001", "tcp://10.255.1.0:5002"])
     mesh._nodes[1].pool(["tcp://10.255.1.1:5001"])  # one short
     assert mesh._place({"procs": 2}, 2, None, None, 1, None) is None  # type: ignore[arg-type]
-    assert mesh.requests == [] and len(mesh._nodes[0].addresses) == 2, "nothing started, nothing lost"
+    assert len(mesh._nodes[0].addresses) == 2, "nothing lost"
+    assert [op for op, _ in mesh.requests] == ["addresses", "addresses"], "nothing started; the pools refill"
+
+    stale = a_host_mesh(tmp_path, 1)  # a pool of 33, 26 of them served by workers since (their ports came back)
+    (node,) = stale._nodes
+    node.pool([f"tcp://10.255.1.0:{7000 + i}" for i in range(33)])
+    for i in range(26):
+        stale._rt.registry.placed(f"tcp://10.255.1.0:{7000 + i}")
+    assert stale._place({"procs": 8}, 8, None, None, 1, None) is None  # type: ignore[arg-type]
+    assert len(node.addresses) == 7
+    ((op, answer),) = stale.requests  # (before: none, so a spawn on an event loop, which cannot fetch, failed for good)
+    assert op == "addresses"
+    answer([f"tcp://10.255.1.0:{8000 + i}" for i in range(64)], None)
+    assert len(node.addresses) == 71
 
     fetched: list[int] = []
     placed = iter([None, None, "the mesh"])
