@@ -280,6 +280,9 @@ class _Server:
                     log.warning("weights: the tcp server could not serve a reader (%s)", exc)
                 else:
                     self._open.add(sock)
+                    # (a thread that ended is forgotten here, not by itself: one that ran its last lines still
+                    # counts until it has ended, so a close joins it)
+                    self._senders = {thread for thread in self._senders if thread.is_alive()}
                     self._senders.add(sender)
                     return
         sock.close()
@@ -294,7 +297,6 @@ class _Server:
         finally:
             with self._lock:
                 self._open.discard(sock)
-                self._senders.discard(threading.current_thread())
             sock.close()
             self._readers.release()
 

@@ -267,6 +267,7 @@ class WeightConsumer:
         A ``tcp`` update is fetched here, which blocks: on an event loop use
         :meth:`import_update_async`.
         """
+        self.check_blocking_allowed(manifest)
         held = self._start_import(manifest)
         if held is not None:
             return held
@@ -277,7 +278,7 @@ class WeightConsumer:
             raise self._publisher_died(manifest, exc) from None
         try:
             self._verify(manifest, tensors)
-        except ChecksumError:
+        except BaseException:  # (a mismatch, a Ctrl-C or a device error while the bytes were checked)
             reader.release(manifest.update_id)
             raise
         return self._imported(manifest, tensors)
@@ -305,6 +306,17 @@ class WeightConsumer:
             await release_async(reader, manifest.update_id)  # (a cuda-ipc release's wait for the GPU is awaited)
             raise
         return self._imported(manifest, tensors)
+
+    def check_blocking_allowed(self, manifest: WeightManifest) -> None:
+        """Refuse, before anything of the update is held or decided, a blocking import that would fetch bytes
+        over the network on a running event loop's thread (``tcp``): the update stays importable the async way."""
+        _check_type(manifest)
+        if loop_running() and hasattr(self.reader(manifest.transport), "read_async"):
+            raise WeightSyncError(
+                f"a {manifest.transport!r} update is fetched over the network, and a blocking install or import "
+                "would block this running event loop: use `await install_async(...)` (`import_update_async`, "
+                "`install_newest_async`), which fetch off the loop"
+            )
 
     def _start_import(self, manifest: WeightManifest) -> dict[str, torch.Tensor] | None:
         """The tensors if ``manifest`` is already imported; refuses released, rejected and orphaned updates."""
@@ -377,7 +389,7 @@ class WeightConsumer:
         release it yourself); publishers need one more slot than aliasing
         consumers. A failed install leaves the module as it was.
         """
-        _check_type(manifest)
+        self.check_blocking_allowed(manifest)
         try:
             targets = fit(manifest, self.specs(manifest), model, strict)
             tensors = self.import_update(manifest)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import torch
 
@@ -17,7 +17,8 @@ __all__ = ["ReceivesWeights", "WeightInbox"]
 
 
 class WeightInbox:
-    """Manifests waiting to be installed; newest wins, the rest are released.
+    """Manifests waiting to be installed; newest wins (the newest still whole, where a newer one is stale), the rest
+    are released.
 
     ``put`` is all an ``update_weights`` endpoint does; the actor's own loop
     calls :meth:`install_newest` between steps.
@@ -99,22 +100,31 @@ class WeightInbox:
     def take_newest(self) -> WeightManifest | None:
         """The newest waiting manifest; every older one is rejected and released, and a repeat of an update this
         consumer already turned down or let go (a stale one delivered again) is dropped, not installed."""
-        if not self._queue:
-            return None
+        candidates = self._take_candidates()
+        if candidates:
+            self._drop_older(candidates, 0)
+        return candidates[0] if candidates else None
+
+    def _take_candidates(self) -> list[WeightManifest]:
+        """Every waiting update worth installing, newest first, taken off the queue; the others dropped: not newer
+        than the installed version, or a repeat of one this consumer already turned down or let go."""
         unique = {m.update_id: m for m in self._queue}  # the same update delivered twice is one update
         self._queue.clear()
-        newest = max(unique.values(), key=lambda m: m.version)
-        for manifest in unique.values():
-            if manifest is not newest:
-                self._drop(manifest, f"superseded by version {newest.version}")
         installed = self.consumer.installed_version
-        if installed is not None and newest.version <= installed:
-            self._drop(newest, f"not newer than installed version {installed}")
-            return None
-        if self.consumer.state(newest.update_id) in ("rejected", "released"):  # (done with once: let go then)
-            self.superseded += 1
-            return None
-        return newest
+        candidates = []
+        for manifest in sorted(unique.values(), key=lambda m: m.version, reverse=True):
+            if installed is not None and manifest.version <= installed:
+                self._drop(manifest, f"not newer than installed version {installed}")
+            elif self.consumer.state(manifest.update_id) in ("rejected", "released"):  # (done with once: let go)
+                self.superseded += 1
+            else:
+                candidates.append(manifest)
+        return candidates
+
+    def _drop_older(self, candidates: list[WeightManifest], chosen: int) -> None:
+        """Drop the candidates older than ``candidates[chosen]``, which is installed or failed (not stale)."""
+        for manifest in candidates[chosen + 1 :]:
+            self._drop(manifest, f"superseded by version {candidates[chosen].version}")
 
     def _drop(self, manifest: WeightManifest, reason: str) -> None:
         """Reject and release an update not to be installed, unless it is the one a module views (a repeat of it):
@@ -139,31 +149,30 @@ class WeightInbox:
         update blocks while it is fetched: on an event loop use
         :meth:`install_newest_async`.
         """
-        manifest = self.take_newest()
-        if manifest is None:
-            return None
-        try:
-            self.consumer.install(manifest, model, alias=alias)
-        except StaleUpdateError:
-            return None
-        finally:
-            self._done_with(manifest)
-        return manifest
+        for waiting in self._queue:  # (on an event loop a tcp update is refused while it is still queued)
+            self.consumer.check_blocking_allowed(waiting)
+        candidates = self._take_candidates()
+        for index, manifest in enumerate(candidates):  # newest first; an older one where a newer is stale
+            try:
+                self.consumer.install(manifest, model, alias=alias)
+            except StaleUpdateError:
+                continue
+            except BaseException:
+                self._drop_older(candidates, index)
+                raise
+            finally:
+                self._done_with(manifest)
+            self._drop_older(candidates, index)
+            return manifest
+        return None
 
     async def install_newest_async(
         self, model: torch.nn.Module, *, alias: bool = False, timeout: float | None = None
     ) -> WeightManifest | None:
         """:meth:`install_newest` for an event loop: a ``tcp`` fetch is awaited (at most ``timeout`` s)."""
-        manifest = self.take_newest()
-        if manifest is None:
-            return None
-        try:
-            await self.consumer.install_async(manifest, model, alias=alias, timeout=timeout)
-        except StaleUpdateError:
-            return None
-        finally:
-            await self._done_with_async(manifest)
-        return manifest
+        return await self._install_first_fresh(
+            lambda manifest: self.consumer.install_async(manifest, model, alias=alias, timeout=timeout)
+        )
 
     async def load_newest_async(
         self, loader: Callable[[dict[str, torch.Tensor]], None], *, timeout: float | None = None
@@ -173,16 +182,27 @@ class WeightInbox:
         See :meth:`WeightConsumer.load_async`; the update is released after
         the loader returns (the loader must copy what it keeps).
         """
-        manifest = self.take_newest()
-        if manifest is None:
-            return None
-        try:
-            await self.consumer.load_async(manifest, loader, timeout=timeout)
-        except StaleUpdateError:
-            return None
-        finally:
-            await self._done_with_async(manifest)
-        return manifest
+        return await self._install_first_fresh(
+            lambda manifest: self.consumer.load_async(manifest, loader, timeout=timeout)
+        )
+
+    async def _install_first_fresh(self, install: Callable[[WeightManifest], Awaitable[None]]) -> WeightManifest | None:
+        """Install the newest waiting update, or, where it is stale (its slot reused while another consumer held
+        an older one's), the newest older one that is not: an update goes only where a newer one installed."""
+        candidates = self._take_candidates()
+        for index, manifest in enumerate(candidates):
+            try:
+                await install(manifest)
+            except StaleUpdateError:
+                continue
+            except BaseException:
+                self._drop_older(candidates, index)
+                raise
+            finally:
+                await self._done_with_async(manifest)
+            self._drop_older(candidates, index)
+            return manifest
+        return None
 
     def _done_with(self, manifest: WeightManifest) -> None:
         """Release the update after an install, unless a module views it or only its manifest was refused."""

@@ -212,6 +212,24 @@ def test_tampered_bytes_fail_the_checksum(on_a_loop):
         consumer.close()
 
 
+def test_a_blocking_import_interrupted_while_it_checks_the_bytes_lets_the_slot_go(monkeypatch):
+    """A Ctrl-C (or a device error) during the checksum pass of ``import_update``: the reader let the slot go only
+    on a checksum mismatch, so it kept its hold while the consumer forgot the update, and the publisher's one
+    slot stayed held until the consumer closed. The async import let go on anything already."""
+    with WeightPublisher("shm", checksums=True, slots=1, lock_timeout=0.2) as publisher:
+        manifest = publisher.publish(filled_model(1.0), 1)
+        consumer = WeightConsumer()
+
+        def interrupted(*args: object) -> None:
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(consumer, "_verify", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            consumer.import_update(manifest)
+        publisher.publish(filled_model(2.0), 2)  # its one slot is free again (before: WeightSyncError, all held)
+        consumer.close()
+
+
 def test_import_is_zero_copy_over_the_slot(shm_publisher):
     manifest = shm_publisher.publish(filled_model(1.0), 1)
     consumer = WeightConsumer()
@@ -275,6 +293,31 @@ def test_inbox_installs_newest_and_releases_the_rest(shm_publisher):
     with pytest.raises(TypeError):
         inbox.put("not a manifest")  # type: ignore[arg-type]
     inbox.close()
+
+
+@pytest.mark.parametrize("on_a_loop", [False, True], ids=["install_newest", "install_newest_async"])
+def test_an_inbox_whose_newest_update_is_stale_installs_the_older_one_still_whole(on_a_loop):
+    """Another consumer holds version 5's slot, so version 7 reused version 6's: an inbox holding 5 and 6 found 6
+    stale and had already dropped 5, so it installed nothing, and in the pipeline nothing else was sent to it (the
+    trainer counted 5 as delivered): the generator waited out its weights timeout. It installs 5 now."""
+    with WeightPublisher("shm", slots=2, keep=3, lock_timeout=0.2) as publisher:
+        five = publisher.publish(filled_model(5.0), 5)
+        other = WeightConsumer()
+        other.import_update(five)  # (another generator's install of 5, under way)
+        six = publisher.publish(filled_model(6.0), 6)
+        publisher.publish(filled_model(7.0), 7)  # into six's slot: five's is held
+        inbox = WeightInbox()
+        inbox.put(five)
+        inbox.put(six)
+        target = filled_model(0.0)
+        if on_a_loop:
+            installed = asyncio.run(inbox.install_newest_async(target))
+        else:
+            installed = inbox.install_newest(target)
+        assert installed is not None and installed.version == 5 and models_equal(target, filled_model(5.0))
+        assert inbox.consumer.state(six.update_id) == "released" and inbox.consumer.installed_version == 5
+        other.close()
+        inbox.close()
 
 
 def test_local_publisher_keeps_a_bounded_history():

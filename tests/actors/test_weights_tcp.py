@@ -236,15 +236,28 @@ async def test_concurrent_fetches_by_one_reader_each_get_a_buffer_of_their_own()
         reader.close()
 
 
-async def test_a_blocking_read_on_an_event_loop_is_refused_with_the_way_out(publisher):
+async def test_a_blocking_read_on_an_event_loop_is_refused_with_the_way_out_and_costs_nothing(publisher):
+    """The caller's mistake, not the update's: it stays unknown here (before: rejected, and an inbox had taken it
+    off its queue, so the async install that followed found nothing, and a copy delivered again was dropped)."""
     consumer = WeightConsumer()
-    manifest = publisher.publish(filled_model(1.0), 1)
+    manifest = remote(publisher.publish(filled_model(1.0), 1))
     target = filled_model(0.0)
     with pytest.raises(WeightSyncError, match="install_async"):
-        consumer.install(remote(manifest), target)
-    assert models_equal(target, filled_model(0.0))
-    assert consumer.state(manifest.update_id) == "rejected"
+        consumer.install(manifest, target)
+    with pytest.raises(WeightSyncError, match="import_update_async"):
+        consumer.import_update(manifest)
+    assert models_equal(target, filled_model(0.0)) and consumer.state(manifest.update_id) is None
+    await consumer.install_async(manifest, target)
+    assert models_equal(target, filled_model(1.0))
+    consumer.release(manifest.update_id)
     consumer.close()
+    inbox = WeightInbox()
+    inbox.put(remote(publisher.publish(filled_model(2.0), 2)))
+    with pytest.raises(WeightSyncError, match="install_newest_async"):
+        inbox.install_newest(target)
+    assert len(inbox) == 1, "still queued"
+    assert (await inbox.install_newest_async(target)) is not None and models_equal(target, filled_model(2.0))
+    await inbox.close_async()
 
 
 def test_a_corrupted_chunk_is_refused_and_the_model_keeps_its_weights(publisher):
@@ -357,6 +370,34 @@ def test_an_update_whose_buffer_was_reused_is_stale(publisher):
     consumer = WeightConsumer()
     with pytest.raises(StaleUpdateError, match="no longer holds it"):
         consumer.import_update(remote(first))
+    consumer.close()
+
+
+def test_closing_joins_a_sender_still_ending_after_its_reply(publisher):
+    """A sender thread that has answered and is still ending (its last lines: its socket closed, its reader's
+    place given back) as the publisher closes: it forgot itself before ending, so the close did not join it, and
+    it outlived the publisher (a CI run's leak check caught it)."""
+    server = publisher._writer._server
+    places = server._readers
+
+    class SlowToGiveBack:
+        def acquire(self, *args: object, **kwargs: object) -> bool:
+            return places.acquire(*args, **kwargs)
+
+        def release(self) -> None:
+            if threading.current_thread().name == "actors-weights-send":
+                time.sleep(0.3)  # (the sender's end, drawn out: the close comes meanwhile)
+            places.release()
+
+    server._readers = SlowToGiveBack()
+    first = publisher.publish(filled_model(1.0), 1)
+    publisher.publish(filled_model(2.0), 2)
+    publisher.publish(filled_model(3.0), 3)
+    consumer = WeightConsumer()
+    with pytest.raises(StaleUpdateError):
+        consumer.import_update(remote(first))  # answered; its sender still ending
+    publisher.close()
+    assert "actors-weights-send" not in weight_threads(), "the close joined it"
     consumer.close()
 
 
