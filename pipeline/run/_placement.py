@@ -75,6 +75,11 @@ def check_placement(config: Config) -> dict[str, torch.device]:
                 "--weights-install alias makes the generators' parameters views of the published weights, "
                 f"which live on {source}: place the generators there too, or install by copy"
             )
+        if config.ray and devices["generator"].type == "cuda":
+            raise PlacementError(
+                "--weights-install alias with --ray: a generator on another host than the trainer's receives the "
+                "weights over tcp, in host memory, which its GPU parameters cannot view: install by copy"
+            )
     return devices
 
 

@@ -72,6 +72,11 @@ def test_under_ray_gpu_placements_are_left_to_the_hosts_the_roles_run_on(monkeyp
     assert devices["trainer"] == torch.device("cuda", 1)
     with pytest.raises(PlacementError, match="not a device"):
         check_placement(Config(device="gpu0", ray="auto"))
+    # a generator on another host than the trainer's gets its weights over tcp, in host memory, which a GPU's
+    # parameters cannot view (before: accepted, and each aliasing install there failed, the generator with it)
+    with pytest.raises(PlacementError, match="--weights-install alias with --ray"):
+        check_placement(Config(device="cuda", ray="auto", transport="cuda-ipc", install="alias"))
+    assert check_placement(Config(device="cpu", ray="auto", install="alias"))["generator"] == torch.device("cpu")
 
 
 def test_alias_installs_need_the_generators_where_the_weights_live():
