@@ -168,7 +168,7 @@ async def test_a_proc_mesh_slices_as_monarchs_and_actors_spawned_on_a_slice_live
         pair.stop()
     with pytest.raises(ValueError, match="set the logging option on the mesh it was sliced from"):
         pair.logging_option()
-    with pytest.raises(KeyError):
+    with pytest.raises(TypeError, match=r"unknown dimension\(s\) \['gpus'\]"):  # (as Monarch's slice)
         procs.slice(gpus=0)
     await procs.stop()
     with pytest.raises(ActorDied):
