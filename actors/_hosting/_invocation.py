@@ -56,7 +56,9 @@ class Invocation:
         if not call.call_id:
             return
         ref = rt.registry.proc(call.reply_to, call.reply_pid)
-        if ref.dead:
+        if ref.dead or (not ref.remote and ref.pid is not None and ref.pid != call.reply_pid):
+            # (the caller has gone; or it was restarted at its address meanwhile: call ids start again at 1 in
+            # the new process, whose own call of this id and rank would take this answer for its own)
             return
         with contextlib.suppress(ActorDied):
             # (owed: queued past the link's limits, which the caller's own calls bound, never refused as BufferFull)

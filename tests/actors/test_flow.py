@@ -185,7 +185,7 @@ def test_an_invocation_answers_as_an_owed_record():
     from actors._wire._records import Call
 
     sent: list[tuple[bool, bool]] = []
-    peer = types.SimpleNamespace(dead=False)
+    peer = types.SimpleNamespace(dead=False, remote=False, pid=1)
     rt = types.SimpleNamespace(
         registry=types.SimpleNamespace(proc=lambda address, pid: peer),
         send=lambda ref, record, urgent, owed=False: sent.append((record.ok, owed)),

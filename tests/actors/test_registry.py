@@ -219,3 +219,32 @@ def test_a_ctrl_c_in_a_deaths_listener_still_announces_the_pids_exit(tmp_path):
         registry._pid_died(gone.pid)
     assert a.dead and exits == [(gone.pid, gone.pid)] and registry.exiting is None
     registry.close()
+
+
+def test_an_answer_to_a_caller_restarted_at_its_address_since_is_not_sent_to_the_new_process(tmp_path):
+    """A worker of a restartable mesh calls X (call 5, rank 0), is killed and restarted at its address; the new
+    process makes its own call 5 to X's rank 0. X's answer to the old call went to the live process at that
+    address, the new one, which took it for the answer to its own call 5 (call ids start at 1 in every process).
+    It is dropped now: the caller it was for has gone. The new process's own calls are answered."""
+    import types
+
+    from actors._hosting._invocation import Invocation
+    from actors._wire._records import Call
+
+    registry = Registry(str(tmp_path), os.getpid())
+    address = f"ipc://{tmp_path}/w1-6.sock"
+    caller = registry.proc(address, None)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(30)
+    caller.pid = gone.pid
+    registry._by_pid[gone.pid] = caller
+    registry._pid_died(gone.pid)
+    assert caller.dead
+    assert registry.proc(address, os.getpid()) is caller and not caller.dead, "restarted at its address"
+    sent: list[int] = []
+    rt = types.SimpleNamespace(registry=registry, send=lambda ref, record, urgent, owed: sent.append(record.call_id))
+    Invocation(Call(5, "x", "m", address, gone.pid, 0, b"", None), []).reply(rt, True, 1)  # type: ignore[arg-type]
+    assert sent == [], "the old caller's answer goes nowhere"
+    Invocation(Call(5, "x", "m", address, os.getpid(), 0, b"", None), []).reply(rt, True, 2)  # type: ignore[arg-type]
+    assert sent == [5], "the new process's own call is answered"
+    registry.close()
