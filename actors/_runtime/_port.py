@@ -311,6 +311,11 @@ class Port(Generic[T]):
     def _shipped_to(self, rt: Runtime, dest: ProcRef) -> None:
         """Record that process ``dest`` now holds a copy of this port."""
         pid = dest.pid
+        if pid is None and dest.dead:  # it died before its pid was known (it never started): a holder gone
+            state = rt.receivers.get(self._id) if self._address == rt.address and self._pid == rt.pid else None
+            if state is not None:
+                state.attach(dest.address, alive=False)
+            return
         if pid is None:
             state = rt.receivers.get(self._id) if self._address == rt.address and self._pid == rt.pid else None
             if state is None:
@@ -326,8 +331,8 @@ class Port(Generic[T]):
 
             rt.registry.when_pid_known(dest, known)
             return
-        if pid == self._pid:
-            return
+        if pid == self._pid and dest.address == self._address:  # the port's own process (a pid alone is no process
+            return  # of this host's: another host's may have the same)
         if self._address == rt.address:
             state = rt.receivers.get(self._id) if self._pid == rt.pid else None  # (else an earlier process's)
             if state is not None:

@@ -134,6 +134,10 @@ class Registry:
             self._by_pid[pid] = ref
             if pid != self.own_pid and not ref.dead:
                 self.watcher.watch(pid)  # a pid already gone is reported dead right here
+        self._run_pid_waiters(ref)
+
+    def _run_pid_waiters(self, ref: ProcRef) -> None:
+        """Run what waited for ``ref``'s pid: it is known now, or, the process dead first, never will be."""
         for callback in self._pid_waiters.pop(ref.address, []):
             try:
                 callback()
@@ -166,7 +170,8 @@ class Registry:
         return bool(self.unresolved)
 
     def when_pid_known(self, ref: ProcRef, callback: Callable[[], None]) -> None:
-        """Run ``callback`` once ``ref``'s pid is known (now, if it already is)."""
+        """Run ``callback`` once ``ref``'s pid is known (now, if it already is), or once ``ref`` dies without it
+        (its process never started: the callback finds it dead, its pid unknown)."""
         if self.resolve_pid(ref) is not None:
             callback()
         else:
@@ -205,6 +210,8 @@ class Registry:
         ref.dead = True
         ref.exit_reason = reason
         self.deaths(ref)
+        if ref.pid is None:  # (a process that never started: what waited for its pid waits no more)
+            self._run_pid_waiters(ref)
 
     def _pid_died(self, pid: int) -> None:
         ref = self._by_pid.get(pid)

@@ -348,6 +348,27 @@ async def test_a_sender_sent_to_a_process_still_starting_counts_until_its_pid_is
     assert recv._state.pending == 0
 
 
+async def test_a_sender_sent_to_a_process_that_never_starts_counts_no_more_once_it_is_dead(sockets_dir):
+    """The process a port was sent to dies before its pid is known (its spawn failed, its host was lost): what
+    waited for its pid ran only once a pid was known, never, so its sender counted for good and a receive whose
+    other senders had gone waited forever. Its death ends the wait; a port sent to it after that counts it gone."""
+    from actors._shared._session import inbox_address
+
+    rt = runtime()
+    never = rt.registry.proc(inbox_address(rt.dir, "w-never"), None)
+    port, recv = Channel.open(int)
+    rt.driver.on_thread(lambda: port._shipped_to(rt, never))
+    assert recv.senders_alive and recv._state.pending == 1
+    rt.driver.on_thread(lambda: rt.registry.mark_dead(never, "its spawn failed"))
+    assert recv._state.pending == 0
+    with pytest.raises(PortClosed, match="every process"):
+        await asyncio.wait_for(recv.recv(), 5)
+    later, later_recv = Channel.open(int)
+    rt.driver.on_thread(lambda: later._shipped_to(rt, never))
+    with pytest.raises(PortClosed, match="every process"):
+        await asyncio.wait_for(later_recv.recv(), 5)
+
+
 async def test_a_sender_held_on_another_host_counts_until_news_of_its_death(sockets_dir):
     """A process of another host holds a sender: its pid names no process here, so watching it by pid here said it
     was gone at once ("every sender has exited" while it was alive), or waited on an unrelated local process of
@@ -362,6 +383,11 @@ async def test_a_sender_held_on_another_host_counts_until_news_of_its_death(sock
     with pytest.raises(PortClosed, match="every process"):
         await asyncio.wait_for(recv.recv(), 5)
     assert 4_000_000 not in rt.registry.watcher.dead, "no pid of this machine was taken for it"
+    twin = rt.registry.placed("tcp://10.255.0.2:40000")  # another host's process of this one's pid (one image)
+    rt.registry.set_pid(twin, rt.pid)
+    port, recv = Channel.open(int)
+    rt.driver.on_thread(lambda: port._shipped_to(rt, twin))
+    assert recv._state.holders == {twin.address}, "a holder (before: taken for the port's own process, not counted)"
 
 
 async def test_recv_raises_when_every_sender_died(procs: ProcMesh):
