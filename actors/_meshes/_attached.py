@@ -97,6 +97,8 @@ class AttachedHostMesh(RemoteHostMesh):
         self._handles = handles
         self._attaching = Attaching(rt, addresses, list(handles), timeout, self._install)
         self._deadlines = RequestDeadlines(rt)
+        #: Hosts whose lifeline ended (runtime's thread): one lost otherwise (a request failed) may still serve.
+        self._lines_ended: set[int] = set()
         at_runtime_exit(lambda: self._release(end_hosts=False))
 
     def _install(self, nodes: list[RemoteNode]) -> None:
@@ -113,6 +115,7 @@ class AttachedHostMesh(RemoteHostMesh):
         attaching failed (decided on the runtime's thread, where the hosts are installed)."""
 
         def lose() -> None:
+            self._lines_ended.add(index)
             if self.closed:  # (a host ends its lifeline as it stops: no loss)
                 return
             if self._nodes:
@@ -208,8 +211,12 @@ class AttachedHostMesh(RemoteHostMesh):
             return
         self.closed = True
         self._attaching.cancel("its host mesh was shut down before it attached")
+        revived: set[int] = set()
         if self._nodes:
             waits = {node.index: STOP_TIMEOUT for node in self._nodes if not node.lost}
+            if end_hosts:  # a host lost by a failed request, its lifeline holding, may serve still: asked briefly
+                revived = set(self._rt.driver.on_thread(self._revive_reachable_agents))
+                waits.update((index, UNANSWERED_STOP_TIMEOUT) for index in revived)
         else:
             started = set(self._attaching.started)
             unanswered = self._rt.driver.on_thread(self._attaching.unanswered) if end_hosts else []
@@ -220,7 +227,10 @@ class AttachedHostMesh(RemoteHostMesh):
         def left(index: int) -> float:
             return max(0.0, deadlines[index] - time.monotonic())
 
-        calls = {index: ask_agent(self._rt, self._handles[index], "shut_down", (end_hosts,)) for index in waits}
+        calls = {
+            index: ask_agent(self._rt, self._handles[index], "shut_down", (end_hosts,), despite_loss=index in revived)
+            for index in waits
+        }
         if end_hosts:
             for index in waits:
                 self._agents[index]._expect_exit()  # the loop's process ends after answering
@@ -236,6 +246,17 @@ class AttachedHostMesh(RemoteHostMesh):
         self._lifelines.close()
         self._forget_workers("its host mesh was shut down")
         self._deadlines.close()
+
+    def _revive_reachable_agents(self) -> list[int]:
+        """The lost hosts whose lifeline still holds (runtime's thread), their agents callable again: a request
+        to one failed (it timed out), but its worker loop may still serve, and ``shutdown()`` ends it."""
+        revived = []
+        for node in self._nodes:
+            if node.lost and node.index not in self._lines_ended:
+                agent_ref = self._agents[node.index]._procs[0]
+                self._rt.registry.revive(agent_ref, agent_ref.pid)  # (a pid gone by now is seen dead at once)
+                revived.append(node.index)
+        return revived
 
 
 def _wait(rt: Runtime, pending: PendingCall, timeout: float, what: str) -> Any:

@@ -38,13 +38,17 @@ def ask_agent(
     op: str,
     args: tuple[Any, ...],
     then: Callable[[PendingCall], None] | None = None,
+    *,
+    despite_loss: bool = False,
 ) -> PendingCall:
     """Send request ``op`` to a host agent, from any thread; its pending call.
 
     ``then`` gets the call once it is done, on the runtime's thread; it is
     attached there as the call is sent, so no answer can come before it.
+    ``despite_loss`` sends it to an agent whose mesh counts it lost (a
+    request to it failed) all the same: its worker loop may still serve.
     """
-    targets = agent._targets()
+    targets = agent._targets_list if despite_loss else agent._targets()
 
     def send() -> PendingCall | None:
         pending = send_call(rt, targets, agent._name, op, encode_arguments(rt, args, {}), want_reply=True)

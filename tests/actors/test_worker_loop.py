@@ -56,6 +56,8 @@ CONTROLLER = textwrap.dedent(
             except (ActorDied, SupervisionError) as exc:
                 out["after_kill"] = type(exc).__name__
             out["detected_s"] = time.monotonic() - t
+        if action == "lose":  # a request to host 0 failed (timed out): lost here, though its loop still serves
+            hosts._rt.driver.on_thread(lambda: hosts._lose(hosts._nodes[0], "TimeoutError: no answer in time"))
         if action == "exit":  # leave without stopping anything: the hosts must end the workers themselves
             print(json.dumps(out), flush=True)
             os._exit(0)
@@ -284,6 +286,17 @@ def test_a_worker_loop_serves_the_next_controller_until_one_shuts_its_hosts_down
         assert loop.wait(15) == 0
         assert "returned" not in (loop.communicate()[0] or ""), "run_worker_loop_forever never returns"
     assert not any(os.path.exists(w.removeprefix("ipc://")) for w in workers), "the loops remove their socket files"
+
+
+def test_a_host_lost_by_a_failed_request_is_still_asked_to_end_its_loop_at_shutdown(tmp_path, worker_loops):
+    """A request to host 0 failed (it timed out): the host counts as lost, but its lifeline holds and its loop
+    serves on. ``shutdown()`` asks it too, briefly (before: only the hosts not lost were asked, so that loop
+    outlived the shutdown that was to end it, and a scheduler's job with it)."""
+    workers, keys, loops = worker_loops
+    out = result_of(run_controller(tmp_path, workers, keys, "lose"))
+    assert out["shutdown_s"] < 5
+    for loop in loops:
+        assert loop.wait(15) == 0, "every loop ends"
 
 
 def test_inherited_socket_proc_id_forms_and_the_variant_that_returns(tmp_path):
