@@ -35,8 +35,12 @@ class ChildSupervision:
         self._reports = reports
         self._lifecycle = lifecycle
 
-    def supervise(self, actor: str, failure: Failure) -> bool:
-        """Offer ``failure`` to the ``__supervise__`` of ``actor`` (hosted here); True if handled (or pending)."""
+    def supervise(self, actor: str, failure: Failure, handled: bool = False) -> bool:
+        """Offer ``failure`` to the ``__supervise__`` of ``actor`` (hosted here); True if handled (or pending).
+
+        ``handled``: a restart or a handler handled it already (or its mesh is
+        stopping): a false answer then escalates nothing, whenever it comes.
+        """
         slot = self._slots.get(actor)
         if slot is None or slot.instance is None:
             return False
@@ -58,13 +62,13 @@ class ChildSupervision:
 
         async def settle() -> None:
             try:
-                handled = bool(await verdict)
+                verdict_handled = bool(await verdict)
             except BaseException as exc:  # a CancelledError it raised itself, too, unless the actor is stopping
                 if slot.stopping:
                     return
                 self.escalate(actor, failure, exc)
                 return
-            if not handled:
+            if not verdict_handled and not handled:
                 self.escalate(actor, failure)
 
         token = actor_context.set(slot.context)

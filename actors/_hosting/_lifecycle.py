@@ -121,6 +121,7 @@ class Lifecycle:
             )
             inv.reply(self._rt, False, slot.error)
             self._reports.report(name, slot.rank, "__init__", slot.error)  # a supervision event, as in Monarch
+            self._start_stop(slot, exc, CLEANUP_TIMEOUT)  # what it spawned before it raised stops (no cleanup runs)
         else:
             inv.reply(self._rt, True, None)
             if slot.stopping:  # stopped while its constructor ran (a sync actor's, on its thread): no cleanup ran

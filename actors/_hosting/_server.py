@@ -148,9 +148,9 @@ class ActorServer:
         """``child`` (this worker's controllers) stops when the worker stops, after its actors."""
         self.lifecycle.stop_last(child)
 
-    def supervise(self, actor: str, failure: Failure) -> bool:
-        """Offer ``failure`` to ``actor``'s ``__supervise__``; True if handled."""
-        return self.children.supervise(actor, failure)
+    def supervise(self, actor: str, failure: Failure, handled: bool = False) -> bool:
+        """Offer ``failure`` to ``actor``'s ``__supervise__``; True if handled (``handled``: already, elsewhere)."""
+        return self.children.supervise(actor, failure, handled)
 
     def escalate(self, actor: str, failure: Failure, raised: BaseException | None = None) -> None:
         """A failure of what ``actor`` spawned went unhandled: ``actor`` fails."""

@@ -68,7 +68,7 @@ class MeshSupervisor:
         handled = offer(failure, [*self.handlers, *rt.mesh_routes.handlers]) or handled
         server, actor = rt.server, self.owner_actor
         if actor is not None and server is not None:
-            handled = server.supervise(actor, failure) or handled
+            handled = server.supervise(actor, failure, handled or self.stopping) or handled
         if handled or self.stopping:
             return
         if self.unhandled is None:

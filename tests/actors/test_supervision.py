@@ -8,6 +8,7 @@ import signal
 import threading
 
 import pytest
+from harness import actor_pids, wait_for
 from support import Echo, Fire, Respawner, Supervisor
 
 import actors
@@ -114,6 +115,71 @@ async def test_an_actor_that_does_not_handle_escalates_to_its_owner(procs: ProcM
     assert "raise KeyError" in failure.traceback, "the child's traceback travels up"
     with pytest.raises(SupervisionError, match=r"The actor <\S+\.\w+ sup\[0\]> and all its descendants have failed"):
         await sup.ping.call_one()  # as in Monarch, the actor that did not handle it failed with it
+
+
+class ObservingSupervisor(Actor):
+    """Spawns a restartable child mesh; its ``async def __supervise__`` only looks (returns False)."""
+
+    def __init__(self, port: Port[str]) -> None:
+        self.port = port
+        self.procs: ProcMesh | None = None
+
+    @endpoint
+    async def start_child(self) -> int:
+        self.procs = this_host().spawn_procs(per_host={"procs": 1}, name="children", restart="on-failure")
+        self.child = self.procs.spawn("child", Fire)
+        await self.child.ok.call_one()
+        return self.procs.pids[0]
+
+    @endpoint
+    async def ping(self) -> str:
+        return "alive"
+
+    async def __supervise__(self, failure: Failure) -> bool:
+        self.port.send(str(failure))
+        return False
+
+    async def __cleanup__(self, exc: BaseException | None) -> None:
+        if self.procs is not None:
+            await self.procs.stop()
+
+
+async def test_a_failure_a_restart_handled_is_not_escalated_by_an_async_supervise_that_only_looks(procs: ProcMesh):
+    """A child process of a restartable mesh dies and is restarted: the failure is handled. An ``async def
+    __supervise__`` that answers False (it only looks) then killed its actor all the same, and the restarted mesh
+    with it; a ``def __supervise__`` answering so did not. Neither escalates now."""
+    port, reports = Channel.open(str)
+    sup = procs.spawn("observer", ObservingSupervisor, port).slice(procs=0)
+    child = await sup.start_child.call_one()
+    os.kill(child, signal.SIGKILL)
+    assert "restarted" in await asyncio.wait_for(reports.recv(), 30)
+    assert await sup.ping.call_one() == "alive"
+    assert procs.fault is None and procs.failures == []
+
+
+class SpawnsThenFails(Actor):
+    """A synchronous actor (its constructor runs on its own thread, where it may wait) that spawns, then raises."""
+
+    def __init__(self, port: Port[int]) -> None:
+        self.procs = this_host().spawn_procs(per_host={"procs": 1}, name="orphans")
+        port.send(self.procs.spawn("echo", Echo).pid.call_one().get(timeout=30))  # (its process is up)
+        raise RuntimeError("the constructor failed after spawning")
+
+    @endpoint
+    def noop(self) -> None:
+        pass
+
+
+async def test_a_constructor_that_spawned_then_raised_leaves_no_process_behind(procs: ProcMesh):
+    """The failed actor's slot kept the mesh its constructor spawned, and nothing stopped it: its process (and
+    GPUs) lived until the whole worker stopped, one more for each retry. The failed actor's stop ends it now."""
+    procs.add_failure_handler(lambda failure: True)  # (the constructor's failure: expected here)
+    port, spawned = Channel.open(int)
+    mesh = procs.spawn("spawns_then_fails", SpawnsThenFails, port).slice(procs=0)
+    with pytest.raises(actors.SpawnError, match="the constructor failed after spawning"):
+        await mesh.initialized
+    orphan = await asyncio.wait_for(spawned.recv(), 30)
+    assert await asyncio.to_thread(wait_for, lambda: orphan not in actor_pids(), 20), "its spawn was stopped"
 
 
 class SyncSupervisor(Actor):
