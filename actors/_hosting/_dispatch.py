@@ -88,13 +88,15 @@ class CallDispatcher:
             cls = type(slot.instance).__qualname__
             refuse(inv, ErrorRecord("AttributeError", f"{cls} has no endpoint {inv.call.method!r}"))
             return
-        try:
-            args, kwargs = inv.arguments(self._rt)
-        except DecodeError as exc:
-            refuse(inv, ErrorRecord.of(exc))
-            return
+        # (decoded in the actor's context, as its constructor's arguments are: a proc mesh among them has this actor
+        # as its owner, so failures of what it spawns there are offered to this actor's __supervise__)
         token = actor_context.set(slot.context_for(inv.call))
         try:
+            try:
+                args, kwargs = inv.arguments(self._rt)
+            except DecodeError as exc:
+                refuse(inv, ErrorRecord.of(exc))
+                return
             task = self._loop.create_task(self._invoke(slot, ep, args, kwargs, inv))
         finally:
             actor_context.reset(token)

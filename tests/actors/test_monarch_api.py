@@ -266,6 +266,18 @@ class AsyncParent(Actor):
         return True
 
 
+class ParentByEndpoint(AsyncParent):
+    """AsyncParent whose proc mesh comes as an endpoint's argument, not its constructor's."""
+
+    def __init__(self) -> None:
+        self.seen = []
+        self.event = asyncio.Event()
+
+    @endpoint
+    async def adopt(self, procs: ProcMesh) -> None:
+        self.child = procs.spawn("child", Fails)
+
+
 class SpawnsAWorker(Actor):
     """Spawns an actor called "worker" holding ``value`` on the processes it is given."""
 
@@ -736,6 +748,16 @@ async def test_an_async_supervise_is_awaited_and_gets_a_mesh_failure(spawn):
     parent = spawn(procs=1).spawn("parent", AsyncParent, spawn(procs=1))
     seen = await parent.fail_child.call_one()
     assert len(seen) == 1 and re.match(r"child#\w+: MeshFailure child\[0\]", seen[0]) and "kaboom" in seen[0]
+
+
+async def test_a_proc_mesh_an_endpoint_is_given_reports_what_it_spawns_there_to_that_actor(spawn):
+    """An endpoint's arguments were decoded before the actor's context was set: a proc mesh among them had no
+    owning actor, so a failure of what the actor spawned on it skipped its ``__supervise__`` (the worker's fault
+    hook took it, and the actor never heard). Decoded in the actor's context, as a constructor's are."""
+    parent = spawn(procs=1).spawn("parent", ParentByEndpoint)
+    await parent.adopt.call_one(spawn(procs=1))
+    seen = await parent.fail_child.call_one()
+    assert len(seen) == 1 and "kaboom" in seen[0]
 
 
 # ------------------------------------------------------------------ stop, proc meshes as arguments, functions
