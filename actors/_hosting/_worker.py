@@ -28,6 +28,7 @@ from .._shared._config import WorkerConfig
 from .._shared._main_loader import load_definitions
 from .._shared._session import write_incarnation
 from .._wire import _refs
+from ._bounded_runner import run_bounded
 from ._breakpoint import WorkerBreakpoints
 from ._output import ProcessOutput, WorkerStream
 from ._program_modules import Inherited, exiting_program_modules, program_modules
@@ -114,7 +115,7 @@ def _run(config: WorkerConfig) -> int:
     import uvloop
 
     try:
-        return uvloop.run(_serve(config, output))  # type: ignore[no-any-return]
+        return run_bounded(_serve(config, output), uvloop.new_event_loop)
     finally:
         for stream in streams:
             stream.end()  # a last line left unfinished

@@ -77,6 +77,56 @@ def test_a_stopped_worker_runs_its_atexit_hooks_and_finalizers_but_not_the_contr
     assert (tmp_path / "controller").read_text().split() == [controller]
 
 
+STUBBORN = """
+import asyncio, atexit, os, sys
+from actors import Actor, endpoint, this_host
+
+OUT = sys.argv[1]
+
+
+def mark(text):
+    with open(os.path.join(OUT, "atexit"), "a") as f:
+        f.write(text)
+
+
+class Stubborn(Actor):
+    def __init__(self):
+        atexit.register(mark, f"{os.getpid()}\\n")
+
+    @endpoint
+    async def pid(self) -> int:
+        return os.getpid()
+
+    async def __cleanup__(self, exc):
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                pass  # swallows every cancel
+
+
+if __name__ == "__main__":
+    procs = this_host().spawn_procs({"procs": 1})
+    print(procs.spawn("stubborn", Stubborn).pid.call_one().get())
+    procs.stop(timeout=0.3).get()
+    print("stopped", flush=True)
+"""
+
+
+def test_a_worker_whose_cleanup_swallows_its_cancel_still_ends_in_order(tmp_path):
+    """The stop gives up on a ``__cleanup__`` that swallows its cancel; asyncio's runner then cancelled it again
+    and waited for it without end as the loop closed, so the worker never exited by itself: its owner killed it
+    (after SIGTERM, with the owner alive, nothing did). What is left gets a bounded wait: the worker exits in
+    order, its ``atexit`` hooks run."""
+    script = tmp_path / "program.py"
+    script.write_text(textwrap.dedent(STUBBORN))
+    out = run_python(str(script), str(tmp_path), timeout=120, env=ENV)
+    assert out.returncode == 0, out.stdout + out.stderr
+    worker, stopped = out.stdout.splitlines()[:2]
+    assert stopped == "stopped"
+    assert (tmp_path / "atexit").read_text().split() == [worker], "it exited in order (before: SIGKILLed)"
+
+
 LIBRARY = """
 import os
 from os import getpid
