@@ -100,44 +100,46 @@ class WeightInbox:
     def take_newest(self) -> WeightManifest | None:
         """The newest waiting manifest; every older one is rejected and released, and a repeat of an update this
         consumer already turned down or let go (a stale one delivered again) is dropped, not installed."""
-        candidates = self._take_candidates()
-        if candidates:
-            self._drop_older(candidates, 0)
+        candidates, dropped = self._take_candidates()
+        for manifest, reason in [*dropped, *_older(candidates, 0)]:
+            self._drop(manifest, reason)
         return candidates[0] if candidates else None
 
-    def _take_candidates(self) -> list[WeightManifest]:
-        """Every waiting update worth installing, newest first, taken off the queue; the others dropped: not newer
-        than the installed version, or a repeat of one this consumer already turned down or let go."""
+    def _take_candidates(self) -> tuple[list[WeightManifest], list[tuple[WeightManifest, str]]]:
+        """Every waiting update worth installing, newest first, taken off the queue, and those to drop, with why
+        (not newer than the installed version); a repeat of one this consumer already turned down or let go is
+        neither (it is counted, and nothing more)."""
         unique = {m.update_id: m for m in self._queue}  # the same update delivered twice is one update
         self._queue.clear()
         installed = self.consumer.installed_version
-        candidates = []
+        candidates, dropped = [], []
         for manifest in sorted(unique.values(), key=lambda m: m.version, reverse=True):
             if installed is not None and manifest.version <= installed:
-                self._drop(manifest, f"not newer than installed version {installed}")
+                dropped.append((manifest, f"not newer than installed version {installed}"))
             elif self.consumer.state(manifest.update_id) in ("rejected", "released"):  # (done with once: let go)
                 self.superseded += 1
             else:
                 candidates.append(manifest)
-        return candidates
-
-    def _drop_older(self, candidates: list[WeightManifest], chosen: int) -> None:
-        """Drop the candidates older than ``candidates[chosen]``, which is installed or failed (not stale)."""
-        for manifest in candidates[chosen + 1 :]:
-            self._drop(manifest, f"superseded by version {candidates[chosen].version}")
+        return candidates, dropped
 
     def _drop(self, manifest: WeightManifest, reason: str) -> None:
         """Reject and release an update not to be installed, unless it is the one a module views (a repeat of it):
         that one stays held until the next install replaces it."""
-        self._reject(manifest, reason)
-        if not self.consumer.holds_alias(manifest.update_id):
+        if self._reject(manifest, reason):
             self.consumer.release(manifest.update_id, manifest.transport)
 
-    def _reject(self, manifest: WeightManifest, reason: str) -> None:
-        """Count an update not to be installed, and reject it unless it was installed or decided already."""
+    async def _drop_async(self, manifest: WeightManifest, reason: str) -> None:
+        """:meth:`_drop` on an event loop: a ``cuda-ipc`` release's wait for the GPU's reads is awaited."""
+        if self._reject(manifest, reason):
+            await self.consumer.release_async(manifest.update_id, manifest.transport)
+
+    def _reject(self, manifest: WeightManifest, reason: str) -> bool:
+        """Count an update not to be installed, and reject it unless it was installed or decided already; whether
+        it is to be released (not when a module views it)."""
         self.superseded += 1
         if self.consumer.state(manifest.update_id) is None:
             self.consumer.reject(manifest.update_id, reason)
+        return not self.consumer.holds_alias(manifest.update_id)
 
     def install_newest(self, model: torch.nn.Module, *, alias: bool = False) -> WeightManifest | None:
         """Install the newest waiting update into ``model``; None if there was none usable.
@@ -151,19 +153,22 @@ class WeightInbox:
         """
         for waiting in self._queue:  # (on an event loop a tcp update is refused while it is still queued)
             self.consumer.check_blocking_allowed(waiting)
-        candidates = self._take_candidates()
+        candidates, dropped = self._take_candidates()
+        for manifest, reason in dropped:
+            self._drop(manifest, reason)
         for index, manifest in enumerate(candidates):  # newest first; an older one where a newer is stale
+            stale = False
             try:
                 self.consumer.install(manifest, model, alias=alias)
             except StaleUpdateError:
-                continue
-            except BaseException:
-                self._drop_older(candidates, index)
-                raise
+                stale = True
             finally:
                 self._done_with(manifest)
-            self._drop_older(candidates, index)
-            return manifest
+                if not stale:  # (installed, or failed otherwise: the older ones go)
+                    for older, reason in _older(candidates, index):
+                        self._drop(older, reason)
+            if not stale:
+                return manifest
         return None
 
     async def install_newest_async(
@@ -189,19 +194,22 @@ class WeightInbox:
     async def _install_first_fresh(self, install: Callable[[WeightManifest], Awaitable[None]]) -> WeightManifest | None:
         """Install the newest waiting update, or, where it is stale (its slot reused while another consumer held
         an older one's), the newest older one that is not: an update goes only where a newer one installed."""
-        candidates = self._take_candidates()
+        candidates, dropped = self._take_candidates()
+        for manifest, reason in dropped:
+            await self._drop_async(manifest, reason)
         for index, manifest in enumerate(candidates):
+            stale = False
             try:
                 await install(manifest)
             except StaleUpdateError:
-                continue
-            except BaseException:
-                self._drop_older(candidates, index)
-                raise
+                stale = True
             finally:
                 await self._done_with_async(manifest)
-            self._drop_older(candidates, index)
-            return manifest
+                if not stale:  # (installed, or failed otherwise: the older ones go)
+                    for older, reason in _older(candidates, index):
+                        await self._drop_async(older, reason)
+            if not stale:
+                return manifest
         return None
 
     def _done_with(self, manifest: WeightManifest) -> None:
@@ -239,6 +247,11 @@ class WeightInbox:
             self._reject(manifest, "inbox closed")
         self._queue.clear()
         await self.consumer.close_async()
+
+
+def _older(candidates: list[WeightManifest], chosen: int) -> list[tuple[WeightManifest, str]]:
+    """The candidates older than ``candidates[chosen]`` (installed, or failed other than stale), to drop, with why."""
+    return [(manifest, f"superseded by version {candidates[chosen].version}") for manifest in candidates[chosen + 1 :]]
 
 
 class ReceivesWeights(Actor):

@@ -320,6 +320,29 @@ def test_an_inbox_whose_newest_update_is_stale_installs_the_older_one_still_whol
         inbox.close()
 
 
+async def test_an_inbox_on_an_event_loop_lets_the_updates_it_drops_go_the_async_way(shm_publisher, monkeypatch):
+    """The updates ``install_newest_async`` drops (superseded, or not newer than the installed one) were released
+    synchronously, which for a ``cuda-ipc`` update still held waits for the GPU on the loop's thread; they are let
+    go with ``release_async`` now, as the installed one is."""
+    inbox = WeightInbox()
+    manifests = [shm_publisher.publish(filled_model(float(v)), v) for v in (1, 2)]
+    for manifest in manifests:
+        inbox.put(manifest)
+
+    def blocking(*args: object) -> None:
+        raise AssertionError("a synchronous release on the event loop")
+
+    monkeypatch.setattr(inbox.consumer, "release", blocking)
+    target = filled_model(0.0)
+    installed = await inbox.install_newest_async(target)
+    assert installed is not None and installed.version == 2 and models_equal(target, filled_model(2.0))
+    assert {inbox.consumer.state(m.update_id) for m in manifests} == {"released"}
+    inbox.put(manifests[0])
+    assert await inbox.install_newest_async(target) is None, "an older version than installed is dropped"
+    monkeypatch.undo()
+    inbox.close()
+
+
 def test_local_publisher_keeps_a_bounded_history():
     with WeightPublisher("local", keep=2) as publisher:
         for version in range(1, 6):
