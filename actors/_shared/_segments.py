@@ -3,17 +3,102 @@
 One module owns the naming so that the publisher (``tensors._slots``), the
 supervisor that sees a publisher die and the forkserver that tears a session
 down agree on it without importing the weight transports.
+
+A process without a runtime publishes under a session of its own,
+``actors-solo<pid>``, which no forkserver tears down: while it has a slot
+pool it holds a shared ``flock`` on ``/dev/shm/actors-solo<pid>.live``
+(:func:`hold_solo_marker`; the kernel drops it when the process dies, even
+killed), and a later session's start removes the segments whose marker
+nobody holds (:func:`sweep_solo_segments`). A pid alone could not say so:
+another pid namespace sharing ``/dev/shm`` may run a live process of that pid.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import glob
 import os
+import re
 
-__all__ = ["SHM_DIR", "process_prefix", "remove_process_segments", "remove_session_segments"]
+__all__ = [
+    "SHM_DIR",
+    "drop_solo_marker",
+    "hold_solo_marker",
+    "process_prefix",
+    "remove_process_segments",
+    "remove_session_segments",
+    "solo_session",
+    "sweep_solo_segments",
+]
 
 SHM_DIR = "/dev/shm"
+_SOLO_MARKER = re.compile(r"(actors-solo[1-9][0-9]{0,6})\.live")  # (a Linux pid has at most 7 digits)
+
+
+def solo_session(pid: int) -> str:
+    """The session name of process ``pid``'s segments when it has no runtime."""
+    return f"actors-solo{pid}"
+
+
+def hold_solo_marker(session: str) -> int:
+    """Mark the segments of ``session`` (this process's, without a runtime) live while the returned descriptor
+    stays open; a sweep that removed the marker as this process took it is noticed, and a fresh one taken."""
+    path = os.path.join(SHM_DIR, f"{session}.live")
+    while True:
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_SH)  # (a sweep holds it exclusively only while it unlinks a few names)
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+def drop_solo_marker(session: str, fd: int) -> None:
+    """Let go of a hold :func:`hold_solo_marker` gave; the marker is removed too unless another holds it (another
+    slot pool of this process, or a live process of the same pid in another pid namespace)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pass
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(os.path.join(SHM_DIR, f"{session}.live")).st_ino == os.fstat(fd).st_ino:
+                os.unlink(os.path.join(SHM_DIR, f"{session}.live"))
+    finally:
+        os.close(fd)
+
+
+def sweep_solo_segments() -> list[str]:
+    """Remove this user's segments of processes without a runtime that have exited (nobody holds their marker);
+    the sessions removed."""
+    removed = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(SHM_DIR):
+            solo = _SOLO_MARKER.fullmatch(name)
+            if solo is None:
+                continue
+            path = os.path.join(SHM_DIR, name)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                if os.fstat(fd).st_uid != os.getuid():
+                    continue
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # its process lives (here or in another pid namespace)
+                remove_session_segments(solo[1])
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                removed.append(solo[1])
+            finally:
+                os.close(fd)
+    return removed
 
 
 def process_prefix(session: str, pid: int) -> str:

@@ -19,6 +19,7 @@ import tempfile
 
 import zmq
 
+from ._segments import sweep_solo_segments
 from ._stale_sessions import SESSION_PREFIX, sweep_stale_sessions
 
 __all__ = [
@@ -93,6 +94,7 @@ def make_runtime_dir() -> str:
     if not base or not os.access(base, os.W_OK):
         base = tempfile.gettempdir()
     sweep_stale_sessions(base)
+    sweep_solo_segments()  # (those of processes without a runtime that have exited)
     path = tempfile.mkdtemp(prefix=f"{SESSION_PREFIX}{os.getpid()}-", dir=base)
     os.chmod(path, 0o700)
     return path

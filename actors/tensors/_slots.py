@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 
 from .._runtime._core import current_runtime
 from .._shared._errors import ManifestError, StaleUpdateError, WeightSyncError
-from .._shared._segments import SHM_DIR, process_prefix
+from .._shared._segments import SHM_DIR, drop_solo_marker, hold_solo_marker, process_prefix, solo_session
 from .._shared._segments import remove_process_segments as remove_segments
 from ._slot_views import SlotViews
 
@@ -92,7 +92,7 @@ def segment_prefix(pid: int | None = None) -> str:
     """
     pid = os.getpid() if pid is None else pid
     rt = current_runtime()
-    session = rt.session if rt is not None else f"actors-solo{os.getpid()}"
+    session = rt.session if rt is not None else solo_session(os.getpid())
     return process_prefix(session, pid)
 
 
@@ -178,6 +178,10 @@ class SlotPool:
         self.max_slots = max_slots
         # A token per pool keeps two publishers of one process apart; a count per pool numbers its segments.
         self._prefix = f"{segment_prefix()}{kind}{uuid.uuid4().hex[:8]}-"
+        # (a process without a runtime marks its segments live: once it has gone, even killed, a session's sweep
+        # removes them)
+        solo = solo_session(os.getpid())
+        self._marker = (solo, hold_solo_marker(solo)) if self._prefix.startswith(f"{solo}-") else None
         self._numbers = itertools.count()
         self._inline = payload_in_segment
         self._allocate = allocate
@@ -372,6 +376,9 @@ class SlotPool:
 
     def _close(self) -> None:
         self.closed = True
+        if self._marker is not None:  # (this pool's hold: another pool of this process keeps its own)
+            drop_solo_marker(*self._marker)
+            self._marker = None
         for slot in self._slots:
             if self._free is not None and not _try_lock(slot.fd, fcntl.LOCK_EX):
                 with contextlib.suppress(OSError):

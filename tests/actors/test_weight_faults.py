@@ -645,3 +645,51 @@ async def test_a_wait_for_a_slot_that_is_not_a_finite_number_of_seconds_is_refus
             else:
                 await publisher.publish_async(filled_model(2.0), 2, timeout=nan)
         consumer.close()
+
+
+def test_a_killed_publisher_without_a_runtime_leaves_segments_a_later_session_removes():
+    """A process with no runtime (initial weights published before any spawn) publishes under a session of its
+    own, which no forkserver tears down: ``kill -9`` left its segments in ``/dev/shm`` for good. It holds a
+    liveness lock on a marker while it has a pool; a session's start removes the segments of a marker nobody
+    holds, and leaves a live one's alone (a pid alone could be a live process of another pid namespace)."""
+    from actors._shared._segments import SHM_DIR, sweep_solo_segments
+
+    publisher = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, torch\n"
+            "from actors import WeightPublisher\n"
+            "p = WeightPublisher('shm')\n"
+            "print(p.publish({'w': torch.ones(4)}, 1).handle, flush=True)\n"
+            "sys.stdin.read()\n",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        handle = publisher.stdout.readline().strip()  # type: ignore[union-attr]
+        session = f"actors-solo{publisher.pid}"
+        assert handle.startswith(f"{session}-w{publisher.pid}-")
+        assert session not in sweep_solo_segments() and os.path.exists(os.path.join(SHM_DIR, handle)), "alive"
+    finally:
+        publisher.kill()
+        publisher.wait(30)
+    assert os.path.exists(os.path.join(SHM_DIR, handle)), "killed: nobody removed its segment"
+    assert session in sweep_solo_segments()
+    assert not [name for name in os.listdir(SHM_DIR) if name.startswith(session)], "segments and marker gone"
+
+
+def test_a_publisher_without_a_runtime_leaves_no_marker_once_closed(monkeypatch):
+    from actors._shared._segments import SHM_DIR
+    from actors.tensors import _slots
+
+    monkeypatch.setattr(_slots, "current_runtime", lambda: None)
+    marker = os.path.join(SHM_DIR, f"actors-solo{os.getpid()}.live")
+    first, second = WeightPublisher("shm"), WeightPublisher("shm")
+    assert os.path.exists(marker)
+    first.close()
+    assert os.path.exists(marker), "the other pool still holds it"
+    second.close()
+    assert not os.path.exists(marker)
