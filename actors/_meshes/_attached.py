@@ -189,7 +189,8 @@ class AttachedHostMesh(RemoteHostMesh):
 
     def _fetch_addresses(self, nodes: list[RemoteNode], count: int) -> list[list[str]]:
         calls = [ask_agent(self._rt, node.handle, "addresses", (count,)) for node in nodes]
-        return [_wait(self._rt, call, REQUEST_TIMEOUT, "free addresses") for call in calls]
+        deadline = time.monotonic() + REQUEST_TIMEOUT  # (asked at once: one bound for all the answers)
+        return [_wait(self._rt, call, max(0.0, deadline - time.monotonic()), "free addresses") for call in calls]
 
     def _lose(self, node: RemoteNode, why: str) -> None:
         if node.lost or self.closed:

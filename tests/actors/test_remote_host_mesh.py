@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -271,6 +272,26 @@ def test_a_spawn_whose_addresses_another_spawn_took_starts_nothing_and_fetches_a
     placed = iter([None] * 3)
     with pytest.raises(RuntimeError, match="could not keep 2 free addresses per host ready"):
         retrying._spawn({"procs": 2}, None, None, 1, None)  # type: ignore[arg-type]
+
+
+def test_an_attached_meshs_address_fetch_waits_one_bound_for_all_its_hosts(monkeypatch):
+    """The hosts are asked at once; their answers were then waited for one after another, each with the whole
+    REQUEST_TIMEOUT, so a second slow host could double the wait. One bound covers them all."""
+    from actors._meshes import _attached
+
+    given: list[float] = []
+
+    def slow_answer(rt: Any, call: Any, timeout: float, what: str) -> list[str]:
+        given.append(timeout)
+        time.sleep(0.4)  # (the first host's slow answer)
+        return ["tcp://10.255.1.0:5000"]
+
+    monkeypatch.setattr(_attached, "REQUEST_TIMEOUT", 1.0)
+    monkeypatch.setattr(_attached, "ask_agent", lambda *args: object())
+    monkeypatch.setattr(_attached, "_wait", slow_answer)
+    nodes = [SimpleNamespace(handle=None), SimpleNamespace(handle=None)]
+    _attached.AttachedHostMesh._fetch_addresses(SimpleNamespace(_rt=None), nodes, 1)  # type: ignore[arg-type]
+    assert given[0] == pytest.approx(1.0, abs=0.1) and given[1] < 0.7
 
 
 def test_a_request_deadline_outlives_the_loop_it_was_armed_on():
