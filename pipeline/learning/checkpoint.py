@@ -121,6 +121,12 @@ def load(run_dir: str) -> dict[str, Any]:
     return state
 
 
+def saved_step(run_dir: str) -> int:
+    """The step the run's checkpoint was saved at; its tensors are mapped, not read (a large model's stay on disk)."""
+    state = torch.load(path(run_dir), weights_only=True, map_location="cpu", mmap=True)
+    return int(state["step"])
+
+
 def shards_of(run_dir: str, state: dict[str, Any]) -> str | None:
     """The folder of shards a loaded checkpoint names, or None if it holds its tensors whole."""
     name = state.get(SHARDS)

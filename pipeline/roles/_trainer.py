@@ -73,10 +73,15 @@ class Trainer(Actor):
         #: Duplicate rollouts dropped since the run began (a restarted generator's ticket, produced twice).
         self.dropped = 0
         self._shards_to_load: str | None = None  # a sharded checkpoint's, loaded once the ranks have sharded
+        #: The last held-out metrics and their primary one (carried forward between evaluations).
+        self.evaluation: dict[str, float] | None = None
+        self.score: float | None = None
         if resume:
             state, self._shards_to_load = self.learner.resume(config.run_dir, shard_later=config.sharded_trainer)
             self.step, self.version = int(state["step"]), int(state["version"])
             self.dropped = int(state.get("dropped", 0))  # (a checkpoint from before it was kept: 0)
+            self.evaluation = state.get("evaluation")  # (before it was kept: none until the next evaluation)
+            self.score = state.get("score")
         self.reports = reports
         # Rollouts come from the reference model, or straight from the scorer when the run has no KL term.
         self.port, self.inbox = Channel.open(ScoredRollout)
@@ -102,8 +107,6 @@ class Trainer(Actor):
             self.ref_publisher = WeightPublisher(config.transport, slots=1, dtype=weights_dtype(config.dtype), **on_gpu)
             self.ref_manifest = self.ref_publisher.publish(self.learner.reference_state, 1)
         self.tokens_received = 0
-        self.evaluation: dict[str, float] | None = None
-        self.score: float | None = None
         self._reports: list[StepReport] = []
         #: Held from a step's update to its report: a checkpoint between steps has every report sent before it.
         self._in_step = asyncio.Lock()
@@ -531,9 +534,16 @@ class Trainer(Actor):
             self.learner.adapter.save(os.path.join(self.config.run_dir, "adapter"))
         return checkpoint.save(self.config.run_dir, {**self._counters(), **self.learner.state()})
 
-    def _counters(self) -> dict[str, int]:
-        """What a checkpoint keeps of the run's own count: its step, its policy's version, the duplicates dropped."""
-        return {"step": self.step, "version": self.version, "dropped": self.dropped}
+    def _counters(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the run's own count: its step, its policy's version, the duplicates dropped,
+        and the last held-out metrics (a resumed run carries its score forward, as the uninterrupted one would)."""
+        return {
+            "step": self.step,
+            "version": self.version,
+            "dropped": self.dropped,
+            "evaluation": self.evaluation,
+            "score": self.score,
+        }
 
     def save_sharded(self, folder: str) -> str:
         """:meth:`save` of a sharded policy, beside every rank: the shards into ``folder``, then the rest.

@@ -343,6 +343,11 @@ async def run_pipeline(
     checkpoint.remove_stale_staging(config.run_dir)  # an earlier run killed while it saved
     if resume and not checkpoint.exists(config.run_dir):
         raise FileNotFoundError(f"no checkpoint in {config.run_dir!r} to resume from")
+    if resume and config.steps <= (done := checkpoint.saved_step(config.run_dir)):
+        raise SettingsError(
+            f"--resume {config.run_dir}: its checkpoint is at step {done}, and --steps {config.steps} asks for no "
+            f"step more: give --steps above {done}"
+        )
     write_config(config.run_dir, config)
 
     started = time.perf_counter()

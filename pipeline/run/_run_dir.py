@@ -15,6 +15,7 @@ import shutil
 
 from ..config import Config, SettingsError
 from ..learning import checkpoint
+from ..models import sync_path
 
 __all__ = ["OUTPUTS", "earlier_outputs", "outputs", "refuse_earlier_run", "remove_earlier_run", "write_config"]
 
@@ -77,7 +78,10 @@ def write_config(run_dir: str, config: Config) -> None:
     try:
         with open(staging, "w") as f:
             json.dump(config.to_dict(), f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())  # (on disk before its name is: a power loss never leaves it empty, XFS/NFS)
         os.replace(staging, target)
+        sync_path(run_dir)
     finally:
         if os.path.exists(staging):
             os.remove(staging)

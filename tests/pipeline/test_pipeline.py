@@ -181,20 +181,29 @@ async def test_bfloat16_runs_hold_and_send_bfloat16_weights_and_train_float32_ma
 
 
 async def test_resume_continues_steps_and_versions(tmp_path, sockets_dir):
-    """... and the count of duplicate rollouts dropped (``staleness/dropped``, cumulative: it restarted at 0)."""
+    """... and the count of duplicate rollouts dropped (``staleness/dropped``, cumulative: it restarted at 0), and
+    the last held-out score until the next evaluation (it was none: ``score: null`` rows, and a ``--target-score``
+    already met went unnoticed until then). A resume that asks for no step more is refused, its settings kept
+    (before: it saved the same state again, and drew the abandoned run's rows past the checkpoint)."""
+    from pipeline.config import SettingsError
     from pipeline.learning import checkpoint
 
-    config = Config(steps=20, run_dir=str(tmp_path), checkpoint_every=10)
+    config = Config(steps=20, run_dir=str(tmp_path), checkpoint_every=10, eval_every=20)
     await run_pipeline(config, quiet=True)
     before = load_checkpoint(str(tmp_path))
-    assert before["dropped"] == 0
+    assert before["dropped"] == 0 and before["score"] == read_rows(str(tmp_path))[19]["score"] is not None
     checkpoint.save(str(tmp_path), {**before, "dropped": 3})  # (as if a restarted generator's tickets came twice)
+    config.steps = 15
+    with pytest.raises(SettingsError, match="its checkpoint is at step 20, and --steps 15 asks for no step more"):
+        await run_pipeline(config, resume=True, quiet=True)
+    assert json.loads((tmp_path / "config.json").read_text())["steps"] == 20
     config.steps = 30
     result = await run_pipeline(config, resume=True, quiet=True)
     rows = read_rows(str(tmp_path))
     assert [r["step"] for r in rows] == list(range(1, 31))
     assert rows[20]["version"] == before["version"] + 1, "versions continue monotonically"
     assert all(row["staleness/dropped"] >= 3 for row in rows[20:])
+    assert rows[20]["score"] == before["score"], "the last score carried forward, as without the interruption"
     assert result.steps == 30 and load_checkpoint(str(tmp_path))["version"] == 30
     after = load_checkpoint(str(tmp_path))
     assert torch.equal(after["ref"]["embed.weight"], before["ref"]["embed.weight"]), "the reference stays frozen"

@@ -526,8 +526,12 @@ def test_config_json_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
     from pipeline.run import _run_dir
 
     config = Config(steps=10, device="cpu")
+    synced: list[int] = []
+    fsync = os.fsync
+    monkeypatch.setattr(_run_dir.os, "fsync", lambda fd: synced.append(fd) or fsync(fd))
     _run_dir.write_config(str(tmp_path), config)
     before = (tmp_path / "config.json").read_text()
+    assert len(synced) >= 2, "the file on disk before its new name, and the name too (a power loss left it empty)"
 
     def disk_full(value: object, f: Any, **_: object) -> None:
         f.write("{")
