@@ -6,7 +6,7 @@ down agree on it without importing the weight transports.
 
 A process without a runtime publishes under a session of its own,
 ``actors-solo<pid>``, which no forkserver tears down: while it has a slot
-pool it holds a shared ``flock`` on ``/dev/shm/actors-solo<pid>.live``
+pool it holds a shared ``flock`` on ``/dev/shm/actors-solo<pid>.u<uid>.live``
 (:func:`hold_solo_marker`; the kernel drops it when the process dies, even
 killed), and a later session's start removes the segments whose marker
 nobody holds (:func:`sweep_solo_segments`). A pid alone could not say so:
@@ -33,7 +33,7 @@ __all__ = [
 ]
 
 SHM_DIR = "/dev/shm"
-_SOLO_MARKER = re.compile(r"(actors-solo[1-9][0-9]{0,6})\.live")  # (a Linux pid has at most 7 digits)
+_SOLO_MARKER = re.compile(r"(actors-solo[1-9][0-9]{0,6})\.u([0-9]+)\.live")  # (a Linux pid: at most 7 digits)
 
 
 def solo_session(pid: int) -> str:
@@ -41,12 +41,21 @@ def solo_session(pid: int) -> str:
     return f"actors-solo{pid}"
 
 
-def hold_solo_marker(session: str) -> int:
+def _marker_path(session: str) -> str:
+    """The marker of ``session``'s segments for this user (users sharing ``/dev/shm`` and a pid each have one)."""
+    return os.path.join(SHM_DIR, f"{session}.u{os.getuid()}.live")
+
+
+def hold_solo_marker(session: str) -> int | None:
     """Mark the segments of ``session`` (this process's, without a runtime) live while the returned descriptor
-    stays open; a sweep that removed the marker as this process took it is noticed, and a fresh one taken."""
-    path = os.path.join(SHM_DIR, f"{session}.live")
+    stays open; a sweep that removed the marker as this process took it is noticed, and a fresh one taken. None
+    where no marker can be made (``/dev/shm`` read-only, say): the segments are then left unmarked, as before."""
+    path = _marker_path(session)
     while True:
-        fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o600)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o600)
+        except OSError:
+            return None
         fcntl.flock(fd, fcntl.LOCK_SH)  # (a sweep holds it exclusively only while it unlinks a few names)
         try:
             if os.stat(path).st_ino == os.fstat(fd).st_ino:
@@ -65,8 +74,8 @@ def drop_solo_marker(session: str, fd: int) -> None:
         pass
     else:
         with contextlib.suppress(FileNotFoundError):
-            if os.stat(os.path.join(SHM_DIR, f"{session}.live")).st_ino == os.fstat(fd).st_ino:
-                os.unlink(os.path.join(SHM_DIR, f"{session}.live"))
+            if os.stat(_marker_path(session)).st_ino == os.fstat(fd).st_ino:
+                os.unlink(_marker_path(session))
     finally:
         os.close(fd)
 
@@ -78,7 +87,7 @@ def sweep_solo_segments() -> list[str]:
     with contextlib.suppress(OSError):
         for name in os.listdir(SHM_DIR):
             solo = _SOLO_MARKER.fullmatch(name)
-            if solo is None:
+            if solo is None or int(solo[2]) != os.getuid():
                 continue
             path = os.path.join(SHM_DIR, name)
             try:
@@ -92,7 +101,7 @@ def sweep_solo_segments() -> list[str]:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
                     continue  # its process lives (here or in another pid namespace)
-                remove_session_segments(solo[1])
+                _remove_own_segments(solo[1])
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
                 removed.append(solo[1])
@@ -117,6 +126,16 @@ def remove_process_segments(session: str, pid: int) -> list[str]:
                     os.unlink(os.path.join(SHM_DIR, name))
                     removed.append(name)
     return removed
+
+
+def _remove_own_segments(session: str) -> None:
+    """Unlink this user's segments of ``session`` (another user's process may have the same pid, in its own pid
+    namespace, and its segments the same session name)."""
+    uid = os.getuid()
+    for path in glob.glob(f"{SHM_DIR}/{session}-*"):
+        with contextlib.suppress(OSError):
+            if os.lstat(path).st_uid == uid:
+                os.unlink(path)
 
 
 def remove_session_segments(session: str) -> None:

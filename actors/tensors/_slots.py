@@ -181,7 +181,8 @@ class SlotPool:
         # (a process without a runtime marks its segments live: once it has gone, even killed, a session's sweep
         # removes them)
         solo = solo_session(os.getpid())
-        self._marker = (solo, hold_solo_marker(solo)) if self._prefix.startswith(f"{solo}-") else None
+        held = hold_solo_marker(solo) if self._prefix.startswith(f"{solo}-") else None
+        self._marker = (solo, held) if held is not None else None
         self._numbers = itertools.count()
         self._inline = payload_in_segment
         self._allocate = allocate

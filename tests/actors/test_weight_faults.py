@@ -686,7 +686,7 @@ def test_a_publisher_without_a_runtime_leaves_no_marker_once_closed(monkeypatch)
     from actors.tensors import _slots
 
     monkeypatch.setattr(_slots, "current_runtime", lambda: None)
-    marker = os.path.join(SHM_DIR, f"actors-solo{os.getpid()}.live")
+    marker = os.path.join(SHM_DIR, f"actors-solo{os.getpid()}.u{os.getuid()}.live")
     first, second = WeightPublisher("shm"), WeightPublisher("shm")
     assert os.path.exists(marker)
     first.close()
