@@ -333,18 +333,19 @@ class Learner:
                 mixed.add(reference.data_ptr())
                 reference.mul_(1.0 - alpha).add_(policy[name].to(reference.device, reference.dtype), alpha=alpha)
 
-    def evaluate(self) -> dict[str, float]:
-        """The task's held-out metrics for the current policy (sharded: a collective every rank runs)."""
+    def evaluate(self, step: int = -1) -> dict[str, float]:
+        """The task's held-out metrics for the current policy after ``step`` updates (sharded: a collective every
+        rank runs)."""
         whole = self.parallel.whole_root() if self.parallel is not None else contextlib.nullcontext()
         with whole, self._eager():
-            return self._with_primary(self.task.evaluate(self.policy))
+            return self._with_primary(self.task.evaluate_at(self.policy, step))
 
-    async def evaluate_async(self) -> dict[str, float]:
+    async def evaluate_async(self, step: int = -1) -> dict[str, float]:
         """:meth:`evaluate` on an event loop (the task's reward functions are awaited); a replica's only."""
         if self.sharded:
             raise RuntimeError("a sharded learner evaluates with every rank at once: call evaluate() off the loop")
         with self._eager():
-            return self._with_primary(await self.task.evaluate_async(self.policy))
+            return self._with_primary(await self.task.evaluate_at_async(self.policy, step))
 
     def _eager(self) -> contextlib.AbstractContextManager[Any]:
         """With ``--compile``, the evaluation's decoding runs the blocks eagerly: compiling them again for a KV

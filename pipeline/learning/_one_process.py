@@ -72,7 +72,7 @@ def train_one_process(config: Config) -> ReferenceResult:
             learner.mix_reference(config.ref_model_mixup_alpha)
             reference.load_state_dict(learner.reference_state)
         if step % config.eval_every == 0 or step == config.steps:
-            score = learner.evaluate()[task.primary]
+            score = learner.evaluate(step)[task.primary]
             curve.append((step, score))
             if config.target_score is not None and score >= config.target_score:
                 reached = time.perf_counter() - start

@@ -291,10 +291,13 @@ class Trainer(Actor):
 
     async def evaluate(self) -> float:
         """Held-out metrics of the current policy; returns the task's primary one (sharded: with every rank)."""
+        step = self.step
         if self.learner.sharded:
-            self.evaluation = await self._with_ranks(self.learner.evaluate, lambda rank: rank.evaluate.call_one())
+            self.evaluation = await self._with_ranks(
+                lambda: self.learner.evaluate(step), lambda rank: rank.evaluate.call_one(step)
+            )
         else:
-            self.evaluation = await self.learner.evaluate_async()
+            self.evaluation = await self.learner.evaluate_async(step)
         self.score = self.evaluation[self.task.primary]
         return self.score
 
@@ -541,8 +544,9 @@ class Trainer(Actor):
             "step": self.step,
             "version": self.version,
             "dropped": self.dropped,
-            "evaluation": self.evaluation,
-            "score": self.score,
+            # (plain floats: a task's numpy scalar is no type a weights-only load takes back)
+            "evaluation": None if self.evaluation is None else {k: float(v) for k, v in self.evaluation.items()},
+            "score": None if self.score is None else float(self.score),
         }
 
     def save_sharded(self, folder: str) -> str:

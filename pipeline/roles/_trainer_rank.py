@@ -90,9 +90,10 @@ class TrainerRank(Actor):
             join_publish(self.learner.policy)
 
     @endpoint
-    async def evaluate(self) -> None:
-        """Join the Trainer's evaluation of the sharded policy (its forwards gather every rank's shards)."""
-        await asyncio.to_thread(self.learner.evaluate)
+    async def evaluate(self, step: int) -> None:
+        """Join the Trainer's evaluation of the sharded policy after ``step`` updates (its forwards gather every
+        rank's shards)."""
+        await asyncio.to_thread(self.learner.evaluate, step)
 
     @endpoint
     async def save(self, folder: str) -> None:

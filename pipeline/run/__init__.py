@@ -19,7 +19,7 @@ from ._metrics import (
     plot,
     read_rows,
 )
-from ._placement import ROLES, PlacementError, check_placement
+from ._placement import ROLES, PlacementError, check_alias_across_hosts, check_placement
 from ._sinks import CompletionsFeed, Sink, TensorBoardSink, TrackerError, WandbSink, missing_tracker, open_sink
 
 __all__ = [
@@ -42,6 +42,7 @@ __all__ = [
     "TrackerError",
     "WandbSink",
     "build_parser",
+    "check_alias_across_hosts",
     "check_placement",
     "exit_now",
     "first_failure",

@@ -51,8 +51,8 @@ from ..tasks import check_task_settings, load_task, resolve
 from ._cli import parse_args
 from ._failures import PipelineError, first_failure
 from ._metrics import MetricsLog, Progress, plot
-from ._placement import check_placement
-from ._run_dir import outputs, refuse_earlier_run, remove_earlier_run, write_config
+from ._placement import check_alias_across_hosts, check_placement
+from ._run_dir import drop_completions_after, outputs, refuse_earlier_run, remove_earlier_run, write_config
 from ._sinks import TrackerError
 
 if TYPE_CHECKING:
@@ -160,6 +160,7 @@ async def _hosts(config: Config) -> _Hosts:
         raise ValueError(f"--ray-hosts {count}: the cluster at {config.ray} has {alive} live nodes")
     if config.generators % count:
         raise ValueError(f"--generators {config.generators} must be a multiple of the {count} Ray hosts")
+    check_alias_across_hosts(config, count)
     cluster = await host_mesh_async(config.ray, hosts=count)
     here = ray.get_runtime_context().get_node_id()
     hosts = cluster.hosts
@@ -343,11 +344,14 @@ async def run_pipeline(
     checkpoint.remove_stale_staging(config.run_dir)  # an earlier run killed while it saved
     if resume and not checkpoint.exists(config.run_dir):
         raise FileNotFoundError(f"no checkpoint in {config.run_dir!r} to resume from")
-    if resume and config.steps <= (done := checkpoint.saved_step(config.run_dir)):
-        raise SettingsError(
-            f"--resume {config.run_dir}: its checkpoint is at step {done}, and --steps {config.steps} asks for no "
-            f"step more: give --steps above {done}"
-        )
+    if resume:
+        done = checkpoint.saved_step(config.run_dir)
+        if config.steps <= done:
+            raise SettingsError(
+                f"--resume {config.run_dir}: its checkpoint is at step {done}, and --steps {config.steps} asks for "
+                f"no step more: give --steps above {done}"
+            )
+        drop_completions_after(config.run_dir, done)  # (the steps past it are evaluated again)
     write_config(config.run_dir, config)
 
     started = time.perf_counter()

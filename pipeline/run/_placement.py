@@ -15,7 +15,7 @@ from actors import available_transports
 
 from ..config import Config
 
-__all__ = ["ROLES", "PlacementError", "check_placement"]
+__all__ = ["ROLES", "PlacementError", "check_alias_across_hosts", "check_placement"]
 
 #: The roles that take a device.
 ROLES = ("trainer", "generator", "scorer", "ref")
@@ -75,12 +75,18 @@ def check_placement(config: Config) -> dict[str, torch.device]:
                 "--weights-install alias makes the generators' parameters views of the published weights, "
                 f"which live on {source}: place the generators there too, or install by copy"
             )
-        if config.ray and devices["generator"].type == "cuda":
-            raise PlacementError(
-                "--weights-install alias with --ray: a generator on another host than the trainer's receives the "
-                "weights over tcp, in host memory, which its GPU parameters cannot view: install by copy"
-            )
     return devices
+
+
+def check_alias_across_hosts(config: Config, hosts: int) -> None:
+    """``--weights-install alias`` with GPU generators on ``hosts`` Ray hosts: refused when there are several (the
+    generators spread over them all, and one on another host than the trainer's gets ``tcp`` weights, in host
+    memory, which its GPU parameters cannot view); one host's generators alias its ``cuda-ipc`` slots."""
+    if config.install == "alias" and hosts > 1 and config.device_of("generator").startswith("cuda"):
+        raise PlacementError(
+            f"--weights-install alias with --ray over {hosts} hosts: a generator on another host than the trainer's "
+            "receives the weights over tcp, in host memory, which its GPU parameters cannot view: install by copy"
+        )
 
 
 def _check_rank_gpus(config: Config, trainer: torch.device) -> None:

@@ -17,7 +17,15 @@ from ..config import Config, SettingsError
 from ..learning import checkpoint
 from ..models import sync_path
 
-__all__ = ["OUTPUTS", "earlier_outputs", "outputs", "refuse_earlier_run", "remove_earlier_run", "write_config"]
+__all__ = [
+    "OUTPUTS",
+    "drop_completions_after",
+    "earlier_outputs",
+    "outputs",
+    "refuse_earlier_run",
+    "remove_earlier_run",
+    "write_config",
+]
 
 #: What a run folder may hold, in the order the summary names it.
 OUTPUTS = (
@@ -85,3 +93,38 @@ def write_config(run_dir: str, config: Config) -> None:
     finally:
         if os.path.exists(staging):
             os.remove(staging)
+
+
+def drop_completions_after(run_dir: str, step: int) -> int:
+    """Drop the ``completions.jsonl`` rows of evaluations after ``step`` (a resumed run evaluates those steps
+    again, as ``metrics.jsonl``'s rows are dropped); rows of another version, with no step, stay. The file is
+    replaced whole; how many rows were dropped."""
+    target = os.path.join(run_dir, "completions.jsonl")
+    try:
+        with open(target) as f:
+            lines = f.readlines()
+    except FileNotFoundError:
+        return 0
+    kept = [line for line in lines if not _evaluated_after(line, step)]
+    if len(kept) == len(lines):
+        return 0
+    staging = f"{target}.tmp-{os.getpid()}"
+    try:
+        with open(staging, "w") as f:
+            f.writelines(kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(staging, target)
+        sync_path(run_dir)
+    finally:
+        if os.path.exists(staging):
+            os.remove(staging)
+    return len(lines) - len(kept)
+
+
+def _evaluated_after(line: str, step: int) -> bool:
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return not line.endswith("\n")  # a torn last row (no newline) goes; an odd whole one stays
+    return isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] > step

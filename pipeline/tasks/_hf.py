@@ -342,17 +342,27 @@ class HFTask(Task):
     async def evaluate_async(self, policy: torch.nn.Module) -> dict[str, float]:
         """The held-out prompts' completions, greedy or ``--num-generations-eval`` samples of each: the weighted
         reward and each function's mean; sampled, also the spread within each prompt's samples."""
-        rewards, inputs, texts = self._held_out(policy)
-        log = RewardLog()
-        return self._evaluation(rewards, inputs, texts, await rewards.score(**inputs, log=log), log)
+        return await self.evaluate_at_async(policy, -1)
 
     def evaluate(self, policy: torch.nn.Module) -> dict[str, float]:
         """:meth:`evaluate_async` for code without an event loop (on the reward set's own loop, call after call)."""
-        rewards, inputs, texts = self._held_out(policy)
-        log = RewardLog()
-        return self._evaluation(rewards, inputs, texts, rewards.run_blocking(rewards.score(**inputs, log=log)), log)
+        return self.evaluate_at(policy, -1)
 
-    def _held_out(self, policy: torch.nn.Module) -> tuple[RewardSet, dict[str, Any], list[str]]:
+    async def evaluate_at_async(self, policy: torch.nn.Module, step: int) -> dict[str, float]:
+        """:meth:`evaluate_async` after ``step`` updates: the reward functions' ``trainer_state.global_step`` (as
+        TRL's at an evaluation) and each ``completions.jsonl`` row's ``step`` (-1: no step, a direct call)."""
+        rewards, inputs, texts = self._held_out(policy, step)
+        log = RewardLog()
+        return self._evaluation(rewards, inputs, texts, await rewards.score(**inputs, log=log), log, step)
+
+    def evaluate_at(self, policy: torch.nn.Module, step: int) -> dict[str, float]:
+        """:meth:`evaluate_at_async` for code without an event loop."""
+        rewards, inputs, texts = self._held_out(policy, step)
+        log = RewardLog()
+        per_function = rewards.run_blocking(rewards.score(**inputs, log=log))
+        return self._evaluation(rewards, inputs, texts, per_function, log, step)
+
+    def _held_out(self, policy: torch.nn.Module, step: int) -> tuple[RewardSet, dict[str, Any], list[str]]:
         """The reward functions beside ``policy``, their arguments for its held-out completions, and their texts."""
         data, samples = self.eval_data, self.config.num_generations_eval
         rows = data.indices[: self.config.eval_size]
@@ -369,7 +379,7 @@ class HFTask(Task):
             "completions": [data.completion(t) for t in texts],
             "columns": columns,
             "completion_ids": ids,
-            "state": RewardState.at(-1, self.config.steps, self.config.prompts, len(self.train_data)),
+            "state": RewardState.at(step, self.config.steps, self.config.prompts, len(self.train_data)),
         }
         return rewards, inputs, texts
 
@@ -380,6 +390,7 @@ class HFTask(Task):
         texts: list[str],
         per_function: torch.Tensor,
         log: RewardLog,
+        step: int,
     ) -> dict[str, float]:
         """The held-out metrics (with what the reward functions logged), its completions logged."""
         samples = self.config.num_generations_eval
@@ -388,7 +399,7 @@ class HFTask(Task):
             extra = log.columns(len(texts))
         except ValueError as exc:
             raise RewardError(f"a reward function's {exc}") from None
-        self._log_completions(inputs["prompts"], texts, per_function, rewards.names, extra)
+        self._log_completions(inputs["prompts"], texts, per_function, rewards.names, extra, step)
         metrics = {
             "reward": float(combined.nanmean()),  # (a completion no function scored is left out)
             **{f"reward/{name}": value for name, value in rewards.means(per_function).items()},
@@ -435,16 +446,18 @@ class HFTask(Task):
         per_function: torch.Tensor,
         names: list[str],
         extra: dict[str, list[Any]],
+        step: int,
     ) -> None:
         """The first ``--log-completions`` held-out completions, their rewards and the columns reward functions
-        logged for them (``log_extra``), as rows of ``completions.jsonl``."""
+        logged for them (``log_extra``), as rows of ``completions.jsonl``, each naming the step it evaluated (a
+        resumed run drops the rows past its checkpoint's, as ``metrics.jsonl``'s)."""
         count, run_dir = self.config.log_completions, self.config.run_dir
         if count <= 0 or not run_dir:
             return
         with open(os.path.join(run_dir, "completions.jsonl"), "a") as f:
             for i in range(min(count, len(texts))):
                 scores = {n: (None if v != v else v) for n, v in zip(names, per_function[:, i].tolist(), strict=True)}
-                row = {"prompt": prompts[i], "completion": texts[i], "rewards": scores}
+                row = {"step": step, "prompt": prompts[i], "completion": texts[i], "rewards": scores}
                 if extra:
                     row["extra"] = {column: values[i] for column, values in extra.items()}
                 f.write(json.dumps(row, default=str) + "\n")

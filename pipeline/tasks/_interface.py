@@ -257,6 +257,15 @@ class Task:
         """:meth:`evaluate` for the Trainer's event loop (reward functions awaited, not blocked on)."""
         return self.evaluate(policy)
 
+    def evaluate_at(self, policy: torch.nn.Module, step: int) -> dict[str, float]:
+        """:meth:`evaluate` after ``step`` updates: what the trainer calls. A task whose evaluation names the step
+        (its reward functions' ``trainer_state``, its logs) overrides this; by default the step is not used."""
+        return self.evaluate(policy)
+
+    async def evaluate_at_async(self, policy: torch.nn.Module, step: int) -> dict[str, float]:
+        """:meth:`evaluate_at` for the Trainer's event loop."""
+        return await self.evaluate_async(policy)
+
     def export(self, policy: torch.nn.Module, run_dir: str) -> str | None:
         """Write ``policy`` where other tools load it (a Hugging Face folder); the path, or None if the task has none."""
         return None

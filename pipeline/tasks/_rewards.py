@@ -154,7 +154,7 @@ BUILTINS: dict[str, Callable[..., list[float | None]]] = {
 @dataclass(frozen=True)
 class RewardState:
     """What a reward function reads of TRL's ``trainer_state``: the step (``global_step``: the step the scored
-    rollout trains, -1 at a held-out evaluation), the run's last (``max_steps``), the passes over the dataset so
+    rollout trains; at a held-out evaluation the updates made so far, -1 when none is named), the run's last (``max_steps``), the passes over the dataset so
     far and in all (``epoch``, ``num_train_epochs``: prompts drawn / the dataset's rows, as TRL's fractional epoch),
     and which process scores (the only one: ``is_world_process_zero`` and ``is_local_process_zero`` are True)."""
 
@@ -167,7 +167,7 @@ class RewardState:
 
     @classmethod
     def at(cls, step: int, max_steps: int, prompts_per_step: int, rows: int) -> RewardState:
-        """The state at ``step`` (-1: a held-out evaluation) of a run drawing ``prompts_per_step`` of ``rows``."""
+        """The state at ``step`` (-1: none named) of a run drawing ``prompts_per_step`` of ``rows``."""
         per_row = prompts_per_step / max(1, rows)
         return cls(step, max_steps, max(0, step) * per_row, max_steps * per_row)
 

@@ -366,6 +366,21 @@ def test_async_rewards_scored_without_a_loop_run_on_one_loop_every_step(tiny, tm
     rewards.close()  # (twice: nothing left to close)
 
 
+def test_an_evaluation_names_its_step_to_reward_functions_and_in_its_logged_completions(tiny, tmp_path):
+    """TRL's reward functions read ``trainer_state.global_step`` at an evaluation too (a curriculum's schedule):
+    it was -1 here at every evaluation. The trainer's evaluation after 7 updates says 7, and each
+    ``completions.jsonl`` row names it (a resumed run drops the rows past its checkpoint by it)."""
+    body = "def step(completions, trainer_state, **kw):\n    return [float(trainer_state.global_step)] * len(completions)\n"
+    path = _reward_file(tmp_path, body)
+    task = HFTask(resolve(_config(tiny, tmp_path, eval_size=2, log_completions=1, rewards=[f"{path}:step"])))
+    policy = task.build_policy()
+    assert task.evaluate_at(policy, 7)["reward"] == 7.0
+    assert asyncio.run(task.evaluate_at_async(policy, 8))["reward"] == 8.0
+    assert task.evaluate(policy)["reward"] == -1.0, "a direct call names no step"
+    logged = [json.loads(line)["step"] for line in open(tmp_path / "completions.jsonl")]
+    assert logged == [7, 8, -1]
+
+
 def test_rewards_log_metrics_and_completion_columns_as_trl_passes_them(tiny, tmp_path):
     """TRL (1.0 on) passes every reward function ``log_metric(name, value)``, a scalar averaged over the batch and
     logged under its name, and ``log_extra(column, values)``, a column of the completions table: before, neither

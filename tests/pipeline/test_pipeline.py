@@ -210,6 +210,25 @@ async def test_resume_continues_steps_and_versions(tmp_path, sockets_dir):
     assert not torch.equal(after["policy"]["embed.weight"], before["policy"]["embed.weight"])
 
 
+def test_a_tasks_numpy_score_is_checkpointed_as_a_float_a_resume_loads(tmp_path):
+    """A user task's ``evaluate`` returning numpy numbers (``np.mean``): kept as they came, they made every
+    checkpoint one a weights-only load refuses, so the run could never be resumed."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from pipeline.learning import checkpoint
+    from pipeline.roles import Trainer
+
+    trainer = SimpleNamespace(
+        step=3, version=3, dropped=0, evaluation={"score": np.float64(0.5)}, score=np.float64(0.5)
+    )
+    checkpoint.save(str(tmp_path), Trainer._counters(trainer))  # type: ignore[arg-type]
+    saved = checkpoint.load(str(tmp_path))
+    assert saved["score"] == 0.5 and type(saved["score"]) is float and saved["evaluation"] == {"score": 0.5}
+    assert checkpoint.saved_step(str(tmp_path)) == 3
+
+
 async def test_a_synced_reference_reaches_the_reference_model_and_the_checkpoint(tmp_path, sockets_dir):
     """--sync-ref-model: every 3 steps the trainer mixes the policy into the reference and the RefModel installs it
     before it scores the next rollout (a rollout granted after a sync is scored with it); the checkpoint keeps it."""

@@ -13,7 +13,7 @@ from test_pipeline import cli
 from actors._processes._devices import visible_gpus
 from pipeline import Config, run_pipeline
 from pipeline.grpo import parse_args
-from pipeline.run import PlacementError, check_placement, read_rows
+from pipeline.run import PlacementError, check_alias_across_hosts, check_placement, read_rows
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine-without-CUDA path")
 
@@ -73,10 +73,14 @@ def test_under_ray_gpu_placements_are_left_to_the_hosts_the_roles_run_on(monkeyp
     with pytest.raises(PlacementError, match="not a device"):
         check_placement(Config(device="gpu0", ray="auto"))
     # a generator on another host than the trainer's gets its weights over tcp, in host memory, which a GPU's
-    # parameters cannot view (before: accepted, and each aliasing install there failed, the generator with it)
-    with pytest.raises(PlacementError, match="--weights-install alias with --ray"):
-        check_placement(Config(device="cuda", ray="auto", transport="cuda-ipc", install="alias"))
-    assert check_placement(Config(device="cpu", ray="auto", install="alias"))["generator"] == torch.device("cpu")
+    # parameters cannot view (before: accepted, and each aliasing install there failed, the generator with it);
+    # the generators of one host alias its cuda-ipc slots
+    aliasing = Config(device="cuda", ray="auto", transport="cuda-ipc", install="alias")
+    check_placement(aliasing)
+    check_alias_across_hosts(aliasing, 1)
+    with pytest.raises(PlacementError, match="--weights-install alias with --ray over 2 hosts"):
+        check_alias_across_hosts(aliasing, 2)
+    check_alias_across_hosts(Config(device="cpu", ray="auto", install="alias"), 2)  # (tcp's host memory: viewable)
 
 
 def test_alias_installs_need_the_generators_where_the_weights_live():

@@ -520,6 +520,21 @@ def test_two_runs_started_in_the_same_second_get_two_run_folders(monkeypatch):
     assert os.path.basename(second).startswith("grpo-20261129-120000")
 
 
+def test_a_resumed_run_drops_the_logged_completions_past_its_checkpoint(tmp_path):
+    """A run killed at step 37 after checkpointing at 20 had logged the evaluations at 30: the resumed run
+    evaluates step 30 again, and its rows were appended beside the first ones, two copies no reader could tell
+    apart. Those past the checkpoint go; rows with no step (an older version's) and the rest stay."""
+    from pipeline.run._run_dir import drop_completions_after
+
+    rows = [{"prompt": "old"}, {"step": 10, "prompt": "a"}, {"step": 20, "prompt": "b"}, {"step": 30, "prompt": "c"}]
+    path = tmp_path / "completions.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows) + '{"step": 40, "pro')  # (a torn last row)
+    assert drop_completions_after(str(tmp_path), 20) == 2
+    assert [json.loads(line) for line in path.read_text().splitlines()] == rows[:3]
+    assert drop_completions_after(str(tmp_path), 20) == 0 and os.listdir(tmp_path) == ["completions.jsonl"]
+    assert drop_completions_after(str(tmp_path / "nothing"), 1) == 0
+
+
 def test_config_json_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
     """``config.json`` was rewritten in place on every run, ``--resume`` too: a full disk left it empty and the
     run could never be resumed (``its config.json cannot be read``). It is written beside, then renamed."""
