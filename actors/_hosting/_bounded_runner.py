@@ -5,29 +5,28 @@ them, then for the default executor's threads, without limit: a
 ``__cleanup__`` that swallows its cancel (which the stop already gave up
 on), or an ``asyncio.to_thread`` stuck in a blocking read, held the
 worker's exit for good (after SIGTERM, with its owner alive, nothing killed
-it). Here what is left gets :data:`LEFTOVER_WAIT` seconds, and the executor
-is not joined: the worker ends with ``os._exit``.
+it). Here the loop is closed by :func:`~actors._shared._loops.close_loop`:
+what is left gets a bounded wait, and the executor is not joined (the
+worker ends with ``os._exit``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import sys
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-__all__ = ["LEFTOVER_WAIT", "run_bounded"]
+from .._shared._loops import close_loop
 
-#: How long the tasks still pending when the worker's main coroutine returns get to end once cancelled (s).
-LEFTOVER_WAIT = 1.0
+__all__ = ["run_bounded"]
 
 T = TypeVar("T")
 
 
 def run_bounded(main: Coroutine[Any, Any, T], loop_factory: Callable[[], asyncio.AbstractEventLoop]) -> T:
-    """Run ``main`` to its end on a new loop (Ctrl-C cancels it, as ``asyncio.run``), then end the loop in bounded
-    time: the tasks left are cancelled and waited for up to :data:`LEFTOVER_WAIT` s, async generators closed."""
+    """Run ``main`` to its end on a new loop (Ctrl-C cancels it, as ``asyncio.run``), then close the loop in
+    bounded time (:func:`~actors._shared._loops.close_loop`)."""
     if sys.version_info < (3, 11):  # (no asyncio.Runner: the runner of that version, as before)
         import uvloop
 
@@ -36,18 +35,8 @@ def run_bounded(main: Coroutine[Any, Any, T], loop_factory: Callable[[], asyncio
     try:
         return runner.run(main)
     finally:
-        _end(runner.get_loop())
-
-
-def _end(loop: asyncio.AbstractEventLoop) -> None:
-    try:
-        left = [task for task in asyncio.all_tasks(loop) if not task.done()]
-        for task in left:
-            task.cancel()
-        if left:
-            loop.run_until_complete(asyncio.wait(left, timeout=LEFTOVER_WAIT))
-        with contextlib.suppress(Exception):
-            loop.run_until_complete(asyncio.wait_for(loop.shutdown_asyncgens(), LEFTOVER_WAIT))
-    finally:
-        asyncio.set_event_loop(None)
-        loop.close()  # (its executor is shut down without waiting for its threads)
+        loop = runner.get_loop()
+        try:
+            close_loop(loop)
+        finally:
+            asyncio.set_event_loop(None)

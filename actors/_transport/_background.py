@@ -20,6 +20,8 @@ import asyncio
 import threading
 from collections.abc import Callable
 
+from .._shared._loops import close_loop
+
 __all__ = ["HANDOVER_TIMEOUT", "BackgroundLoop"]
 
 #: How long starting or handing over the background loop may take (seconds); it takes milliseconds.
@@ -83,7 +85,7 @@ class BackgroundLoop:
             self._failure = exc
             self._ready.set()
         finally:
-            _close(loop)
+            close_loop(loop)
 
     async def _serve(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -99,16 +101,3 @@ class BackgroundLoop:
             await self._stop.wait()
         finally:
             self._unbind()
-
-
-def _close(loop: asyncio.AbstractEventLoop) -> None:
-    """Cancel what is left on ``loop`` (as ``asyncio.run`` does), then close it."""
-    try:
-        left = [task for task in asyncio.all_tasks(loop) if not task.done()]
-        for task in left:
-            task.cancel()
-        if left:
-            loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
-        loop.run_until_complete(loop.shutdown_asyncgens())
-    finally:
-        loop.close()

@@ -258,3 +258,36 @@ def test_an_odd_module_never_stops_the_classification(tmp_path, monkeypatch):
     inherited = ModuleScan().before_fork(sys.path, str(tmp_path), "")
     assert inherited is not None and "odd_module" not in inherited.program
     assert "odd_module" not in {name for name, _ in program_modules()}
+
+
+def test_closing_a_loop_gives_a_task_that_swallows_its_cancel_a_bounded_wait():
+    """How a worker's loop, and the runtime's background loop, are closed: as ``asyncio.run`` closes one, but a
+    task that swallows its cancel gets ``wait`` seconds (the background loop's close waited for it for good)."""
+    import asyncio
+
+    from actors._shared._loops import close_loop
+
+    loop = asyncio.new_event_loop()
+    ended: list[str] = []
+
+    async def stubborn() -> None:
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                pass
+
+    async def polite() -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            ended.append("polite")
+
+    async def start() -> list[asyncio.Task[None]]:
+        tasks = [asyncio.ensure_future(stubborn()), asyncio.ensure_future(polite())]
+        await asyncio.sleep(0)
+        return tasks
+
+    tasks = loop.run_until_complete(start())
+    close_loop(loop, wait=0.2)  # (before: the background loop's gather waited for stubborn() without end)
+    assert loop.is_closed() and ended == ["polite"] and not tasks[0].done()
