@@ -309,9 +309,11 @@ class WeightConsumer:
 
     def check_blocking_allowed(self, manifest: WeightManifest) -> None:
         """Refuse, before anything of the update is held or decided, a blocking import that would fetch bytes
-        over the network on a running event loop's thread (``tcp``): the update stays importable the async way."""
+        over the network on a running event loop's thread (``tcp``): the update stays importable the async way.
+        One already imported is fetched no more: its install into another module goes on."""
         _check_type(manifest)
-        if loop_running() and hasattr(self.reader(manifest.transport), "read_async"):
+        imported = manifest.update_id in self._tensors
+        if not imported and loop_running() and hasattr(self.reader(manifest.transport), "read_async"):
             raise WeightSyncError(
                 f"a {manifest.transport!r} update is fetched over the network, and a blocking install or import "
                 "would block this running event loop: use `await install_async(...)` (`import_update_async`, "

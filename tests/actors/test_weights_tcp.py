@@ -249,6 +249,9 @@ async def test_a_blocking_read_on_an_event_loop_is_refused_with_the_way_out_and_
     assert models_equal(target, filled_model(0.0)) and consumer.state(manifest.update_id) is None
     await consumer.install_async(manifest, target)
     assert models_equal(target, filled_model(1.0))
+    second = filled_model(0.0)
+    consumer.install(manifest, second)  # already fetched: nothing blocks, into another module it goes
+    assert models_equal(second, filled_model(1.0))
     consumer.release(manifest.update_id)
     consumer.close()
     inbox = WeightInbox()
