@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
+from typing import TextIO
 
 from ..config import Config, SettingsError
 from ..learning import checkpoint
@@ -81,18 +83,7 @@ def remove_earlier_run(run_dir: str) -> None:
 def write_config(run_dir: str, config: Config) -> None:
     """``<run_dir>/config.json``, replaced whole or not at all: written beside it, then renamed (a write cut
     short, by a full disk, left it empty, and the run it describes could never be resumed)."""
-    target = os.path.join(run_dir, "config.json")
-    staging = f"{target}.tmp-{os.getpid()}"
-    try:
-        with open(staging, "w") as f:
-            json.dump(config.to_dict(), f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())  # (on disk before its name is: a power loss never leaves it empty, XFS/NFS)
-        os.replace(staging, target)
-        sync_path(run_dir)
-    finally:
-        if os.path.exists(staging):
-            os.remove(staging)
+    _replace_file(os.path.join(run_dir, "config.json"), lambda f: json.dump(config.to_dict(), f, indent=2))
 
 
 def drop_completions_after(run_dir: str, step: int) -> int:
@@ -108,18 +99,24 @@ def drop_completions_after(run_dir: str, step: int) -> int:
     kept = [line for line in lines if not _evaluated_after(line, step)]
     if len(kept) == len(lines):
         return 0
+    _replace_file(target, lambda f: f.writelines(kept))
+    return len(lines) - len(kept)
+
+
+def _replace_file(target: str, write: Callable[[TextIO], object]) -> None:
+    """``target`` replaced whole or not at all: ``write`` fills a file beside it, synced to disk before the rename
+    and the folder after (a write cut short by a full disk, or a power loss, never leaves it empty: XFS, NFS)."""
     staging = f"{target}.tmp-{os.getpid()}"
     try:
         with open(staging, "w") as f:
-            f.writelines(kept)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(staging, target)
-        sync_path(run_dir)
+        sync_path(os.path.dirname(target))
     finally:
         if os.path.exists(staging):
             os.remove(staging)
-    return len(lines) - len(kept)
 
 
 def _evaluated_after(line: str, step: int) -> bool:
