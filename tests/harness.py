@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import subprocess
@@ -62,12 +63,20 @@ def last_json(stdout: str) -> Any:
 @contextlib.contextmanager
 def descriptors_below_1024_taken() -> Iterator[None]:
     """Every descriptor number below 1024 in use while it lasts: the next one opened is numbered 1024 or more (as
-    in a process holding device files, sockets and mapped shards), which ``select.select`` refuses."""
+    in a process holding device files, sockets and mapped shards), which ``select.select`` refuses.
+
+    The collector is off meanwhile: a collection the code under test set off could finalize an earlier test's
+    socket or file and free a number below 1024, which the next descriptor then took (a CI run saw 513)."""
     taken: list[int] = []
+    collecting = gc.isenabled()
+    gc.collect()  # (what is garbage now closes its descriptors before the numbers are taken)
+    gc.disable()
     try:
         while not taken or taken[-1] < 1023:
             taken.append(os.open(os.devnull, os.O_RDONLY))
         yield
     finally:
+        if collecting:
+            gc.enable()
         for fd in taken:
             os.close(fd)
