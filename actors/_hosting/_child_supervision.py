@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 from typing import TYPE_CHECKING
 
 from .._runtime._context import actor_context
 from .._shared._errors import SupervisionError, actor_failed
+from .._shared._names import shown
 from .._wire._records import SUPERVISION, ErrorRecord
 from ._actor import is_sync_actor
 from ._failure_reports import FailureReports
@@ -25,6 +27,8 @@ if TYPE_CHECKING:
     from .._runtime._supervision import Failure
 
 __all__ = ["ChildSupervision"]
+
+log = logging.getLogger("actors")
 
 
 class ChildSupervision:
@@ -41,9 +45,12 @@ class ChildSupervision:
         ``handled``: a restart or a handler handled it already (or its mesh is
         stopping): a false answer then escalates nothing, whenever it comes.
         """
-        slot = self._slots.get(actor)
+        slot = self._slots.find(actor)
         if slot is None or slot.instance is None:
             return False
+        if slot.stopping:  # its stop stops what it spawned: a failure there meanwhile is part of that stop
+            log.info("%s of %s, which is stopping, taken as handled", failure, shown(actor))
+            return True
         token = actor_context.set(slot.context)
         try:
             hook = slot.instance.__supervise__
@@ -64,11 +71,10 @@ class ChildSupervision:
             try:
                 verdict_handled = bool(await verdict)
             except BaseException as exc:  # a CancelledError it raised itself, too, unless the actor is stopping
-                if slot.stopping:
-                    return
-                self.escalate(actor, failure, exc)
+                if not slot.stopping:
+                    self.escalate(actor, failure, exc)
                 return
-            if not verdict_handled and not handled:
+            if not (verdict_handled or handled or slot.stopping):  # (stopping meanwhile: as above)
                 self.escalate(actor, failure)
 
         token = actor_context.set(slot.context)

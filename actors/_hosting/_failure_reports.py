@@ -76,7 +76,7 @@ class FailureReports:
             message=record.message,
             traceback=record.traceback,
         )
-        slot = self._slots.get(actor)
+        slot = self._slots.find(actor)
         supervisor = slot.supervisor if slot is not None and slot.supervisor is not None else self._owner
         if supervisor.dead:
             supervisor = self._owner

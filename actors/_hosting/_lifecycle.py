@@ -177,11 +177,27 @@ class Lifecycle:
         self.kill(slot, "abort", why, ErrorRecord("ActorAborted", why), SupervisionError(why))
 
     async def stop_actor(self, name: str, timeout: float = CLEANUP_TIMEOUT) -> None:
+        """Stop actor ``name`` (``ActorMesh.stop``); answered once its stop ended, a second stop's too.
+
+        It takes no call from now on, but stays findable (as leaving) until
+        its stop ends: what it spawned reports to it meanwhile.
+        """
         slot = self._slots.actors.pop(name, None)
         self._slots.stopped.add(name)
-        if slot is not None:
-            await self.stop_slot(slot, None, timeout)
-            self._retitle()
+        if slot is None:
+            slot = self._slots.leaving.get(name)  # (a stop under way: this one waits for it too)
+            if slot is None:
+                return
+        stop = self._start_stop(slot, None, timeout)
+        if not stop.done() and self._slots.leaving.get(name) is not slot:
+            self._slots.leaving[name] = slot
+            stop.add_done_callback(functools.partial(self._left, slot))
+        await asyncio.shield(stop)
+        self._retitle()
+
+    def _left(self, slot: ActorSlot, _stop: asyncio.Task[None]) -> None:
+        if self._slots.leaving.get(slot.name) is slot:
+            del self._slots.leaving[slot.name]
 
     async def stop_all(self, timeout: float = CLEANUP_TIMEOUT, exc: BaseException | None = None) -> None:
         """Stop every actor, then what the worker itself spawned to outlive them (its controllers)."""

@@ -73,9 +73,10 @@ class ActorSlot:
 
 
 class SlotTable:
-    """The actors of this process by name, the calls waiting for actors not spawned yet, and the names stopped."""
+    """The actors of this process by name, those whose stop is under way, the calls waiting for actors not spawned
+    yet, and the names stopped."""
 
-    __slots__ = ("actors", "stopped", "waiting")
+    __slots__ = ("actors", "leaving", "stopped", "waiting")
 
     def __init__(self) -> None:
         self.actors: dict[str, ActorSlot] = {}
@@ -83,9 +84,17 @@ class SlotTable:
         self.waiting: dict[str, list[Invocation]] = {}
         #: Actors stopped here: later calls to them are refused, not kept waiting.
         self.stopped: set[str] = set()
+        #: Actors stopped by name whose stop is under way: they take no call, but what they spawned still
+        #: reports to them until their stop ends (a later stop of the name waits for it).
+        self.leaving: dict[str, ActorSlot] = {}
 
     def get(self, name: str) -> ActorSlot | None:
         return self.actors.get(name)
+
+    def find(self, name: str) -> ActorSlot | None:
+        """The actor ``name`` hosted here, else the one of that name whose stop is under way."""
+        slot = self.actors.get(name)
+        return slot if slot is not None else self.leaving.get(name)
 
     def hosted(self) -> list[tuple[str, int]]:
         """Each hosted actor's name (as shown) and rank, for the process title and its output's prefix."""

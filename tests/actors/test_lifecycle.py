@@ -15,8 +15,12 @@ from typing import Any
 import pytest
 
 from actors import Actor, endpoint
+from actors._hosting._child_supervision import ChildSupervision
+from actors._hosting._failure_reports import FailureReports
 from actors._hosting._lifecycle import Lifecycle
 from actors._hosting._slots import ActorSlot, SlotTable
+from actors._runtime._supervision import Failure
+from actors._wire._records import ErrorRecord
 
 
 class Child:
@@ -67,7 +71,48 @@ async def test_the_workers_stop_waits_for_a_cleanup_already_under_way():
     assert log == ["cleaned up", "stopped child", "worker stopped"]
 
 
-async def test_a_cleanup_that_raises_cancelled_error_still_stops_what_the_actor_spawned():
+async def test_a_second_stop_of_an_actor_is_answered_only_once_its_cleanup_ended():
+    """Two ``stop()`` of one actor (two views of its mesh, a retry): the first took the actor out of the table and
+    the second, finding nothing, answered at once, while ``__cleanup__`` and the stop of what it spawned ran on."""
+    log: list[str] = []
+    gated = Gated(log)
+    life, _ = hosting(gated, Child(log, "child"))
+    first = asyncio.ensure_future(life.stop_actor("a"))
+    await asyncio.wait_for(gated.started.wait(), 10)
+    second = asyncio.ensure_future(life.stop_actor("a"))
+    second.add_done_callback(lambda _: log.append("second stop answered"))
+    for _ in range(5):  # (the old second stop answered within a turn)
+        await asyncio.sleep(0)
+    assert not second.done()
+    gated.gate.set()
+    await asyncio.wait_for(asyncio.gather(first, second), 10)
+    assert log == ["cleaned up", "stopped child", "second stop answered"]
+    assert not life._slots.leaving  # (forgotten once stopped)
+    await asyncio.wait_for(life.stop_actor("a"), 10)  # a later one: nothing left to stop, answered at once
+
+
+async def test_a_failure_of_what_an_actor_spawned_during_its_stop_is_not_escalated():
+    """A child mesh failing while its spawner's ``__cleanup__`` ran (a stop by name): the spawner was out of the
+    table, so the failure counted as unhandled and went to this worker's owner as one, about an actor it had
+    stopped on purpose; nor did a report of it find the actor's own supervisor."""
+    log: list[str] = []
+    reported: list[tuple[Any, ...]] = []
+    gated = Gated(log)
+    life, slot = hosting(gated)
+    owner, spawner = types.SimpleNamespace(dead=False), types.SimpleNamespace(dead=False)
+    slot.supervisor = spawner  # type: ignore[assignment]
+    rt = types.SimpleNamespace(send=lambda to, what, urgent: reported.append((to, what)))
+    reports = FailureReports(rt, life._slots, owner)  # type: ignore[arg-type]
+    children = ChildSupervision(life._slots, reports, life)
+    stopping = asyncio.ensure_future(life.stop_actor("a"))
+    await asyncio.wait_for(gated.started.wait(), 10)
+    failure = Failure("worker", 0, 4321, "", "ActorDied", "process exited")
+    assert children.supervise("a", failure)  # handled: the actor's stop stops its children
+    reports.report("a", 0, "__cleanup__", ErrorRecord("RuntimeError", "late"))
+    assert [to for to, _ in reported] == [spawner]  # to whoever spawned it, not this worker's owner
+    gated.gate.set()
+    await asyncio.wait_for(stopping, 10)
+    assert not children.supervise("a", failure)  # gone for good: nothing of it to ask
     """``self.task.cancel(); await self.task`` in ``__cleanup__`` raises CancelledError: it skipped stopping the
     actor's children (their processes lived on) and escaped the stop, whose worker then ignored SIGTERM."""
     log: list[str] = []
