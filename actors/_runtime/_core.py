@@ -27,6 +27,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -112,6 +113,11 @@ class Runtime:
         sock = bind_inbox(self.ctx, self.address, self.keys, fd)
         self.inbox = Inbox(sock, self.dir, self.address, self._learn_sender, self.drops, self.keys is not None)
         self.driver = Driver(self.inbox, self.registry, self.outbox, serve_in_background=serve_in_background)
+        #: Port-sender holders whose exit is settling (pid, or another host's address -> when it is due): timed
+        #: again on each loop the runtime moves to (a timer of the loop it left never fires).
+        self._settling: dict[int | str, float] = {}
+        self.driver.moved.connect(self._resettle)
+        self.windows.released.connect(self.driver.notify_progress)  # (a sender blocked for room looks again)
         #: Deaths and restarts of processes on other hosts, told to and heard from peers.
         self.news = PeerNews(self)
         #: Where failures and deaths of the processes this one spawned go (their proc meshes).
@@ -200,12 +206,25 @@ class Runtime:
         if loop is None or not loop.is_running():
             self.receivers.holder_died(pid)
             return
+        self._settling[pid] = time.monotonic() + HOLDER_SETTLE
         loop.call_later(HOLDER_SETTLE, self._holder_settled, pid)
 
     def _holder_settled(self, pid: int | str) -> None:
+        if self._settling.pop(pid, None) is None:
+            return  # (settled already: timed on two loops)
         if not self.closed:
             self.inbox.pump()
         self.receivers.holder_died(pid)
+
+    def _resettle(self) -> None:
+        """The runtime moved to another loop (``asyncio.run`` ended right after a sender's exit, say): each exit
+        still settling is timed there, or a receive would wait for that sender for good."""
+        loop = self.driver.loop
+        if loop is None:
+            return
+        now = time.monotonic()
+        for pid, due in self._settling.items():
+            loop.call_later(max(0.0, due - now), self._holder_settled, pid)
 
     def _learn_sender(self, header: Header) -> None:
         self.registry.proc(header.address, header.pid)

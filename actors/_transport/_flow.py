@@ -25,8 +25,9 @@ from collections import deque
 from typing import Any
 
 from .._shared._errors import BufferFull, PortClosed
+from .._shared._hooks import Hook
 from .._shared._loops import wake_all
-from ._outbox import Outbox
+from ._outbox import Outbox, check_fits
 from ._sockets import Link
 
 __all__ = [
@@ -101,6 +102,9 @@ class SenderWindows:
         self._windows: dict[tuple[str, int], Window] = {}
         #: Records held back, across every port.
         self.backlogged = 0
+        #: Records left a backlog: a thread blocked for room (no loop of its own) looks again. A release by
+        #: credit comes with a handled message, which wakes it anyway; one by the retry timer comes with nothing.
+        self.released: Hook[[]] = Hook("port messages released from a backlog")
 
     def inflight(self, address: str, port_id: int) -> int:
         """Records sent to the port and not yet credited back."""
@@ -125,7 +129,9 @@ class SenderWindows:
         self.hold(window, data, frames, size)
 
     def hold(self, window: Window, data: bytes, frames: list[Any], size: int) -> None:
-        """Keep a record back until credit returns (BufferFull past the backlog's bound)."""
+        """Keep a record back until credit returns (BufferFull past the backlog's bound; EncodeError for one no
+        batch could carry, refused now: at its release it would block the backlog behind it for good)."""
+        check_fits(len(data))
         port_id, link = window.port_id, window.link
         if len(window.backlog) >= BACKLOG or window.backlog_bytes >= BACKLOG_BYTES:
             raise BufferFull(
@@ -192,6 +198,8 @@ class SenderWindows:
         self.backlogged -= released
         if not backlog:
             wake_all(window.waiters)
+        if released and self.released:
+            self.released()
 
     async def drain(self, address: str, port_id: int) -> None:
         """Return once nothing is held back for this port (at once if nothing is)."""

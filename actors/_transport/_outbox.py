@@ -34,7 +34,7 @@ from .._wire._codec import MAX_PAYLOAD_BYTES
 from .._wire._records import record_prefix
 from ._sockets import FLUSH_BYTES, FLUSH_RECORDS, Link, frame_size
 
-__all__ = ["LINK_BYTES", "LINK_RECORDS", "SEND_TIMEOUT", "Outbox"]
+__all__ = ["LINK_BYTES", "LINK_RECORDS", "SEND_TIMEOUT", "Outbox", "check_fits"]
 
 log = logging.getLogger("actors")
 
@@ -50,6 +50,16 @@ RETRY_FIRST, RETRY_MAX = 0.001, 0.02
 
 #: ``block(condition, socket, timeout, what)``: wait, serving the inbox, until ``condition()``.
 Blocker = Callable[[Callable[[], bool], "zmq.Socket[Any]", float, str], None]
+
+
+def check_fits(size: int) -> None:
+    """Refuse (:class:`~actors.EncodeError`) a record of ``size`` bytes that no batch could carry: a receiver drops
+    a payload past ``MAX_PAYLOAD_BYTES`` whole."""
+    if size + PREFIX_MAX > MAX_PAYLOAD_BYTES:
+        raise EncodeError(
+            f"a message of {size} bytes exceeds the {MAX_PAYLOAD_BYTES}-byte payload a receiver accepts: send "
+            "large bytes as tensors (they travel as buffer frames) or in parts"
+        )
 
 
 class Outbox:
@@ -112,13 +122,14 @@ class Outbox:
             link.records += 1
         loop = self.loop
         if loop is None or urgent or link.nbytes >= FLUSH_BYTES or link.records >= FLUSH_RECORDS:
-            batches = link.batches
+            batch = link.parts
             try:
                 self.flush(link)
             except CallTimeout:  # (no loop: the peer's queue stayed full past SEND_TIMEOUT)
-                if link.batches != batches:
-                    # A batch left during the wait (a record handled meanwhile found room), this record in it:
-                    # it was sent. What waits now was queued after it, and is not the caller's to take back.
+                if link.parts is not batch:
+                    # Its batch left during the wait (a record handled meanwhile found room), or was sealed to
+                    # leave whole (an owed record started the next): it is on its way. What waits in the batch
+                    # built now was queued after it, and is not the caller's to take back.
                     return
                 link.take_back(part, frame, len(frames), len(data) + sum(frame_size(f) for f in frames))
                 raise BufferFull(
@@ -135,18 +146,17 @@ class Outbox:
     def _make_payload_room(self, link: Link, size: int, owed: bool) -> None:
         """A record of ``size`` bytes would push ``link``'s batch past the payload a receiver accepts: the batch
         leaves first; if the peer's queue refuses it, the record is refused (:class:`BufferFull`), unless it is
-        owed (queued all the same: refusing it would leave its call unanswered). One that could never fit is an
+        owed: the batch is sealed to leave whole and the record starts the next (refusing it would leave its call
+        unanswered, and adding it would make the receiver drop the batch). One that could never fit is an
         :class:`EncodeError`."""
-        if size + PREFIX_MAX > MAX_PAYLOAD_BYTES:
-            raise EncodeError(
-                f"a message of {size} bytes exceeds the {MAX_PAYLOAD_BYTES}-byte payload a receiver accepts: send "
-                "large bytes as tensors (they travel as buffer frames) or in parts"
-            )
-        if link.parts and not link.try_send(self._header) and not owed:
-            raise BufferFull(
-                f"{link.inline >> 20} MiB wait for {link.address} in one batch, whose queue stays full: it is not "
-                "reading"
-            )
+        check_fits(size)
+        if (link.parts or link.sealed) and not link.try_send(self._header):
+            if not owed:
+                raise BufferFull(
+                    f"{link.inline >> 20} MiB wait for {link.address} in one batch, whose queue stays full: it is "
+                    "not reading"
+                )
+            link.seal()
 
     def _flush_dirty(self) -> None:
         self._flush_scheduled = False
@@ -187,7 +197,7 @@ class Outbox:
     def retry_stuck(self) -> None:
         """Try again every batch a full queue refused (a synchronous caller's pump calls this)."""
         for link in list(self.links.values()):
-            if link.parts and not link.dead and link.try_send(self._header) and link.retry is not None:
+            if (link.parts or link.sealed) and not link.dead and link.try_send(self._header) and link.retry is not None:
                 link.retry.cancel()
                 link.retry = None
 
@@ -207,7 +217,7 @@ class Outbox:
                 link.retry.cancel()
                 link.retry = None
             # (a batch refused while no loop ran, or whose retry the last unbinding cancelled, is retried too)
-            if loop is not None and link.parts and not link.dead:
+            if loop is not None and (link.parts or link.sealed) and not link.dead:
                 link.retry = loop.call_later(RETRY_FIRST, self._retry, link, RETRY_FIRST)
         dirty, self._dirty = self._dirty, []
         self._flush_scheduled = False

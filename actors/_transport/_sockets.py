@@ -1,12 +1,14 @@
 """ZeroMQ sockets: one PULL inbox per process, one PUSH link per peer.
 
 A :class:`Link` is the outbound side of one peer: its socket and the batch
-of records being built for it. Sockets are never waited on here: a full
-peer queue makes :meth:`Link.try_send` return False and the batch stays.
+of records being built for it (behind batches sealed whole, rarely: see
+:meth:`Link.seal`). Sockets are never waited on here: a full peer queue
+makes :meth:`Link.try_send` return False and the batches stay.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import zmq
@@ -87,6 +89,7 @@ class Link:
         "records",
         "retry",
         "scheduled",
+        "sealed",
         "sock",
     )
 
@@ -101,6 +104,9 @@ class Link:
         self.sock.connect(address)
         self.parts: list[bytes] = []
         self.frames: list[Any] = []
+        #: Whole batches that leave before the one being built: (parts, frames, bytes, records) each.
+        self.sealed: deque[tuple[list[bytes], list[Any], int, int]] = deque()
+        #: Bytes and records waiting, in the sealed batches and the one being built.
         self.nbytes = 0
         #: The batch's payload so far (the records and their framing, not their buffer frames): what a receiver
         #: bounds at ``MAX_PAYLOAD_BYTES``.
@@ -133,18 +139,40 @@ class Link:
         self.nbytes -= nbytes
         self.records -= 1
 
+    def seal(self) -> None:
+        """Close the batch being built: it leaves whole, before whatever is added from now on (a record owed to the
+        peer that would push it past the payload a receiver accepts, which drops such a batch whole, starts the
+        next one)."""
+        if not self.parts:
+            return
+        nbytes = self.nbytes - sum(batch[2] for batch in self.sealed)
+        records = self.records - sum(batch[3] for batch in self.sealed)
+        self.sealed.append((self.parts, self.frames, nbytes, records))
+        self.parts, self.frames, self.inline = [], [], 0
+
     def try_send(self, header: bytes) -> bool:
-        """Hand the batch to the socket without waiting; False if the peer's queue is full."""
+        """Hand the batches to the socket without waiting; False if the peer's queue is full."""
+        while self.sealed:
+            parts, frames, nbytes, records = self.sealed[0]
+            if not self._send(header, parts, frames):
+                return False
+            self.sealed.popleft()
+            self.nbytes -= nbytes
+            self.records -= records
         if not self.parts:
             return True
+        if not self._send(header, self.parts, self.frames):
+            return False
+        self.parts, self.frames, self.nbytes, self.records, self.inline = [], [], 0, 0, 0
+        return True
+
+    def _send(self, header: bytes, parts: list[bytes], frames: list[Any]) -> bool:
         try:
             self.sock.send(header, zmq.NOBLOCK | zmq.SNDMORE)
         except zmq.Again:
             return False
-        payload = b"".join(self.parts)
-        frames = self.frames
-        self.parts, self.frames, self.nbytes, self.records, self.inline = [], [], 0, 0, 0
         self.batches += 1
+        payload = b"".join(parts)
         if not frames:
             self.sock.send(payload)
             return True
@@ -162,3 +190,4 @@ class Link:
             self.sock.setsockopt(zmq.LINGER, linger)
         self.sock.close()
         self.parts, self.frames, self.nbytes, self.records, self.inline = [], [], 0, 0, 0
+        self.sealed.clear()

@@ -100,6 +100,66 @@ async def test_a_backlog_refused_while_another_loop_or_none_drove_the_process_is
     assert outbox.posted == [b"record"] and window.inflight == 1
 
 
+async def test_a_backlog_released_by_its_retry_timer_wakes_a_thread_blocked_for_room(sockets_dir):
+    """A thread without an event loop that sends to a full port blocks, the background loop checking for room after
+    each message handled; when the backlog left through the retry timer (the link had refused it), no message came
+    with it, and the thread slept on to the next one or its 60 s deadline (a spurious ``BufferFull`` if another
+    sender filled the window meanwhile). The release is announced, and the runtime's waits for progress look again."""
+    import types
+
+    from actors._runtime._core import runtime
+    from actors._transport._flow import SenderWindows
+
+    outbox = FullOnce(asyncio.get_running_loop())
+    windows = SenderWindows(outbox)  # type: ignore[arg-type]
+    released = asyncio.Event()
+    windows.released.connect(released.set)
+    window = windows.window(types.SimpleNamespace(address="ipc://peer"), 7)  # type: ignore[arg-type]
+    window.inflight = PORT_WINDOW
+    windows.send(window, b"record", [], 6)
+    windows.on_credit("ipc://peer", 7, PORT_WINDOW, 0)  # room again, but the link refuses: the timer releases it
+    assert not released.is_set()
+    await asyncio.wait_for(released.wait(), 5)
+    assert outbox.posted == [b"record"]
+
+    rt = runtime()  # the runtime hears of its windows' releases: a wait for room looks again at once
+    room = [False]
+    waiting = asyncio.ensure_future(rt.driver.wait_until(lambda: room[0], 60))
+    for _ in range(3):
+        await asyncio.sleep(0)
+    room[0] = True
+    rt.windows.released()
+    assert await asyncio.wait_for(waiting, 5)
+
+
+async def test_a_message_too_large_for_any_batch_is_refused_when_held_back_too(monkeypatch):
+    """A full window sends records to the backlog, which took one too large for any batch: its release raised
+    ``EncodeError`` out of the credit's handling, it stayed first in the backlog with everything behind it held
+    for good (``drain()`` never returned), and the next sends raised that error for messages they had queued."""
+    import types
+
+    from actors import EncodeError
+    from actors._transport import _outbox
+    from actors._transport._flow import SenderWindows
+
+    monkeypatch.setattr(_outbox, "MAX_PAYLOAD_BYTES", 1024)
+    outbox = _outbox.Outbox.__new__(_outbox.Outbox)  # (only post's checks run: its link takes every record)
+    posted: list[bytes] = []
+    outbox.loop = asyncio.get_running_loop()
+    outbox.post = lambda link, data, frames, urgent: (_outbox.check_fits(len(data)), posted.append(data))  # type: ignore[method-assign]
+    windows = SenderWindows(outbox)
+    window = windows.window(types.SimpleNamespace(address="ipc://peer"), 7)  # type: ignore[arg-type]
+    window.inflight = PORT_WINDOW  # full: what is sent now is held back
+    windows.send(window, b"first", [], 5)
+    with pytest.raises(EncodeError, match="exceeds the 1024-byte payload"):
+        windows.send(window, b"x" * 2048, [], 2048)
+    windows.send(window, b"last", [], 4)
+    assert [data for data, _, _ in window.backlog] == [b"first", b"last"] and windows.backlogged == 2
+    windows.on_credit("ipc://peer", 7, PORT_WINDOW, 0)
+    await asyncio.wait_for(windows.drain("ipc://peer", 7), 5)
+    assert posted == [b"first", b"last"] and windows.backlogged == 0
+
+
 async def test_drain_waits_given_up_leave_no_waiter_behind():
     """A producer that polls ``await wait_for(port.drain(), 0.1)`` while its receiver is stalled: each wait given
     up left its future in the window's list, which only an emptied backlog cleared (never, with that receiver)."""
@@ -158,7 +218,7 @@ async def test_a_batch_never_outgrows_the_payload_its_receiver_accepts(tmp_path,
 
     limit = 4096
     monkeypatch.setattr(_outbox, "MAX_PAYLOAD_BYTES", limit)
-    monkeypatch.setattr(Link, "try_send", lambda self, header: not self.parts)  # (the peer's queue stays full)
+    monkeypatch.setattr(Link, "try_send", lambda self, header: not (self.parts or self.sealed))  # (stays full)
     ctx = zmq.Context()
     outbox = Outbox(ctx, b"header", None, lambda *args: None, lambda: False)
     outbox.bind(asyncio.get_running_loop())
@@ -171,10 +231,46 @@ async def test_a_batch_never_outgrows_the_payload_its_receiver_accepts(tmp_path,
         assert len(list(Decoder(max_payload=limit).decode_batch(b"".join(link.parts), []))) == link.records
         with pytest.raises(EncodeError, match="exceeds the 4096-byte payload"):
             outbox.post(link, b"x" * limit, [], False, owed=True)
-        outbox.post(link, b"a reply", [], False, owed=True)  # (owed: queued, past the limit)
-        assert link.parts[-1].endswith(b"a reply")
+        waiting = link.records
+        outbox.post(link, b"a reply", [], False, owed=True)  # (owed: queued past the limit, in a batch of its own)
+        ((sealed, _, _, records),) = link.sealed
+        assert records == waiting and len(link.parts) == 1 and link.parts[0].endswith(b"a reply")
+        for batch in (
+            sealed,
+            link.parts,
+        ):  # (before, the reply joined the full batch, which its receiver dropped whole)
+            assert sum(len(part) for part in batch) <= limit
+            assert len(list(Decoder(max_payload=limit).decode_batch(b"".join(batch), []))) == len(batch)
+        assert link.records == waiting + 1
     finally:
         outbox.close(0)
+        ctx.term()
+
+
+def test_a_sealed_batch_leaves_whole_before_the_one_built_after_it(tmp_path):
+    import zmq
+
+    from actors._transport._sockets import Link
+
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.bind(f"ipc://{tmp_path}/peer")
+    link = Link(ctx, f"ipc://{tmp_path}/peer")
+    try:
+        link.append(b"first", [])
+        link.append(b"second", [b"frame"])
+        link.seal()
+        link.append(b"third", [])
+        assert link.records == 3 and link.nbytes == len(b"firstsecondframethird")
+        assert link.try_send(b"header")
+        assert link.records == link.nbytes == link.inline == 0 and not link.sealed and link.batches == 2
+        first = inbox.recv_multipart(copy=True)
+        second = inbox.recv_multipart(copy=True)
+        assert first[0] == b"header" and first[1].endswith(b"second") and first[2] == b"frame" and len(first) == 3
+        assert second[0] == b"header" and second[1].endswith(b"third") and len(second) == 2
+    finally:
+        link.close(0)
+        inbox.close(0)
         ctx.term()
 
 

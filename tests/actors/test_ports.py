@@ -787,3 +787,30 @@ def test_an_attach_watches_the_pid_it_names_not_an_older_one_at_that_address():
     state = receivers.open(False)
     receivers.on_attach(Attach(state.port_id, 222, old.address), [], None, 0)  # type: ignore[arg-type]
     assert watched == [222] and state.holders == {222}
+
+
+def test_a_senders_exit_seen_just_before_the_program_left_its_loop_still_ends_a_receive(sockets_dir, monkeypatch):
+    """A port sender's exit is settled a moment later, on a timer of the loop that saw it (its last messages may
+    still be on their way); ``asyncio.run`` ending meanwhile took the timer with its loop, the holder was never
+    removed, and a receive of that port, with nothing queued, waited for good. The settle is timed again on the
+    loop the runtime moves to."""
+    from actors._runtime import _core
+
+    monkeypatch.setattr(_core, "HOLDER_SETTLE", 1.0)  # (the program surely leaves its loop before it is due)
+    port, recv = Channel.open(str)
+
+    async def hold_then_lose_the_sender() -> ProcMesh:
+        procs = this_host().spawn_procs(per_host={"procs": 1})
+        echo = procs.spawn("echo", Echo)
+        await echo.hold.call_one(port)
+        os.kill(await echo.pid.call_one(), signal.SIGKILL)
+        with pytest.raises(ActorDied):  # its exit seen: the settle is timed on this loop, which ends now
+            await asyncio.wait_for(echo.pid.call_one(), 10)
+        return procs
+
+    procs = asyncio.run(hold_then_lose_the_sender())
+    try:
+        with pytest.raises(PortClosed, match="every process"):
+            recv.recv().get(timeout=10)
+    finally:
+        procs.stop().get(timeout=30)
