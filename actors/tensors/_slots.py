@@ -399,8 +399,12 @@ class PooledWriter:
     """A transport writer whose storage is a :class:`SlotPool`: reserving and releasing are the pool's."""
 
     def __init__(self, pool: SlotPool, lock_timeout: float) -> None:
+        try:
+            self.lock_timeout = checked_wait(lock_timeout, "lock_timeout")
+        except ValueError:
+            pool.close()  # (it holds this process's solo marker already, where there is no runtime)
+            raise
         self._pool = pool
-        self.lock_timeout = checked_wait(lock_timeout, "lock_timeout")
 
     @property
     def segment_names(self) -> list[str]:

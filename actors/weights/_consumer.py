@@ -26,7 +26,7 @@ from .._shared._readiness import fd_ready
 from .._shared._session import host_id
 from ..tensors import Reader, TensorSpec, checksum, copy_all, dtype_name, is_sharded, read_async, release_async
 from ._manifest import WeightManifest, make_reader
-from ._off_the_loop import OFFLOAD_BYTES, on_a_gpu, to_thread_after_queued_work
+from ._off_the_loop import OFFLOAD_BYTES, on_a_gpu, to_thread_after_queued_work, to_thread_to_the_end
 from ._spec_table import SpecMemo
 
 __all__ = ["PublisherWatch", "WeightConsumer", "fit"]
@@ -140,6 +140,12 @@ class _DeathWait:
     def _readable(self) -> None:
         if not self.exited.done():
             self.exited.set_result(None)
+
+
+def _close_all(readers: list[Reader]) -> None:
+    """Close each reader (a ``cuda-ipc`` one still holding an update waits for the GPU's reads of it)."""
+    for reader in readers:
+        reader.close()
 
 
 def _check_type(manifest: object) -> None:
@@ -312,8 +318,13 @@ class WeightConsumer:
         over the network on a running event loop's thread (``tcp``): the update stays importable the async way.
         One already imported is fetched no more: its install into another module goes on."""
         _check_type(manifest)
-        imported = manifest.update_id in self._tensors
-        if not imported and loop_running() and hasattr(self.reader(manifest.transport), "read_async"):
+        if manifest.update_id in self._tensors or not loop_running():
+            return
+        try:
+            reader = self.reader(manifest.transport)
+        except Exception:  # (an unknown transport, or one unusable here: its own import refuses it, once taken)
+            return
+        if hasattr(reader, "read_async"):
             raise WeightSyncError(
                 f"a {manifest.transport!r} update is fetched over the network, and a blocking install or import "
                 "would block this running event loop: use `await install_async(...)` (`import_update_async`, "
@@ -676,11 +687,13 @@ class WeightConsumer:
 
     def close(self) -> None:
         """Release every update still held and close the readers (on an event loop: :meth:`close_async`)."""
-        for update_id, state in list(self._state.items()):
-            if state != _RELEASED:
-                with contextlib.suppress(Exception):
-                    self.release(update_id)
-        self._close_readers()
+        try:
+            for update_id, state in list(self._state.items()):
+                if state != _RELEASED:
+                    with contextlib.suppress(Exception):
+                        self.release(update_id)
+        finally:  # (a Ctrl-C in a release's wait: the readers, their mappings and the pidfds close all the same)
+            self._close_readers()
 
     async def close_async(self) -> None:
         """:meth:`close` for code on an event loop: each ``cuda-ipc`` wait for the GPU's reads is awaited."""
@@ -690,10 +703,22 @@ class WeightConsumer:
                     with contextlib.suppress(Exception):
                         await self.release_async(update_id)
         finally:  # (cancelled meanwhile: the readers close all the same)
-            self._close_readers()
+            readers = self._take_readers()
+            try:
+                if self._owed:  # a release cut short (cancelled, the GPU's reads late): its reader's close waits
+                    await to_thread_to_the_end(_close_all, readers)  # for the GPU, on a worker thread
+                else:
+                    _close_all(readers)
+            finally:
+                self.publishers.close()
 
     def _close_readers(self) -> None:
-        for reader in self._readers.values():
-            reader.close()
+        try:
+            _close_all(self._take_readers())
+        finally:
+            self.publishers.close()
+
+    def _take_readers(self) -> list[Reader]:
+        readers = list(self._readers.values())
         self._readers.clear()
-        self.publishers.close()
+        return readers

@@ -9,11 +9,19 @@ the caller queued on its own streams.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import torch
 
-__all__ = ["OFFLOAD_BYTES", "awaited_to_the_end", "on_a_gpu", "on_the_host", "to_thread_after_queued_work"]
+__all__ = [
+    "OFFLOAD_BYTES",
+    "awaited_to_the_end",
+    "on_a_gpu",
+    "on_the_host",
+    "to_thread_after_queued_work",
+    "to_thread_to_the_end",
+]
 
 #: Host copies (or checksum passes) at least this large, or any out of a GPU, which waits for it, run on a worker
 #: thread under ``publish_async`` and the consumer's async imports.
@@ -68,15 +76,27 @@ def queued_work(tensors: list[tuple[str, torch.Tensor]]) -> tuple[Any, ...]:
 
 async def to_thread_after_queued_work(tensors: list[tuple[str, torch.Tensor]], fn: Any, *args: Any) -> Any:
     """``fn(*args)`` on a worker thread (to its end, as :func:`to_thread_to_the_end`), once the GPU work queued on
-    this thread's streams for ``tensors`` is done."""
+    this thread's streams for ``tensors`` is done, with those streams current there: what ``fn`` orders after
+    itself on them (a device copy's event) binds the caller's later work, as it would on the caller's thread."""
     ready = queued_work(tensors)  # (recorded here: the caller's streams are this thread's)
+    streams = callers_streams(tensors)
 
     def after() -> Any:
         for event in ready:
             event.synchronize()
-        return fn(*args)
+        with contextlib.ExitStack() as current:
+            for stream in streams:
+                current.enter_context(torch.cuda.stream(stream))
+            return fn(*args)
 
     return await to_thread_to_the_end(after)
+
+
+def callers_streams(tensors: list[tuple[str, torch.Tensor]]) -> list[Any]:
+    """The calling thread's current stream on each GPU ``tensors`` live on (a worker thread's would be the
+    device's default: a copy's ``wait_event`` there leaves the caller's stream free to overwrite the sources)."""
+    devices = {tensor.device for _, tensor in tensors if tensor.device.type == "cuda"}
+    return [torch.cuda.current_stream(device) for device in devices]
 
 
 def on_the_host(tensors: list[tuple[str, torch.Tensor]]) -> bool:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._shared._errors import ManifestError
-from ..tensors import TensorSpec
+from ..tensors import TensorSpec, check_specs
 
 __all__ = ["SpecMemo", "SpecTable"]
 
@@ -69,7 +69,11 @@ class SpecMemo:
 
     A publisher's updates of one model carry the same table each time;
     comparing the columns (C-level list equality, ~15 us for 145 tensors)
-    costs far less than rebuilding the specs (~2 us each).
+    costs far less than rebuilding the specs (~2 us each). Only specs that
+    pass the readers' checks are kept: equality holds across number types
+    (``16 == 16.0``), and a peer's malformed table kept would be given back
+    for every sound one equal to it, refusing each. (An equal table of other
+    number types gets the sound specs: the same numbers.)
     """
 
     def __init__(self) -> None:
@@ -81,5 +85,9 @@ class SpecMemo:
         if table == self._table:
             return self._specs
         specs = table.specs
+        try:
+            check_specs(specs, 1 << 62)  # (the types and layout; each reader checks them against its slot too)
+        except ManifestError:
+            return specs  # not kept: the reader refuses them, and the next table is rebuilt
         self._table, self._specs = table, specs
         return specs

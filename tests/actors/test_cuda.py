@@ -261,6 +261,23 @@ async def test_an_async_publish_from_a_side_stream_copies_what_that_stream_wrote
     consumer.close()
 
 
+async def test_an_async_cuda_ipc_publish_off_the_loop_holds_the_callers_stream_until_its_copy_is_done(procs):
+    """A ``cuda-ipc`` publish with 1 MiB of host tensors runs its copy on a worker thread, whose current stream was
+    the device's default: the copy's "later writes wait for me" was put on that stream, not the caller's, so the
+    caller's next in-place step on its own stream could overwrite a GPU source before the copy read it (version v
+    holding some of v+1). The worker thread now copies with the caller's streams current."""
+    state = {"host": torch.zeros(1 << 20), "gpu": torch.ones(1 << 20, device="cuda")}  # 4 MiB on the host: off the loop
+    side = torch.cuda.Stream()
+    sink = procs.spawn("sink", CudaSink).slice(procs=0)
+    with WeightPublisher("cuda-ipc", slots=1) as publisher:
+        torch.cuda._sleep(1_000_000_000)  # the default stream busy (~0.6 s): before, the copy waited behind it
+        with torch.cuda.stream(side):
+            manifest = await publisher.publish_async(state, 1)
+            state["gpu"].add_(1.0)  # the caller's next step, on its own stream: ordered after the copy
+        got = await sink.sums.call_one(manifest)
+    assert got == {"host": 0.0, "gpu": float(1 << 20)}, "the caller's step overwrote a source before the copy read it"
+
+
 async def test_a_cuda_ipc_publish_of_host_tensors_copies_them_to_the_gpu_off_the_loop(procs):
     """A host-memory source (a trainer's reference weights) published over ``cuda-ipc`` is a pageable host to
     device copy, which holds its thread until done: ``publish_async`` runs it on a worker thread from 1 MiB (it

@@ -693,3 +693,120 @@ def test_a_publisher_without_a_runtime_leaves_no_marker_once_closed(monkeypatch)
     assert os.path.exists(marker), "the other pool still holds it"
     second.close()
     assert not os.path.exists(marker)
+
+
+def test_a_publisher_refused_for_its_lock_timeout_leaves_no_marker_or_descriptor(monkeypatch):
+    """Without a runtime a slot pool takes this process's solo marker (a locked descriptor) as it is made; a writer
+    then refused for its ``lock_timeout`` left the pool unclosed: its descriptor and lock lived with the process,
+    and the marker stayed after every other pool closed."""
+    from actors._shared._segments import SHM_DIR
+    from actors.tensors import _slots
+
+    monkeypatch.setattr(_slots, "current_runtime", lambda: None)
+    marker = os.path.join(SHM_DIR, f"actors-solo{os.getpid()}.u{os.getuid()}.live")
+    descriptors = len(os.listdir("/proc/self/fd"))
+    for bad in (float("nan"), -1.0, "5"):
+        with pytest.raises(ValueError, match="lock_timeout is a finite number"):
+            WeightPublisher("shm", lock_timeout=bad)
+    assert not os.path.exists(marker)
+    assert len(os.listdir("/proc/self/fd")) == descriptors
+
+
+@pytest.mark.parametrize("bad_is", ["older", "newer"])
+async def test_an_update_of_an_unusable_transport_blocks_no_later_install_on_a_loop(bad_is):
+    """``install_newest`` on an event loop (shm updates only) first asked each queued manifest's reader whether it
+    fetches over the network: building the reader of an unknown transport (or of cuda-ipc without a GPU) raised
+    there, before anything was taken off the queue, so every later call raised the same and no update behind it
+    was ever installed. The bad one is now refused as any other failure of its own, taken off the queue."""
+    with WeightPublisher("shm", slots=3) as publisher:
+        first = publisher.publish(filled_model(1.0), 1)
+        second = publisher.publish(filled_model(2.0), 2)
+        bad, good = (first, second) if bad_is == "older" else (second, first)
+        inbox = WeightInbox()
+        model = filled_model(5.0)
+        inbox.put(dataclasses.replace(bad, transport="carrier-pigeon"))
+        inbox.put(good)
+        if bad_is == "older":  # the newest installs; the older one is let go
+            assert inbox.install_newest(model) is good and all_equal(model, 2.0)
+        else:  # the newest fails, naming why, as any failed install (the older ones go); a later update installs
+            with pytest.raises(ValueError, match="unknown transport 'carrier-pigeon'"):
+                inbox.install_newest(model)
+            assert len(inbox) == 0 and all_equal(model, 5.0)
+            later = publisher.publish(filled_model(3.0), 3)
+            inbox.put(later)
+            assert inbox.install_newest(model) is later and all_equal(model, 3.0)
+        assert len(inbox) == 0
+        await inbox.close_async()
+
+
+def test_a_malformed_table_equal_to_a_sound_one_poisons_no_later_update(published):
+    """Spec tables are remembered by equality, which holds across number types: a peer's table with ``16.0`` for
+    ``16`` was remembered, refused, and then given back for every sound table equal to it, refusing each update of
+    that layout until a table that compared otherwise came."""
+    model = filled_model(5.0)
+    consumer = WeightConsumer()
+    bad = spec_changed(published, nbytes=float(published.tensors[0].nbytes))
+    with pytest.raises(ManifestError, match="bytes cannot hold"):
+        consumer.install(bad, model)
+    consumer.install(published, model)
+    assert all_equal(model, 1.0) and consumer.state(published.update_id) == "acknowledged"
+    consumer.close()
+
+
+async def test_closing_a_consumer_on_a_loop_after_a_release_cut_short_waits_for_the_gpu_off_the_loop():
+    """``close_async`` whose ``cuda-ipc`` release was cut short (the GPU's reads late, or the close cancelled) kept
+    that update held, and the readers' close then released it the blocking way: a GPU synchronize on the loop's
+    thread, for as long as the GPU took (for good on a hung one). That close now runs on a worker thread."""
+    import threading
+
+    loop_thread = threading.get_ident()
+
+    class LateGpu:
+        """A cuda-ipc reader whose GPU reads of ``u1`` never finish in time."""
+
+        def __init__(self) -> None:
+            self.closed_on: int | None = None
+
+        def read(self, *args: object) -> dict:
+            raise AssertionError("not read here")
+
+        def release(self, update_id: str) -> None:
+            raise AssertionError("a blocking release")
+
+        async def release_async(self, update_id: str) -> None:
+            raise WeightSyncError("this process's GPU reads of a weight slot did not finish within 120s")
+
+        def close(self) -> None:
+            self.closed_on = threading.get_ident()
+
+    consumer = WeightConsumer()
+    late = LateGpu()
+    consumer._readers["cuda-ipc"] = late  # type: ignore[assignment]
+    consumer._state["u1"] = "imported"
+    await asyncio.wait_for(consumer.close_async(), 10)
+    assert late.closed_on is not None and late.closed_on != loop_thread, "the blocking close ran on the loop"
+    assert not consumer._readers
+
+
+def test_a_blocking_close_interrupted_in_a_release_still_closes_the_readers():
+    """A Ctrl-C in ``close()``'s wait for a release skipped closing the readers (their mappings, the pidfds)."""
+
+    class Interrupted:
+        closed = False
+
+        def read(self, *args: object) -> dict:
+            raise AssertionError("not read here")
+
+        def release(self, update_id: str) -> None:
+            raise KeyboardInterrupt
+
+        def close(self) -> None:
+            self.closed = True
+
+    consumer = WeightConsumer()
+    reader = Interrupted()
+    consumer._readers["cuda-ipc"] = reader  # type: ignore[assignment]
+    consumer._state["u1"] = "imported"
+    with pytest.raises(KeyboardInterrupt):
+        consumer.close()
+    assert reader.closed and not consumer._readers
