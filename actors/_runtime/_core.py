@@ -246,11 +246,15 @@ class Runtime:
         self._drop_route(old)
         self.mesh_routes.moved(old, address)
 
-    def _credit(self, address: str, port_id: int, messages: int, nbytes: int) -> None:
+    def _credit(self, sender: Header, port_id: int, messages: int, nbytes: int) -> None:
         """Give a port's sender its window back (urgent: a busy consumer may never yield; owed: the sender's own
-        window bounds how many are due, and one refused on a full link would stall that sender for good)."""
-        ref = self.registry.procs.get(address)
-        if ref is not None and not ref.dead:
+        window bounds how many are due, and one refused on a full link would stall that sender for good).
+
+        Only to that process: one restarted at its address since has a window of its own, which the old one's
+        messages never took (credited, it would let the new one past its bound, or drop its live window).
+        """
+        ref = self.registry.procs.get(sender.address)
+        if ref is not None and not ref.dead and (ref.pid is None or ref.pid == sender.pid):
             with contextlib.suppress(ActorDied):
                 self.send(ref, Credit(port_id, messages, nbytes), urgent=True, owed=True)
 

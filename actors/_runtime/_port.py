@@ -511,18 +511,18 @@ class PortReceiver(Generic[T]):
 
     def _take(self) -> Any:
         state = self._state
-        value, address, size = state.queue.popleft()
-        if address is not None:  # count it toward the sender's credit (inline: once per message)
-            counts = state.unacked.get(address)
+        value, sender, size = state.queue.popleft()
+        if sender is not None:  # count it toward the sender's credit (inline: once per message)
+            counts = state.unacked.get(sender)
             if counts is None:
-                counts = state.unacked[address] = [0, 0]
+                counts = state.unacked[sender] = [0, 0]
             counts[0] += 1
             counts[1] += size
             if value is None:  # the sender's end of stream: the rest of its credit goes back now, and its count
-                self._rt.receivers.credit(state, address, counts)
-                del state.unacked[address]
+                self._rt.receivers.credit(state, sender, counts)
+                del state.unacked[sender]
             elif counts[0] >= CREDIT_MESSAGES or counts[1] >= CREDIT_BYTES:
-                self._rt.receivers.credit(state, address, counts)
+                self._rt.receivers.credit(state, sender, counts)
         if state.once:
             self._rt.receivers.close(state, "a once-port delivers a single message")
         kind = type(value)

@@ -31,7 +31,8 @@ class ReceiverState:
 
     def __init__(self, port_id: int, once: bool) -> None:
         self.port_id = port_id
-        self.queue: deque[tuple[Any, str | None, int]] = deque()
+        #: (value, who sent it (None: this process), its bytes), oldest first.
+        self.queue: deque[tuple[Any, Header | None, int]] = deque()
         #: The ``recv()``s waiting for the queue to fill, oldest first (woken ones leave it; a cancelled one removes itself).
         self.waiters: list[asyncio.Future[None]] = []
         #: Who holds a sender: a process of this host by its pid, one of another host by its address.
@@ -41,13 +42,14 @@ class ReceiverState:
         self.attached = False
         self.closed: str | None = None
         self.once = once
-        #: Per sender address: [messages, bytes] consumed and not yet credited back.
-        self.unacked: dict[str, list[int]] = {}
+        #: Per sender (its address and pid: a process restarted at the address is another sender, whose window
+        #: the old one's messages never took): [messages, bytes] consumed and not yet credited back.
+        self.unacked: dict[Header, list[int]] = {}
 
-    def deliver(self, value: Any, address: str | None, size: int) -> None:
+    def deliver(self, value: Any, sender: Header | None, size: int) -> None:
         if self.closed is not None and self.once:
             return
-        self.queue.append((value, address, size))
+        self.queue.append((value, sender, size))
         self.wake()
 
     def attach(self, holder: int | str, alive: bool) -> None:
@@ -79,7 +81,7 @@ class Receivers:
         self,
         own_pid: int,
         watch: Callable[[int], bool],
-        credit: Callable[[str, int, int, int], None],
+        credit: Callable[[Header, int, int, int], None],
         drops: Callable[..., None],
         proc: Callable[[str, int], ProcRef],
     ) -> None:
@@ -106,21 +108,21 @@ class Receivers:
         self._states.pop(state.port_id, None)
         owed = state.unacked
         state.unacked = {}
-        for _value, address, size in state.queue:
-            if address is not None:
-                counts = owed.setdefault(address, [0, 0])
+        for _value, sender, size in state.queue:
+            if sender is not None:
+                counts = owed.setdefault(sender, [0, 0])
                 counts[0] += 1
                 counts[1] += size
         state.queue.clear()
         if not state.once:  # (a once-port's one message was its sender's last: no window waits on it)
-            for address, (messages, nbytes) in owed.items():
+            for sender, (messages, nbytes) in owed.items():
                 if messages:
-                    self._credit(address, state.port_id, messages, nbytes)
+                    self._credit(sender, state.port_id, messages, nbytes)
         state.wake()
 
-    def credit(self, state: ReceiverState, address: str, counts: list[int]) -> None:
-        """Give ``address`` back the window its consumed messages took (``counts``: [messages, bytes])."""
-        self._credit(address, state.port_id, counts[0], counts[1])
+    def credit(self, state: ReceiverState, sender: Header, counts: list[int]) -> None:
+        """Give ``sender`` back the window its consumed messages took (``counts``: [messages, bytes])."""
+        self._credit(sender, state.port_id, counts[0], counts[1])
         counts[0] = counts[1] = 0
 
     def attach(self, state: ReceiverState, holder: ProcRef, pid: int | None = None) -> None:
@@ -142,11 +144,11 @@ class Receivers:
         state = self._states.get(port_id)
         if state is None:
             self._drops("a message for port %r: no such receiver in this process", port_id)
-            self._credit(sender.address, port_id, 1, size)  # its window credit still goes back
+            self._credit(sender, port_id, 1, size)  # its window credit still goes back
             return
         if state.closed is not None and state.once:
             return
-        state.queue.append((fields[2], sender.address, size))
+        state.queue.append((fields[2], sender, size))
         if state.waiters:
             state.wake()
 
@@ -162,7 +164,7 @@ class Receivers:
         state = self._states.get(fields[1]) if type(fields[1]) is int else None
         if state is None or state.closed is not None:
             return j
-        port_id, queue, address, end = fields[1], state.queue, sender.address, len(records)
+        port_id, queue, end = fields[1], state.queue, len(records)
         while j < end:
             fields, size = records[j], sizes[j]
             if (
@@ -177,7 +179,7 @@ class Receivers:
                 or type(size) is not int
             ):
                 break
-            queue.append((fields[2], address, size))
+            queue.append((fields[2], sender, size))
             j += 1
         if state.waiters:
             state.wake()

@@ -40,15 +40,18 @@ __all__ = ["Decoder", "WholeBatch"]
 
 _unpackb = msgpack.unpackb
 
+#: The dataclass plans a decoder keeps, by the name a record gave (emptied when full: a program has a few dozen).
+MAX_CLASS_PLANS = 1024
+
 
 class WholeBatch(NamedTuple):
     """A batch decoded in one pass, entry ``j`` of each list describing its ``j``-th record.
 
     The batch framing puts two uints before each record (its buffer-frame
     count and its encoded size); they are taken apart here, once, so that
-    no reader indexes the flat stream. Nothing in the framing is checked
-    yet: ``frame_counts[j]`` must be 0 (no buffer frames) and ``sizes[j]``
-    an int, which the dispatcher checks per record.
+    no reader indexes the flat stream. A size that is not its record's
+    encoded size is None here; ``frame_counts[j]`` must be 0 (no buffer
+    frames) and ``sizes[j]`` an int, which the dispatcher checks per record.
     """
 
     frame_counts: list[Any]
@@ -169,18 +172,24 @@ class Decoder:
         unpacker = self._unpacker(size)
         items: list[Any] = []
         whole = 0  # the bytes of the records taken whole so far
+        start = 0  # where the record being read begins
         try:
             unpacker.feed(payload)
             for item in unpacker:
                 items.append(item)
-                if len(items) % 3 == 0:
-                    whole = unpacker.tell()
+                phase = len(items) % 3
+                if phase == 2:
+                    start = unpacker.tell()
+                elif phase == 0:
+                    whole, size = unpacker.tell(), items[-2]
+                    if type(size) is not int or size != whole - start:
+                        items[-2] = None  # not the record's own size (credit is counted from it): dropped alone
         except Exception:
             pass  # (the per-record path says what is wrong, from ``whole`` on)
         finally:
             self._frames = []
         del items[len(items) - len(items) % 3 :]
-        # The caller checks each record's frame count (0) and size (an int) as it goes.
+        # The caller checks each record's frame count (0) and size (an int: None where it lied) as it goes.
         return WholeBatch(items[0::3], items[1::3], items[2::3], whole)
 
     def decode(self, payload: Any, frames: list[Any] | None = None) -> Any:
@@ -303,6 +312,8 @@ class Decoder:
                 raise DecodeError(f"refusing to build {ref}: {exc}") from None
             if not isinstance(found, type) or not dataclasses.is_dataclass(found):
                 raise DecodeError(f"refusing to build {ref}: not a dataclass")
+            if len(self._classes) >= MAX_CLASS_PLANS:  # (a peer may spell one class many ways: ``m:a.m.a.P``)
+                self._classes.clear()
             plan = self._classes[ref] = _DataclassPlan.of(found)
         if len(values) != len(plan.names):
             raise DecodeError(f"cannot build {ref}: {len(values)} field values for {len(plan.names)} fields")

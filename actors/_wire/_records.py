@@ -36,6 +36,7 @@ import msgpack
 
 from .._shared._errors import ActorError, ActorsError, DecodeError, SpawnError, SupervisionError
 from ._brief import brief
+from ._ext import handle_of_kind
 
 __all__ = [
     "PROCESS_ACTOR",
@@ -200,12 +201,19 @@ class Call(NamedTuple):
             or type(f[5]) is not int
             or type(f[6]) is not int
             or type(f[7]) is not bytes
-            or (f[8] is not None and not callable(getattr(f[8], "send", None)))
+            or (f[8] is not None and not _is_port(f[8]))
             or type(f[9]) is not int
             or not _is_extent(f[10], f[9])
         ):
             raise DecodeError(f"malformed CALL record: {brief(fields)}")
         return cls(*f[1:])
+
+
+def _is_port(value: Any) -> bool:
+    """Whether ``value`` is a port as decoded (a handle of kind ``port``): anything else answering to ``send`` (an
+    actor mesh with an endpoint of that name) is no place for a response."""
+    handle = handle_of_kind("port")
+    return handle is not None and type(value) is handle.cls
 
 
 #: The most dimensions a call's mesh may name (Monarch's meshes have a handful).

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import enum
 import math
+import sys
 import types
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -348,6 +349,21 @@ def test_a_call_whose_response_port_is_not_a_port_is_refused():
         Call.from_wire([Kind.CALL, 1, "a", "m", "ipc:///x.sock", 1, 0, b"", 7, 0, None])
 
 
+def test_a_call_whose_response_port_is_a_mesh_with_a_send_endpoint_is_refused():
+    """The response port was checked by duck typing (a callable ``send``): an actor mesh with an endpoint named
+    ``send`` passed, and each answer then raised and was logged with a stack trace, outside the drop log."""
+    from actors import Channel
+    from actors._meshes._actor_mesh import ActorMesh
+    from actors._wire._records import Call, Kind
+
+    mesh = ActorMesh("m", "tests:Sends", {"send": None}, {}, [], None)  # (as a peer's handle decodes)
+    assert callable(getattr(mesh, "send", None))
+    with pytest.raises(DecodeError, match="malformed CALL"):
+        Call.from_wire([Kind.CALL, 1, "a", "m", "ipc:///x.sock", 1, 0, b"", mesh, 0, None])
+    port, _ = Channel.open(int)
+    assert Call.from_wire([Kind.CALL, 1, "a", "m", "ipc:///x.sock", 1, 0, b"", port, 0, None]).port is port
+
+
 @pytest.mark.parametrize(
     "position, extent",
     [
@@ -560,7 +576,7 @@ def test_a_port_message_that_cannot_be_built_here_is_credited_and_its_receiver_t
     from actors._transport._flow import CREDIT_MESSAGES
     from actors._wire._records import Kind, Undecodable
 
-    credits: list[tuple[str, int, int, int]] = []
+    credits: list[tuple[Any, int, int, int]] = []
     with wired_inbox(tmp_path, credit=lambda *credit: credits.append(credit)) as wired:
         state = wired.state
         fragile = msgpack.ExtType(EXT_DATACLASS, msgpack.packb(["support:Fragile", [-1]]))
@@ -577,7 +593,7 @@ def test_a_port_message_that_cannot_be_built_here_is_credited_and_its_receiver_t
         for _ in range(CREDIT_MESSAGES):
             with pytest.raises(DecodeError, match="negative"):
                 receiver._take()
-        assert credits and credits[0][:3] == (wired.peer, state.port_id, CREDIT_MESSAGES)
+        assert credits and credits[0][:3] == ((wired.peer, 42), state.port_id, CREDIT_MESSAGES)
         assert receiver._take_ready() == [Fragile(2)]
 
 
@@ -634,3 +650,60 @@ def test_a_message_encoded_while_another_is_encoded_gets_an_encoder_of_its_own()
     assert nosy.sent is not None
     inner = Decoder().decode(*nosy.sent)
     assert inner[0] == "inner" and torch.equal(inner[1], torch.ones(2000))
+
+
+def test_a_batch_record_whose_size_lies_is_dropped_alone_and_credit_stays_encodable(tmp_path):
+    """The one-pass decode took each record's size from the framing on trust: a size of -2**63 (or 2**64 - 1) went
+    into the port's credit count, whose ``Credit`` then could not be encoded: the receive that was due to credit
+    raised ``EncodeError`` after taking its value, and a closing receiver stopped crediting the other senders.
+    A size that is not the record's own drops that record alone."""
+    import zmq
+
+    from actors._wire._records import PROTOCOL_VERSION, Kind, record_prefix
+
+    credits: list[tuple[Any, int, int, int]] = []
+    with wired_inbox(tmp_path, credit=lambda *credit: credits.append(credit)) as wired:
+        port_id = wired.state.port_id
+        first, low, high, last = (msgpack.packb([int(Kind.PORT), port_id, v]) for v in (1, 2, 3, None))
+        payload = b"".join(
+            (
+                record_prefix(0, len(first)) + first,
+                b"\x00" + msgpack.packb(-(2**63)) + low,
+                b"\x00" + msgpack.packb(2**64 - 1) + high,
+                b"\x00" + msgpack.packb(len(last) + 1) + last,  # off by one: a lie too, dropped
+                record_prefix(0, len(last)) + last,
+            )
+        )
+        push = wired.pull.context.socket(zmq.PUSH)
+        try:
+            push.connect(f"ipc://{tmp_path}/inbox.sock")
+            push.send_multipart([msgpack.packb([PROTOCOL_VERSION, wired.peer, 42]), payload])
+            assert wired.pull.poll(10_000)
+            wired.inbox.pump()
+        finally:
+            push.close(linger=0)
+        assert [(value, size) for value, _, size in wired.state.queue] == [(1, len(first)), (None, len(last))]
+        assert wired.drops.count == 3
+
+
+@dataclasses.dataclass
+class Spelled:
+    value: int
+
+
+#: This module as an attribute of itself: ``Spelled`` can be named ``test_codec:ITSELF.ITSELF.Spelled`` and so on.
+ITSELF = sys.modules[__name__]
+
+
+def test_the_dataclass_plans_a_decoder_keeps_stay_bounded_however_many_ways_a_class_is_named():
+    """Plans were kept by the name a record gave, for the decoder's life (an inbox's: the process's): a peer naming
+    one class through a module that is its own attribute, a new spelling each time, grew the table without end."""
+    from actors._wire import _decoder
+    from actors._wire._decoder import Decoder
+
+    decoder = Decoder()
+    for depth in range(_decoder.MAX_CLASS_PLANS + 200):
+        ref = f"{__name__}:{'ITSELF.' * depth}Spelled"
+        payload = msgpack.packb(msgpack.ExtType(EXT_DATACLASS, msgpack.packb([ref, [depth]])))
+        assert decoder.decode(payload) == Spelled(depth)
+    assert len(decoder._classes) <= _decoder.MAX_CLASS_PLANS

@@ -297,15 +297,15 @@ def test_a_credit_is_sent_as_an_owed_record():
     import types
 
     from actors._runtime._core import Runtime
-    from actors._wire._records import Credit
+    from actors._wire._records import Credit, Header
 
     sent: list[tuple[object, bool]] = []
-    peer = types.SimpleNamespace(dead=False)
+    peer = types.SimpleNamespace(dead=False, pid=7)
     rt = types.SimpleNamespace(
         registry=types.SimpleNamespace(procs={"ipc://sender": peer}),
         send=lambda ref, record, urgent, owed=False: sent.append((record, owed)),
     )
-    Runtime._credit(rt, "ipc://sender", 3, 1, 100)  # type: ignore[arg-type]
+    Runtime._credit(rt, Header("ipc://sender", 7), 3, 1, 100)  # type: ignore[arg-type]
     assert sent == [(Credit(3, 1, 100), True)]
 
 

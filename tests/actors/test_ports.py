@@ -814,3 +814,34 @@ def test_a_senders_exit_seen_just_before_the_program_left_its_loop_still_ends_a_
             recv.recv().get(timeout=10)
     finally:
         procs.stop().get(timeout=30)
+
+
+async def test_credit_for_messages_of_a_process_restarted_since_goes_not_to_its_replacement(sockets_dir, monkeypatch):
+    """A receiver counted consumption by sender address, and gave the credit to the process at that address now:
+    after a restart there, the replacement got back window its predecessor's messages had taken, and could send up
+    to a window past its bound (or have its live window dropped). Credit goes to the process that sent."""
+    from actors._transport._flow import CREDIT_MESSAGES
+    from actors._wire._records import Credit, Header, Kind
+
+    rt = runtime()
+    sent: list[tuple[int | None, object]] = []
+    monkeypatch.setattr(rt, "send", lambda ref, record, **kw: sent.append((ref.pid, record)))
+    address = "tcp://10.255.0.3:40000"
+    far = rt.registry.placed(address)
+    rt.registry.set_pid(far, 4_000_001)
+    _port, recv = Channel.open(int)
+    old, new = Header(address, 4_000_001), Header(address, 4_000_002)
+
+    def queue() -> None:  # (as the inbox hands them over)
+        for i in range(CREDIT_MESSAGES):
+            rt.receivers.on_port_message([int(Kind.PORT), recv._state.port_id, i], [], old, 8)
+        rt.receivers.on_port_message([int(Kind.PORT), recv._state.port_id, -1], [], new, 8)  # the replacement's first
+
+    rt.driver.on_thread(queue)
+    rt.driver.on_thread(lambda: rt.registry.mark_dead(far, "its host restarted it"))
+    rt.driver.on_thread(lambda: rt.registry.revive(far, 4_000_002))
+    assert recv.recv_ready() == [*range(CREDIT_MESSAGES), -1]
+    assert sent == [], "the predecessor's consumed messages were credited to its replacement"
+    rt.driver.on_thread(lambda: rt.receivers.on_port_message([int(Kind.PORT), recv._state.port_id, None], [], new, 1))
+    assert recv.recv_ready() == [None]
+    assert sent == [(4_000_002, Credit(recv._state.port_id, 2, 9))]
