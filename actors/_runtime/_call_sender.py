@@ -81,12 +81,17 @@ def send_call(
             if not past_limits:
                 rt.outbox.check_room(links[-1])
         extent, positions = through if through is not None else (None, [rank for rank, _ in targets])
-        for (rank, ref), link, position in zip(targets, links, positions, strict=True):
+        calls = []
+        for (rank, _), position in zip(targets, positions, strict=True):
             enc.reset()
             call = Call(call_id, actor, method, rt.address, rt.pid, rank, blob, port, position, extent)
-            data = enc.encode(call.to_wire())
-            if handles or enc.handles:
-                rt.note_handles([*handles, *enc.handles], ref)
+            calls.append((enc.encode(call.to_wire()), list(enc.handles)))
+        if not past_limits:  # room in each batch too (one past a receiver's payload limit leaves first, or fails all)
+            for link, (data, _) in zip(links, calls, strict=True):
+                rt.outbox.check_room(link, len(data))
+        for (_, ref), link, (data, shipped) in zip(targets, links, calls, strict=True):
+            if handles or shipped:
+                rt.note_handles([*handles, *shipped], ref)
             rt.outbox.post(link, data, frames, urgent=True, owed=past_limits)
     except BaseException as exc:  # (BufferFull from a link whose peer is not reading): the caller hears it
         if pending is not None:

@@ -187,7 +187,7 @@ class SenderWindows:
             except BufferFull:  # the link's own queue is full (its peer reads slowly): the rest waits in order
                 loop = self._outbox.loop
                 if loop is not None:
-                    window.release = loop.call_later(RELEASE_RETRY, self._release, window)
+                    window.release = loop.call_later(RELEASE_RETRY, self._retry_release, window, loop)
                     window.release_loop = loop
                 break
             backlog.popleft()
@@ -200,6 +200,12 @@ class SenderWindows:
             wake_all(window.waiters)
         if released and self.released:
             self.released()
+
+    def _retry_release(self, window: Window, loop: asyncio.AbstractEventLoop) -> None:
+        """The retry timer: a release, unless another loop drives this process now (the program ran the loop it
+        left again, on another thread maybe): that loop's next drain or send offers the backlog again."""
+        if self._outbox.loop is loop:  # (else nothing here is this thread's to touch)
+            self._release(window)
 
     async def drain(self, address: str, port_id: int) -> None:
         """Return once nothing is held back for this port (at once if nothing is)."""

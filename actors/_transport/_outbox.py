@@ -91,13 +91,17 @@ class Outbox:
             link = self.links[address] = Link(self._ctx, address, self._keys)
         return link
 
-    def check_room(self, link: Link) -> None:
-        """Raise :class:`BufferFull` if ``link`` takes no more records (its peer is not reading)."""
+    def check_room(self, link: Link, size: int = 0) -> None:
+        """Raise :class:`BufferFull` if ``link`` takes no more records (its peer is not reading), or, ``size``
+        given, if records of ``size`` bytes in all would not join its batch now (one past the payload a receiver
+        accepts must leave first: it is handed to the socket here if it can be)."""
         if link.records >= LINK_RECORDS or link.nbytes >= LINK_BYTES:
             raise BufferFull(
                 f"{link.records} records ({link.nbytes >> 20} MiB) wait for {link.address}, whose queue stays "
                 "full: it is not reading"
             )
+        if size and link.inline + size + PREFIX_MAX > MAX_PAYLOAD_BYTES:
+            self._make_payload_room(link, size, False)
 
     def post(self, link: Link, data: bytes, frames: list[Any], urgent: bool, *, owed: bool = False) -> None:
         """Queue one encoded record on ``link``; it leaves now or at the end of this loop turn.

@@ -160,6 +160,31 @@ async def test_a_message_too_large_for_any_batch_is_refused_when_held_back_too(m
     assert posted == [b"first", b"last"] and windows.backlogged == 0
 
 
+async def test_a_retry_timer_of_a_loop_the_process_left_releases_nothing():
+    """The backlog's retry timer was left on the loop the process stopped running; run again later (on another
+    thread, say) while another loop drove the process, it released the backlog from that thread, touching the
+    window beside the loop that owns it. It now does nothing; the loop driving the process offers the backlog."""
+    import types
+
+    from actors._transport._flow import SenderWindows
+
+    left = asyncio.new_event_loop()
+    outbox = FullOnce(left)
+    windows = SenderWindows(outbox)  # type: ignore[arg-type]
+    window = windows.window(types.SimpleNamespace(address="ipc://peer"), 7)  # type: ignore[arg-type]
+    window.inflight = PORT_WINDOW
+    windows.send(window, b"record", [], 6)
+    windows.on_credit("ipc://peer", 7, PORT_WINDOW, 0)  # the link refuses: a retry timed on the loop left
+    outbox.loop = asyncio.get_running_loop()  # another loop drives the process now
+    try:
+        await asyncio.to_thread(left.run_until_complete, asyncio.sleep(0.1))  # it runs again: its timer fires
+        assert outbox.posted == [] and len(window.backlog) == 1, "released from a loop that does not drive"
+    finally:
+        left.close()
+    await asyncio.wait_for(windows.drain("ipc://peer", 7), 5)  # the driving loop offers it
+    assert outbox.posted == [b"record"]
+
+
 async def test_drain_waits_given_up_leave_no_waiter_behind():
     """A producer that polls ``await wait_for(port.drain(), 0.1)`` while its receiver is stalled: each wait given
     up left its future in the window's list, which only an emptied backlog cleared (never, with that receiver)."""

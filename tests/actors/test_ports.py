@@ -686,6 +686,41 @@ async def test_a_call_one_of_whose_links_is_full_reaches_no_rank(procs: ProcMesh
     assert await echo.slice(procs=0).add.call_one(3) == 3
 
 
+async def test_a_call_one_of_whose_batches_must_leave_first_and_cannot_reaches_no_rank(procs: ProcMesh, monkeypatch):
+    """The up-front check of a call to every rank counted each link's records and bytes, not whether the record
+    would fit in its batch: rank 1's batch near the payload a receiver accepts, its peer's queue full, the post to
+    rank 1 raised ``BufferFull`` after rank 0 had been sent the call its caller was told failed."""
+    from actors import BufferFull
+    from actors._transport import _outbox
+    from actors._transport._sockets import Link
+
+    echo = procs.spawn("echo", Echo)
+    await echo.add.call(1)  # every link is open
+    rt = runtime()
+    last = rt.link(procs._procs[1])
+    posted: list[str] = []
+    post = rt.outbox.post
+
+    def recording(link: Any, *args: Any, **kwargs: Any) -> None:
+        post(link, *args, **kwargs)
+        posted.append(link.address)
+
+    limit = 1 << 16
+    monkeypatch.setattr(rt.outbox, "post", recording)
+    monkeypatch.setattr(_outbox, "MAX_PAYLOAD_BYTES", limit)
+    send = Link.try_send
+    monkeypatch.setattr(Link, "try_send", lambda self, header: False if self is last else send(self, header))
+    last.parts, last.inline = [b""], limit - 64  # rank 1's batch is nearly full, and its peer's queue refuses it
+    try:
+        with pytest.raises(BufferFull, match="in one batch"):
+            echo.add.call(1)
+    finally:
+        last.parts, last.inline = [], 0
+    assert posted == [], "nothing was sent to rank 0"
+    monkeypatch.undo()
+    assert [v for _, v in await echo.add.call(2)] == [2, 2]  # the runtime goes on
+
+
 async def test_a_port_send_refused_by_a_full_link_takes_no_window_credit(procs: ProcMesh, monkeypatch):
     """``BufferFull`` from the link means nothing left: the port's flow window must not count it as in flight."""
     from actors import BufferFull
