@@ -188,12 +188,28 @@ def send(
 
 
 class _Life:
-    """Which ranks of the actors behind a mesh handle (shared by all its slices) were stopped through it."""
+    """What the views of one mesh handle share: the ranks stopped through it, and ``choose``'s turn over each set
+    of ranks (a slice taken afresh each time still takes turns; two slices each take their own)."""
 
-    __slots__ = ("stopped",)
+    __slots__ = ("stopped", "turns")
 
     def __init__(self) -> None:
         self.stopped: set[int] = set()
+        self.turns: dict[tuple[int, ...], itertools.count[int]] = {}
+
+    def turn(self, targets: list[tuple[int, ProcRef]]) -> itertools.count[int]:
+        """The turn counter of the views over ``targets``' ranks."""
+        ranks = tuple(rank for rank, _ in targets)
+        counter = self.turns.get(ranks)
+        if counter is None:
+            if len(self.turns) >= _MAX_TURNS:  # (a program slicing a large mesh every which way)
+                self.turns.clear()
+            counter = self.turns[ranks] = itertools.count()
+        return counter
+
+
+#: The rank sets whose ``choose`` turns a mesh handle keeps.
+_MAX_TURNS = 1024
 
 
 class ActorMesh(Shaped, Generic[A]):
@@ -227,8 +243,8 @@ class ActorMesh(Shaped, Generic[A]):
         self._endpoints = endpoints
         self._extent = extent
         self._targets_list = targets
-        self._next = itertools.count()
         self._life = _Life()  # shared with every slice of this mesh
+        self._next = self._life.turn(targets)
         self._spawn_call: PendingCall | None = None  # where this mesh was spawned: its constructors' answers
 
     def __getattr__(self, name: str) -> MeshEndpoint[Any, Any]:
@@ -318,7 +334,7 @@ class ActorMesh(Shaped, Generic[A]):
         view: ActorMesh[A] = ActorMesh(self._name, self._class_ref, self._endpoints, extent, targets, self._proc_mesh)
         view._life = self._life
         view._spawn_call = self._spawn_call
-        view._next = self._next  # choose() on a slice taken afresh each time still takes turns
+        view._next = self._life.turn(targets)  # choose() on a slice taken afresh each time still takes turns
         return view
 
     def stop(self, reason: str = "stopped by client") -> Future[None]:

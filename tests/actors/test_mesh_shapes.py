@@ -126,6 +126,23 @@ async def test_stopping_a_slice_stops_only_its_actors(procs: ProcMesh):
         echo.slice(procs=1).add.call_one(1)
 
 
+def test_choose_on_slices_taken_in_turn_reaches_every_rank_of_each():
+    """Every view of a mesh shared one turn counter: a trainer choosing on the slice of host A, then of host B, and
+    so on (two generators each) drew even numbers on A and odd ones on B, so only one generator of each host was
+    ever chosen. Each set of ranks takes its own turns; a slice taken afresh takes them on."""
+    from actors._meshes._actor_mesh import ActorMesh
+    from actors._shared._liveness import ProcRef
+
+    refs = [ProcRef(f"ipc:///nowhere/w{rank}.sock", 100 + rank) for rank in range(4)]
+    mesh: ActorMesh[Echo] = ActorMesh("m", "support:Echo", {}, {"procs": 4}, list(enumerate(refs)))
+    chosen: dict[int, list[int]] = {0: [], 2: []}
+    for _ in range(4):
+        for first in (0, 2):
+            chosen[first].append(mesh.slice(procs=slice(first, first + 2))._choose()[0])
+    assert chosen == {0: [0, 1, 0, 1], 2: [2, 3, 2, 3]}
+    assert [mesh._choose()[0] for _ in range(4)] == [0, 1, 2, 3], "the whole mesh takes its own turns"
+
+
 async def test_an_empty_slice_cannot_choose(procs: ProcMesh):
     echo = procs.spawn("echo", Echo)
     empty = echo.slice(procs=slice(2, 2))
