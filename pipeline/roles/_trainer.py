@@ -110,6 +110,8 @@ class Trainer(Actor):
         self._reports: list[StepReport] = []
         #: Held from a step's update to its report: a checkpoint between steps has every report sent before it.
         self._in_step = asyncio.Lock()
+        #: A stopping run's final checkpoint was taken: no step is trained after it (its rows end there).
+        self._halted = False
         self.grants: list[Port[Grant]] = []
         self.generators: Generator | None = None
         # --trainer-ranks N > 1: this is rank 0; the others train their shares of each step beside it
@@ -348,7 +350,7 @@ class Trainer(Actor):
         """Train on each rollout as it comes, until ``config.steps`` or the target score."""
         config = self.config
         waited = 0.0
-        while self.step < config.steps:
+        while self.step < config.steps and not self._halted:
             waiting = time.perf_counter()
             item = await self.next_rollout()
             waited += time.perf_counter() - waiting
@@ -363,6 +365,8 @@ class Trainer(Actor):
                     "a generator installs its grant's min_version before drawing (Generator.reach_version)"
                 )
             async with self._in_step:  # (a checkpoint asked for meanwhile waits for this step's report)
+                if self._halted:  # (the final checkpoint came while this rollout was awaited)
+                    return
                 update, published = await self.train(item)
                 self.step += 1
                 self.version += 1
@@ -580,8 +584,12 @@ class Trainer(Actor):
 
     @endpoint
     async def checkpoint(self) -> str:
-        """A checkpoint now (a stopping run's last): between steps, so the reports sent cover its step."""
-        return await self._save_between_steps()
+        """A stopping run's final checkpoint: between steps, so the reports sent cover its step, and the last (no
+        step is trained after it: one trained while the run stops would leave a later checkpoint, its rows and
+        the stop's "final checkpoint written" behind it)."""
+        async with self._in_step:
+            self._halted = True
+            return await self._save()
 
     async def _save_between_steps(self) -> str:
         """:meth:`_save` holding the step lock: a checkpoint asked for while a periodic one is written finds it

@@ -216,8 +216,14 @@ DRAIN_GUARD = 120.0
 LEFTOVER_GUARD = 10.0
 
 
-async def _leftovers(gens: Generator, tasks: dict[str, asyncio.Task[Any]], names: list[str]) -> list[int | None]:
+async def _leftovers(
+    gens: Generator, tasks: dict[str, asyncio.Task[Any]], names: list[str], producing: set[int]
+) -> list[int | None]:
     """Drain the generators and let every role finish what is on its way; each generator's rollouts sent.
+
+    A generator restarted during training that is not producing again yet
+    (``producing`` lacks its rank: its new process may still be loading its
+    model) owes nothing: its rejoin is cancelled, not drained or waited for.
 
     Training is over, so the run's result stands whatever happens here: a
     role that fails (a reward function raising on a leftover rollout, a
@@ -229,9 +235,12 @@ async def _leftovers(gens: Generator, tasks: dict[str, asyncio.Task[Any]], names
     say = functools.partial(print, file=sys.stderr, flush=True)
     roles = [*names, *(role for role in ("scorer", "reference model") if role in tasks)]
     pending = [tasks[role] for role in roles]
+    for rank, name in enumerate(names):
+        if rank not in producing:
+            tasks[name].cancel()
     # (a drain lands between rollouts: it answers once each generator's rollout in flight is done)
     draining = asyncio.ensure_future(
-        _drained(gens, [rank for rank, name in enumerate(names) if not tasks[name].done()])
+        _drained(gens, [rank for rank, name in enumerate(names) if rank in producing and not tasks[name].done()])
     )
     await asyncio.wait([draining, *pending[: len(names)]], timeout=DRAIN_GUARD, return_when=asyncio.ALL_COMPLETED)
     if not draining.done():
@@ -466,6 +475,8 @@ async def run_pipeline(
             "trainer": asyncio.ensure_future(trainer.run.call_one(gens, grants, ref)),
         }
         training_started = time.perf_counter()
+        #: The generators drawing rollouts: not one restarted and still joining again (its model loading).
+        producing = set(range(len(generator_names)))
 
         async def rejoin(rank: int) -> int:
             """Wire a restarted generator in again: new grant port, newest weights, then produce."""
@@ -475,6 +486,7 @@ async def run_pipeline(
             progress.note(
                 f"generator {rank} restarted (pid {gen_procs.pids[rank]}); it starts from policy version {version}"
             )
+            producing.add(rank)
             return await gen.run.call_one()  # type: ignore[no-any-return]
 
         training_over = asyncio.Event()
@@ -487,6 +499,7 @@ async def run_pipeline(
             if not failure.restarted:
                 return False  # out of restarts: the run stops, naming the generator
             progress.note(f"generator {failure.rank} died (pid {failure.pid}): {failure.message}")
+            producing.discard(failure.rank)
             tasks[name] = asyncio.ensure_future(rejoin(failure.rank))
             restarts[name] = restarts.get(name, 0) + 1
             return True
@@ -509,7 +522,7 @@ async def run_pipeline(
         training_over.set()
         stop_started = time.perf_counter()
         try:
-            produced = await _leftovers(gens, tasks, generator_names)
+            produced = await _leftovers(gens, tasks, generator_names, producing)
             stop_started = time.perf_counter()
             for mesh in meshes:
                 await mesh.stop(timeout=2)

@@ -469,9 +469,35 @@ async def test_the_drain_once_training_ended_skips_a_generator_whose_run_ended(c
     )
     tasks = {"generator 0": dead, "generator 1": running}
     names = ["generator 0", "generator 1"]
-    assert await asyncio.wait_for(_launcher._leftovers(gens, tasks, names), 10) == [None, 7]  # type: ignore[arg-type]
+    assert await asyncio.wait_for(_launcher._leftovers(gens, tasks, names, {0, 1}), 10) == [None, 7]  # type: ignore[arg-type]
     assert drained == [1]
     assert "generator 0 failed after training ended (the run's result stands)" in capfd.readouterr().err
+
+
+async def test_the_drain_once_training_ended_neither_drains_nor_waits_for_a_generator_still_rejoining():
+    """A generator that died during training (the trainer's final save, minutes for a large model) was restarted
+    and its rejoin was still waiting for the new process's model load: its task was not done, so the drain asked
+    it and waited behind that constructor, up to ``DRAIN_GUARD`` (120 s). It owes nothing: its rejoin is cancelled."""
+    from types import SimpleNamespace
+
+    from pipeline.run import _launcher
+
+    loop = asyncio.get_running_loop()
+    rejoining: asyncio.Future[int] = asyncio.ensure_future(asyncio.Event().wait())  # (the model load never ends)
+    running: asyncio.Future[int] = loop.create_future()
+    drained: list[int] = []
+
+    async def drain(rank: int) -> None:
+        if rank == 0:
+            await asyncio.Event().wait()  # behind the restarted process's constructor
+        drained.append(rank)
+        running.set_result(7)
+
+    gens = SimpleNamespace(slice=lambda procs: SimpleNamespace(drain=SimpleNamespace(call_one=lambda: drain(procs))))
+    tasks = {"generator 0": rejoining, "generator 1": running}
+    names = ["generator 0", "generator 1"]
+    assert await asyncio.wait_for(_launcher._leftovers(gens, tasks, names, {1}), 10) == [None, 7]  # type: ignore[arg-type]
+    assert drained == [1] and rejoining.cancelled()
 
 
 async def test_generator_hooks_run_in_the_worker_and_their_errors_propagate(tmp_path, sockets_dir):
@@ -502,6 +528,27 @@ def test_ctrl_c_or_sigterm_stops_within_2s_and_leaves_a_checkpoint(tmp_path, sig
         assert wait_for(lambda: not (workers & actor_pids()), timeout=3)
         state = load_checkpoint(str(run_dir))
         assert state["step"] > 0 and state["version"] == state["step"]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_no_step_is_trained_after_the_final_checkpoint_of_an_interrupted_run(tmp_path):
+    """The final checkpoint told the trainer nothing: it trained on the rollouts queued while the run wrote its
+    rows and stopped, and a periodic save then left a later checkpoint than the one the stop reported, with steps
+    no row was written for (a resumed run's curve had a gap). The final checkpoint is the trainer's last step."""
+    run_dir = tmp_path / "run"
+    proc = cli("--task", "bandit", "--steps", "200000", "--save-every", "1", "--run-dir", str(run_dir), "--quiet")
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        assert wait_for(lambda: metrics.exists() and metrics.stat().st_size > 5000, timeout=60)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130, out + err
+        assert "final checkpoint written" in err, err
+        state = load_checkpoint(str(run_dir))
+        steps = [row["step"] for row in read_rows(str(run_dir))]
+        assert steps == list(range(1, state["step"] + 1)), (steps[-12:], state["step"])
     finally:
         proc.kill()
         proc.wait()
