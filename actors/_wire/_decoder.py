@@ -40,6 +40,10 @@ __all__ = ["Decoder", "WholeBatch"]
 
 _unpackb = msgpack.unpackb
 
+#: Extension records nested one in another (each decoded from its own copy of its bytes) may hold this many times
+#: their payload's bytes at once, plus :data:`NESTED_BYTES_SPARE` (a large value three tuples deep holds three).
+NESTED_BYTES_FACTOR = 4
+NESTED_BYTES_SPARE = 1 << 20
 #: The dataclass plans a decoder keeps, by the name a record gave (emptied when full: a program has a few dozen).
 MAX_CLASS_PLANS = 1024
 
@@ -67,6 +71,10 @@ class Decoder:
         self.max_payload = max_payload
         self._frames: list[Any] = []
         self._depth = 0
+        #: Bytes of the extension records being decoded, one inside another (msgpack hands each its own copy),
+        #: and how many they may hold for the payload at hand (:meth:`_start`).
+        self._held = 0
+        self._budget = 0
         self._classes: dict[str, _DataclassPlan] = {}
         self._hook = self._ext_hook
 
@@ -90,7 +98,7 @@ class Decoder:
         if size > self.max_payload:
             raise DecodeError(f"payload of {size} bytes exceeds the {self.max_payload}-byte limit")
         self._frames = frames or []
-        self._depth = 0
+        self._start(size)
         unpacker = self._unpacker(size)
         try:
             unpacker.feed(payload)
@@ -134,7 +142,7 @@ class Decoder:
                     run = _NO_FRAMES
                     nbytes = length
                 self._frames = run
-                self._depth = 0
+                self._start(length)
                 try:
                     message = msgpack.unpackb(
                         view[position:end], ext_hook=self._ext_hook, raw=False, strict_map_key=False
@@ -168,7 +176,7 @@ class Decoder:
         if size > self.max_payload:
             return None
         self._frames = _NO_FRAMES
-        self._depth = 0
+        self._start(size)
         unpacker = self._unpacker(size)
         items: list[Any] = []
         whole = 0  # the bytes of the records taken whole so far
@@ -199,10 +207,26 @@ class Decoder:
             raise DecodeError(f"expected one value, found {len(values)}")
         return values[0]
 
-    def _nested(self, data: bytes) -> Any:
+    def _start(self, size: int) -> None:
+        """A payload (or record) of ``size`` bytes is decoded next: no nesting yet, and its extension records may
+        hold :data:`NESTED_BYTES_FACTOR` times its bytes at once (64 levels of copies would hold 64 times)."""
+        self._depth = self._held = 0
+        self._budget = NESTED_BYTES_FACTOR * size + NESTED_BYTES_SPARE
+
+    def _enter(self, data: bytes) -> None:
         if self._depth >= MAX_DEPTH:
             raise DecodeError(f"value nests deeper than {MAX_DEPTH} levels")
+        held = self._held + len(data)
+        if held > self._budget:
+            raise DecodeError(
+                f"extension records nested one in another hold {held} bytes at once, past {NESTED_BYTES_FACTOR} "
+                "times their payload's"
+            )
         self._depth += 1
+        self._held = held
+
+    def _nested(self, data: bytes) -> Any:
+        self._enter(data)
         try:
             # unpackb bounds every length by len(data), like the stream unpacker.
             return _unpackb(data, ext_hook=self._hook, raw=False, strict_map_key=False)
@@ -212,18 +236,22 @@ class Decoder:
             raise DecodeError("truncated extension record") from None
         finally:
             self._depth -= 1
+            self._held -= len(data)
 
     def _ext_hook(self, code: int, data: bytes) -> Any:
-        if code == EXT_TUPLE:  # the common case, with _nested inlined
-            if self._depth >= MAX_DEPTH:
-                raise DecodeError(f"value nests deeper than {MAX_DEPTH} levels")
+        if code == EXT_TUPLE:  # the common case, with _nested (and _enter) inlined
+            held = self._held + len(data)
+            if self._depth >= MAX_DEPTH or held > self._budget:
+                self._enter(data)  # (raises, saying which)
             self._depth += 1
+            self._held = held
             try:
                 items = _unpackb(data, ext_hook=self._hook, raw=False, strict_map_key=False)
             except (msgpack.ExtraData, msgpack.OutOfData):
                 raise DecodeError("malformed tuple record") from None
             finally:
                 self._depth -= 1
+                self._held -= len(data)
             if type(items) is not list:
                 raise DecodeError("tuple record does not hold a list")
             return tuple(items)

@@ -707,3 +707,28 @@ def test_the_dataclass_plans_a_decoder_keeps_stay_bounded_however_many_ways_a_cl
         payload = msgpack.packb(msgpack.ExtType(EXT_DATACLASS, msgpack.packb([ref, [depth]])))
         assert decoder.decode(payload) == Spelled(depth)
     assert len(decoder._classes) <= _decoder.MAX_CLASS_PLANS
+
+
+def nested_tuples(levels: int, size: int) -> bytes:
+    """A value ``levels`` tuples deep around ``size`` bytes, as the wire carries it."""
+    body = msgpack.packb([b"x" * size])
+    for _ in range(levels - 1):
+        body = msgpack.packb([msgpack.ExtType(EXT_TUPLE, body)])
+    return msgpack.packb(msgpack.ExtType(EXT_TUPLE, body))
+
+
+def test_extension_records_nested_one_in_another_may_hold_a_few_times_their_payload_not_64():
+    """msgpack hands each extension record a copy of its bytes, alive while the records inside it decode: 64
+    tuples one in another around a large value held 64 copies at once (a 1 GiB payload, 64 GiB). They may hold
+    four times their payload now; a value a few tuples deep decodes as ever."""
+    from actors._wire._decoder import Decoder
+
+    size = 1 << 20
+    assert Decoder().decode(nested_tuples(3, size)) == ((((b"x" * size),),),)
+    with pytest.raises(DecodeError, match="nested one in another hold"):
+        Decoder().decode(nested_tuples(40, size))
+    small = nested_tuples(40, 100)  # deep, but small: within the spare
+    value = Decoder().decode(small)
+    for _ in range(40):
+        (value,) = value
+    assert value == b"x" * 100
