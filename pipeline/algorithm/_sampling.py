@@ -53,10 +53,10 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_
     if 0 < top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, -math.inf)
-    if top_p < 1.0:
-        ordered, order = logits.sort(dim=-1, descending=True)
-        probs = ordered.softmax(-1)
-        drop = probs.cumsum(-1) - probs > top_p  # keep the token that crosses top_p
+    if top_p < 1.0:  # as transformers' TopPLogitsWarper (and vLLM): least likely first, a tie's exact sum dropped
+        ordered, order = logits.sort(dim=-1, descending=False)
+        drop = ordered.softmax(-1).cumsum(-1) <= 1 - top_p
+        drop[..., -1:] = False  # the likeliest token always stays
         ordered = ordered.masked_fill(drop, -math.inf)
         logits = torch.full_like(logits, -math.inf).scatter(-1, order, ordered)
     if min_p > 0.0:  # p >= min_p * p_max, in log space: logit >= max logit + log(min_p)

@@ -196,10 +196,15 @@ class BuiltinEngine:
         eos = torch.tensor(self.eos, dtype=torch.long, device=device)
         done = torch.zeros(count, dtype=torch.bool, device=device)
         tokens, logps, masks, ended = [], [], [], []
+        # where the generator stood after each draw, when the host looks seldom: draws past the end are undone
+        drawn: list[torch.Tensor] | None = [] if generator is not None and check_every > 1 else None
         for step in range(params.max_new_tokens):
             token, logp = draw(
                 step_logits, params.temperature, generator, params.top_k, params.top_p, params.min_p, repeats
             )
+            if drawn is not None:
+                assert generator is not None
+                drawn.append(generator.get_state())  # (host-side, a CUDA generator's too: no wait for the device)
             token = token.masked_fill(done, self.pad)
             tokens.append(token)
             logps.append(logp.gather(-1, token.unsqueeze(-1)).squeeze(-1).masked_fill(done, 0.0))
@@ -212,6 +217,9 @@ class BuiltinEngine:
         # the completions end where every row had ended (steps drawn after that, between two looks, are dropped)
         finished = torch.stack(ended)
         steps = int(finished.int().argmax()) + 1 if bool(finished.any()) else len(tokens)
+        if drawn is not None and steps < len(drawn):  # the generator as a look every step leaves it
+            assert generator is not None
+            generator.set_state(drawn[steps - 1])
         completion = torch.stack(tokens[:steps], dim=1)
         mask = torch.stack(masks[:steps], dim=1)
         texts = self.decode(completion, mask)

@@ -183,6 +183,16 @@ def test_the_completions_end_where_every_row_ended_however_seldom_the_host_looks
     seldom.decoding = SeldomLooks(model, ModelCall.of(model), "static")
     assert_same_completions(draw_with(seldom, batch, params), every_step, atol=0)
 
+    # one generator across calls (a one-process run's, an evaluation's chunks): the draws past the end, dropped,
+    # had moved it on, so every later call drew other tokens than a look every step
+    looks, seldom_generator = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    every = BuiltinEngine(model, Tokenizer(), "static")
+    for _ in range(2):
+        first = every.generate(batch, params, looks)
+        second = seldom.generate(batch, params, seldom_generator)
+        assert torch.equal(looks.get_state(), seldom_generator.get_state())
+        assert_same_completions(second, first, atol=0)
+
 
 class NoHostSync(TorchDispatchMode):
     """Fails on any operation that makes the host wait for the device (a CUDA graph cannot capture one)."""

@@ -230,6 +230,13 @@ def test_the_cuts_keep_what_transformers_warpers_keep_in_their_order():
             theirs = MinPLogitsWarper(min_p)(None, theirs)
         ours = filter_logits(logits, top_k, top_p, min_p)
         assert torch.equal(torch.isinf(ours), torch.isinf(theirs)), (top_k, top_p, min_p)
+    # ties whose probabilities sum exactly to top_p: transformers (and vLLM) drop the token past it; kept, the
+    # nucleus was one token wider (4 equal logits at top_p 0.5 kept 3, not 2)
+    assert int(filter_logits(torch.zeros(1, 4), top_p=0.5).isfinite().sum()) == 2
+    tied = torch.randint(0, 3, (500, 8), generator=torch.Generator().manual_seed(1)).float()
+    for top_p in (0.25, 0.5, 0.75):
+        theirs = TopPLogitsWarper(top_p)(None, tied)
+        assert torch.equal(torch.isinf(filter_logits(tied, top_p=top_p)), torch.isinf(theirs)), top_p
 
 
 @pytest.mark.parametrize(
