@@ -127,22 +127,31 @@ class HostMesh:
         if current_runtime() is None:
             prefork()  # while this process may still be single-threaded: a forked forkserver starts at once
         rt = runtime()
+        # here, not on the runtime's thread: without CUDA_VISIBLE_DEVICES torch counts them (a first import of it
+        # takes seconds, which would hold a background loop's replies, deaths and credit for every mesh)
+        gpus = visible_gpus() if GPU_DIM in extent else []
         # On the runtime's thread: from a synchronous program that is its background loop's.
         return rt.driver.on_thread(  # type: ignore[no-any-return]
-            lambda: _spawn_procs(rt, name, extent, boot, threads, policy), timeout=SPAWN_HANDOFF_TIMEOUT
+            lambda: _spawn_procs(rt, name, extent, boot, threads, policy, gpus), timeout=SPAWN_HANDOFF_TIMEOUT
         )
 
 
 def _spawn_procs(
-    rt: Runtime, name: str | None, extent: dict[str, int], boot: str | None, threads: int, policy: RestartPolicy
+    rt: Runtime,
+    name: str | None,
+    extent: dict[str, int],
+    boot: str | None,
+    threads: int,
+    policy: RestartPolicy,
+    gpus: list[str],
 ) -> ProcMesh:
-    """Ask the forkserver for the processes of a new proc mesh (the runtime's thread)."""
+    """Ask the forkserver for the processes of a new proc mesh (the runtime's thread); ``gpus``: the GPUs this
+    process may hand out (``visible_gpus``), for a mesh with a ``gpus`` dimension."""
     server = forkserver(rt, threads)
     # Even a forkserver forked from this program needs it: it holds only what the script had defined
     # by the first spawn_procs, and a script may define actor classes after that (Monarch's ping_pong).
     main = main_module()
     mesh_name = name or f"procs{rt.counter('mesh')}"
-    gpus = visible_gpus() if GPU_DIM in extent else []
     procs: list[ProcRef] = []
     configs: list[WorkerConfig] = []
     for rank in range(math.prod(extent.values())):

@@ -358,7 +358,7 @@ class ProcMesh(Shaped):
             first = next(plan, None)  # eager: the stop request leaves now
             steps = itertools.chain([first], plan) if first is not None else plan
             run = self._stop_run = StopRun(rt, steps)
-        return Future(run.wait, lambda _timeout: run.wait_sync())
+        return Future(run.wait, run.wait_sync)
 
     def _stop_plan(self, rt: Runtime, timeout: float) -> Iterator[StopStep]:
         """The stop sequence as (condition, time limit) steps, for async and sync waiting alike."""

@@ -125,6 +125,90 @@ async def test_a_stop_given_up_on_goes_on_and_shutdown_context_waits_for_it(sock
     await asyncio.wait_for(procs.stop(), 5)  # the same run, done
 
 
+async def test_a_process_the_stop_cannot_kill_leaves_the_others_killed_and_cleaned_up(sockets_dir, monkeypatch):
+    """The stop's SIGKILL step raised on the first process it could not kill (an agent that could not be asked,
+    a pid not ours): the steps after it were lost with the generator, and a later ``stop()`` found nothing left to
+    run and reported success, the other processes alive and their socket files kept. The others are killed all
+    the same, and the files removed."""
+    from support import Blocker
+
+    from actors._meshes import _proc_stop
+
+    procs = this_host().spawn_procs(per_host={"procs": 2})
+    blocker = procs.spawn("blocker", Blocker)
+    await blocker.ping.call()
+    stubborn, other = procs.pids
+    sockets = [ref.address.removeprefix("ipc://") for ref in procs._procs]
+    blocker.freeze.broadcast(3600.0)  # neither answers the stop: only SIGKILL ends them
+    kill = os.kill
+
+    def refuse_the_first(pid: int, sig: int) -> None:
+        if pid == stubborn:
+            raise PermissionError(f"not allowed to signal {pid}")
+        kill(pid, sig)
+
+    monkeypatch.setattr(_proc_stop.os, "kill", refuse_the_first)
+    try:
+        await asyncio.wait_for(procs.stop(timeout=0.1), 30)
+        assert other not in actor_pids(), "the other process was not killed"
+        assert not os.path.exists(sockets[1])
+    finally:
+        monkeypatch.undo()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(stubborn, signal.SIGKILL)
+        await asyncio.wait_for(procs.stop(), 30)
+
+
+async def test_a_process_reported_only_after_its_meshs_stop_is_killed_then(sockets_dir):
+    """A worker not started yet when its mesh stopped (its forkserver still importing): no pid to kill, so the stop
+    ended without it, and the worker, started after, lived on (a frozen one for good). It is killed as its pid is
+    reported."""
+    from actors._meshes._proc_stop import stop_steps
+    from actors._runtime._core import runtime
+    from actors._shared._session import inbox_address
+
+    rt = runtime()
+    late = rt.registry.proc(inbox_address(rt.dir, "w-late"), None)  # (spawned, its pid not reported yet)
+    for _condition, _limit in stop_steps(rt, [late], 0.1, None):
+        pass  # every step at once: the SIGKILL step finds no pid
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        rt.registry.set_pid(late, worker.pid)  # its forkserver reports it at last
+        assert worker.wait(timeout=10) == -signal.SIGKILL
+        await asyncio.wait_for(_until_dead(late), 10)
+    finally:
+        worker.kill()
+        worker.wait()
+
+
+async def _until_dead(ref) -> None:  # type: ignore[no-untyped-def]
+    while not ref.dead:  # (its pidfd's news, read by the loop: polled with a guard)
+        await asyncio.sleep(0.01)
+
+
+def test_a_stop_waited_for_without_a_loop_honours_its_timeout_and_the_next_waiter_goes_on(sockets_dir):
+    """Waited for on this thread (no loop runs the runtime: the program's exit, ``shutdown_context``'s synchronous
+    wait), a mesh's stop dropped the timeout it was given and ran every step (a frozen worker: its answer's grace,
+    then the kill's), so ``host_timeout`` could not bound it. It raises ``CallTimeout`` at the timeout; a later
+    wait goes on from where it was left, to the kill."""
+    from support import Blocker
+
+    import actors
+
+    procs = this_host().spawn_procs(per_host={"procs": 1})
+    blocker = procs.spawn("blocker", Blocker)
+    blocker.ping.call_one().get(timeout=30)
+    pid = procs.pids[0]
+    blocker.freeze.broadcast(3600.0)  # its loop never answers the stop: only SIGKILL ends it
+    stop = procs.stop(timeout=0.1)
+    started = time.monotonic()
+    with pytest.raises(actors.CallTimeout, match=r"did not end within 0\.3s"):
+        stop._wait_sync(0.3)  # (the wait a program without a loop makes)
+    assert time.monotonic() - started < 1.5, "the timeout was not honoured"
+    procs.stop().get(timeout=30)
+    assert wait_for(lambda: pid not in actor_pids(), timeout=10)
+
+
 def test_shutdown_context_without_a_loop_waits_host_timeout_in_all_not_per_mesh(monkeypatch):
     """Two meshes whose stops take 0.3 s and 0.75 s, ``host_timeout=0.5``, waited for without an event loop
     (``shutdown_context``'s synchronous wait): ``CallTimeout`` at 0.5 s, as the awaited form raises (before: each

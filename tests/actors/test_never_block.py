@@ -117,3 +117,20 @@ def test_a_caller_without_a_loop_blocks_with_a_deadline(monkeypatch):
             Channel.open()[1].recv().get(timeout=0.2)
     finally:
         procs.stop().get()
+
+
+def test_a_gpus_mesh_counts_its_gpus_on_the_callers_thread_not_the_runtimes(sockets_dir, monkeypatch):
+    """Without ``CUDA_VISIBLE_DEVICES`` the GPUs are counted through torch (a first import takes seconds): that ran
+    on the runtime's thread, a synchronous program's background loop, holding every mesh's replies, deaths and
+    credit meanwhile. It runs on the thread that spawns."""
+    import threading
+
+    from actors._meshes import _host_mesh
+
+    counted: list[int] = []
+    monkeypatch.setattr(_host_mesh, "visible_gpus", lambda: counted.append(threading.get_ident()) or ["0", "1"])
+    procs = this_host().spawn_procs(per_host={"gpus": 2})
+    try:
+        assert counted == [threading.get_ident()]
+    finally:
+        procs.stop().get(timeout=30)

@@ -678,6 +678,39 @@ def test_a_stop_left_on_a_loop_that_closed_goes_on_with_the_next_waiter(tmp_path
     assert lines == ["gave-up", "False"]
 
 
+def test_a_stop_given_up_on_goes_on_when_the_program_moves_to_another_loop(tmp_path):
+    """``stop().get(timeout=...)`` gave up on a frozen worker; the run of its stop went on on the background loop,
+    until the program ran a loop of its own with actors: the hand-over cancelled it there, and nothing took it up
+    again, so the frozen process lived until the next ``stop()`` or the program's exit. The run goes on on each
+    loop the runtime moves to."""
+    lines = run_program(
+        tmp_path,
+        """
+        if __name__ == "__main__":
+            procs, talker = served_talker()
+            pid = procs.pids[0]
+            talker.freeze.broadcast(3600.0)  # its loop never answers the stop: only SIGKILL ends it
+            try:
+                procs.stop(timeout=0.1).get(timeout=0.3)
+            except actors.CallTimeout:
+                print("gave-up")
+            others, other = served_talker()
+
+            async def go_on_elsewhere():  # the runtime moves to this loop, then back to the background one
+                return await other.echo.call_one(5)
+
+            print(asyncio.run(go_on_elsewhere()))
+            print(other.echo.call_one(6).get(timeout=30))  # the background loop drives the runtime again
+            deadline = time.monotonic() + 30
+            while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+                time.sleep(0.05)  # (another process's exit, watched: no stop() is waited on here)
+            print(os.path.exists(f"/proc/{pid}"))
+            others.stop().get(timeout=30)
+        """,
+    )
+    assert lines == ["gave-up", "5", "6", "False"]
+
+
 @pytest.mark.parametrize("work, ending", [("reply", "closed"), ("then", "closed"), ("then", "stopped")])
 def test_a_get_waiting_on_the_programs_loop_goes_on_when_that_loop_ends(tmp_path, work, ending):
     """A helper thread waits (``get()``, no deadline) for a reply that the program's loop would read, or for a
