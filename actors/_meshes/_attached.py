@@ -99,6 +99,8 @@ class AttachedHostMesh(RemoteHostMesh):
         self._deadlines = RequestDeadlines(rt)
         #: Hosts whose lifeline ended (runtime's thread): one lost otherwise (a request failed) may still serve.
         self._lines_ended: set[int] = set()
+        #: Hosts lost otherwise, whose line this side then ended (their workers end; their loops may still serve).
+        self._lines_cut: set[int] = set()
         at_runtime_exit(lambda: self._release(end_hosts=False))
 
     def _install(self, nodes: list[RemoteNode]) -> None:
@@ -195,6 +197,8 @@ class AttachedHostMesh(RemoteHostMesh):
     def _lose(self, node: RemoteNode, why: str) -> None:
         if node.lost or self.closed:
             return
+        if node.index not in self._lines_ended:
+            self._lines_cut.add(node.index)  # (lost by a request: the base ends its line)
         super()._lose(node, why)
         agent_ref = self._agents[node.index]._procs[0]  # (the handle's targets raise once its mesh is stopping)
         self._rt.registry.mark_dead(agent_ref, f"its host was lost ({why})")  # its pending requests fail now
@@ -249,11 +253,12 @@ class AttachedHostMesh(RemoteHostMesh):
         self._deadlines.close()
 
     def _revive_reachable_agents(self) -> list[int]:
-        """The lost hosts whose lifeline still holds (runtime's thread), their agents callable again: a request
-        to one failed (it timed out), but its worker loop may still serve, and ``shutdown()`` ends it."""
+        """The hosts lost while their lifeline held (runtime's thread), their agents callable again: a request to
+        one failed (it timed out), and this side ended its line, but its worker loop may still serve, and
+        ``shutdown()`` ends it."""
         revived = []
         for node in self._nodes:
-            if node.lost and node.index not in self._lines_ended:
+            if node.lost and (node.index not in self._lines_ended or node.index in self._lines_cut):
                 agent_ref = self._agents[node.index]._procs[0]
                 self._rt.registry.revive(agent_ref, agent_ref.pid)  # (a pid gone by now is seen dead at once)
                 revived.append(node.index)

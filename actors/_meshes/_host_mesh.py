@@ -188,10 +188,14 @@ def this_proc() -> ProcMesh:
     if rt.server is not None:
         return ProcMesh("this_proc", {"procs": 1}, [rt.registry.proc(rt.address, rt.pid)], owned=False)
     companion = rt.parts.get(THIS_PROC)
-    local = companion.mesh
-    if local is None or local.stopping:
-        local = companion.mesh = this_host().spawn_procs({"procs": 1}, name="this_proc")
-    return local
+
+    def started() -> ProcMesh:  # (on the runtime's thread: two threads asking at once get one companion)
+        local = companion.mesh
+        if local is None or local.stopping:
+            local = companion.mesh = this_host().spawn_procs({"procs": 1}, name="this_proc")
+        return local
+
+    return rt.driver.on_thread(started)  # type: ignore[no-any-return]
 
 
 class Companion:

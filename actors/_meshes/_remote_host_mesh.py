@@ -76,6 +76,8 @@ class RemoteNode:
     #: Workers started there and not yet reaped, by spawn index.
     procs: dict[int, ProcRef] = field(default_factory=dict)
     lost: str = ""
+    #: A request for more addresses is on its way (one at a time: each respawn below the mark asked again).
+    refilling: bool = False
 
     def __str__(self) -> str:
         return f"host {self.index} ({self.ip}, {self.label})"
@@ -308,11 +310,7 @@ class RemoteHostMesh(HostMesh):
             if not home.lost:
                 self._start(home, ref, configs[rank])
                 return ref.address
-            node = self._live_node()
-            free = self._free_addresses(node, 1, set())
-            if free is None:
-                raise RuntimeError(f"{node} has no free address ready yet")
-            [address] = free
+            node, address = self._new_home()
             if GPU_DIM in per:
                 log.warning("rank %d moves to %s, sharing GPU %d of its own rank there", rank, node, rank % count)
             configs[rank], homes[rank] = config_for(rank, node, address), node
@@ -403,13 +401,22 @@ class RemoteHostMesh(HostMesh):
             if not self._superseded(ref, index):
                 self._rt.registry.mark_dead(ref, f"its {node} was lost ({node.lost})")
         node.procs.clear()
+        # lost otherwise than by its lifeline (a request failed: a host briefly unreachable may live on), its
+        # workers would run beside their replacements: its line is ended, and it ends them
+        self._lifelines.cut(node.index)
 
-    def _live_node(self) -> RemoteNode:
-        """The live host of this mesh running the fewest workers (a lost host's replacements go there)."""
-        live = [node for node in self._nodes if not node.lost]
+    def _new_home(self) -> tuple[RemoteNode, str]:
+        """Where a lost host's rank restarts: the live host running the fewest workers that has a free address
+        ready, and that address (one whose pool ran dry, refilling, passes it on to the next)."""
+        live = sorted((node for node in self._nodes if not node.lost), key=lambda node: (len(node.procs), node.index))
         if not live:
             raise RuntimeError(f"every host of {self!r} is lost")
-        return min(live, key=lambda node: (len(node.procs), node.index))
+        for node in live:
+            free = self._free_addresses(node, 1, set())
+            if free is not None:
+                return node, free[0]
+        self._refill()
+        raise RuntimeError(f"no live host of {self!r} has a free address ready yet (their pools are refilling)")
 
     def _ensure_addresses(self, count: int) -> None:
         """At least ``count`` ready addresses on every host; a round trip to them only off the event loop."""
@@ -427,10 +434,16 @@ class RemoteHostMesh(HostMesh):
 
     def _refill(self) -> None:
         for node in self._nodes:
-            if len(node.addresses) < ADDRESS_POOL // 2 and not node.lost:
+            if len(node.addresses) < ADDRESS_POOL // 2 and not node.lost and not node.refilling:
 
                 def got(addresses: Any, error: BaseException | None, node: RemoteNode = node) -> None:
+                    node.refilling = False
                     if error is None:
                         node.pool(addresses)
 
-                self._request(node, "addresses", (ADDRESS_POOL,), got)
+                node.refilling = True
+                try:
+                    self._request(node, "addresses", (ADDRESS_POOL,), got)
+                except BaseException:
+                    node.refilling = False
+                    raise

@@ -58,6 +58,8 @@ SILENCE = 5.0
 SILENCE_ENV = "ACTORS_LIFELINE_SILENCE"
 _NONCE = 16
 _ANSWER = struct.Struct("<32sI")  # MAC of the nonce, node index
+#: Connections held at once before they proved the key (a node host proves at once): past it the oldest goes.
+UNPROVEN_LINES = 128
 
 
 def silence_bound() -> float:
@@ -124,9 +126,11 @@ class Lifelines:
         self._listener.setblocking(False)
         self.address = (host, self._listener.getsockname()[1])
         self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
         self._lock = threading.Lock()
         self._on_lost: Callable[[int, str], None] | None = None
         self._early: list[tuple[int, str]] = []
+        self._cuts: set[int] = set()  # lines this side ends (their hosts were lost otherwise)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="actors-lifelines", daemon=True)
         self._thread.start()
@@ -140,6 +144,17 @@ class Lifelines:
             self._on_lost, early, self._early = on_lost, self._early, []
         for index, why in early:
             on_lost(index, why)
+
+    def cut(self, index: int) -> None:
+        """End node ``index``'s line from this side: its host was lost otherwise (a request to it failed), and its
+        workers, restarted elsewhere, must not run on beside their replacements: the host ends them as its line
+        ends (from any thread; nothing to do for a line already ended)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._cuts.add(index)
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"!")
 
     def _lost(self, index: int, why: str) -> None:
         with self._lock:
@@ -162,10 +177,17 @@ class Lifelines:
                 for key, _ in selector.select(HEARTBEAT):
                     if key.fileobj is self._listener:
                         self._accept(selector, lines)
-                    elif key.fileobj is not self._wake_r:
+                    elif key.fileobj is self._wake_r:
+                        with contextlib.suppress(BlockingIOError, OSError):
+                            self._wake_r.recv(4096)
+                    else:
                         line = lines[key.fileobj]  # type: ignore[index]
                         if not self._read(line):
                             self._drop(selector, lines, line, "its lifeline to the controller closed")
+                with self._lock:
+                    cuts, self._cuts = self._cuts, set()
+                for line in [line for line in lines.values() if line.index in cuts]:
+                    self._drop(selector, lines, line, "this controller ended its lifeline: it was lost")
                 now = time.monotonic()
                 for line in list(lines.values()):
                     if now - line.heard > self.silence:
@@ -200,6 +222,9 @@ class Lifelines:
         except OSError:
             sock.close()
             return
+        unproven = [held for held in lines.values() if held.index is None]
+        if len(unproven) >= UNPROVEN_LINES:  # (anyone on the network can connect: descriptors are not theirs)
+            self._drop(selector, lines, min(unproven, key=lambda held: held.heard), "")
         lines[sock] = line
         selector.register(sock, selectors.EVENT_READ)
 
@@ -213,9 +238,8 @@ class Lifelines:
             return False
         if not data:
             return False
-        line.heard = time.monotonic()
-        if line.index is None:
-            line.pending += data
+        if line.index is None:  # (its silence counts from its connection until it proves the key: a byte a while
+            line.pending += data  # kept an unproven one open for good)
             if len(line.pending) < _ANSWER.size:
                 return True
             mac, index = _ANSWER.unpack(line.pending[: _ANSWER.size])
@@ -223,6 +247,7 @@ class Lifelines:
                 log.warning("a lifeline without this controller's key was refused")
                 return False  # dropped: it was never a node of ours, so no node is lost
             line.index = index
+        line.heard = time.monotonic()
         return True
 
     def _drop(self, selector: selectors.BaseSelector, lines: dict[socket.socket, _Line], line: _Line, why: str) -> None:

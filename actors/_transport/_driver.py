@@ -275,16 +275,26 @@ class Driver:
         return loop is not None and loop.is_running() and threading.get_ident() != self.thread
 
     def add_reader(self, fd: int, callback: Callable[[], None]) -> None:
-        """Watch an extra file descriptor, with a loop or without one."""
-        self._readers[fd] = callback
-        if self.loop is not None and not self.loop.is_closed():
-            self.loop.add_reader(fd, callback)
+        """Watch an extra file descriptor, with a loop or without one; from any thread (the change is made on the
+        runtime's: a loop's watchers, uvloop's libuv handles, are not thread-safe)."""
+
+        def add() -> None:
+            self._readers[fd] = callback
+            if self.loop is not None and not self.loop.is_closed():
+                self.loop.add_reader(fd, callback)
+
+        self.on_thread(add)
 
     def remove_reader(self, fd: int) -> None:
-        self._readers.pop(fd, None)
-        if self.loop is not None and not self.loop.is_closed():
-            with contextlib.suppress(Exception):
-                self.loop.remove_reader(fd)
+        """Stop watching ``fd`` (from any thread, as :meth:`add_reader`); it may be closed once this returns."""
+
+        def remove() -> None:
+            self._readers.pop(fd, None)
+            if self.loop is not None and not self.loop.is_closed():
+                with contextlib.suppress(Exception):
+                    self.loop.remove_reader(fd)
+
+        self.on_thread(remove)
 
     def _chase_pids(self, delay: float = 0.01) -> None:
         """While some peer's pid is unknown, look it up again now and then (loop mode)."""

@@ -12,8 +12,10 @@ places, starts and watches; what a host mesh of remote forkservers does is
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
+import threading
 from typing import Any
 
 from .._meshes._remote_host_mesh import ADDRESS_POOL, RemoteHostMesh, RemoteNode, Requested, use_tcp
@@ -176,19 +178,29 @@ async def host_mesh_async(
     """:func:`host_mesh` for code on an event loop: the reservation is waited for on a worker thread.
 
     Each Ray wait inside is bounded (``SETUP_TIMEOUT``); the loop keeps running meanwhile. Cancelled (a
-    ``wait_for`` that gave up), the reservation goes on on its thread, and the mesh it makes is shut down.
+    ``wait_for`` that gave up, or the loop's end cancelling what is left on it), the reservation goes on on its
+    thread, and the mesh it makes is shut down.
     """
-    making = asyncio.ensure_future(
-        asyncio.to_thread(host_mesh, address, hosts, gpus_per_host, cpus_per_host, bind_host=bind_host)
-    )
+    made: concurrent.futures.Future[RayHostMesh] = concurrent.futures.Future()
+
+    def make() -> None:  # (a thread of its own, not a loop's executor: the loop may end first)
+        try:
+            mesh = host_mesh(address, hosts, gpus_per_host, cpus_per_host, bind_host=bind_host)
+        except BaseException as exc:
+            made.set_exception(exc)
+        else:
+            made.set_result(mesh)
+
+    threading.Thread(target=make, name="actors-ray-host-mesh").start()
     try:
-        return await asyncio.shield(making)
+        return await asyncio.shield(asyncio.wrap_future(made))
     except asyncio.CancelledError:
-        making.add_done_callback(_shut_down_unwanted)
+        made.add_done_callback(_shut_down_unwanted)
         raise
 
 
-def _shut_down_unwanted(making: asyncio.Future[RayHostMesh]) -> None:
-    """A host mesh whose caller gave up on it while it was made: its nodes and reservation are given back."""
-    if not making.cancelled() and making.exception() is None:
-        making.result().shutdown()
+def _shut_down_unwanted(made: concurrent.futures.Future[RayHostMesh]) -> None:
+    """A host mesh whose caller gave up on it while it was made: its nodes and reservation are given back (on a
+    thread of its own: this may be the loop's, where the mesh was made already)."""
+    if made.exception() is None:
+        threading.Thread(target=made.result().shutdown, name="actors-ray-unwanted-mesh").start()

@@ -347,3 +347,78 @@ def test_a_worker_that_starts_after_its_spawn_gave_up_is_killed_not_left_untrack
     assert node.exits(GUARD) == [Exited(6, 424242, 0)]
     monkeypatch.setattr(_node_forkserver, "SPAWN_REPORT_TIMEOUT", GUARD)
     assert node.spawn(6, {}) == 424242 and 6 not in node._pids, "an exited worker's pid is not kept"
+
+
+def test_a_line_the_controller_cuts_ends_on_the_node_side_and_is_reported_once(lifelines):
+    """``cut(index)``: the controller ends a host's line (the host was lost otherwise); the host hears it at once
+    (it ends its workers), and the loss is reported as any line's end."""
+    lost, seen, on_lost = reporter()
+    lifelines.watch(on_lost)
+    node_heard: list[str] = []
+    heard = threading.Event()
+    cut_node = hold(lifelines.ticket(4), lambda why: (node_heard.append(why), heard.set()))
+    other = hold(lifelines.ticket(5), lambda why: None)
+    try:
+        lifelines.cut(4)
+        assert heard.wait(GUARD) and seen.wait(GUARD)
+        assert lost == [(4, "this controller ended its lifeline: it was lost")]
+        lifelines.cut(9)  # (no such line: nothing to end, nothing raised)
+    finally:
+        cut_node()
+        other()
+
+
+def _closed_by_the_controller(sock: socket.socket, within: float) -> bool:
+    """Whether the controller ends ``sock`` (EOF or reset) within ``within`` s; a byte every 0.1 s meanwhile."""
+    sock.settimeout(0.1)
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            sock.send(b"x")
+            if sock.recv(64) == b"":
+                return True
+        except TimeoutError:
+            continue
+        except OSError:
+            return True
+    return False
+
+
+def test_a_connection_that_never_proves_the_key_is_ended_after_the_bound_however_it_trickles():
+    """Any byte counted as a sign of life, before the key was proved too: anyone on the network holding a
+    connection open with a byte every few seconds kept a descriptor of the controller for good. An unproven one
+    has the silence bound, from its connection, to prove the key."""
+    lines = Lifelines("127.0.0.1", 1.0)
+    idle = socket.create_connection(lines.address)
+    try:
+        assert len(idle.recv(_NONCE)) == _NONCE
+        started = time.monotonic()
+        assert _closed_by_the_controller(idle, within=GUARD), "an unproven trickling connection was held"
+        assert time.monotonic() - started < 3.0  # (by its bound: its 36th byte, a failed proof, comes at 3.6 s)
+    finally:
+        idle.close()
+        lines.close()
+
+
+def test_a_flood_of_unproven_connections_keeps_a_bounded_number_and_a_real_node_still_holds_its_line(monkeypatch):
+    """Every connection was kept until its silence ran out: a flood of them ran the controller out of
+    descriptors (its links, pipes and new node hosts' handshakes failed). At most ``UNPROVEN_LINES`` are kept,
+    the oldest let go; a node host proving its key at once keeps its line."""
+    from actors._processes import _lifeline
+
+    monkeypatch.setattr(_lifeline, "UNPROVEN_LINES", 8)
+    lines = Lifelines("127.0.0.1", 30.0)
+    flood = [socket.create_connection(lines.address) for _ in range(24)]
+    try:
+        for sock in flood:
+            assert len(sock.recv(_NONCE)) == _NONCE  # (each accepted, in order)
+        assert all(_closed_by_the_controller(sock, within=GUARD) for sock in flood[:16]), "the oldest were held"
+        lost, seen, on_lost = reporter()
+        lines.watch(on_lost)
+        cut = hold(lines.ticket(7), lambda why: None)
+        cut()
+        assert seen.wait(GUARD) and lost == [(7, "its lifeline to the controller closed")]
+    finally:
+        for sock in flood:
+            sock.close()
+        lines.close()

@@ -1098,3 +1098,39 @@ def test_a_controllers_handle_is_encoded_and_decoded_on_the_runtimes_thread(tmp_
     _publish(rt, path, object())  # type: ignore[arg-type]
     assert _read(rt, path) == "mesh"  # type: ignore[arg-type]
     assert used == [("encode", True), ("decode", True)]
+
+
+def test_two_threads_asking_for_this_proc_at_once_get_one_companion(sockets_dir, monkeypatch):
+    """The controller's ``this_proc()`` starts its companion process on first use: two threads asking at once each
+    found none and each started one; the second replaced the first, whose process nothing held any more."""
+    import types
+
+    from actors._meshes._host_mesh import THIS_PROC, HostMesh
+
+    started: list[object] = []
+
+    def slow_spawn(self: Any, per_host: Any, name: Any = None, **kwargs: Any) -> Any:
+        time.sleep(0.2)  # (the fault injected: a start slow enough for the other thread to ask meanwhile)
+        started.append(types.SimpleNamespace(stopping=False))
+        return started[-1]
+
+    runtime().driver.follow_running_loop()  # (the background loop serves this synchronous test)
+    companion = runtime().parts.get(THIS_PROC)
+    before = companion.mesh
+    companion.mesh = None
+    monkeypatch.setattr(HostMesh, "spawn_procs", slow_spawn)
+    barrier, got = threading.Barrier(2), []
+
+    def ask() -> None:
+        barrier.wait(10)
+        got.append(actors.this_proc())
+
+    threads = [threading.Thread(target=ask) for _ in range(2)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert len(started) == 1 and got == [started[0], started[0]]
+    finally:
+        companion.mesh = before

@@ -134,3 +134,42 @@ def test_a_gpus_mesh_counts_its_gpus_on_the_callers_thread_not_the_runtimes(sock
         assert counted == [threading.get_ident()]
     finally:
         procs.stop().get(timeout=30)
+
+
+def test_an_extra_descriptor_is_watched_and_unwatched_on_the_runtimes_thread(sockets_dir):
+    """A relay (Ray's and attached hosts' answers reach the runtime's thread through its pipe) is made and closed
+    on the caller's thread: its pipe's watcher was added to and removed from the background loop from there,
+    beside the loop (uvloop's libuv handles are not thread-safe). The loop's watchers change on its own thread."""
+    import sys
+    import threading
+
+    from actors._runtime._relay import Relay
+
+    rt = runtime()
+    rt.driver.follow_running_loop()  # (the background loop serves this synchronous test)
+    assert rt.driver.thread != threading.get_ident()
+    touched: list[str] = []
+
+    def profile(frame, event, arg):  # type: ignore[no-untyped-def]
+        if event == "c_call":
+            owner, name = getattr(arg, "__self__", None), getattr(arg, "__name__", "")
+        elif event == "call":
+            owner, name = frame.f_locals.get("self"), frame.f_code.co_name
+        else:
+            return
+        if name in ("add_reader", "remove_reader") and isinstance(owner, asyncio.AbstractEventLoop):
+            touched.append(name)
+
+    ran: list[int] = []
+    sys.setprofile(profile)
+    try:
+        relay = Relay(rt)
+        relay.call_soon(lambda: ran.append(threading.get_ident()))
+        deadline = time.monotonic() + 10
+        while not ran and time.monotonic() < deadline:
+            time.sleep(0.01)  # (another thread's work, watched with a deadline)
+        relay.close()
+    finally:
+        sys.setprofile(None)
+    assert touched == [], "a loop's watchers were changed from this thread"
+    assert ran == [rt.driver.thread]

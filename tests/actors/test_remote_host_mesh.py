@@ -37,6 +37,9 @@ class HandFed(RemoteHostMesh):
         self._root = None
         self.closed = False
         self.requests: list[tuple[str, Any]] = []
+        #: The hosts whose lifeline this side ended.
+        self.cut: list[int] = []
+        self._lifelines = SimpleNamespace(cut=self.cut.append)  # type: ignore[assignment]
 
     def _request(self, node: RemoteNode, op: str, args: tuple[Any, ...], done: Any) -> None:
         if not self.on_thread:
@@ -64,6 +67,41 @@ def test_a_late_exit_of_a_worker_whose_address_was_reused_fails_nothing(tmp_path
     assert not ref.dead, "the worker serving the address now is spawn 9"
     mesh.requests.pop()[1]([(9, 2222, -9)], None)
     assert ref.dead and "process 2222" in ref.exit_reason and "SIGKILL" in ref.exit_reason
+
+
+def test_a_host_lost_by_a_failed_request_has_its_lifeline_ended_so_it_ends_its_workers(tmp_path):
+    """A host whose ``exits`` request failed (Ray's node host briefly unreachable, an attached host past its
+    deadline) was marked lost and its workers restarted elsewhere, but its lifeline held, so the host never ended
+    them: each ran beside its replacement (an old trainer rank in the collective, an old generator producing)."""
+    mesh = a_host_mesh(tmp_path, 2)
+    worker = mesh._rt.registry.placed("tcp://10.255.1.1:5003")
+    mesh._nodes[1].procs[3] = worker
+    mesh._watch(mesh._nodes[1])
+    op, done = mesh.requests.pop()
+    assert op == "exits"
+    done(None, TimeoutError("no answer within 60s"))
+    assert worker.dead and mesh._nodes[1].lost and mesh.cut == [1]
+
+
+def test_a_lost_hosts_rank_restarts_on_a_live_host_with_an_address_ready_and_pools_refill_once_at_a_time(tmp_path):
+    """A lost host's rank restarted only on the live host running the fewest workers, from that host's pool alone:
+    once that pool ran dry the restart failed ("no free address ready yet") though other live hosts had addresses;
+    and each respawn below the pool's mark sent another request for addresses, one on top of the other."""
+    mesh = a_host_mesh(tmp_path, 3)
+    _idle, busy, lost = mesh._nodes
+    busy.procs[1] = mesh._rt.registry.placed("tcp://10.255.1.1:6001")
+    busy.pool(["tcp://10.255.1.1:6002"])
+    mesh._lose(lost, "its lifeline closed")
+    assert mesh._new_home() == (busy, "tcp://10.255.1.1:6002"), "the idle host's pool is dry: the next one serves"
+    mesh._refill()  # (as the restart does once it started the rank)
+    asked = [op for op, _ in mesh.requests]
+    assert asked.count("addresses") == 2  # (the dry pools of both live hosts, asked once each)
+    with pytest.raises(RuntimeError, match=r"no live host of .* has a free address ready yet"):
+        mesh._new_home()
+    assert [op for op, _ in mesh.requests].count("addresses") == 2, "no second request while one is on its way"
+    for _, done in [request for request in mesh.requests if request[0] == "addresses"]:
+        done(["tcp://10.255.1.0:6003"], None)
+    assert mesh._new_home()[1] == "tcp://10.255.1.0:6003"
 
 
 def test_a_lost_node_fails_only_the_workers_it_still_serves(tmp_path):
@@ -108,12 +146,15 @@ def test_an_attached_host_lost_marks_its_agent_dead_once_and_never_after_shutdow
     mesh._rt = SimpleNamespace(registry=registry)  # type: ignore[assignment]
     mesh._nodes = [RemoteNode(0, None, "10.255.1.9", 1, "tcp://10.255.1.9:4444", "worker", [])]
     mesh._agents = [SimpleNamespace(_procs=[agent_ref])]  # type: ignore[list-item]
+    mesh._lines_ended, mesh._lines_cut, cut = set(), set(), []
+    mesh._lifelines = SimpleNamespace(cut=cut.append)  # type: ignore[assignment]
     mesh._root, mesh.closed = None, True
     mesh._lose(mesh._nodes[0], "its lifeline closed")  # after shutdown: nothing to do, nothing raised
     assert not agent_ref.dead and not mesh._nodes[0].lost
     mesh.closed = False
     mesh._lose(mesh._nodes[0], "its lifeline closed")
     assert agent_ref.dead and "its host was lost" in agent_ref.exit_reason
+    assert mesh._lines_cut == {0} and cut == [0], "lost by a request (no line ended): its line is ended here"
 
 
 def test_a_hosts_free_addresses_are_distinct_in_a_batch_and_its_pool_keeps_each_once(tmp_path):

@@ -751,6 +751,35 @@ async def cancelled_host_mesh_gives_its_reservation_back():  # type: ignore[no-u
         await asyncio.sleep(0.1)
 
 
+@check("host_mesh_left_pending_at_its_loops_end_gives_its_reservation_back")
+async def host_mesh_left_pending_at_its_loops_end_gives_its_reservation_back():  # type: ignore[no-untyped-def]
+    """``asyncio.run`` ending with a ``host_mesh_async`` still pending cancels the task making it too: the thread
+    went on and made the mesh, and nothing gave its nodes and placement group back until the program exited."""
+    import threading
+
+    from ray.util import placement_group_table
+
+    from actors.ray import host_mesh_async
+
+    before = set(placement_group_table())
+
+    async def leave_it_pending() -> None:
+        pending = asyncio.ensure_future(host_mesh_async(hosts=1))
+        await asyncio.sleep(0.05)  # (it is under way; the loop ends now, cancelling what is left on it)
+        assert not pending.done()
+
+    thread = threading.Thread(target=asyncio.run, args=(leave_it_pending(),))
+    thread.start()
+    await asyncio.to_thread(thread.join, 30)
+    deadline = time.monotonic() + 90
+    while True:  # (an outside condition: the cluster's own table)
+        new = {key: group["state"] for key, group in placement_group_table().items() if key not in before}
+        if new and all(state == "REMOVED" for state in new.values()):
+            return {"groups": new}
+        assert time.monotonic() < deadline, f"the reservation was not given back: {new}"
+        await asyncio.sleep(0.1)
+
+
 async def main() -> None:
     import ray
     from ray.cluster_utils import Cluster
@@ -778,6 +807,7 @@ async def main() -> None:
         finally:
             await hosts.shutdown()
         await cancelled_host_mesh_gives_its_reservation_back()
+        await host_mesh_left_pending_at_its_loops_end_gives_its_reservation_back()
         await child_elsewhere_hears_of_a_death_on_its_parents_node(cluster.address)
         await pipeline_placement_refused(cluster.address)
         await pipeline_across_nodes(cluster.address)

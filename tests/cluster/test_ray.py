@@ -28,6 +28,7 @@ CHECKS = [
     "stop_kills_a_wedged_worker_on_another_node",
     "node_host_lost_fails_calls",
     "cancelled_host_mesh_gives_its_reservation_back",
+    "host_mesh_left_pending_at_its_loops_end_gives_its_reservation_back",
     "child_elsewhere_hears_of_a_death_on_its_parents_node",
     "pipeline_placement_refused",
     "pipeline_across_nodes",
