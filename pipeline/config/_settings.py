@@ -239,19 +239,9 @@ def check_settings(config: Config) -> None:
             f"--engine vllm with generators on {generator_device}: vLLM runs on the first GPU its process sees; "
             "choose the GPUs with CUDA_VISIBLE_DEVICES and place the generators on cuda"
         )
-    if config.gradient_checkpointing and config.task != "hf":
-        raise SettingsError(
-            "--gradient-checkpointing recomputes a Hugging Face model's layers (--task hf, --dataset); the built-in "
-            "tasks' models are small enough to keep their activations"
-        )
     _check_vllm_log_probs(config)
     _check_trainer_ranks(config)
     _check_chat_template_kwargs(config)
-    if config.engine != "builtin" and config.task != "hf":
-        raise SettingsError(
-            f"--engine {config.engine} samples a Hugging Face model (--task hf, --dataset); the built-in tasks' "
-            "models sample with the built-in sampler"
-        )
 
 
 def _check_vllm_log_probs(config: Config) -> None:

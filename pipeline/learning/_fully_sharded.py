@@ -12,7 +12,9 @@ must run the same number of passes: a rank with fewer micro-batches runs
 *idle* passes (one of its own rows, its loss counted zero) until it has as
 many as the busiest (:meth:`FullySharded.idle_passes`). Gradients are
 summed, not averaged, across ranks (each rank's loss is already its share
-of the rollout's), by a sum-only reduce-scatter gloo also runs.
+of the rollout's), by a sum-only reduce-scatter gloo also runs; a
+parameter a rank's rows did not reach (a mixture's expert) counts zero
+there, so ranks whose rows took different experts still line up.
 """
 
 from __future__ import annotations
@@ -70,6 +72,11 @@ class FullySharded(DataParallel):
             if isinstance(module, FSDPModule):  # each rank's loss is its share already: sum, never average
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)
+                # a parameter this rank's rows did not reach (an expert no row was routed to) counts zero in the
+                # sum: reduce-scattered without it, the ranks' collectives would not line up (torch 2.8+)
+                unused = getattr(module, "set_reduce_scatter_unused_params", None)
+                if unused is not None:
+                    unused(True, recurse=False)
         self._root = root
 
     def idle_passes(self, slices: list[slice], rows: int | None, within: slice | None = None) -> list[slice]:

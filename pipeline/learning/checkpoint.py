@@ -40,6 +40,9 @@ def save(run_dir: str, state: dict[str, Any]) -> str:
     if not run_dir:
         return ""
     target = path(run_dir)
+    shards = state.get(SHARDS)
+    if shards:  # the folder's entries on the disk before the file names it (its last one is renamed into it)
+        sync_path(os.path.join(run_dir, shards))
     tmp = f"{target}.tmp-{os.getpid()}"
     torch.save(state, tmp)
     sync_path(tmp)  # on the disk before the rename (else a crash may leave the new name, empty)
@@ -59,6 +62,19 @@ def remove_shards(run_dir: str, keep: str | None = None) -> None:
     for name in os.listdir(run_dir):
         if is_shard_folder(name) and name != keep:
             shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
+
+
+def stale_staging(run_dir: str) -> list[str]:
+    """The names in ``run_dir`` that a save killed mid-way left (``<name>.tmp-<pid>``, ``<name>.old-<pid>``, their
+    process gone): an earlier run's, which :func:`remove_stale_staging` would finish or clear."""
+    found = []
+    for name in sorted(os.listdir(run_dir)):
+        for mark in (".tmp-", ".old-"):
+            stem, _, pid = name.rpartition(mark)
+            if stem and pid.isdigit() and not _alive(int(pid)):
+                found.append(name)
+                break
+    return found
 
 
 def remove_stale_staging(run_dir: str) -> list[str]:

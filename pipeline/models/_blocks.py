@@ -26,11 +26,14 @@ _log = logging.getLogger(__name__)
 
 def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's repeated blocks: those its ``_no_split_modules`` names (a Hugging Face model's layers), else
-    every ``ModuleList``'s members."""
+    the members of its outermost ``ModuleList``\\ s (a ``ModuleList`` inside a block, a mixture's experts, is part
+    of that block: sharded apart, an expert a rank's rows did not reach would miss that rank's all-gather)."""
     names = set(getattr(model, "_no_split_modules", None) or ())
     if names:
         return [module for module in model.modules() if type(module).__name__ in names]
-    return [block for module in model.modules() if isinstance(module, torch.nn.ModuleList) for block in module]
+    if isinstance(model, torch.nn.ModuleList):
+        return list(model)
+    return [block for child in model.children() for block in repeated_blocks(child)]
 
 
 def compile_blocks(model: torch.nn.Module) -> int:

@@ -679,7 +679,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     missing = missing_tracker(config.report_to)
     if missing is not None:
         raise SettingsError(missing)
-    if config.task == "hf":
+    if _reads_a_dataset(config.task):
         check_hf(config)
     return config, args
 
@@ -690,14 +690,29 @@ def _task_name(args: argparse.Namespace) -> str:
         name = "hf" if args.dataset else "reverse"
     else:
         name = args.task
-    if name != "hf" and args.dataset:
-        raise SettingsError(f"--dataset trains a Hugging Face model (--task hf), not --task {name}")
+    if args.dataset and not _reads_a_dataset(name):
+        raise SettingsError(
+            f"--dataset trains a Hugging Face model (--task hf, or a subclass of HFTask), not --task {name}"
+        )
     if name != "hf" and args.model not in PRESETS and ":" not in name:
         raise SettingsError(
             f"--model {args.model}: the built-in tasks train a preset ({', '.join(PRESETS)}); a Hugging Face "
             "model trains on your prompts: add --dataset FILE and --reward SPEC"
         )
     return name
+
+
+def _reads_a_dataset(name: str) -> bool:
+    """Whether task ``name`` is a Hugging Face task: ``hf``, or a subclass of HFTask named ``module:Class``."""
+    if name == "hf":
+        return True
+    if ":" not in name:
+        return False
+    try:
+        task = task_class(name)
+    except (ImportError, AttributeError, ValueError, TypeError):
+        return False  # (reported where the run builds it)
+    return isinstance(task, type) and issubclass(task, HFTask)
 
 
 def check_hf(config: Config) -> None:

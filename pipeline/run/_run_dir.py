@@ -53,11 +53,15 @@ def outputs(run_dir: str) -> list[str]:
 
 
 def earlier_outputs(run_dir: str) -> list[str]:
-    """An earlier run's outputs in ``run_dir``, its sharded checkpoints' folders among them."""
+    """An earlier run's outputs in ``run_dir``, its sharded checkpoints' folders among them, and what a save of
+    it killed mid-way left (a complete staged export would otherwise be put in place for the fresh run)."""
     if not os.path.isdir(run_dir):
         return []
     shards = sorted(name for name in os.listdir(run_dir) if checkpoint.is_shard_folder(name))
-    return outputs(run_dir) + [name + "/" for name in shards]
+    staged = checkpoint.stale_staging(run_dir)
+    return outputs(run_dir) + [
+        name + ("/" if os.path.isdir(os.path.join(run_dir, name)) else "") for name in [*shards, *staged]
+    ]
 
 
 def refuse_earlier_run(run_dir: str) -> None:

@@ -207,9 +207,13 @@ class PromptData:
         if not self.chat and (isinstance(prompt, bool) or not isinstance(prompt, (str, int, float))):
             raise DataError(f"row {row}: its prompt is a {type(prompt).__name__}, not text")
         if self.chat:
+            # a prompt ending with an assistant's message (a prefill: "<think>") is continued, as TRL does; any
+            # other ends with the template's cue for the assistant's turn
+            prefilled = _prefill(prompt) is not None
             try:
+                continued = {"continue_final_message": True} if prefilled else {}
                 ids = self.tokenizer.apply_chat_template(
-                    prompt, add_generation_prompt=True, tokenize=True, **self.template_kwargs
+                    prompt, add_generation_prompt=not prefilled, tokenize=True, **continued, **self.template_kwargs
                 )
             except Exception as exc:  # the tokenizer's own template: whatever it raises
                 raise DataError(
@@ -218,8 +222,8 @@ class PromptData:
                 ) from None
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # newer tokenizers return a BatchEncoding
                 ids = ids["input_ids"]
-        else:
-            ids = self.tokenizer(str(prompt), add_special_tokens=True)["input_ids"]
+        else:  # as TRL tokenizes prompts: no special tokens added (a BOS belongs to the text, as to a template)
+            ids = self.tokenizer(str(prompt), add_special_tokens=False)["input_ids"]
         ids = [int(token) for token in ids]
         if not ids:
             raise DataError(f"row {row}: its prompt has no tokens")
@@ -234,15 +238,24 @@ class PromptData:
 
     def for_rewards(self, rows: list[int], group: int) -> tuple[list[Any], dict[str, list[Any]]]:
         """The prompts and the other columns of ``rows``, each repeated ``group`` times (one per completion):
-        every row read once, not once per completion."""
+        every row read once, not once per completion. A chat prompt's prefill (its last message an assistant's)
+        is not among its messages: it begins the completion (:meth:`completions`), as in TRL."""
         records = [self.rows[row] for row in rows]
         prompts = [_own(record[self.prompt_column]) for record in records for _ in range(group)]
+        if self.chat:
+            for prompt in prompts:
+                if _prefill(prompt) is not None:
+                    prompt.pop()
         columns = {name: [_own(record[name]) for record in records for _ in range(group)] for name in self.columns}
         return prompts, columns
 
-    def completion(self, text: str) -> Any:
-        """A completion as TRL passes it to reward functions: text, or one assistant message for chat prompts."""
-        return [{"role": "assistant", "content": text}] if self.chat else text
+    def completions(self, rows: list[int], group: int, texts: list[str]) -> list[Any]:
+        """The completions of ``rows`` (``group`` each, in order) as TRL passes them to reward functions: their
+        texts, or for chat prompts one assistant message each, which begins with the prompt's prefill, if any."""
+        if not self.chat:
+            return list(texts)
+        prefills = [_prefill(self.prompt(row)) or "" for row in rows for _ in range(group)]
+        return [[{"role": "assistant", "content": pre + text}] for pre, text in zip(prefills, texts, strict=True)]
 
     def rows_for(self, ticket: int, batch: int, seed: int, shuffle: bool = True) -> list[int]:
         """The ``batch`` dataset rows of rollout ``ticket``: consecutive samples of seeded, reshuffled epochs (or,
@@ -261,6 +274,14 @@ class PromptData:
             generator = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + epoch)
             self._order = ((epoch, seed), torch.randperm(len(self.indices), generator=generator, device="cpu").tolist())
         return self._order[1]
+
+
+def _prefill(prompt: Any) -> str | None:
+    """The content of a chat prompt's last message where it is an assistant's (the start of its answer, which the
+    model continues), else None."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[-1], dict) and prompt[-1].get("role") == "assistant":
+        return str(prompt[-1].get("content") or "")
+    return None
 
 
 def _own(value: Any) -> Any:

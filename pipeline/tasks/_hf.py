@@ -265,10 +265,11 @@ class HFTask(Task):
     def _reward_inputs(self, samples: HFBatch) -> dict[str, Any]:
         """The reward functions' arguments for a rollout's completions."""
         data = self.train_data
-        prompts, columns = data.for_rewards(samples.rows.tolist(), samples.group)
+        rows = samples.rows.tolist()
+        prompts, columns = data.for_rewards(rows, samples.group)
         return {
             "prompts": prompts,
-            "completions": [data.completion(text) for text in samples.texts],
+            "completions": data.completions(rows, samples.group, samples.texts),
             "columns": columns,
             "completion_ids": completion_ids(samples.tokens, samples.prompt_mask.shape[1], samples.mask),
             "state": RewardState.at(samples.ticket, self.config.steps, self.config.prompts, len(data)),
@@ -376,7 +377,7 @@ class HFTask(Task):
         rewards = self.rewards_on(next(policy.parameters()).device)  # a reward model beside the policy
         inputs = {
             "prompts": prompts,
-            "completions": [data.completion(t) for t in texts],
+            "completions": data.completions(rows, max(1, samples), texts),
             "columns": columns,
             "completion_ids": ids,
             "state": RewardState.at(step, self.config.steps, self.config.prompts, len(self.train_data)),

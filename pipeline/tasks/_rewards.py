@@ -199,9 +199,12 @@ def parse_spec(spec: str) -> tuple[str, float]:
     if not sep:
         return spec, 1.0
     try:
-        return source, float(weight)
+        value = float(weight)
     except ValueError:
         raise RewardError(f"--reward {spec}: the weight after '=' must be a number") from None
+    if not math.isfinite(value):  # (a NaN weight made every summed reward 0: nothing was learned, without a word)
+        raise RewardError(f"--reward {spec}: the weight after '=' must be a finite number, not {weight}")
+    return source, value
 
 
 @dataclass(frozen=True)

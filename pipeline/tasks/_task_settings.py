@@ -93,6 +93,11 @@ def check_task_settings(config: Config) -> None:
         )
     if not issubclass(task, HFTask):
         _refuse_hf_settings(config)
+    elif config.digits != setting_defaults()["digits"]:
+        raise SettingsError(
+            f"--digits {config.digits} sets the digit tasks' numbers; --task {config.task} takes its prompts from "
+            "--dataset"
+        )
     if config.multi_objective_aggregation == "normalize_then_sum" and not issubclass(task, HFTask):
         raise SettingsError(
             "--multi-objective-aggregation normalize_then_sum normalises each --reward function's rewards "
@@ -129,6 +134,16 @@ HF_DATA: tuple[tuple[str, str], ...] = (
 
 def _refuse_hf_settings(config: Config) -> None:
     """Settings only a Hugging Face task (``--task hf`` or a subclass of HFTask) has a use for."""
+    if config.gradient_checkpointing:
+        raise SettingsError(
+            "--gradient-checkpointing recomputes a Hugging Face model's layers (--task hf, --dataset); the built-in "
+            "tasks' models are small enough to keep their activations"
+        )
+    if config.engine != "builtin":
+        raise SettingsError(
+            f"--engine {config.engine} samples a Hugging Face model (--task hf, --dataset); the built-in tasks' "
+            "models sample with the built-in sampler"
+        )
     defaults = Config()
     given = [flag for flag, attr in HF_DATA if getattr(config, attr) != getattr(defaults, attr)]
     if given:

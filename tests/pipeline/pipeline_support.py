@@ -135,6 +135,55 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if is_sharded(tensor) else tensor  # type: ignore[attr-defined]
 
 
+class RoutedBlock(torch.nn.Module):
+    """One block holding two experts (a mixture-of-experts layer): each row goes through the expert it names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+
+    def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        return self.experts[expert](x).sum()
+
+
+class ExpertPolicy(torch.nn.Module):
+    """A scale, then a block of experts (one sharded unit, its experts in it: their ``ModuleList`` is the block's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(4))
+        self.blocks = torch.nn.ModuleList([RoutedBlock()])
+
+    def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        return self.blocks[0](x * self.scale, expert)
+
+
+class ExpertRank(Actor):
+    """One rank of a sharded (FSDP2) group over a :class:`RoutedBlock`, each rank's rows routed to its own expert."""
+
+    def __init__(self) -> None:
+        self.rendezvous: Rendezvous | None = None
+
+    @endpoint
+    def serve(self, world: int) -> GroupAddress:
+        self.rendezvous = Rendezvous("127.0.0.1", world)
+        return self.rendezvous.address
+
+    @endpoint
+    def step(self, address: GroupAddress) -> dict[str, torch.Tensor]:
+        """This rank's backward through its expert; each parameter's summed gradient, gathered whole."""
+        rank = current_rank().rank
+        parallel = group_kind("fsdp")(RankShare(rank, 2), address, torch.device("cpu"), rendezvous=self.rendezvous)
+        try:
+            torch.manual_seed(0)
+            policy = ExpertPolicy()
+            parallel.shard(policy, policy)
+            policy(torch.full((1, 4), float(rank + 1)), rank).backward()
+            return {name: _whole(p.grad) for name, p in policy.named_parameters() if p.grad is not None}
+        finally:
+            parallel.close()
+
+
 class LearnerRank(Actor):
     """One rank of a data-parallel learner on the CPU: joins the group, takes one step, reports its weights."""
 

@@ -349,6 +349,27 @@ def test_a_parameter_no_rank_used_keeps_no_gradient_so_adam_leaves_it_as_one_lea
         group.close()
 
 
+def test_sharded_ranks_routing_rows_to_different_experts_sum_each_experts_own_gradients():
+    """FSDP2 reduce-scatters the gradients a rank has: rank 0's rows reached expert 0 only, rank 1's expert 1
+    only, so rank 0 sent expert 0's and rank 1 expert 1's in the same collective, and the shapes being equal,
+    each expert got the other's gradient added to its own (other shapes: a mismatch, or a wait to the timeout).
+    An expert a rank did not use counts zero there; each expert's gradient is its own rows'."""
+    from pipeline_support import ExpertRank
+
+    mesh = this_host().spawn_procs({"procs": 2}, name="expert-ranks")
+    try:
+        ranks = mesh.spawn("ranks", ExpertRank)
+        address = ranks.slice(procs=0).serve.call_one(2).get(timeout=30)
+        results = [report for _, report in ranks.step.call(address).get(timeout=120).items()]
+    finally:
+        mesh.stop().get(timeout=30)
+    # each expert's gradient in one process: its rows only (x of 1s through expert 0, of 2s through expert 1)
+    for result in results:
+        for expert, value in ((0, 1.0), (1, 2.0)):
+            assert torch.equal(result[f"blocks.0.experts.{expert}.weight"], torch.full((4, 4), value)), (expert, result)
+            assert torch.equal(result[f"blocks.0.experts.{expert}.bias"], torch.ones(4)), (expert, result)
+
+
 def test_every_rank_rank_0_too_sends_gloo_over_its_session_address(monkeypatch):
     """Rank 0 left its gloo interface to the machine's name, which on a cluster may resolve to loopback (Debian's
     127.0.1.1): ranks on other hosts were sent there and the group did not form. Every rank now picks the interface

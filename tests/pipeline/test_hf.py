@@ -21,6 +21,7 @@ pytest.importorskip("datasets", reason="needs the hf extra: pip install -e '.[hf
 from actors import forkserver_preload, set_forkserver_preload
 from pipeline import Config, PipelineError, resolve, run_pipeline
 from pipeline.algorithm import group_advantages, group_spread, high_entropy_tokens
+from pipeline.config import SettingsError
 from pipeline.grpo import main
 from pipeline.learning import FullySharded, Learner, Update
 from pipeline.models import (
@@ -328,6 +329,35 @@ def test_rewards_load_by_file_module_and_builtin_name_with_weights(tiny):
     module = load_reward("pipeline.tasks:final_number=2")
     assert (from_file.name, from_file.weight) == ("reversed_digits", 0.5)
     assert (builtin.name, builtin.weight, module.weight) == ("exact_match", 1.0, 2.0)
+
+
+@pytest.mark.parametrize("weight", ["nan", "inf", "-inf", "1e400"])
+def test_a_reward_weight_that_is_not_a_finite_number_is_refused(weight):
+    """``exact_match=nan`` was taken: every weighted sum came out NaN, ``nansum`` made it 0, every advantage was 0,
+    and the run learned nothing while each function's own reward looked healthy."""
+    with pytest.raises(RewardError, match=f"exact_match={weight}: the weight after '=' must be a finite number"):
+        RewardSet([f"exact_match={weight}"])
+
+
+def test_a_subclass_of_the_hf_task_named_on_the_command_line_takes_a_dataset(tiny):
+    """``--task module:MyHF`` (a subclass of HFTask, as the docs offer) with ``--dataset``: refused, "--dataset
+    trains a Hugging Face model (--task hf)", and without it the task refused to start: it could never run. So
+    were --gradient-checkpointing and --engine, which compared the task's name with "hf"."""
+    from pipeline.grpo import parse_args
+
+    model, data = str(tiny / "model"), str(tiny / "train.jsonl")
+    flags = ["--task", "pipeline.tasks:HFTask", "--model", model, "--dataset", data, "--reward", "exact_match"]
+    config, _ = parse_args([*flags, "--gradient-checkpointing", "--engine", "hf"])
+    assert (config.task, config.dataset, config.gradient_checkpointing, config.engine) == (
+        "pipeline.tasks:HFTask",
+        data,
+        True,
+        "hf",
+    )
+    with pytest.raises(SettingsError, match="--gradient-checkpointing recomputes a Hugging Face model's layers"):
+        parse_args(["--task", "reverse", "--gradient-checkpointing"])
+    with pytest.raises(SettingsError, match="--digits 4 sets the digit tasks' numbers"):
+        parse_args([*flags, "--digits", "4"])
 
 
 def test_rewards_combine_with_weights_and_skip_none(tmp_path):
@@ -885,11 +915,54 @@ def test_loading_a_dataset_leaves_no_thread_behind_so_the_launcher_forks_its_rol
     assert out.stdout.strip().splitlines()[-1] == "['MainThread'] None"
 
 
+def test_a_chat_prompt_ending_with_an_assistant_message_is_continued_as_trl_does(model_and_tokenizer):
+    """A prefill (the prompt's last message an assistant's: "<think>") was closed and a new assistant turn opened
+    after it, and the reward functions got it in the prompt and a completion without it. As TRL does, it is
+    continued (``continue_final_message``), and the reward functions get the prompt without it and a completion
+    that begins with it; the dataset's rows are left as they are."""
+    import datasets
+
+    tokenizer = model_and_tokenizer[1]
+    messages = [{"role": "user", "content": "12"}, {"role": "assistant", "content": "2"}]
+    rows = datasets.Dataset.from_list([{"prompt": messages, "answer": "21"}])
+    data = PromptData(rows, "prompt", tokenizer)
+    want = tokenizer.apply_chat_template(messages, continue_final_message=True, tokenize=True)
+    want = want["input_ids"] if isinstance(want, dict) or hasattr(want, "input_ids") else want
+    assert data.prompt_ids(0) == [int(token) for token in want]
+    assert tokenizer.decode(data.prompt_ids(0)).endswith("a:2")
+    prompts, columns = data.for_rewards([0], 2)
+    assert prompts == [[{"role": "user", "content": "12"}]] * 2 and columns == {"answer": ["21", "21"]}
+    assert data.completions([0], 2, ["1", "x"]) == [
+        [{"role": "assistant", "content": "21"}],
+        [{"role": "assistant", "content": "2x"}],
+    ]
+    assert rows[0]["prompt"][-1] == {"role": "assistant", "content": "2"}
+
+
+def test_a_text_prompt_is_tokenized_without_special_tokens_as_trl_does(model_and_tokenizer):
+    """Text prompts were tokenized with the tokenizer's special tokens: with one that adds a BOS (Llama's, Gemma's)
+    every prompt began with one that TRL's run of the same data does not have (TRL passes
+    ``add_special_tokens=False``; a chat template writes its BOS into the text)."""
+    import copy
+
+    import datasets
+    from tokenizers.processors import TemplateProcessing
+
+    tokenizer = copy.deepcopy(model_and_tokenizer[1])
+    bos = tokenizer.eos_token  # (a special token the tiny vocabulary has, standing in for a BOS)
+    tokenizer._tokenizer.post_processor = TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, tokenizer.convert_tokens_to_ids(bos))]
+    )
+    assert tokenizer("12")["input_ids"][0] == tokenizer.convert_tokens_to_ids(bos)  # (it adds one)
+    data = PromptData(datasets.Dataset.from_list([{"prompt": "12", "answer": "21"}]), "prompt", tokenizer)
+    assert data.prompt_ids(0) == tokenizer("12", add_special_tokens=False)["input_ids"]
+
+
 def test_chat_prompts_render_with_the_template_and_rows_follow_the_ticket(tiny, model_and_tokenizer):
     tokenizer = model_and_tokenizer[1]
     data = PromptData(load_rows(str(tiny / "chat" / "train.jsonl")), "prompt", tokenizer)
     assert data.chat and tokenizer.decode(data.prompt_ids(0)).endswith("<eos>a:")
-    assert data.completion("12") == [{"role": "assistant", "content": "12"}]
+    assert data.completions([0], 1, ["12"]) == [[{"role": "assistant", "content": "12"}]]
     first = [data.rows_for(t, 8, seed=0) for t in range(7)]  # 56 samples: past one epoch of 50
     assert first == [data.rows_for(t, 8, seed=0) for t in range(7)]
     assert sorted([row for rows in first for row in rows][:50]) == list(range(50))  # each epoch visits every row once

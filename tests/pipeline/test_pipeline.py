@@ -875,7 +875,7 @@ async def test_an_interrupt_once_training_ended_keeps_the_result(tmp_path, socke
     its last checkpoint written, but the interrupt threw the result away (exit 130, no ``done:``, no plot)."""
     from pipeline.run import _launcher
 
-    async def slow_drain(gens: Any, tasks: Any, names: list[str]) -> list[int | None]:
+    async def slow_drain(gens: Any, tasks: Any, names: list[str], producing: set[int]) -> list[int | None]:
         run.cancel()  # (the user's Ctrl-C)
         await asyncio.Event().wait()  # a drain that would take its full guard
         raise AssertionError("not reached")

@@ -230,6 +230,48 @@ def test_a_setting_that_cannot_train_is_one_line_and_exit_2(tmp_path, capsys, fl
     assert err.count("\n") == 1 and not run_dir.exists()
 
 
+def test_an_earlier_runs_export_left_staged_by_a_kill_never_becomes_the_fresh_runs_model(tmp_path):
+    """An earlier run killed between its export's two renames left ``model.tmp-<pid>`` (complete) and
+    ``model.old-<pid>``, no ``model/``: ``--overwrite`` removed its outputs but not these, and the clean-up of
+    killed saves then put its model in place for the fresh run (a run without ``--overwrite`` was not even
+    refused). They count as the earlier run's outputs: refused, or removed with them."""
+    import subprocess
+    import sys
+
+    from pipeline.learning.checkpoint import remove_stale_staging
+    from pipeline.run._run_dir import refuse_earlier_run, remove_earlier_run
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # (a pid whose process has exited)
+    run_dir = tmp_path / "run"
+    for name in (f"model.tmp-{gone.pid}", f"model.old-{gone.pid}"):
+        (run_dir / name).mkdir(parents=True)
+        (run_dir / name / "config.json").write_text("{}")
+    with pytest.raises(SettingsError, match=rf"holds an earlier run \(model.old-{gone.pid}/, model.tmp-{gone.pid}/\)"):
+        refuse_earlier_run(str(run_dir))
+    remove_earlier_run(str(run_dir))
+    remove_stale_staging(str(run_dir))
+    assert os.listdir(run_dir) == []
+
+
+def test_a_sharded_checkpoint_syncs_its_folder_before_the_file_that_names_it(tmp_path, monkeypatch):
+    """The folder of shards was never synced before ``checkpoint.pt`` named it (its last entry is renamed into
+    it), and the previous shards were then removed: after a power loss the file could name a folder without it."""
+    from pipeline.learning import checkpoint
+
+    events: list[str] = []
+    sync, replace = checkpoint.sync_path, os.replace
+    monkeypatch.setattr(
+        checkpoint, "sync_path", lambda where: (events.append(f"sync {os.path.basename(where)}"), sync(where))[1]
+    )
+    monkeypatch.setattr(
+        checkpoint.os, "replace", lambda a, b: (events.append(f"replace {os.path.basename(b)}"), replace(a, b))[1]
+    )
+    (tmp_path / "checkpoint-3-ab.dcp").mkdir()
+    checkpoint.save(str(tmp_path), {"step": 3, checkpoint.SHARDS: "checkpoint-3-ab.dcp"})
+    assert events.index("sync checkpoint-3-ab.dcp") < events.index("replace checkpoint.pt")
+
+
 def test_a_fresh_run_in_a_folder_holding_an_earlier_run_is_refused_and_loses_nothing(tmp_path, capsys):
     """The earlier run's checkpoint was deleted without a word, and its completions, TensorBoard events and model
     stayed beside the new run's; now the run is refused (exit 2, nothing touched) unless --overwrite is given."""
