@@ -117,6 +117,7 @@ class Runtime:
         #: again on each loop the runtime moves to (a timer of the loop it left never fires).
         self._settling: dict[int | str, float] = {}
         self.driver.moved.connect(self._resettle)
+        self.driver.moved.connect(self._calls_moved)
         self.windows.released.connect(self.driver.notify_progress)  # (a sender blocked for room looks again)
         #: Deaths and restarts of processes on other hosts, told to and heard from peers.
         self.news = PeerNews(self)
@@ -215,6 +216,11 @@ class Runtime:
         if not self.closed:
             self.inbox.pump()
         self.receivers.holder_died(pid)
+
+    def _calls_moved(self) -> None:
+        loop = self.driver.loop
+        if loop is not None:
+            self.calls.rearm(loop)
 
     def _resettle(self) -> None:
         """The runtime moved to another loop (``asyncio.run`` ended right after a sender's exit, say): each exit

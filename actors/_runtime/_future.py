@@ -34,7 +34,17 @@ _NO_LOOP = object()
 class Future(Generic[R]):
     """A result that will arrive; awaitable, or ``get()`` synchronously."""
 
-    __slots__ = ("_any_thread", "_done", "_elsewhere", "_elsewhere_on", "_error", "_make", "_value", "_wait_sync")
+    __slots__ = (
+        "_any_thread",
+        "_done",
+        "_elsewhere",
+        "_elsewhere_on",
+        "_error",
+        "_make",
+        "_running",
+        "_value",
+        "_wait_sync",
+    )
 
     def __init__(
         self,
@@ -55,6 +65,8 @@ class Future(Generic[R]):
         self._elsewhere: concurrent.futures.Future[R] | None = None
         #: The loop that run is on.
         self._elsewhere_on: asyncio.AbstractEventLoop | None = None
+        #: Set once the run an awaiter started ends (others awaiting meanwhile wait for it: the work runs once).
+        self._running: asyncio.Future[None] | None = None
 
     @classmethod
     def ready(cls, value: R) -> Future[R]:
@@ -94,7 +106,26 @@ class Future(Generic[R]):
                 pass  # the outcome, kept: raised below
             if self._done:
                 return self._result()
-        return await self._body()
+        return await self._shared_body()
+
+    async def _shared_body(self) -> R:
+        """The work, run once however many await it at once on this loop: a later awaiter waits for the run under
+        way (and runs it itself if that one was cancelled: a cancelled await is not the future's outcome)."""
+        loop = asyncio.get_running_loop()
+        while not self._done:
+            running = self._running
+            if running is None or running.done() or running.get_loop() is not loop:
+                break
+            await asyncio.wait({running})
+        if self._done:
+            return self._result()
+        running = self._running = loop.create_future()
+        try:
+            return await self._body()
+        finally:
+            running.set_result(None)
+            if self._running is running:
+                self._running = None
 
     async def _body(self) -> R:
         """Run the future's work and keep its outcome (a cancellation is not one: it may be run again; nor is the
@@ -164,7 +195,7 @@ class Future(Generic[R]):
                 waiting.cancel()  # stranded on a loop that stopped (an earlier get gave up on it there)
             if waiting is None or waiting.cancelled():  # (a loop that ended cancels its run)
                 try:
-                    waiting = self._elsewhere = asyncio.run_coroutine_threadsafe(self._body(), loop)
+                    waiting = self._elsewhere = asyncio.run_coroutine_threadsafe(self._shared_body(), loop)
                     self._elsewhere_on = loop
                 except RuntimeError:  # closed since this thread looked
                     waiting = None

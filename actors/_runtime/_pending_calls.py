@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -179,7 +180,9 @@ class CallTable:
 
     def __init__(self) -> None:
         self._pending: dict[int, PendingCall] = {}
-        self._ids = itertools.count(1)
+        # from a random start: a process restarted at its address (a restart policy) numbers its calls apart from
+        # its predecessor's, so an answer still on its way to that one completes none of its own (0: no reply)
+        self._ids = itertools.count(1 + secrets.randbits(62))
 
     def open(
         self,
@@ -200,6 +203,16 @@ class CallTable:
 
     def _forget(self, call: PendingCall) -> None:
         self._pending.pop(call.call_id, None)
+
+    def rearm(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The runtime moved to ``loop`` (on its thread): each call's deadline is timed there; the timer of the loop
+        it left never fires (``asyncio.run`` returned), and a call given up on, never answered, stayed for good."""
+        now = time.monotonic()
+        for call in self._pending.values():
+            if call.deadline is not None and not call.done:
+                if call.timer is not None:
+                    call.timer.cancel()  # (its loop drives nothing now: should it run again, the timer is off)
+                call.timer = loop.call_later(max(0.0, call.deadline - now), call.expire)
 
     def on_reply(self, reply: Reply) -> None:
         call = self._pending.get(reply.call_id)

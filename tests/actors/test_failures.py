@@ -93,6 +93,52 @@ def test_calls_waiting_on_a_dead_process_fail_on_every_rank_it_hosts_but_not_onc
     assert not other.done
 
 
+def test_an_answer_meant_for_a_callers_predecessor_completes_none_of_its_own_calls():
+    """A caller restarted at its address (a restart policy) numbered its calls from 1 again: an answer to its
+    predecessor's call, sent before the actor's process had seen that caller die, reached the new process (the
+    same address) and completed the new call of that number with the old call's result. Each process numbers its
+    calls from a random start, so such an answer finds no call of its."""
+    from actors._runtime._pending_calls import CallTable
+    from actors._shared._liveness import ProcRef
+    from actors._wire._records import Reply
+
+    target = [(0, ProcRef("ipc:///tmp/actor", 9))]
+    earlier, restarted = CallTable(), CallTable()  # the caller's process, then the one started in its place
+    old = earlier.open("x", "slow", target)
+    new = restarted.open("x", "fast", target)
+    restarted.on_reply(Reply(old.call_id, 0, True, "old"))
+    assert not new.done, "the predecessor's answer completed the new call"
+    restarted.on_reply(Reply(new.call_id, 0, True, "new"))
+    assert new.results == {0: "new"}
+
+
+def test_a_calls_deadline_follows_the_runtime_to_its_next_loop(sockets_dir):
+    """A call with a deadline given up on (``wait_for`` ran out first) inside ``asyncio.run``: its deadline's timer
+    was on that loop, which closed; the actor never answered, so the call stayed in the table for good (a service
+    calling ``asyncio.run`` per request grew without bound). The deadline is timed again on the next loop."""
+    from support import Blocker
+
+    from actors._runtime._core import runtime
+
+    procs = this_host().spawn_procs(per_host={"procs": 1})
+    try:
+        blocker = procs.spawn("blocker", Blocker)
+        blocker.ping.call_one().get(timeout=30)
+        blocker.freeze.broadcast(3600.0)  # it never answers
+        rt = runtime()
+        before = len(rt.calls)
+
+        async def give_up() -> None:
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(blocker.ping.with_timeout(0.3).call_one(), 0.01)
+
+        asyncio.run(give_up())  # the loop ends, the call's deadline timer with it
+        rt.driver.follow_running_loop()  # the background loop drives the runtime again
+        assert wait_for(lambda: len(rt.calls) == before, timeout=10), "the call stayed in the table"
+    finally:
+        procs.stop(timeout=0.1).get(timeout=30)
+
+
 async def test_stop_of_a_dead_mesh_returns(sockets_dir):
     procs = this_host().spawn_procs(per_host={"procs": 2})
     echo = procs.spawn("echo", Echo)

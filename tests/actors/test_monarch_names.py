@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from typing import Any
 
 import pytest
 
@@ -93,6 +94,46 @@ def test_a_get_that_gives_up_does_not_consume_the_future_nor_run_it_twice():
         again.get(timeout=0.05)
     release.set()
     assert asyncio.run(awaited()) == 7 and started == [1, 1], "an await waits for the run a get() started"
+
+
+def test_a_future_awaited_by_two_tasks_at_once_runs_its_work_once():
+    """Each ``await`` of a future ran its work when none had finished it yet: two tasks awaiting one future at
+    once (a ``returns_future`` body, a ``then``) ran it twice, an endpoint call in it sent twice. A later awaiter
+    waits for the run under way; if that run's awaiter is cancelled, the next one runs it."""
+    runs: list[int] = []
+
+    @actors.returns_future
+    async def work() -> int:
+        runs.append(1)
+        await asyncio.sleep(0.05)
+        return 7
+
+    async def both() -> list[int]:
+        pending = work()
+
+        async def wait() -> int:
+            return await pending
+
+        return list(await asyncio.gather(wait(), wait()))
+
+    assert asyncio.run(both()) == [7, 7] and runs == [1]
+
+    async def first_given_up() -> int:
+        pending = work()
+        first = asyncio.ensure_future(_awaited(pending))
+        while not runs:  # (the first await's run is under way)
+            await asyncio.sleep(0)
+        second = asyncio.ensure_future(_awaited(pending))
+        await asyncio.sleep(0)  # (the second waits for that run)
+        first.cancel()  # not the future's outcome: the second awaiter runs the work itself
+        return await second
+
+    runs.clear()
+    assert asyncio.run(first_given_up()) == 7 and runs == [1, 1]
+
+
+async def _awaited(pending: Any) -> Any:
+    return await pending
 
 
 def test_spans_traced_functions_and_the_meter_record(caplog):

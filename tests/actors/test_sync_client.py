@@ -739,7 +739,7 @@ def test_a_get_waiting_on_the_programs_loop_goes_on_when_that_loop_ends(tmp_path
                 while not any(call.method == "when_exists" for call in calls.values()):
                     await asyncio.sleep(0.001)  # (the helper's call is out: its reply comes to this loop)
                 while {work!r} == "then" and not any(
-                    task.get_coro().__qualname__ == "Future._body" for task in asyncio.all_tasks()
+                    task.get_coro().__qualname__ == "Future._shared_body" for task in asyncio.all_tasks()
                 ):
                     await asyncio.sleep(0.001)  # (and its get() runs the work on this loop)
                 return thread
