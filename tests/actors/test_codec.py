@@ -513,9 +513,8 @@ def test_a_batch_that_fails_part_way_builds_each_record_before_the_failure_once(
 
 def test_an_inbox_batch_whose_framing_holds_a_tensor_drops_those_records_and_delivers_the_rest(tmp_path):
     """A frame count or size that is a tensor (the framing is msgpack too) is bad framing for its record alone."""
-    import zmq
 
-    from actors._wire._records import PROTOCOL_VERSION, Kind, record_prefix
+    from actors._wire._records import Kind, record_prefix
 
     with wired_inbox(tmp_path) as wired:
         port_id = wired.state.port_id
@@ -529,16 +528,25 @@ def test_an_inbox_batch_whose_framing_holds_a_tensor_drops_those_records_and_del
                 record_prefix(0, len(last)) + last,
             )
         )
-        push = wired.pull.context.socket(zmq.PUSH)
-        try:
-            push.connect(f"ipc://{tmp_path}/inbox.sock")
-            push.send_multipart([msgpack.packb([PROTOCOL_VERSION, wired.peer, 42]), payload])
-            assert wired.pull.poll(10_000)
-            wired.inbox.pump()
-        finally:
-            push.close(linger=0)
+        pump_framed(wired, tmp_path, payload)
         assert [value for value, _, _ in wired.state.queue] == ["first", "last"]
         assert wired.drops.count == 2
+
+
+def pump_framed(wired: Any, tmp_path: Any, payload: bytes) -> None:
+    """Send ``payload`` (a batch framed by the test) to the wired inbox from its peer, and pump it in."""
+    import zmq
+
+    from actors._wire._records import PROTOCOL_VERSION
+
+    push = wired.pull.context.socket(zmq.PUSH)
+    try:
+        push.connect(f"ipc://{tmp_path}/inbox.sock")
+        push.send_multipart([msgpack.packb([PROTOCOL_VERSION, wired.peer, 42]), payload])
+        assert wired.pull.poll(10_000)
+        wired.inbox.pump()
+    finally:
+        push.close(linger=0)
 
 
 def test_resolving_a_name_never_runs_a_modules_getattr():
@@ -657,9 +665,8 @@ def test_a_batch_record_whose_size_lies_is_dropped_alone_and_credit_stays_encoda
     into the port's credit count, whose ``Credit`` then could not be encoded: the receive that was due to credit
     raised ``EncodeError`` after taking its value, and a closing receiver stopped crediting the other senders.
     A size that is not the record's own drops that record alone."""
-    import zmq
 
-    from actors._wire._records import PROTOCOL_VERSION, Kind, record_prefix
+    from actors._wire._records import Kind, record_prefix
 
     credits: list[tuple[Any, int, int, int]] = []
     with wired_inbox(tmp_path, credit=lambda *credit: credits.append(credit)) as wired:
@@ -674,14 +681,7 @@ def test_a_batch_record_whose_size_lies_is_dropped_alone_and_credit_stays_encoda
                 record_prefix(0, len(last)) + last,
             )
         )
-        push = wired.pull.context.socket(zmq.PUSH)
-        try:
-            push.connect(f"ipc://{tmp_path}/inbox.sock")
-            push.send_multipart([msgpack.packb([PROTOCOL_VERSION, wired.peer, 42]), payload])
-            assert wired.pull.poll(10_000)
-            wired.inbox.pump()
-        finally:
-            push.close(linger=0)
+        pump_framed(wired, tmp_path, payload)
         assert [(value, size) for value, _, size in wired.state.queue] == [(1, len(first)), (None, len(last))]
         assert wired.drops.count == 3
 

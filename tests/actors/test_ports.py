@@ -648,16 +648,12 @@ async def test_a_call_that_cannot_be_queued_leaves_no_pending_call(procs: ProcMe
     assert await echo.slice(procs=1).add.call_one(2) == 2  # the runtime goes on
 
 
-async def test_a_call_one_of_whose_links_is_full_reaches_no_rank(procs: ProcMesh, monkeypatch):
-    """A call to every rank is all or nothing: a full link or a dead rank found after rank 0 was sent to would
-    leave rank 0 running a call whose caller was told it failed."""
-    from actors import BufferFull
-    from actors._transport._outbox import LINK_RECORDS
-
+async def echo_with_posts_recorded(procs: ProcMesh, monkeypatch: Any) -> tuple[Any, Any, list[str]]:
+    """An echo actor on each of ``procs`` (every link open), the link to rank 1's process, and the addresses every
+    record posted from now on goes to."""
     echo = procs.spawn("echo", Echo)
-    await echo.add.call(1)  # every link is open
+    await echo.add.call(1)
     rt = runtime()
-    last = rt.link(procs._procs[1])
     posted: list[str] = []
     post = rt.outbox.post
 
@@ -666,6 +662,16 @@ async def test_a_call_one_of_whose_links_is_full_reaches_no_rank(procs: ProcMesh
         posted.append(link.address)
 
     monkeypatch.setattr(rt.outbox, "post", recording)
+    return echo, rt.link(procs._procs[1]), posted
+
+
+async def test_a_call_one_of_whose_links_is_full_reaches_no_rank(procs: ProcMesh, monkeypatch):
+    """A call to every rank is all or nothing: a full link or a dead rank found after rank 0 was sent to would
+    leave rank 0 running a call whose caller was told it failed."""
+    from actors import BufferFull
+    from actors._transport._outbox import LINK_RECORDS
+
+    echo, last, posted = await echo_with_posts_recorded(procs, monkeypatch)
     held, last.records = last.records, LINK_RECORDS  # rank 1's peer "is not reading"
     try:
         with pytest.raises(BufferFull, match="not reading"):
@@ -694,19 +700,8 @@ async def test_a_call_one_of_whose_batches_must_leave_first_and_cannot_reaches_n
     from actors._transport import _outbox
     from actors._transport._sockets import Link
 
-    echo = procs.spawn("echo", Echo)
-    await echo.add.call(1)  # every link is open
-    rt = runtime()
-    last = rt.link(procs._procs[1])
-    posted: list[str] = []
-    post = rt.outbox.post
-
-    def recording(link: Any, *args: Any, **kwargs: Any) -> None:
-        post(link, *args, **kwargs)
-        posted.append(link.address)
-
+    echo, last, posted = await echo_with_posts_recorded(procs, monkeypatch)
     limit = 1 << 16
-    monkeypatch.setattr(rt.outbox, "post", recording)
     monkeypatch.setattr(_outbox, "MAX_PAYLOAD_BYTES", limit)
     send = Link.try_send
     monkeypatch.setattr(Link, "try_send", lambda self, header: False if self is last else send(self, header))

@@ -726,6 +726,19 @@ async def pipeline_survives_a_lost_node(cluster):  # type: ignore[no-untyped-def
     }
 
 
+async def reservations_given_back(before: set[str]) -> dict[str, object]:
+    """The placement groups made since ``before``, once every one of them is removed (90 s at most)."""
+    from ray.util import placement_group_table
+
+    deadline = time.monotonic() + 90
+    while True:  # (an outside condition: the cluster's own table)
+        new = {key: group["state"] for key, group in placement_group_table().items() if key not in before}
+        if new and all(state == "REMOVED" for state in new.values()):
+            return {"groups": new}
+        assert time.monotonic() < deadline, f"the reservation was not given back: {new}"
+        await asyncio.sleep(0.1)
+
+
 @check("cancelled_host_mesh_gives_its_reservation_back")
 async def cancelled_host_mesh_gives_its_reservation_back():  # type: ignore[no-untyped-def]
     """``wait_for(host_mesh_async(...), t)`` that gives up: the reservation went on on its thread and the mesh it
@@ -742,13 +755,7 @@ async def cancelled_host_mesh_gives_its_reservation_back():  # type: ignore[no-u
         pass
     else:
         raise AssertionError("the host mesh was up within 50 ms: nothing was given up")
-    deadline = time.monotonic() + 90
-    while True:  # (an outside condition: the cluster's own table)
-        new = {key: group["state"] for key, group in placement_group_table().items() if key not in before}
-        if new and all(state == "REMOVED" for state in new.values()):
-            return {"groups": new}
-        assert time.monotonic() < deadline, f"the reservation was not given back: {new}"
-        await asyncio.sleep(0.1)
+    return await reservations_given_back(before)
 
 
 @check("host_mesh_left_pending_at_its_loops_end_gives_its_reservation_back")
@@ -771,13 +778,7 @@ async def host_mesh_left_pending_at_its_loops_end_gives_its_reservation_back(): 
     thread = threading.Thread(target=asyncio.run, args=(leave_it_pending(),))
     thread.start()
     await asyncio.to_thread(thread.join, 30)
-    deadline = time.monotonic() + 90
-    while True:  # (an outside condition: the cluster's own table)
-        new = {key: group["state"] for key, group in placement_group_table().items() if key not in before}
-        if new and all(state == "REMOVED" for state in new.values()):
-            return {"groups": new}
-        assert time.monotonic() < deadline, f"the reservation was not given back: {new}"
-        await asyncio.sleep(0.1)
+    return await reservations_given_back(before)
 
 
 async def main() -> None:

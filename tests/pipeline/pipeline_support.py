@@ -158,16 +158,20 @@ class ExpertPolicy(torch.nn.Module):
         return self.blocks[0](x * self.scale, expert)
 
 
-class ExpertRank(Actor):
-    """One rank of a sharded (FSDP2) group over a :class:`RoutedBlock`, each rank's rows routed to its own expert."""
+class GroupRank(Actor):
+    """A rank of a process group on this machine; rank 0 serves the store the others join through."""
 
-    def __init__(self) -> None:
-        self.rendezvous: Rendezvous | None = None
+    rendezvous: Rendezvous | None = None
 
     @endpoint
     def serve(self, world: int) -> GroupAddress:
+        """Rank 0: the store the others join through."""
         self.rendezvous = Rendezvous("127.0.0.1", world)
         return self.rendezvous.address
+
+
+class ExpertRank(GroupRank):
+    """One rank of a sharded (FSDP2) group over a :class:`RoutedBlock`, each rank's rows routed to its own expert."""
 
     @endpoint
     def step(self, address: GroupAddress) -> dict[str, torch.Tensor]:
@@ -184,18 +188,11 @@ class ExpertRank(Actor):
             parallel.close()
 
 
-class LearnerRank(Actor):
+class LearnerRank(GroupRank):
     """One rank of a data-parallel learner on the CPU: joins the group, takes one step, reports its weights."""
 
     def __init__(self, settings: dict[str, Any]) -> None:
         self.settings = settings
-        self.rendezvous: Rendezvous | None = None
-
-    @endpoint
-    def serve(self, world: int) -> GroupAddress:
-        """Rank 0: the store the others join through."""
-        self.rendezvous = Rendezvous("127.0.0.1", world)
-        return self.rendezvous.address
 
     @endpoint
     def step(
