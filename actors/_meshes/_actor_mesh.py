@@ -18,6 +18,7 @@ from .._runtime._call_sender import Through, encode_arguments, pending_future, s
 from .._runtime._core import runtime
 from .._runtime._future import Future
 from .._runtime._pending_calls import PendingCall
+from .._runtime._port import Port
 from .._runtime._value_mesh import Shaped, ValueMesh, extent_from_wire, flattened, select
 from .._shared._errors import ActorDied, DecodeError, SupervisionError, actor_stopped
 from .._shared._liveness import ProcRef
@@ -177,6 +178,8 @@ def send(
     """
     if not isinstance(endpoint, MeshEndpoint):
         raise TypeError(f"send() takes a mesh endpoint such as mesh.method, not {type(endpoint).__name__}")
+    if port is not None and not isinstance(port, Port):  # (the receiver would drop the whole call)
+        raise TypeError(f"send(port=...) takes a Port (from Channel.open()), not {type(port).__name__}")
     mesh = endpoint._mesh
     if selection == "all":
         targets = mesh._targets()

@@ -41,8 +41,9 @@ __all__ = ["Decoder", "WholeBatch"]
 _unpackb = msgpack.unpackb
 
 #: Extension records nested one in another (each decoded from its own copy of its bytes) may hold this many times
-#: their payload's bytes at once, plus :data:`NESTED_BYTES_SPARE` (a large value three tuples deep holds three).
-NESTED_BYTES_FACTOR = 4
+#: their payload's bytes at once, plus :data:`NESTED_BYTES_SPARE` (a large value five levels deep, a dataclass in
+#: tuples, holds five).
+NESTED_BYTES_FACTOR = 8
 NESTED_BYTES_SPARE = 1 << 20
 #: The dataclass plans a decoder keeps, by the name a record gave (emptied when full: a program has a few dozen).
 MAX_CLASS_PLANS = 1024

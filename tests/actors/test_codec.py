@@ -349,6 +349,17 @@ def test_a_call_whose_response_port_is_not_a_port_is_refused():
         Call.from_wire([Kind.CALL, 1, "a", "m", "ipc:///x.sock", 1, 0, b"", 7, 0, None])
 
 
+def test_send_refuses_a_port_that_is_not_one_at_the_sender():
+    """A response port that is not a ``Port`` is refused where the call arrives, the whole call dropped: refused
+    at the sender now, with a ``TypeError``, instead of a call that silently never runs."""
+    from actors import send
+    from actors._meshes._actor_mesh import ActorMesh
+
+    mesh = ActorMesh("m", "tests:Sends", {"send": None, "add": None}, {}, [], None)
+    with pytest.raises(TypeError, match=r"send\(port=...\) takes a Port \(from Channel.open\(\)\), not ActorMesh"):
+        send(mesh.add, (1,), port=mesh)
+
+
 def test_a_call_whose_response_port_is_a_mesh_with_a_send_endpoint_is_refused():
     """The response port was checked by duck typing (a callable ``send``): an actor mesh with an endpoint named
     ``send`` passed, and each answer then raised and was logged with a stack trace, outside the drop log."""
@@ -720,11 +731,12 @@ def nested_tuples(levels: int, size: int) -> bytes:
 def test_extension_records_nested_one_in_another_may_hold_a_few_times_their_payload_not_64():
     """msgpack hands each extension record a copy of its bytes, alive while the records inside it decode: 64
     tuples one in another around a large value held 64 copies at once (a 1 GiB payload, 64 GiB). They may hold
-    four times their payload now; a value a few tuples deep decodes as ever."""
+    eight times their payload now; a value a few levels deep decodes as ever."""
     from actors._wire._decoder import Decoder
 
     size = 1 << 20
     assert Decoder().decode(nested_tuples(3, size)) == ((((b"x" * size),),),)
+    assert len(Decoder().decode(nested_tuples(7, size))) == 1  # (seven levels: within the budget)
     with pytest.raises(DecodeError, match="nested one in another hold"):
         Decoder().decode(nested_tuples(40, size))
     small = nested_tuples(40, 100)  # deep, but small: within the spare
