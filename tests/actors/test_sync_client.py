@@ -722,11 +722,10 @@ def test_a_get_waiting_on_the_programs_loop_goes_on_when_that_loop_ends(tmp_path
         tmp_path,
         f"""
         if __name__ == "__main__":
-            import tempfile
             from actors._runtime._core import current_runtime
             procs, talker = served_talker()
             calls = current_runtime().calls._pending
-            path = os.path.join(tempfile.mkdtemp(), "go")
+            path = os.path.join({str(tmp_path)!r}, "go")
             got = []
 
             def wait():
@@ -767,9 +766,8 @@ def test_a_wait_after_a_get_gave_up_on_a_loop_that_stopped_runs_the_work_where_t
         tmp_path,
         f"""
         if __name__ == "__main__":
-            import tempfile
             procs, talker = served_talker()
-            path = os.path.join(tempfile.mkdtemp(), "go")
+            path = os.path.join({str(tmp_path)!r}, "go")
             got, gave_up, go_on = [], threading.Event(), threading.Event()
 
             def helper():

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
-__all__ = ["checks_env", "read_records", "require"]
+__all__ = ["checks_env", "read_records", "require", "scratch"]
 
 
 def checks_env() -> dict[str, str]:
@@ -42,3 +45,10 @@ def require(records: dict[str, dict[str, object]], name: str) -> None:
     record = records.get(name)
     assert record is not None, f"{name} did not run"
     assert record["ok"], f"{record['detail']}\n{record.get('tb', '')}"
+
+
+def scratch(prefix: str) -> str:
+    """A new folder for a check's run (its run folder, a fifo), removed when the checks' process exits."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path

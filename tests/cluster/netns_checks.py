@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 import ray_cluster_checks as base
+from check_records import scratch
 from ray_cluster_checks import Where, check
 
 from actors import ActorDied
@@ -233,7 +234,6 @@ async def pipeline_survives_a_partition(cluster: Cluster) -> dict[str, Any]:
     restarts on a live node once the lifeline's silence says its host is
     lost. The link comes back after the run.
     """
-    import tempfile
 
     from pipeline import Config
 
@@ -242,7 +242,7 @@ async def pipeline_survives_a_partition(cluster: Cluster) -> dict[str, Any]:
     config = Config(
         task="bandit", steps=1600, generators=nodes, ray=cluster.address, ray_hosts=nodes, target_score=None
     )
-    config.run_dir = tempfile.mkdtemp(prefix="netns-partition-")
+    config.run_dir = scratch("netns-partition-")
     run, steps_logged = await base.pipeline_past(config, 200)
     cut = nodes - 1
     cluster.cut(cut)

@@ -19,6 +19,7 @@ import traceback
 from typing import Any
 
 import zmq
+from check_records import scratch
 
 import actors
 from actors import Actor, ActorDied, Channel, Port, SupervisionError, endpoint
@@ -310,14 +311,13 @@ async def pipeline_across_nodes(address):  # type: ignore[no-untyped-def]
     The trainer is two sharded ranks (FSDP2 over gloo), rank 1 on the other node: every step's update, publish,
     evaluation and checkpoint crosses the hosts.
     """
-    import tempfile
 
     from pipeline import Config, run_pipeline
 
     config = Config(
         task="bandit", steps=120, generators=2, ray=address, ray_hosts=2, target_score=None, trainer_ranks=2
     )
-    config.run_dir = tempfile.mkdtemp(prefix="ray-pipeline-")
+    config.run_dir = scratch("ray-pipeline-")
     result = await asyncio.wait_for(run_pipeline(config, quiet=True), 240)
     assert result.steps == 120, result
     routes = result.weight_routes
@@ -339,7 +339,6 @@ async def pipeline_across_nodes(address):  # type: ignore[no-untyped-def]
 @check("pipeline_placement_refused")
 async def pipeline_placement_refused(address):  # type: ignore[no-untyped-def]
     """More hosts than live nodes, generators or trainer ranks that do not spread evenly: refused before anything starts."""
-    import tempfile
 
     from pipeline import Config, run_pipeline
 
@@ -352,7 +351,7 @@ async def pipeline_placement_refused(address):  # type: ignore[no-untyped-def]
         config = Config(
             task="bandit", steps=10, generators=generators, ray=address, ray_hosts=hosts, trainer_ranks=ranks
         )
-        config.run_dir = tempfile.mkdtemp(prefix="ray-refused-")
+        config.run_dir = scratch("ray-refused-")
         try:
             await asyncio.wait_for(run_pipeline(config, quiet=True), 60)
         except ValueError as exc:
@@ -402,13 +401,12 @@ async def raylet_killed_fails_calls(cluster):  # type: ignore[no-untyped-def]
 @check("stop_kills_a_wedged_worker_on_another_node")
 async def stop_kills_a_wedged_worker_on_another_node(hosts):  # type: ignore[no-untyped-def]
     """A worker whose loop is blocked ignores the stop: its node host kills it (its pid means nothing here)."""
-    import tempfile
 
     procs = hosts.spawn_procs(per_host={"procs": 1})
     mesh = procs.spawn("wedged", Where)
     far = mesh.slice(hosts=1)
     pid = (await far.where.call_one())[0]
-    fifo = os.path.join(tempfile.mkdtemp(prefix="ray-wedged-"), "frozen")
+    fifo = os.path.join(scratch("ray-wedged-"), "frozen")
     os.mkfifo(fifo)
     frozen = asyncio.ensure_future(far.freeze.call_one(fifo, 120))
     said = await asyncio.wait_for(asyncio.to_thread(lambda: open(fifo).read()), 30)
@@ -700,7 +698,6 @@ async def pipeline_survives_a_lost_node(cluster):  # type: ignore[no-untyped-def
 
     The trainer goes on the controller's own node, so only a generator's node is lost.
     """
-    import tempfile
 
     from pipeline import Config
 
@@ -708,7 +705,7 @@ async def pipeline_survives_a_lost_node(cluster):  # type: ignore[no-untyped-def
     cluster.wait_for_nodes()
     # 400 steps after the removal, ~6 s at this cluster's pace (~70 steps/s); the restart was in by 60-185 steps
     config = Config(task="bandit", steps=600, generators=2, ray=cluster.address, ray_hosts=2, target_score=None)
-    config.run_dir = tempfile.mkdtemp(prefix="ray-lost-node-")
+    config.run_dir = scratch("ray-lost-node-")
     run, steps_logged = await pipeline_past(config, 200)
     removing = asyncio.ensure_future(asyncio.to_thread(cluster.remove_node, node, False))
     result = await asyncio.wait_for(run, 240)
