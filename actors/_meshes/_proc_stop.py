@@ -95,12 +95,18 @@ def stop_steps(
             log.exception("could not kill the process at %s: the stop goes on without it", ref.address)
     yield all_dead, KILL_WAIT
     for ref in procs:
-        try:
-            remove_socket_file(ref.address)
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(incarnation_path(rt.dir, ref.address))
-        except OSError as exc:
-            log.warning("could not remove the files of %s: %s", ref.address, exc)
+        _remove_files(rt, ref)
+
+
+def _remove_files(rt: Runtime, ref: ProcRef) -> None:
+    """Remove the socket and incarnation files of the process at ``ref``'s address (one that cannot be removed is
+    logged: the others still go)."""
+    try:
+        remove_socket_file(ref.address)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(incarnation_path(rt.dir, ref.address))
+    except OSError as exc:
+        log.warning("could not remove the files of %s: %s", ref.address, exc)
 
 
 def _kill_late(rt: Runtime, ref: ProcRef) -> None:
@@ -110,9 +116,7 @@ def _kill_late(rt: Runtime, ref: ProcRef) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(ref.pid, signal.SIGKILL)
     log.info("killed pid %d of %s: it started after its mesh stopped", ref.pid, ref.address)
-    remove_socket_file(ref.address)
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(incarnation_path(rt.dir, ref.address))
+    _remove_files(rt, ref)
 
 
 class StopRun:

@@ -116,8 +116,7 @@ class Runtime:
         #: Port-sender holders whose exit is settling (pid, or another host's address -> when it is due): timed
         #: again on each loop the runtime moves to (a timer of the loop it left never fires).
         self._settling: dict[int | str, float] = {}
-        self.driver.moved.connect(self._resettle)
-        self.driver.moved.connect(self._calls_moved)
+        self.driver.moved.connect(self._moved)
         self.windows.released.connect(self.driver.notify_progress)  # (a sender blocked for room looks again)
         #: Deaths and restarts of processes on other hosts, told to and heard from peers.
         self.news = PeerNews(self)
@@ -217,17 +216,14 @@ class Runtime:
             self.inbox.pump()
         self.receivers.holder_died(pid)
 
-    def _calls_moved(self) -> None:
-        loop = self.driver.loop
-        if loop is not None:
-            self.calls.rearm(loop)
-
-    def _resettle(self) -> None:
-        """The runtime moved to another loop (``asyncio.run`` ended right after a sender's exit, say): each exit
-        still settling is timed there, or a receive would wait for that sender for good."""
+    def _moved(self) -> None:
+        """The runtime moved to another loop (``asyncio.run`` ended, say): what was timed on the one it left is timed
+        there: each call's deadline (:meth:`CallTable.rearm`), and each port sender's exit still settling (or a
+        receive would wait for that sender for good)."""
         loop = self.driver.loop
         if loop is None:
             return
+        self.calls.rearm(loop)
         now = time.monotonic()
         for pid, due in self._settling.items():
             loop.call_later(max(0.0, due - now), self._holder_settled, pid)

@@ -537,40 +537,33 @@ def test_no_step_is_trained_after_the_final_checkpoint_of_an_interrupted_run(tmp
     """The final checkpoint told the trainer nothing: it trained on the rollouts queued while the run wrote its
     rows and stopped, and a periodic save then left a later checkpoint than the one the stop reported, with steps
     no row was written for (a resumed run's curve had a gap). The final checkpoint is the trainer's last step."""
-    run_dir = tmp_path / "run"
-    proc = cli("--task", "bandit", "--steps", "200000", "--save-every", "1", "--run-dir", str(run_dir), "--quiet")
-    try:
-        metrics = run_dir / "metrics.jsonl"
-        assert wait_for(lambda: metrics.exists() and metrics.stat().st_size > 5000, timeout=60)
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
-        assert proc.returncode == 130, out + err
-        assert "final checkpoint written" in err, err
-        state = load_checkpoint(str(run_dir))
-        steps = [row["step"] for row in read_rows(str(run_dir))]
-        assert steps == list(range(1, state["step"] + 1)), (steps[-12:], state["step"])
-    finally:
-        proc.kill()
-        proc.wait()
+    _, err, _ = _interrupt_and_check_every_row_is_kept(tmp_path / "run", ["--save-every", "1"], started=60)
+    assert "final checkpoint written" in err, err
 
 
 def test_ctrl_c_with_trainer_ranks_saves_the_shards_after_the_step_and_keeps_every_row(tmp_path):
     """The final checkpoint's save runs on every rank after the step in flight, never beside it (the other
     ranks were asked to save at once, and ran the save's collectives beside the step's); the metrics hold every
     step up to the checkpoint's, so a resumed run draws the whole curve."""
-    run_dir = tmp_path / "run"
-    proc = cli("--task", "bandit", "--steps", "200000", "--trainer-ranks", "2", "--run-dir", str(run_dir), "--quiet")
+    out, err, state = _interrupt_and_check_every_row_is_kept(tmp_path / "run", ["--trainer-ranks", "2"], started=90)
+    assert "interrupted" in out and "--resume" in out, out + err
+    assert "shards" in state and state["step"] > 0
+
+
+def _interrupt_and_check_every_row_is_kept(run_dir: Any, flags: list[str], started: float) -> tuple[str, str, Any]:
+    """Ctrl-C a bandit run (with ``flags``) once it has trained a while (``started``: its guard, s); it exits 130 and
+    its metrics hold every step up to its checkpoint's. Its stdout, stderr and checkpoint."""
+    proc = cli("--task", "bandit", "--steps", "200000", *flags, "--run-dir", str(run_dir), "--quiet")
     try:
         metrics = run_dir / "metrics.jsonl"
-        assert wait_for(lambda: metrics.exists() and metrics.stat().st_size > 5000, timeout=90)
+        assert wait_for(lambda: metrics.exists() and metrics.stat().st_size > 5000, timeout=started)
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
         assert proc.returncode == 130, out + err
-        assert "interrupted" in out and "--resume" in out, out + err
         state = load_checkpoint(str(run_dir))
-        assert "shards" in state and state["step"] > 0
         steps = [row["step"] for row in read_rows(str(run_dir))]
         assert steps == list(range(1, state["step"] + 1)), (steps[-12:], state["step"])
+        return out, err, state
     finally:
         proc.kill()
         proc.wait()
