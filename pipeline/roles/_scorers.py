@@ -35,9 +35,16 @@ class Scorer(Actor):
         return await self.task.score_async(self.scorer, to_device(rollout.samples, self.device))
 
     @endpoint
-    async def run(self, out: Port[ScoredRollout]) -> int:
+    async def run(self, out: Port[ScoredRollout], producers: int = 1) -> int:
+        """Score rollouts until each of the ``producers`` (the generators) has ended its stream, then end ours."""
+        if isinstance(producers, bool) or not isinstance(producers, int) or producers < 1:
+            raise ValueError(f"producers must be a positive int, got {producers!r}")
         count = 0
-        while (rollout := await self.inbox.recv()) is not None:
+        while producers:
+            rollout = await self.inbox.recv()
+            if rollout is None:
+                producers -= 1
+                continue
             scores = await self.score(rollout)
             accuracy = None if scores.accuracy is None else scores.accuracy.cpu()
             components = scores.components or {}

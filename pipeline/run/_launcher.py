@@ -36,6 +36,7 @@ from actors import (
     Channel,
     Failure,
     HostMesh,
+    Port,
     PortReceiver,
     ProcMesh,
     forkserver_preload,
@@ -46,7 +47,7 @@ from actors import (
 from ..config import Config, SettingsError, check_settings
 from ..learning import checkpoint
 from ..models import check_model
-from ..roles import Generator, RefModel, Scorer, StepReport, Trainer, TrainerRank, uses_reference
+from ..roles import Generator, RefModel, Rollout, Scorer, StepReport, Trainer, TrainerRank, uses_reference
 from ..tasks import check_task_settings, load_task, resolve
 from ._cli import parse_args
 from ._failures import PipelineError, first_failure
@@ -217,13 +218,19 @@ LEFTOVER_GUARD = 10.0
 
 
 async def _leftovers(
-    gens: Generator, tasks: dict[str, asyncio.Task[Any]], names: list[str], producing: set[int]
+    gens: Generator,
+    tasks: dict[str, asyncio.Task[Any]],
+    names: list[str],
+    producing: set[int],
+    rollouts_in: Port[Rollout],
 ) -> list[int | None]:
     """Drain the generators and let every role finish what is on its way; each generator's rollouts sent.
 
     A generator restarted during training that is not producing again yet
     (``producing`` lacks its rank: its new process may still be loading its
-    model) owes nothing: its rejoin is cancelled, not drained or waited for.
+    model) owes nothing: its rejoin is cancelled, not drained or waited for,
+    and its end of stream is sent to the scorer (``rollouts_in``) for it (the
+    scorer ends once every generator's stream has ended).
 
     Training is over, so the run's result stands whatever happens here: a
     role that fails (a reward function raising on a leftover rollout, a
@@ -238,6 +245,7 @@ async def _leftovers(
     for rank, name in enumerate(names):
         if rank not in producing:
             tasks[name].cancel()
+            rollouts_in.send(None)  # (it sent nothing: its run was never called)
     # (a drain lands between rollouts: it answers once each generator's rollout in flight is done)
     draining = asyncio.ensure_future(
         _drained(gens, [rank for rank, name in enumerate(names) if rank in producing and not tasks[name].done()])
@@ -470,7 +478,7 @@ async def run_pipeline(
                 name: asyncio.ensure_future(gens.slice(procs=r).run.call_one())
                 for r, name in enumerate(generator_names)
             },
-            "scorer": asyncio.ensure_future(scorer.run.call_one(scored_in)),
+            "scorer": asyncio.ensure_future(scorer.run.call_one(scored_in, config.generators)),
             **({"reference model": asyncio.ensure_future(ref.run.call_one(trainer_in))} if ref is not None else {}),
             "trainer": asyncio.ensure_future(trainer.run.call_one(gens, grants, ref)),
         }
@@ -522,7 +530,7 @@ async def run_pipeline(
         training_over.set()
         stop_started = time.perf_counter()
         try:
-            produced = await _leftovers(gens, tasks, generator_names, producing)
+            produced = await _leftovers(gens, tasks, generator_names, producing, rollouts_in)
             stop_started = time.perf_counter()
             for mesh in meshes:
                 await mesh.stop(timeout=2)

@@ -469,15 +469,19 @@ async def test_the_drain_once_training_ended_skips_a_generator_whose_run_ended(c
     )
     tasks = {"generator 0": dead, "generator 1": running}
     names = ["generator 0", "generator 1"]
-    assert await asyncio.wait_for(_launcher._leftovers(gens, tasks, names, {0, 1}), 10) == [None, 7]  # type: ignore[arg-type]
-    assert drained == [1]
+    ends: list[object] = []
+    scorer_inlet = SimpleNamespace(send=ends.append)
+    leftovers = _launcher._leftovers(gens, tasks, names, {0, 1}, scorer_inlet)  # type: ignore[arg-type]
+    assert await asyncio.wait_for(leftovers, 10) == [None, 7]
+    assert drained == [1] and ends == [], "each generator's own run sends its end of stream"
     assert "generator 0 failed after training ended (the run's result stands)" in capfd.readouterr().err
 
 
 async def test_the_drain_once_training_ended_neither_drains_nor_waits_for_a_generator_still_rejoining():
     """A generator that died during training (the trainer's final save, minutes for a large model) was restarted
     and its rejoin was still waiting for the new process's model load: its task was not done, so the drain asked
-    it and waited behind that constructor, up to ``DRAIN_GUARD`` (120 s). It owes nothing: its rejoin is cancelled."""
+    it and waited behind that constructor, up to ``DRAIN_GUARD`` (120 s). It owes nothing: its rejoin is cancelled,
+    and its end of stream is sent to the scorer for it (which ends once every generator's stream has ended)."""
     from types import SimpleNamespace
 
     from pipeline.run import _launcher
@@ -496,8 +500,11 @@ async def test_the_drain_once_training_ended_neither_drains_nor_waits_for_a_gene
     gens = SimpleNamespace(slice=lambda procs: SimpleNamespace(drain=SimpleNamespace(call_one=lambda: drain(procs))))
     tasks = {"generator 0": rejoining, "generator 1": running}
     names = ["generator 0", "generator 1"]
-    assert await asyncio.wait_for(_launcher._leftovers(gens, tasks, names, {1}), 10) == [None, 7]  # type: ignore[arg-type]
-    assert drained == [1] and rejoining.cancelled()
+    ends: list[object] = []
+    scorer_inlet = SimpleNamespace(send=ends.append)
+    leftovers = _launcher._leftovers(gens, tasks, names, {1}, scorer_inlet)  # type: ignore[arg-type]
+    assert await asyncio.wait_for(leftovers, 10) == [None, 7]
+    assert drained == [1] and rejoining.cancelled() and ends == [None]
 
 
 async def test_generator_hooks_run_in_the_worker_and_their_errors_propagate(tmp_path, sockets_dir):
