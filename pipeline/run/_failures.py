@@ -17,11 +17,16 @@ from ..models import VLLMUnavailable
 from ..roles import first_death
 from ..tasks import RewardError
 
-__all__ = ["KNOCK_ON_GRACE", "USER_ERRORS", "PipelineError", "first_failure"]
+__all__ = ["KNOCK_ON_GRACE", "USER_ERRORS", "PeerDied", "PipelineError", "first_failure"]
 
 
 class PipelineError(RuntimeError):
     """A role failed; the message names it."""
+
+
+class PeerDied(RuntimeError):
+    """The launcher's work on a role's behalf (a restarted generator's rejoin) failed because another role's process
+    died in a call to it: a knock-on failure, the dead role's to name."""
 
 
 #: How long a role that failed because a peer's port closed waits for that peer's own failure to be named.
@@ -75,8 +80,9 @@ async def _dead_role(tasks: dict[str, asyncio.Task[Any]]) -> asyncio.Task[Any] |
     return next((task for task in tasks.values() if task is dead), None)
 
 
-#: Failures that only follow a peer's death: its port closed, or (a generator's) its weight publisher exited.
-KNOCK_ON = (PortClosed, PublisherDied)
+#: Failures that only follow a peer's death: its port closed, (a generator's) its weight publisher exited, or
+#: (a rejoin's) the peer it called died.
+KNOCK_ON = (PortClosed, PublisherDied, PeerDied)
 
 
 def _knock_on(task: asyncio.Task[Any]) -> bool:

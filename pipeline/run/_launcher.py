@@ -34,7 +34,6 @@ from actors import (
     ActorDied,
     ActorsError,
     Channel,
-    Failure,
     HostMesh,
     Port,
     PortReceiver,
@@ -53,6 +52,7 @@ from ._cli import parse_args
 from ._failures import PipelineError, first_failure
 from ._metrics import MetricsLog, Progress, plot
 from ._placement import check_alias_across_hosts, check_placement
+from ._rejoins import Rejoins
 from ._run_dir import drop_completions_after, outputs, refuse_earlier_run, remove_earlier_run, write_config
 from ._sinks import TrackerError
 
@@ -377,7 +377,6 @@ async def run_pipeline(
     log: MetricsLog | None = None
     progress = Progress(config.steps, quiet)
     tasks: dict[str, asyncio.Task[Any]] = {}
-    restarts: dict[str, int] = {}
     consumer: asyncio.Future[None] | None = None
     reports: PortReceiver[StepReport] | None = None
     trainer = None
@@ -483,36 +482,8 @@ async def run_pipeline(
             "trainer": asyncio.ensure_future(trainer.run.call_one(gens, grants, ref)),
         }
         training_started = time.perf_counter()
-        #: The generators drawing rollouts: not one restarted and still joining again (its model loading).
-        producing = set(range(len(generator_names)))
-
-        async def rejoin(rank: int) -> int:
-            """Wire a restarted generator in again: new grant port, newest weights, then produce."""
-            gen = gens.slice(procs=rank)
-            grants_in = await gen.grant_inlet.call_one()
-            version = await trainer.generator_restarted.call_one(rank, grants_in)
-            progress.note(
-                f"generator {rank} restarted (pid {gen_procs.pids[rank]}); it starts from policy version {version}"
-            )
-            producing.add(rank)
-            return await gen.run.call_one()  # type: ignore[no-any-return]
-
-        training_over = asyncio.Event()
-
-        def on_generator_failure(failure: Failure) -> bool:
-            name = generator_names[failure.rank]
-            if training_over.is_set():  # its leftovers are not needed: the new process is only stopped
-                progress.note(f"generator {failure.rank} died after training ended (pid {failure.pid})")
-                return True
-            if not failure.restarted:
-                return False  # out of restarts: the run stops, naming the generator
-            progress.note(f"generator {failure.rank} died (pid {failure.pid}): {failure.message}")
-            producing.discard(failure.rank)
-            tasks[name] = asyncio.ensure_future(rejoin(failure.rank))
-            restarts[name] = restarts.get(name, 0) + 1
-            return True
-
-        gen_procs.add_failure_handler(on_generator_failure)
+        rejoins = Rejoins(gens, gen_procs, trainer, tasks, generator_names, progress)
+        gen_procs.add_failure_handler(rejoins.on_failure)
 
         async def consume_reports() -> None:
             while (report := await reports.recv()) is not None:
@@ -527,10 +498,10 @@ async def run_pipeline(
         summary = await tasks["trainer"]
         seconds = time.perf_counter() - training_started
         progress.done()
-        training_over.set()
+        rejoins.training_over = True
         stop_started = time.perf_counter()
         try:
-            produced = await _leftovers(gens, tasks, generator_names, producing, rollouts_in)
+            produced = await _leftovers(gens, tasks, generator_names, rejoins.producing, rollouts_in)
             stop_started = time.perf_counter()
             for mesh in meshes:
                 await mesh.stop(timeout=2)
@@ -552,7 +523,7 @@ async def run_pipeline(
             startup_seconds=startup,
             stop_seconds=time.perf_counter() - stop_started,
             rollouts={name: count for name, count in zip(generator_names, produced, strict=True) if count is not None},
-            restarts=restarts,
+            restarts=rejoins.restarts,
             weight_routes=weight_routes,
             trainer_hosts=trainer_hosts,
         )

@@ -344,6 +344,14 @@ class LateJoiningRank(TrainerRank):
         return await super().join(address, world)
 
 
+class DyingOnRejoinTrainer(Trainer):
+    """A trainer whose process exits as a restarted generator rejoins (in ``generator_restarted``)."""
+
+    @endpoint
+    async def generator_restarted(self, generator, grants):  # type: ignore[no-untyped-def]
+        os._exit(3)
+
+
 class SlowCheckpointTrainer(Trainer):
     """A trainer whose final checkpoint takes minutes: writes ``<run_dir>/saving`` when one is asked for."""
 

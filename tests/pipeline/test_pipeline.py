@@ -16,6 +16,7 @@ import torch
 from harness import ROOT, actor_pids, run_python, wait_for
 from pipeline_support import (
     DrainFailingGenerator,
+    DyingOnRejoinTrainer,
     DtypeGenerator,
     DtypeRefModel,
     FailingScorer,
@@ -741,6 +742,21 @@ async def test_a_killed_generator_is_restarted_with_the_newest_weights(tmp_path,
     assert f"generator 1 died (pid {victim})" in err and f"generator 1 restarted (pid {new_pid})" in err
 
 
+async def test_a_trainer_that_dies_while_a_restarted_generator_rejoins_is_the_one_named(tmp_path, sockets_dir):
+    """The launcher's rejoin of a restarted generator calls the trainer; the trainer dies in that call. The run
+    names the trainer (before, the rejoin's failure, the trainer's death seen by that call, could be named first:
+    "the generator 1 failed")."""
+    run_dir = str(tmp_path)
+    config = Config(steps=100000, task=BANDIT, generators=2, run_dir=run_dir, stop_grace=0)
+    roles = Roles(generator=ProbeGenerator, trainer=DyingOnRejoinTrainer)
+    run = asyncio.ensure_future(run_pipeline(config, quiet=True, roles=roles))
+    await _until(lambda: len(_first_rollouts(run_dir)) == 2 or run.done(), 60)
+    assert not run.done(), run.exception()
+    os.kill(next(entry[1] for entry in _first_rollouts(run_dir) if entry[0] == 1), signal.SIGKILL)
+    with pytest.raises(PipelineError, match=r"^the trainer failed: .*"):
+        await asyncio.wait_for(run, 60)
+
+
 async def test_a_generator_out_of_restarts_stops_the_run_naming_it(tmp_path, sockets_dir):
     run_dir = str(tmp_path)
     config = Config(steps=100000, task=BANDIT, generators=2, run_dir=run_dir, generator_restarts=0)
@@ -875,7 +891,7 @@ async def test_an_interrupt_once_training_ended_keeps_the_result(tmp_path, socke
     its last checkpoint written, but the interrupt threw the result away (exit 130, no ``done:``, no plot)."""
     from pipeline.run import _launcher
 
-    async def slow_drain(gens: Any, tasks: Any, names: list[str], producing: set[int]) -> list[int | None]:
+    async def slow_drain(*leftovers: Any) -> list[int | None]:  # (stands in for _leftovers, whatever it takes)
         run.cancel()  # (the user's Ctrl-C)
         await asyncio.Event().wait()  # a drain that would take its full guard
         raise AssertionError("not reached")
