@@ -355,9 +355,26 @@ class Learner:
         return torch.compiler.set_stance("force_eager")  # type: ignore[no-any-return]
 
     def _with_primary(self, metrics: dict[str, float]) -> dict[str, float]:
+        """The task's held-out metrics as plain floats (a numpy scalar or a one-element tensor is taken: the rows'
+        JSON, the trackers and the checkpoint keep floats), its primary one among them."""
+        name = type(self.task).__name__
+        if not isinstance(metrics, dict):
+            raise TypeError(
+                f"{name}.evaluate must return a dict of metric name -> number, got {type(metrics).__name__}"
+            )
         if self.task.primary not in metrics:
-            raise KeyError(f"{type(self.task).__name__}.evaluate must report {self.task.primary!r}")
-        return metrics
+            raise KeyError(f"{name}.evaluate must report {self.task.primary!r}")
+        plain: dict[str, float] = {}
+        for key, value in metrics.items():
+            try:
+                if isinstance(value, (bool, str, bytes)) or not isinstance(key, str):
+                    raise TypeError
+                plain[key] = float(value)
+            except (TypeError, ValueError, RuntimeError):  # (RuntimeError: a tensor of several elements)
+                raise TypeError(
+                    f"{name}.evaluate's metric {key!r} must be a number under a str name, got {type(value).__name__}"
+                ) from None
+        return plain
 
     def reference(self) -> torch.nn.Module:
         """A frozen copy of the initial policy (the one-process baseline's RefModel), its weights in the run's dtype

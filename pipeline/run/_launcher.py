@@ -299,7 +299,16 @@ async def _stopping(
     then every report already received is written."""
     if trainer is not None and trained is not None and not trained.done():
         progress.done()
-        await _final_checkpoint(trainer, grace)
+        if consumer is not None and consumer.done() and not consumer.cancelled() and consumer.exception() is not None:
+            # (its rows stopped at the failure: a checkpoint past them would leave steps with no row for good)
+            print(
+                "stopping: no final checkpoint (the run's rows could not be written): the run folder keeps the "
+                "last one",
+                file=sys.stderr,
+                flush=True,
+            )
+        else:
+            await _final_checkpoint(trainer, grace)
     if consumer is not None and reports is not None:
         await _written(consumer, reports)
 

@@ -10,6 +10,7 @@ than its average since start-up.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -20,7 +21,7 @@ from typing import Any, TextIO
 
 from ..roles import StepReport
 from ..tasks import REWARD_STATISTICS
-from ._sinks import open_sink
+from ._sinks import NoTracker, Sink, open_sink
 
 __all__ = ["METRICS", "PLOT", "WINDOW", "MetricsLog", "Progress", "RateWindow", "metric_row", "plot", "read_rows"]
 
@@ -130,14 +131,29 @@ def metric_row(report: StepReport, windowed: dict[str, float]) -> dict[str, Any]
 
 
 class MetricsLog:
-    """Appends one JSON row per trainer step to ``<run_dir>/metrics.jsonl``, and sends it to ``--report-to``'s sink."""
+    """Appends one JSON row per trainer step to ``<run_dir>/metrics.jsonl``, and sends it to ``--report-to``'s sink.
 
-    def __init__(self, run_dir: str, report_to: str = "tensorboard", config: dict[str, Any] | None = None) -> None:
+    The tracker is a copy: one that fails mid-run (a W&B upload error, a TensorBoard writer's) is said once on
+    ``stream`` and left out from then on, and the run and its ``metrics.jsonl`` go on (a tracker's hiccup cost the
+    whole run, and the rows of the steps trained after it).
+    """
+
+    def __init__(
+        self,
+        run_dir: str,
+        report_to: str = "tensorboard",
+        config: dict[str, Any] | None = None,
+        stream: TextIO = sys.stderr,
+    ) -> None:
         self.path = os.path.join(run_dir, METRICS)
         self._file = open(self.path, "a", buffering=1)
         self._window = RateWindow()
+        self._report_to = report_to
+        self._stream = stream
+        #: The tracker that failed, closed (whatever it raises) with the log.
+        self._failed: Sink | None = None
         try:
-            self._sink = open_sink(report_to, run_dir, config)
+            self._sink: Sink = open_sink(report_to, run_dir, config)
         except BaseException:  # (a tracker that cannot start: the launcher has no log to close)
             self._file.close()
             raise
@@ -148,7 +164,17 @@ class MetricsLog:
         if self.rows == 0:
             self._drop_rows_from(report.step)
         self._file.write(json.dumps(_standard_json(row), allow_nan=False) + "\n")
-        self._sink.write(row)
+        try:
+            self._sink.write(row)
+        except Exception as exc:
+            self._failed, self._sink = self._sink, NoTracker()
+            first = (str(exc).strip().splitlines() or [""])[0]
+            print(
+                f"warning: --report-to {self._report_to} failed at step {report.step} ({type(exc).__name__}: {first});"
+                f" it gets no more rows, {METRICS} keeps every one",
+                file=self._stream,
+                flush=True,
+            )
         self.rows += 1
         return row
 
@@ -174,7 +200,12 @@ class MetricsLog:
         try:
             self._file.close()
         finally:
-            self._sink.close()
+            try:
+                self._sink.close()
+            finally:
+                if self._failed is not None:
+                    with contextlib.suppress(Exception):  # (said when it failed)
+                        self._failed.close()
 
 
 def _standard_json(value: Any) -> Any:
@@ -267,10 +298,12 @@ def _column(rows: list[dict[str, Any]], name: str) -> list[float]:
 
 
 def _smooth(values: list[float], window: int) -> list[float]:
+    """The trailing mean of each point's last ``window`` values, a gap (NaN) only where none of them is finite
+    (one step's null blanked the ``window`` points after it)."""
     out = []
     for i in range(len(values)):
-        chunk = values[max(0, i - window + 1) : i + 1]
-        out.append(sum(chunk) / len(chunk))
+        chunk = [value for value in values[max(0, i - window + 1) : i + 1] if math.isfinite(value)]
+        out.append(sum(chunk) / len(chunk) if chunk else math.nan)
     return out
 
 

@@ -18,6 +18,7 @@ from ..config import REPORT_TO
 
 __all__ = [
     "CompletionsFeed",
+    "NoTracker",
     "Sink",
     "TensorBoardSink",
     "TrackerError",
@@ -222,7 +223,9 @@ def _wandb_id(run_dir: str) -> str:
     return made
 
 
-class _Nowhere:
+class NoTracker:
+    """``--report-to none``: rows go to ``metrics.jsonl`` only."""
+
     def write(self, row: dict[str, Any]) -> None:
         pass
 
@@ -244,5 +247,5 @@ def open_sink(report_to: str, run_dir: str, config: dict[str, Any] | None = None
     if report_to == "wandb":
         return WandbSink(run_dir, config or {})
     if report_to == "none":
-        return _Nowhere()
+        return NoTracker()
     raise ValueError(f"--report-to {report_to}: choose one of {', '.join(REPORT_TO)}")

@@ -132,6 +132,47 @@ def test_the_log_writes_rows_and_the_plot(tmp_path):
     assert plot(str(tmp_path / "empty")) is None
 
 
+def test_a_tracker_that_fails_mid_run_is_said_once_and_left_out_while_every_row_is_kept(tmp_path, monkeypatch):
+    """A tracker's write that raises (a W&B upload error) ended the run with "writing the run's metrics failed", and
+    the rows of the steps trained after it were lost. It is said once and left out; ``metrics.jsonl`` goes on."""
+    from pipeline.run import _metrics
+
+    class Flaky:
+        def __init__(self) -> None:
+            self.rows: list[int] = []
+            self.closed = 0
+
+        def write(self, row: dict[str, object]) -> None:
+            if row["step"] == 3:
+                raise ConnectionError("upload refused\nmore detail")
+            self.rows.append(row["step"])  # type: ignore[arg-type]
+
+        def close(self) -> None:
+            self.closed += 1
+            raise ConnectionError("still refused")  # (its close raising too loses nothing)
+
+    flaky = Flaky()
+    monkeypatch.setattr(_metrics, "open_sink", lambda *args: flaky)
+    said = io.StringIO()
+    log = MetricsLog(str(tmp_path), report_to="wandb", stream=said)
+    for step in range(1, 6):
+        log.write(report(step))
+    log.close()
+    assert [row["step"] for row in read_rows(str(tmp_path))] == [1, 2, 3, 4, 5]
+    assert flaky.rows == [1, 2] and flaky.closed == 1
+    assert said.getvalue() == (
+        "warning: --report-to wandb failed at step 3 (ConnectionError: upload refused); it gets no more rows, "
+        "metrics.jsonl keeps every one\n"
+    )
+
+
+def test_the_curve_s_smoothing_skips_a_null_instead_of_blanking_the_window_after_it():
+    from pipeline.run._metrics import _smooth
+
+    smoothed = _smooth([1.0, math.nan, 3.0, 5.0, math.nan, math.nan], 2)
+    assert smoothed[:5] == [1.0, 1.0, 3.0, 4.0, 5.0] and math.isnan(smoothed[5])
+
+
 def test_a_step_whose_figures_are_not_finite_writes_standard_json_and_still_plots(tmp_path):
     """A diverged step (a NaN loss, an infinite KL) is a row any JSON reader takes (null), not Python's NaN token
     that ``jq``, JavaScript and strict parsers refuse; the live line and the plot still show it."""

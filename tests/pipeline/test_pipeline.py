@@ -16,9 +16,9 @@ import torch
 from harness import ROOT, actor_pids, run_python, wait_for
 from pipeline_support import (
     DrainFailingGenerator,
-    DyingOnRejoinTrainer,
     DtypeGenerator,
     DtypeRefModel,
+    DyingOnRejoinTrainer,
     FailingScorer,
     ForbiddenRefModel,
     HookedGenerator,
@@ -840,20 +840,28 @@ async def test_a_role_whose_processes_cannot_start_stops_those_started_before_it
     assert wait_for(lambda: not (actor_pids() - before), timeout=10), "every process started is stopped"
 
 
-async def test_a_metrics_write_that_fails_is_named_not_blamed_on_the_trainer(tmp_path, sockets_dir, monkeypatch):
-    """The launcher writes each step's row (a full disk, a TensorBoard folder that is a file): its failure ended
-    the report stream, which was read as the trainer's failure: ``the trainer stopped reporting``, 2 s later."""
+async def test_a_metrics_write_that_fails_is_named_not_blamed_on_the_trainer(tmp_path, sockets_dir, monkeypatch, capfd):
+    """The launcher writes each step's row (a full disk): its failure ended the report stream, which was read as the
+    trainer's failure: ``the trainer stopped reporting``, 2 s later. And no final checkpoint is written past the
+    last row (before, it saved the trainer's step, and the steps between had no row, for good: a resume starts
+    after the checkpoint)."""
     from pipeline.run import MetricsLog
 
+    write = MetricsLog.write
+
     def full_disk(self: MetricsLog, report: Any) -> Any:
-        raise OSError(28, "No space left on device")
+        if report.step > 2:
+            raise OSError(28, "No space left on device")
+        return write(self, report)
 
     monkeypatch.setattr(MetricsLog, "write", full_disk)
-    config = Config(steps=50, task=BANDIT, run_dir=str(tmp_path))
+    config = Config(steps=100000, task=BANDIT, run_dir=str(tmp_path))
     with pytest.raises(PipelineError) as failed:
         await asyncio.wait_for(run_pipeline(config, quiet=True), 60)
     assert "writing the run's metrics failed: [Errno 28] No space left on device" in str(failed.value)
     assert "trainer" not in str(failed.value)
+    assert "stopping: no final checkpoint (the run's rows could not be written)" in capfd.readouterr().err
+    assert checkpoint_step(str(tmp_path)) <= 2 and [row["step"] for row in read_rows(str(tmp_path))] == [1, 2]
 
 
 async def test_a_second_interrupt_while_the_roles_stop_still_ends_with_the_failure_and_closes_the_log(

@@ -75,3 +75,22 @@ async def test_each_step_is_checkpointed_once(tmp_path, sockets_dir):
     result = await run_pipeline(config, quiet=True, roles=Roles(trainer=SaveCountingTrainer))
     assert result.steps == 4
     assert (tmp_path / "saves.txt").read_text().split() == ["2", "4"]
+
+
+def test_held_out_metrics_of_tensors_are_plain_floats_and_a_non_number_is_refused_by_name(monkeypatch):
+    """A task's evaluation returning a 0-d tensor (or a numpy scalar) reached the rows' JSON as it was: the first
+    evaluation step failed the run ("writing the run's metrics failed", not JSON serialisable) and the trackers
+    left it out. The learner hands plain floats on, and names a metric that is no number."""
+    learner = _learner()
+    primary = learner.task.primary
+    monkeypatch.setattr(
+        learner.task, "evaluate", lambda policy: {primary: torch.tensor(0.5), "loss": torch.tensor(1.0)}
+    )
+    metrics = learner.evaluate(3)
+    assert metrics == {primary: 0.5, "loss": 1.0} and all(type(v) is float for v in metrics.values())
+    monkeypatch.setattr(learner.task, "evaluate", lambda policy: {primary: 0.5, "sizes": [1, 2]})
+    with pytest.raises(TypeError, match="metric 'sizes' must be a number under a str name, got list"):
+        learner.evaluate(3)
+    monkeypatch.setattr(learner.task, "evaluate", lambda policy: [0.5])
+    with pytest.raises(TypeError, match="must return a dict of metric name -> number, got list"):
+        learner.evaluate(3)
