@@ -5,14 +5,16 @@ from __future__ import annotations
 import math
 import os
 import sys
+import time
 from collections.abc import Callable
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from .._processes._devices import GPU_DIM, gpu_env, visible_gpus
 from .._processes._forkserver import forkserver, prefork
 from .._runtime._core import Runtime, current_runtime, runtime
 from .._runtime._future import Future
 from .._runtime._parts import Part
+from .._runtime._value_mesh import Extent
 from .._shared._config import WorkerConfig
 from .._shared._liveness import ProcRef
 from .._shared._main_loader import loading_main
@@ -20,6 +22,9 @@ from .._shared._restart import RestartMode, RestartPolicy
 from .._shared._session import inbox_address
 from .._wire import _refs
 from ._proc_mesh import ProcMesh
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 __all__ = ["HostMesh", "this_host", "this_proc"]
 
@@ -85,7 +90,46 @@ def worker_config(
 
 
 class HostMesh:
-    """The local host. ``spawn_procs`` starts processes forked from a warm forkserver."""
+    """The local host. ``spawn_procs`` starts processes forked from a warm forkserver.
+
+    As Monarch's, ``shutdown()`` (and ``stop()``, the same here: this machine serves on) stops the proc meshes
+    spawned through it, and ``async with this_host() as host:`` shuts it down on leaving.
+    """
+
+    def __init__(self) -> None:
+        #: The proc meshes spawned through this host mesh, which its shutdown stops.
+        self._spawned: list[ProcMesh] = []
+
+    @property
+    def extent(self) -> Extent:
+        """One host: ``{"hosts": 1}``."""
+        return Extent(["hosts"], [1])
+
+    def shutdown(self) -> Future[None]:
+        """Stop every proc mesh spawned through this host mesh (their actors' ``__cleanup__``, then the processes);
+        ``await`` it, or ``get()`` it from synchronous code."""
+        meshes, self._spawned = self._spawned, []
+
+        async def stopped() -> None:
+            for mesh in meshes:
+                await mesh.stop()
+
+        def stopped_here(timeout: float | None) -> None:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            for mesh in meshes:
+                mesh.stop().get(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+        return Future(stopped, stopped_here)
+
+    def stop(self) -> Future[None]:
+        """Monarch's stop (the host serves on for a later host mesh): here, :meth:`shutdown`."""
+        return self.shutdown()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
 
     @property
     def initialized(self) -> Future[Literal[True]]:
@@ -131,9 +175,11 @@ class HostMesh:
         # takes seconds, which would hold a background loop's replies, deaths and credit for every mesh)
         gpus = visible_gpus() if GPU_DIM in extent else []
         # On the runtime's thread: from a synchronous program that is its background loop's.
-        return rt.driver.on_thread(  # type: ignore[no-any-return]
+        mesh: ProcMesh = rt.driver.on_thread(
             lambda: _spawn_procs(rt, name, extent, boot, threads, policy, gpus), timeout=SPAWN_HANDOFF_TIMEOUT
         )
+        self._spawned.append(mesh)
+        return mesh
 
 
 def _spawn_procs(

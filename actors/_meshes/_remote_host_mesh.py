@@ -157,13 +157,22 @@ class RemoteHostMesh(HostMesh):
         shutdown starts at once on a worker thread, whose waits never touch
         the loop's, and the returned Future is awaited for its end.
         """
+        return self._released(end_hosts=True)
+
+    def stop(self) -> Future[None]:
+        """End every process this mesh started and release the hosts, leaving what serves a host for a later
+        host mesh (Monarch's ``stop``: an attached worker loop serves the next ``attach_to_workers``)."""
+        return self._released(end_hosts=False)
+
+    def _released(self, end_hosts: bool) -> Future[None]:
+        """:meth:`_release` as :meth:`shutdown` runs it: blocking in synchronous code, on a thread from a loop."""
         if self._root is not None:
             raise RuntimeError("shut down the host mesh this one was sliced from: they share their hosts")
         if not loop_running():
-            self._release(end_hosts=True)
+            self._release(end_hosts)
             return Future.ready(None)
         # (kept referenced here: a task only the caller's Future held could be collected mid-way)
-        task = self._shutting_down = asyncio.ensure_future(asyncio.to_thread(self._release, True))
+        task = self._shutting_down = asyncio.ensure_future(asyncio.to_thread(self._release, end_hosts))
 
         async def ended() -> None:
             await asyncio.shield(task)

@@ -88,6 +88,16 @@ class Future(Generic[R]):
     def __await__(self) -> Generator[Any, None, R]:
         return self._run().__await__()
 
+    def as_asyncio(self) -> asyncio.Future[R]:
+        """An ``asyncio.Future`` on the running loop that resolves as this one does (Monarch's). The work starts now,
+        runs once however many observe it (``await`` it, or call this again), and is not consumed: a later
+        ``await`` sees the same outcome. Off a running loop, ``RuntimeError`` (nothing is started)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            raise RuntimeError("as_asyncio() needs a running asyncio event loop (use get() outside one)") from None
+        return loop.create_task(self._run())
+
     async def _run(self) -> R:
         if self._done:
             return self._result()

@@ -8,6 +8,7 @@ import threading
 from typing import Any
 
 import pytest
+from harness import actor_pids, wait_for
 
 import actors
 from actors import ProcMesh
@@ -67,6 +68,30 @@ def test_returns_future_serves_both_kinds_of_caller():
     assert asyncio.run(awaited()) == 10
     with pytest.raises(TypeError, match="async def"):
         actors.returns_future(lambda: 1)  # type: ignore[arg-type]
+
+
+def test_as_asyncio_is_an_asyncio_future_of_the_work_run_once_and_refused_off_a_loop():
+    """Monarch's ``Future.as_asyncio()`` (its guide awaits ``call_one(...).as_asyncio()``): an ``AttributeError``
+    here before. Observing never consumes the future: each ``as_asyncio()`` and ``await`` sees the one run."""
+    calls = []
+
+    @actors.returns_future
+    async def double(x: int) -> int:
+        calls.append(x)
+        await asyncio.sleep(0)
+        return 2 * x
+
+    pending = double(4)
+    with pytest.raises(RuntimeError, match=r"as_asyncio\(\) needs a running asyncio event loop"):
+        pending.as_asyncio()
+    assert calls == [], "nothing started off the loop"
+
+    async def observed() -> tuple[int, int, int]:
+        first, second = pending.as_asyncio(), pending.as_asyncio()
+        assert isinstance(first, asyncio.Future) and first is not second
+        return await first, await second, await pending
+
+    assert asyncio.run(observed()) == (8, 8, 8) and calls == [4]
 
 
 def test_a_get_that_gives_up_does_not_consume_the_future_nor_run_it_twice():
@@ -196,7 +221,7 @@ async def test_shutdown_context_stops_the_controllers_after_the_actors_whose_cle
     from support import Echo, TalliesAtCleanup
 
     tally = await actors.get_or_spawn_controller("tally", Echo)
-    assert await tally.add.call_one(1) == 1
+    assert await tally.add.call_one(1).as_asyncio() == 1  # (Monarch's guide: ``await ….call_one(5, 3).as_asyncio()``)
     procs: ProcMesh = actors.this_host().spawn_procs(per_host={"procs": 1})
     await procs.spawn("caller", TalliesAtCleanup, str(tmp_path / "called")).initialized
     await asyncio.wait_for(actors.shutdown_context(), 60)
@@ -209,3 +234,20 @@ async def test_shutdown_context_stops_every_proc_mesh_this_process_spawned(socke
     await actors.shutdown_context()
     assert procs.stopping and all(pid is not None for pid in procs.pids)
     await actors.shutdown_context()  # nothing left: returns at once
+
+
+async def test_this_host_as_an_async_context_manager_stops_the_proc_meshes_spawned_through_it(sockets_dir):
+    """Monarch's ``async with hosts:`` shuts the hosts down on leaving, and a host mesh has an ``extent``,
+    ``shutdown()`` and ``stop()``: the local host had none of them (``AttributeError``/``TypeError``)."""
+    async with actors.this_host() as host:
+        assert host.extent == {"hosts": 1}
+        procs: ProcMesh = host.spawn_procs(per_host={"procs": 2})
+        await procs.initialized
+        pids = set(procs.pids)
+    assert procs.stopping and wait_for(lambda: not actor_pids() & pids, timeout=10)
+    other = actors.this_host()
+    more: ProcMesh = other.spawn_procs(per_host={"procs": 1})
+    await more.initialized
+    await other.stop()
+    assert more.stopping and wait_for(lambda: not actor_pids() & set(more.pids), timeout=10)
+    await other.shutdown()  # nothing left: returns at once

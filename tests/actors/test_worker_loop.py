@@ -8,6 +8,7 @@ their runtime starts on tcp.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import re
@@ -61,6 +62,10 @@ CONTROLLER = textwrap.dedent(
         if action == "exit":  # leave without stopping anything: the hosts must end the workers themselves
             print(json.dumps(out), flush=True)
             os._exit(0)
+        if action == "hoststop":  # Monarch's stop(): this mesh's workers end, the loops serve the next controller
+            hosts.stop().get(timeout=30)
+            print(json.dumps(out), flush=True)
+            return
         procs.stop().get(timeout=30)
         t = time.monotonic()
         hosts.shutdown()
@@ -279,6 +284,9 @@ def test_a_worker_loop_serves_the_next_controller_until_one_shuts_its_hosts_down
     orphans = {pid for pid, _, _ in first["answers"]}
     assert wait_for(lambda: not actor_pids() & orphans, timeout=15), "the hosts end the dead controller's workers"
     assert all(loop.poll() is None for loop in loops), "a controller that exits leaves the loops serving"
+    stopped = result_of(run_controller(tmp_path, workers, keys, "hoststop"))
+    assert not actor_pids() & {pid for pid, _, _ in stopped["answers"]}, "stop() ended the mesh's workers"
+    assert all(loop.poll() is None for loop in loops), "Monarch's stop() leaves the loops serving"
     second = result_of(run_controller(tmp_path, workers, keys, "stop"))
     assert len({pid for pid, _, _ in second["answers"]}) == 4
     assert second["shutdown_s"] < 5, "shutdown() never waits for a worker loop's process to exit"
@@ -641,6 +649,7 @@ async def test_a_shutdown_awaited_on_an_event_loop_runs_off_the_loop_and_is_awai
         calls.append((end_hosts, threading.get_ident() != loop_thread))
 
     mesh = types.SimpleNamespace(_root=None, _release=_release, _shutting_down=None)
+    mesh._released = functools.partial(RemoteHostMesh._released, mesh)
     ended = RemoteHostMesh.shutdown(mesh)  # type: ignore[arg-type]
     waiting = asyncio.ensure_future(_awaited(ended))
     await asyncio.sleep(0)
