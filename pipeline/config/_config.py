@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from ..algorithm import EntropyControl, IsMode, LossKind, RatioLevel, RewardScale
 
@@ -54,7 +54,7 @@ TrainDtype = Literal["float32", "bfloat16"]
 
 #: What draws a generator's completions (pipeline.models, pipeline.models).
 EngineKind = Literal["builtin", "hf", "vllm"]
-ENGINES: tuple[str, ...] = ("builtin", "hf", "vllm")
+ENGINES: tuple[str, ...] = get_args(EngineKind)
 
 #: How ``--engine builtin`` decodes: ``auto`` (CUDA graphs over a static KV cache on a GPU, else the model's
 #: dynamic cache), ``dynamic``, ``static`` (a static cache, eager steps), ``graphs`` or ``compiled`` (the step

@@ -181,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="SPEC",
         help=f"a reward function in TRL's signature: module:function, path/to/file.py:function, or "
-        f"{', '.join(BUILTINS)}; optional =WEIGHT; repeat for several",
+        f"{', '.join(BUILTINS)}; or a reward model's folder or Hub name; optional =WEIGHT; repeat for several",
     )
     data.add_argument(
         "--multi-objective-aggregation",
@@ -407,8 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--trainer-ranks",
         type=int,
         default=1,
-        help="trainer processes joined with torch.distributed (gloo), each training its share of every "
-        "rollout's rows, gradients summed: the step one trainer takes (default 1; CPU, one host)",
+        help="trainer processes joined with torch.distributed (gloo on CPUs, NCCL on GPUs; one host or Ray hosts), "
+        "each training its share of every rollout's rows, gradients summed: the step one trainer takes (default 1)",
     )
     train.add_argument(
         "--trainer-shard",
@@ -526,7 +526,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"{Config().weights_timeout:g})",
     )
     run = parser.add_argument_group("run")
-    run.add_argument("--run-dir", help="where outputs go (default runs/grpo-<time>)")
+    run.add_argument("--run-dir", help="where outputs go (default runs/grpo-<time>-<pid>)")
     run.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last checkpoint")
     run.add_argument(
         "--save-every",
