@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..models import sync_path
+from ..models import process_tag, sync_path, tag_alive
 
 FILENAME = "checkpoint.pt"
 #: The key of ``checkpoint.pt`` that names a sharded checkpoint's folder of shards.
@@ -43,7 +43,7 @@ def save(run_dir: str, state: dict[str, Any]) -> str:
     shards = state.get(SHARDS)
     if shards:  # the folder's entries on the disk before the file names it (its last one is renamed into it)
         sync_path(os.path.join(run_dir, shards))
-    tmp = f"{target}.tmp-{os.getpid()}"
+    tmp = f"{target}.tmp-{process_tag()}"
     torch.save(state, tmp)
     sync_path(tmp)  # on the disk before the rename (else a crash may leave the new name, empty)
     os.replace(tmp, target)
@@ -65,42 +65,43 @@ def remove_shards(run_dir: str, keep: str | None = None) -> None:
 
 
 def stale_staging(run_dir: str) -> list[str]:
-    """The names in ``run_dir`` that a save killed mid-way left (``<name>.tmp-<pid>``, ``<name>.old-<pid>``, their
-    process gone): an earlier run's, which :func:`remove_stale_staging` would finish or clear."""
+    """The names in ``run_dir`` that a save killed mid-way left (``<name>.tmp-<tag>``, ``<name>.old-<tag>``, their
+    process gone: :func:`~pipeline.models.tag_alive`): an earlier run's, which :func:`remove_stale_staging` would
+    finish or clear."""
     found = []
     for name in sorted(os.listdir(run_dir)):
         for mark in (".tmp-", ".old-"):
-            stem, _, pid = name.rpartition(mark)
-            if stem and pid.isdigit() and not _alive(int(pid)):
+            stem, _, tag = name.rpartition(mark)
+            if stem and tag_alive(tag) is False:
                 found.append(name)
                 break
     return found
 
 
 def remove_stale_staging(run_dir: str) -> list[str]:
-    """Clear what a killed save left in ``run_dir``, under the pid of a process now gone; returns the names removed.
+    """Clear what a killed save left in ``run_dir``, under the tag of a process now gone; returns the names removed.
 
-    Saves write ``<name>.tmp-<pid>`` first and rename it when complete; one
+    Saves write ``<name>.tmp-<tag>`` first and rename it when complete; one
     killed mid-write (a stop's kill, a crash) leaves it behind, and it goes.
     A folder replaced whole (the exported model) is first renamed to
-    ``<name>.old-<pid>``: while that is there, the staging beside it was
+    ``<name>.old-<tag>``: while that is there, the staging beside it was
     complete, so a save killed between the two renames is finished (the
     staging goes into place), and the old copy goes.
     """
     removed = []
     for name in sorted(os.listdir(run_dir)):
-        stem, _, pid = name.rpartition(".tmp-")
-        if not stem or not pid.isdigit() or _alive(int(pid)):
+        stem, _, tag = name.rpartition(".tmp-")
+        if not stem or tag_alive(tag) is not False:
             continue
-        where, replaced = os.path.join(run_dir, name), os.path.join(run_dir, f"{stem}.old-{pid}")
+        where, replaced = os.path.join(run_dir, name), os.path.join(run_dir, f"{stem}.old-{tag}")
         if os.path.exists(replaced) and not os.path.exists(os.path.join(run_dir, stem)):
             os.replace(where, os.path.join(run_dir, stem))  # complete: the old one was already set aside for it
             continue
         _remove(where)
         removed.append(name)
     for name in sorted(os.listdir(run_dir)):
-        stem, _, pid = name.rpartition(".old-")
-        if stem and pid.isdigit() and not _alive(int(pid)):
+        stem, _, tag = name.rpartition(".old-")
+        if stem and tag_alive(tag) is False:
             _remove(os.path.join(run_dir, name))
             removed.append(name)
     return removed
@@ -112,16 +113,6 @@ def _remove(where: str) -> None:
     else:
         with contextlib.suppress(FileNotFoundError):
             os.remove(where)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def shards_folder(run_dir: str, step: int) -> str:

@@ -37,7 +37,7 @@ from ._engines import (
 from ._held_weights import hold_weights, weights_dtype
 from ._lora import LoraAdapter, check_lora_targets, require_peft
 from ._reward_model import RewardModel
-from ._saved_folder import replace_folder, staging_folder, sync_path
+from ._saved_folder import process_tag, replace_folder, staging_folder, sync_path, tag_alive
 from ._tiny import PRESETS, Generation, ModelConfig, TinyTransformer, completion_logps, generate
 from ._vllm import VLLMEngine, VLLMUnavailable, import_vllm, logprobs_mode, vllm_missing
 
@@ -84,6 +84,7 @@ __all__ = [
     "missing_compiler",
     "position_limit",
     "positions",
+    "process_tag",
     "repeated_blocks",
     "replace_folder",
     "require_compiler",
@@ -92,6 +93,7 @@ __all__ = [
     "staging_folder",
     "static_refusal",
     "sync_path",
+    "tag_alive",
     "vllm_missing",
     "weights_dtype",
 ]

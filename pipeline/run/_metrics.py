@@ -19,6 +19,7 @@ import time
 from collections import deque
 from typing import Any, TextIO
 
+from ..models import process_tag
 from ..roles import StepReport
 from ..tasks import REWARD_STATISTICS
 from ._sinks import NoTracker, Sink, open_sink
@@ -187,7 +188,7 @@ class MetricsLog:
         kept = [line for line in lines if _step_of(line) < step and line.endswith("\n")]
         if len(kept) == len(lines):
             return
-        staging = f"{self.path}.tmp-{os.getpid()}"
+        staging = f"{self.path}.tmp-{process_tag()}"
         with open(staging, "w") as f:
             f.writelines(kept)
         self._file.close()

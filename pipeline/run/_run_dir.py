@@ -17,7 +17,7 @@ from typing import TextIO
 
 from ..config import Config, SettingsError
 from ..learning import checkpoint
-from ..models import sync_path
+from ..models import process_tag, sync_path
 
 __all__ = [
     "OUTPUTS",
@@ -110,7 +110,7 @@ def drop_completions_after(run_dir: str, step: int) -> int:
 def _replace_file(target: str, write: Callable[[TextIO], object]) -> None:
     """``target`` replaced whole or not at all: ``write`` fills a file beside it, synced to disk before the rename
     and the folder after (a write cut short by a full disk, or a power loss, never leaves it empty: XFS, NFS)."""
-    staging = f"{target}.tmp-{os.getpid()}"
+    staging = f"{target}.tmp-{process_tag()}"
     try:
         with open(staging, "w") as f:
             write(f)

@@ -301,17 +301,21 @@ def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["config.json", live.name])
 
 
+@pytest.mark.parametrize("writer", ["gone", "pid_reused"])
 @pytest.mark.parametrize("killed", ["between_the_renames", "removing_the_old_model"])
-def test_an_export_killed_part_way_leaves_the_new_model_in_place(tmp_path, killed):
-    """The export writes ``model.tmp-<pid>``, renames ``model`` to ``model.old-<pid>``, the staging to ``model``,
+def test_an_export_killed_part_way_leaves_the_new_model_in_place(tmp_path, killed, writer):
+    """The export writes ``model.tmp-<tag>``, renames ``model`` to ``model.old-<tag>``, the staging to ``model``,
     and removes the old one. Killed between the renames, the next start removed the complete new model as a
     half-written staging folder (no ``model`` at all); killed while it removed the old one, a whole model's copy
-    stayed for good. Both are finished now: the complete staging goes into place, the old copy goes."""
+    stayed for good. Both are finished now: the complete staging goes into place, the old copy goes. Also when the
+    writer's pid now names another process (a resume in a new container gets the killed run's pids): the tag's
+    start time tells them apart (before, by pid alone, the leftovers counted as a live save's and stayed)."""
     from pipeline.learning.checkpoint import remove_stale_staging
 
     gone = subprocess.Popen(["true"])
     gone.wait()
-    new, old = tmp_path / f"model.tmp-{gone.pid}", tmp_path / f"model.old-{gone.pid}"
+    tag = str(gone.pid) if writer == "gone" else f"{os.getpid()}.1"  # (this process, started later than tick 1)
+    new, old = tmp_path / f"model.tmp-{tag}", tmp_path / f"model.old-{tag}"
     (new if killed == "between_the_renames" else tmp_path / "model").mkdir()
     old.mkdir()
     for folder, weights in ((new, b"new"), (tmp_path / "model", b"new"), (old, b"old")):
@@ -327,12 +331,12 @@ def test_a_folder_replaced_whole_is_synced_and_survives_what_an_earlier_swap_lef
     whose removal of the old folder stopped part-way (a file still open on NFS) left ``model.old-<pid>``, and the
     next save's rename onto it failed (``ENOTEMPTY``). It is cleared first; the new files are synced before the
     swap, and the run folder after it."""
-    from pipeline.models import replace_folder, staging_folder
+    from pipeline.models import process_tag, replace_folder, staging_folder
 
     target = tmp_path / "model"
     target.mkdir()
     (target / "model.safetensors").write_text("old")
-    leftover = tmp_path / f"model.old-{os.getpid()}"
+    leftover = tmp_path / f"model.old-{process_tag()}"
     leftover.mkdir()
     (leftover / "model.safetensors").write_text("older")
     staging = staging_folder(str(target))
@@ -354,6 +358,7 @@ def test_a_checkpoint_reaches_the_disk_before_it_replaces_the_last_one(tmp_path,
     with the shards of the one before already removed: nothing to resume from. It is synced, then renamed, then
     its folder synced, and only then are older shards removed."""
     from pipeline.learning import checkpoint
+    from pipeline.models import process_tag
 
     events: list[str] = []
     real_fsync, real_replace = os.fsync, os.replace
@@ -365,8 +370,8 @@ def test_a_checkpoint_reaches_the_disk_before_it_replaces_the_last_one(tmp_path,
     monkeypatch.setattr(os, "replace", lambda a, b: events.append("replace") or real_replace(a, b))
     monkeypatch.setattr(checkpoint, "remove_shards", lambda run_dir, keep=None: events.append("remove shards"))
     checkpoint.save(str(tmp_path), {"step": 3})
-    pid = os.getpid()
-    assert events == [f"fsync checkpoint.pt.tmp-{pid}", "replace", f"fsync {tmp_path.name}", "remove shards"], events
+    tag = process_tag()
+    assert events == [f"fsync checkpoint.pt.tmp-{tag}", "replace", f"fsync {tmp_path.name}", "remove shards"], events
     assert checkpoint.load(str(tmp_path)) == {"step": 3}
 
 
