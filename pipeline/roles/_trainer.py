@@ -535,11 +535,16 @@ class Trainer(Actor):
         self._reports.clear()
 
     def save(self) -> str:
-        """Write the checkpoint, and the policy where other tools load it if the task exports one."""
-        self.task.export(self.learner.exported(), self.config.run_dir)
-        if self.learner.adapter is not None and self.config.run_dir:
-            self.learner.adapter.save(os.path.join(self.config.run_dir, "adapter"))
-        return checkpoint.save(self.config.run_dir, {**self._counters(), **self.learner.state()})
+        """Write the policy where other tools load it if the task exports one (and a LoRA run's adapter), then the
+        checkpoint, which a resume needs: written too when the export fails (a full disk; the failure is raised
+        after it: one export failing at every save stopped every checkpoint)."""
+        try:
+            self.task.export(self.learner.exported(), self.config.run_dir)
+            if self.learner.adapter is not None and self.config.run_dir:
+                self.learner.adapter.save(os.path.join(self.config.run_dir, "adapter"))
+        finally:
+            path = checkpoint.save(self.config.run_dir, {**self._counters(), **self.learner.state()})
+        return path
 
     def _counters(self) -> dict[str, Any]:
         """What a checkpoint keeps of the run's own count: its step, its policy's version, the duplicates dropped,
@@ -561,9 +566,13 @@ class Trainer(Actor):
         """
         run_dir = self.config.run_dir
         self.learner.save_shards(folder)
-        self.task.export(self.learner.whole_policy(self.learner.whole_policy_state()), run_dir)
-        small = {**self._counters(), **self.learner.small_state()}
-        return checkpoint.save(run_dir, {**small, checkpoint.SHARDS: os.path.basename(folder)})
+        whole = self.learner.whole_policy_state()  # (every rank's collective: not skipped by a failing export)
+        try:
+            self.task.export(self.learner.whole_policy(whole), run_dir)
+        finally:  # (as :meth:`save`'s: written when the export fails too)
+            small = {**self._counters(), **self.learner.small_state()}
+            path = checkpoint.save(run_dir, {**small, checkpoint.SHARDS: os.path.basename(folder)})
+        return path
 
     async def _save(self) -> str:
         """Checkpoint where the run is, after sending every step's report (a resumed run's curve has no gap)."""

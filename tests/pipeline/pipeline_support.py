@@ -37,6 +37,13 @@ class SlowExportBandit(BanditTask):
         return None
 
 
+class FullDiskExportBandit(BanditTask):
+    """The bandit whose export always fails as a full disk would."""
+
+    def export(self, policy: torch.nn.Module, run_dir: str) -> str | None:
+        raise OSError(28, "No space left on device (the export)")
+
+
 class FailingScorer(Scorer):
     """Raises on its 20th rollout: the run must stop with an error naming the scorer."""
 

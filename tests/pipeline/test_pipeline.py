@@ -301,6 +301,16 @@ def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["config.json", live.name])
 
 
+async def test_an_export_that_fails_leaves_the_checkpoint_of_its_step_written(tmp_path, sockets_dir):
+    """The trainer exports the model, then writes ``checkpoint.pt``: an export that failed (a full disk) left no
+    checkpoint of the step, and one failing at every save stopped every checkpoint. The checkpoint, which a resume
+    needs, is written all the same; the export's failure still fails the run, naming it."""
+    config = Config(steps=3, task="pipeline_support:FullDiskExportBandit", run_dir=str(tmp_path), stop_grace=0)
+    with pytest.raises(PipelineError, match=r"the trainer failed: .*No space left on device \(the export\)"):
+        await asyncio.wait_for(run_pipeline(config, quiet=True), 60)
+    assert checkpoint_step(str(tmp_path)) == 3
+
+
 @pytest.mark.parametrize("writer", ["gone", "pid_reused"])
 @pytest.mark.parametrize("killed", ["between_the_renames", "removing_the_old_model"])
 def test_an_export_killed_part_way_leaves_the_new_model_in_place(tmp_path, killed, writer):
