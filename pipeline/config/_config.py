@@ -157,6 +157,7 @@ class Config:
     trainer_shard: TrainerShard = "fsdp"  # with several ranks: fsdp shards the policy over them, ddp replicates it
     collective_timeout: float = 60.0  # with several ranks: the most seconds a rank waits in one collective
     disable_dropout: bool = True  # hf: the policy's dropout off, so the trainer's log-probs are the generators'
+    export_dtype: str = "auto"  # hf: model/'s weights: auto (the --model's recorded dtype, else float32) or a dtype
     lora_r: int = 0  # hf: train LoRA adapters of this rank instead of every weight (0: off); generators get merged ones
     lora_alpha: float = 0.0  # hf: the adapters' scale is alpha / r (0: twice the rank)
     lora_target_modules: str = "all-linear"  # hf: the layers adapted: all-linear (PEFT's), or names like q_proj,v_proj

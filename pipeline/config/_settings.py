@@ -226,6 +226,7 @@ def check_settings(config: Config) -> None:
             "behaviour log-probs in every iteration)"
         )
     _one_of(config, "vllm_dtype", ("auto", "float32", "bfloat16", "float16"))
+    _one_of(config, "export_dtype", ("auto", "float32", "bfloat16", "float16"))
     if not config.is_cap >= 1:
         raise SettingsError(f"--is-cap {config.is_cap}: an importance weight's upper bound must be at least 1")
     if not 0 <= config.is_min < 1:

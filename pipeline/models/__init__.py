@@ -34,6 +34,7 @@ from ._engines import (
     end_tokens,
     left_pad,
 )
+from ._export_dtype import cast_state, record_dtype, recorded_dtype
 from ._held_weights import hold_weights, weights_dtype
 from ._lora import LoraAdapter, check_lora_targets, require_peft
 from ._reward_model import RewardModel
@@ -66,6 +67,7 @@ __all__ = [
     "VLLMOptions",
     "VLLMUnavailable",
     "build_engine",
+    "cast_state",
     "causal_logps",
     "check_lora_targets",
     "check_model",
@@ -85,6 +87,8 @@ __all__ = [
     "position_limit",
     "positions",
     "process_tag",
+    "record_dtype",
+    "recorded_dtype",
     "repeated_blocks",
     "replace_folder",
     "require_compiler",

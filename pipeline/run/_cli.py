@@ -128,6 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="--engine vllm: its weights' dtype (default float32, the trainer's; auto: the checkpoint's)",
     )
     task.add_argument(
+        "--export-dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="--task hf: the dtype of model/'s weights (default auto: the one --model's config records, as it was "
+        "published, else float32; the trainer's masters are float32)",
+    )
+    task.add_argument(
         "--vllm-gpu-memory", type=float, default=0.3, help="--engine vllm on a GPU: share of its memory (default 0.3)"
     )
     task.add_argument(
@@ -602,6 +609,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
             engine=args.engine,
             decode=args.decode,
             vllm_dtype=args.vllm_dtype,
+            export_dtype=args.export_dtype,
             vllm_gpu_memory=args.vllm_gpu_memory,
             vllm_max_model_len=args.vllm_max_model_len,
             is_correction=args.is_correction,
@@ -762,6 +770,7 @@ def _resumed(args: argparse.Namespace, given: set[str]) -> Config:
         "trainer_shard",
         "stop_grace",
         "weights_timeout",
+        "export_dtype",  # (the exports' only: what is trained is unchanged)
     )
     may_change = {"resume", "quiet", *resumable, *(f"{role}_device" for role in ROLES)}
     if "overwrite" in given:

@@ -33,12 +33,15 @@ from ..models import (
     SamplingParams,
     VLLMOptions,
     build_engine,
+    cast_state,
     check_lora_targets,
     check_model,
     disable_dropout,
     load_model,
     load_tokenizer,
     position_limit,
+    record_dtype,
+    recorded_dtype,
     replace_folder,
     staging_folder,
 )
@@ -463,13 +466,29 @@ class HFTask(Task):
                     row["extra"] = {column: values[i] for column, values in extra.items()}
                 f.write(json.dumps(row, default=str) + "\n")
 
+    @cached_property
+    def export_dtype(self) -> torch.dtype:
+        """The dtype of ``model/``'s weights: ``--export-dtype``, or with ``auto`` the one ``--model``'s config
+        records (a bfloat16 model is published as bfloat16: its float32 export was twice the size, and served by
+        vLLM's ``dtype="auto"`` as float16, whose range a bfloat16 model may exceed), else float32."""
+        if self.config.export_dtype != "auto":
+            return getattr(torch, self.config.export_dtype)  # type: ignore[no-any-return]
+        recorded = recorded_dtype(check_model(self.config.model, self.config.trust_remote_code))
+        return recorded if recorded in (torch.bfloat16, torch.float16) else torch.float32
+
     def export(self, policy: torch.nn.Module, run_dir: str) -> str | None:
-        """``policy`` and its tokenizer as ``<run_dir>/model`` (safetensors), replaced whole."""
+        """``policy`` (its weights in :attr:`export_dtype`) and its tokenizer as ``<run_dir>/model`` (safetensors),
+        replaced whole."""
         if not run_dir:
             return None
         target = os.path.join(run_dir, "model")
         staging = staging_folder(target)
-        policy.save_pretrained(staging, safe_serialization=True)  # type: ignore[operator]
+        dtype = self.export_dtype
+        if dtype == torch.float32:
+            policy.save_pretrained(staging, safe_serialization=True)  # type: ignore[operator]
+        else:
+            policy.save_pretrained(staging, safe_serialization=True, state_dict=cast_state(policy, dtype))  # type: ignore[operator]
+            record_dtype(os.path.join(staging, "config.json"), dtype)
         self.tokenizer.save_pretrained(staging)
         return replace_folder(staging, target)
 

@@ -117,7 +117,7 @@ def check_task_settings(config: Config) -> None:
             )
 
 
-#: The data and reward settings only a Hugging Face task reads: (flag, Config attribute).
+#: The data, reward and export settings only a Hugging Face task reads: (flag, Config attribute).
 HF_DATA: tuple[tuple[str, str], ...] = (
     ("--dataset-split", "dataset_split"),
     ("--dataset-config", "dataset_config"),
@@ -129,6 +129,7 @@ HF_DATA: tuple[tuple[str, str], ...] = (
     ("--reward", "rewards"),
     ("--reward-timeout", "reward_timeout"),
     ("--log-completions", "log_completions"),
+    ("--export-dtype", "export_dtype"),
 )
 
 
@@ -149,7 +150,7 @@ def _refuse_hf_settings(config: Config) -> None:
     if given:
         raise SettingsError(
             f"{', '.join(given)} with --task {config.task}: only a Hugging Face task (--task hf, --dataset) reads "
-            "prompts from a dataset and scores them with reward functions"
+            "prompts from a dataset, scores them with reward functions and exports model/"
         )
     if config.num_generations_eval:
         raise SettingsError(

@@ -1764,3 +1764,47 @@ def test_the_trainers_evaluation_decodes_over_the_dynamic_cache_unless_a_path_is
         task = HFTask(resolve(_config(tiny, tmp_path, decode=asked)))
         engine = task.engine(model)
         assert isinstance(engine, BuiltinEngine) and engine.decoding.wanted == decodes
+
+
+@pytest.mark.parametrize("flag", ["auto", "float32"])
+def test_the_export_takes_the_models_recorded_dtype_with_its_head_tied_and_loads(tiny, tmp_path, flag):
+    """``model/`` was always float32 (the trainer's masters): a bfloat16 model came back twice its size, and vLLM's
+    ``dtype="auto"`` serves a float32 config as float16, whose range a bfloat16 model may exceed. With
+    ``--export-dtype auto`` (the default) it is published in the dtype ``--model``'s config records; ``float32``
+    keeps the masters' precision."""
+    import shutil
+
+    import transformers
+
+    source = tmp_path / "bf16-model"
+    shutil.copytree(tiny / "model", source)
+    config = json.loads((source / "config.json").read_text())
+    config["dtype"] = "bfloat16"  # (as a published bfloat16 model records it; its weights here are float32)
+    config.pop("torch_dtype", None)
+    (source / "config.json").write_text(json.dumps(config))
+    task = HFTask(resolve(Config(task="hf", model=str(source), dataset=str(tiny / "train.jsonl"), export_dtype=flag)))
+    policy = load_model(str(source))
+    policy.config.tie_word_embeddings = True
+    policy.tie_weights()
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    task.export(policy, str(run_dir))
+    want = torch.bfloat16 if flag == "auto" else torch.float32
+    assert json.loads((run_dir / "model" / "config.json").read_text())["dtype"] == str(want).removeprefix("torch.")
+    saved = transformers.AutoModelForCausalLM.from_pretrained(str(run_dir / "model"), dtype="auto")
+    assert saved.dtype == want
+    head, embedding = saved.get_output_embeddings().weight, saved.get_input_embeddings().weight
+    assert head.data_ptr() == embedding.data_ptr(), "the head is tied to the embedding, saved once"
+    for name, value in saved.state_dict().items():
+        assert torch.equal(value, policy.state_dict()[name].to(want)), name
+    assert sorted(p.name for p in run_dir.iterdir()) == ["model"], "nothing left beside it"
+
+
+def test_the_export_dtype_is_refused_outside_its_choices_and_for_a_task_without_a_model_folder():
+    from pipeline.config import check_settings
+    from pipeline.tasks import check_task_settings
+
+    with pytest.raises(SettingsError, match="--export-dtype int8: choose one of auto, float32, bfloat16, float16"):
+        check_settings(Config(task="hf", export_dtype="int8"))
+    with pytest.raises(SettingsError, match="--export-dtype with --task bandit"):
+        check_task_settings(resolve(Config(task="bandit", export_dtype="bfloat16")))

@@ -1,0 +1,53 @@
+"""An exported Hugging Face folder's dtype: the one a model's config records, its weights cast to it, and its
+``config.json`` saying so (``save_pretrained`` records the dtype of the module it saves: the trainer's float32)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+__all__ = ["cast_state", "record_dtype", "recorded_dtype"]
+
+
+def recorded_dtype(config: Any) -> torch.dtype | None:
+    """The dtype a model's config records (``dtype``, or ``torch_dtype`` as older ones name it), or None."""
+    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(value, str):
+        value = getattr(torch, value.removeprefix("torch."), None)
+    return value if isinstance(value, torch.dtype) else None
+
+
+def cast_state(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``model``'s state with its floating-point tensors as ``dtype`` copies in host memory; tied tensors (an
+    embedding and its head) stay one tensor, which the save writes once."""
+    copies: dict[tuple[Any, ...], torch.Tensor] = {}
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        if not tensor.is_floating_point():
+            state[name] = tensor
+            continue
+        key = (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+        copy = copies.get(key)
+        if copy is None:
+            copy = copies[key] = tensor.detach().to("cpu", dtype)
+        state[name] = copy
+    return state
+
+
+def record_dtype(config_json: str, dtype: torch.dtype) -> None:
+    """Say ``dtype`` in a saved folder's ``config.json`` (where readers look: ``dtype``, and ``torch_dtype`` if the
+    file has that key too), rewritten whole before the folder is put in place."""
+    with open(config_json) as f:
+        config = json.load(f)
+    name = str(dtype).removeprefix("torch.")
+    config["dtype"] = name
+    if "torch_dtype" in config:
+        config["torch_dtype"] = name
+    staging = f"{config_json}.new"
+    with open(staging, "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(staging, config_json)
