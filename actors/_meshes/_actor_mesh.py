@@ -19,7 +19,7 @@ from .._runtime._core import runtime
 from .._runtime._future import Future
 from .._runtime._pending_calls import PendingCall
 from .._runtime._port import Port
-from .._runtime._value_mesh import Shaped, ValueMesh, extent_from_wire, flattened, select
+from .._runtime._value_mesh import Shaped, ValueMesh, extent_from_wire, flattened, select, split_extent
 from .._shared._errors import ActorDied, DecodeError, SupervisionError, actor_stopped
 from .._shared._liveness import ProcRef
 from .._shared._names import MeshName, shown
@@ -332,6 +332,14 @@ class ActorMesh(Shaped, Generic[A]):
     def flatten(self, dim: str) -> ActorMesh[A]:
         """The same actors along one dimension named ``dim``."""
         return self._view(flattened(self._extent, dim), list(self._targets_list))
+
+    def split(self, **changes: object) -> ActorMesh[A]:
+        """The same actors with dimensions split, as Monarch's (``split(host=("dp", "pp"), pp=2)``)."""
+        return self._view(split_extent(self._extent, changes), list(self._targets_list))
+
+    def rename(self, **names: str) -> ActorMesh[A]:
+        """The same actors with dimensions renamed (``rename(host="dp", gpu="tp")``)."""
+        return self.split(**{old: (new,) for old, new in names.items()})
 
     def _view(self, extent: dict[str, int], targets: list[tuple[int, ProcRef]]) -> ActorMesh[A]:
         view: ActorMesh[A] = ActorMesh(self._name, self._class_ref, self._endpoints, extent, targets, self._proc_mesh)

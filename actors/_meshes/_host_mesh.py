@@ -6,6 +6,7 @@ import math
 import os
 import sys
 import time
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal
 
@@ -97,8 +98,9 @@ class HostMesh:
     """
 
     def __init__(self) -> None:
-        #: The proc meshes spawned through this host mesh, which its shutdown stops.
-        self._spawned: list[ProcMesh] = []
+        #: The proc meshes spawned through this host mesh, which its shutdown stops (weakly held, as the runtime
+        #: holds them: a mesh the program dropped is not kept alive by the host it came from).
+        self._spawned: weakref.WeakSet[ProcMesh] = weakref.WeakSet()
 
     @property
     def extent(self) -> Extent:
@@ -108,16 +110,29 @@ class HostMesh:
     def shutdown(self) -> Future[None]:
         """Stop every proc mesh spawned through this host mesh (their actors' ``__cleanup__``, then the processes);
         ``await`` it, or ``get()`` it from synchronous code."""
-        meshes, self._spawned = self._spawned, []
+        meshes = list(self._spawned)
+        self._spawned.clear()
 
         async def stopped() -> None:
-            for mesh in meshes:
-                await mesh.stop()
+            failures = []
+            for mesh in meshes:  # (each one: a stop that raises leaves none of the others running)
+                try:
+                    await mesh.stop()
+                except Exception as exc:
+                    failures.append(exc)
+            if failures:
+                raise failures[0]
 
         def stopped_here(timeout: float | None) -> None:
             deadline = None if timeout is None else time.monotonic() + timeout
+            failures = []
             for mesh in meshes:
-                mesh.stop().get(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                try:
+                    mesh.stop().get(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                except Exception as exc:
+                    failures.append(exc)
+            if failures:
+                raise failures[0]
 
         return Future(stopped, stopped_here)
 
@@ -178,7 +193,7 @@ class HostMesh:
         mesh: ProcMesh = rt.driver.on_thread(
             lambda: _spawn_procs(rt, name, extent, boot, threads, policy, gpus), timeout=SPAWN_HANDOFF_TIMEOUT
         )
-        self._spawned.append(mesh)
+        self._spawned.add(mesh)
         return mesh
 
 

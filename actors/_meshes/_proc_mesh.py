@@ -26,7 +26,7 @@ from .._runtime._future import Future
 from .._runtime._parts import Part
 from .._runtime._pending_calls import PendingCall
 from .._runtime._supervision import Failure, FailureHandler, checked_handler
-from .._runtime._value_mesh import Shaped, extent_from_wire, flattened, select
+from .._runtime._value_mesh import Shaped, extent_from_wire, flattened, select, split_extent
 from .._shared._errors import DecodeError, SupervisionError
 from .._shared._liveness import ProcRef, new_incarnation
 from .._shared._names import wire_name
@@ -302,6 +302,14 @@ class ProcMesh(Shaped):
     def flatten(self, dim: str) -> ProcMesh:
         """The same processes along one dimension named ``dim``."""
         return self._sliced(flattened(self._extent, dim), list(range(len(self._procs))))
+
+    def split(self, **changes: object) -> ProcMesh:
+        """The same processes with dimensions split, as Monarch's (``split(host=("dp", "pp"), pp=2)``)."""
+        return self._sliced(split_extent(self._extent, changes), list(range(len(self._procs))))
+
+    def rename(self, **names: str) -> ProcMesh:
+        """The same processes with dimensions renamed (``rename(procs="dp")``)."""
+        return self.split(**{old: (new,) for old, new in names.items()})
 
     def _sliced(self, extent: dict[str, int], ranks: list[int]) -> ProcMesh:
         procs = [self._procs[rank] for rank in ranks]

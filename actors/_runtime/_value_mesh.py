@@ -16,7 +16,7 @@ from .._wire._ext import register_handle
 
 R = TypeVar("R")
 
-__all__ = ["Extent", "Point", "Shaped", "ValueMesh"]
+__all__ = ["Extent", "Point", "Shaped", "ValueMesh", "split_extent"]
 
 
 def coordinates(rank: int, extent: Mapping[str, int]) -> dict[str, int]:
@@ -80,6 +80,51 @@ def flattened(extent: Mapping[str, int], dim: str) -> dict[str, int]:
     if not isinstance(dim, str) or not dim:
         raise TypeError(f"flatten() takes a dimension name, not {dim!r}")
     return {dim: math.prod(extent.values())}
+
+
+def split_extent(extent: Mapping[str, int], changes: Mapping[str, object]) -> dict[str, int]:
+    """``extent`` with dimensions split into several (Monarch's ``split``): ranks keep their row-major order.
+
+    ``changes`` maps an existing dimension to the names it becomes (a
+    sequence, e.g. ``host=("dp", "pp")``), and a new name to its size
+    (``pp=4``); in each split, at most one new size is left out, inferred.
+    A split of one name is a rename.
+    """
+    splits: dict[str, list[str]] = {}
+    sizes: dict[str, int] = {}
+    for key, value in changes.items():
+        if key in extent:
+            if isinstance(value, str) or not isinstance(value, Sequence) or not value:
+                raise ValueError(f"{key}={value!r}: an existing dimension splits into a sequence of new names")
+            if not all(isinstance(name, str) and name for name in value):
+                raise ValueError(f"{key}={value!r}: the new dimensions' names are non-empty strs")
+            splits[key] = list(value)
+        elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{key}={value!r}: {key!r} is no dimension of {list(extent)}, so it is a new one's size")
+        else:
+            sizes[key] = value
+    result: dict[str, int] = {}
+    for dim, size in extent.items():
+        names = splits.get(dim, [dim])
+        unknown = [name for name in names if name not in sizes]
+        if len(unknown) > 1:
+            raise ValueError(f"{dim} -> {tuple(names)}: give the size of all but one of {tuple(unknown)}")
+        known = math.prod(sizes[name] for name in names if name in sizes)
+        if unknown:
+            sizes[unknown[0]], left = divmod(size, known)
+            if left:
+                raise ValueError(
+                    f"dimension {dim!r} of size {size} cannot split into {tuple(names)}: {known} does not divide it"
+                )
+        elif known != size:
+            raise ValueError(f"dimension {dim!r} of size {size} cannot split into sizes that multiply to {known}")
+        for name in names:
+            if name in result:
+                raise ValueError(f"dimension {name!r} appears twice")
+            result[name] = sizes.pop(name)
+    if sizes:
+        raise ValueError(f"sizes given for no split's dimension: {sorted(sizes)}")
+    return result
 
 
 class Extent(dict[str, int]):
@@ -222,6 +267,14 @@ class ValueMesh(Shaped, Generic[R]):
     def flatten(self, dim: str) -> ValueMesh[R]:
         """The same values along one dimension named ``dim``."""
         return ValueMesh(flattened(self._extent, dim), list(self._values))
+
+    def split(self, **changes: object) -> ValueMesh[R]:
+        """The same values with dimensions split (:func:`split_extent`: ``split(host=("dp", "pp"), pp=2)``)."""
+        return ValueMesh(split_extent(self._extent, changes), list(self._values))
+
+    def rename(self, **names: str) -> ValueMesh[R]:
+        """The same values with dimensions renamed (``rename(host="dp")``)."""
+        return self.split(**{old: (new,) for old, new in names.items()})
 
     def items(self) -> Iterator[tuple[Point, R]]:
         for rank, value in enumerate(self._values):

@@ -538,13 +538,18 @@ class Trainer(Actor):
         """Write the policy where other tools load it if the task exports one (and a LoRA run's adapter), then the
         checkpoint, which a resume needs: written too when the export fails (a full disk; the failure is raised
         after it: one export failing at every save stopped every checkpoint)."""
+
+        def saved() -> str:
+            return checkpoint.save(self.config.run_dir, {**self._counters(), **self.learner.state()})
+
         try:
             self.task.export(self.learner.exported(), self.config.run_dir)
             if self.learner.adapter is not None and self.config.run_dir:
                 self.learner.adapter.save(os.path.join(self.config.run_dir, "adapter"))
-        finally:
-            path = checkpoint.save(self.config.run_dir, {**self._counters(), **self.learner.state()})
-        return path
+        except Exception as failed:
+            _saved_despite(failed, saved)
+            raise
+        return saved()
 
     def _counters(self) -> dict[str, Any]:
         """What a checkpoint keeps of the run's own count: its step, its policy's version, the duplicates dropped,
@@ -567,12 +572,14 @@ class Trainer(Actor):
         run_dir = self.config.run_dir
         self.learner.save_shards(folder)
         whole = self.learner.whole_policy_state()  # (every rank's collective: not skipped by a failing export)
+        small = {**self._counters(), **self.learner.small_state()}
+        state = {**small, checkpoint.SHARDS: os.path.basename(folder)}
         try:
             self.task.export(self.learner.whole_policy(whole), run_dir)
-        finally:  # (as :meth:`save`'s: written when the export fails too)
-            small = {**self._counters(), **self.learner.small_state()}
-            path = checkpoint.save(run_dir, {**small, checkpoint.SHARDS: os.path.basename(folder)})
-        return path
+        except Exception as failed:  # (as :meth:`save`'s: the checkpoint written all the same)
+            _saved_despite(failed, lambda: checkpoint.save(run_dir, state))
+            raise
+        return checkpoint.save(run_dir, state)
 
     async def _save(self) -> str:
         """Checkpoint where the run is, after sending every step's report (a resumed run's curve has no gap)."""
@@ -612,3 +619,12 @@ class Trainer(Actor):
         self.routes.close()
         if self.ref_publisher is not None:
             self.ref_publisher.close()
+
+
+def _saved_despite(failed: Exception, save: Callable[[], str]) -> None:
+    """Write the checkpoint of a save whose export failed with ``failed`` (which the caller raises next); a
+    checkpoint that fails too raises its own error, from the export's."""
+    try:
+        save()
+    except Exception as also:
+        raise also from failed

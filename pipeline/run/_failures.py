@@ -9,6 +9,7 @@ that raised) in one line, without the remote traceback.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 from typing import Any
 
 from actors import ActorError, PortClosed, PublisherDied
@@ -49,7 +50,7 @@ async def first_failure(tasks: dict[str, asyncio.Task[Any]], until: asyncio.Task
     while not until.done():
         watched = [until, *(task for task in tasks.values() if task not in finished)]
         done, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
-        for task in done:
+        for task in _causes_first(done):  # (a failure of its own first: a knock-on names its cause)
             if task is until:
                 continue
             finished.add(task)
@@ -65,11 +66,11 @@ async def first_failure(tasks: dict[str, asyncio.Task[Any]], until: asyncio.Task
         raise until.exception()  # type: ignore[misc]
     if until.exception() is not None:
         await asyncio.wait(list(tasks.values()), timeout=2.0, return_when=asyncio.FIRST_EXCEPTION)
-        for task in tasks.values():
+        for task in _causes_first(tasks.values()):
             if task.done():
                 _raise_if_failed(tasks, task)
         raise PipelineError(f"the trainer stopped reporting: {until.exception()}") from until.exception()
-    for task in tasks.values():  # a role that failed just as the run ended
+    for task in _causes_first(tasks.values()):  # a role that failed just as the run ended
         if task.done():
             _raise_if_failed(tasks, task)
 
@@ -83,6 +84,11 @@ async def _dead_role(tasks: dict[str, asyncio.Task[Any]]) -> asyncio.Task[Any] |
 #: Failures that only follow a peer's death: its port closed, (a generator's) its weight publisher exited, or
 #: (a rejoin's) the peer it called died.
 KNOCK_ON = (PortClosed, PublisherDied, PeerDied)
+
+
+def _causes_first(tasks: Iterable[asyncio.Task[Any]]) -> list[asyncio.Task[Any]]:
+    """``tasks``, those that failed only because a peer died last (their cause is named before them)."""
+    return sorted(tasks, key=lambda task: task.done() and _knock_on(task))
 
 
 def _knock_on(task: asyncio.Task[Any]) -> bool:

@@ -245,7 +245,10 @@ async def _leftovers(
     for rank, name in enumerate(names):
         if rank not in producing:
             tasks[name].cancel()
-            rollouts_in.send(None)  # (it sent nothing: its run was never called)
+            try:
+                rollouts_in.send(None)  # (it sent nothing: its run was never called)
+            except ActorsError as exc:  # (the scorer gone since training ended: its task says so below)
+                say(f"warning: ending generator {rank}'s stream failed after training ended: {exc}")
     # (a drain lands between rollouts: it answers once each generator's rollout in flight is done)
     draining = asyncio.ensure_future(
         _drained(gens, [rank for rank, name in enumerate(names) if rank in producing and not tasks[name].done()])
@@ -257,7 +260,10 @@ async def _leftovers(
         error = draining.exception()
         if not isinstance(error, ActorDied):  # (a dead generator: its run task says so below)
             say(f"warning: draining the generators failed after training ended (the run's result stands): {error}")
-    if all(task.done() and not task.cancelled() and task.exception() is None for task in pending[: len(names)]):
+    producers = [
+        task for rank, task in enumerate(pending[: len(names)]) if rank in producing
+    ]  # (not a cancelled rejoin)
+    if all(task.done() and not task.cancelled() and task.exception() is None for task in producers):
         await asyncio.wait(pending, timeout=LEFTOVER_GUARD)  # (else a stream never ends: nothing to wait for)
     outcomes: dict[str, int | None] = {}
     for role, task in zip(roles, pending, strict=True):
@@ -299,7 +305,12 @@ async def _stopping(
     then every report already received is written."""
     if trainer is not None and trained is not None and not trained.done():
         progress.done()
-        if consumer is not None and consumer.done() and not consumer.cancelled() and consumer.exception() is not None:
+        if (
+            consumer is not None
+            and consumer.done()
+            and not consumer.cancelled()
+            and isinstance(consumer.exception(), PipelineError)
+        ):
             # (its rows stopped at the failure: a checkpoint past them would leave steps with no row for good)
             print(
                 "stopping: no final checkpoint (the run's rows could not be written): the run folder keeps the "

@@ -144,13 +144,13 @@ class MetricsLog:
         run_dir: str,
         report_to: str = "tensorboard",
         config: dict[str, Any] | None = None,
-        stream: TextIO = sys.stderr,
+        stream: TextIO | None = None,
     ) -> None:
         self.path = os.path.join(run_dir, METRICS)
         self._file = open(self.path, "a", buffering=1)
         self._window = RateWindow()
         self._report_to = report_to
-        self._stream = stream
+        self._stream = stream  # (None: sys.stderr when it is said, whatever it is then)
         #: The tracker that failed, closed (whatever it raises) with the log.
         self._failed: Sink | None = None
         try:
@@ -173,7 +173,7 @@ class MetricsLog:
             print(
                 f"warning: --report-to {self._report_to} failed at step {report.step} ({type(exc).__name__}: {first});"
                 f" it gets no more rows, {METRICS} keeps every one",
-                file=self._stream,
+                file=self._stream or sys.stderr,
                 flush=True,
             )
         self.rows += 1

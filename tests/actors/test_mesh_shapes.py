@@ -75,6 +75,30 @@ def test_slices_take_any_integer_and_refuse_what_they_cannot_honour():
     assert values.slice(hosts=1, gpus=2).extent == {} and values.slice(hosts=1, gpus=2).item() == 5
 
 
+def test_split_and_rename_relabel_a_mesh_keeping_its_ranks_order_and_refuse_what_does_not_fit():
+    """Monarch's ``MeshTrait.split`` and ``rename`` (its examples' ``mesh.rename(host="dp", gpu="tp")``,
+    ``mesh.split(host=("dp", "pp"), pp=2)``): an ``AttributeError`` here before."""
+    values = ValueMesh({"hosts": 4, "gpus": 2}, list(range(8)))
+    split = values.split(hosts=("dp", "pp"), pp=2)
+    assert split.extent.labels == ["dp", "pp", "gpus"] and split.sizes == {"dp": 2, "pp": 2, "gpus": 2}
+    assert split.values() == list(range(8)) and split.item(dp=1, pp=0, gpus=1) == 5
+    assert values.split(hosts=("dp", "pp"), dp=1).sizes == {"dp": 1, "pp": 4, "gpus": 2}
+    assert values.rename(hosts="dp", gpus="tp").sizes == {"dp": 4, "tp": 2}
+    assert values.split(hosts=("a", "b"), gpus=("c", "d"), b=2, d=1).sizes == {"a": 2, "b": 2, "c": 2, "d": 1}
+    refused = {
+        "give the size of all but one": {"hosts": ("dp", "pp")},
+        "3 does not divide it": {"hosts": ("dp", "pp"), "pp": 3},
+        "multiply to 8": {"hosts": ("dp", "pp"), "dp": 2, "pp": 4},
+        "sizes given for no split's dimension": {"hosts": ("dp",), "pp": 2},
+        "appears twice": {"hosts": ("gpus",)},
+        "splits into a sequence of new names": {"hosts": "dp"},
+        "is no dimension of": {"pp": "two"},
+    }
+    for message, changes in refused.items():
+        with pytest.raises(ValueError, match=message):
+            values.split(**changes)
+
+
 def test_value_meshes_points_and_extents_travel():
     values = ValueMesh({"hosts": 1, "gpus": 2}, [{"a": 1}, None])
     encoder = Encoder()
@@ -99,7 +123,12 @@ async def test_an_actor_returns_another_meshs_results(spawn):
 async def test_actor_and_proc_meshes_give_their_shape_and_a_point_slice_has_none(spawn):
     procs: ProcMesh = spawn(hosts=1, gpus=2)
     assert procs.extent.labels == ["hosts", "gpus"] and procs.sizes == {"hosts": 1, "gpus": 2}
+    assert procs.rename(gpus="tp").sizes == {"hosts": 1, "tp": 2}
     echo = procs.spawn("echo", Echo)
+    split = echo.split(gpus=("dp", "tp"), tp=1)
+    assert split.sizes == {"hosts": 1, "dp": 2, "tp": 1}
+    assert await asyncio.wait_for(split.slice(dp=1).add.call_one(4), 30) == 4
+    assert (await asyncio.wait_for(echo.rename(gpus="tp").add.call(1), 30)).extent == {"hosts": 1, "tp": 2}
     assert echo.extent.labels == ["hosts", "gpus"] and echo.size("gpus") == 2 and echo.size() == 2
     one = echo.slice(hosts=0, gpus=1)
     assert one.extent == {} and one.size() == 1

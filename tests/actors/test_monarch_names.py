@@ -251,3 +251,36 @@ async def test_this_host_as_an_async_context_manager_stops_the_proc_meshes_spawn
     await other.stop()
     assert more.stopping and wait_for(lambda: not actor_pids() & set(more.pids), timeout=10)
     await other.shutdown()  # nothing left: returns at once
+
+
+async def test_a_host_mesh_shutdown_stops_every_mesh_though_one_stop_fails_and_holds_none_alive():
+    """One proc mesh's stop that raised left the others running; and the host mesh kept every mesh it spawned
+    alive (the runtime holds them weakly)."""
+    import gc
+
+    from actors._runtime._future import Future
+
+    class Stand:
+        """A proc mesh's stand-in: its stop fails or succeeds."""
+
+        def __init__(self, fails: bool) -> None:
+            self.fails, self.stopped = fails, False
+
+        def stop(self) -> Future[None]:
+            async def stopping() -> None:
+                self.stopped = True
+                if self.fails:
+                    raise RuntimeError("this stop failed")
+
+            return Future(stopping)
+
+    host = actors.HostMesh()
+    meshes = [Stand(True), Stand(False)]
+    for mesh in meshes:
+        host._spawned.add(mesh)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="this stop failed"):
+        await host.shutdown()
+    assert all(mesh.stopped for mesh in meshes)
+    host._spawned.add(Stand(False))  # type: ignore[arg-type]  # (dropped by the program at once)
+    gc.collect()
+    assert len(host._spawned) == 0

@@ -514,13 +514,21 @@ async def test_the_drain_once_training_ended_neither_drains_nor_waits_for_a_gene
         running.set_result(7)
 
     gens = SimpleNamespace(slice=lambda procs: SimpleNamespace(drain=SimpleNamespace(call_one=lambda: drain(procs))))
-    tasks = {"generator 0": rejoining, "generator 1": running}
-    names = ["generator 0", "generator 1"]
     ends: list[object] = []
     scorer_inlet = SimpleNamespace(send=ends.append)
+
+    async def scoring() -> int:  # the scorer: it ends once both streams have (generator 1's own, 0's sent for it)
+        await running
+        await asyncio.sleep(0.05)  # (its last rollouts take a moment: the launcher must wait for them)
+        return 3 if ends == [None] else -1
+
+    scorer = asyncio.ensure_future(scoring())
+    tasks = {"generator 0": rejoining, "generator 1": running, "scorer": scorer}
+    names = ["generator 0", "generator 1"]
     leftovers = _launcher._leftovers(gens, tasks, names, {1}, scorer_inlet)  # type: ignore[arg-type]
     assert await asyncio.wait_for(leftovers, 10) == [None, 7]
     assert drained == [1] and rejoining.cancelled() and ends == [None]
+    assert scorer.done() and not scorer.cancelled() and scorer.result() == 3, "the scorer's leftovers were waited for"
 
 
 async def test_generator_hooks_run_in_the_worker_and_their_errors_propagate(tmp_path, sockets_dir):
@@ -710,6 +718,40 @@ async def test_a_role_failing_because_a_peer_died_is_not_named_for_it():
     with pytest.raises(PipelineError, match="the generator 0 failed"):
         await asyncio.wait_for(_first_failure(lonely, until), 10)
     until.cancel()
+
+
+async def test_a_rejoin_that_failed_because_the_trainer_died_names_the_trainer_whichever_ends_first():
+    """A rejoin's call to the trainer fails as the trainer dies (``PeerDied``, a knock-on): the trainer is named,
+    whether the rejoin's failure is seen first, in the same pass as the trainer's, or after the report stream ended
+    (before, the pass went by the tasks' order: "the generator 0 failed")."""
+    from actors import ActorDied
+    from pipeline.run import first_failure as _first_failure
+    from pipeline.run._failures import PeerDied
+
+    async def rejoin() -> None:
+        raise PeerDied("the trainer died as generator 0 rejoined")
+
+    async def trainer(after: asyncio.Future[Any] | None) -> None:
+        if after is not None:
+            await asyncio.wait([after])
+        raise ActorDied("process 9 died: killed by SIGKILL", pid=9)
+
+    first = asyncio.ensure_future(rejoin())
+    orders = [
+        {"generator 0": first, "trainer": asyncio.ensure_future(trainer(first))},  # the rejoin's failure first
+        {"generator 0": asyncio.ensure_future(rejoin()), "trainer": asyncio.ensure_future(trainer(None))},  # together
+    ]
+    for tasks in orders:
+        until = asyncio.ensure_future(asyncio.Event().wait())
+        with pytest.raises(PipelineError, match="the trainer failed: process 9 died"):
+            await asyncio.wait_for(_first_failure(tasks, until), 10)
+        until.cancel()
+    ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    ended.set_exception(ConnectionError("the report stream ended"))  # (the run's watch ends before either is seen)
+    tasks = {"generator 0": asyncio.ensure_future(rejoin()), "trainer": asyncio.ensure_future(trainer(None))}
+    await asyncio.wait(list(tasks.values()))
+    with pytest.raises(PipelineError, match="the trainer failed: process 9 died"):
+        await asyncio.wait_for(_first_failure(tasks, ended), 10)  # type: ignore[arg-type]
 
 
 def _title(pid: int) -> str:

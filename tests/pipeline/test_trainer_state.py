@@ -94,3 +94,17 @@ def test_held_out_metrics_of_tensors_are_plain_floats_and_a_non_number_is_refuse
     monkeypatch.setattr(learner.task, "evaluate", lambda policy: [0.5])
     with pytest.raises(TypeError, match="must return a dict of metric name -> number, got list"):
         learner.evaluate(3)
+
+
+def test_a_checkpoint_that_fails_after_a_failed_export_raises_its_own_error_from_the_exports():
+    """A save whose export failed writes the checkpoint all the same; if that fails too (the same full disk), its
+    error is raised from the export's (before, a ``finally`` raised it with the export's only as its context)."""
+    from pipeline.roles._trainer import _saved_despite
+
+    export = OSError(28, "No space left on device (the export)")
+    with pytest.raises(OSError, match="the checkpoint") as raised:
+        _saved_despite(export, lambda: (_ for _ in ()).throw(OSError(28, "No space left on device (the checkpoint)")))
+    assert raised.value.__cause__ is export
+    written: list[str] = []
+    _saved_despite(export, lambda: written.append("checkpoint.pt") or "checkpoint.pt")  # (the caller raises next)
+    assert written == ["checkpoint.pt"]
