@@ -105,8 +105,9 @@ class CallDispatcher:
     async def _invoke(
         self, slot: ActorSlot, ep: Endpoint[Any, Any], args: list[Any], kwargs: dict[str, Any], inv: Invocation
     ) -> None:
-        port = ResponsePort[Any](self._rt, inv) if ep.explicit_response_port else None
+        port = ResponsePort[Any](self._rt, inv, self._reports, slot) if ep.explicit_response_port else None
         if port is not None:
+            slot.ports.add(port)
             args = [port, *args]
         try:
             if ep.is_async:

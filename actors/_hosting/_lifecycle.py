@@ -248,10 +248,22 @@ class Lifecycle:
             await self._cleanup(slot, exc, timeout)
         finally:
             try:
+                self._answer_kept_ports(slot)
                 while slot.children:  # newest first (as Monarch does when an owner stops)
                     await self._stop_child(slot.children.pop(), timeout, f"{shown(slot.name)}[{slot.rank}]")
             finally:
                 slot.close()
+
+    def _answer_kept_ports(self, slot: ActorSlot) -> None:
+        """Answer, with an error, each response port the stopped actor kept unanswered (its ``__cleanup__`` could
+        still answer): its callers hear now, not whenever the port is collected, if ever."""
+        for port in list(slot.ports):
+            if port.take_over():
+                record = slot.error or ErrorRecord(
+                    "SupervisionError",
+                    f"actor {shown(slot.name)!r} stopped before it answered through its response port",
+                )
+                self._reports.fail(slot, port.invocation, record, report=False)
 
     async def _cleanup(self, slot: ActorSlot, exc: BaseException | None, timeout: float) -> None:
         """Run ``__cleanup__(exc)``; what it raises is logged (its own CancelledError too: ``task.cancel();

@@ -19,7 +19,9 @@ from .._wire._records import ErrorRecord
 
 if TYPE_CHECKING:
     from .._runtime._core import Runtime
+    from ._failure_reports import FailureReports
     from ._invocation import Invocation
+    from ._slots import ActorSlot
 
 __all__ = ["ResponsePort"]
 
@@ -65,11 +67,14 @@ def _dropped(rt: Runtime, inv: Invocation, answer: _Answer) -> None:
 class ResponsePort(Generic[T]):
     """Answers one caller: ``send(value)`` or ``exception(exc)``, once."""
 
-    __slots__ = ("__weakref__", "_answer", "_inv", "_rt")
+    __slots__ = ("__weakref__", "_answer", "_inv", "_reports", "_rt", "_slot")
 
-    def __init__(self, rt: Runtime, inv: Invocation) -> None:
+    def __init__(self, rt: Runtime, inv: Invocation, reports: FailureReports, slot: ActorSlot) -> None:
         self._rt = rt
         self._inv = inv
+        #: Where an error nobody waits for goes (a fire-and-forget call's): the actor's supervisor.
+        self._reports = reports
+        self._slot = slot
         self._answer = _Answer()
         weakref.finalize(self, _dropped, rt, inv, self._answer)
 
@@ -83,13 +88,26 @@ class ResponsePort(Generic[T]):
         _deliver(self._rt, self._inv, True, value)
 
     def exception(self, exc: BaseException) -> None:
-        """Reply with an error: the caller's future raises :class:`~actors.ActorError` for ``exc``."""
+        """Reply with an error: the caller's future raises :class:`~actors.ActorError` for ``exc``. A
+        fire-and-forget call sent with no port has nobody waiting: the error is a failure of the call, logged and
+        reported to the actor's supervisor, as an endpoint's raised in such a call is (it was dropped silently)."""
         self._claim()
-        _deliver(self._rt, self._inv, False, ErrorRecord.of(exc))
+        record = ErrorRecord.of(exc)
+        call = self._inv.call
+        if call.call_id or call.port is not None:
+            _deliver(self._rt, self._inv, False, record)
+        else:
+            reports, slot, inv = self._reports, self._slot, self._inv
+            self._rt.driver.on_thread(lambda: reports.fail(slot, inv, record))
 
     def take_over(self) -> bool:
         """Claim the answer for the runtime (the endpoint raised); False if the endpoint already answered."""
         return self._answer.claim()
+
+    @property
+    def invocation(self) -> Invocation:
+        """The call this port answers."""
+        return self._inv
 
     def _claim(self) -> None:
         if not self._answer.claim():

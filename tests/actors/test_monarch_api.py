@@ -157,6 +157,19 @@ class HeldPort(Actor):
             self.report.send("sent")
 
 
+class AnswersAfterItsStop(Actor):
+    """Hands its response port to a task of its own that answers later than the actor's stop (a task the stop does
+    not know of: only the endpoint's own is cancelled)."""
+
+    @endpoint(explicit_response_port=True)
+    async def later_than_its_stop(self, port: Port[int]) -> None:
+        self.answering = asyncio.get_running_loop().create_task(self._answer(port))
+
+    async def _answer(self, port: Port[int]) -> None:
+        await asyncio.Event().wait()
+        port.send(1)
+
+
 class SyncReplies(Actor):
     @endpoint(explicit_response_port=True)
     def add(self, port: Port[int], a: int, b: int) -> None:
@@ -410,11 +423,39 @@ async def test_an_explicit_port_endpoint_sent_with_a_port_answers_an_error_there
         await asyncio.wait_for(answers.recv(), 20)
 
 
+async def test_port_exception_of_a_fire_and_forget_call_with_no_port_is_reported_not_dropped(procs: ProcMesh):
+    """``broadcast()`` to an explicit-port endpoint that answers ``port.exception(e)``: nobody waits, and the error
+    was dropped without a word (Monarch's port there raises). It is a failure of the call, reported to the actor's
+    supervisor as an endpoint's raised in a fire-and-forget call is."""
+    seen: asyncio.Queue[Failure] = asyncio.Queue()
+    procs.add_failure_handler(lambda failure: seen.put_nowait(failure) or True)
+    replies = procs.spawn("replies", Replies).slice(procs=0)
+    replies.refuse.broadcast()
+    failure = await asyncio.wait_for(seen.get(), 20)
+    assert (failure.endpoint, failure.exception_type) == ("refuse", "ValueError") and "no thanks" in str(failure)
+
+
 async def test_port_exception_reaches_the_caller_as_an_actor_error(procs: ProcMesh):
     replies = procs.spawn("replies", Replies).slice(procs=0)
     with pytest.raises(ActorError, match="no thanks"):
         await replies.refuse.call_one()
     assert await replies.later.call_one(1, 1) == 2  # the actor lives on
+
+
+async def test_a_port_kept_past_its_actors_stop_answers_its_caller_at_the_stop(procs: ProcMesh):
+    """The endpoint handed its port to a task of its own and returned; the actor is stopped: its caller waited until
+    the port was collected, if ever (the task held it). Unanswered ports are answered with an error at the stop."""
+    actor = procs.spawn("answers_late", AnswersAfterItsStop).slice(procs=0)
+    pending = actor.later_than_its_stop.call_one()  # (on the wire now: it runs before the stop, which follows it)
+
+    async def answered() -> int:
+        return await pending
+
+    call = asyncio.ensure_future(answered())
+    await actor.initialized
+    await asyncio.wait_for(actor.stop(), 30)
+    with pytest.raises(SupervisionError, match="stopped before it answered through its response port"):
+        await asyncio.wait_for(call, 20)
 
 
 async def test_a_dropped_port_answers_with_an_error_instead_of_hanging(procs: ProcMesh):
