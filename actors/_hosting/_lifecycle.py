@@ -132,7 +132,10 @@ class Lifecycle:
         return slot
 
     async def _cleanup_late(self, slot: ActorSlot) -> None:
-        """The stop of an actor stopped mid-construction ran without an instance: its ``__cleanup__`` runs now."""
+        """An actor stopped mid-construction: once its stop has ended, its ``__cleanup__`` runs, unless that stop
+        ran it (it reached the cleanup after the instance was there: once is all; before, both ran it)."""
+        if slot.stop_task is not None:
+            await asyncio.wait([slot.stop_task])
         try:
             await self._cleanup(slot, None, CLEANUP_TIMEOUT)
         finally:
@@ -173,7 +176,8 @@ class Lifecycle:
         slot = self._slots.get(actor)
         if slot is None:
             return
-        why = f"{type(slot.instance).__qualname__} {shown(actor)}[{slot.rank}] aborted: {reason}"
+        cls = type(slot.instance).__qualname__ if slot.instance is not None else slot.class_ref.partition(":")[2]
+        why = f"{cls} {shown(actor)}[{slot.rank}] aborted: {reason}"  # (its class still being built: its name)
         self.kill(slot, "abort", why, ErrorRecord("ActorAborted", why), SupervisionError(why))
 
     async def stop_actor(self, name: str, timeout: float = CLEANUP_TIMEOUT) -> None:
@@ -266,11 +270,12 @@ class Lifecycle:
                 self._reports.fail(slot, port.invocation, record, report=False)
 
     async def _cleanup(self, slot: ActorSlot, exc: BaseException | None, timeout: float) -> None:
-        """Run ``__cleanup__(exc)``; what it raises is logged (its own CancelledError too: ``task.cancel();
+        """Run ``__cleanup__(exc)``, once; what it raises is logged (its own CancelledError too: ``task.cancel();
         await task`` is a common cleanup), and the stop goes on."""
         cleanup = getattr(slot.instance, "__cleanup__", None)
-        if cleanup is None:
+        if cleanup is None or slot.cleaned:
             return
+        slot.cleaned = True
         token = actor_context.set(slot.context)
         try:
             if not inspect.iscoroutinefunction(cleanup):

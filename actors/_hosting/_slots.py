@@ -50,6 +50,9 @@ class ActorSlot:
     #: The response ports its explicit-port endpoints were given: those still unanswered when it stops are answered
     #: with an error then (a port an endpoint kept for later would otherwise answer only when collected).
     ports: weakref.WeakSet[ResponsePort[Any]] = field(default_factory=weakref.WeakSet)
+    #: Whether its ``__cleanup__`` was started: it runs once, whichever of its stop and the end of its
+    #: construction (a stop that came while a synchronous actor's constructor ran) reaches it first.
+    cleaned: bool = False
 
     @property
     def context(self) -> ActorContext:

@@ -415,3 +415,5 @@ async def test_the_workers_stop_waits_for_a_construction_only_up_to_the_cleanup_
     finally:
         gate.set()
         await asyncio.wait_for(spawning, 20)
+        # the construction's end starts its late cleanup (after the stop it waits for): let it run to its end
+        await asyncio.wait_for(life.stop_all(timeout=5), 20)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import operator
 import os
@@ -603,6 +604,41 @@ class Aborting(Actor):
     @endpoint
     def ping(self) -> str:
         return "pong"
+
+
+class AbortsAsItIsBuilt(Actor):
+    """A synchronous actor that aborts as the last line of its constructor; its ``__cleanup__`` notes each run."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        context().actor_instance.abort("at the end of its constructor")
+
+    @endpoint
+    def ping(self) -> str:
+        return "pong"
+
+    def __cleanup__(self, exc: BaseException | None) -> None:
+        with open(self.path, "a") as f:
+            f.write(f"{os.getpid()}\n")
+
+
+async def test_a_sync_actor_stopped_as_its_constructor_ends_is_cleaned_up_once(procs: ProcMesh, tmp_path):
+    """Its stop came while the constructor ran on the actor's thread: the end of construction ran ``__cleanup__``
+    (late, for a stop that found no instance) and so did the stop, which found the instance by then: twice."""
+    seen: list[Failure] = []
+    procs.add_failure_handler(lambda failure: seen.append(failure) or True)
+    path = tmp_path / "cleanups"
+    mesh = procs.spawn("aborts", AbortsAsItIsBuilt, str(path))  # (one actor in each of the mesh's processes)
+    with contextlib.suppress(actors.ActorsError):
+        await asyncio.wait_for(mesh.initialized, 30)
+    count = procs.size()
+    assert wait_for(lambda: path.exists() and len(path.read_text().split()) >= count, timeout=20), "no __cleanup__ ran"
+    await asyncio.wait_for(procs.stop(), 30)  # (their processes gone: no cleanup of them can run later)
+    cleaned = path.read_text().split()
+    assert sorted(cleaned) == sorted(set(cleaned)) and len(cleaned) == count, cleaned
+    assert seen and all("AbortsAsItIsBuilt aborts" in str(failure) for failure in seen), (
+        "its class named (not NoneType)"
+    )
 
 
 @pytest.mark.parametrize("reason", [None, "out of patience"])
