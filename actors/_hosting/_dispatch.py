@@ -107,7 +107,6 @@ class CallDispatcher:
     ) -> None:
         port = ResponsePort[Any](self._rt, inv, self._reports, slot) if ep.explicit_response_port else None
         if port is not None:
-            slot.ports.add(port)
             args = [port, *args]
         try:
             if ep.is_async:

@@ -124,7 +124,8 @@ class Lifecycle:
             self._start_stop(slot, exc, CLEANUP_TIMEOUT)  # what it spawned before it raised stops (no cleanup runs)
         else:
             inv.reply(self._rt, True, None)
-            if slot.stopping:  # stopped while its constructor ran (a sync actor's, on its thread): no cleanup ran
+            if slot.stopping:  # stopped while its constructor ran (a sync actor's, on its thread): the stop may have
+                # found no instance (it answered at once): cleaned up here, once that stop ends, unless it did
                 self._track_stop(self.loop.create_task(self._cleanup_late(slot)))
         finally:
             actor_context.reset(token)
@@ -132,8 +133,8 @@ class Lifecycle:
         return slot
 
     async def _cleanup_late(self, slot: ActorSlot) -> None:
-        """An actor stopped mid-construction: once its stop has ended, its ``__cleanup__`` runs, unless that stop
-        ran it (it reached the cleanup after the instance was there: once is all; before, both ran it)."""
+        """An actor stopped mid-construction: once its stop has ended, its ``__cleanup__`` runs, unless that stop ran
+        it (it reached the cleanup after the instance was there: once is all; before, both ran it)."""
         if slot.stop_task is not None:
             await asyncio.wait([slot.stop_task])
         try:
@@ -252,22 +253,10 @@ class Lifecycle:
             await self._cleanup(slot, exc, timeout)
         finally:
             try:
-                self._answer_kept_ports(slot)
                 while slot.children:  # newest first (as Monarch does when an owner stops)
                     await self._stop_child(slot.children.pop(), timeout, f"{shown(slot.name)}[{slot.rank}]")
             finally:
                 slot.close()
-
-    def _answer_kept_ports(self, slot: ActorSlot) -> None:
-        """Answer, with an error, each response port the stopped actor kept unanswered (its ``__cleanup__`` could
-        still answer): its callers hear now, not whenever the port is collected, if ever."""
-        for port in list(slot.ports):
-            if port.take_over():
-                record = slot.error or ErrorRecord(
-                    "SupervisionError",
-                    f"actor {shown(slot.name)!r} stopped before it answered through its response port",
-                )
-                self._reports.fail(slot, port.invocation, record, report=False)
 
     async def _cleanup(self, slot: ActorSlot, exc: BaseException | None, timeout: float) -> None:
         """Run ``__cleanup__(exc)``, once; what it raises is logged (its own CancelledError too: ``task.cancel();

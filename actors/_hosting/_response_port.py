@@ -72,9 +72,10 @@ class ResponsePort(Generic[T]):
     def __init__(self, rt: Runtime, inv: Invocation, reports: FailureReports, slot: ActorSlot) -> None:
         self._rt = rt
         self._inv = inv
-        #: Where an error nobody waits for goes (a fire-and-forget call's): the actor's supervisor.
+        #: Where an error nobody waits for goes (a fire-and-forget call's): the actor's supervisor. (Its slot weakly:
+        #: a port the actor keeps must not keep the stopped actor's instance alive through it.)
         self._reports = reports
-        self._slot = slot
+        self._slot = weakref.ref(slot)
         self._answer = _Answer()
         weakref.finalize(self, _dropped, rt, inv, self._answer)
 
@@ -98,16 +99,11 @@ class ResponsePort(Generic[T]):
             _deliver(self._rt, self._inv, False, record)
         else:
             reports, slot, inv = self._reports, self._slot, self._inv
-            self._rt.driver.on_thread(lambda: reports.fail(slot, inv, record))
+            self._rt.driver.on_thread(lambda: reports.fail(slot(), inv, record))
 
     def take_over(self) -> bool:
         """Claim the answer for the runtime (the endpoint raised); False if the endpoint already answered."""
         return self._answer.claim()
-
-    @property
-    def invocation(self) -> Invocation:
-        """The call this port answers."""
-        return self._inv
 
     def _claim(self) -> None:
         if not self._answer.claim():

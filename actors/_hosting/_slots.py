@@ -5,11 +5,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextvars
-import weakref
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .._runtime._actor_host import Stoppable
 from .._runtime._context import ActorContext
@@ -18,9 +17,6 @@ from .._shared._names import shown
 from .._wire._records import Call, ErrorRecord
 from ._actor import Endpoint
 from ._invocation import Invocation
-
-if TYPE_CHECKING:
-    from ._response_port import ResponsePort
 
 __all__ = ["ActorSlot", "SlotTable"]
 
@@ -47,9 +43,6 @@ class ActorSlot:
     children: list[Stoppable] = field(default_factory=list)
     #: A synchronous actor's own thread: its ``def`` endpoints run there, one message at a time.
     thread: ThreadPoolExecutor | None = None
-    #: The response ports its explicit-port endpoints were given: those still unanswered when it stops are answered
-    #: with an error then (a port an endpoint kept for later would otherwise answer only when collected).
-    ports: weakref.WeakSet[ResponsePort[Any]] = field(default_factory=weakref.WeakSet)
     #: Whether its ``__cleanup__`` was started: it runs once, whichever of its stop and the end of its
     #: construction (a stop that came while a synchronous actor's constructor ran) reaches it first.
     cleaned: bool = False

@@ -22,11 +22,13 @@ def recorded_dtype(config: Any) -> torch.dtype | None:
 
 def cast_state(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """``model``'s state with its floating-point tensors as ``dtype`` copies in host memory; tied tensors (an
-    embedding and its head) stay one tensor, which the save writes once."""
+    embedding and its head) stay one tensor, which the save writes once. The modules a transformers model keeps in
+    float32 (``_keep_in_fp32_modules``, as its loader does) keep their tensors as they are."""
+    keep = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
     copies: dict[tuple[Any, ...], torch.Tensor] = {}
     state: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():
-        if not tensor.is_floating_point():
+        if not tensor.is_floating_point() or any(part in keep for part in name.split(".")):
             state[name] = tensor
             continue
         key = (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
@@ -42,12 +44,19 @@ def record_dtype(config_json: str, dtype: torch.dtype) -> None:
     file has that key too), rewritten whole before the folder is put in place."""
     with open(config_json) as f:
         config = json.load(f)
-    name = str(dtype).removeprefix("torch.")
-    config["dtype"] = name
-    if "torch_dtype" in config:
-        config["torch_dtype"] = name
+    _say_dtype(config, str(dtype).removeprefix("torch."))
     staging = f"{config_json}.new"
     with open(staging, "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
         f.write("\n")
     os.replace(staging, config_json)
+
+
+def _say_dtype(config: dict[str, Any], name: str) -> None:
+    """Set ``config``'s dtype to ``name``, and that of each sub-config that records one (``text_config``, ...)."""
+    config["dtype"] = name
+    if "torch_dtype" in config:
+        config["torch_dtype"] = name
+    for value in config.values():
+        if isinstance(value, dict) and ("dtype" in value or "torch_dtype" in value):
+            _say_dtype(value, name)

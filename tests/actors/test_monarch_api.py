@@ -158,19 +158,6 @@ class HeldPort(Actor):
             self.report.send("sent")
 
 
-class AnswersAfterItsStop(Actor):
-    """Hands its response port to a task of its own that answers later than the actor's stop (a task the stop does
-    not know of: only the endpoint's own is cancelled)."""
-
-    @endpoint(explicit_response_port=True)
-    async def later_than_its_stop(self, port: Port[int]) -> None:
-        self.answering = asyncio.get_running_loop().create_task(self._answer(port))
-
-    async def _answer(self, port: Port[int]) -> None:
-        await asyncio.Event().wait()
-        port.send(1)
-
-
 class SyncReplies(Actor):
     @endpoint(explicit_response_port=True)
     def add(self, port: Port[int], a: int, b: int) -> None:
@@ -441,22 +428,6 @@ async def test_port_exception_reaches_the_caller_as_an_actor_error(procs: ProcMe
     with pytest.raises(ActorError, match="no thanks"):
         await replies.refuse.call_one()
     assert await replies.later.call_one(1, 1) == 2  # the actor lives on
-
-
-async def test_a_port_kept_past_its_actors_stop_answers_its_caller_at_the_stop(procs: ProcMesh):
-    """The endpoint handed its port to a task of its own and returned; the actor is stopped: its caller waited until
-    the port was collected, if ever (the task held it). Unanswered ports are answered with an error at the stop."""
-    actor = procs.spawn("answers_late", AnswersAfterItsStop).slice(procs=0)
-    pending = actor.later_than_its_stop.call_one()  # (on the wire now: it runs before the stop, which follows it)
-
-    async def answered() -> int:
-        return await pending
-
-    call = asyncio.ensure_future(answered())
-    await actor.initialized
-    await asyncio.wait_for(actor.stop(), 30)
-    with pytest.raises(SupervisionError, match="stopped before it answered through its response port"):
-        await asyncio.wait_for(call, 20)
 
 
 async def test_a_dropped_port_answers_with_an_error_instead_of_hanging(procs: ProcMesh):
