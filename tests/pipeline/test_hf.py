@@ -1811,3 +1811,24 @@ def test_the_export_dtype_is_refused_outside_its_choices_and_for_a_task_without_
         check_settings(Config(task="hf", export_dtype="int8"))
     with pytest.raises(SettingsError, match="--export-dtype with --task bandit"):
         check_task_settings(resolve(Config(task="bandit", export_dtype="bfloat16")))
+
+
+def test_the_export_casts_all_but_the_modules_kept_in_float32_and_says_its_dtype_in_every_nested_config(tmp_path):
+    """As transformers' loader keeps ``_keep_in_fp32_modules`` in float32, the export does; and a config with
+    sub-configs (a ``text_config``) says the dtype there too, not only at its top level."""
+    from pipeline.models import cast_state, record_dtype
+
+    model = tiny_qwen2()
+    model._keep_in_fp32_modules = ["norm"]  # (the final norm: model.norm.weight)
+    state = cast_state(model, torch.bfloat16)
+    assert state["model.norm.weight"].dtype == torch.float32
+    assert state["model.layers.0.input_layernorm.weight"].dtype == torch.bfloat16, "a name part matches, not a prefix"
+    assert state["lm_head.weight"] is state["model.embed_tokens.weight"], "the tied head stays one tensor"
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"dtype": "float32", "text_config": {"torch_dtype": "float32", "x": 1}, "y": {"z": 2}}))
+    record_dtype(str(path), torch.bfloat16)
+    assert json.loads(path.read_text()) == {
+        "dtype": "bfloat16",
+        "text_config": {"dtype": "bfloat16", "torch_dtype": "bfloat16", "x": 1},
+        "y": {"z": 2},
+    }
