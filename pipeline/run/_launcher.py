@@ -518,7 +518,7 @@ async def run_pipeline(
         summary = await tasks["trainer"]
         seconds = time.perf_counter() - training_started
         progress.done()
-        rejoins.training_over = True
+        rejoins.end_training()
         stop_started = time.perf_counter()
         try:
             produced = await _leftovers(gens, tasks, generator_names, rejoins.producing, rollouts_in)

@@ -41,8 +41,12 @@ class Rejoins:
         self.producing = set(range(len(names)))
         #: Times each generator was restarted, by name.
         self.restarts: dict[str, int] = {}
-        #: Set once training ended: a generator that dies then is only stopped (its leftovers are not needed).
+        #: Set once training ended (:meth:`end_training`): a generator that dies then is only stopped.
         self.training_over = False
+
+    def end_training(self) -> None:
+        """Training is over: a generator that dies from now on is not rejoined (its leftovers are not needed)."""
+        self.training_over = True
 
     def on_failure(self, failure: Failure) -> bool:
         """The generators' failure handler: True when the failure is handled (a restart being rejoined)."""

@@ -49,8 +49,8 @@ def test_names_not_offered_raise_at_use_with_the_reason(use, what):
         use()
 
 
-def test_returns_future_serves_both_kinds_of_caller():
-    calls = []
+def _doubling(calls: list[int]) -> Any:
+    """A ``@returns_future`` function that doubles its argument, noting each run of its body in ``calls``."""
 
     @actors.returns_future
     async def double(x: int) -> int:
@@ -58,6 +58,12 @@ def test_returns_future_serves_both_kinds_of_caller():
         await asyncio.sleep(0)
         return 2 * x
 
+    return double
+
+
+def test_returns_future_serves_both_kinds_of_caller():
+    calls: list[int] = []
+    double = _doubling(calls)
     pending = double(4)
     assert calls == [], "calling does not start the body"
     assert pending.get(timeout=5) == 8
@@ -73,15 +79,8 @@ def test_returns_future_serves_both_kinds_of_caller():
 def test_as_asyncio_is_an_asyncio_future_of_the_work_run_once_and_refused_off_a_loop():
     """Monarch's ``Future.as_asyncio()`` (its guide awaits ``call_one(...).as_asyncio()``): an ``AttributeError``
     here before. Observing never consumes the future: each ``as_asyncio()`` and ``await`` sees the one run."""
-    calls = []
-
-    @actors.returns_future
-    async def double(x: int) -> int:
-        calls.append(x)
-        await asyncio.sleep(0)
-        return 2 * x
-
-    pending = double(4)
+    calls: list[int] = []
+    pending = _doubling(calls)(4)
     with pytest.raises(RuntimeError, match=r"as_asyncio\(\) needs a running asyncio event loop"):
         pending.as_asyncio()
     assert calls == [], "nothing started off the loop"

@@ -44,7 +44,7 @@ async def test_a_generator_dying_once_training_ended_is_not_rejoined_and_one_out
     notes: list[str] = []
     rejoins = _rejoins(tasks, notes)
     assert not rejoins.on_failure(SimpleNamespace(rank=0, pid=11, restarted=False, message="killed"))  # type: ignore[arg-type]
-    rejoins.training_over = True
+    rejoins.end_training()
     assert rejoins.on_failure(SimpleNamespace(rank=0, pid=11, restarted=True, message="killed"))  # type: ignore[arg-type]
     assert tasks == {"generator 0": running} and rejoins.restarts == {} and rejoins.producing == {0}
     assert notes == ["generator 0 died after training ended (pid 11)"]
