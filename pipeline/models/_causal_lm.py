@@ -370,5 +370,6 @@ def _body_and_head(model: torch.nn.Module) -> Split | None:
 
 
 def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message (a library's error in one line), or its type's name if it has none."""
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 import torch
@@ -40,16 +39,14 @@ def cast_state(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Te
 
 
 def record_dtype(config_json: str, dtype: torch.dtype) -> None:
-    """Say ``dtype`` in a saved folder's ``config.json`` (where readers look: ``dtype``, and ``torch_dtype`` if the
-    file has that key too), rewritten whole before the folder is put in place."""
+    """Say ``dtype`` in a staged folder's ``config.json`` (where readers look: ``dtype``, and ``torch_dtype`` if the
+    file has that key too), before the folder is put in place whole (so the file is written as it is)."""
     with open(config_json) as f:
         config = json.load(f)
     _say_dtype(config, str(dtype).removeprefix("torch."))
-    staging = f"{config_json}.new"
-    with open(staging, "w") as f:
+    with open(config_json, "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
         f.write("\n")
-    os.replace(staging, config_json)
 
 
 def _say_dtype(config: dict[str, Any], name: str) -> None:

@@ -19,7 +19,7 @@ import time
 from collections import deque
 from typing import Any, TextIO
 
-from ..models import process_tag
+from ..models import first_line, process_tag
 from ..roles import StepReport
 from ..tasks import REWARD_STATISTICS
 from ._sinks import NoTracker, Sink, open_sink
@@ -169,9 +169,9 @@ class MetricsLog:
             self._sink.write(row)
         except Exception as exc:
             self._failed, self._sink = self._sink, NoTracker()
-            first = (str(exc).strip().splitlines() or [""])[0]
             print(
-                f"warning: --report-to {self._report_to} failed at step {report.step} ({type(exc).__name__}: {first});"
+                f"warning: --report-to {self._report_to} failed at step {report.step} "
+                f"({type(exc).__name__}: {first_line(exc)});"
                 f" it gets no more rows, {METRICS} keeps every one",
                 file=self._stream or sys.stderr,
                 flush=True,

@@ -15,6 +15,7 @@ import secrets
 from typing import Any, Protocol
 
 from ..config import REPORT_TO
+from ..models import first_line
 
 __all__ = [
     "CompletionsFeed",
@@ -192,8 +193,9 @@ class WandbSink:
                 resume="allow",
             )
         except Exception as exc:  # the library's own errors (login, network, settings): one line, naming the flag
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise TrackerError(f"--report-to wandb: its run could not start ({type(exc).__name__}: {first})") from None
+            raise TrackerError(
+                f"--report-to wandb: its run could not start ({type(exc).__name__}: {first_line(exc)})"
+            ) from None
 
     def write(self, row: dict[str, Any]) -> None:
         if self._pace.due(row):

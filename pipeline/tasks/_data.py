@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from ..models import first_line
+
 __all__ = ["DataError", "PromptData", "PromptRoom", "load_rows", "split_held_out"]
 
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -62,8 +64,7 @@ def load_rows(source: str, split: str = "train", flag: str = "--dataset", subset
     except DataError:
         raise
     except Exception as exc:  # the library's own errors: one line, naming the flag
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise DataError(f"{flag} {source}: cannot be loaded ({first})") from None
+        raise DataError(f"{flag} {source}: cannot be loaded ({first_line(exc)})") from None
 
 
 @contextlib.contextmanager

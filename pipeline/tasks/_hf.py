@@ -107,9 +107,14 @@ class HFTask(Task):
         return load_tokenizer(self.config.model, self.config.trust_remote_code)
 
     @cached_property
+    def model_config(self) -> Any:
+        """``--model``'s config, read once (and checked to describe a causal language model)."""
+        return check_model(self.config.model, self.config.trust_remote_code)
+
+    @cached_property
     def prompt_room(self) -> PromptRoom | None:
         """How long a prompt may be: the model's positions less ``--max-new-tokens`` (None where it does not say)."""
-        positions = position_limit(check_model(self.config.model, self.config.trust_remote_code))
+        positions = position_limit(self.model_config)
         return PromptRoom(positions, self.max_new_tokens) if positions is not None else None
 
     @cached_property
@@ -177,7 +182,7 @@ class HFTask(Task):
 
     def check(self) -> None:
         """Load everything a role will need (model config, tokenizer, both prompt sets, rewards): fail before starting."""
-        check_model(self.config.model, self.config.trust_remote_code)
+        self.model_config  # noqa: B018  (read: a model that is no causal LM is refused here)
         self.train_data.prompt_ids(self.train_data.indices[0])
         self.eval_data.prompt_ids(self.eval_data.indices[0])
         self.rewards.check_chat(self.train_data.chat or self.eval_data.chat)  # imported and signature-checked too
@@ -473,7 +478,7 @@ class HFTask(Task):
         vLLM's ``dtype="auto"`` as float16, whose range a bfloat16 model may exceed), else float32."""
         if self.config.export_dtype != "auto":
             return getattr(torch, self.config.export_dtype)  # type: ignore[no-any-return]
-        recorded = recorded_dtype(check_model(self.config.model, self.config.trust_remote_code))
+        recorded = recorded_dtype(self.model_config)
         return recorded if recorded in (torch.bfloat16, torch.float16) else torch.float32
 
     def export(self, policy: torch.nn.Module, run_dir: str) -> str | None:
